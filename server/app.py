@@ -1,0 +1,242 @@
+"""The HTTP API (FastAPI): thin routes over the round engine; every refusal is JSON `{error, detail, fix}`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Path, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import edgepfl
+from edgepfl.errors import EdgePFLError
+from edgepfl.protocol import API_PREFIX, EvalMetrics
+from edgepfl.server.engine import RoundEngine
+from edgepfl.server.errors import ApiError
+from edgepfl.server.page import render_page, render_plot
+
+log = logging.getLogger("edgepfl.server")
+
+MAX_JSON_BYTES = 64 * 1024
+MAX_ROUND_ID = 2**31 - 1
+SAFETENSORS = "application/octet-stream"
+
+RoundId = Annotated[int, Path(ge=1, le=MAX_ROUND_ID, description="round id")]
+
+_EVAL_METRICS = TypeAdapter(EvalMetrics)
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {"error": {"type": "string"}, "detail": {"type": "string"}, "fix": {"type": "string"}},
+    "required": ["error", "detail", "fix"],
+}
+_ERRORS = {
+    code: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for code, text in {
+        401: "missing or invalid token",
+        403: "not sampled",
+        404: "no such round",
+        409: "round closed, deadline passed, duplicate or layout mismatch",
+    }.items()
+}
+
+
+_BEARER = HTTPBearer(auto_error=False, description="per-device token from `edgepfl serve tokens add NAME`")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
+
+
+def _device(request: Request, credentials: Credentials) -> str:
+    engine: RoundEngine = request.app.state.engine
+    return engine.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
+
+
+def _viewer(request: Request, credentials: Credentials) -> None:
+    if not request.app.state.engine.config.public_status:
+        _device(request, credentials)
+
+
+Device = Annotated[str, Depends(_device)]
+Viewer = Depends(_viewer)
+
+
+def create_app(engine: RoundEngine) -> FastAPI:
+    """The ASGI app for one engine; its lifespan runs the engine's round loop in a thread."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        worker = threading.Thread(target=engine.run, args=(stop,), name="edgepfl-rounds", daemon=True)
+        worker.start()
+        yield
+        stop.set()
+        worker.join(timeout=10)
+
+    app = FastAPI(
+        title="edgepfl server",
+        version=edgepfl.__version__,
+        description="Aggregates the base tensors of personalized federated learning rounds (FedPer).",
+        lifespan=lifespan,
+    )
+    upload_slots = asyncio.Semaphore(engine.config.upload_slots)
+    app.state.engine = engine
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in error.errors())
+        return JSONResponse({"error": "invalid_request", "detail": detail[:500], "fix": "see /openapi.json"}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        name = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        return JSONResponse(
+            {"error": name, "detail": str(error.detail), "fix": "see /openapi.json"},
+            error.status_code,
+            headers=getattr(error, "headers", None),
+        )
+
+    @app.exception_handler(EdgePFLError)
+    async def _server_side(_: Request, error: EdgePFLError) -> JSONResponse:
+        log.error("request failed on the server side: %s", error)
+        return JSONResponse({"error": "server_error", "detail": error.problem, "fix": error.fix}, 500)
+
+    @app.get(f"{API_PREFIX}/task", responses={401: _ERRORS[401]})
+    def get_task(name: Device) -> JSONResponse:
+        """What this device should do now: train in a round, wait (retry_after), or stop (done)."""
+        task = engine.task(name)
+        headers = {"Retry-After": str(max(1, round(task.retry_after)))} if task.retry_after is not None else None
+        return JSONResponse(task.to_json(), headers=headers)
+
+    @app.get(
+        f"{API_PREFIX}/rounds/{{round_id}}/base",
+        response_class=Response,
+        responses={
+            200: {"content": {SAFETENSORS: {}}},
+            304: {"description": "not modified"},
+            **{code: _ERRORS[code] for code in (401, 403, 404)},
+        },
+    )
+    def get_base(round_id: RoundId, name: Device, request: Request) -> Response:
+        """The base tensors this device trains from in round `round_id` (safetensors; ETag = sha256)."""
+        payload, sha = engine.base_for(name, round_id)
+        return _tensor_response(payload, sha, request)
+
+    @app.get(
+        f"{API_PREFIX}/rounds/{{round_id}}/result",
+        response_class=Response,
+        responses={200: {"content": {SAFETENSORS: {}}}, **{code: _ERRORS[code] for code in (401, 404, 409)}},
+    )
+    def get_result(round_id: RoundId, name: Device, request: Request) -> Response:
+        """The aggregated base a closed round produced (safetensors; ETag = sha256)."""
+        payload, sha = engine.result_of(round_id)
+        return _tensor_response(payload, sha, request)
+
+    @app.post(
+        f"{API_PREFIX}/rounds/{{round_id}}/update",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
+            }
+        },
+        responses={
+            400: {"description": "malformed safetensors"},
+            413: {"description": "body too large"},
+            422: {"description": "bad metadata or tensors"},
+            **_ERRORS,
+        },
+    )
+    async def post_update(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
+        """Upload this device's new base tensors; UploadMeta travels in the safetensors `__metadata__`."""
+        cap = engine.config.max_upload_bytes
+        _check_declared_length(request, cap)
+        await run_in_threadpool(engine.check_upload_allowed, name, round_id)
+        async with upload_slots:  # bodies wait in the socket, so memory is O(slots x model)
+            payload = await _read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}")
+            receipt = await run_in_threadpool(engine.accept_update, name, round_id, payload)
+        return JSONResponse(receipt)
+
+    @app.post(
+        f"{API_PREFIX}/rounds/{{round_id}}/metrics",
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _EVAL_METRICS.json_schema()}}}
+        },
+        responses={413: {"description": "body too large"}, 422: {"description": "bad metrics"}, **_ERRORS},
+    )
+    async def post_metrics(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
+        """Report the evaluation of this device's personalized model after round `round_id`."""
+        _check_declared_length(request, MAX_JSON_BYTES)
+        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
+        try:
+            metrics = _EVAL_METRICS.validate_python(json.loads(body))
+        except (ValueError, ValidationError) as error:
+            raise ApiError(
+                422,
+                "bad_metrics",
+                f"the metrics body is not EvalMetrics JSON ({str(error)[:200]})",
+                'send {"accuracy": 0.9, "num_samples": 100, "loss": 0.3}',
+            ) from None
+        return JSONResponse(await run_in_threadpool(engine.accept_metrics, name, round_id, metrics))
+
+    @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})
+    def get_status() -> dict[str, Any]:
+        """Rounds so far, their upload counts, accuracies and timings (no device names, no tensors)."""
+        return engine.status()
+
+    @app.get("/", response_class=HTMLResponse, dependencies=[Viewer], responses={401: _ERRORS[401]})
+    def get_page() -> HTMLResponse:
+        """A small self-contained HTML page: the rounds so far and a plot of device accuracy."""
+        return HTMLResponse(render_page(engine.status()))
+
+    @app.get(
+        "/plot.png",
+        response_class=Response,
+        dependencies=[Viewer],
+        responses={200: {"content": {"image/png": {}}}, 401: _ERRORS[401]},
+    )
+    def get_plot() -> Response:
+        """Mean/min/max device accuracy per round (PNG, rendered on the server)."""
+        return Response(render_plot(engine.status()), media_type="image/png")
+
+    return app
+
+
+def _tensor_response(payload: bytes, sha: str, request: Request) -> Response:
+    etag = f'"{sha}"'
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(payload, media_type=SAFETENSORS, headers={"ETag": etag})
+
+
+def _check_declared_length(request: Request, cap: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise ApiError(
+            413,
+            "too_large",
+            f"the body is {int(declared)} bytes, over the limit of {cap}",
+            "send a smaller body or raise the server's --max-upload-mb",
+        )
+
+
+async def _read_capped(request: Request, cap: int, limit: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ApiError(413, "too_large", f"the body exceeds {limit}", "send a smaller body or raise the limit")
+        chunks.append(chunk)
+    return b"".join(chunks)

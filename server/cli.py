@@ -1,0 +1,185 @@
+"""`edgepfl serve`: run the aggregation server, and enroll devices (`edgepfl serve tokens add NAME`).
+
+Only typer and the standard library are imported here; the web stack loads when the server starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+serve_app = typer.Typer(
+    help="Run the aggregation server (base tensors only) or manage device tokens.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+tokens_app = typer.Typer(help="Issue and list per-device bearer tokens.", add_completion=False)
+serve_app.add_typer(tokens_app, name="tokens")
+
+DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@serve_app.callback(invoke_without_command=True)
+def serve(
+    ctx: typer.Context,
+    bundle: Annotated[Path | None, typer.Option(help="bundle folder written by `edgepfl export`")] = None,
+    state: Annotated[Path | None, typer.Option(help="state folder (SQLite + blobs); reuse it to resume")] = None,
+    strategy: Annotated[str, typer.Option(help="fedper | fedavg | median | trimmed-mean")] = "fedper",
+    rounds: Annotated[int, typer.Option(help="rounds to aggregate, then tell devices 'done'")] = 100,
+    min_clients: Annotated[
+        int, typer.Option(help="devices needed to open a round and to close it at its deadline")
+    ] = 2,
+    fraction: Annotated[float, typer.Option(help="fraction of available devices sampled per round")] = 1.0,
+    round_timeout: Annotated[float, typer.Option(help="seconds from a round's opening to its deadline")] = 600.0,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8080,
+    tls_cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM); with --tls-key serves HTTPS")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+    max_upload_mb: Annotated[float, typer.Option(help="largest accepted upload body")] = 64.0,
+    max_samples: Annotated[int, typer.Option(help="largest sample count an upload may claim")] = 10_000_000,
+    seed: Annotated[int, typer.Option(help="seed of device sampling")] = 0,
+    share_bn_stats: Annotated[
+        bool, typer.Option("--share-bn-stats", help="average base-block BatchNorm statistics too")
+    ] = False,
+    init: Annotated[
+        Path | None, typer.Option(help="initial tensors (default: BUNDLE/portable/initial.safetensors)")
+    ] = None,
+    epochs: Annotated[int, typer.Option(help="local epochs per round")] = 1,
+    batch_size: Annotated[int, typer.Option(help="local batch size")] = 32,
+    lr: Annotated[float, typer.Option(help="local learning rate")] = 0.01,
+    algorithm: Annotated[str, typer.Option(help="device algorithm: fedsim | fedalt | local")] = "fedsim",
+    finetune_epochs: Annotated[int, typer.Option(help="personal fine-tuning epochs (base frozen) per round")] = 0,
+    personal_epochs: Annotated[int, typer.Option(help="fedalt: personal-phase epochs")] = 1,
+    trim_fraction: Annotated[float, typer.Option(help="trimmed-mean: fraction cut from each end")] = 0.1,
+    poll_interval: Annotated[float, typer.Option(help="retry_after told to waiting devices (seconds)")] = 5.0,
+    available_for: Annotated[float, typer.Option(help="a device is available this long after it polls (s)")] = 60.0,
+    upload_slots: Annotated[int, typer.Option(help="uploads checked at once (bounds memory)")] = 4,
+    public_status: Annotated[
+        bool, typer.Option("--public-status", help="/, /plot.png, /v1/status need no token")
+    ] = False,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+) -> None:
+    """Run the aggregation server: rounds over base tensors only, durable in --state."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, UsageError
+
+    try:
+        if bundle is None or state is None:
+            raise UsageError("serve needs --bundle and --state", "edgepfl serve --bundle DIR --state DIR")
+        from edgepfl.protocol import RoundSettings
+        from edgepfl.server.config import ServerConfig, StrategyOptions
+
+        settings = RoundSettings(
+            algorithm=algorithm,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            finetune_epochs=finetune_epochs,
+            personal_epochs=personal_epochs,
+            share_buffers=share_bn_stats,
+        )
+        config = ServerConfig(
+            bundle=bundle,
+            state=state,
+            strategy=strategy,
+            rounds=rounds,
+            min_clients=min_clients,
+            fraction=fraction,
+            round_timeout=round_timeout,
+            max_upload_mb=max_upload_mb,
+            max_samples=max_samples,
+            seed=seed,
+            share_buffers=share_bn_stats,
+            init=init,
+            poll_interval=poll_interval,
+            available_for=available_for,
+            upload_slots=upload_slots,
+            public_status=public_status,
+            strategy_options=StrategyOptions(settings=settings, trim_fraction=trim_fraction),
+        )
+        config.check()
+        if (tls_cert is None) != (tls_key is None):
+            raise UsageError("--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP")
+        for path in (tls_cert, tls_key):
+            if path is not None and not path.is_file():
+                raise UsageError(f"{path} does not exist", "pass a PEM file")
+        if not 0 <= port <= 65535:
+            raise UsageError(f"--port {port} is not a port", "use 1..65535")
+        try:
+            import uvicorn
+
+            from edgepfl.server.app import create_app
+            from edgepfl.server.engine import create_engine
+        except ImportError as exc:
+            raise UsageError(
+                f"serve needs the web stack ({exc.name} is missing)", "pip install 'edgepfl[server]'"
+            ) from None
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        engine = create_engine(config)
+    except EdgePFLError as error:
+        fail(error)
+        return
+    scheme = "https" if tls_cert else "http"
+    typer.echo(
+        f"edgepfl serve: {config.strategy}, {config.rounds} rounds, state {config.state}, {scheme}://{host}:{port}"
+    )
+    uvicorn.run(
+        create_app(engine),
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        workers=1,
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
+    )
+    engine.store.close()
+
+
+@tokens_app.command("add")
+def tokens_add(
+    name: Annotated[str, typer.Argument(help="device name (letters, digits, . _ -)")],
+    state: Annotated[Path, typer.Option(help="the server's state folder")],
+    replace: Annotated[bool, typer.Option("--replace", help="issue a new token for an enrolled device")] = False,
+) -> None:
+    """Enroll a device and print its bearer token once (only a hash of it is stored)."""
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, UsageError
+    from edgepfl.server.store import Store, hash_token
+
+    try:
+        if not DEVICE_NAME.fullmatch(name):
+            raise UsageError(f"device name {name!r} is not allowed", "use 1-64 letters, digits, '.', '_' or '-'")
+        token = secrets.token_urlsafe(32)
+        store = Store(state)
+        store.add_device(name, hash_token(token), time.time(), replace=replace)
+        store.close()
+    except EdgePFLError as error:
+        fail(error)
+        return
+    typer.echo(token)
+
+
+@tokens_app.command("list")
+def tokens_list(state: Annotated[Path, typer.Option(help="the server's state folder")]) -> None:
+    """List enrolled devices (names and enrollment time; tokens are never shown again)."""
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError
+    from edgepfl.server.store import Store
+
+    try:
+        store = Store(state)
+        devices = store.devices()
+        store.close()
+    except EdgePFLError as error:
+        fail(error)
+        return
+    for device in devices:
+        typer.echo(f"{device.name}\t{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(device.created))}")

@@ -1,0 +1,565 @@
+"""The round engine: sampling, deadlines, opening and closing rounds, and what is stored when.
+
+One engine per state folder and per process. Rounds follow one life:
+
+- A round opens when no round is open and at least `min_clients` devices have polled `/v1/task`
+  within `available_for` seconds, and either every enrolled device is among them or one
+  `poll_interval` has passed since `min_clients` were first available (so every live device has had
+  a chance to show up, and round 1 is not just the first `min_clients` to poll). It samples
+  max(min_clients, ceil(fraction * available)) of them (capped at the number available) with an
+  RNG seeded by (seed, round id), so a restart samples alike.
+- It closes when every sampled device has uploaded, or at its deadline if at least `min_clients`
+  uploads were accepted: the strategy aggregates the accepted updates and the result becomes the
+  global base. Closing is one SQLite transaction, so a round is aggregated once or not at all.
+- At its deadline with fewer than `min_clients` uploads, the round is *abandoned*: nothing is
+  aggregated, its uploads are kept on disk but never used, and the next round (a new id) starts
+  from the same global base.
+- After `rounds` closed rounds every device is told "done" and given the final base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
+from edgepfl.manifest import Manifest, TensorSpec, layout_hash, load_manifest
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.errors import ApiError
+from edgepfl.server.store import Assignment, BlobError, EvalRecord, RoundRecord, Store, UpdateRecord, hash_token
+from edgepfl.server.strategies import make_strategy
+from edgepfl.server.strategy import AcceptedUpdate, Strategy
+from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
+
+log = logging.getLogger("edgepfl.server")
+
+INITIAL_TENSORS = Path("portable") / "initial.safetensors"
+
+
+def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) -> RoundEngine:
+    """Load the bundle's manifest, open (or create) the state folder and bind the two together."""
+    manifest = load_manifest(config.bundle)
+    store = Store(config.state)
+    specs = shared_specs(manifest, config.share_buffers)
+    strategy = make_strategy(config.strategy, specs, config.strategy_options)
+    strategy.check_manifest(manifest)
+    engine = RoundEngine(config, manifest, store, strategy, clock)
+    engine.bind_state()
+    return engine
+
+
+def shared_specs(manifest: Manifest, share_buffers: bool) -> list[TensorSpec]:
+    """The tensors that travel between devices and server: the base, plus base BatchNorm stats if shared."""
+    return manifest.by_role("base") + (manifest.base_buffers() if share_buffers else [])
+
+
+class RoundEngine:
+    """Owns the rounds of one state folder; the HTTP app calls it, a background thread ticks it."""
+
+    def __init__(
+        self, config: ServerConfig, manifest: Manifest, store: Store, strategy: Strategy, clock: Callable[[], float]
+    ):
+        self.config = config
+        self.manifest = manifest
+        self.store = store
+        self.strategy = strategy
+        self.clock = clock
+        self.specs = strategy.specs
+        self._shared_names = {spec.name for spec in self.specs}
+        self._personal_names = set(manifest.names("personal"))
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
+        self._closing: int | None = None  # round being aggregated outside the lock
+        self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
+
+    # start-up
+
+    def bind_state(self) -> None:
+        """Tie the state folder to this bundle and strategy; store the round-1 base on first start."""
+        binding = {
+            "bundle_base_layout_hash": self.manifest.base_layout_hash,
+            "shared_layout_hash": layout_hash(self.specs),
+            "strategy": self.strategy.name,
+        }
+        for key, value in binding.items():
+            stored = self.store.get_meta(key)
+            if stored is not None and stored != value:
+                raise StateError(
+                    f"the state folder {self.config.state} was made with a different {key.replace('_', ' ')} "
+                    f"({stored[:16]}, now {value[:16]})",
+                    "restart with the same --bundle, --strategy and --share-bn-stats, or use a new --state folder",
+                )
+        if self.store.get_meta("initial_base_sha") is None:
+            initial = self._initial_base()
+            sha = self.store.put_blob(encode_tensors(initial))
+            with self.store.transaction() as db:
+                for key, value in {**binding, "initial_base_sha": sha, "global_base_sha": sha}.items():
+                    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        removed = self.store.remove_unreferenced_blobs()
+        if removed:
+            log.info("removed %d unreferenced blob(s) left by an interrupted write", removed)
+
+    def _initial_base(self) -> dict[str, Any]:
+        path = self.config.init or Path(self.config.bundle) / INITIAL_TENSORS
+        if not Path(path).is_file():
+            raise BundleError(
+                f"{path} does not exist, and devices start round 1 from the bundle's initial tensors",
+                "export the bundle with the portable engine, or pass --init FILE.safetensors with its initial tensors",
+            )
+        tensors = load_tensors(path)
+        shared = {name: value for name, value in tensors.items() if name in self._shared_names}
+        check_tensors(shared, self.specs, what=f"initial tensors {path}")
+        return shared
+
+    # authentication
+
+    def authenticate(self, authorization: str | None) -> str:
+        """The device name a bearer token belongs to; 401 otherwise."""
+        scheme, _, token = (authorization or "").partition(" ")
+        device = self.store.device_for_token(hash_token(token.strip())) if scheme.lower() == "bearer" else None
+        if device is None:
+            raise ApiError(
+                401,
+                "unauthorized",
+                "missing or invalid device token",
+                "send `Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return device
+
+    # device calls
+
+    def task(self, device: str) -> Task:
+        """What a device should do now; polling also makes it available for sampling."""
+        with self._lock:
+            now = self.clock()
+            self._seen[device] = now
+            if self._done():
+                return self._done_task()
+            current = self.store.open_round()
+            if current is None and self._closing is None:
+                current = self._maybe_open(now)
+            if current is not None and current.round_id != self._closing and now < current.deadline:
+                assignment = self.store.assignment(current.round_id, device)
+                if assignment is not None and self.store.update(current.round_id, device) is None:
+                    return Task(
+                        action="train",
+                        base_layout_hash=self.manifest.base_layout_hash,
+                        round_id=current.round_id,
+                        settings=RoundSettings.from_json(json.loads(assignment.settings)),
+                        base_url=f"{API_PREFIX}/rounds/{current.round_id}/base",
+                        deadline=current.deadline,
+                    )
+            return Task(
+                action="wait", base_layout_hash=self.manifest.base_layout_hash, retry_after=self.config.poll_interval
+            )
+
+    def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
+        """The base tensors a device gets for a round (safetensors bytes) and their sha256."""
+        record = self._round_or_404(round_id)
+        assignment = self.store.assignment(round_id, device)
+        if assignment is not None:
+            sha = assignment.base_sha
+        elif not self.strategy.needs_per_device_payload:
+            sha = record.base_sha
+        else:
+            raise ApiError(
+                403,
+                "not_sampled",
+                f"device {device!r} was not sampled in round {round_id}",
+                "poll /v1/task and fetch the base it names",
+            )
+        return self.store.read_blob(sha), sha
+
+    def result_of(self, round_id: int) -> tuple[bytes, str]:
+        """The aggregated base a closed round produced."""
+        record = self._round_or_404(round_id)
+        if record.result_sha is None:
+            raise ApiError(
+                409,
+                "no_result",
+                f"round {round_id} is {record.state} and has no aggregated base",
+                "fetch the result of a closed round (see /v1/status)",
+            )
+        return self.store.read_blob(record.result_sha), record.result_sha
+
+    def check_upload_allowed(self, device: str, round_id: int) -> None:
+        """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late."""
+        with self._lock:
+            if self.store.update(round_id, device) is not None:
+                return  # a retry: decided by comparing the bytes
+            self._check_open_for(device, round_id)
+
+    def accept_update(self, device: str, round_id: int, payload: bytes) -> dict[str, Any]:
+        """Check an upload against the manifest and store it durably; returns the receipt."""
+        self.check_upload_allowed(device, round_id)
+        meta = self._upload_meta(payload)
+        base_tensors = self._upload_tensors(payload)
+        try:
+            check_tensors(base_tensors, self.specs, what="upload")
+        except WireError as error:
+            raise ApiError(422, "bad_tensors", error.problem, error.fix) from None
+        sha = hashlib.sha256(payload).hexdigest()
+        previous = self.store.update(round_id, device)
+        if previous is not None:
+            return self._retry_receipt(previous, sha)
+        self.store.put_blob(payload, sha)  # on disk (fsynced) before the row that names it is committed
+        with self._lock:
+            previous = self.store.update(round_id, device)
+            if previous is not None:
+                return self._retry_receipt(previous, sha)
+            self._check_open_for(device, round_id)
+            self.store.add_update(
+                UpdateRecord(
+                    round_id,
+                    device,
+                    sha,
+                    len(payload),
+                    meta.num_samples,
+                    _finite_or_none(meta.train_loss),
+                    _finite_or_none(meta.val_accuracy),
+                    _finite_or_none(meta.val_loss),
+                    self.clock(),
+                )
+            )
+            uploads = len(self.store.updates(round_id))
+            sampled = len(self._round_or_404(round_id).sampled)
+        self._wake.set()
+        return {
+            "accepted": True,
+            "round": round_id,
+            "sha256": sha,
+            "duplicate": False,
+            "uploads": uploads,
+            "sampled": sampled,
+        }
+
+    def accept_metrics(self, device: str, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
+        """Store a device's evaluation of its personalized model after a round."""
+        try:
+            metrics.check(self.config.max_samples)
+        except WireError as error:
+            raise ApiError(422, "bad_metrics", error.problem, error.fix) from None
+        with self._lock:
+            self._round_or_404(round_id)
+            if self.store.assignment(round_id, device) is None:
+                raise ApiError(
+                    403,
+                    "not_sampled",
+                    f"device {device!r} was not sampled in round {round_id}",
+                    "report metrics for a round you trained in",
+                )
+            previous = self.store.eval_metrics(round_id, device)
+            if previous:
+                same = (previous[0].accuracy, previous[0].loss, previous[0].num_samples) == (
+                    metrics.accuracy,
+                    metrics.loss,
+                    metrics.num_samples,
+                )
+                if not same:
+                    raise ApiError(
+                        409,
+                        "duplicate_metrics",
+                        f"device {device!r} already reported metrics for round {round_id}, with different values",
+                        "report each round's metrics once",
+                    )
+                return {"accepted": True, "round": round_id, "duplicate": True}
+            self.store.add_eval_metrics(
+                EvalRecord(round_id, device, metrics.accuracy, metrics.loss, metrics.num_samples, self.clock())
+            )
+        return {"accepted": True, "round": round_id, "duplicate": False}
+
+    # the round loop
+
+    def tick(self) -> None:
+        """Close a round that is complete or past its deadline, then open the next one if devices wait."""
+        with self._lock:
+            now = self.clock()
+            current = self.store.open_round()
+            to_close = None
+            if current is not None and self._closing is None:
+                accepted = len(self.store.updates(current.round_id))
+                if accepted >= len(current.sampled) or now >= current.deadline:
+                    if accepted >= self.config.min_clients:
+                        to_close = current
+                        self._closing = current.round_id
+                    else:
+                        self._abandon(current, now, f"{accepted} of {len(current.sampled)} uploads by the deadline")
+        if to_close is not None:
+            self._close(to_close)
+        with self._lock:
+            if self._closing is None and not self._done() and self.store.open_round() is None:
+                self._maybe_open(self.clock())
+
+    def run(self, stop: threading.Event, interval: float = 0.25) -> None:
+        """Tick until `stop` is set; woken early by each accepted upload. Never dies on an error."""
+        while not stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception:  # the loop must outlive any one round's failure; the round stays open
+                log.exception("round engine tick failed; retrying")
+                with self._lock:
+                    self._closing = None
+                stop.wait(1.0)
+
+    def _close(self, record: RoundRecord) -> None:
+        started = time.perf_counter()
+        try:
+            global_base = decode_tensors(self.store.read_blob(record.base_sha))
+            new_base = self.strategy.aggregate(record.round_id, self._accepted_updates(record), global_base)
+            check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
+        except OSError:
+            with self._lock:
+                self._closing = None
+            raise
+        except (EdgePFLError, ValueError) as error:
+            log.error("round %d cannot be aggregated: %s", record.round_id, error)
+            with self._lock:
+                self._abandon(record, self.clock(), f"aggregation failed: {error}")
+                self._closing = None
+            return
+        sha = self.store.put_blob(encode_tensors(new_base))
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self.store.finish_round(
+                record.round_id, "closed", self.clock(), global_base_sha=sha, result_sha=sha, aggregate_seconds=seconds
+            )
+            self._closing = None
+        log.info(
+            "round %d closed: %d update(s) aggregated in %.3f s",
+            record.round_id,
+            len(self.store.updates(record.round_id)),
+            seconds,
+        )
+
+    def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
+        for update in self.store.updates(record.round_id):
+            try:
+                payload = self.store.read_blob(update.blob_sha)
+            except BlobError as error:
+                log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
+                self.store.mark_corrupt(record.round_id, update.device)
+                continue
+            yield AcceptedUpdate(
+                update.device, update.num_samples, decode_tensors(payload), update.train_loss, update.val_accuracy
+            )
+
+    def _abandon(self, record: RoundRecord, now: float, why: str) -> None:
+        global_base = self.store.get_meta("global_base_sha") or record.base_sha
+        self.store.finish_round(record.round_id, "abandoned", now, global_base_sha=global_base, note=why)
+        log.warning("round %d abandoned: %s; the next round starts from the same base", record.round_id, why)
+
+    def _maybe_open(self, now: float) -> RoundRecord | None:
+        available = sorted(d for d, seen in self._seen.items() if now - seen <= self.config.available_for)
+        if len(available) < self.config.min_clients:
+            self._quorum_since = None
+            return None
+        if self._quorum_since is None:
+            self._quorum_since = now
+        everyone = len(available) >= self.store.count_devices()
+        if not everyone and now - self._quorum_since < self.config.poll_interval:
+            return None
+        self._quorum_since = None
+        round_id = self.store.last_round_id() + 1
+        wanted = max(self.config.min_clients, math.ceil(self.config.fraction * len(available)))
+        sampled = sorted(random.Random(f"{self.config.seed}/{round_id}").sample(available, min(wanted, len(available))))
+        base_sha = self.store.get_meta("global_base_sha")
+        assert base_sha is not None, "bind_state() stores the initial base"
+        if self.strategy.needs_per_device_payload:
+            global_base = decode_tensors(self.store.read_blob(base_sha))
+            assignments = []
+            for device in sampled:
+                settings, payload = self.strategy.configure_device(round_id, device, global_base)
+                check_tensors(payload, self.specs, what=f"{self.strategy.name} payload for {device}")
+                device_sha = self.store.put_blob(encode_tensors(payload))
+                assignments.append(
+                    Assignment(round_id, device, device_sha, json.dumps(settings.to_json(), sort_keys=True))
+                )
+        else:
+            settings_json = json.dumps(self.strategy.settings(round_id).to_json(), sort_keys=True)
+            assignments = [Assignment(round_id, device, base_sha, settings_json) for device in sampled]
+        record = RoundRecord(round_id, "open", base_sha, now, now + self.config.round_timeout, tuple(sampled))
+        self.store.create_round(record, assignments)
+        log.info("round %d opened: %d of %d available device(s) sampled", round_id, len(sampled), len(available))
+        return record
+
+    def _done(self) -> bool:
+        return self.store.count_closed() >= self.config.rounds
+
+    def _done_task(self) -> Task:
+        closed = [r for r in self.store.rounds() if r.state == "closed"]
+        last = closed[-1].round_id if closed else None
+        return Task(
+            action="done",
+            base_layout_hash=self.manifest.base_layout_hash,
+            round_id=last,
+            base_url=f"{API_PREFIX}/rounds/{last}/result" if last is not None else None,
+        )
+
+    # checks
+
+    def _round_or_404(self, round_id: int) -> RoundRecord:
+        record = self.store.round(round_id)
+        if record is None:
+            raise ApiError(
+                404,
+                "no_such_round",
+                f"round {round_id} does not exist (last is {self.store.last_round_id()})",
+                "poll /v1/task for the current round",
+            )
+        return record
+
+    def _check_open_for(self, device: str, round_id: int) -> None:
+        record = self._round_or_404(round_id)
+        if self.store.assignment(round_id, device) is None:
+            raise ApiError(
+                403,
+                "not_sampled",
+                f"device {device!r} was not sampled in round {round_id}",
+                "poll /v1/task and train only when told to",
+            )
+        if self.clock() >= record.deadline:
+            raise ApiError(
+                409,
+                "deadline_passed",
+                f"round {round_id} stopped taking uploads at its deadline",
+                "poll /v1/task for the next round; this update was not stored",
+            )
+        if record.state != "open" or record.round_id == self._closing:
+            state = "closing" if record.state == "open" else record.state
+            raise ApiError(409, "round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
+
+    def _upload_meta(self, payload: bytes) -> UploadMeta:
+        try:
+            metadata = decode_metadata(payload)
+        except WireError as error:
+            raise ApiError(400, "malformed", error.problem, error.fix) from None
+        try:
+            meta = UploadMeta.from_metadata(metadata, max_samples=self.config.max_samples)
+        except WireError as error:
+            raise ApiError(422, "bad_metadata", error.problem, error.fix) from None
+        if meta.base_layout_hash != self.manifest.base_layout_hash:
+            raise ApiError(
+                409,
+                "layout_mismatch",
+                f"upload quotes base_layout_hash {meta.base_layout_hash[:16]!r}, the server's bundle has "
+                f"{self.manifest.base_layout_hash[:16]!r}",
+                "train from the bundle this server was started with",
+            )
+        for key in ("train_loss", "val_loss"):
+            if math.isinf(getattr(meta, key)):
+                raise ApiError(422, "bad_metadata", f"upload {key} is infinite", "send a finite loss, or omit it")
+        return meta
+
+    def _upload_tensors(self, payload: bytes) -> dict[str, Any]:
+        try:
+            base_tensors = decode_tensors(payload)
+        except WireError as error:
+            raise ApiError(400, "malformed", error.problem, error.fix) from None
+        personal = sorted(set(base_tensors) & self._personal_names)
+        if personal:
+            raise ApiError(
+                422,
+                "personal_tensors",
+                f"upload contains personal tensor(s) {', '.join(personal[:3])}",
+                "personal tensors never leave the device: send the base tensors only",
+            )
+        buffers = sorted((set(base_tensors) - self._shared_names) & set(self.manifest.names("buffer")))
+        if buffers:
+            raise ApiError(
+                422,
+                "buffers_not_shared",
+                f"upload contains BatchNorm statistics {', '.join(buffers[:3])}",
+                "this server keeps BatchNorm statistics on the devices (no --share-bn-stats): send the base only",
+            )
+        return base_tensors
+
+    def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
+        if previous.blob_sha != sha:
+            raise ApiError(
+                409,
+                "duplicate_update",
+                f"device {previous.device!r} already uploaded a different update for round {previous.round_id}",
+                "upload once per round; a retry must send the same bytes",
+            )
+        return {
+            "accepted": True,
+            "round": previous.round_id,
+            "sha256": sha,
+            "duplicate": True,
+            "uploads": len(self.store.updates(previous.round_id)),
+            "sampled": len(self._round_or_404(previous.round_id).sampled),
+        }
+
+    # status
+
+    def status(self) -> dict[str, Any]:
+        """JSON summary of the server and every round (no device names, no tensors)."""
+        with self._lock:
+            now = self.clock()
+            rounds = self.store.rounds()
+            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
+            current = self.store.open_round()
+            closing = self._closing
+            done = self._done()
+        rows = [self._round_summary(record) for record in rounds]
+        state = "done" if done else "closing" if closing else "training" if current else "waiting"
+        return {
+            "state": state,
+            "strategy": self.strategy.name,
+            "base_layout_hash": self.manifest.base_layout_hash,
+            "share_buffers": self.config.share_buffers,
+            "rounds_target": self.config.rounds,
+            "rounds_completed": sum(1 for r in rounds if r.state == "closed"),
+            "min_clients": self.config.min_clients,
+            "fraction": self.config.fraction,
+            "round_timeout": self.config.round_timeout,
+            "devices_enrolled": self.store.count_devices(),
+            "devices_available": available,
+            "open_round": next((row for row in rows if row["state"] == "open"), None),
+            "rounds": rows,
+        }
+
+    def _round_summary(self, record: RoundRecord) -> dict[str, Any]:
+        updates = self.store.updates(record.round_id)
+        evals = self.store.eval_metrics(record.round_id)
+        return {
+            "round": record.round_id,
+            "state": record.state,
+            "sampled": len(record.sampled),
+            "uploads": len(updates),
+            "opened": record.opened,
+            "deadline": record.deadline,
+            "closed": record.closed,
+            "aggregate_seconds": record.aggregate_seconds,
+            "upload_bytes": sum(u.nbytes for u in updates),
+            "note": record.note,
+            "base_sha256": record.base_sha,
+            "result_sha256": record.result_sha,
+            "train_loss": _summary([u.train_loss for u in updates]),
+            "val_accuracy": _summary([u.val_accuracy for u in updates]),
+            "eval_accuracy": _summary([e.accuracy for e in evals]),
+        }
+
+
+def _summary(values: list[float | None]) -> dict[str, float] | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return {"mean": sum(present) / len(present), "min": min(present), "max": max(present), "count": len(present)}
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

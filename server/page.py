@@ -1,0 +1,76 @@
+"""The status page: server-rendered HTML with an embedded matplotlib PNG, no external assets."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from typing import Any
+
+
+def render_page(status: dict[str, Any]) -> str:
+    """A self-contained HTML page summarising the rounds so far."""
+    png = base64.b64encode(render_plot(status)).decode("ascii")
+    rows = "\n".join(_row(r) for r in reversed(status["rounds"]))
+    head = (
+        f"strategy <b>{html.escape(status['strategy'])}</b> · state <b>{status['state']}</b> · "
+        f"{status['rounds_completed']} of {status['rounds_target']} rounds · "
+        f"{status['devices_enrolled']} devices enrolled, {status['devices_available']} available"
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>edgepfl server</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse}}
+td,th{{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}}th{{background:#f4f4f4}}</style>
+</head><body>
+<h1>edgepfl server</h1>
+<p>{head}</p>
+<img alt="device accuracy per round" src="data:image/png;base64,{png}">
+<table><tr><th>round</th><th>state</th><th>uploads / sampled</th><th>val acc (mean)</th>
+<th>personalized acc (mean)</th><th>train loss</th><th>aggregation s</th><th>closed</th><th>note</th></tr>
+{rows}
+</table></body></html>
+"""
+
+
+def render_plot(status: dict[str, Any]) -> bytes:
+    """PNG of mean (line) and min-max (band) device accuracy per closed round."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 3.2), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    for key, label in (("val_accuracy", "validation (at upload)"), ("eval_accuracy", "personalized (after round)")):
+        points = [(r["round"], r[key]) for r in status["rounds"] if r[key] is not None]
+        if points:
+            xs = [x for x, _ in points]
+            line = axes.plot(xs, [s["mean"] for _, s in points], marker="o", markersize=3, label=label)[0]
+            axes.fill_between(
+                xs, [s["min"] for _, s in points], [s["max"] for _, s in points], color=line.get_color(), alpha=0.2
+            )
+    axes.set_xlabel("round")
+    axes.set_ylabel("device accuracy")
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend(loc="lower right")
+    else:
+        axes.text(0.5, 0.5, "no rounds yet", ha="center", va="center", transform=axes.transAxes)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _row(r: dict[str, Any]) -> str:
+    def mean(key: str) -> str:
+        return f"{r[key]['mean']:.3f}" if r[key] else "–"
+
+    seconds = f"{r['aggregate_seconds']:.3f}" if r["aggregate_seconds"] is not None else "–"
+    closed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["closed"])) if r["closed"] else "–"
+    return (
+        f"<tr><td>{r['round']}</td><td>{r['state']}</td><td>{r['uploads']} / {r['sampled']}</td>"
+        f"<td>{mean('val_accuracy')}</td><td>{mean('eval_accuracy')}</td><td>{mean('train_loss')}</td>"
+        f"<td>{seconds}</td><td>{closed}</td><td>{html.escape(r['note'] or '')}</td></tr>"
+    )

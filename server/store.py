@@ -1,0 +1,389 @@
+"""Durable server state: SQLite (WAL) for devices, rounds and update metadata; tensor blobs as files.
+
+Blobs are content-addressed (`blobs/ab/<sha256>.safetensors`), written atomically and checked
+against their sha256 whenever they are read. A row that names a blob is committed only after
+the blob is on disk, so a crash leaves at worst an unreferenced blob, removed at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgepfl.atomic import write_bytes_atomic
+from edgepfl.errors import StateError
+
+DB_NAME = "edgepfl-server.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS devices (
+    name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rounds (
+    round_id INTEGER PRIMARY KEY, state TEXT NOT NULL, base_sha TEXT NOT NULL,
+    opened REAL NOT NULL, deadline REAL NOT NULL, closed REAL, sampled TEXT NOT NULL,
+    result_sha TEXT, aggregate_seconds REAL, note TEXT);
+CREATE TABLE IF NOT EXISTS assignments (
+    round_id INTEGER NOT NULL, device TEXT NOT NULL, base_sha TEXT NOT NULL, settings TEXT NOT NULL,
+    PRIMARY KEY (round_id, device));
+CREATE TABLE IF NOT EXISTS updates (
+    round_id INTEGER NOT NULL, device TEXT NOT NULL, blob_sha TEXT NOT NULL, nbytes INTEGER NOT NULL,
+    num_samples INTEGER NOT NULL, train_loss REAL, val_accuracy REAL, val_loss REAL,
+    received REAL NOT NULL, status TEXT NOT NULL DEFAULT 'accepted', PRIMARY KEY (round_id, device));
+CREATE TABLE IF NOT EXISTS eval_metrics (
+    round_id INTEGER NOT NULL, device TEXT NOT NULL, accuracy REAL NOT NULL, loss REAL,
+    num_samples INTEGER NOT NULL, received REAL NOT NULL, PRIMARY KEY (round_id, device));
+"""
+
+
+def hash_token(token: str) -> str:
+    """What the store keeps of a device token: its sha256, never the token."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class BlobError(StateError):
+    """A stored tensor blob is missing or does not match its sha256."""
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round as stored: open, closed (aggregated) or abandoned (too few uploads by the deadline)."""
+
+    round_id: int
+    state: str
+    base_sha: str
+    opened: float
+    deadline: float
+    sampled: tuple[str, ...]
+    closed: float | None = None
+    result_sha: str | None = None
+    aggregate_seconds: float | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What one sampled device was given in a round: its base blob and its settings (JSON)."""
+
+    round_id: int
+    device: str
+    base_sha: str
+    settings: str
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """Metadata of one accepted upload; the tensors are in the blob `blob_sha`."""
+
+    round_id: int
+    device: str
+    blob_sha: str
+    nbytes: int
+    num_samples: int
+    train_loss: float | None
+    val_accuracy: float | None
+    val_loss: float | None
+    received: float
+    status: str = "accepted"  # accepted | corrupt (its blob failed the sha256 check when read)
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One device's evaluation of its personalized model after a round."""
+
+    round_id: int
+    device: str
+    accuracy: float
+    loss: float | None
+    num_samples: int
+    received: float
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    """An enrolled device (only a hash of its token is kept)."""
+
+    name: str
+    created: float
+
+
+class Store:
+    """The server's state folder: one SQLite database in WAL mode and a folder of blobs."""
+
+    def __init__(self, state_dir: str | Path):
+        self.folder = Path(state_dir)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.blob_dir.mkdir(exist_ok=True)
+            self._db = sqlite3.connect(
+                self.folder / DB_NAME, isolation_level=None, check_same_thread=False, timeout=10.0
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the reply
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateError(
+                f"cannot open the server state in {self.folder} ({exc})", "pass a writable --state folder"
+            ) from None
+        self._lock = threading.RLock()
+        self._blob_locks = [threading.Lock() for _ in range(64)]  # same-content writers share a temp name
+
+    @property
+    def blob_dir(self) -> Path:
+        """Folder of content-addressed tensor blobs."""
+        return self.folder / "blobs"
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic, durable write transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # meta
+
+    def get_meta(self, key: str) -> str | None:
+        """A stored setting, or None."""
+        rows = self._query("SELECT value FROM meta WHERE key = ?", (key,))
+        return rows[0][0] if rows else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        """Store a setting durably."""
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # devices
+
+    def add_device(self, name: str, token_hash: str, created: float, replace: bool = False) -> None:
+        """Enroll a device under its token's hash; an existing name is an error unless `replace`."""
+        with self.transaction() as db:
+            exists = db.execute("SELECT 1 FROM devices WHERE name = ?", (name,)).fetchall()
+            if exists and not replace:
+                raise StateError(f"device {name!r} is already enrolled", "pass --replace to issue a new token")
+            db.execute(
+                "INSERT OR REPLACE INTO devices (name, token_hash, created) VALUES (?, ?, ?)",
+                (name, token_hash, created),
+            )
+
+    def device_for_token(self, token_hash: str) -> str | None:
+        """The device name a token hash belongs to."""
+        rows = self._query("SELECT name FROM devices WHERE token_hash = ?", (token_hash,))
+        return rows[0][0] if rows else None
+
+    def count_devices(self) -> int:
+        """Number of enrolled devices."""
+        return self._query("SELECT COUNT(*) FROM devices")[0][0]
+
+    def devices(self) -> list[DeviceRecord]:
+        """Every enrolled device, by name."""
+        return [DeviceRecord(*row) for row in self._query("SELECT name, created FROM devices ORDER BY name")]
+
+    # blobs
+
+    def put_blob(self, payload: bytes, sha256: str | None = None) -> str:
+        """Write a blob atomically (temp file, fsync, rename) unless present; returns its sha256."""
+        digest = sha256 or hashlib.sha256(payload).hexdigest()
+        path = self.blob_path(digest)
+        with self._blob_locks[int(digest[:2], 16) % len(self._blob_locks)]:
+            if not path.is_file() or path.stat().st_size != len(payload):
+                write_bytes_atomic(path, payload)
+        return digest
+
+    def read_blob(self, sha256: str) -> bytes:
+        """A blob's bytes, checked against its sha256."""
+        path = self.blob_path(sha256)
+        try:
+            payload = path.read_bytes()
+        except OSError as exc:
+            raise BlobError(
+                f"blob {sha256[:12]} cannot be read ({exc.strerror})", "restore the --state folder"
+            ) from None
+        if hashlib.sha256(payload).hexdigest() != sha256:
+            raise BlobError(f"blob {sha256[:12]} does not match its sha256", "restore the --state folder")
+        return payload
+
+    def blob_path(self, sha256: str) -> Path:
+        """Where a blob lives."""
+        return self.blob_dir / sha256[:2] / f"{sha256}.safetensors"
+
+    def remove_unreferenced_blobs(self) -> int:
+        """Delete blobs and temp files no row names (left by a crash between write and commit)."""
+        rows = self._query(
+            "SELECT base_sha FROM rounds UNION SELECT result_sha FROM rounds WHERE result_sha IS NOT NULL "
+            "UNION SELECT base_sha FROM assignments UNION SELECT blob_sha FROM updates "
+            "UNION SELECT value FROM meta WHERE key IN ('initial_base_sha', 'global_base_sha')"
+        )
+        keep = {row[0] for row in rows}
+        removed = 0
+        for path in self.blob_dir.glob("*/*"):
+            name = path.name
+            if name.startswith(".") or name.removesuffix(".safetensors") not in keep:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    # rounds
+
+    def rounds(self) -> list[RoundRecord]:
+        """Every round, oldest first."""
+        return [_round(row) for row in self._query(f"SELECT {_ROUND_COLUMNS} FROM rounds ORDER BY round_id")]
+
+    def round(self, round_id: int) -> RoundRecord | None:
+        """One round, or None."""
+        rows = self._query(f"SELECT {_ROUND_COLUMNS} FROM rounds WHERE round_id = ?", (round_id,))
+        return _round(rows[0]) if rows else None
+
+    def open_round(self) -> RoundRecord | None:
+        """The open round, if any (there is at most one)."""
+        rows = self._query(f"SELECT {_ROUND_COLUMNS} FROM rounds WHERE state = 'open'")
+        return _round(rows[0]) if rows else None
+
+    def last_round_id(self) -> int:
+        """Highest round id so far (0 before the first)."""
+        return self._query("SELECT COALESCE(MAX(round_id), 0) FROM rounds")[0][0]
+
+    def count_closed(self) -> int:
+        """Rounds aggregated so far."""
+        return self._query("SELECT COUNT(*) FROM rounds WHERE state = 'closed'")[0][0]
+
+    def create_round(self, record: RoundRecord, assignments: list[Assignment]) -> None:
+        """Open a round and record what each sampled device gets, in one transaction."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    record.round_id,
+                    record.state,
+                    record.base_sha,
+                    record.opened,
+                    record.deadline,
+                    json.dumps(list(record.sampled)),
+                ),
+            )
+            db.executemany(
+                "INSERT INTO assignments (round_id, device, base_sha, settings) VALUES (?, ?, ?, ?)",
+                [(a.round_id, a.device, a.base_sha, a.settings) for a in assignments],
+            )
+
+    def finish_round(
+        self,
+        round_id: int,
+        state: str,
+        closed: float,
+        global_base_sha: str,
+        result_sha: str | None = None,
+        aggregate_seconds: float | None = None,
+        note: str | None = None,
+    ) -> None:
+        """Close (aggregated) or abandon the open round and set the global base, in one transaction."""
+        with self.transaction() as db:
+            changed = db.execute(
+                "UPDATE rounds SET state = ?, closed = ?, result_sha = ?, aggregate_seconds = ?, note = ? "
+                "WHERE round_id = ? AND state = 'open'",
+                (state, closed, result_sha, aggregate_seconds, note, round_id),
+            ).rowcount
+            if changed != 1:
+                raise StateError(f"round {round_id} is not open", "this is a bug: report it")
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('global_base_sha', ?)", (global_base_sha,))
+
+    # assignments, updates, metrics
+
+    def assignment(self, round_id: int, device: str) -> Assignment | None:
+        """What a device was given in a round, or None if it was not sampled."""
+        rows = self._query(
+            "SELECT round_id, device, base_sha, settings FROM assignments WHERE round_id = ? AND device = ?",
+            (round_id, device),
+        )
+        return Assignment(*rows[0]) if rows else None
+
+    def update(self, round_id: int, device: str) -> UpdateRecord | None:
+        """A device's upload in a round, or None."""
+        rows = self._query(
+            f"SELECT {_UPDATE_COLUMNS} FROM updates WHERE round_id = ? AND device = ?", (round_id, device)
+        )
+        return UpdateRecord(*rows[0]) if rows else None
+
+    def updates(self, round_id: int, status: str | None = "accepted") -> list[UpdateRecord]:
+        """A round's uploads (accepted ones by default), by device name."""
+        if status is None:
+            rows = self._query(f"SELECT {_UPDATE_COLUMNS} FROM updates WHERE round_id = ? ORDER BY device", (round_id,))
+        else:
+            rows = self._query(
+                f"SELECT {_UPDATE_COLUMNS} FROM updates WHERE round_id = ? AND status = ? ORDER BY device",
+                (round_id, status),
+            )
+        return [UpdateRecord(*row) for row in rows]
+
+    def add_update(self, record: UpdateRecord) -> None:
+        """Record an accepted upload whose blob is already on disk."""
+        with self.transaction() as db:
+            db.execute(
+                f"INSERT INTO updates ({_UPDATE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.round_id,
+                    record.device,
+                    record.blob_sha,
+                    record.nbytes,
+                    record.num_samples,
+                    record.train_loss,
+                    record.val_accuracy,
+                    record.val_loss,
+                    record.received,
+                    record.status,
+                ),
+            )
+
+    def mark_corrupt(self, round_id: int, device: str) -> None:
+        """Exclude an upload whose blob failed its sha256 check."""
+        with self.transaction() as db:
+            db.execute("UPDATE updates SET status = 'corrupt' WHERE round_id = ? AND device = ?", (round_id, device))
+
+    def eval_metrics(self, round_id: int, device: str | None = None) -> list[EvalRecord]:
+        """Evaluation metrics of a round (optionally of one device)."""
+        sql = "SELECT round_id, device, accuracy, loss, num_samples, received FROM eval_metrics WHERE round_id = ?"
+        args: tuple = (round_id,)
+        if device is not None:
+            sql, args = sql + " AND device = ?", (round_id, device)
+        return [EvalRecord(*row) for row in self._query(sql + " ORDER BY device", args)]
+
+    def add_eval_metrics(self, record: EvalRecord) -> None:
+        """Record one device's evaluation metrics."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO eval_metrics (round_id, device, accuracy, loss, num_samples, received) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (record.round_id, record.device, record.accuracy, record.loss, record.num_samples, record.received),
+            )
+
+
+_ROUND_COLUMNS = "round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, aggregate_seconds, note"
+_UPDATE_COLUMNS = (
+    "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status"
+)
+
+
+def _round(row: tuple) -> RoundRecord:
+    round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, seconds, note = row
+    return RoundRecord(
+        round_id, state, base_sha, opened, deadline, tuple(json.loads(sampled)), closed, result_sha, seconds, note
+    )

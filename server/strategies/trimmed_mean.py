@@ -1,0 +1,34 @@
+"""Coordinate-wise trimmed mean (Yin et al. 2018): drop the extremes per coordinate, average the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from edgepfl.server.strategies.median import stack_updates
+from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, cast_like
+
+
+class TrimmedMean(Strategy):
+    """Per coordinate, sort the devices' values, cut `trim_fraction` from each end, take the plain mean.
+
+    Like the median this holds O(devices x model) memory. With n updates, k = floor(trim_fraction * n)
+    values are cut from each end, and never so many that nothing is left.
+    """
+
+    name = "trimmed-mean"
+    streaming = False
+
+    def aggregate(
+        self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
+    ) -> BaseTensors:
+        """Coordinate-wise trimmed mean over the accepted updates."""
+        stacks = stack_updates(round_id, updates, self.specs)
+        count = next(iter(stacks.values())).shape[0]
+        cut = min(int(np.floor(self.options.trim_fraction * count)), (count - 1) // 2)
+        result = {}
+        for name, stack in stacks.items():
+            ordered = np.sort(stack.astype(np.float64), axis=0)
+            result[name] = ordered[cut : count - cut].mean(axis=0)
+        return cast_like(result, self.specs)

@@ -1,0 +1,81 @@
+"""The strategy interface: small classes with a few hooks over one round engine (as in Flower).
+
+The engine owns sampling, deadlines, persistence and HTTP; a strategy decides only what a sampled
+device is told to do and how accepted updates become the next global base. A new strategy is one
+file in `strategies/` plus one line in the registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from edgepfl.errors import UsageError
+from edgepfl.manifest import Manifest, TensorSpec
+from edgepfl.protocol import RoundSettings
+from edgepfl.server.config import StrategyOptions
+
+BaseTensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class AcceptedUpdate:
+    """One accepted upload, read back from disk (sha256-checked) when the round is aggregated."""
+
+    device: str
+    num_samples: int
+    base_tensors: Mapping[str, np.ndarray]
+    train_loss: float | None = None
+    val_accuracy: float | None = None
+
+
+class Strategy(ABC):
+    """What the round engine asks of an aggregation strategy."""
+
+    name: ClassVar[str]
+    needs_per_device_payload: ClassVar[bool] = False  # configure_device returns a different base per device
+    personalized: ClassVar[bool] = True  # devices keep personal blocks (False: the whole model is shared)
+    streaming: ClassVar[bool] = True  # aggregate() holds O(model) memory, not O(devices x model)
+
+    def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
+        self.specs = specs  # the tensors that travel: the base (and base BatchNorm stats if shared)
+        self.options = options
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Refuse a bundle this strategy cannot run (called once at start)."""
+        if not self.personalized and manifest.kp != 0:
+            raise UsageError(
+                f"strategy {self.name} shares the whole model, but this bundle keeps kp={manifest.kp} personal blocks",
+                "use --strategy fedper, or export the bundle with --kp 0",
+            )
+
+    def settings(self, round_id: int) -> RoundSettings:
+        """The settings every sampled device gets in a round."""
+        return self.options.settings
+
+    def configure_device(
+        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
+    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
+        """Settings and base tensors for one sampled device (called only if needs_per_device_payload)."""
+        return self.settings(round_id), global_base
+
+    @abstractmethod
+    def aggregate(
+        self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
+    ) -> BaseTensors:
+        """The next global base from the round's accepted updates, which arrive one at a time."""
+
+
+def cast_like(values: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> BaseTensors:
+    """Cast float64 aggregates back to each tensor's manifest dtype (integers rounded)."""
+    result = {}
+    for spec in specs:
+        value = values[spec.name]
+        if np.dtype(spec.dtype).kind in "iub":
+            value = np.rint(value)
+        result[spec.name] = np.ascontiguousarray(value.astype(spec.dtype))
+    return result

@@ -1,0 +1,224 @@
+"""Helpers for the server tests: a tiny bundle (no torch), enrollment, a live uvicorn process, a device client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from edgepfl.manifest import InputSpec, Manifest, TensorSpec
+from edgepfl.protocol import UploadMeta
+from edgepfl.server.store import Store, hash_token
+from edgepfl.wire import decode_tensors, encode_tensors, save_tensors
+
+# blocks: 0 "stem" and 1 "mid" are base, 2 "head" is personal (kp=1); stem has BatchNorm statistics
+TINY_TENSORS = (
+    TensorSpec("stem.weight", (4, 3), "float32", "base", 0),
+    TensorSpec("stem.bias", (4,), "float32", "base", 0),
+    TensorSpec("mid.weight", (3, 4), "float32", "base", 1),
+    TensorSpec("head.weight", (2, 3), "float32", "personal", 2),
+    TensorSpec("head.bias", (2,), "float32", "personal", 2),
+    TensorSpec("stem_bn.running_mean", (4,), "float32", "buffer", 0),
+    TensorSpec("stem_bn.running_var", (4,), "float32", "buffer", 0),
+    TensorSpec("head_bn.running_mean", (2,), "float32", "buffer", 2),
+)
+
+
+def make_bundle(folder: Path, kp: int = 1, with_initial: bool = True, seed: int = 0) -> Manifest:
+    """Write manifest.json (and portable/initial.safetensors) for a three-block toy model."""
+    tensors = TINY_TENSORS
+    if kp == 0:
+        tensors = tuple(
+            TensorSpec(t.name, t.shape, t.dtype, "base" if t.role == "personal" else t.role, t.block) for t in tensors
+        )
+    manifest = Manifest(
+        model={"name": "tiny"},
+        input=InputSpec(shape=(3,)),
+        num_classes=2,
+        kp=kp,
+        blocks=("stem", "mid", "head"),
+        tensors=tensors,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest.save(folder)
+    if with_initial:
+        save_tensors(folder / "portable" / "initial.safetensors", initial_tensors(manifest, seed))
+    return manifest
+
+
+def initial_tensors(manifest: Manifest, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded initial values for every tensor of the manifest."""
+    rng = np.random.default_rng(seed)
+    return {t.name: rng.normal(0, 0.1, t.shape).astype(t.dtype) for t in manifest.tensors}
+
+
+def enroll(state: Path, *names: str) -> dict[str, str]:
+    """Tokens for new devices, written straight into the state folder."""
+    store = Store(state)
+    tokens = {}
+    for name in names:
+        tokens[name] = f"token-{name}-{os.urandom(8).hex()}"
+        store.add_device(name, hash_token(tokens[name]), time.time())
+    store.close()
+    return tokens
+
+
+def upload_body(
+    base_tensors: Mapping[str, np.ndarray], manifest: Manifest, num_samples: int | str = 10, **meta: Any
+) -> bytes:
+    """Safetensors bytes of an update, UploadMeta in `__metadata__` (override any field by keyword)."""
+    fields = UploadMeta(manifest.base_layout_hash, 1, train_loss=0.5, val_accuracy=0.8).to_metadata()
+    fields.update({"num_samples": str(num_samples)}, **{k: str(v) for k, v in meta.items()})
+    return encode_tensors(base_tensors, fields)
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    """`edgepfl serve` in a real uvicorn subprocess on loopback; `kill()` is kill -9."""
+
+    def __init__(self, bundle: Path, state: Path, *options: str, tls: tuple[Path, Path] | None = None):
+        self.bundle, self.state, self.options, self.tls = bundle, state, options, tls
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.log = state.parent / f"{state.name}-server.log"
+
+    @property
+    def url(self) -> str:
+        """Base URL of the running server."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """How a client verifies this server: the self-signed certificate, if TLS."""
+        return ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else True
+
+    def start(self, timeout: float = 30.0) -> LiveServer:
+        """Start the server and wait until it answers."""
+        self.port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "edgepfl.cli",
+            "serve",
+            "--bundle",
+            str(self.bundle),
+            "--state",
+            str(self.state),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *self.options,
+        ]
+        if self.tls:
+            command += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                httpx.get(f"{self.url}/openapi.json", timeout=1.0, verify=self.verify)
+                return self
+            except httpx.TransportError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"server did not answer within {timeout} s: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> None:
+        """Graceful shutdown (SIGTERM), kill -9 if it hangs."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process = None
+
+
+class DeviceClient:
+    """The device side of the protocol, as plain HTTP calls."""
+
+    def __init__(self, url: str, token: str, verify: ssl.SSLContext | bool = True):
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30.0, verify=verify
+        )
+
+    def task(self) -> dict[str, Any]:
+        """GET /v1/task (asserts 200)."""
+        reply = self.http.get("/v1/task")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def wait_for_train(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Poll until told to train."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            task = self.task()
+            if task["action"] == "train":
+                return task
+            time.sleep(0.05)
+        raise AssertionError(f"never told to train: {task}")
+
+    def base(self, round_id: int) -> dict[str, np.ndarray]:
+        """The base tensors of a round."""
+        reply = self.http.get(f"/v1/rounds/{round_id}/base")
+        assert reply.status_code == 200, reply.text
+        return decode_tensors(reply.content)
+
+    def upload(self, round_id: int, body: bytes, **kwargs: Any) -> httpx.Response:
+        """POST an update body."""
+        return self.http.post(
+            f"/v1/rounds/{round_id}/update",
+            content=body,
+            headers={"Content-Type": "application/octet-stream"},
+            **kwargs,
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.http.close()
+
+
+def wait_status(url: str, token: str, predicate, timeout: float = 20.0, verify: ssl.SSLContext | bool = True) -> dict:
+    """Poll /v1/status until `predicate(status)` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, verify=verify).json()
+        if predicate(status):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"status never matched: {status}")
+
+
+def weighted_mean(updates: list[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
+    """The reference FedAvg aggregate, computed independently in float64."""
+    total = sum(n for _, n in updates)
+    names = updates[0][0].keys()
+    return {name: sum(t[name].astype(np.float64) * n for t, n in updates) / total for name in names}

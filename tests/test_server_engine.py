@@ -1,0 +1,264 @@
+"""The round engine in-process with a fake clock: sampling, deadlines, restarts, bindings, plug-in strategies."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+from server_helpers import enroll, initial_tensors, make_bundle, upload_body, weighted_mean
+
+from edgepfl.errors import BundleError, StateError, UsageError
+from edgepfl.protocol import EvalMetrics, RoundSettings, Task
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.engine import RoundEngine, create_engine
+from edgepfl.server.errors import ApiError
+from edgepfl.server.page import render_page
+from edgepfl.server.store import Store
+from edgepfl.server.strategies.fedavg import FedAvg
+from edgepfl.wire import decode_tensors
+
+
+class Clock:
+    """A settable clock."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup(tmp_path: Path):
+    manifest = make_bundle(tmp_path / "bundle")
+    config = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state", min_clients=2, round_timeout=100)
+    enroll(config.state, *[f"d{i}" for i in range(6)])
+    return manifest, config, Clock()
+
+
+def _open(engine: RoundEngine, clock: Clock, *names: str) -> None:
+    """Devices poll; one poll interval later the round opens (not every enrolled device showed up)."""
+    for name in names:
+        engine.task(name)
+    clock.now += engine.config.poll_interval
+    for name in names:
+        engine.task(name)
+
+
+def _update(engine: RoundEngine, device: str, round_id: int, shift: float, num_samples: int, manifest) -> dict:
+    base, _ = engine.base_for(device, round_id)
+    new = {name: value + shift for name, value in decode_tensors(base).items()}
+    engine.accept_update(device, round_id, upload_body(new, manifest, num_samples=num_samples))
+    return new
+
+
+def test_round_opens_when_enough_devices_poll_and_samples_deterministically(setup) -> None:
+    manifest, config, clock = setup
+    config = dataclasses.replace(config, min_clients=2, fraction=0.5, seed=7)
+    engine = create_engine(config, clock)
+    assert engine.task("d0").action == "wait"
+    for name in ("d1", "d2", "d3", "d4"):
+        assert engine.task(name).action == "wait"  # quorum, but d5 may still show up within a poll interval
+    assert engine.store.open_round() is None
+    clock.now += config.poll_interval
+    engine.tick()
+    record = engine.store.open_round()
+    assert record is not None and record.round_id == 1 and len(record.sampled) == 3  # ceil(0.5 * 5)
+    # the same seed and the same available devices sample the same devices
+    again = create_engine(dataclasses.replace(config, state=config.state.parent / "other"), clock)
+    enroll(again.config.state, *[f"d{i}" for i in range(6)])
+    _open(again, clock, "d0", "d1", "d2", "d3", "d4")
+    assert again.store.open_round().sampled == record.sampled
+    tasks = {name: engine.task(name) for name in ("d0", "d1", "d2", "d3", "d4")}
+    trainers = sorted(name for name, task in tasks.items() if task.action == "train")
+    assert trainers == list(record.sampled)
+    task = tasks[trainers[0]]
+    assert Task.from_json(task.to_json()) == task
+    assert task.base_url == "/v1/rounds/1/base" and task.deadline == record.opened + 100
+
+
+def test_full_round_aggregates_once_and_chains_the_base(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(dataclasses.replace(config, rounds=2), clock)
+    _open(engine, clock, "d0", "d1")
+    uploads = [(_update(engine, "d0", 1, 1.0, 10, manifest), 10), (_update(engine, "d1", 1, 3.0, 30, manifest), 30)]
+    engine.tick()
+    record = engine.store.round(1)
+    assert record.state == "closed"
+    result = decode_tensors(engine.result_of(1)[0])
+    for name, value in weighted_mean(uploads).items():
+        np.testing.assert_allclose(result[name], value, rtol=1e-6)
+    assert engine.store.round(2) is None  # quorum seen: the next round opens one poll interval later
+    clock.now += config.poll_interval
+    engine.tick()
+    assert engine.store.round(2).base_sha == record.result_sha  # round 2 opened from round 1's result
+    engine.tick()
+    assert engine.store.count_closed() == 1
+
+
+def test_deadline_closes_with_enough_uploads_and_refuses_stragglers(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(config, clock)
+    _open(engine, clock, "d0", "d1", "d2")
+    _update(engine, "d0", 1, 1.0, 5, manifest)
+    _update(engine, "d1", 1, 2.0, 5, manifest)
+    clock.now += 101
+    with pytest.raises(ApiError) as late:
+        engine.check_upload_allowed("d2", 1)
+    assert late.value.status == 409 and late.value.error == "deadline_passed"
+    engine.tick()
+    assert engine.store.round(1).state == "closed"
+    with pytest.raises(ApiError) as closed:
+        engine.check_upload_allowed("d2", 1)
+    assert closed.value.error == "deadline_passed"  # a straggler is told why, even after the close
+
+
+def test_too_few_uploads_abandon_the_round_and_keep_the_base(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(config, clock)
+    _open(engine, clock, "d0", "d1")
+    first_base = engine.store.round(1).base_sha
+    _update(engine, "d0", 1, 1.0, 5, manifest)
+    clock.now += 101
+    engine.tick()
+    assert engine.store.round(1).state == "abandoned"
+    assert engine.store.count_closed() == 0
+    _open(engine, clock, "d0", "d1")
+    assert engine.store.round(2).base_sha == first_base
+
+
+def test_restart_mid_round_keeps_uploads_and_crash_before_commit_does_not_aggregate_twice(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(config, clock)
+    _open(engine, clock, "d0", "d1")
+    first = _update(engine, "d0", 1, 1.0, 10, manifest)
+    engine = create_engine(config, clock)  # as after kill -9: nothing in memory survives
+    assert engine.task("d0").action == "wait"  # already uploaded
+    assert engine.task("d1").action == "train"
+    second = _update(engine, "d1", 1, 2.0, 30, manifest)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies between aggregation and the closing transaction
+
+    engine.store.finish_round = crash
+    with pytest.raises(KeyboardInterrupt):
+        engine.tick()
+    engine = create_engine(config, clock)
+    assert engine.store.round(1).state == "open"
+    engine.tick()
+    assert [r.state for r in engine.store.rounds()] == ["closed"]
+    result = decode_tensors(engine.result_of(1)[0])
+    np.testing.assert_allclose(
+        result["mid.weight"], weighted_mean([(first, 10), (second, 30)])["mid.weight"], rtol=1e-6
+    )
+
+
+def test_state_is_bound_to_bundle_and_strategy(setup, tmp_path: Path) -> None:
+    _, config, clock = setup
+    create_engine(config, clock).store.close()
+    with pytest.raises(StateError, match="different strategy"):
+        create_engine(dataclasses.replace(config, strategy="median"), clock)
+    with pytest.raises(StateError, match="shared layout"):
+        create_engine(dataclasses.replace(config, share_buffers=True), clock)
+    other = tmp_path / "other-bundle"
+    make_bundle(other, kp=0)
+    with pytest.raises(UsageError, match="kp=1"):
+        create_engine(dataclasses.replace(config, bundle=tmp_path / "bundle", strategy="fedavg"), clock)
+    with pytest.raises(StateError, match="bundle base layout"):
+        create_engine(dataclasses.replace(config, bundle=other), clock)
+
+
+def test_initial_base_comes_from_the_bundle_or_init(tmp_path: Path) -> None:
+    manifest = make_bundle(tmp_path / "bundle", with_initial=False)
+    config = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state")
+    with pytest.raises(BundleError, match="--init"):
+        create_engine(config)
+    init = tmp_path / "init.safetensors"
+    from edgepfl.wire import save_tensors
+
+    tensors = initial_tensors(manifest, seed=3)
+    save_tensors(init, tensors)
+    engine = create_engine(dataclasses.replace(config, init=init))
+    stored = decode_tensors(engine.store.read_blob(engine.store.get_meta("initial_base_sha")))
+    assert sorted(stored) == sorted(manifest.names("base"))  # personal tensors in the file are not kept
+    np.testing.assert_array_equal(stored["stem.weight"], tensors["stem.weight"])
+
+
+def test_bn_statistics_travel_only_when_shared(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(dataclasses.replace(config, share_buffers=True), clock)
+    _open(engine, clock, "d0", "d1")
+    base = decode_tensors(engine.base_for("d0", 1)[0])
+    assert {"stem_bn.running_mean", "stem_bn.running_var"} <= set(base)
+    assert "head_bn.running_mean" not in base  # personal-block statistics never travel
+    _update(engine, "d0", 1, 1.0, 1, manifest)
+    _update(engine, "d1", 1, 3.0, 1, manifest)
+    engine.tick()
+    result = decode_tensors(engine.result_of(1)[0])
+    np.testing.assert_allclose(result["stem_bn.running_var"], base["stem_bn.running_var"] + 2.0, rtol=1e-6)
+
+
+class OffsetPerDevice(FedAvg):
+    """A plug-in strategy with per-device payloads (as pFedLA will have): base + the device's index."""
+
+    name = "offset"
+    needs_per_device_payload = True
+
+    def configure_device(
+        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
+    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
+        offset = float(device.removeprefix("d"))
+        return RoundSettings(epochs=2, extra={"offset": offset}), {k: v + offset for k, v in global_base.items()}
+
+
+def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:
+    manifest, config, clock = setup
+    store = Store(config.state)
+    strategy = OffsetPerDevice(manifest.by_role("base"), config.strategy_options)
+    engine = RoundEngine(config, manifest, store, strategy, clock)
+    engine.bind_state()
+    _open(engine, clock, "d1", "d3")
+    task = engine.task("d3")
+    assert task.settings.extra == {"offset": 3.0} and task.settings.epochs == 2
+    d1 = decode_tensors(engine.base_for("d1", 1)[0])
+    d3 = decode_tensors(engine.base_for("d3", 1)[0])
+    np.testing.assert_allclose(d3["mid.weight"] - d1["mid.weight"], 2.0, rtol=1e-5)
+    with pytest.raises(ApiError, match="not sampled"):
+        engine.base_for("d0", 1)
+
+
+def test_corrupt_blob_is_excluded_not_aggregated(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(dataclasses.replace(config, min_clients=2), clock)
+    _open(engine, clock, "d0", "d1", "d2")
+    for i, name in enumerate(("d0", "d1", "d2")):
+        _update(engine, name, 1, float(i), 1, manifest)
+    victim = engine.store.update(1, "d2")
+    engine.store.blob_path(victim.blob_sha).write_bytes(b"bit rot")
+    engine.tick()
+    assert engine.store.round(1).state == "closed"
+    assert engine.store.update(1, "d2").status == "corrupt"
+
+
+def test_metrics_and_status_page(setup) -> None:
+    manifest, config, clock = setup
+    engine = create_engine(config, clock)
+    _open(engine, clock, "d0", "d1")
+    _update(engine, "d0", 1, 1.0, 1, manifest)
+    _update(engine, "d1", 1, 1.0, 1, manifest)
+    engine.tick()
+    assert engine.accept_metrics("d0", 1, EvalMetrics(0.75, 20, 0.4))["duplicate"] is False
+    assert engine.accept_metrics("d0", 1, EvalMetrics(0.75, 20, 0.4))["duplicate"] is True
+    with pytest.raises(ApiError) as conflict:
+        engine.accept_metrics("d0", 1, EvalMetrics(0.5, 20, 0.4))
+    assert conflict.value.status == 409
+    with pytest.raises(ApiError) as bad:
+        engine.accept_metrics("d1", 1, EvalMetrics(1.5, 20))
+    assert bad.value.status == 422
+    status = engine.status()
+    assert status["rounds"][0]["eval_accuracy"]["mean"] == 0.75
+    page = render_page(status)
+    assert "data:image/png;base64," in page and "http" not in page.split("<body>")[1]

@@ -1,0 +1,83 @@
+"""Strategies in isolation: FedAvg/FedPer weighted means, median, trimmed mean, the registry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgepfl.errors import UsageError
+from edgepfl.manifest import TensorSpec
+from edgepfl.server.config import StrategyOptions
+from edgepfl.server.strategies import STRATEGIES, make_strategy
+from edgepfl.server.strategy import AcceptedUpdate
+
+SPECS = [TensorSpec("w", (3, 2), "float32", "base", 0), TensorSpec("b", (2,), "float32", "base", 0)]
+
+
+def _updates(values: list[float], counts: list[int]) -> list[AcceptedUpdate]:
+    return [
+        AcceptedUpdate(f"d{i}", n, {"w": np.full((3, 2), v, np.float32), "b": np.full((2,), -v, np.float32)})
+        for i, (v, n) in enumerate(zip(values, counts))
+    ]
+
+
+def test_registry_names_are_the_cli_names() -> None:
+    assert set(STRATEGIES) == {"fedavg", "fedper", "median", "trimmed-mean"}
+    assert all(cls.name == name for name, cls in STRATEGIES.items())
+    with pytest.raises(UsageError, match="unknown strategy"):
+        make_strategy("fedprox", SPECS, StrategyOptions())
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedper"])
+def test_fedavg_is_the_sample_weighted_mean(name: str) -> None:
+    strategy = make_strategy(name, SPECS, StrategyOptions())
+    result = strategy.aggregate(1, iter(_updates([1.0, 2.0, 4.0], [1, 1, 2])), {})
+    assert result["w"].dtype == np.float32
+    np.testing.assert_allclose(result["w"], np.full((3, 2), 11 / 4))
+    np.testing.assert_allclose(result["b"], np.full((2,), -11 / 4))
+
+
+def test_fedavg_consumes_updates_one_at_a_time() -> None:
+    """Streaming: the strategy never needs more than the current update (a generator is read once)."""
+    alive = []
+
+    def stream():
+        for update in _updates([1.0, 3.0], [5, 5]):
+            alive.append(update.device)
+            yield update
+
+    result = make_strategy("fedper", SPECS, StrategyOptions()).aggregate(1, stream(), {})
+    assert alive == ["d0", "d1"]
+    np.testing.assert_allclose(result["w"], 2.0)
+    assert STRATEGIES["fedper"].streaming and not STRATEGIES["median"].streaming
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.floats(-1e3, 1e3, width=32), st.integers(1, 10_000)), min_size=1, max_size=8))
+def test_fedavg_matches_float64_reference(pairs: list[tuple[float, int]]) -> None:
+    values, counts = [v for v, _ in pairs], [n for _, n in pairs]
+    result = make_strategy("fedavg", SPECS, StrategyOptions()).aggregate(1, _updates(values, counts), {})
+    expected = np.float32(sum(np.float64(np.float32(v)) * n for v, n in pairs) / sum(counts))
+    np.testing.assert_allclose(result["w"], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_median_resists_one_outlier() -> None:
+    result = make_strategy("median", SPECS, StrategyOptions()).aggregate(1, _updates([1.0, 2.0, 1e9], [1, 1, 1000]), {})
+    np.testing.assert_allclose(result["w"], 2.0)
+
+
+def test_trimmed_mean_cuts_each_end() -> None:
+    strategy = make_strategy("trimmed-mean", SPECS, StrategyOptions(trim_fraction=0.2))
+    result = strategy.aggregate(1, _updates([-1e9, 1.0, 2.0, 3.0, 1e9], [1] * 5), {})
+    np.testing.assert_allclose(result["w"], 2.0)
+    two = strategy.aggregate(1, _updates([1.0, 3.0], [1, 1]), {})  # nothing to cut with two
+    np.testing.assert_allclose(two["w"], 2.0)
+
+
+def test_integer_tensors_are_rounded_back() -> None:
+    specs = [TensorSpec("count", (1,), "int64", "buffer", 0)]
+    updates = [AcceptedUpdate("a", 1, {"count": np.array([1])}), AcceptedUpdate("b", 2, {"count": np.array([2])})]
+    result = make_strategy("fedavg", specs, StrategyOptions()).aggregate(1, updates, {})
+    assert result["count"].dtype == np.int64 and result["count"][0] == 2
