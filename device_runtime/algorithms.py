@@ -1,0 +1,244 @@
+"""Client algorithms of one round (fedsim, fedalt, local) over any `Engine`; the simulator calls the same code.
+
+A round is a list of phases, each a trainable set (`full`, `personal`, `base`) and a number of epochs:
+personal fine-tuning with the base frozen comes first when the settings ask for it (FedPer A.3),
+then the algorithm's own phases. Which tensors are personal is the manifest's business, never ours.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgepfl.data import LocalData, num_batches
+from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.errors import UsageError
+from edgepfl.manifest import Manifest, TensorSpec
+from edgepfl.protocol import RoundSettings, UploadMeta
+
+# progress(phase, steps done, steps in the round, loss of the last step)
+Progress = Callable[[str, int, int, float], None]
+
+EVAL_BATCH_SIZE = 256
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Epochs of one trainable set inside a round."""
+
+    name: str  # finetune | joint | personal | base
+    trainable: str  # engine set: full | personal | base
+    epochs: int
+
+
+class ClientAlgorithm(ABC):
+    """What a device does with a round's settings; `name` is the CLI, protocol and result-file word."""
+
+    name: str
+    uploads: bool = True  # whether the round ends with the base sent to the server
+
+    @abstractmethod
+    def phases(self, settings: RoundSettings) -> list[Phase]:
+        """The algorithm's phases for these settings (fine-tuning is added by the round)."""
+
+
+class FedSim(ClientAlgorithm):
+    """FedPer's local update (Algorithm 1): base and personal trained jointly; K_P=0 is FedAvg's client."""
+
+    name = "fedsim"
+
+    def phases(self, settings: RoundSettings) -> list[Phase]:
+        """One joint phase of `epochs`."""
+        return [Phase("joint", "full", settings.epochs)]
+
+
+class FedAlt(ClientAlgorithm):
+    """Pillutla et al.: personal first with the base frozen, then the base with the personal part frozen."""
+
+    name = "fedalt"
+
+    def phases(self, settings: RoundSettings) -> list[Phase]:
+        """`personal_epochs` on the personal part, then `epochs` on the base."""
+        return [Phase("personal", "personal", settings.personal_epochs), Phase("base", "base", settings.epochs)]
+
+
+class Local(ClientAlgorithm):
+    """Personal training only; nothing leaves the device."""
+
+    name = "local"
+    uploads = False
+
+    def phases(self, settings: RoundSettings) -> list[Phase]:
+        """`epochs` on the personal part."""
+        return [Phase("personal", "personal", settings.epochs)]
+
+
+CLIENT_ALGORITHMS: dict[str, ClientAlgorithm] = {algo.name: algo for algo in (FedSim(), FedAlt(), Local())}
+
+
+def client_algorithm(name: str) -> ClientAlgorithm:
+    """The algorithm registered under a protocol name."""
+    if name not in CLIENT_ALGORITHMS:
+        raise UsageError(f"unknown client algorithm {name!r}", f"choose one of: {', '.join(CLIENT_ALGORITHMS)}")
+    return CLIENT_ALGORITHMS[name]
+
+
+def round_phases(settings: RoundSettings, available_sets: tuple[str, ...]) -> list[Phase]:
+    """Fine-tuning then the algorithm's phases, without empty phases or sets the bundle lacks.
+
+    K_P=0 has no personal set (fine-tuning and FedAlt's first phase vanish); a bundle without base
+    tensors has no base set. `local` on a bundle without personal tensors has nothing to train: refused.
+    """
+    algorithm = client_algorithm(settings.algorithm)
+    planned = [Phase("finetune", "personal", settings.finetune_epochs), *algorithm.phases(settings)]
+    phases = [p for p in planned if p.epochs > 0 and p.trainable in available_sets]
+    if algorithm.name == "local" and "personal" not in available_sets:
+        raise UsageError("the local algorithm trains personal tensors, and this bundle has none (kp=0)", "use kp >= 1")
+    return phases
+
+
+def upload_specs(manifest: Manifest, settings: RoundSettings) -> list[TensorSpec]:
+    """The tensors that travel between device and server: the base, plus base-block buffers when shared."""
+    return manifest.by_role("base") + (manifest.base_buffers() if settings.share_buffers else [])
+
+
+def upload_tensors(engine: Engine, settings: RoundSettings) -> dict[str, np.ndarray]:
+    """Current values of `upload_specs`: what a device uploads and what it receives."""
+    return engine.get_tensors([spec.name for spec in upload_specs(engine.manifest, settings)])
+
+
+@dataclass(frozen=True)
+class PhaseLog:
+    """How one phase went."""
+
+    name: str
+    trainable: str
+    epochs: int
+    steps: int
+    mean_loss: float
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """Outcome of one client round: the numbers an upload quotes and the device keeps."""
+
+    round_id: int
+    algorithm: str
+    num_samples: int  # training samples
+    train_loss: float  # mean batch loss over the round's last phase
+    val_loss: float  # held-out loss after training (NaN without held-out data)
+    val_accuracy: float
+    val_samples: int
+    start_val_loss: float  # held-out loss of the received base with this device's personal part
+    start_val_accuracy: float
+    uploads: bool
+    seconds: float
+    phases: tuple[PhaseLog, ...] = field(default_factory=tuple)
+
+    def upload_meta(self, base_layout_hash: str) -> UploadMeta:
+        """The metadata that travels with this round's upload."""
+        return UploadMeta(
+            base_layout_hash=base_layout_hash,
+            num_samples=self.num_samples,
+            train_loss=self.train_loss,
+            val_accuracy=self.val_accuracy,
+            val_loss=self.val_loss,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (NaN written as null)."""
+        data = asdict(self)
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in data.items()}
+
+
+def run_client_round(
+    engine: Engine,
+    settings: RoundSettings,
+    data: LocalData,
+    seed: int,
+    round_id: int,
+    progress: Progress | None = None,
+) -> ClientResult:
+    """One client round on an engine that already holds the round's base: train, then evaluate on held-out data."""
+    started = time.perf_counter()
+    algorithm = client_algorithm(settings.algorithm)
+    phases = round_phases(settings, engine.available_sets())
+    before = evaluate(engine, data)
+    total = sum(p.epochs for p in phases) * num_batches(data.num_train, settings.batch_size)
+    logs: list[PhaseLog] = []
+    done = 0
+
+    def step_done(phase_name: str, loss: float) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(phase_name, done, total, loss)
+
+    epoch = 0
+    for phase in phases:
+        logs.append(
+            train_phase(
+                engine, data, phase, settings.lr, settings.batch_size, round_seed(seed, round_id), epoch, step_done
+            )
+        )
+        epoch += phase.epochs
+    after = evaluate(engine, data)
+    return ClientResult(
+        round_id=round_id,
+        algorithm=algorithm.name,
+        num_samples=data.num_train,
+        train_loss=logs[-1].mean_loss if logs else math.nan,
+        val_loss=after.loss if after.count else math.nan,
+        val_accuracy=after.accuracy if after.count else math.nan,
+        val_samples=after.count,
+        start_val_loss=before.loss if before.count else math.nan,
+        start_val_accuracy=before.accuracy if before.count else math.nan,
+        uploads=algorithm.uploads,
+        seconds=time.perf_counter() - started,
+        phases=tuple(logs),
+    )
+
+
+def train_phase(
+    engine: Engine,
+    data: LocalData,
+    phase: Phase,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    first_epoch: int = 0,
+    on_step: Callable[[str, float], None] | None = None,
+) -> PhaseLog:
+    """`phase.epochs` epochs of SGD on one trainable set; epochs are numbered from `first_epoch` for shuffling."""
+    engine.check_set(phase.trainable)
+    losses: list[float] = []
+    for epoch in range(first_epoch, first_epoch + phase.epochs):
+        for x, y in data.train_batches(batch_size, seed, epoch):
+            losses.append(engine.train_step(x, y, lr, trainable=phase.trainable))
+            if on_step is not None:
+                on_step(phase.name, losses[-1])
+    return PhaseLog(phase.name, phase.trainable, phase.epochs, len(losses), _mean(losses))
+
+
+def evaluate(engine: Engine, data: LocalData, batch_size: int = EVAL_BATCH_SIZE) -> EvalResult:
+    """Loss and accuracy of the engine's current (personalized) model on the held-out data."""
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in data.val_batches(batch_size):
+        result = engine.eval_batch(x, y)
+        loss_sum, correct, count = loss_sum + result.loss_sum, correct + result.correct, count + result.count
+    return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
+
+
+def round_seed(seed: int, round_id: int) -> int:
+    """The shuffling seed of one round: distinct per (device seed, round), identical on every engine."""
+    return int(np.random.SeedSequence([seed, round_id]).generate_state(1)[0])
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan

@@ -1,0 +1,229 @@
+"""`edgepfl device run | train | eval`: the on-device commands. Only typer and the standard library load here."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from edgepfl.data import LocalData
+    from edgepfl.device_runtime.engine import Engine
+    from edgepfl.device_runtime.state import StateFolder
+
+device_app = typer.Typer(
+    help="Train on this device: take part in server rounds, train locally, evaluate. Never needs torch.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+Bundle = Annotated[Path, typer.Option(help="bundle folder written by `edgepfl export`")]
+Data = Annotated[Path, typer.Option(help=".npz with x and y, or an image folder with one sub-folder per class")]
+State = Annotated[Path, typer.Option(help="device state folder (personal tensors, last round); reuse it to resume")]
+EngineName = Annotated[str, typer.Option(help="auto | ort-training | portable (auto: ort-training where installed)")]
+ValFraction = Annotated[float, typer.Option(help="fraction of the data held out for evaluation")]
+Seed = Annotated[int, typer.Option(help="seed of the train/held-out split and of batch shuffling")]
+Threads = Annotated[int | None, typer.Option(help="ONNX Runtime threads (default: ORT's choice)")]
+AsJson = Annotated[bool, typer.Option("--json", help="print the result as JSON only")]
+
+
+@device_app.command()
+def run(
+    bundle: Bundle,
+    data: Data,
+    server: Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")],
+    token: Annotated[str, typer.Option(help="device token from `edgepfl serve tokens add`", envvar="EDGEPFL_TOKEN")],
+    state: State,
+    engine: EngineName = "auto",
+    rounds: Annotated[int | None, typer.Option(help="stop after training this many rounds")] = None,
+    val_fraction: ValFraction = 0.2,
+    seed: Seed = 0,
+    threads: Threads = None,
+    retries: Annotated[int, typer.Option(help="tries per request on connection errors and 5xx")] = 8,
+    timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
+    poll_interval: Annotated[float, typer.Option(help="seconds between polls when the server gives none")] = 5.0,
+    as_json: AsJson = False,
+) -> None:
+    """Take part in rounds until the server says the run is over: base in, base out, personal part kept."""
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, UsageError
+
+    try:
+        if rounds is not None and rounds < 1:
+            raise UsageError(f"--rounds {rounds} is not positive", "pass --rounds 1 or more, or leave it out")
+        if retries < 1 or timeout <= 0 or poll_interval <= 0:
+            raise UsageError("--retries, --timeout and --poll-interval must be positive", "pass positive values")
+        from edgepfl.device_runtime.client import RetryPolicy, ServerClient
+        from edgepfl.device_runtime.progress import RichEvents
+        from edgepfl.device_runtime.runner import DeviceOptions, run_device
+
+        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+        with RichEvents(quiet=as_json) as events:
+            client = ServerClient(
+                server, token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
+            )
+            try:
+                summary = run_device(
+                    device_engine,
+                    local_data,
+                    device_state,
+                    client,
+                    DeviceOptions(seed=seed, max_rounds=rounds, poll_interval=poll_interval),
+                    events,
+                )
+            finally:
+                client.close()
+        _print_result(
+            {
+                "rounds_trained": summary.rounds_trained,
+                "finished": summary.finished,
+                "final_accuracy": summary.final_accuracy,
+                "last_completed_round": device_state.state.last_completed_round,
+                "bytes_sent": summary.bytes_sent,
+                "bytes_received": summary.bytes_received,
+                "engine": device_engine.name,
+                "state": str(state),
+            },
+            as_json,
+            "device run",
+        )
+    except EdgePFLError as error:
+        fail(error)
+
+
+@device_app.command()
+def train(
+    bundle: Bundle,
+    data: Data,
+    state: State,
+    epochs: Annotated[int, typer.Option(help="local epochs")] = 1,
+    trainable: Annotated[str, typer.Option(help="full | personal (fine-tuning, base frozen) | base")] = "full",
+    lr: Annotated[float, typer.Option(help="SGD learning rate")] = 0.01,
+    batch_size: Annotated[int, typer.Option(help="batch size")] = 32,
+    engine: EngineName = "auto",
+    val_fraction: ValFraction = 0.2,
+    seed: Seed = 0,
+    threads: Threads = None,
+    as_json: AsJson = False,
+) -> None:
+    """Train locally without a server (e.g. personal fine-tuning) and save the result in --state."""
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, UsageError
+
+    try:
+        if epochs < 1 or batch_size < 1 or not lr > 0:
+            raise UsageError("--epochs, --batch-size and --lr must be positive", "pass positive values")
+        from edgepfl.device_runtime.algorithms import Phase, evaluate, train_phase
+        from edgepfl.device_runtime.engine import TRAINABLE_SETS
+        from edgepfl.device_runtime.progress import RichEvents
+
+        if trainable not in TRAINABLE_SETS:
+            raise UsageError(f"unknown --trainable {trainable!r}", f"choose one of: {', '.join(TRAINABLE_SETS)}")
+        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+        device_engine.check_set(trainable)
+        before = evaluate(device_engine, local_data)
+        with RichEvents(quiet=as_json) as events:
+            events.start_bar(f"train {trainable}", epochs * -(-local_data.num_train // batch_size))
+            log = train_phase(
+                device_engine,
+                local_data,
+                Phase(trainable, trainable, epochs),
+                lr,
+                batch_size,
+                seed,
+                on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
+            )
+        after = evaluate(device_engine, local_data)
+        record = {
+            "local_training": True,
+            "trainable": trainable,
+            "epochs": epochs,
+            "lr": lr,
+            "batch_size": batch_size,
+            "steps": log.steps,
+            "train_loss": log.mean_loss,
+            "num_samples": local_data.num_train,
+            "start_val_accuracy": before.accuracy if before.count else None,
+            "val_accuracy": after.accuracy if after.count else None,
+            "val_loss": after.loss if after.count else None,
+            "val_samples": after.count,
+            "engine": device_engine.name,
+        }
+        device_state.commit(device_engine.get_tensors(), record)
+        _print_result(record, as_json, "device train")
+    except EdgePFLError as error:
+        fail(error)
+
+
+@device_app.command("eval")
+def evaluate_command(
+    bundle: Bundle,
+    data: Data,
+    state: State,
+    engine: EngineName = "auto",
+    val_fraction: ValFraction = 0.2,
+    seed: Seed = 0,
+    threads: Threads = None,
+    as_json: AsJson = False,
+) -> None:
+    """Accuracy and loss of this device's personalized model on its held-out data."""
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, StateError
+
+    try:
+        from edgepfl.device_runtime.algorithms import evaluate
+
+        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+        if device_state.state.tensors_file is None:
+            raise StateError(f"{state} holds no trained model yet", "run `edgepfl device run` or `device train` first")
+        result = evaluate(device_engine, local_data)
+        if not result.count:
+            raise StateError("no held-out samples to evaluate", "pass --val-fraction above 0 and more data")
+        _print_result(
+            {
+                "accuracy": result.accuracy,
+                "loss": result.loss,
+                "val_samples": result.count,
+                "last_completed_round": device_state.state.last_completed_round,
+                "engine": device_engine.name,
+            },
+            as_json,
+            "device eval",
+        )
+    except EdgePFLError as error:
+        fail(error)
+
+
+def _open(
+    bundle: Path, data: Path, state: Path, engine: str, val_fraction: float, seed: int, threads: int | None
+) -> tuple[Engine, LocalData, StateFolder]:
+    """Bundle, data and state, all checked before any training: an engine holding the saved tensors."""
+    from edgepfl.device_runtime.data import load_device_data
+    from edgepfl.device_runtime.engine import open_engine
+    from edgepfl.device_runtime.runner import restore
+    from edgepfl.device_runtime.state import StateFolder
+
+    device_engine = open_engine(bundle, engine, threads=threads)
+    local_data = load_device_data(data, device_engine.manifest, val_fraction, seed)
+    device_state = StateFolder(state, device_engine.manifest, device_engine.name)
+    restore(device_engine, device_state)
+    return device_engine, local_data, device_state
+
+
+def _print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
+    """JSON for machines (--json), a two-column table for people."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    if as_json:
+        typer.echo(json.dumps(clean))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for key, value in clean.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)

@@ -1,0 +1,190 @@
+"""The device's HTTP client for the server protocol (`edgepfl.protocol`): retries what may pass, reports what won't.
+
+Connection errors, timeouts, 5xx and 429 are retried with exponential backoff and jitter (a
+`Retry-After` header wins). A 4xx is raised once as `ServerRefused`, carrying the server's
+`fix` text; the refusals that mean "this round is over for you" are `RoundGone`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from edgepfl.errors import EdgePFLError
+from edgepfl.protocol import API_PREFIX, EvalMetrics, Task, UploadMeta
+from edgepfl.wire import decode_tensors, encode_tensors
+
+# server error names that end this device's part in a round: drop the round, poll for the next one
+ROUND_GONE_ERRORS = frozenset({"round_closed", "deadline_passed", "not_sampled", "no_such_round"})
+
+
+class ServerError(EdgePFLError):
+    """The server could not be used for a request."""
+
+
+class ServerUnreachable(ServerError):
+    """Connection errors or 5xx answers outlasted every retry."""
+
+
+class ServerRefused(ServerError):
+    """A 4xx answer: retrying the same request would not help."""
+
+    def __init__(self, problem: str, fix: str, status: int, error: str):
+        super().__init__(problem, fix)
+        self.status = status
+        self.error = error
+
+
+class RoundGone(ServerRefused):
+    """The round closed, passed its deadline or does not include this device: the device rejoins the next one."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a request is retried."""
+
+    attempts: int = 8  # tries in all, the first included
+    first_delay: float = 0.5  # seconds before the second try; doubled each time
+    max_delay: float = 30.0  # cap on one wait (a server's Retry-After is capped at 10x this)
+
+
+@dataclass
+class Traffic:
+    """Bytes of request and response bodies, for the round log and the benchmark."""
+
+    sent: int = 0
+    received: int = 0
+
+
+class ServerClient:
+    """One device's connection to `edgepfl serve`: task, base, update and metrics calls."""
+
+    def __init__(
+        self,
+        server_url: str,
+        token: str,
+        retry: RetryPolicy = RetryPolicy(),
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        on_retry: Callable[[str], None] | None = None,
+    ):
+        self.retry = retry
+        self.traffic = Traffic()
+        self._sleep = sleep
+        self._on_retry = on_retry
+        self._jitter = random.Random()
+        self._http = httpx.Client(
+            base_url=server_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def task(self) -> Task:
+        """`GET /v1/task`: what to do now."""
+        response = self._request("GET", f"{API_PREFIX}/task")
+        try:
+            return Task.from_json(response.json())
+        except ValueError:
+            raise ServerError("the server's task is not JSON", "check --server points at `edgepfl serve`") from None
+
+    def fetch_tensors(self, url: str) -> dict[str, np.ndarray]:
+        """GET safetensors bytes (a round's base or result), checked against the ETag (sha256)."""
+        for _ in range(self.retry.attempts):
+            response = self._request("GET", url)
+            etag = response.headers.get("etag", "").strip('"')
+            if not etag or hashlib.sha256(response.content).hexdigest() == etag:
+                return decode_tensors(response.content)
+            self._notify(f"GET {url}: body does not match its ETag, fetching again")
+        raise ServerUnreachable(f"GET {url} kept returning bytes that do not match their ETag", "check the network")
+
+    def upload(self, round_id: int, payload: bytes) -> dict[str, Any]:
+        """`POST /v1/rounds/{r}/update` with a body from `encode_update`; an identical retry is idempotent."""
+        response = self._request(
+            "POST",
+            f"{API_PREFIX}/rounds/{round_id}/update",
+            content=payload,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return response.json()
+
+    def post_metrics(self, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
+        """`POST /v1/rounds/{r}/metrics`: the personalized model's held-out evaluation."""
+        response = self._request("POST", f"{API_PREFIX}/rounds/{round_id}/metrics", json=metrics.to_json())
+        return response.json()
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """Send with retries; return a 2xx response or raise ServerRefused / ServerUnreachable."""
+        problem = ""
+        for attempt in range(self.retry.attempts):
+            retry_after = None
+            try:
+                response = self._http.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                self.traffic.sent += len(response.request.content)
+                self.traffic.received += len(response.content)
+                if response.status_code < 400:
+                    return response
+                if response.status_code < 500 and response.status_code != 429:
+                    raise _refusal(method, url, response)
+                problem = f"HTTP {response.status_code} {_error_body(response).get('detail', '')}".strip()
+                retry_after = response.headers.get("retry-after")
+            if attempt + 1 < self.retry.attempts:
+                delay = self._backoff(attempt, retry_after)
+                self._notify(f"{method} {url} failed ({problem}); retry {attempt + 1} in {delay:.1f} s")
+                self._sleep(delay)
+        raise ServerUnreachable(
+            f"{method} {url} failed {self.retry.attempts} times (last: {problem})",
+            "check --server and the network; the device resumes where it stopped when run again",
+        )
+
+    def _backoff(self, attempt: int, retry_after: str | None = None) -> float:
+        if retry_after is not None:
+            try:
+                return min(max(float(retry_after), 0.0), 10 * self.retry.max_delay)
+            except ValueError:
+                pass
+        delay = min(self.retry.first_delay * 2**attempt, self.retry.max_delay)
+        return delay * self._jitter.uniform(0.5, 1.0)
+
+    def _notify(self, message: str) -> None:
+        if self._on_retry is not None:
+            self._on_retry(message)
+
+
+def encode_update(base_tensors: Mapping[str, np.ndarray], meta: UploadMeta) -> bytes:
+    """The body of an update upload: the base tensors with `UploadMeta` in the safetensors metadata."""
+    return encode_tensors(base_tensors, meta.to_metadata())
+
+
+def _refusal(method: str, url: str, response: httpx.Response) -> ServerRefused:
+    body = _error_body(response)
+    error = str(body.get("error", "http_error"))
+    detail = str(body.get("detail") or response.reason_phrase)
+    fix = str(body.get("fix") or "")
+    kind = RoundGone if error in ROUND_GONE_ERRORS else ServerRefused
+    return kind(
+        f"server refused {method} {url} ({response.status_code} {error}): {detail}", fix, response.status_code, error
+    )
+
+
+def _error_body(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {"detail": response.text[:200]}
+    return body if isinstance(body, dict) else {"detail": str(body)[:200]}

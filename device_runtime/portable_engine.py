@@ -1,0 +1,141 @@
+"""The portable engine: runs a bundle's standard-ONNX step graphs with plain onnxruntime (no training build)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.errors import BundleError, DataError, UsageError
+from edgepfl.manifest import Manifest
+from edgepfl.wire import check_tensors, load_tensors
+
+
+class PortableEngine(Engine):
+    """Trains and evaluates with the `portable/` graphs; tensors stay OrtValues between steps."""
+
+    name = "portable"
+
+    def __init__(self, bundle_dir: str | os.PathLike, manifest: Manifest, threads: int | None = None):
+        super().__init__(bundle_dir, manifest)
+        entry = manifest.engines.get("portable")
+        if not entry:
+            raise BundleError(f"{bundle_dir} has no portable graphs", "re-export with --engines portable")
+        self.entry = entry
+        self.batch_size = int(entry["batch_size"])
+        self.threads = threads
+        # graph inputs and outputs list the state tensors in the entry's order (params, then buffers)
+        self._state_names = list(entry["params"]) + list(entry["buffers"])
+        self._sessions: dict[str, ort.InferenceSession] = {}
+        self._state: dict[str, ort.OrtValue] = {}
+        initial = load_tensors(self.bundle_dir / entry["initial"])
+        check_tensors(initial, [manifest.tensor(n) for n in self._state_names], "portable/initial.safetensors")
+        self.set_tensors(initial)
+
+    def get_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the named tensors (all params and buffers when `names` is None)."""
+        wanted = self._state_names if names is None else list(names)
+        unknown = [n for n in wanted if n not in self._state]
+        if unknown:
+            raise UsageError(f"unknown tensor(s) {unknown[:3]}", "use names listed in the bundle's manifest.json")
+        return {n: np.array(self._state[n].numpy(), copy=True) for n in wanted}
+
+    def set_tensors(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the named tensors; names, shapes and dtypes must match the manifest."""
+        unknown = [n for n in tensors if n not in self._state_names]
+        if unknown:
+            raise UsageError(f"unknown tensor(s) {unknown[:3]}", "use names listed in the bundle's manifest.json")
+        check_tensors(tensors, [self.manifest.tensor(n) for n in tensors], "set_tensors")
+        for name, value in tensors.items():
+            # a private copy: the OrtValue shares the array's memory
+            self._state[name] = ort.OrtValue.ortvalue_from_numpy(np.array(value, copy=True, order="C"))
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
+        """One SGD step on a batch of at most `batch_size` samples (a shorter one is padded and masked)."""
+        self.check_set(trainable)
+        count = self._check_batch(x, y)
+        if count > self.batch_size:
+            raise DataError(
+                f"a batch of {count} samples exceeds the portable graphs' batch size {self.batch_size}",
+                f"train with batches of at most {self.batch_size} or re-export with a larger portable batch",
+            )
+        graph = self.entry["steps"][trainable]
+        session = self._session(f"step_{trainable}", graph["model"])
+        binding = self._bind_state(session, graph["inputs"])
+        batch = (*self._padded(x, y, 0, count), np.array(lr, dtype=np.float32))
+        for name, value in zip(graph["inputs"][len(self._state_names) :], batch):
+            binding.bind_cpu_input(name, value)
+        for name in graph["outputs"]:
+            binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        loss, *state = binding.get_outputs()
+        self._state.update(zip(self._state_names, state))
+        return float(loss.numpy())
+
+    def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
+        """Summed loss and correct count over a batch of any size (run in chunks of `batch_size`)."""
+        count = self._check_batch(x, y)
+        graph = self.entry["eval"]
+        session = self._session("eval", graph["model"])
+        loss_sum, correct = 0.0, 0
+        for start in range(0, count, self.batch_size):
+            chunk = min(self.batch_size, count - start)
+            binding = self._bind_state(session, graph["inputs"])
+            for name, value in zip(graph["inputs"][len(self._state_names) :], self._padded(x, y, start, chunk)):
+                binding.bind_cpu_input(name, value)
+            for name in graph["outputs"][1:]:  # loss and correct; the logits stay unfetched
+                binding.bind_output(name, "cpu")
+            session.run_with_iobinding(binding)
+            loss, hits = (value.numpy() for value in binding.get_outputs())
+            loss_sum += float(loss) * chunk
+            correct += int(hits)
+        return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
+
+    def _bind_state(self, session: ort.InferenceSession, input_names: list[str]) -> ort.IOBinding:
+        binding = session.io_binding()
+        for input_name, tensor_name in zip(input_names, self._state_names):
+            binding.bind_ortvalue_input(input_name, self._state[tensor_name])
+        return binding
+
+    def _session(self, key: str, relative_path: str) -> ort.InferenceSession:
+        if key not in self._sessions:
+            path = self.bundle_dir / relative_path
+            if not path.is_file():
+                raise BundleError(f"bundle file {relative_path} is missing", "re-export or re-copy the whole bundle")
+            options = ort.SessionOptions()
+            if self.threads:
+                options.intra_op_num_threads = self.threads
+                options.inter_op_num_threads = 1
+            self._sessions[key] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return self._sessions[key]
+
+    def _check_batch(self, x: np.ndarray, y: np.ndarray) -> int:
+        sample_shape = tuple(self.manifest.input.shape)
+        if x.ndim != len(sample_shape) + 1 or tuple(x.shape[1:]) != sample_shape:
+            raise DataError(
+                f"inputs have shape {tuple(x.shape)}, the model expects (batch, {', '.join(map(str, sample_shape))})",
+                "reshape the data to the manifest's input shape",
+            )
+        if y.shape != (x.shape[0],):
+            raise DataError(f"labels have shape {tuple(y.shape)} for {x.shape[0]} inputs", "pass one label per input")
+        if x.shape[0] == 0:
+            raise DataError("the batch is empty", "pass at least one sample")
+        return int(x.shape[0])
+
+    def _padded(self, x: np.ndarray, y: np.ndarray, start: int, count: int) -> tuple[np.ndarray, ...]:
+        """(x, y, w) of one graph batch: `count` real samples from `start`, zero-padded and masked."""
+        size = self.batch_size
+        real_x = np.ascontiguousarray(x[start : start + count], dtype=np.float32)
+        real_y = np.ascontiguousarray(y[start : start + count], dtype=np.int64)
+        if count == size:
+            return real_x, real_y, np.ones(size, dtype=np.float32)
+        batch_x = np.zeros((size, *real_x.shape[1:]), dtype=np.float32)
+        batch_x[:count] = real_x
+        batch_y = np.zeros(size, dtype=np.int64)
+        batch_y[:count] = real_y
+        weights = np.zeros(size, dtype=np.float32)
+        weights[:count] = 1.0
+        return batch_x, batch_y, weights

@@ -1,0 +1,228 @@
+"""The device's round loop: poll the task, train once per round, save, upload; resume safely after any crash.
+
+One round: poll task -> train for round r > last completed -> fetch base (ETag-checked) -> set base ->
+run the client algorithm -> commit state with the upload body saved as pending -> upload -> mark
+delivered. After a `kill -9`, a pending upload is sent again (an identical body is idempotent on the
+server) or dropped when its round is gone; a round is never trained twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from edgepfl.data import LocalData, num_batches
+from edgepfl.device_runtime.algorithms import (
+    ClientResult,
+    evaluate,
+    round_phases,
+    run_client_round,
+    upload_specs,
+    upload_tensors,
+)
+from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, encode_update
+from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.state import StateFolder
+from edgepfl.errors import BundleError, WireError
+from edgepfl.manifest import Manifest
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
+from edgepfl.wire import check_tensors
+
+MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    """How `edgepfl device run` behaves; made at the CLI edge."""
+
+    seed: int = 0  # shuffling seed (the train/held-out split has its own, in LocalData)
+    max_rounds: int | None = None  # rounds to train in this run; None: until the server says done
+    poll_interval: float = 5.0  # wait when the server gives no retry_after
+
+
+class DeviceEvents:
+    """What the loop reports; the CLI draws it, tests may record it. Every method is a no-op here."""
+
+    def message(self, text: str) -> None:
+        """A one-line status message."""
+
+    def round_started(self, round_id: int, settings: RoundSettings, total_steps: int) -> None:
+        """Training of a round begins."""
+
+    def step(self, phase: str, done: int, total: int, loss: float) -> None:
+        """One training step finished."""
+
+    def round_finished(self, round_id: int, result: ClientResult, upload: str) -> None:
+        """A round's training is saved; `upload` is delivered, dropped or none."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one `device run` did."""
+
+    rounds_trained: int
+    finished: bool  # the server said done
+    final_accuracy: float | None
+    bytes_sent: int
+    bytes_received: int
+
+
+def restore(engine: Engine, state: StateFolder) -> bool:
+    """Load the saved tensors into the engine; False when the state is fresh (bundle's initial tensors)."""
+    saved = state.load_tensors()
+    if saved is None:
+        return False
+    engine.set_tensors(saved)
+    return True
+
+
+def run_device(
+    engine: Engine,
+    data: LocalData,
+    state: StateFolder,
+    client: ServerClient,
+    options: DeviceOptions,
+    events: DeviceEvents | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RunSummary:
+    """Take part in rounds until the server says done (or `options.max_rounds` rounds are trained)."""
+    events = events or DeviceEvents()
+    manifest = engine.manifest
+    restore(engine, state)
+    if state.state.pending_upload is not None:
+        _deliver_pending(state, client, events)
+    trained = 0
+    told_waiting = False
+    while options.max_rounds is None or trained < options.max_rounds:
+        task = client.task()
+        if task.base_layout_hash != manifest.base_layout_hash:
+            raise BundleError(
+                f"the server trains a base with layout {task.base_layout_hash[:12]}…, "
+                f"this bundle has {manifest.base_layout_hash[:12]}…",
+                "use the bundle the server was started with",
+            )
+        if task.action == "done":
+            accuracy = _finish(engine, data, state, client, task, events)
+            return _summary(trained, True, accuracy, client)
+        round_id = task.round_id
+        last = state.state.last_completed_round
+        if task.action == "train" and round_id is not None and (last is None or round_id > last):
+            _train_round(engine, data, state, client, task, options, events)
+            trained += 1
+            told_waiting = False
+            continue
+        if task.action == "train" and not told_waiting:
+            events.message(f"round {round_id} is already trained on this device; waiting for the next round")
+        elif not told_waiting:
+            events.message("waiting for a round")
+        told_waiting = True
+        sleep(min(task.retry_after or options.poll_interval, MAX_WAIT))
+    return _summary(trained, False, None, client)
+
+
+def _train_round(
+    engine: Engine,
+    data: LocalData,
+    state: StateFolder,
+    client: ServerClient,
+    task: Task,
+    options: DeviceOptions,
+    events: DeviceEvents,
+) -> None:
+    round_id = task.round_id
+    assert round_id is not None
+    settings = task.settings or RoundSettings()
+    manifest = engine.manifest
+    try:
+        base = client.fetch_tensors(task.base_url or f"{API_PREFIX}/rounds/{round_id}/base")
+    except RoundGone as gone:
+        events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
+        return
+    _check_base(base, manifest, settings.share_buffers, f"base of round {round_id}")
+    engine.set_tensors(base)
+    steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
+    events.round_started(round_id, settings, steps * num_batches(data.num_train, settings.batch_size))
+    result = run_client_round(engine, settings, data, options.seed, round_id, progress=events.step)
+    payload = None
+    if result.uploads:
+        payload = encode_update(upload_tensors(engine, settings), result.upload_meta(manifest.base_layout_hash))
+    record = {**result.to_json(), "round": round_id, "engine": engine.name, "upload": "pending" if payload else "none"}
+    state.commit(engine.get_tensors(), record, round_id=round_id, upload_payload=payload)
+    upload = _deliver_pending(state, client, events) if payload is not None else "none"
+    if payload is None:
+        _post_metrics(client, round_id, record, events)
+    events.round_finished(round_id, result, upload)
+
+
+def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEvents) -> str:
+    """Upload the saved update of the pending round; returns delivered or dropped."""
+    pending = state.state.pending_upload
+    assert pending is not None
+    payload = state.pending_payload()
+    assert payload is not None
+    try:
+        client.upload(pending.round_id, payload)
+    except RoundGone as gone:
+        state.settle_upload(pending.round_id, delivered=False)
+        events.message(
+            f"round {pending.round_id} closed before its update arrived ({gone.error}); "
+            "the update is dropped, the device rejoins the next round"
+        )
+        return "dropped"
+    state.settle_upload(pending.round_id, delivered=True)
+    record = next((r for r in reversed(state.state.history) if r.get("round") == pending.round_id), {})
+    _post_metrics(client, pending.round_id, record, events)
+    return "delivered"
+
+
+def _post_metrics(client: ServerClient, round_id: int, record: dict[str, Any], events: DeviceEvents) -> None:
+    """Report the personalized model's held-out evaluation; metrics are advisory, so failures only warn."""
+    accuracy, samples = record.get("val_accuracy"), record.get("val_samples")
+    if accuracy is None or not samples:
+        return
+    try:
+        client.post_metrics(round_id, EvalMetrics(accuracy, int(samples), record.get("val_loss")))
+    except ServerError as error:
+        events.message(f"metrics of round {round_id} not reported: {error}")
+
+
+def _finish(
+    engine: Engine, data: LocalData, state: StateFolder, client: ServerClient, task: Task, events: DeviceEvents
+) -> float | None:
+    """The run is over: take the final base (if any), evaluate the personalized model, save it."""
+    if task.base_url is None:
+        events.message("the server says the run is over")
+        return None
+    final_base = client.fetch_tensors(task.base_url)
+    # a done task carries no settings: whether buffers travel is read off the tensors themselves
+    shares_buffers = any(name in final_base for name in engine.manifest.names("buffer"))
+    _check_base(final_base, engine.manifest, shares_buffers, "final base")
+    engine.set_tensors(final_base)
+    result = evaluate(engine, data)
+    accuracy = result.accuracy if result.count else None
+    record = {
+        "final": True,
+        "round": task.round_id,
+        "val_accuracy": accuracy,
+        "val_loss": result.loss if result.count else math.nan,
+        "val_samples": result.count,
+    }
+    state.commit(engine.get_tensors(), record)
+    shown = f"{accuracy:.3f}" if accuracy is not None else "n/a (no held-out data)"
+    events.message(f"the run is over after round {task.round_id}; personalized accuracy {shown}")
+    return accuracy
+
+
+def _check_base(base: dict[str, Any], manifest: Manifest, share_buffers: bool, what: str) -> None:
+    """The server's base must be exactly the tensors this bundle shares."""
+    try:
+        check_tensors(base, upload_specs(manifest, RoundSettings(share_buffers=share_buffers)), what=what)
+    except WireError as error:
+        raise BundleError(str(error), "use the bundle the server was started with") from None
+
+
+def _summary(trained: int, finished: bool, accuracy: float | None, client: ServerClient) -> RunSummary:
+    return RunSummary(trained, finished, accuracy, client.traffic.sent, client.traffic.received)

@@ -1,0 +1,178 @@
+"""Local data as a model sees it: validation, normalisation, a seeded train/held-out split and batches.
+
+numpy only: the device runtime and the simulator share this module. Images are kept in their
+stored dtype (uint8 stays uint8) and normalised per batch, so a device holds 1 byte per pixel.
+
+Pixel convention: uint8 pixels are divided by 255; float pixels are taken as already scaled to
+[0, 1] (values outside it are refused). Both are then normalised with the manifest's per-channel
+mean and std. Arrays may be NCHW or NHWC; the layout is detected from the manifest's input shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgepfl.errors import DataError
+from edgepfl.manifest import InputSpec, Manifest
+
+# float pixels may come from JPEG decoding or resampling that overshoots [0, 1] by a rounding error
+_FLOAT_PIXEL_SLACK = 1e-3
+
+
+def to_model_layout(x: np.ndarray, input_spec: InputSpec, what: str = "x") -> np.ndarray:
+    """The images as (N, C, H, W), without copying when they already are; DataError when they cannot fit."""
+    channels, height, width = input_spec.shape
+    if x.ndim == 3 and channels == 1 and x.shape[1:] == (height, width):
+        return x[:, None, :, :]
+    if x.ndim == 4:
+        nchw = x.shape[1:] == (channels, height, width)
+        nhwc = x.shape[1:] == (height, width, channels)
+        if nchw and (not nhwc or input_spec.layout == "NCHW"):
+            return x
+        if nhwc:
+            return x.transpose(0, 3, 1, 2)
+        for size, channel_axis in (((x.shape[2], x.shape[3]), 1), ((x.shape[1], x.shape[2]), 3)):
+            if x.shape[channel_axis] != channels and size == (height, width):
+                raise DataError(
+                    f"{what} has {x.shape[channel_axis]} channel(s) per image, the model takes {channels}",
+                    "convert the images (grey <-> colour) or export the model with matching --in-channels",
+                )
+        for size, channel_axis in (((x.shape[2], x.shape[3]), 1), ((x.shape[1], x.shape[2]), 3)):
+            if x.shape[channel_axis] == channels:
+                raise DataError(
+                    f"{what} images are {size[0]}x{size[1]}, the model takes {height}x{width}",
+                    f"resize the images or export the model with --input-size {size[0]}",
+                )
+    raise DataError(
+        f"{what} has shape {tuple(x.shape)}, the model takes images of {(channels, height, width)} (NCHW) "
+        f"or {(height, width, channels)} (NHWC)",
+        "save x as an (N, C, H, W) or (N, H, W, C) array",
+    )
+
+
+def check_pixels(x: np.ndarray, what: str = "x") -> None:
+    """uint8 pixels, or floats in [0, 1]; anything else is refused with the fix."""
+    if x.dtype == np.uint8:
+        return
+    if x.dtype.kind != "f":
+        raise DataError(f"{what} has dtype {x.dtype}", "store images as uint8 pixels or floats in [0, 1]")
+    if x.size and not np.isfinite(x).all():
+        raise DataError(f"{what} contains NaN or Inf", "clean the images before training")
+    if x.size and (x.min() < -_FLOAT_PIXEL_SLACK or x.max() > 1 + _FLOAT_PIXEL_SLACK):
+        raise DataError(
+            f"{what} holds floats in [{x.min():.3g}, {x.max():.3g}]; float pixels must be in [0, 1]",
+            "store uint8 pixels or divide by 255 (do not apply mean/std yourself: the manifest's are used)",
+        )
+
+
+def check_labels(y: np.ndarray, num_classes: int, count: int, what: str = "y") -> np.ndarray:
+    """Labels as int64 class indices in 0..num_classes-1, one per image; DataError otherwise."""
+    if y.ndim != 1 or len(y) != count:
+        raise DataError(
+            f"{what} has shape {tuple(y.shape)}, expected ({count},): one class index per image",
+            "store labels as a 1-D array of class indices",
+        )
+    if y.dtype.kind == "f":
+        if not np.array_equal(y, np.round(y)):
+            raise DataError(f"{what} holds non-integer values", "store labels as class indices, not one-hot or scores")
+    elif y.dtype.kind not in "iub":
+        raise DataError(f"{what} has dtype {y.dtype}", "store labels as integer class indices")
+    labels = y.astype(np.int64)
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if len(bad):
+        first = int(bad[0])
+        raise DataError(
+            f"{what}[{first}] = {labels[first]} is not a class of this model (0..{num_classes - 1}); "
+            f"{len(bad)} label(s) are out of range",
+            f"relabel the data or export the model with --num-classes {int(labels.max()) + 1}",
+        )
+    return labels
+
+
+def normalize(x: np.ndarray, input_spec: InputSpec) -> np.ndarray:
+    """float32 NCHW model input: uint8 / 255 (floats taken as [0, 1]), then (x - mean) / std per channel."""
+    images = to_model_layout(x, input_spec)
+    scaled = images.astype(np.float32)
+    if images.dtype == np.uint8:
+        scaled *= np.float32(1.0 / 255.0)
+    if input_spec.mean:
+        mean = np.asarray(input_spec.mean, dtype=np.float32).reshape(1, -1, 1, 1)
+        std = np.asarray(input_spec.std, dtype=np.float32).reshape(1, -1, 1, 1)
+        scaled -= mean
+        scaled /= std
+    return np.ascontiguousarray(scaled)
+
+
+def split_train_val(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded split of n sample indices into (train, held-out); both sorted, train never empty."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"validation fraction {val_fraction} is outside [0, 1)", "pass e.g. --val-fraction 0.2")
+    if n < 1:
+        raise DataError("the data holds no samples", "pass a data set with at least one image")
+    n_val = min(int(round(n * val_fraction)), n - 1)
+    if val_fraction > 0 and n >= 2:
+        n_val = max(n_val, 1)
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def iterate_batches(n: int, batch_size: int, seed: int, epoch: int) -> Iterator[np.ndarray]:
+    """Positions 0..n-1 in batches, shuffled by (seed, epoch); the last partial batch is included."""
+    if batch_size < 1:
+        raise DataError(f"batch size {batch_size} is not positive", "use a batch size of at least 1")
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    for start in range(0, n, batch_size):
+        yield order[start : start + batch_size]
+
+
+def num_batches(n: int, batch_size: int) -> int:
+    """How many batches `iterate_batches` yields for n samples."""
+    return -(-n // batch_size)
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """A device's (or a simulated client's) images and labels with its train/held-out split."""
+
+    images: np.ndarray  # (N, C, H, W) as stored: uint8 pixels or floats in [0, 1]
+    labels: np.ndarray  # (N,) int64
+    train_index: np.ndarray
+    val_index: np.ndarray
+    input_spec: InputSpec
+
+    @property
+    def num_train(self) -> int:
+        """Training samples: the count an upload quotes."""
+        return len(self.train_index)
+
+    @property
+    def num_val(self) -> int:
+        """Held-out samples."""
+        return len(self.val_index)
+
+    def train_batches(self, batch_size: int, seed: int, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Normalised (x, y) training batches, shuffled by (seed, epoch)."""
+        for positions in iterate_batches(self.num_train, batch_size, seed, epoch):
+            yield self._batch(self.train_index[positions])
+
+    def val_batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Normalised (x, y) held-out batches in a fixed order."""
+        for start in range(0, self.num_val, batch_size):
+            yield self._batch(self.val_index[start : start + batch_size])
+
+    def _batch(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return normalize(self.images[index], self.input_spec), self.labels[index]
+
+
+def make_local_data(
+    x: np.ndarray, y: np.ndarray, manifest: Manifest, val_fraction: float, seed: int, what: str = "data"
+) -> LocalData:
+    """Check images and labels against the manifest and split them; every mismatch is one DataError."""
+    images = to_model_layout(np.asarray(x), manifest.input, what=f"{what} x")
+    check_pixels(images, what=f"{what} x")
+    labels = check_labels(np.asarray(y), manifest.num_classes, len(images), what=f"{what} y")
+    train_index, val_index = split_train_val(len(images), val_fraction, seed)
+    return LocalData(images, labels, train_index, val_index, manifest.input)
