@@ -8,7 +8,9 @@ from typing import Annotated
 
 import typer
 
+from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
+from edgepfl.server.cli import serve_app
 
 app = typer.Typer(
     name="edgepfl",
@@ -17,6 +19,10 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+
+
+app.add_typer(serve_app, name="serve")
+app.add_typer(device_app, name="device")
 
 
 @app.callback()
@@ -74,6 +80,57 @@ def export(
         with console.status("exporting") as status:
             manifest = export_bundle(spec, kp, out, options, progress=lambda step: status.update(f"exporting {step}"))
         print_summary(manifest, out, console)
+    except EdgePFLError as error:
+        fail(error)
+
+
+@app.command("partition")
+def partition_command(
+    dataset: Annotated[
+        str, typer.Option(help="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or a .npz path")
+    ] = "mnist",
+    data_root: Annotated[Path, typer.Option(help="folder that holds the dataset")] = Path("data"),
+    partition: Annotated[
+        str, typer.Option(help="iid | classes:K | dirichlet:ALPHA | ds3 | dominant:D[:SHARE] | file:PATH.json")
+    ] = "iid",
+    clients: Annotated[int | None, typer.Option(help="number of clients (default 10; file: takes the file's)")] = None,
+    seed: Annotated[int, typer.Option(help="seed of the partition")] = 0,
+    split: Annotated[str, typer.Option(help="each client's train,val,test fractions")] = "0.6,0.2,0.2",
+    show: Annotated[bool, typer.Option("--show", help="print the client x class count table")] = False,
+    out: Annotated[Path | None, typer.Option(help="write the partition as a file: JSON (train+test indices)")] = None,
+    download: Annotated[bool, typer.Option("--download", help="download the dataset if it is missing")] = False,
+    checksums: Annotated[
+        Path | None, typer.Option(help="md5 list (JSON or CSV) of a known copy of the dataset")
+    ] = None,
+) -> None:
+    """Partition a dataset among clients and show the client x class counts (train/val/test per client)."""
+    from edgepfl.datasets import load_dataset
+    from edgepfl.errors import UsageError
+    from edgepfl.partition import make_partition, parse_split, partition_table, write_partition_file
+
+    try:
+        if not show and out is None:
+            raise UsageError("partition has nothing to do", "add --show to print the table or --out FILE.json")
+        fractions = parse_split(split)
+        data = load_dataset(dataset, data_root, download=download, checksums=checksums)
+        if clients is None and not partition.startswith("file:"):
+            clients = 10
+        parts = make_partition(partition, data.y_train, data.y_test, clients, seed, fractions)
+        from rich.console import Console
+        from rich.measure import Measurement
+
+        console = Console()
+        console.print(f"{data.description}: {data.num_train} train + {len(data.y_test)} test samples ({data.verified})")
+        if show:
+            generated = "" if partition.startswith("file:") else f" --seed {seed} --split {split}"
+            title = f"{data.name} {partition}, {len(parts)} clients{generated}"
+            table = partition_table(parts, data.labels, title=title)
+            wide = Console(width=100_000)
+            needed = Measurement.get(wide, wide.options, table).maximum
+            Console(width=max(console.width, needed)).print(table)  # a cut-off count is worse than a wide line
+        if out is not None:
+            write_partition_file(out, parts)
+            console.print(f"wrote {out} ({len(parts)} clients, index_space train+test)")
     except EdgePFLError as error:
         fail(error)
 
