@@ -29,6 +29,7 @@ class ExportOptions:
     optimizer: str = "sgd"
     seed: int = 0
     force: bool = False
+    portable_batch: int = 32
 
 
 def export_bundle(
@@ -106,7 +107,7 @@ def _write_bundle(
         progress("portable step graphs")
         from edgepfl.export import portable
 
-        engines["portable"] = portable.export_portable(model, manifest, folder / "portable")
+        engines["portable"] = portable.export_portable(model, manifest, folder / "portable", options.portable_batch)
     files = {
         str(path.relative_to(folder)).replace("\\", "/"): sha256_file(path)
         for path in sorted(folder.rglob("*"))

@@ -1,0 +1,386 @@
+"""The portable engine's artifacts: a whole SGD training step as a graph of default-domain ONNX ops.
+
+Each step graph maps `param:<name>…, buffer:<name>…, x, y, w, lr` to `loss, new_param:<name>…,
+new_buffer:<name>…`. `w` is a per-sample weight: the loss is sum(w·ce)/sum(w), and training-mode
+BatchNorm computes its batch statistics over the samples with w > 0 only, so a last partial batch
+padded with w = 0 trains exactly like PyTorch on its real samples. Plain onnxruntime (any current
+release, ARM included) runs these graphs; no training build is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import onnx
+import onnxscript
+import onnxscript.optimizer
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgepfl.errors import UsageError
+from edgepfl.export.models import BlockModel
+from edgepfl.manifest import Manifest
+from edgepfl.wire import save_tensors
+
+PORTABLE_OPSET = 20
+PORTABLE_IR = 10  # onnxruntime 1.19 loads IR <= 10
+DEFAULT_BATCH = 32
+BN_MOMENTUM = 0.1
+PARAM_PREFIX = "param:"
+BUFFER_PREFIX = "buffer:"
+NEW_PARAM_PREFIX = "new_param:"
+NEW_BUFFER_PREFIX = "new_buffer:"
+SAMPLE_INPUTS = ("x", "y", "w")
+STEP_OUTPUT_LOSS = "loss"
+EVAL_OUTPUTS = ("logits", "loss", "correct")
+
+aten = torch.ops.aten
+
+
+def export_portable(model: BlockModel, manifest: Manifest, folder: Path, batch_size: int = DEFAULT_BATCH) -> dict:
+    """Write the step graphs, the eval graph and the initial tensors; returns the manifest entry."""
+    if batch_size < 1:
+        raise UsageError(f"portable batch size {batch_size} must be positive", "use 32, or at least 1")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = folder.name
+    step_model = MaskedModel(model)
+    params = manifest.names("base") + manifest.names("personal")
+    params = [name for name, _ in model.named_parameters() if name in set(params)]
+    buffers = [name for name, _ in model.named_buffers() if name in set(manifest.names("buffer"))]
+    state = _state(model, params, buffers)
+    trainable_sets = {
+        "full": params,
+        "personal": [n for n in params if manifest.tensor(n).role == "personal"],
+        "base": [n for n in params if manifest.tensor(n).role == "base"],
+    }
+    steps = {}
+    for set_name, trainable in trainable_sets.items():
+        if not trainable:  # K_P=0 has no personal set, K_P=max no base set
+            continue
+        proto = export_step(step_model, params, buffers, trainable, batch_size)
+        onnx.save(proto, str(folder / f"step_{set_name}.onnx"))
+        steps[set_name] = {
+            "model": f"{prefix}/step_{set_name}.onnx",
+            "trainable": trainable,
+            "inputs": [i.name for i in proto.graph.input],
+            "outputs": [o.name for o in proto.graph.output],
+        }
+    eval_proto = export_eval(step_model, params, buffers, batch_size)
+    onnx.save(eval_proto, str(folder / "eval.onnx"))
+    save_tensors(folder / "initial.safetensors", {n: t.detach().cpu().numpy() for n, t in state.items()})
+    return {
+        "batch_size": batch_size,
+        "opset": PORTABLE_OPSET,
+        "ir_version": PORTABLE_IR,
+        "loss": "cross_entropy",
+        "optimizer": "sgd",
+        "bn_momentum": BN_MOMENTUM,
+        "params": params,
+        "buffers": buffers,
+        "steps": steps,
+        "eval": {
+            "model": f"{prefix}/eval.onnx",
+            "inputs": [i.name for i in eval_proto.graph.input],
+            "outputs": [o.name for o in eval_proto.graph.output],
+        },
+        "initial": f"{prefix}/initial.safetensors",
+    }
+
+
+def sgd_step(
+    model: MaskedModel,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    trainable: Sequence[str],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One SGD step of a masked-BatchNorm model: (loss, new params, new buffers); frozen params pass through."""
+    trainable_set = set(trainable)
+    frozen = {n: p for n, p in params.items() if n not in trainable_set}
+
+    def weighted_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        new_buffers = {n: b.clone() for n, b in buffers.items()}
+        logits = model({**train, **frozen, **new_buffers}, x, w)
+        return _weighted_cross_entropy(logits, y, w), new_buffers
+
+    train = {n: params[n] for n in trainable}
+    grads, (loss, new_buffers) = torch.func.grad_and_value(weighted_loss, has_aux=True)(train)
+    new_params = {n: (p - lr * grads[n] if n in trainable_set else p) for n, p in params.items()}
+    return loss, new_params, new_buffers
+
+
+def export_step(
+    step_model: MaskedModel, params: list[str], buffers: list[str], trainable: list[str], batch_size: int
+) -> onnx.ModelProto:
+    """Trace `sgd_step` for one trainable set and export it as a default-domain ONNX graph."""
+
+    def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        param_values = dict(zip(params, flat[: len(params)]))
+        buffer_values = dict(zip(buffers, flat[len(params) : len(params) + len(buffers)]))
+        x, y, w, lr = flat[len(params) + len(buffers) :]
+        loss, new_params, new_buffers = sgd_step(step_model, param_values, buffer_values, trainable, x, y, w, lr)
+        return (loss, *(new_params[n] for n in params), *(new_buffers[n] for n in buffers))
+
+    step_model.train()
+    inputs = _example_inputs(step_model, params, buffers, batch_size) + [torch.tensor(0.01)]
+    input_names = _state_names(params, buffers) + [*SAMPLE_INPUTS, "lr"]
+    output_names = (
+        [STEP_OUTPUT_LOSS] + [NEW_PARAM_PREFIX + n for n in params] + [NEW_BUFFER_PREFIX + n for n in buffers]
+    )
+    return _to_onnx(step, inputs, input_names, output_names)
+
+
+def export_eval(step_model: MaskedModel, params: list[str], buffers: list[str], batch_size: int) -> onnx.ModelProto:
+    """Trace the inference-mode forward with loss and correct count as a default-domain ONNX graph."""
+
+    def evaluate(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state = dict(zip(params + buffers, flat[: len(params) + len(buffers)]))
+        x, y, w = flat[len(params) + len(buffers) :]
+        logits = step_model(state, x, w)
+        correct = ((logits.argmax(1) == y) & (w > 0)).sum()
+        return logits, _weighted_cross_entropy(logits, y, w), correct
+
+    step_model.train(False)
+    inputs = _example_inputs(step_model, params, buffers, batch_size)
+    input_names = _state_names(params, buffers) + list(SAMPLE_INPUTS)
+    return _to_onnx(evaluate, inputs, input_names, list(EVAL_OUTPUTS))
+
+
+def default_domain_violations(proto: onnx.ModelProto) -> list[str]:
+    """Nodes and opset imports outside the default ONNX domain (empty when the graph is portable)."""
+    bad = [
+        f"node {n.name or n.op_type} in domain {n.domain}" for n in proto.graph.node if n.domain not in ("", "ai.onnx")
+    ]
+    bad += [f"opset import {o.domain}" for o in proto.opset_import if o.domain not in ("", "ai.onnx")]
+    bad += [f"function {f.domain}.{f.name}" for f in proto.functions]
+    return bad
+
+
+class MaskedBatchNorm2d(nn.Module):
+    """BatchNorm2d whose training-mode statistics count only the samples with weight > 0.
+
+    Same tensor names as nn.BatchNorm2d (weight, bias, running_mean, running_var; no
+    num_batches_tracked: momentum is fixed). Written with primitive ops so that the ONNX exporter
+    cannot turn it into an inference-mode BatchNormalization node.
+    """
+
+    def __init__(self, source: nn.BatchNorm2d, mask_slot: _MaskSlot):
+        super().__init__()
+        self.mask_slot = mask_slot
+        self.eps = source.eps
+        self.momentum = BN_MOMENTUM if source.momentum is None else source.momentum
+        self.weight = nn.Parameter(source.weight.detach().clone())
+        self.bias = nn.Parameter(source.bias.detach().clone())
+        self.register_buffer("running_mean", source.running_mean.detach().clone())
+        self.register_buffer("running_var", source.running_var.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1, 1, 1)
+        if not self.training:
+            scale = self.weight * torch.rsqrt(self.running_var + self.eps)
+            return x * scale.view(shape) + (self.bias - self.running_mean * scale).view(shape)
+        mask = self.mask_slot.value
+        sample_mask = mask.view(-1, 1, 1, 1)
+        count = mask.sum() * (x.shape[2] * x.shape[3])
+        mean = (x * sample_mask).sum((0, 2, 3)) / count
+        centred = x - mean.view(shape)
+        var = (centred * centred * sample_mask).sum((0, 2, 3)) / count
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        with torch.no_grad():
+            unbiased = var * count / (count - 1)
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased)
+        return centred * scale.view(shape) + self.bias.view(shape)
+
+
+class _MaskSlot:
+    """Carries the current batch's sample mask to every MaskedBatchNorm2d of one model copy."""
+
+    value: torch.Tensor | None = None
+
+
+class MaskedModel:
+    """A copy of a zoo model whose BatchNorm layers count only real samples; called functionally."""
+
+    def __init__(self, model: BlockModel):
+        self.spec = model.spec
+        self.module = copy.deepcopy(model)
+        self.slot = _MaskSlot()
+        for parent in list(self.module.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, nn.BatchNorm2d):
+                    setattr(parent, child_name, MaskedBatchNorm2d(child, self.slot))
+
+    def __call__(self, state: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Logits of `x` with the model's tensors taken from `state`; samples with w = 0 do not count."""
+        self.slot.value = (w > 0).to(x.dtype)
+        try:
+            return torch.func.functional_call(self.module, state, (x,))
+        finally:
+            self.slot.value = None
+
+    def train(self, mode: bool = True) -> None:
+        """Training mode (batch statistics) or inference mode (running statistics)."""
+        self.module.train(mode)
+
+
+def _weighted_cross_entropy(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum()
+
+
+def _state(model: nn.Module, params: list[str], buffers: list[str]) -> dict[str, torch.Tensor]:
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    return {n: tensors[n].detach().clone() for n in params + buffers}
+
+
+def _state_names(params: list[str], buffers: list[str]) -> list[str]:
+    return [PARAM_PREFIX + n for n in params] + [BUFFER_PREFIX + n for n in buffers]
+
+
+def _example_inputs(step_model: MaskedModel, params: list[str], buffers: list[str], batch_size: int) -> list:
+    state = _state(step_model.module, params, buffers)
+    spec = step_model.spec
+    return [
+        *(state[n] for n in params + buffers),
+        torch.zeros(batch_size, *spec.input_shape),
+        torch.zeros(batch_size, dtype=torch.int64),
+        torch.ones(batch_size),
+    ]
+
+
+def _to_onnx(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    inputs: list[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+) -> onnx.ModelProto:
+    """make_fx (functional, core ATen + our convolution backward) -> torch.export -> ONNX, names applied."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    table = dict(core_aten_decompositions())
+    table[aten.convolution_backward.default] = _convolution_backward
+    graph_module = make_fx(
+        torch.func.functionalize(fn, remove="mutations_and_views"), tracing_mode="fake", decomposition_table=table
+    )(*inputs)
+    program = torch.export.export(graph_module, tuple(inputs), strict=False)
+    # the exporter's full optimizer takes most of the export time; constant folding and CSE give
+    # onnxruntime (which runs its own graph optimizations) what it needs
+    onnx_program = torch.onnx.export(program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False)
+    ir_model = onnx_program.model
+    onnxscript.optimizer.fold_constants_ir(ir_model)
+    onnxscript.ir.passes.common.RemoveUnusedNodesPass()(ir_model)
+    onnxscript.ir.passes.common.CommonSubexpressionEliminationPass()(ir_model)
+    proto = _rename(onnxscript.ir.serde.serialize_model(ir_model), input_names, output_names)
+    proto.ir_version = min(proto.ir_version, PORTABLE_IR)
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> onnx.ModelProto:
+    """Give graph inputs and outputs our names; an output that is an input (frozen) gets an Identity."""
+    graph = proto.graph
+    if len(graph.input) != len(input_names) or len(graph.output) != len(output_names):
+        raise UsageError(
+            f"traced graph has {len(graph.input)} inputs/{len(graph.output)} outputs, "
+            f"expected {len(input_names)}/{len(output_names)}",
+            "report this model to the edgepfl developers",
+        )
+    mapping = {value.name: name for value, name in zip(graph.input, input_names)}
+    graph_inputs = set(mapping)
+    renamed_outputs = set()
+    for value, name in zip(graph.output, output_names):
+        if value.name in graph_inputs or value.name in renamed_outputs:
+            graph.node.append(onnx.helper.make_node("Identity", [value.name], [name], name=f"pass_{name}"))
+            value.name = name
+        else:
+            mapping[value.name] = name
+            renamed_outputs.add(value.name)
+    for value in list(graph.input) + list(graph.output) + list(graph.value_info):
+        value.name = mapping.get(value.name, value.name)
+    for node in graph.node:
+        node.input[:] = [mapping.get(s, s) for s in node.input]
+        node.output[:] = [mapping.get(s, s) for s in node.output]
+    return proto
+
+
+def _convolution_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """aten.convolution_backward of a 2-D convolution, written with forward ops ONNX has."""
+    if transposed or x.dim() != 4 or any(d != 1 for d in dilation):
+        raise UsageError(
+            "the portable step supports 2-D, non-transposed, non-dilated convolutions only",
+            "use a zoo model or export with --engines ort-training",
+        )
+    grad_input = _conv_grad_input(grad_out, x, weight, stride, padding, groups) if output_mask[0] else None
+    grad_weight = _conv_grad_weight(grad_out, x, weight, stride, padding, groups) if output_mask[1] else None
+    grad_bias = grad_out.sum((0, 2, 3)) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _conv_grad_input(grad_out, x, weight, stride, padding, groups) -> torch.Tensor:
+    cout, cin_group, kh, kw = weight.shape
+    if list(stride) == [1, 1]:
+        # a stride-1 convolution's input gradient is a plain convolution with the flipped, transposed kernel
+        flipped = weight.reshape(groups, cout // groups, cin_group, kh, kw).transpose(1, 2)
+        flipped = flipped.reshape(groups * cin_group, cout // groups, kh, kw).flip((2, 3))
+        pad = [kh - 1 - padding[0], kw - 1 - padding[1]]
+        return aten.convolution(grad_out, flipped, None, [1, 1], pad, [1, 1], False, [0, 0], groups)
+    out_h, out_w = grad_out.shape[2:]
+    extra = [
+        x.shape[2] - ((out_h - 1) * stride[0] - 2 * padding[0] + kh),
+        x.shape[3] - ((out_w - 1) * stride[1] - 2 * padding[1] + kw),
+    ]
+    return aten.convolution(grad_out, weight, None, list(stride), list(padding), [1, 1], True, extra, groups)
+
+
+def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Tensor:
+    cout, cin_group, kh, kw = weight.shape
+    n, cin = x.shape[:2]
+    out_h, out_w = grad_out.shape[2:]
+    if groups == cin and cin_group == 1 and cout == cin:
+        # depthwise: one multiply-and-sum per kernel tap over strided views of the padded input
+        padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+        taps = [
+            (_tap(padded, i, j, stride, out_h, out_w) * grad_out).sum((0, 2, 3)) for i in range(kh) for j in range(kw)
+        ]
+        return torch.stack(taps, 1).reshape(cout, 1, kh, kw)
+    if groups != 1:
+        raise UsageError(
+            "the portable step supports dense and depthwise convolutions only",
+            "use a zoo model or export with --engines ort-training",
+        )
+    grad_rows = grad_out.reshape(n, cout, out_h * out_w)
+    if kh == kw == 1 and list(stride) == [1, 1] and list(padding) == [0, 0]:
+        patches = x.reshape(n, cin, out_h * out_w)
+    else:
+        padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+        taps = [_tap(padded, i, j, stride, out_h, out_w) for i in range(kh) for j in range(kw)]
+        patches = torch.stack(taps, 2).reshape(n, cin * kh * kw, out_h * out_w)
+    return torch.bmm(grad_rows, patches.transpose(1, 2)).sum(0).reshape(cout, cin, kh, kw)
+
+
+def _tap(padded: torch.Tensor, i: int, j: int, stride: Sequence[int], out_h: int, out_w: int) -> torch.Tensor:
+    """The input values that kernel tap (i, j) multiplies, one per output position."""
+    return padded[
+        :, :, i : i + stride[0] * (out_h - 1) + 1 : stride[0], j : j + stride[1] * (out_w - 1) + 1 : stride[1]
+    ]
