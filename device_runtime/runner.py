@@ -110,10 +110,11 @@ def run_device(
         round_id = task.round_id
         last = state.state.last_completed_round
         if task.action == "train" and round_id is not None and (last is None or round_id > last):
-            _train_round(engine, data, state, client, task, options, events)
-            trained += 1
-            told_waiting = False
-            continue
+            if _train_round(engine, data, state, client, task, options, events):
+                trained += 1
+                told_waiting = False
+                continue
+            told_waiting = True
         if task.action == "train" and not told_waiting:
             events.message(f"round {round_id} is already trained on this device; waiting for the next round")
         elif not told_waiting:
@@ -131,7 +132,8 @@ def _train_round(
     task: Task,
     options: DeviceOptions,
     events: DeviceEvents,
-) -> None:
+) -> bool:
+    """Train and deliver one round; False when the round was gone before training began."""
     round_id = task.round_id
     assert round_id is not None
     settings = task.settings or RoundSettings()
@@ -140,7 +142,7 @@ def _train_round(
         base = client.fetch_tensors(task.base_url or f"{API_PREFIX}/rounds/{round_id}/base")
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
-        return
+        return False
     _check_base(base, manifest, settings.share_buffers, f"base of round {round_id}")
     engine.set_tensors(base)
     steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
@@ -155,6 +157,7 @@ def _train_round(
     if payload is None:
         _post_metrics(client, round_id, record, events)
     events.round_finished(round_id, result, upload)
+    return True
 
 
 def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEvents) -> str:

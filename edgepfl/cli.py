@@ -46,14 +46,17 @@ def export(
     in_channels: Annotated[int | None, typer.Option(help="input channels: 3 colour, 1 grey")] = None,
     num_classes: Annotated[int | None, typer.Option(help="number of classes")] = None,
     norm: Annotated[str | None, typer.Option(help="batch | group | none")] = None,
-    engines: Annotated[str, typer.Option(help="comma list of: ort-training, portable")] = "ort-training",
+    engines: Annotated[
+        str | None,
+        typer.Option(help="comma list of: ort-training, portable [default: both, or portable alone]"),
+    ] = None,
     optimizer: Annotated[str, typer.Option(help="ORT-training optimizer: sgd | adamw")] = "sgd",
     seed: Annotated[int, typer.Option(help="seed of the initial weights")] = 0,
     force: Annotated[bool, typer.Option("--force", help="replace a non-empty output folder")] = False,
 ) -> None:
     """Export a zoo model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
-        from edgepfl.export.bundle import ExportOptions, export_bundle, print_summary
+        from edgepfl.export.bundle import ExportOptions, default_engines, export_bundle, print_summary
         from edgepfl.export.models import ModelSpec, default_spec, validate_spec
     except ImportError as exc:
         fail(EdgePFLError(f"export needs torch and onnx ({exc.name} is missing)", "pip install 'edgepfl[export]'"))
@@ -69,7 +72,7 @@ def export(
         )
         validate_spec(spec)
         options = ExportOptions(
-            engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+            engines=default_engines() if engines is None else tuple(e.strip() for e in engines.split(",") if e.strip()),
             optimizer=optimizer,
             seed=seed,
             force=force,
@@ -133,6 +136,157 @@ def partition_command(
             console.print(f"wrote {out} ({len(parts)} clients, index_space train+test)")
     except EdgePFLError as error:
         fail(error)
+
+
+@app.command()
+def simulate(
+    config_file: Annotated[Path | None, typer.Option("--config", help="JSON or TOML file of these options")] = None,
+    out: Annotated[str | None, typer.Option(help="run folder (results.json, accuracy.png); rerun to resume")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="zoo model: mobilenet, cnn, mlp, resnet34 (default: mobilenet)")
+    ] = None,
+    width: Annotated[float | None, typer.Option(help="MobileNet width: 0.25|0.5|0.75|1.0 (default: 0.25)")] = None,
+    kp: Annotated[int | None, typer.Option(help="personal blocks from the classifier (default: 2)")] = None,
+    norm: Annotated[str | None, typer.Option(help="batch | group | none (default: the model's default)")] = None,
+    algorithm: Annotated[
+        str | None, typer.Option(help="fedavg | local | fedper (= fedsim) | fedalt | fedper-ft (default: fedper)")
+    ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or .npz (default: cifar10)"),
+    ] = None,
+    data_root: Annotated[str | None, typer.Option(help="folder that holds the dataset (default: data)")] = None,
+    download: Annotated[bool | None, typer.Option("--download", help="download the dataset if missing")] = None,
+    checksums: Annotated[str | None, typer.Option(help="md5 list (JSON or CSV) of a known dataset copy")] = None,
+    partition: Annotated[
+        str | None,
+        typer.Option(help="iid | classes:K | dirichlet:A | ds3 | dominant:D | file:PATH.json (default: classes:4)"),
+    ] = None,
+    clients: Annotated[int | None, typer.Option(help="number of clients (default: 10)")] = None,
+    split: Annotated[
+        str | None, typer.Option(help="each client's train,val,test fractions (default: 0.6,0.2,0.2)")
+    ] = None,
+    fraction: Annotated[float | None, typer.Option(help="fraction of clients sampled per round (default: 1.0)")] = None,
+    rounds: Annotated[int | None, typer.Option(help="rounds (default: 50)")] = None,
+    epochs: Annotated[int | None, typer.Option(help="local epochs per round (default: 4)")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="local batch size (default: 128)")] = None,
+    lr: Annotated[float | None, typer.Option(help="SGD learning rate (default: 0.01)")] = None,
+    finetune_epochs: Annotated[
+        int | None, typer.Option(help="fedper-ft: fine-tuning epochs per round (default: 1)")
+    ] = None,
+    personal_epochs: Annotated[int | None, typer.Option(help="fedalt: personal-phase epochs (default: 1)")] = None,
+    engine: Annotated[str | None, typer.Option(help="torch | portable | ort-training (default: torch)")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="seed of partition, init, sampling and shuffling (default: 0)")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads of the engine")] = None,
+) -> None:
+    """Run many clients and a server strategy in one process; results.json, a table and accuracy.png."""
+    from edgepfl.errors import UsageError
+
+    given = {
+        "out": out,
+        "model": model,
+        "width": width,
+        "kp": kp,
+        "norm": norm,
+        "algorithm": algorithm,
+        "dataset": dataset,
+        "data_root": data_root,
+        "download": download,
+        "checksums": checksums,
+        "partition": partition,
+        "clients": clients,
+        "split": split,
+        "fraction": fraction,
+        "rounds": rounds,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "finetune_epochs": finetune_epochs,
+        "personal_epochs": personal_epochs,
+        "engine": engine,
+        "seed": seed,
+        "threads": threads,
+    }
+    try:
+        from edgepfl.simulate.config import config_from_json, read_config_file
+
+        values = read_config_file(config_file) if config_file is not None else {}
+        values = {**values, **{key: value for key, value in given.items() if value is not None}}
+        if "out" not in values:
+            raise UsageError("simulate needs a run folder", "pass --out runs/NAME (or out in the --config file)")
+        config = config_from_json(values, origin=str(config_file) if config_file else "options")
+        _run_simulation(config)
+    except EdgePFLError as error:
+        fail(error)
+    except ImportError as exc:
+        fail(EdgePFLError(f"simulate needs torch ({exc.name} is missing)", "pip install 'edgepfl[all]'"))
+
+
+def _run_simulation(config) -> None:
+    """Run with a progress bar, then print the table and write accuracy.png."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from edgepfl.simulate.loop import run_simulation
+    from edgepfl.simulate.plots import PLOT_FILE, plot_runs
+    from edgepfl.simulate.results import results_table
+
+    console = Console()
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"))
+    with Progress(*columns, TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("preparing", total=config.rounds, detail="")
+
+        def on_client(round_id: int, done: int, sampled: int) -> None:
+            detail = f"round {round_id}/{config.rounds}, client {done}/{sampled}"
+            bar.update(task, completed=round_id - 1 + done / sampled, description=config.algorithm, detail=detail)
+
+        results = run_simulation(config, progress=on_client, status=lambda text: bar.update(task, description=text))
+    console.print(results_table(results))
+    plot = plot_runs([results], Path(config.out) / PLOT_FILE)
+    console.print(f"wrote {Path(config.out) / 'results.json'} and {plot}")
+
+
+@app.command()
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="run folders written by edgepfl simulate")],
+    out: Annotated[
+        Path | None, typer.Option(help="PNG to write (default: RUN/accuracy.png for one run, else accuracy.png)")
+    ] = None,
+) -> None:
+    """Overlay the accuracy curves of one or more simulated runs in one PNG."""
+    try:
+        from edgepfl.simulate.plots import plot_run_folders
+
+        path = plot_run_folders(runs, out)
+        typer.echo(f"wrote {path}")
+    except EdgePFLError as error:
+        fail(error)
+
+
+@app.command()
+def demo(
+    rounds: Annotated[int, typer.Option(help="federated rounds per run (3-5 recommended)")] = 4,
+    workdir: Annotated[
+        Path | None, typer.Option(help="folder for bundles, server state and logs (default: a temp folder)")
+    ] = None,
+    port: Annotated[int, typer.Option(help="loopback port of the demo server (0: pick a free one)")] = 0,
+    keep: Annotated[bool, typer.Option("--keep", help="keep the work folder")] = False,
+) -> None:
+    """FedPer vs FedAvg on 4 devices: a real `edgepfl serve` and 4 `edgepfl device run` processes on loopback."""
+    try:
+        from edgepfl.simulate.demo import DemoOptions, run_demo
+
+        run_demo(DemoOptions(rounds=rounds, workdir=workdir, port=port, keep=keep))
+    except EdgePFLError as error:
+        fail(error)
+    except ImportError as exc:
+        fail(
+            EdgePFLError(
+                f"the demo exports a model and needs torch ({exc.name} is missing)", "pip install 'edgepfl[all]'"
+            )
+        )
 
 
 def main() -> None:

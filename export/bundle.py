@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,11 +21,19 @@ ENGINES = ("ort-training", "portable")
 INFERENCE_OPSET = 17
 
 
+def default_engines() -> tuple[str, ...]:
+    """Both engines where the training build is installed (it generates ORT artifacts), else portable only."""
+    import onnxruntime
+
+    # the training build's marker (export must not import the device runtime, which has the same check)
+    return ENGINES if hasattr(onnxruntime.capi._pybind_state, "Module") else ("portable",)
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """How to export: which engines, which optimizer for ORT training, the init seed."""
 
-    engines: tuple[str, ...] = ("ort-training",)
+    engines: tuple[str, ...] = field(default_factory=default_engines)
     optimizer: str = "sgd"
     seed: int = 0
     force: bool = False

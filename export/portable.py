@@ -120,6 +120,19 @@ def export_step(
     step_model: MaskedModel, params: list[str], buffers: list[str], trainable: list[str], batch_size: int
 ) -> onnx.ModelProto:
     """Trace `sgd_step` for one trainable set and export it as a default-domain ONNX graph."""
+    step_model.train()
+    inputs = _example_inputs(step_model, params, buffers, batch_size) + [torch.tensor(0.01)]
+    input_names = _state_names(params, buffers) + [*SAMPLE_INPUTS, "lr"]
+    output_names = (
+        [STEP_OUTPUT_LOSS] + [NEW_PARAM_PREFIX + n for n in params] + [NEW_BUFFER_PREFIX + n for n in buffers]
+    )
+    return _to_onnx(step_function(step_model, params, buffers, trainable), inputs, input_names, output_names)
+
+
+def step_function(
+    step_model: MaskedModel, params: list[str], buffers: list[str], trainable: list[str]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """`sgd_step` over flat tensors in graph order: (params…, buffers…, x, y, w, lr) -> (loss, params…, buffers…)."""
 
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         param_values = dict(zip(params, flat[: len(params)]))
@@ -128,13 +141,24 @@ def export_step(
         loss, new_params, new_buffers = sgd_step(step_model, param_values, buffer_values, trainable, x, y, w, lr)
         return (loss, *(new_params[n] for n in params), *(new_buffers[n] for n in buffers))
 
-    step_model.train()
-    inputs = _example_inputs(step_model, params, buffers, batch_size) + [torch.tensor(0.01)]
-    input_names = _state_names(params, buffers) + [*SAMPLE_INPUTS, "lr"]
-    output_names = (
-        [STEP_OUTPUT_LOSS] + [NEW_PARAM_PREFIX + n for n in params] + [NEW_BUFFER_PREFIX + n for n in buffers]
-    )
-    return _to_onnx(step, inputs, input_names, output_names)
+    return step
+
+
+def trace(
+    fn: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor], tracing_mode: str = "fake"
+) -> torch.fx.GraphModule:
+    """The functional ATen graph that gets exported: core decompositions plus our convolution backward.
+
+    With tracing_mode="real" and float64 inputs the result runs in float64, which checks the
+    decompositions themselves against PyTorch's autograd without float32 rounding in the way.
+    """
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    table = dict(core_aten_decompositions())
+    table[aten.convolution_backward.default] = _convolution_backward
+    functional = torch.func.functionalize(fn, remove="mutations_and_views")
+    return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=table)(*inputs)
 
 
 def export_eval(step_model: MaskedModel, params: list[str], buffers: list[str], batch_size: int) -> onnx.ModelProto:
@@ -262,15 +286,8 @@ def _to_onnx(
     input_names: list[str],
     output_names: list[str],
 ) -> onnx.ModelProto:
-    """make_fx (functional, core ATen + our convolution backward) -> torch.export -> ONNX, names applied."""
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    table = dict(core_aten_decompositions())
-    table[aten.convolution_backward.default] = _convolution_backward
-    graph_module = make_fx(
-        torch.func.functionalize(fn, remove="mutations_and_views"), tracing_mode="fake", decomposition_table=table
-    )(*inputs)
+    """`trace` -> torch.export -> ONNX, names applied."""
+    graph_module = trace(fn, inputs)
     program = torch.export.export(graph_module, tuple(inputs), strict=False)
     # the exporter's full optimizer takes most of the export time; constant folding and CSE give
     # onnxruntime (which runs its own graph optimizations) what it needs

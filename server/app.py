@@ -42,10 +42,13 @@ _ERROR_SCHEMA = {
 _ERRORS = {
     code: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
     for code, text in {
+        400: "malformed safetensors",
         401: "missing or invalid token",
         403: "not sampled",
         404: "no such round",
         409: "round closed, deadline passed, duplicate or layout mismatch",
+        413: "body too large",
+        422: "invalid round id, metadata, tensors or metrics",
     }.items()
 }
 
@@ -112,6 +115,19 @@ def create_app(engine: RoundEngine) -> FastAPI:
         log.error("request failed on the server side: %s", error)
         return JSONResponse({"error": "server_error", "detail": error.problem, "fix": error.fix}, 500)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        # a bug, not bad input: logged with its traceback here, one JSON line for the device
+        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return JSONResponse(
+            {
+                "error": "server_error",
+                "detail": "the server failed to handle this request",
+                "fix": "see the server log",
+            },
+            500,
+        )
+
     @app.get(f"{API_PREFIX}/task", responses={401: _ERRORS[401]})
     def get_task(name: Device) -> JSONResponse:
         """What this device should do now: train in a round, wait (retry_after), or stop (done)."""
@@ -125,7 +141,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         responses={
             200: {"content": {SAFETENSORS: {}}},
             304: {"description": "not modified"},
-            **{code: _ERRORS[code] for code in (401, 403, 404)},
+            **{code: _ERRORS[code] for code in (401, 403, 404, 422)},
         },
     )
     def get_base(round_id: RoundId, name: Device, request: Request) -> Response:
@@ -136,7 +152,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
     @app.get(
         f"{API_PREFIX}/rounds/{{round_id}}/result",
         response_class=Response,
-        responses={200: {"content": {SAFETENSORS: {}}}, **{code: _ERRORS[code] for code in (401, 404, 409)}},
+        responses={200: {"content": {SAFETENSORS: {}}}, **{code: _ERRORS[code] for code in (401, 404, 409, 422)}},
     )
     def get_result(round_id: RoundId, name: Device, request: Request) -> Response:
         """The aggregated base a closed round produced (safetensors; ETag = sha256)."""
@@ -151,12 +167,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
                 "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
             }
         },
-        responses={
-            400: {"description": "malformed safetensors"},
-            413: {"description": "body too large"},
-            422: {"description": "bad metadata or tensors"},
-            **_ERRORS,
-        },
+        responses=_ERRORS,
     )
     async def post_update(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
         """Upload this device's new base tensors; UploadMeta travels in the safetensors `__metadata__`."""
@@ -173,7 +184,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         openapi_extra={
             "requestBody": {"required": True, "content": {"application/json": {"schema": _EVAL_METRICS.json_schema()}}}
         },
-        responses={413: {"description": "body too large"}, 422: {"description": "bad metrics"}, **_ERRORS},
+        responses={code: _ERRORS[code] for code in (401, 403, 404, 409, 413, 422)},
     )
     async def post_metrics(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
         """Report the evaluation of this device's personalized model after round `round_id`."""

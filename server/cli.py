@@ -45,7 +45,12 @@ def serve(
     max_samples: Annotated[int, typer.Option(help="largest sample count an upload may claim")] = 10_000_000,
     seed: Annotated[int, typer.Option(help="seed of device sampling")] = 0,
     share_bn_stats: Annotated[
-        bool, typer.Option("--share-bn-stats", help="average base-block BatchNorm statistics too")
+        bool,
+        typer.Option(
+            "--share-bn-stats",
+            "--share-buffers",
+            help="average base-block BatchNorm statistics too (default: they stay)",
+        ),
     ] = False,
     init: Annotated[
         Path | None, typer.Option(help="initial tensors (default: BUNDLE/portable/initial.safetensors)")

@@ -26,7 +26,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,16 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     engine = RoundEngine(config, manifest, store, strategy, clock)
     engine.bind_state()
     return engine
+
+
+def sample_devices(seed: int, round_id: int, names: Sequence[str], fraction: float, min_clients: int) -> list[str]:
+    """Every round's sampling rule: max(min_clients, ceil(fraction * n)) of the n available, seeded by (seed, round).
+
+    The simulator calls this same function, so a simulated run samples exactly as a served one.
+    """
+    available = sorted(names)
+    wanted = max(min_clients, math.ceil(fraction * len(available)))
+    return sorted(random.Random(f"{seed}/{round_id}").sample(available, min(wanted, len(available))))
 
 
 def shared_specs(manifest: Manifest, share_buffers: bool) -> list[TensorSpec]:
@@ -373,8 +383,7 @@ class RoundEngine:
             return None
         self._quorum_since = None
         round_id = self.store.last_round_id() + 1
-        wanted = max(self.config.min_clients, math.ceil(self.config.fraction * len(available)))
-        sampled = sorted(random.Random(f"{self.config.seed}/{round_id}").sample(available, min(wanted, len(available))))
+        sampled = sample_devices(self.config.seed, round_id, available, self.config.fraction, self.config.min_clients)
         base_sha = self.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
         if self.strategy.needs_per_device_payload:

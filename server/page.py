@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import time
@@ -35,19 +36,35 @@ td,th{{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}}th{{back
 
 def render_plot(status: dict[str, Any]) -> bytes:
     """PNG of mean (line) and min-max (band) device accuracy per closed round."""
+    series = tuple(
+        (
+            label,
+            tuple(
+                (r["round"], r[key]["mean"], r[key]["min"], r[key]["max"])
+                for r in status["rounds"]
+                if r[key] is not None
+            ),
+        )
+        for key, label in (("val_accuracy", "validation (at upload)"), ("eval_accuracy", "personalized (after round)"))
+    )
+    return _plot_png(series)
+
+
+@functools.lru_cache(maxsize=4)
+def _plot_png(series: tuple[tuple[str, tuple[tuple[int, float, float, float], ...]], ...]) -> bytes:
+    # cached on the plotted numbers: a page reload between rounds costs no matplotlib time
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 3.2), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
-    for key, label in (("val_accuracy", "validation (at upload)"), ("eval_accuracy", "personalized (after round)")):
-        points = [(r["round"], r[key]) for r in status["rounds"] if r[key] is not None]
+    for label, points in series:
         if points:
-            xs = [x for x, _ in points]
-            line = axes.plot(xs, [s["mean"] for _, s in points], marker="o", markersize=3, label=label)[0]
+            xs = [x for x, *_ in points]
+            line = axes.plot(xs, [mean for _, mean, _, _ in points], marker="o", markersize=3, label=label)[0]
             axes.fill_between(
-                xs, [s["min"] for _, s in points], [s["max"] for _, s in points], color=line.get_color(), alpha=0.2
+                xs, [low for *_, low, _ in points], [high for *_, high in points], color=line.get_color(), alpha=0.2
             )
     axes.set_xlabel("round")
     axes.set_ylabel("device accuracy")

@@ -262,3 +262,25 @@ def test_metrics_and_status_page(setup) -> None:
     assert status["rounds"][0]["eval_accuracy"]["mean"] == 0.75
     page = render_page(status)
     assert "data:image/png;base64," in page and "http" not in page.split("<body>")[1]
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx`")  # starlette asks for httpx2, not a dependency of ours
+def test_an_unexpected_failure_is_one_json_500_and_the_app_keeps_serving(setup, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from edgepfl.server.app import create_app
+
+    _, config, clock = setup
+    engine = create_engine(config, clock)
+    token = enroll(config.state, "probe")["probe"]
+
+    def broken(device: str) -> Task:
+        raise RuntimeError("a bug with a secret path /srv/x")
+
+    monkeypatch.setattr(engine, "task", broken)
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        headers = {"Authorization": f"Bearer {token}"}
+        reply = client.get("/v1/task", headers=headers)
+        assert reply.status_code == 500 and reply.json()["error"] == "server_error"
+        assert "secret" not in reply.text and "Traceback" not in reply.text
+        assert client.get("/v1/status", headers=headers).status_code == 200

@@ -1,0 +1,205 @@
+"""Images per second of one training step: torch eager vs ort-training vs portable (plain onnxruntime graphs).
+
+MobileNet-v1 x0.25 and x1.0 at 32x32x3, batch 32, 2 threads; full steps and personal-only steps (K_P=2).
+Each engine runs in its own process (ORT's spinning threads and torch's OpenMP threads slow each other
+when they share one); the median of the timed steps after warm-up is reported.
+Prints JSON on stdout and a table on stderr, and writes bench/out/engines.png.
+Usage: python bench/engines.py [--steps 15] [--warmup 3] [--rounds 1] [--widths 0.25,1.0] [--bundles DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).resolve().parent / "out"
+ENGINES = ("torch", "ort-training", "portable")
+SETS = ("full", "personal")
+BATCH = 32
+THREADS = 2
+KP = 2
+
+
+def export_bundles(widths: list[float], folder: Path) -> dict[float, Path]:
+    """One bundle per width with both engines' artifacts (reused when `folder` already has it)."""
+    from edgepfl.export.bundle import ExportOptions, export_bundle
+    from edgepfl.export.models import ModelSpec
+
+    bundles = {}
+    for width in widths:
+        target = folder / f"mobilenet-x{width}"
+        if not (target / "manifest.json").is_file():
+            print(f"exporting mobilenet x{width} ...", file=sys.stderr)
+            spec = ModelSpec(name="mobilenet", width=width)
+            export_bundle(spec, KP, target, ExportOptions(engines=("ort-training", "portable"), force=True))
+        bundles[width] = target
+    return bundles
+
+
+def time_steps(engine: str, bundle: Path, trainable: str, steps: int, warmup: int) -> list[float]:
+    """Seconds per training step of one engine (runs in the worker process)."""
+    from edgepfl.manifest import load_manifest
+
+    manifest = load_manifest(bundle)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, *manifest.input.shape)).astype(np.float32)
+    y = rng.integers(0, manifest.num_classes, BATCH).astype(np.int64)
+    step = _torch_step(bundle, manifest, trainable, x, y) if engine == "torch" else _onnx_step(engine, bundle, x, y)
+    seconds = []
+    for index in range(warmup + steps):
+        start = time.perf_counter()
+        step(trainable)
+        if index >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _onnx_step(engine: str, bundle: Path, x: np.ndarray, y: np.ndarray):
+    from edgepfl.device_runtime.engine import open_engine
+
+    runtime = open_engine(bundle, engine, threads=THREADS)
+    return lambda trainable: runtime.train_step(x, y, lr=0.01, trainable=trainable)
+
+
+def _torch_step(bundle: Path, manifest, trainable: str, x: np.ndarray, y: np.ndarray):
+    import torch
+
+    from edgepfl.export.models import ModelSpec, build_model
+    from edgepfl.wire import load_tensors
+
+    torch.set_num_threads(THREADS)
+    model = build_model(ModelSpec(**manifest.model)).train()
+    initial = load_tensors(bundle / manifest.engines["portable"]["initial"])
+    model.load_state_dict({n: torch.from_numpy(v) for n, v in initial.items()}, strict=False)
+    personal = set(manifest.names("personal"))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(trainable == "full" or name in personal)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    inputs, labels = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step(_: str) -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+
+    return step
+
+
+def run_worker(engine: str, bundle: Path, trainable: str, steps: int, warmup: int) -> list[float] | str:
+    """Time one engine in a fresh process: its step times, or the worker's last error line."""
+    command = [sys.executable, __file__, "--worker", engine, str(bundle), trainable, str(steps), str(warmup)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        return (result.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def summarize(seconds: list[float], rounds: int) -> dict:
+    """The row's numbers: median over every timed step of every round."""
+    median = statistics.median(seconds)
+    return {
+        "median_step_s": round(median, 5),
+        "images_per_s": round(BATCH / median, 1),
+        "steps": len(seconds),
+        "rounds": rounds,
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """A grouped bar chart: images/s per engine for each model and trainable set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["width"], r["trainable"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bar = 0.8 / len(ENGINES)
+    for offset, engine in enumerate(ENGINES):
+        values = [
+            next(
+                (r.get("images_per_s", 0) for r in rows if (r["width"], r["trainable"], r["engine"]) == (*g, engine)), 0
+            )
+            for g in groups
+        ]
+        ax.bar([i + offset * bar for i in range(len(groups))], values, bar, label=engine)
+    ax.set_xticks([i + bar for i in range(len(groups))], [f"x{w} {t}" for w, t in groups])
+    ax.set_ylabel("images / s (batch 32, 2 threads)")
+    ax.set_title("MobileNet-v1 training step, 32x32x3")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved (noisy hosts)")
+    parser.add_argument("--widths", default="0.25,1.0")
+    parser.add_argument("--bundles", type=Path, help="folder to keep the exported bundles in (reused)")
+    parser.add_argument(
+        "--worker", nargs=5, metavar=("ENGINE", "BUNDLE", "SET", "STEPS", "WARMUP"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.worker:
+        engine, bundle, trainable, steps, warmup = args.worker
+        print(json.dumps(time_steps(engine, Path(bundle), trainable, int(steps), int(warmup))))
+        return
+    widths = [float(w) for w in args.widths.split(",")]
+    with tempfile.TemporaryDirectory() as scratch:
+        bundles = export_bundles(widths, args.bundles or Path(scratch))
+        cases = [(w, t, e) for w in widths for t in SETS for e in ENGINES]
+        times: dict[tuple, list[float]] = {case: [] for case in cases}
+        errors: dict[tuple, str] = {}
+        # rounds interleave the engines, so that load from other processes falls on all of them alike
+        for _ in range(args.rounds):
+            for width, trainable, engine in cases:
+                seconds = run_worker(engine, bundles[width], trainable, args.steps, args.warmup)
+                if isinstance(seconds, str):
+                    errors[(width, trainable, engine)] = seconds
+                else:
+                    times[(width, trainable, engine)] += seconds
+                print(
+                    f"x{width} {trainable} {engine}: {seconds if isinstance(seconds, str) else 'ok'}", file=sys.stderr
+                )
+        rows = []
+        for width, trainable, engine in cases:
+            row = {"model": "mobilenet", "width": width, "trainable": trainable, "engine": engine}
+            if times[(width, trainable, engine)]:
+                row.update(summarize(times[(width, trainable, engine)], args.rounds))
+            else:
+                row["error"] = errors.get((width, trainable, engine), "no steps timed")
+            rows.append(row)
+    ratios = {}
+    for width in widths:
+        for trainable in SETS:
+            speed = {
+                r["engine"]: r.get("images_per_s") for r in rows if (r["width"], r["trainable"]) == (width, trainable)
+            }
+            if speed.get("torch") and speed.get("portable"):
+                ratios[f"x{width} {trainable}"] = round(speed["portable"] / speed["torch"], 2)
+    plot(rows, OUT / "engines.png")
+    result = {
+        "batch": BATCH,
+        "threads": THREADS,
+        "kp": KP,
+        "input": [3, 32, 32],
+        "rows": rows,
+        "portable_vs_torch": ratios,
+        "targets": {"x0.25 full": 0.8, "x0.25 personal": 1.0},
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

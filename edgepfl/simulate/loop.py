@@ -1,0 +1,280 @@
+"""The simulation loop: many clients and one server strategy in one process, through the shared code.
+
+Every client round is `device_runtime.algorithms.run_client_round` on an `Engine`, exactly as on a
+device; every aggregation is the server's `Strategy.aggregate` on `AcceptedUpdate`s, exactly as in
+`edgepfl serve`. One engine is shared by all clients: a client's tensors (personal part and BatchNorm
+statistics) are swapped in before its round and kept after it, like a device's saved state.
+
+After each round every client is evaluated on its own test split with the round's new global base
+and its own personal part (and on its validation split, which picks the "best" round: never the test
+split). State is written after each round, so an interrupted run resumes from its last completed round.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgepfl.atomic import write_bytes_atomic
+from edgepfl.data import LocalData, check_labels, to_model_layout
+from edgepfl.device_runtime.algorithms import evaluate, run_client_round, upload_tensors
+from edgepfl.device_runtime.engine import Engine
+from edgepfl.errors import DataError, StateError
+from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.protocol import RoundSettings
+from edgepfl.simulate.config import SimulateConfig
+from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
+from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
+
+STATE_FILE = "state.safetensors"
+BUNDLE_DIR = "bundle"
+# per-round progress: (round, clients done, clients this round)
+RoundProgress = Callable[[int, int, int], None]
+
+
+@dataclass
+class Client:
+    """One simulated device: its data splits and its kept tensors."""
+
+    name: str
+    train: LocalData  # train_index: training samples; val_index: validation samples
+    test: LocalData  # val_index: its test samples (evaluate() reads the held-out positions)
+    seed: int
+    tensors: dict[str, np.ndarray]
+
+
+def round_settings(config: SimulateConfig) -> RoundSettings:
+    """The settings the strategy hands every sampled client."""
+    plan = config.plan
+    return RoundSettings(
+        algorithm=plan.client,
+        epochs=config.epochs,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        finetune_epochs=config.finetune_epochs if plan.finetune else 0,
+        personal_epochs=config.personal_epochs,
+        share_buffers=config.share_buffers,
+    )
+
+
+def run_simulation(
+    config: SimulateConfig,
+    progress: RoundProgress | None = None,
+    status: Callable[[str], None] = lambda _: None,
+) -> Results:
+    """Run (or resume) an experiment into `config.out`; returns the results also written there."""
+    config.check()
+    out = Path(config.out)
+    previous = load_results(out) if (out / "results.json").is_file() else None
+    if previous is not None:
+        differ = previous.config.same_experiment(config)
+        if differ:
+            raise StateError(
+                f"{out} holds a run with a different {', '.join(differ[:3])}",
+                "pass the same options to resume it, or choose another --out",
+            )
+    status("loading data")
+    from edgepfl.datasets import load_dataset
+    from edgepfl.partition import make_partition
+
+    dataset = load_dataset(config.dataset, config.data_root, download=config.download, checksums=config.checksums)
+    clients_wanted = None if config.partition.startswith("file:") else config.clients
+    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, clients_wanted, config.seed, config.split)
+    status("exporting the model")
+    manifest = ensure_bundle(config, out / BUNDLE_DIR, dataset.sample_shape, dataset.num_classes)
+    engine = open_sim_engine(config.engine, out / BUNDLE_DIR, manifest, config.threads)
+    settings = round_settings(config)
+    initial = engine.get_tensors()
+    clients = []
+    for number, part in enumerate(parts):
+        if not len(part.test):
+            raise DataError(f"client {number} has no test samples", "use a --split with a test share, e.g. 0.6,0.2,0.2")
+        clients.append(_make_client(number, part, dataset, manifest, config.seed, initial))
+    strategy = None
+    if config.plan.strategy is not None:
+        from edgepfl.server.config import StrategyOptions
+        from edgepfl.server.engine import shared_specs
+        from edgepfl.server.strategies import make_strategy
+
+        strategy = make_strategy(
+            config.plan.strategy, shared_specs(manifest, settings.share_buffers), StrategyOptions(settings=settings)
+        )
+        strategy.check_manifest(manifest)
+    global_base = upload_tensors(engine, settings)
+    records: list[RoundRecord] = []
+    start = 1
+    if previous is not None and (out / STATE_FILE).is_file():
+        done, global_base = _load_state(out / STATE_FILE, clients, global_base)
+        records = [r for r in previous.rounds if r.round <= done]
+        if len(records) != done:
+            raise StateError(f"{out} has state for round {done} but results for {len(records)}", "use a new --out")
+        start = done + 1
+    results = Results(config=config, rounds=records, info=_run_info(config, dataset, manifest, engine, parts))
+    write_results(out, results)
+    names = [client.name for client in clients]
+    by_name = {client.name: client for client in clients}
+    for round_id in range(start, config.rounds + 1):
+        started = time.perf_counter()
+        from edgepfl.server.engine import sample_devices
+
+        sampled = sample_devices(config.seed, round_id, names, config.fraction, config.min_clients)
+        updates, losses, bytes_up, bytes_down = [], [], 0, 0
+        base_bytes = len(encode_tensors(global_base)) if global_base else 0
+        for done_count, name in enumerate(sampled):
+            client = by_name[name]
+            engine.set_tensors(client.tensors)
+            engine.set_tensors(global_base)
+            bytes_down += base_bytes
+            result = run_client_round(engine, settings, client.train, client.seed, round_id)
+            client.tensors = engine.get_tensors()
+            if not math.isnan(result.train_loss):
+                losses.append(result.train_loss)
+            if result.uploads and strategy is not None:
+                from edgepfl.server.strategy import AcceptedUpdate
+
+                upload = upload_tensors(engine, settings)
+                bytes_up += len(encode_tensors(upload))
+                updates.append(AcceptedUpdate(name, result.num_samples, upload, result.train_loss, result.val_accuracy))
+            if progress is not None:
+                progress(round_id, done_count + 1, len(sampled))
+        if strategy is not None and updates:
+            global_base = strategy.aggregate(round_id, iter(updates), global_base)
+        test_acc, val_acc = [], []
+        for client in clients:
+            engine.set_tensors(client.tensors)
+            engine.set_tensors(global_base)
+            test_acc.append(evaluate(engine, client.test).accuracy)
+            val_result = evaluate(engine, client.train)
+            val_acc.append(val_result.accuracy if val_result.count else math.nan)
+        records.append(
+            RoundRecord(
+                round=round_id,
+                test_accuracy=accuracy_summary(test_acc),
+                val_accuracy=accuracy_summary(val_acc),
+                train_loss=float(np.mean(losses)) if losses else None,
+                sampled=len(sampled),
+                bytes_up=bytes_up,
+                bytes_down=bytes_down,
+                seconds=time.perf_counter() - started,
+            )
+        )
+        write_results(out, results)
+        _save_state(out / STATE_FILE, round_id, clients, global_base)
+    return results
+
+
+def ensure_bundle(
+    config: SimulateConfig, folder: Path, sample_shape: tuple[int, int, int], num_classes: int
+) -> Manifest:
+    """Export the run's bundle once (reused on resume); its input and classes follow the dataset."""
+    from edgepfl.export.models import ModelSpec, build_model, default_spec
+
+    base = default_spec(config.model)
+    channels, height, _ = sample_shape
+    spec = ModelSpec(
+        name=config.model,
+        width=config.width if config.model == "mobilenet" else base.width,
+        input_size=height,
+        in_channels=channels,
+        num_classes=num_classes,
+        norm=config.norm or base.norm,
+    )
+    kp = {"zero": 0, "all": None, "given": config.kp}[config.plan.kp]
+    if kp is None:
+        kp = len(build_model(spec).block_modules)
+    if (folder / "manifest.json").is_file():
+        manifest = load_manifest(folder)
+        if manifest.model == spec.to_dict() and manifest.kp == kp:
+            return manifest
+        raise StateError(f"{folder} holds a different model or kp", "use a new --out")
+    from edgepfl.device_runtime.engine import training_build_installed
+    from edgepfl.export.bundle import ExportOptions, export_bundle
+
+    if config.engine == "portable" or not training_build_installed():
+        engines: tuple[str, ...] = ("portable",)
+    else:
+        engines = ("ort-training",)  # fast to export; the torch engine takes its initial tensors from it
+    options = ExportOptions(engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size)
+    return export_bundle(spec, kp, folder, options)
+
+
+def open_sim_engine(name: str, bundle: Path, manifest: Manifest, threads: int | None = None) -> Engine:
+    """torch (eager, reads the bundle's initial tensors), portable or ort-training (the device engines)."""
+    from edgepfl.device_runtime.engine import open_engine
+
+    if name != "torch":
+        return open_engine(bundle, name, threads=threads)
+    from edgepfl.simulate.torch_engine import TorchEngine
+
+    return TorchEngine(bundle, manifest, initial_tensors(bundle), threads=threads)
+
+
+def initial_tensors(bundle: Path) -> dict[str, np.ndarray]:
+    """The bundle's initial tensors: portable/initial.safetensors, else the ORT training checkpoint's."""
+    from edgepfl.wire import load_tensors
+
+    path = Path(bundle) / "portable" / "initial.safetensors"
+    if path.is_file():
+        return load_tensors(path)
+    from edgepfl.device_runtime.engine import open_engine
+
+    return open_engine(bundle, "ort-training").get_tensors()
+
+
+def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, initial: dict) -> Client:
+    """A client's LocalData: train+val for training (val held out), test as a second held-out view."""
+    order = np.concatenate([part.train, part.val, part.test])
+    images = to_model_layout(dataset.images(order), manifest.input, what=f"client {number} images")
+    labels = check_labels(dataset.targets(order), manifest.num_classes, len(order), what=f"client {number} labels")
+    n_train, n_val = len(part.train), len(part.val)
+    train_index = np.arange(n_train)
+    val_index = np.arange(n_train, n_train + n_val)
+    test_index = np.arange(n_train + n_val, len(order))
+    train = LocalData(images, labels, train_index, val_index, manifest.input)
+    test = LocalData(images, labels, train_index, test_index, manifest.input)
+    client_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+    return Client(f"client-{number:03d}", train, test, client_seed, {k: v.copy() for k, v in initial.items()})
+
+
+def _save_state(path: Path, round_id: int, clients: list[Client], global_base: dict[str, np.ndarray]) -> None:
+    tensors = {f"global/{name}": value for name, value in global_base.items()}
+    for client in clients:
+        tensors.update({f"{client.name}/{name}": value for name, value in client.tensors.items()})
+    write_bytes_atomic(path, encode_tensors(tensors, metadata={"round": str(round_id)}))
+
+
+def _load_state(path: Path, clients: list[Client], global_base: dict) -> tuple[int, dict[str, np.ndarray]]:
+    payload = path.read_bytes()
+    try:
+        done = int(decode_metadata(payload)["round"])
+    except (KeyError, ValueError):
+        raise StateError(f"{path} does not say which round it holds", "delete the run folder and start again") from None
+    tensors = decode_tensors(payload)
+    try:
+        base = {name: tensors[f"global/{name}"] for name in global_base}
+        for client in clients:
+            client.tensors = {name: tensors[f"{client.name}/{name}"] for name in client.tensors}
+    except KeyError as missing:
+        raise StateError(f"{path} lacks tensor {missing}", "resume with the same options or use a new --out") from None
+    return done, base
+
+
+def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engine, parts) -> dict[str, Any]:
+    return {
+        "dataset": dataset.description,
+        "dataset_verified": dataset.verified,
+        "clients": len(parts),
+        "client_sizes": [int(p.size) for p in parts],
+        "kp": manifest.kp,
+        "blocks": len(manifest.blocks),
+        "engine": engine.name,
+        "client_algorithm": config.plan.client,
+        "strategy": config.plan.strategy,
+        "evaluation": "after each round's aggregation: global base + each client's personal part, on its test split",
+    }

@@ -1,0 +1,111 @@
+"""The simulator's eager-PyTorch engine: the bundle's model, trained with the same semantics as the ONNX engines.
+
+Semantics shared with `ort-training` and `portable` (so one seed gives the same numbers within float
+tolerance): plain SGD on the mean cross-entropy of the batch; only the tensors of the trainable set
+(`full`, `personal`, `base`) move; every BatchNorm layer, frozen or not, runs in training mode during
+a step (batch statistics) and updates its running statistics with momentum 0.1 and the unbiased
+variance; evaluation uses the running statistics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.errors import BundleError
+from edgepfl.manifest import Manifest
+
+
+class TorchEngine(Engine):
+    """A zoo model rebuilt from the manifest's spec, holding the bundle's initial tensors."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        bundle_dir: str | os.PathLike,
+        manifest: Manifest,
+        initial: Mapping[str, np.ndarray],
+        threads: int | None = None,
+    ):
+        super().__init__(bundle_dir, manifest)
+        import torch
+
+        from edgepfl.export.models import ModelSpec, build_model
+
+        self._torch = torch
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = build_model(ModelSpec(**manifest.model))
+        self._params = dict(self.model.named_parameters())
+        self._buffers = {n: b for n, b in self.model.named_buffers() if not n.endswith("num_batches_tracked")}
+        known = set(self._params) | set(self._buffers)
+        listed = {spec.name for spec in manifest.tensors}
+        if known != listed:
+            raise BundleError(
+                f"the bundle's manifest does not describe the {manifest.model.get('name')} model of this edgepfl "
+                f"({len(known ^ listed)} tensor name(s) differ)",
+                "re-export the bundle with this edgepfl version",
+            )
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+                raise BundleError("a BatchNorm layer uses a cumulative average", "use momentum 0.1")
+        self._sets = {
+            "full": set(manifest.names("base")) | set(manifest.names("personal")),
+            "personal": set(manifest.names("personal")),
+            "base": set(manifest.names("base")),
+        }
+        self.set_tensors(initial)
+
+    def get_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of named params/buffers (all when `names` is None)."""
+        wanted = [*self._params, *self._buffers] if names is None else list(names)
+        return {name: self._tensor(name).detach().numpy().copy() for name in wanted}
+
+    def set_tensors(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Overwrite named params/buffers in place."""
+        with self._torch.no_grad():
+            for name, value in tensors.items():
+                target = self._tensor(name)
+                target.copy_(self._torch.from_numpy(np.ascontiguousarray(value).reshape(target.shape)))
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
+        """One SGD step on the set's tensors; BatchNorm statistics update in every block."""
+        torch = self._torch
+        self.check_set(trainable)
+        chosen = self._sets[trainable]
+        self.model.train()
+        for name, param in self._params.items():
+            param.requires_grad_(name in chosen)
+            param.grad = None
+        logits = self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(np.asarray(y, dtype=np.int64)))
+        loss.backward()
+        with torch.no_grad():
+            for name in chosen:
+                param = self._params[name]
+                if param.grad is not None:
+                    param.sub_(lr * param.grad)
+                    param.grad = None
+        return float(loss.detach())
+
+    def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
+        """Summed loss and correct count in inference mode (running BatchNorm statistics)."""
+        torch = self._torch
+        self.model.eval()
+        with torch.no_grad():
+            logits = self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+            labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
+            loss_sum = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+            correct = int((logits.argmax(dim=1) == labels).sum())
+        return EvalResult(loss_sum=float(loss_sum), correct=correct, count=len(y))
+
+    def _tensor(self, name: str):
+        if name in self._params:
+            return self._params[name]
+        if name in self._buffers:
+            return self._buffers[name]
+        raise BundleError(f"tensor {name!r} is not in this bundle", "use names from manifest.json")

@@ -1,0 +1,229 @@
+"""edgepfl simulate: each algorithm on a tiny model, aggregates equal the server strategy's, resume, engines agree."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import SHARED
+
+pytest.importorskip("torch")
+
+from edgepfl.server.engine import sample_devices  # noqa: E402
+from edgepfl.simulate.config import SimulateConfig, config_from_json  # noqa: E402
+from edgepfl.simulate.loop import STATE_FILE, run_simulation  # noqa: E402
+from edgepfl.wire import decode_tensors  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_npz(tmp_path_factory):
+    """600 + 200 MNIST digits (or random 28x28 images when shared/data is absent)."""
+    path = tmp_path_factory.mktemp("data") / "tiny.npz"
+    rng = np.random.default_rng(0)
+    source = SHARED / "data" / "mnist.npz"
+    if source.is_file():
+        with np.load(source) as mnist:
+            train = rng.choice(len(mnist["y_train"]), 600, replace=False)
+            test = rng.choice(len(mnist["y_test"]), 200, replace=False)
+            arrays = {
+                "x_train": mnist["x_train"][train],
+                "y_train": mnist["y_train"][train],
+                "x_test": mnist["x_test"][test],
+                "y_test": mnist["y_test"][test],
+            }
+    else:
+        arrays = {
+            "x_train": rng.integers(0, 256, (600, 28, 28), dtype=np.uint8),
+            "y_train": np.arange(600) % 10,
+            "x_test": rng.integers(0, 256, (200, 28, 28), dtype=np.uint8),
+            "y_test": np.arange(200) % 10,
+        }
+    np.savez(path, **arrays)
+    return path
+
+
+def tiny_config(tiny_npz, out, **changes) -> SimulateConfig:
+    base = SimulateConfig(
+        out=str(out),
+        model="mlp",
+        kp=1,
+        dataset=str(tiny_npz),
+        data_root=str(tiny_npz.parent),
+        partition="classes:2",
+        clients=4,
+        rounds=2,
+        epochs=1,
+        batch_size=32,
+        lr=0.05,
+        engine="torch",
+        threads=1,
+    )
+    return replace(base, **changes)
+
+
+def state_of(out) -> dict[str, np.ndarray]:
+    return decode_tensors((out / STATE_FILE).read_bytes())
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedper", "fedalt", "fedper-ft"])
+def test_every_algorithm_runs_two_rounds(tiny_npz, tmp_path, algorithm):
+    out = tmp_path / algorithm
+    results = run_simulation(tiny_config(tiny_npz, out, algorithm=algorithm))
+    document = json.loads((out / "results.json").read_text())
+    assert [r["round"] for r in document["rounds"]] == [1, 2]
+    for record in document["rounds"]:
+        accuracy = record["test_accuracy"]
+        assert len(accuracy["per_client"]) == 4
+        assert 0.0 <= accuracy["min"] <= accuracy["mean"] <= accuracy["max"] <= 1.0
+        assert math.isclose(accuracy["mean"], float(np.mean(accuracy["per_client"])), abs_tol=1e-5)
+        assert math.isfinite(record["train_loss"]) and record["seconds"] > 0
+    assert document["summary"]["last"]["round"] == 2
+    assert document["config"]["algorithm"] == algorithm
+    info = document["info"]
+    expected_kp = {"fedavg": 0, "local": info["blocks"]}.get(algorithm, 1)
+    assert info["kp"] == expected_kp
+    if algorithm == "local":
+        assert all(r["bytes_up"] == 0 and r["bytes_down"] == 0 for r in document["rounds"])
+    else:
+        assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in document["rounds"])
+    # personalized or not, the digits of two classes per client are learnt well above chance (10%)
+    assert results.rounds[-1].test_accuracy["mean"] > 0.3
+
+
+def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_path):
+    """Round 1 rebuilt by hand: every client from the initial tensors, then the server's FedPer on the uploads."""
+    from edgepfl.datasets import load_dataset
+    from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
+    from edgepfl.manifest import load_manifest
+    from edgepfl.partition import make_partition
+    from edgepfl.server.config import StrategyOptions
+    from edgepfl.server.engine import shared_specs
+    from edgepfl.server.strategies import make_strategy
+    from edgepfl.server.strategy import AcceptedUpdate
+    from edgepfl.simulate.loop import _make_client, initial_tensors, round_settings
+    from edgepfl.simulate.torch_engine import TorchEngine
+
+    config = tiny_config(tiny_npz, tmp_path / "run", rounds=1, fraction=0.75)
+    run_simulation(config)
+    simulated = {k.removeprefix("global/"): v for k, v in state_of(tmp_path / "run").items() if k.startswith("global/")}
+
+    bundle = tmp_path / "run" / "bundle"
+    manifest = load_manifest(bundle)
+    initial = initial_tensors(bundle)
+    dataset = load_dataset(config.dataset, config.data_root)
+    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, 4, config.seed, config.split)
+    settings = round_settings(config)
+    sampled = sample_devices(config.seed, 1, [f"client-{i:03d}" for i in range(4)], 0.75, 1)
+    assert len(sampled) == 3
+    updates = []
+    for number, part in enumerate(parts):
+        client = _make_client(number, part, dataset, manifest, config.seed, initial)
+        if client.name not in sampled:
+            continue
+        engine = TorchEngine(bundle, manifest, initial)
+        result = run_client_round(engine, settings, client.train, client.seed, 1)
+        updates.append(AcceptedUpdate(client.name, result.num_samples, upload_tensors(engine, settings)))
+    specs = shared_specs(manifest, False)
+    assert {s.name for s in specs} == set(simulated) == set(manifest.names("base"))
+    strategy = make_strategy("fedper", specs, StrategyOptions(settings=settings))
+    expected = strategy.aggregate(1, iter(updates), {n: initial[n] for n in simulated})
+    total = sum(u.num_samples for u in updates)
+    for name, value in simulated.items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+        by_hand = sum(u.num_samples * u.base_tensors[name].astype(np.float64) for u in updates) / total
+        np.testing.assert_allclose(value, by_hand, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(simulated[specs[0].name], initial[specs[0].name]), "round 1 changed the base"
+
+
+def test_resume_continues_from_the_last_completed_round(tiny_npz, tmp_path):
+    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3))
+    run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=1))
+    seen: list[int] = []
+    resumed = run_simulation(
+        tiny_config(tiny_npz, tmp_path / "resumed", rounds=3), progress=lambda r, done, n: seen.append(r)
+    )
+    assert sorted(set(seen)) == [2, 3], "round 1 is not trained again"
+    assert [r.round for r in resumed.rounds] == [1, 2, 3]
+    for a, b in zip(straight.rounds, resumed.rounds):
+        assert a.test_accuracy["per_client"] == b.test_accuracy["per_client"]
+        assert a.train_loss == pytest.approx(b.train_loss, rel=1e-6)
+    first, second = state_of(tmp_path / "straight"), state_of(tmp_path / "resumed")
+    for name in first:
+        np.testing.assert_allclose(first[name], second[name], rtol=1e-6, atol=1e-7)
+
+
+def test_a_different_experiment_in_the_same_folder_is_refused(tiny_npz, tmp_path):
+    from edgepfl.errors import StateError
+
+    run_simulation(tiny_config(tiny_npz, tmp_path / "run", rounds=1))
+    with pytest.raises(StateError, match="different lr"):
+        run_simulation(tiny_config(tiny_npz, tmp_path / "run", rounds=1, lr=0.1))
+
+
+def test_sampling_is_the_servers_rule():
+    names = [f"d{i}" for i in range(10)]
+    assert sample_devices(0, 1, names, 1.0, 2) == sorted(names)
+    assert len(sample_devices(0, 1, names, 0.25, 2)) == 3  # ceil(2.5)
+    assert len(sample_devices(0, 1, names, 0.05, 2)) == 2  # min_clients
+    assert sample_devices(7, 4, names, 0.3, 1) == sample_devices(7, 4, list(reversed(names)), 0.3, 1)
+    assert sample_devices(7, 4, names, 0.3, 1) != sample_devices(7, 5, names, 0.3, 1)
+
+
+def _per_client_losses(results) -> list[float]:
+    return [r.train_loss for r in results.rounds]
+
+
+@pytest.mark.parametrize(
+    ("onnx_engine", "model", "fields"),
+    [
+        ("ort-training", "cnn", {"norm": "batch", "kp": 1}),
+        ("portable", "cnn", {"norm": "batch", "kp": 1}),
+    ],
+)
+def test_torch_engine_agrees_with_the_onnx_engine(tiny_npz, tmp_path, onnx_engine, model, fields):
+    """Same seed, same bundle weights, BatchNorm models: losses and accuracies agree within float tolerance."""
+    runs = {}
+    for engine in ("torch", onnx_engine):
+        config = tiny_config(tiny_npz, tmp_path / engine, model=model, engine=engine, algorithm="fedalt", **fields)
+        runs[engine] = run_simulation(config)
+    torch_run, onnx_run = runs["torch"], runs[onnx_engine]
+    assert onnx_run.info["engine"] == onnx_engine and torch_run.info["engine"] == "torch"
+    np.testing.assert_allclose(_per_client_losses(torch_run), _per_client_losses(onnx_run), rtol=2e-3)
+    for a, b in zip(torch_run.rounds, onnx_run.rounds):
+        # an argmax may flip on a near-tie after float drift: allow one sample per client
+        for x, y in zip(a.test_accuracy["per_client"], b.test_accuracy["per_client"]):
+            assert abs(x - y) <= 1 / 20 + 1e-9
+    torch_state, onnx_state = state_of(tmp_path / "torch"), state_of(tmp_path / onnx_engine)
+    for name, value in torch_state.items():
+        np.testing.assert_allclose(value, onnx_state[name], rtol=1e-2, atol=2e-3, err_msg=name)
+
+
+def test_config_file_form_and_cli(tiny_npz, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+
+    config = tiny_config(tiny_npz, tmp_path / "from-file", rounds=1).to_json()
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps({**config, "rounds": 5}))
+    runner = CliRunner()
+    result = runner.invoke(app, ["simulate", "--config", str(path), "--rounds", "1"])
+    assert result.exit_code == 0, result.output
+    assert "last" in result.output and "best" in result.output
+    assert (tmp_path / "from-file" / "accuracy.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "from-file" / "results.json").read_text())["config"]["rounds"] == 1
+    assert config_from_json(config).same_experiment(config_from_json({**config, "rounds": 9})) == []
+
+    plotted = runner.invoke(app, ["plot", str(tmp_path / "from-file"), "--out", str(tmp_path / "both.png")])
+    assert plotted.exit_code == 0 and (tmp_path / "both.png").is_file()
+
+    path.write_text(json.dumps({**config, "colour": "red"}))
+    bad = runner.invoke(app, ["simulate", "--config", str(path)])
+    assert bad.exit_code == 2 and "unknown key 'colour'" in bad.output and "Traceback" not in bad.output
+    bad = runner.invoke(app, ["simulate", "--out", str(tmp_path / "x"), "--algorithm", "fedprox"])
+    assert bad.exit_code == 2 and "--algorithm 'fedprox' is unknown" in bad.output
+    missing = runner.invoke(app, ["plot", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
