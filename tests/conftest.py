@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,23 +14,55 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+BUNDLES_ENV = "EDGEPFL_TEST_BUNDLES"  # a folder of bundles exported beforehand, for environments without torch
+
+
+def bundle_folder(root: str | Path, name: str, kp: int, engines: tuple[str, ...], seed: int, **fields) -> Path:
+    """Where a bundle made with these arguments lives under `root` (one folder per argument set)."""
+    parts = [name, f"kp{kp}", "+".join(engines), f"seed{seed}", *(f"{k}{v}" for k, v in sorted(fields.items()))]
+    return Path(root) / "-".join(parts)
+
+
+def export_test_bundle(out: Path, name: str, kp: int, engines: tuple[str, ...], seed: int, **fields) -> Path:
+    """Export a zoo model into `out` (needs torch)."""
+    import torch
+
+    from edgepfl.export.bundle import ExportOptions, export_bundle
+    from edgepfl.export.models import ModelSpec, default_spec
+
+    spec = ModelSpec(**{**default_spec(name).to_dict(), **fields})
+    torch.set_num_threads(2)
+    export_bundle(spec, kp, out, ExportOptions(engines=engines, seed=seed, force=True))
+    return out
+
+
 @pytest.fixture(scope="session")
 def bundle_factory(tmp_path_factory):
-    """export(name, kp, engines=..., **spec fields) -> bundle path, cached per argument set."""
-    torch = pytest.importorskip("torch")
+    """export(name, kp, engines=..., **spec fields) -> bundle path, cached per argument set.
+
+    With EDGEPFL_TEST_BUNDLES set, bundles are read from (or, where torch is installed, written to)
+    that folder, so the device tests also run in an environment without torch
+    (scripts/device-env.sh exports them first); a bundle missing there fails instead of skipping.
+    """
+    shared = os.environ.get(BUNDLES_ENV)
     cache: dict[tuple, Path] = {}
 
     def export(name: str, kp: int, engines: tuple[str, ...] = ("ort-training",), seed: int = 0, **fields):
-        from edgepfl.export.bundle import ExportOptions, export_bundle
-        from edgepfl.export.models import ModelSpec, default_spec
-
         key = (name, kp, engines, seed, tuple(sorted(fields.items())))
-        if key not in cache:
-            spec = ModelSpec(**{**default_spec(name).to_dict(), **fields})
+        if key in cache:
+            return cache[key]
+        if shared and (bundle_folder(shared, name, kp, engines, seed, **fields) / "manifest.json").is_file():
+            cache[key] = bundle_folder(shared, name, kp, engines, seed, **fields)
+            return cache[key]
+        if importlib.util.find_spec("torch") is None:
+            if shared:
+                pytest.fail(f"{BUNDLES_ENV}={shared} has no bundle for {key}; export it first (scripts/device-env.sh)")
+            pytest.skip("exporting a bundle needs torch (pip install 'edgepfl[export]')")
+        if shared:
+            out = bundle_folder(shared, name, kp, engines, seed, **fields)
+        else:
             out = tmp_path_factory.mktemp(f"bundle-{name}-kp{kp}")
-            torch.set_num_threads(2)
-            export_bundle(spec, kp, out, ExportOptions(engines=engines, seed=seed, force=True))
-            cache[key] = out
+        cache[key] = export_test_bundle(out, name, kp, engines, seed, **fields)
         return cache[key]
 
     return export

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_without_torch
 from server_helpers import LiveServer, enroll
-from test_device_runtime import ENGINES, NUM_CLASSES, SIDE, save_npz
+from test_device_runtime import DEVICE_BUNDLE, save_npz
 
 from edgepfl.manifest import load_manifest
 from edgepfl.server.store import Store
@@ -76,7 +76,7 @@ SERVER_OPTIONS = (
 
 @pytest.fixture(scope="module")
 def bundle(bundle_factory) -> Path:
-    return bundle_factory("mlp", 1, engines=ENGINES, input_size=SIDE, num_classes=NUM_CLASSES)
+    return bundle_factory(**DEVICE_BUNDLE)
 
 
 def device_command(*args: str | Path, code: str = DEVICE_CLI) -> list[str]:

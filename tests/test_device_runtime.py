@@ -27,12 +27,14 @@ from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 ENGINES = ("ort-training", "portable")
 NUM_CLASSES = 4
 SIDE = 8  # the tiny mlp takes 8x8 grey images
+# the one bundle the device tests use; scripts/device-env.sh exports it for the environment without torch
+DEVICE_BUNDLE = {"name": "mlp", "kp": 1, "engines": ENGINES, "seed": 0, "input_size": SIDE, "num_classes": NUM_CLASSES}
 
 
 @pytest.fixture(scope="session")
 def mlp_bundle(bundle_factory) -> Path:
     """A tiny mlp (hidden block = base, classifier = personal) with both engines' artifacts."""
-    return bundle_factory("mlp", 1, engines=ENGINES, input_size=SIDE, num_classes=NUM_CLASSES)
+    return bundle_factory(**DEVICE_BUNDLE)
 
 
 def class_images(labels: np.ndarray, seed: int = 0, noise: float = 40.0, channels: int = 1) -> np.ndarray:
