@@ -34,13 +34,15 @@ def tiny_npz(tmp_path_factory):
                 "x_test": mnist["x_test"][test],
                 "y_test": mnist["y_test"][test],
             }
-    else:
-        arrays = {
-            "x_train": rng.integers(0, 256, (600, 28, 28), dtype=np.uint8),
-            "y_train": np.arange(600) % 10,
-            "x_test": rng.integers(0, 256, (200, 28, 28), dtype=np.uint8),
-            "y_test": np.arange(200) % 10,
-        }
+    else:  # learnable stand-in digits: a fixed random prototype per class plus noise
+        prototypes = rng.integers(0, 256, (10, 28, 28))
+
+        def digits(labels: np.ndarray) -> np.ndarray:
+            noisy = prototypes[labels] + rng.normal(0, 40, (len(labels), 28, 28))
+            return np.clip(noisy, 0, 255).astype(np.uint8)
+
+        y_train, y_test = np.arange(600) % 10, np.arange(200) % 10
+        arrays = {"x_train": digits(y_train), "y_train": y_train, "x_test": digits(y_test), "y_test": y_test}
     np.savez(path, **arrays)
     return path
 
