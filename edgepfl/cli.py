@@ -149,7 +149,10 @@ def simulate(
     kp: Annotated[int | None, typer.Option(help="personal blocks from the classifier (default: 2)")] = None,
     norm: Annotated[str | None, typer.Option(help="batch | group | none (default: the model's default)")] = None,
     algorithm: Annotated[
-        str | None, typer.Option(help="fedavg | local | fedper (= fedsim) | fedalt | fedper-ft (default: fedper)")
+        str | None,
+        typer.Option(
+            help="fedavg | local | fedper (= fedsim) | fedalt | fedper-ft | pfedla | heurpfedla (default: fedper)"
+        ),
     ] = None,
     dataset: Annotated[
         str | None,

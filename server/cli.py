@@ -30,7 +30,7 @@ def serve(
     ctx: typer.Context,
     bundle: Annotated[Path | None, typer.Option(help="bundle folder written by `edgepfl export`")] = None,
     state: Annotated[Path | None, typer.Option(help="state folder (SQLite + blobs); reuse it to resume")] = None,
-    strategy: Annotated[str, typer.Option(help="fedper | fedavg | median | trimmed-mean")] = "fedper",
+    strategy: Annotated[str, typer.Option(help="fedper | fedavg | median | trimmed-mean | pfedla")] = "fedper",
     rounds: Annotated[int, typer.Option(help="rounds to aggregate, then tell devices 'done'")] = 100,
     min_clients: Annotated[
         int, typer.Option(help="devices needed to open a round and to close it at its deadline")
@@ -62,6 +62,8 @@ def serve(
     finetune_epochs: Annotated[int, typer.Option(help="personal fine-tuning epochs (base frozen) per round")] = 0,
     personal_epochs: Annotated[int, typer.Option(help="fedalt: personal-phase epochs")] = 1,
     trim_fraction: Annotated[float, typer.Option(help="trimmed-mean: fraction cut from each end")] = 0.1,
+    clients: Annotated[int, typer.Option(help="pfedla: number of clients the hypernetworks mix")] = 0,
+    hn_lr: Annotated[float, typer.Option(help="pfedla: hypernetwork learning rate")] = 5e-3,
     poll_interval: Annotated[float, typer.Option(help="retry_after told to waiting devices (seconds)")] = 5.0,
     available_for: Annotated[float, typer.Option(help="a device is available this long after it polls (s)")] = 60.0,
     upload_slots: Annotated[int, typer.Option(help="uploads checked at once (bounds memory)")] = 4,
@@ -108,7 +110,9 @@ def serve(
             available_for=available_for,
             upload_slots=upload_slots,
             public_status=public_status,
-            strategy_options=StrategyOptions(settings=settings, trim_fraction=trim_fraction),
+            strategy_options=StrategyOptions(
+                settings=settings, trim_fraction=trim_fraction, clients=clients, hn_lr=hn_lr, seed=seed
+            ),
         )
         config.check()
         if (tls_cert is None) != (tls_key is None):

@@ -15,6 +15,10 @@ class StrategyOptions:
 
     settings: RoundSettings = field(default_factory=RoundSettings)
     trim_fraction: float = 0.1  # trimmed-mean: fraction cut from each end per coordinate
+    clients: int = 0  # pfedla: how many clients the hypernetworks mix (N)
+    hn_lr: float = 5e-3  # pfedla: SGD learning rate of the embeddings and hypernetworks
+    seed: int = 0  # strategies that draw random numbers (pfedla's hypernetwork initialisation)
+    retain_top_k: int = 0  # heurpfedla: tensors (largest self-weight) that stay on each device
 
 
 @dataclass(frozen=True)

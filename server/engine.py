@@ -15,6 +15,11 @@ One engine per state folder and per process. Rounds follow one life:
   aggregated, its uploads are kept on disk but never used, and the next round (a new id) starts
   from the same global base.
 - After `rounds` closed rounds every device is told "done" and given the final base.
+
+A strategy that learns more than the global base (pFedLA's hypernetworks) hands it over as
+`state_bytes()`; it is saved as a blob in the transaction that opens or closes a round, loaded at
+start, and reloaded whenever an opening or a close fails, so a restart or a retried close never
+applies a round twice.
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
+from edgepfl.errors import BundleError, EdgePFLError, StateError, UsageError, WireError
 from edgepfl.manifest import Manifest, TensorSpec, layout_hash, load_manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import ApiError
 from edgepfl.server.store import Assignment, BlobError, EvalRecord, RoundRecord, Store, UpdateRecord, hash_token
-from edgepfl.server.strategies import make_strategy
+from edgepfl.server.strategies import STRATEGIES, make_strategy
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
 from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
 
@@ -50,6 +55,8 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     manifest = load_manifest(config.bundle)
     store = Store(config.state)
     specs = shared_specs(manifest, config.share_buffers)
+    if config.strategy in STRATEGIES and STRATEGIES[config.strategy].simulator_only:
+        raise UsageError(f"strategy {config.strategy} runs in edgepfl simulate only", "serve another --strategy")
     strategy = make_strategy(config.strategy, specs, config.strategy_options)
     strategy.check_manifest(manifest)
     engine = RoundEngine(config, manifest, store, strategy, clock)
@@ -115,6 +122,7 @@ class RoundEngine:
             with self.store.transaction() as db:
                 for key, value in {**binding, "initial_base_sha": sha, "global_base_sha": sha}.items():
                     db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._load_strategy_state()
         removed = self.store.remove_unreferenced_blobs()
         if removed:
             log.info("removed %d unreferenced blob(s) left by an interrupted write", removed)
@@ -332,20 +340,37 @@ class RoundEngine:
             check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
         except OSError:
             with self._lock:
+                self._load_strategy_state()  # the round stays open and is aggregated again from the saved state
                 self._closing = None
             raise
         except (EdgePFLError, ValueError) as error:
             log.error("round %d cannot be aggregated: %s", record.round_id, error)
             with self._lock:
+                self._load_strategy_state()
                 self._abandon(record, self.clock(), f"aggregation failed: {error}")
                 self._closing = None
             return
-        sha = self.store.put_blob(encode_tensors(new_base))
-        seconds = time.perf_counter() - started
+        try:
+            sha = self.store.put_blob(encode_tensors(new_base))
+            strategy_state = self.strategy.state_bytes()
+            state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
+            seconds = time.perf_counter() - started
+            with self._lock:
+                self.store.finish_round(
+                    record.round_id,
+                    "closed",
+                    self.clock(),
+                    global_base_sha=sha,
+                    result_sha=sha,
+                    aggregate_seconds=seconds,
+                    strategy_state_sha=state_sha,
+                )
+        except BaseException:
+            with self._lock:
+                self._load_strategy_state()
+                self._closing = None
+            raise
         with self._lock:
-            self.store.finish_round(
-                record.round_id, "closed", self.clock(), global_base_sha=sha, result_sha=sha, aggregate_seconds=seconds
-            )
             self._closing = None
         log.info(
             "round %d closed: %d update(s) aggregated in %.3f s",
@@ -353,6 +378,14 @@ class RoundEngine:
             len(self.store.updates(record.round_id)),
             seconds,
         )
+
+    def _load_strategy_state(self) -> None:
+        """Bring the strategy back to its last saved state (a strategy that keeps none is left as is)."""
+        sha = self.store.get_meta("strategy_state_sha")
+        if sha is not None:
+            self.strategy.load_state(self.store.read_blob(sha))
+        elif self.strategy.state_bytes() is not None:  # nothing saved yet: back to a fresh strategy
+            self.strategy = type(self.strategy)(self.specs, self.strategy.options)
 
     def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):
@@ -386,21 +419,37 @@ class RoundEngine:
         sampled = sample_devices(self.config.seed, round_id, available, self.config.fraction, self.config.min_clients)
         base_sha = self.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
+        state_sha = None
         if self.strategy.needs_per_device_payload:
             global_base = decode_tensors(self.store.read_blob(base_sha))
             assignments = []
-            for device in sampled:
-                settings, payload = self.strategy.configure_device(round_id, device, global_base)
-                check_tensors(payload, self.specs, what=f"{self.strategy.name} payload for {device}")
-                device_sha = self.store.put_blob(encode_tensors(payload))
-                assignments.append(
-                    Assignment(round_id, device, device_sha, json.dumps(settings.to_json(), sort_keys=True))
-                )
+            try:
+                for device in sampled:
+                    settings, payload = self.strategy.configure_device(round_id, device, global_base)
+                    check_tensors(payload, self.specs, what=f"{self.strategy.name} payload for {device}")
+                    device_sha = self.store.put_blob(encode_tensors(payload))
+                    assignments.append(
+                        Assignment(round_id, device, device_sha, json.dumps(settings.to_json(), sort_keys=True))
+                    )
+                # configuring may change the strategy (e.g. a device's first sight): saved with the round's opening
+                strategy_state = self.strategy.state_bytes()
+                state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
+            except EdgePFLError as error:  # the strategy refuses this round (e.g. more devices than it mixes)
+                self._load_strategy_state()
+                log.error("round %d not opened: %s", round_id, error)
+                raise ApiError(503, "round_not_opened", error.problem, error.fix) from None
+            except BaseException:
+                self._load_strategy_state()
+                raise
         else:
             settings_json = json.dumps(self.strategy.settings(round_id).to_json(), sort_keys=True)
             assignments = [Assignment(round_id, device, base_sha, settings_json) for device in sampled]
         record = RoundRecord(round_id, "open", base_sha, now, now + self.config.round_timeout, tuple(sampled))
-        self.store.create_round(record, assignments)
+        try:
+            self.store.create_round(record, assignments, strategy_state_sha=state_sha)
+        except BaseException:
+            self._load_strategy_state()
+            raise
         log.info("round %d opened: %d of %d available device(s) sampled", round_id, len(sampled), len(available))
         return record
 

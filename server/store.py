@@ -231,7 +231,7 @@ class Store:
         rows = self._query(
             "SELECT base_sha FROM rounds UNION SELECT result_sha FROM rounds WHERE result_sha IS NOT NULL "
             "UNION SELECT base_sha FROM assignments UNION SELECT blob_sha FROM updates "
-            "UNION SELECT value FROM meta WHERE key IN ('initial_base_sha', 'global_base_sha')"
+            "UNION SELECT value FROM meta WHERE key IN ('initial_base_sha', 'global_base_sha', 'strategy_state_sha')"
         )
         keep = {row[0] for row in rows}
         removed = 0
@@ -266,9 +266,15 @@ class Store:
         """Rounds aggregated so far."""
         return self._query("SELECT COUNT(*) FROM rounds WHERE state = 'closed'")[0][0]
 
-    def create_round(self, record: RoundRecord, assignments: list[Assignment]) -> None:
-        """Open a round and record what each sampled device gets, in one transaction."""
+    def create_round(
+        self, record: RoundRecord, assignments: list[Assignment], strategy_state_sha: str | None = None
+    ) -> None:
+        """Open a round and record what each sampled device gets (and the strategy state), in one transaction."""
         with self.transaction() as db:
+            if strategy_state_sha is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('strategy_state_sha', ?)", (strategy_state_sha,)
+                )
             db.execute(
                 "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled) VALUES (?, ?, ?, ?, ?, ?)",
                 (
@@ -294,8 +300,9 @@ class Store:
         result_sha: str | None = None,
         aggregate_seconds: float | None = None,
         note: str | None = None,
+        strategy_state_sha: str | None = None,
     ) -> None:
-        """Close (aggregated) or abandon the open round and set the global base, in one transaction."""
+        """Close (aggregated) or abandon the open round and set the global base (and strategy state), atomically."""
         with self.transaction() as db:
             changed = db.execute(
                 "UPDATE rounds SET state = ?, closed = ?, result_sha = ?, aggregate_seconds = ?, note = ? "
@@ -305,6 +312,10 @@ class Store:
             if changed != 1:
                 raise StateError(f"round {round_id} is not open", "this is a bug: report it")
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('global_base_sha', ?)", (global_base_sha,))
+            if strategy_state_sha is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('strategy_state_sha', ?)", (strategy_state_sha,)
+                )
 
     # assignments, updates, metrics
 

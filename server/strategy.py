@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from edgepfl.errors import UsageError
+from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import RoundSettings
 from edgepfl.server.config import StrategyOptions
@@ -40,6 +40,7 @@ class Strategy(ABC):
     needs_per_device_payload: ClassVar[bool] = False  # configure_device returns a different base per device
     personalized: ClassVar[bool] = True  # devices keep personal blocks (False: the whole model is shared)
     streaming: ClassVar[bool] = True  # aggregate() holds O(model) memory, not O(devices x model)
+    simulator_only: ClassVar[bool] = False  # needs what devices cannot do yet: `edgepfl serve` refuses it
 
     def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
         self.specs = specs  # the tensors that travel: the base (and base BatchNorm stats if shared)
@@ -63,6 +64,17 @@ class Strategy(ABC):
         """Settings and base tensors for one sampled device (called only if needs_per_device_payload)."""
         return self.settings(round_id), global_base
 
+    def state_bytes(self) -> bytes | None:
+        """What the strategy learnt beyond the global base (None: nothing); saved as a round opens and closes."""
+        return None
+
+    def load_state(self, payload: bytes) -> None:
+        """Restore what state_bytes() returned, after a restart (called before any round is configured)."""
+        raise StateError(
+            f"the state folder holds saved state for strategy {self.name}, which keeps none",
+            "restart with the strategy the state folder was made with, or use a new --state folder",
+        )
+
     @abstractmethod
     def aggregate(
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
@@ -77,5 +89,5 @@ def cast_like(values: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> Base
         value = values[spec.name]
         if np.dtype(spec.dtype).kind in "iub":
             value = np.rint(value)
-        result[spec.name] = np.ascontiguousarray(value.astype(spec.dtype))
+        result[spec.name] = np.asarray(value).astype(spec.dtype, order="C")  # ascontiguousarray makes 0-d 1-d
     return result

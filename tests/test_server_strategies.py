@@ -24,7 +24,7 @@ def _updates(values: list[float], counts: list[int]) -> list[AcceptedUpdate]:
 
 
 def test_registry_names_are_the_cli_names() -> None:
-    assert set(STRATEGIES) == {"fedavg", "fedper", "median", "trimmed-mean"}
+    assert set(STRATEGIES) == {"fedavg", "fedper", "median", "trimmed-mean", "pfedla", "heurpfedla"}
     assert all(cls.name == name for name, cls in STRATEGIES.items())
     with pytest.raises(UsageError, match="unknown strategy"):
         make_strategy("fedprox", SPECS, StrategyOptions())

@@ -30,6 +30,8 @@ ALGORITHMS: dict[str, AlgorithmPlan] = {
     "fedsim": AlgorithmPlan("fedsim", "fedper", kp="given"),
     "fedalt": AlgorithmPlan("fedalt", "fedper", kp="given"),
     "fedper-ft": AlgorithmPlan("fedsim", "fedper", kp="given", finetune=True),
+    "pfedla": AlgorithmPlan("fedsim", "pfedla", kp="given"),  # --kp 0 is the paper's; kp > 0 mixes the base only
+    "heurpfedla": AlgorithmPlan("fedsim", "heurpfedla", kp="given"),
 }
 
 
@@ -58,6 +60,8 @@ class SimulateConfig:
     lr: float = 0.01
     finetune_epochs: int = 1  # fedper-ft only
     personal_epochs: int = 1  # fedalt only
+    hn_lr: float = 5e-3  # pfedla, heurpfedla: SGD learning rate of the hypernetworks
+    retain_top_k: int = 1  # heurpfedla: tensors with the largest self-weight that stay on each client
     share_buffers: bool = False
     engine: str = "torch"
     seed: int = 0
@@ -82,6 +86,8 @@ class SimulateConfig:
             (min(self.finetune_epochs, self.personal_epochs) >= 0, "epoch counts must not be negative", "pass 0+"),
             (self.clients is None or self.clients >= 1, "--clients must be at least 1", "pass e.g. --clients 10"),
             (self.threads is None or self.threads >= 1, "--threads must be at least 1", "leave it out or pass 1+"),
+            (self.hn_lr > 0 and math.isfinite(self.hn_lr), "hn_lr must be a positive number", "pass e.g. 0.005"),
+            (self.retain_top_k >= 1, "retain_top_k must be at least 1", "pass e.g. 1"),
         ]
         for ok, problem, fix in checks:
             if not ok:

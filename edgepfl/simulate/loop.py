@@ -33,6 +33,7 @@ from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, loa
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 STATE_FILE = "state.safetensors"
+STRATEGY_STATE = "strategy/state"  # what the server strategy learnt (pFedLA's hypernetworks), as raw bytes
 BUNDLE_DIR = "bundle"
 # per-round progress: (round, clients done, clients this round)
 RoundProgress = Callable[[int, int, int], None]
@@ -102,15 +103,20 @@ def run_simulation(
         from edgepfl.server.engine import shared_specs
         from edgepfl.server.strategies import make_strategy
 
-        strategy = make_strategy(
-            config.plan.strategy, shared_specs(manifest, settings.share_buffers), StrategyOptions(settings=settings)
+        options = StrategyOptions(
+            settings=settings,
+            clients=len(clients),
+            hn_lr=config.hn_lr,
+            seed=config.seed,
+            retain_top_k=config.retain_top_k,
         )
+        strategy = make_strategy(config.plan.strategy, shared_specs(manifest, settings.share_buffers), options)
         strategy.check_manifest(manifest)
     global_base = upload_tensors(engine, settings)
     records: list[RoundRecord] = []
     start = 1
     if previous is not None and (out / STATE_FILE).is_file():
-        done, global_base = _load_state(out / STATE_FILE, clients, global_base)
+        done, global_base = _load_state(out / STATE_FILE, clients, global_base, strategy)
         records = [r for r in previous.rounds if r.round <= done]
         if len(records) != done:
             raise StateError(f"{out} has state for round {done} but results for {len(records)}", "use a new --out")
@@ -124,13 +130,20 @@ def run_simulation(
         from edgepfl.server.engine import sample_devices
 
         sampled = sample_devices(config.seed, round_id, names, config.fraction, config.min_clients)
-        updates, losses, bytes_up, bytes_down = [], [], 0, 0
+        updates, losses, bytes_up, bytes_down, bytes_kept = [], [], 0, 0, 0
         base_bytes = len(encode_tensors(global_base)) if global_base else 0
         for done_count, name in enumerate(sampled):
             client = by_name[name]
             engine.set_tensors(client.tensors)
-            engine.set_tensors(global_base)
-            bytes_down += base_bytes
+            device_base = global_base
+            if strategy is not None and strategy.needs_per_device_payload:  # e.g. pFedLA: each client its own base
+                device_base = dict(strategy.configure_device(round_id, name, global_base)[1])
+                # a tensor left out of the payload stays on the client: neither sent nor uploaded (HeurpFedLA)
+                bytes_kept += 2 * sum(value.nbytes for key, value in global_base.items() if key not in device_base)
+                bytes_down += len(encode_tensors(device_base))
+            else:
+                bytes_down += base_bytes
+            engine.set_tensors(device_base)
             result = run_client_round(engine, settings, client.train, client.seed, round_id)
             client.tensors = engine.get_tensors()
             if not math.isnan(result.train_loss):
@@ -138,7 +151,7 @@ def run_simulation(
             if result.uploads and strategy is not None:
                 from edgepfl.server.strategy import AcceptedUpdate
 
-                upload = upload_tensors(engine, settings)
+                upload = {key: value for key, value in upload_tensors(engine, settings).items() if key in device_base}
                 bytes_up += len(encode_tensors(upload))
                 updates.append(AcceptedUpdate(name, result.num_samples, upload, result.train_loss, result.val_accuracy))
             if progress is not None:
@@ -148,7 +161,7 @@ def run_simulation(
         test_acc, val_acc = [], []
         for client in clients:
             engine.set_tensors(client.tensors)
-            engine.set_tensors(global_base)
+            engine.set_tensors(_evaluated_base(strategy, round_id, client.name, global_base))
             test_acc.append(evaluate(engine, client.test).accuracy)
             val_result = evaluate(engine, client.train)
             val_acc.append(val_result.accuracy if val_result.count else math.nan)
@@ -162,11 +175,19 @@ def run_simulation(
                 bytes_up=bytes_up,
                 bytes_down=bytes_down,
                 seconds=time.perf_counter() - started,
+                bytes_kept=bytes_kept,
             )
         )
         write_results(out, results)
-        _save_state(out / STATE_FILE, round_id, clients, global_base)
+        _save_state(out / STATE_FILE, round_id, clients, global_base, strategy)
     return results
+
+
+def _evaluated_base(strategy, round_id: int, name: str, global_base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The base a client is evaluated with after a round: the global one, or the one it would get next round."""
+    if strategy is None or not strategy.needs_per_device_payload:
+        return global_base
+    return dict(strategy.configure_device(round_id + 1, name, global_base)[1])
 
 
 def ensure_bundle(
@@ -242,14 +263,21 @@ def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, init
     return Client(f"client-{number:03d}", train, test, client_seed, {k: v.copy() for k, v in initial.items()})
 
 
-def _save_state(path: Path, round_id: int, clients: list[Client], global_base: dict[str, np.ndarray]) -> None:
+def _save_state(
+    path: Path, round_id: int, clients: list[Client], global_base: dict[str, np.ndarray], strategy=None
+) -> None:
     tensors = {f"global/{name}": value for name, value in global_base.items()}
     for client in clients:
         tensors.update({f"{client.name}/{name}": value for name, value in client.tensors.items()})
+    strategy_state = strategy.state_bytes() if strategy is not None else None
+    if strategy_state is not None:  # in the same file, so clients and strategy are saved atomically together
+        tensors[STRATEGY_STATE] = np.frombuffer(strategy_state, dtype=np.uint8)
     write_bytes_atomic(path, encode_tensors(tensors, metadata={"round": str(round_id)}))
 
 
-def _load_state(path: Path, clients: list[Client], global_base: dict) -> tuple[int, dict[str, np.ndarray]]:
+def _load_state(
+    path: Path, clients: list[Client], global_base: dict, strategy=None
+) -> tuple[int, dict[str, np.ndarray]]:
     payload = path.read_bytes()
     try:
         done = int(decode_metadata(payload)["round"])
@@ -262,6 +290,8 @@ def _load_state(path: Path, clients: list[Client], global_base: dict) -> tuple[i
             client.tensors = {name: tensors[f"{client.name}/{name}"] for name in client.tensors}
     except KeyError as missing:
         raise StateError(f"{path} lacks tensor {missing}", "resume with the same options or use a new --out") from None
+    if STRATEGY_STATE in tensors and strategy is not None:
+        strategy.load_state(tensors[STRATEGY_STATE].tobytes())
     return done, base
 
 

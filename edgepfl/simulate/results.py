@@ -33,6 +33,7 @@ class RoundRecord:
     bytes_up: int
     bytes_down: int
     seconds: float
+    bytes_kept: int = 0  # bytes of tensors that stayed on the clients instead of travelling (HeurpFedLA), both ways
 
 
 @dataclass

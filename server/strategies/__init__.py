@@ -7,14 +7,18 @@ from edgepfl.manifest import TensorSpec
 from edgepfl.server.config import StrategyOptions
 from edgepfl.server.strategies.fedavg import FedAvg
 from edgepfl.server.strategies.fedper import FedPer
+from edgepfl.server.strategies.heurpfedla import HeurPFedLA
 from edgepfl.server.strategies.median import Median
+from edgepfl.server.strategies.pfedla import PFedLA
 from edgepfl.server.strategies.trimmed_mean import TrimmedMean
 from edgepfl.server.strategy import Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     FedAvg.name: FedAvg,
     FedPer.name: FedPer,
+    HeurPFedLA.name: HeurPFedLA,
     Median.name: Median,
+    PFedLA.name: PFedLA,
     TrimmedMean.name: TrimmedMean,
 }
 

@@ -1,0 +1,515 @@
+"""pFedLA: mixing weights, θ̄ by hand, the hypernetwork step against autograd, durability, a real 2-round run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # pFedLA's hypernetworks are torch modules
+
+from server_helpers import DeviceClient, LiveServer, enroll, make_bundle, upload_body, wait_status  # noqa: E402
+from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 (tiny_npz: the simulator tests' data fixture)
+
+from edgepfl.errors import StateError, UsageError  # noqa: E402
+from edgepfl.manifest import TensorSpec  # noqa: E402
+from edgepfl.server.config import ServerConfig, StrategyOptions  # noqa: E402
+from edgepfl.server.engine import create_engine, shared_specs  # noqa: E402
+from edgepfl.server.errors import ApiError  # noqa: E402
+from edgepfl.server.strategies import make_strategy  # noqa: E402
+from edgepfl.server.strategies.pfedla import PFedLA, normalise  # noqa: E402
+from edgepfl.server.strategy import AcceptedUpdate  # noqa: E402
+from edgepfl.wire import decode_tensors  # noqa: E402
+
+SPECS = [
+    TensorSpec("a.weight", (2, 3), "float32", "base", 0),
+    TensorSpec("b.bias", (4,), "float32", "base", 1),
+    TensorSpec("bn.num_batches_tracked", (), "int64", "buffer", 0),
+]
+
+
+def _strategy(clients: int = 3, hn_lr: float = 5e-3, seed: int = 0) -> PFedLA:
+    return make_strategy("pfedla", SPECS, StrategyOptions(clients=clients, hn_lr=hn_lr, seed=seed))
+
+
+def _tensors(rng: np.random.Generator, shift: float = 0.0) -> dict[str, np.ndarray]:
+    return {
+        "a.weight": (rng.normal(size=(2, 3)) + shift).astype(np.float32),
+        "b.bias": (rng.normal(size=4) + shift).astype(np.float32),
+        "bn.num_batches_tracked": np.array(int(rng.integers(0, 100)), dtype=np.int64),
+    }
+
+
+def _distinct_clients(strategy: PFedLA, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """Give every slot its own latest tensors (round 1 starts them all equal, which hides the mixing)."""
+    rng = np.random.default_rng(seed)
+    strategy.client_tensors = [
+        {k: np.asarray(v, dtype=np.float64) for k, v in _tensors(rng, shift=3.0 * slot).items()}
+        for slot in range(strategy.num_clients)
+    ]
+    return [{k: v.copy() for k, v in client.items()} for client in strategy.client_tensors]
+
+
+def _force_alphas(strategy: PFedLA, slot: int, biases: list[float]) -> None:
+    """Heads with zero weights and these biases: α = ReLU(biases) / sum, for every tensor."""
+    net = strategy.hypernetwork(slot)
+    with torch.no_grad():
+        for head in net.heads:
+            head.weight.zero_()
+            head.bias.copy_(torch.tensor(biases))
+
+
+def test_mixing_weights_are_non_negative_and_sum_to_one_per_tensor() -> None:
+    strategy = _strategy(clients=4)
+    for slot in range(4):
+        alphas = strategy.mixing_weights(slot)
+        assert sorted(alphas) == ["a.weight", "b.bias"]  # integer buffers are not mixed
+        for alpha in alphas.values():
+            assert alpha.shape == (4,) and (alpha >= 0).all()
+            assert alpha.sum() == pytest.approx(1.0, abs=1e-6)
+    assert not np.allclose(strategy.mixing_weights(0)["a.weight"], strategy.mixing_weights(1)["a.weight"])
+    matrix = strategy.alpha_matrix("b.bias")
+    assert matrix.shape == (4, 4)
+    np.testing.assert_allclose(matrix[2], strategy.mixing_weights(2)["b.bias"])
+    with pytest.raises(UsageError, match="not a mixed tensor"):
+        strategy.alpha_matrix("bn.num_batches_tracked")
+
+
+def test_a_zero_sum_falls_back_to_the_clients_own_one_hot() -> None:
+    np.testing.assert_array_equal(normalise(torch.zeros(3), 2).numpy(), [0.0, 0.0, 1.0])
+    np.testing.assert_allclose(normalise(torch.tensor([1.0, 0.0, 3.0]), 0).numpy(), [0.25, 0.0, 0.75])
+    strategy = _strategy()
+    start = _tensors(np.random.default_rng(0))
+    strategy.configure_device(1, "x", start)
+    strategy.configure_device(1, "y", start)
+    clients = _distinct_clients(strategy)
+    _force_alphas(strategy, 1, [-1.0, -2.0, -0.5])  # every ReLU output is zero
+    _, payload = strategy.configure_device(2, "y", start)
+    for name, value in clients[1].items():
+        np.testing.assert_allclose(payload[name], value, rtol=1e-6)
+
+
+def test_theta_bar_matches_a_hand_computation() -> None:
+    strategy = _strategy()
+    start = _tensors(np.random.default_rng(0))
+    assert strategy.configure_device(1, "x", start)[1]["a.weight"].dtype == np.float32
+    clients = _distinct_clients(strategy)
+    _force_alphas(strategy, 0, [1.0, 3.0, -5.0])  # α = (0.25, 0.75, 0)
+    _, payload = strategy.configure_device(2, "x", start)
+    for name in ("a.weight", "b.bias"):
+        expected = 0.25 * clients[0][name] + 0.75 * clients[1][name]
+        np.testing.assert_allclose(payload[name], expected, rtol=1e-6)
+    assert payload["bn.num_batches_tracked"] == clients[0]["bn.num_batches_tracked"]  # kept, not mixed
+
+
+def test_hypernetwork_update_equals_autograd_of_the_mix() -> None:
+    lr = 0.05
+    strategy = _strategy(hn_lr=lr)
+    start = _tensors(np.random.default_rng(0))
+    for device in ("x", "y", "z"):
+        strategy.configure_device(1, device, start)
+    clients = _distinct_clients(strategy)
+    sent = strategy.configure_device(2, "y", start)[1]
+    trained = {k: (v + np.random.default_rng(5).normal(size=v.shape)).astype(v.dtype) for k, v in sent.items()}
+
+    reference = copy.deepcopy(strategy.hypernetwork(1))  # an independent autograd computation of the same step
+    alphas = reference(1)
+    objective = torch.zeros((), dtype=torch.float64)
+    for name in ("a.weight", "b.bias"):
+        stacked = torch.tensor(np.stack([client[name] for client in clients]))  # (N, ...)
+        mixed = torch.tensordot(alphas[name].double(), stacked, dims=1)  # θ̄ as a torch function of φ
+        minus_delta = torch.tensor(sent[name], dtype=torch.float64) - torch.tensor(trained[name], dtype=torch.float64)
+        objective = objective + (mixed * minus_delta).sum()  # ⟨θ̄(φ), −Δθ⟩: its gradient is the VJP
+    objective.backward()
+    expected = {
+        key: (value if value.grad is None else value - lr * value.grad).detach()
+        for key, value in reference.named_parameters()
+    }
+
+    strategy.aggregate(2, [AcceptedUpdate("y", 10, trained)], start)
+    updated = dict(strategy.hypernetwork(1).named_parameters())
+    changed = 0
+    for key, value in expected.items():
+        torch.testing.assert_close(updated[key].detach(), value, rtol=1e-4, atol=1e-6)
+        changed += int(not torch.equal(value, reference.state_dict()[key]))
+    assert changed >= 2  # the step moved the embedding/network, not a no-op
+    for name, value in trained.items():
+        np.testing.assert_allclose(strategy.client_tensors[1][name], value, rtol=1e-6)  # θᵢ is stored
+
+
+def test_uniform_alpha_is_fedavg_and_one_hot_self_is_local_training() -> None:
+    rng = np.random.default_rng(3)
+    start = _tensors(rng)
+    strategy = _strategy(hn_lr=1e-12)  # α stays where it is forced
+    for slot, device in enumerate(("x", "y", "z")):
+        strategy.configure_device(1, device, start)
+        _force_alphas(strategy, slot, [1.0, 1.0, 1.0])
+    uploads = {device: _tensors(rng, shift=i) for i, device in enumerate(("x", "y", "z"))}
+    strategy.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
+    fedavg = make_strategy("fedavg", SPECS[:2], StrategyOptions())
+    average = fedavg.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
+    for device in ("x", "y", "z"):
+        _, payload = strategy.configure_device(2, device, start)
+        for name in ("a.weight", "b.bias"):
+            np.testing.assert_allclose(payload[name], average[name], rtol=1e-6)
+
+    strategy = _strategy()
+    for slot, device in enumerate(("x", "y", "z")):
+        strategy.configure_device(1, device, start)
+        _force_alphas(strategy, slot, [-1.0] * slot + [2.0] + [-1.0] * (2 - slot))
+    strategy.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
+    for device, upload in uploads.items():
+        _, payload = strategy.configure_device(2, device, start)
+        for name, value in upload.items():
+            np.testing.assert_array_equal(payload[name], value)  # each client continues from its own model
+
+
+def test_options_and_slots_are_checked(monkeypatch) -> None:
+    with pytest.raises(UsageError, match="--clients"):
+        _strategy(clients=0)
+    with pytest.raises(UsageError, match="learning rate"):
+        _strategy(hn_lr=0.0)
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "torch", None)
+        with pytest.raises(UsageError, match="needs torch"):
+            _strategy()
+    strategy = _strategy(clients=2)
+    start = _tensors(np.random.default_rng(0))
+    strategy.configure_device(1, "x", start)
+    strategy.configure_device(1, "y", start)
+    with pytest.raises(UsageError, match="mixes 2 clients"):
+        strategy.configure_device(1, "z", start)
+    with pytest.raises(StateError, match="3 clients"):
+        _strategy(clients=2).load_state(_strategy(clients=3).state_bytes() or _started(_strategy(clients=3)))
+
+
+def _started(strategy: PFedLA) -> bytes:
+    strategy.configure_device(1, "x", _tensors(np.random.default_rng(0)))
+    return strategy.state_bytes()
+
+
+# through the round engine and the real server
+
+
+@pytest.fixture
+def engine_setup(tmp_path: Path):
+    manifest = make_bundle(tmp_path / "bundle")
+    options = StrategyOptions(clients=3, hn_lr=0.05)
+    config = ServerConfig(
+        bundle=tmp_path / "bundle",
+        state=tmp_path / "state",
+        strategy="pfedla",
+        min_clients=3,
+        round_timeout=100,
+        rounds=5,
+        strategy_options=options,
+    )
+    enroll(config.state, "d0", "d1", "d2")
+    return manifest, config
+
+
+class Clock:
+    """A settable clock."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _play_round(engine, manifest, round_id: int, shift: float) -> list[AcceptedUpdate]:
+    """Every device trains (adds a device-specific shift to its base) and uploads; returns what they uploaded."""
+    uploads = []
+    for number, device in enumerate(("d0", "d1", "d2")):
+        assert engine.task(device).action == "train"
+        sent = decode_tensors(engine.base_for(device, round_id)[0])
+        new = {k: v + np.float32(shift * (number + 1)) for k, v in sent.items()}
+        engine.accept_update(device, round_id, upload_body(new, manifest, num_samples=10))
+        uploads.append(AcceptedUpdate(device, 10, new))
+    return uploads
+
+
+def _assert_same_state(first: bytes, second: bytes) -> None:
+    one, two = decode_tensors(first), decode_tensors(second)
+    assert sorted(one) == sorted(two)
+    for key, value in one.items():
+        np.testing.assert_allclose(two[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_restart_keeps_the_strategy_state_and_a_failed_close_does_not_step_twice(engine_setup) -> None:
+    manifest, config = engine_setup
+    clock = Clock()
+    engine = create_engine(config, clock)
+    reference = make_strategy("pfedla", engine.specs, config.strategy_options)
+    start = decode_tensors(engine.store.read_blob(engine.store.get_meta("initial_base_sha")))
+    for device in ("d0", "d1", "d2"):
+        engine.task(device)
+        reference.configure_device(1, device, start)
+    reference.aggregate(1, _play_round(engine, manifest, 1, 0.5), start)
+    engine.tick()
+    assert engine.store.round(1).state == "closed"
+    saved = engine.strategy.state_bytes()
+    _assert_same_state(saved, reference.state_bytes())
+    restarted = create_engine(config, clock)  # as after kill -9: only the state folder survives
+    assert restarted.strategy.state_bytes() == saved
+    for device in ("d0", "d1", "d2"):
+        engine.task(device)
+    uploads = _play_round(engine, manifest, 2, -0.25)
+    reference.aggregate(2, uploads, start)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # dies between the aggregation (which stepped the hypernetworks) and the commit
+
+    finish_round = engine.store.finish_round
+    engine.store.finish_round = crash
+    with pytest.raises(KeyboardInterrupt):
+        engine.tick()
+    engine.store.finish_round = finish_round
+    assert engine.store.round(2).state == "open"
+    engine.tick()  # the strategy was brought back to its saved state: closing again steps once
+    assert engine.store.round(2).state == "closed"
+    _assert_same_state(engine.strategy.state_bytes(), reference.state_bytes())
+    restarted = create_engine(config, clock)
+    assert restarted.strategy.state_bytes() == engine.strategy.state_bytes() != saved
+
+
+def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_path: Path) -> None:
+    manifest = make_bundle(tmp_path / "bundle")
+    tokens = enroll(tmp_path / "state", "a", "b", "c")
+    options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2")
+    options += ("--poll-interval", "0.2")
+    server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
+    reference = make_strategy("pfedla", shared_specs(manifest, False), StrategyOptions(clients=3))
+    initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
+    start = {name: initial[name] for name in manifest.names("base")}
+    try:
+        devices = {name: DeviceClient(server.url, token) for name, token in tokens.items()}
+        for device in devices.values():
+            device.task()
+        for round_id in (1, 2):
+            updates = []
+            for shift, (name, device) in zip((0.5, -1.0, 2.0), devices.items()):
+                task = device.wait_for_train()
+                assert task["round"] == round_id
+                base = device.base(round_id)
+                expected = reference.configure_device(round_id, name, start)[1]
+                assert sorted(base) == sorted(manifest.names("base"))  # the personal head never travels
+                for tensor, value in expected.items():
+                    np.testing.assert_allclose(base[tensor], value, rtol=1e-5, atol=1e-6)
+                new = {k: v + np.float32(shift * round_id) for k, v in base.items()}
+                assert device.upload(round_id, upload_body(new, manifest, num_samples=10)).status_code == 200
+                updates.append(AcceptedUpdate(name, 10, new))
+            wait_status(server.url, tokens["a"], lambda s, r=round_id: s["rounds_completed"] == r)
+            reference.aggregate(round_id, updates, start)
+        bases = [devices[name].base(2)["mid.weight"] for name in ("a", "b", "c")]
+        assert not np.allclose(bases[0], bases[1])  # personalised: round 2 sent each device its own mix
+        assert devices["a"].task()["action"] == "done"
+    finally:
+        server.kill()
+
+
+def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_path: Path) -> None:
+    manifest = make_bundle(tmp_path / "bundle")
+    tokens = enroll(tmp_path / "state", "a", "b")
+    options = ("--strategy", "pfedla", "--clients", "2", "--min-clients", "2", "--rounds", "3")
+    options += ("--poll-interval", "0.2")
+    reference = make_strategy("pfedla", shared_specs(manifest, False), StrategyOptions(clients=2))
+    initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
+    start = {name: initial[name] for name in manifest.names("base")}
+    server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
+    try:
+        for round_id in (1, 2, 3):
+            devices = {name: DeviceClient(server.url, token) for name, token in tokens.items()}
+            for device in devices.values():
+                device.task()
+            updates = []
+            for shift, (name, device) in zip((1.0, -2.0), devices.items()):
+                assert device.wait_for_train()["round"] == round_id
+                base = device.base(round_id)
+                expected = reference.configure_device(round_id, name, start)[1]
+                for tensor, value in expected.items():
+                    np.testing.assert_allclose(base[tensor], value, rtol=1e-5, atol=1e-6)
+                new = {k: v + np.float32(shift) for k, v in base.items()}
+                assert device.upload(round_id, upload_body(new, manifest, num_samples=10)).status_code == 200
+                updates.append(AcceptedUpdate(name, 10, new))
+            wait_status(server.url, tokens["a"], lambda s, r=round_id: s["rounds_completed"] == r)
+            reference.aggregate(round_id, updates, start)
+            server.kill()  # kill -9 after every round: the next round's mixes need the saved hypernetworks
+            server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
+    finally:
+        server.kill()
+
+
+# the simulator
+
+
+@pytest.mark.parametrize("kp", [0, 1])  # kp=0: the paper's pFedLA; kp=1: it mixes the base, the head stays
+def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, tmp_path: Path, kp: int) -> None:  # noqa: F811
+    import json
+
+    from edgepfl.simulate.loop import STATE_FILE, STRATEGY_STATE, run_simulation
+    from edgepfl.wire import decode_metadata
+
+    out = tmp_path / "pfedla"
+    results = run_simulation(tiny_config(tiny_npz, out, algorithm="pfedla", hn_lr=0.01, kp=kp))
+    document = json.loads((out / "results.json").read_text())
+    assert [r["round"] for r in document["rounds"]] == [1, 2] and document["info"]["strategy"] == "pfedla"
+    assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in document["rounds"])
+    assert results.rounds[-1].test_accuracy["mean"] > 0.3  # two classes per client: well above chance (10%)
+    state = decode_tensors((out / STATE_FILE).read_bytes())
+    payload = state[STRATEGY_STATE].tobytes()
+    slots = json.loads(decode_metadata(payload)["pfedla"])["slots"]
+    assert sorted(slots) == [f"client-{i:03d}" for i in range(4)]
+    stored = decode_tensors(payload)
+    base_names = [k.removeprefix("global/") for k in state if k.startswith("global/")]
+    client_names = [k.removeprefix("client-000/") for k in state if k.startswith("client-000/")]
+    assert document["info"]["kp"] == kp and (set(base_names) == set(client_names)) == (kp == 0)
+    for client, slot in slots.items():  # the server side holds what each client trained (all are sampled)
+        for name in base_names:
+            np.testing.assert_allclose(stored[f"client/{slot}/{name}"], state[f"{client}/{name}"], rtol=1e-6)
+    assert not np.allclose(state[f"client-000/{base_names[0]}"], state[f"client-001/{base_names[0]}"])
+
+
+def test_simulate_pfedla_resumes_with_its_hypernetworks(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
+    from edgepfl.simulate.loop import run_simulation
+
+    fields = {"algorithm": "pfedla", "hn_lr": 0.05}
+    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3, **fields))
+    run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=2, **fields))
+    resumed = run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=3, **fields))
+    for a, b in zip(straight.rounds, resumed.rounds):
+        np.testing.assert_allclose(a.test_accuracy["per_client"], b.test_accuracy["per_client"], atol=1e-6)
+        assert a.train_loss == pytest.approx(b.train_loss, rel=1e-6)
+
+
+# HeurpFedLA
+
+
+def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
+    strategy = make_strategy("heurpfedla", SPECS, StrategyOptions(clients=2, retain_top_k=1, hn_lr=0.05))
+    start = _tensors(np.random.default_rng(0))
+    strategy.configure_device(1, "x", start)
+    strategy.configure_device(1, "y", start)
+    clients = _distinct_clients(strategy)
+    net = strategy.hypernetwork(0)
+    with torch.no_grad():  # self-weight 0.9 for b.bias, 0.5 for a.weight
+        for head, biases in zip(net.heads, ([1.0, 1.0], [9.0, 1.0])):
+            head.weight.zero_()
+            head.bias.copy_(torch.tensor(biases))
+    assert strategy.retained("x") == ["b.bias"]
+    _, payload = strategy.configure_device(2, "x", start)
+    assert sorted(payload) == ["a.weight", "bn.num_batches_tracked"]
+    np.testing.assert_allclose(payload["a.weight"], 0.5 * clients[0]["a.weight"] + 0.5 * clients[1]["a.weight"])
+    heads_before = [head.weight.detach().clone() for head in net.heads]
+    trained = {name: value + np.float32(1.0) if name == "a.weight" else value for name, value in payload.items()}
+    strategy.aggregate(2, [AcceptedUpdate("x", 10, trained)], start)
+    np.testing.assert_allclose(strategy.client_tensors[0]["a.weight"], trained["a.weight"], rtol=1e-6)
+    np.testing.assert_array_equal(strategy.client_tensors[0]["b.bias"], clients[0]["b.bias"])  # stale, as not sent
+    assert not torch.equal(net.heads[0].weight, heads_before[0])  # a.weight's head learnt
+    assert torch.equal(net.heads[1].weight, heads_before[1])  # b.bias's head had nothing to learn from
+    with pytest.raises(UsageError, match="k=3"):
+        make_strategy("heurpfedla", SPECS, StrategyOptions(clients=2, retain_top_k=3))
+
+
+def test_serve_refuses_heurpfedla(engine_setup) -> None:
+    _, config = engine_setup
+    with pytest.raises(UsageError, match="simulate only"):
+        create_engine(dataclasses.replace(config, strategy="heurpfedla"))
+
+
+def test_simulate_heurpfedla_never_sends_the_retained_tensors(tiny_npz, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    from edgepfl.server.strategies.heurpfedla import HeurPFedLA
+    from edgepfl.simulate.loop import run_simulation
+
+    sent: dict[tuple[int, str], tuple[set, set]] = {}
+    uploaded: list[tuple[int, str, set]] = []
+    configure, aggregate = HeurPFedLA.configure_device, HeurPFedLA.aggregate
+
+    def spy_configure(self, round_id, device, global_base):
+        settings, payload = configure(self, round_id, device, global_base)
+        sent.setdefault((round_id, device), (set(payload), set(self.retained(device))))
+        return settings, payload
+
+    def spy_aggregate(self, round_id, updates, global_base):
+        updates = list(updates)
+        uploaded.extend((round_id, u.device, set(u.base_tensors)) for u in updates)
+        return aggregate(self, round_id, updates, global_base)
+
+    monkeypatch.setattr(HeurPFedLA, "configure_device", spy_configure)
+    monkeypatch.setattr(HeurPFedLA, "aggregate", spy_aggregate)
+    heur = run_simulation(tiny_config(tiny_npz, tmp_path / "heur", algorithm="heurpfedla", retain_top_k=1))
+    plain = run_simulation(tiny_config(tiny_npz, tmp_path / "plain", algorithm="pfedla"))
+    assert len(uploaded) == 8  # 4 clients x 2 rounds
+    for round_id, device, names in uploaded:
+        payload, retained = sent[(round_id, device)]
+        assert len(retained) == 1 and not names & retained and names == payload
+    for mine, theirs in zip(heur.rounds, plain.rounds):
+        assert mine.bytes_kept > 0 and theirs.bytes_kept == 0
+        assert mine.bytes_up < theirs.bytes_up and mine.bytes_down < theirs.bytes_down
+    assert heur.rounds[-1].test_accuracy["mean"] > 0.3
+
+
+def test_device_processes_run_two_pfedla_rounds_against_a_real_server(bundle_factory, tmp_path: Path) -> None:
+    """`edgepfl device run` processes (torch blocked) and `edgepfl serve --strategy pfedla` on loopback."""
+    import subprocess
+
+    from conftest import REPO
+    from test_device_e2e import device_command, finish, run_args, stored_updates
+    from test_device_runtime import DEVICE_BUNDLE, save_npz
+
+    from edgepfl.manifest import load_manifest
+    from edgepfl.server.store import Store
+
+    bundle = bundle_factory(**{**DEVICE_BUNDLE, "engines": ("portable",)})
+    manifest = load_manifest(bundle)
+    names = ("a", "b", "c")
+    tokens = enroll(tmp_path / "server", *names)
+    options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2", "--lr", "0.1")
+    options += ("--poll-interval", "0.2", "--batch-size", "16", "--round-timeout", "120")
+    server = LiveServer(bundle, tmp_path / "server", *options).start()
+    try:
+        processes = {}
+        for index, name in enumerate(names):
+            data = save_npz(tmp_path / f"{name}.npz", (index, index + 1), 120, seed=index)
+            args = run_args(bundle, data, server, tokens[name], tmp_path / name, "--engine", "portable")
+            processes[name] = subprocess.Popen(
+                device_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+            )
+        results = {name: finish(process) for name, process in processes.items()}
+    finally:
+        server.stop()
+    for result in results.values():
+        assert result["finished"] and result["rounds_trained"] == 2, result
+    updates = stored_updates(tmp_path / "server")
+    assert sorted(updates) == [1, 2]
+    for by_device in updates.values():
+        assert sorted(by_device) == list(names)
+        for tensors in by_device.values():  # pFedLA mixes the base only: the personal block never left a device
+            assert sorted(tensors) == sorted(manifest.names("base"))
+    store = Store(tmp_path / "server")
+    try:
+        sent = {name: decode_tensors(store.read_blob(store.assignment(2, name).base_sha)) for name in names}
+        assert store.get_meta("strategy_state_sha") is not None
+    finally:
+        store.close()
+    first = manifest.names("base")[0]
+    assert not np.allclose(sent["a"][first], sent["b"][first])  # round 2: each device got its own mix
+
+
+def test_more_devices_than_clients_is_a_clear_503_not_a_crash(engine_setup) -> None:
+    """A fourth device where pfedla mixes three: the round is not opened, pollers get the strategy's fix."""
+    _, config = engine_setup
+    enroll(config.state, "d3")
+    engine = create_engine(dataclasses.replace(config, min_clients=4), Clock())
+    for device in ("d0", "d1", "d2"):
+        assert engine.task(device).action == "wait"
+    with pytest.raises(ApiError) as refused:
+        engine.task("d3")
+    assert refused.value.status == 503 and refused.value.error == "round_not_opened"
+    assert "--clients" in refused.value.fix
+    assert engine.store.open_round() is None and engine.store.last_round_id() == 0
