@@ -1,4 +1,4 @@
-"""`edgepfl device run | train | eval`: the on-device commands. Only typer and the standard library load here."""
+"""`edgepfl device run | train | distill | eval`: on-device commands. Only typer and the standard library load here."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def run(
     retries: Annotated[int, typer.Option(help="tries per request on connection errors and 5xx")] = 8,
     timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
     poll_interval: Annotated[float, typer.Option(help="seconds between polls when the server gives none")] = 5.0,
+    persfl_teacher: Annotated[
+        bool, typer.Option(help="PersFL stage 1: keep the round's global model with the lowest held-out loss")
+    ] = False,
     as_json: AsJson = False,
 ) -> None:
     """Take part in rounds until the server says the run is over: base in, base out, personal part kept."""
@@ -72,7 +75,9 @@ def run(
                     local_data,
                     device_state,
                     client,
-                    DeviceOptions(seed=seed, max_rounds=rounds, poll_interval=poll_interval),
+                    DeviceOptions(
+                        seed=seed, max_rounds=rounds, poll_interval=poll_interval, persfl_teacher=persfl_teacher
+                    ),
                     events,
                 )
             finally:
@@ -159,6 +164,90 @@ def train(
         fail(error)
 
 
+@device_app.command()
+def distill(
+    bundle: Bundle,
+    data: Data,
+    state: State,
+    lambdas: Annotated[
+        str, typer.Option(help="comma-separated λ grid (weight of the teacher term)")
+    ] = "0.1,0.3,0.5,0.7,0.9",
+    temperatures: Annotated[str, typer.Option(help="comma-separated temperature grid")] = "1,2,4,8",
+    variant: Annotated[str, typer.Option(help="kd (PersFL) | gd (PersFL-GD)")] = "kd",
+    epochs: Annotated[int, typer.Option(help="local epochs per grid point")] = 5,
+    lr: Annotated[float, typer.Option(help="SGD learning rate")] = 0.05,
+    batch_size: Annotated[int | None, typer.Option(help="batch size (default: the bundle's portable batch)")] = None,
+    trainable: Annotated[str, typer.Option(help="full | personal (base frozen)")] = "full",
+    engine: EngineName = "auto",
+    val_fraction: ValFraction = 0.2,
+    seed: Seed = 0,
+    threads: Threads = None,
+    as_json: AsJson = False,
+) -> None:
+    """PersFL stage 2: distil a student from the kept teacher over a (λ, T) grid; pick by validation accuracy.
+
+    The held-out data is cut in halves: validation (choosing λ and T) and test (the reported accuracy).
+    The chosen student is saved in --state as this device's model.
+    """
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, UsageError
+
+    try:
+        from edgepfl.device_runtime.persfl import (
+            DistillConfig,
+            TeacherStore,
+            distill_batch_size,
+            distill_steps,
+            local_splits,
+        )
+        from edgepfl.device_runtime.persfl import distill as run_distill
+        from edgepfl.device_runtime.progress import RichEvents
+
+        if batch_size is not None and batch_size < 1:
+            raise UsageError(f"--batch-size {batch_size} is not positive", "pass 1 or more, or leave it out")
+        config = DistillConfig(
+            lambdas=_floats(lambdas, "--lambdas"),
+            temperatures=_floats(temperatures, "--temperatures"),
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            variant=variant,
+            trainable=trainable,
+            seed=seed,
+        )
+        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+        device_engine.check_set(trainable)
+        store = TeacherStore(state, device_engine.manifest)
+        teacher = store.load()
+        train_split, val_split, test_split = local_splits(local_data, seed)
+        steps = distill_steps(len(train_split[1]), distill_batch_size(device_engine, config), config)
+        with RichEvents(quiet=as_json) as events:
+            events.start_bar(f"distill {variant}", steps)
+            result = run_distill(
+                device_engine,
+                teacher,
+                train_split,
+                val_split,
+                test_split,
+                config,
+                on_step=lambda loss: events.step("distill", 0, 0, loss),
+            )
+        record = {
+            "persfl_distill": True,
+            "variant": variant,
+            "teacher_round": store.record.round_id,
+            **{f"teacher_{k}": v for k, v in result.teacher.items()},
+            **{f"student_{k}": v for k, v in result.student.items()},
+            "val_samples": len(val_split[1]),
+            "test_samples": len(test_split[1]),
+            "engine": device_engine.name,
+        }
+        device_state.commit(device_engine.get_tensors(), {**record, "grid": result.grid})
+        _print_result(record, as_json, "device distill")
+    except EdgePFLError as error:
+        fail(error)
+
+
 @device_app.command("eval")
 def evaluate_command(
     bundle: Bundle,
@@ -212,6 +301,19 @@ def _open(
     device_state = StateFolder(state, device_engine.manifest, device_engine.name)
     restore(device_engine, device_state)
     return device_engine, local_data, device_state
+
+
+def _floats(text: str, option: str) -> tuple[float, ...]:
+    """A comma-separated list of numbers from the command line."""
+    from edgepfl.errors import UsageError
+
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"{option} {text!r} is not a list of numbers", f"pass e.g. {option} 0.1,0.5,0.9") from None
+    if not values:
+        raise UsageError(f"{option} is empty", f"pass e.g. {option} 0.1,0.5,0.9")
+    return values
 
 
 def _print_result(result: dict[str, Any], as_json: bool, title: str) -> None:

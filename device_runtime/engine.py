@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgepfl.errors import BundleError, UsageError
+from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest, load_manifest
 
 ENGINE_NAMES = ("ort-training", "portable")
@@ -87,6 +87,19 @@ class Engine(ABC):
                 f"this bundle (kp={self.manifest.kp}) has no {trainable!r} trainable set",
                 f"choose one of: {', '.join(self.available_sets())}",
             )
+
+
+def check_distill_inputs(manifest: Manifest, count: int, teacher_logits: np.ndarray, temperature: float, lam: float):
+    """One-line errors for a distillation step's extra inputs (both engines call this)."""
+    if not temperature > 0:
+        raise UsageError(f"distillation temperature {temperature} must be positive", "use T >= 1, e.g. 2")
+    if not 0 <= lam <= 1:
+        raise UsageError(f"distillation weight lambda {lam} must lie in [0, 1]", "use e.g. 0.5")
+    if teacher_logits.shape != (count, manifest.num_classes):
+        raise DataError(
+            f"teacher logits have shape {tuple(teacher_logits.shape)} for {count} samples",
+            f"pass one row of {manifest.num_classes} logits per sample",
+        )
 
 
 def training_build_installed() -> bool:

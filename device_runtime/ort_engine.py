@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
 from edgepfl.errors import BundleError
 from edgepfl.manifest import Manifest
 
@@ -83,8 +83,59 @@ class OrtTrainingEngine(Engine):
         self._write_back_stats(state, slots, outputs, batch=len(x))
         return float(outputs[0])
 
+    def distill_step(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        teacher_logits: np.ndarray,
+        lr: float,
+        temperature: float,
+        lam: float,
+        variant: str = "kd",
+        trainable: str = "full",
+    ) -> float:
+        """One optimizer step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
+        self.check_set(trainable)
+        distill = self._entry.get("distill", {})
+        if variant not in distill or trainable not in distill[variant]["sets"]:
+            available = [f"{v}/{s}" for v, entry in distill.items() for s in entry["sets"]]
+            raise BundleError(
+                f"the bundle has no ort-training {variant!r} distillation artifacts for the {trainable!r} set",
+                f"re-export with --distill or use --engine portable (it has: {', '.join(available) or 'none'})",
+            )
+        check_distill_inputs(self.manifest, len(x), teacher_logits, temperature, lam)
+        key = f"distill_{variant}_{trainable}"
+        self._activate(key)
+        state, module, optimizer, slots = self._sets[key]
+        if self._lr.get(key) != lr:
+            optimizer.set_learning_rate(float(lr))
+            self._lr[key] = lr
+        module.train()
+        outputs = module(
+            np.ascontiguousarray(x, dtype=np.float32),
+            np.ascontiguousarray(y, dtype=np.int64),
+            np.ascontiguousarray(teacher_logits, dtype=np.float32),
+            np.array(temperature, dtype=np.float32),
+            np.array(lam, dtype=np.float32),
+        )
+        optimizer.step()
+        module.lazy_reset_grad()
+        self._write_back_stats(state, slots, outputs, batch=len(x))
+        return float(outputs[0])
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The current model's inference-mode logits, (n, classes) float32."""
+        active = self._active if not self._active.startswith("distill_") else self._main_set()
+        self._activate(active)
+        module = self._sets[active][1]
+        module.eval()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return np.asarray(module(x, np.zeros(len(x), dtype=np.int64))[1], dtype=np.float32)
+
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Loss and correct count through the eval graph (BatchNorm in inference mode)."""
+        if self._active.startswith("distill_"):  # a distillation set's eval graph wants teacher inputs
+            self._activate(self._main_set())
         module = self._sets[self._active][1]
         module.eval()
         outputs = module(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
@@ -92,8 +143,17 @@ class OrtTrainingEngine(Engine):
         correct = int((logits.argmax(axis=1) == y).sum())
         return EvalResult(loss_sum=float(outputs[0]) * len(x), correct=correct, count=len(x))
 
+    def _main_set(self) -> str:
+        return "full" if "full" in self._entry["sets"] else next(iter(self._entry["sets"]))
+
     def _load_set(self, set_name: str) -> None:
-        paths = self._entry["sets"][set_name]
+        stats = self._stats
+        if set_name.startswith("distill_"):  # distill_<variant>_<set>
+            _, variant, trainable = set_name.split("_", 2)
+            paths = self._entry["distill"][variant]["sets"][trainable]
+            stats = self._entry["distill"][variant]["bn_stats"]
+        else:
+            paths = self._entry["sets"][set_name]
         api = self._api
         folder = self.bundle_dir
         state = api.CheckpointState.load_checkpoint(str(folder / paths["checkpoint"]))
@@ -109,7 +169,7 @@ class OrtTrainingEngine(Engine):
         )
         optimizer = api.Optimizer(str(folder / paths["optimizer_model"]), module)
         names = module.output_names()
-        slots = [(names.index(stat["output"]), stat) for stat in self._stats]
+        slots = [(names.index(stat["output"]), stat) for stat in stats]
         self._sets[set_name] = (state, module, optimizer, slots)
 
     def _activate(self, set_name: str) -> None:

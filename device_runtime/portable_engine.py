@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnxruntime as ort
 
-from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
 from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import check_tensors, load_tensors
@@ -74,6 +74,67 @@ class PortableEngine(Engine):
         loss, *state = binding.get_outputs()
         self._state.update(zip(self._state_names, state))
         return float(loss.numpy())
+
+    def distill_step(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        teacher_logits: np.ndarray,
+        lr: float,
+        temperature: float,
+        lam: float,
+        variant: str = "kd",
+        trainable: str = "full",
+    ) -> float:
+        """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
+        self.check_set(trainable)
+        graphs = self.entry.get("distill", {})
+        if variant not in graphs or trainable not in graphs[variant]:
+            available = [f"{v}/{s}" for v, sets in graphs.items() for s in sets]
+            raise BundleError(
+                f"the bundle has no portable {variant!r} distillation graph for the {trainable!r} set",
+                f"re-export the bundle with --distill (it has: {', '.join(available) or 'none'})",
+            )
+        count = self._check_batch(x, y)
+        if count > self.batch_size:
+            raise DataError(
+                f"a batch of {count} samples exceeds the portable graphs' batch size {self.batch_size}",
+                f"train with batches of at most {self.batch_size} or re-export with a larger portable batch",
+            )
+        check_distill_inputs(self.manifest, count, teacher_logits, temperature, lam)
+        num_classes = self.manifest.num_classes
+        padded_teacher = np.zeros((self.batch_size, num_classes), dtype=np.float32)
+        padded_teacher[:count] = teacher_logits
+        graph = graphs[variant][trainable]
+        session = self._session(f"distill_{variant}_{trainable}", graph["model"])
+        binding = self._bind_state(session, graph["inputs"])
+        scalars = (np.array(v, dtype=np.float32) for v in (temperature, lam, lr))
+        batch = (*self._padded(x, y, 0, count), padded_teacher, *scalars)
+        for name, value in zip(graph["inputs"][len(self._state_names) :], batch):
+            binding.bind_cpu_input(name, value)
+        for name in graph["outputs"]:
+            binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        loss, *state = binding.get_outputs()
+        self._state.update(zip(self._state_names, state))
+        return float(loss.numpy())
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
+        count = self._check_batch(x, np.zeros(len(x), dtype=np.int64))
+        graph = self.entry["eval"]
+        session = self._session("eval", graph["model"])
+        rows = []
+        for start in range(0, count, self.batch_size):
+            chunk = min(self.batch_size, count - start)
+            binding = self._bind_state(session, graph["inputs"])
+            padded = self._padded(x, np.zeros(count, dtype=np.int64), start, chunk)
+            for name, value in zip(graph["inputs"][len(self._state_names) :], padded):
+                binding.bind_cpu_input(name, value)
+            binding.bind_output(graph["outputs"][0], "cpu")
+            session.run_with_iobinding(binding)
+            rows.append(binding.get_outputs()[0].numpy()[:chunk])
+        return np.concatenate(rows).astype(np.float32, copy=False)
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Summed loss and correct count over a batch of any size (run in chunks of `batch_size`)."""

@@ -25,6 +25,7 @@ from edgepfl.device_runtime.algorithms import (
 )
 from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, encode_update
 from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, WireError
 from edgepfl.manifest import Manifest
@@ -41,6 +42,7 @@ class DeviceOptions:
     seed: int = 0  # shuffling seed (the train/held-out split has its own, in LocalData)
     max_rounds: int | None = None  # rounds to train in this run; None: until the server says done
     poll_interval: float = 5.0  # wait when the server gives no retry_after
+    persfl_teacher: bool = False  # PersFL stage 1: keep the received global model with the lowest held-out loss
 
 
 class DeviceEvents:
@@ -105,7 +107,7 @@ def run_device(
                 "use the bundle the server was started with",
             )
         if task.action == "done":
-            accuracy = _finish(engine, data, state, client, task, events)
+            accuracy = _finish(engine, data, state, client, task, options, events)
             return _summary(trained, True, accuracy, client)
         round_id = task.round_id
         last = state.state.last_completed_round
@@ -145,6 +147,8 @@ def _train_round(
         return False
     _check_base(base, manifest, settings.share_buffers, f"base of round {round_id}")
     engine.set_tensors(base)
+    if options.persfl_teacher:
+        _consider_teacher(engine, data, state, round_id, events)
     steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
     events.round_started(round_id, settings, steps * num_batches(data.num_train, settings.batch_size))
     result = run_client_round(engine, settings, data, options.seed, round_id, progress=events.step)
@@ -193,7 +197,13 @@ def _post_metrics(client: ServerClient, round_id: int, record: dict[str, Any], e
 
 
 def _finish(
-    engine: Engine, data: LocalData, state: StateFolder, client: ServerClient, task: Task, events: DeviceEvents
+    engine: Engine,
+    data: LocalData,
+    state: StateFolder,
+    client: ServerClient,
+    task: Task,
+    options: DeviceOptions,
+    events: DeviceEvents,
 ) -> float | None:
     """The run is over: take the final base (if any), evaluate the personalized model, save it."""
     if task.base_url is None:
@@ -204,6 +214,9 @@ def _finish(
     shares_buffers = any(name in final_base for name in engine.manifest.names("buffer"))
     _check_base(final_base, engine.manifest, shares_buffers, "final base")
     engine.set_tensors(final_base)
+    if options.persfl_teacher and task.round_id is not None:
+        # the final aggregate is the global model a round after the last one would have started from
+        _consider_teacher(engine, data, state, task.round_id + 1, events)
     result = evaluate(engine, data)
     accuracy = result.accuracy if result.count else None
     record = {
@@ -217,6 +230,14 @@ def _finish(
     shown = f"{accuracy:.3f}" if accuracy is not None else "n/a (no held-out data)"
     events.message(f"the run is over after round {task.round_id}; personalized accuracy {shown}")
     return accuracy
+
+
+def _consider_teacher(engine: Engine, data: LocalData, state: StateFolder, round_id: int, events: DeviceEvents) -> None:
+    """PersFL stage 1: score the global model just received; keep it as the teacher if its held-out loss is lowest."""
+    store = TeacherStore(state.folder, engine.manifest)
+    kept, result = consider_global_model(engine, store, round_id, engine.get_tensors(), data)
+    if kept:
+        events.message(f"PersFL teacher: the global model of round {round_id} (held-out loss {result.loss:.4f})")
 
 
 def _check_base(base: dict[str, Any], manifest: Manifest, share_buffers: bool, what: str) -> None:

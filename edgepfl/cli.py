@@ -53,6 +53,9 @@ def export(
     optimizer: Annotated[str, typer.Option(help="ORT-training optimizer: sgd | adamw")] = "sgd",
     seed: Annotated[int, typer.Option(help="seed of the initial weights")] = 0,
     force: Annotated[bool, typer.Option("--force", help="replace a non-empty output folder")] = False,
+    distill: Annotated[
+        bool, typer.Option(help="also write PersFL distillation graphs for `device distill` (doubles export time)")
+    ] = False,
 ) -> None:
     """Export a zoo model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
@@ -76,6 +79,7 @@ def export(
             optimizer=optimizer,
             seed=seed,
             force=force,
+            distill=distill,
         )
         from rich.console import Console
 

@@ -31,13 +31,14 @@ def default_engines() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """How to export: which engines, which optimizer for ORT training, the init seed."""
+    """How to export: which engines, which optimizer for ORT training, the init seed, PersFL's distillation graphs."""
 
     engines: tuple[str, ...] = field(default_factory=default_engines)
     optimizer: str = "sgd"
     seed: int = 0
     force: bool = False
     portable_batch: int = 32
+    distill: bool = False  # PersFL stage-2 graphs for both engines (about doubles export time and size)
 
 
 def export_bundle(
@@ -115,7 +116,9 @@ def _write_bundle(
         progress("portable step graphs")
         from edgepfl.export import portable
 
-        engines["portable"] = portable.export_portable(model, manifest, folder / "portable", options.portable_batch)
+        engines["portable"] = portable.export_portable(
+            model, manifest, folder / "portable", options.portable_batch, distill=options.distill
+        )
     files = {
         str(path.relative_to(folder)).replace("\\", "/"): sha256_file(path)
         for path in sorted(folder.rglob("*"))
@@ -162,11 +165,15 @@ def _export_ort_training(model: BlockModel, manifest: Manifest, folder: Path, op
             "checkpoint": f"ort-training/{set_name}/checkpoint",
         }
     (folder / "forward_training.onnx").unlink()
+    distill = (
+        ort_training.build_distill_sets(model, trainable_sets, folder, options.optimizer) if options.distill else {}
+    )
     return {
         "optimizer": options.optimizer,
         "loss": "cross_entropy",
         "sets": sets,
         "bn_stats": stats,
+        "distill": distill,
         "bn_momentum": 0.1,
         "input_name": "input",
     }

@@ -20,6 +20,10 @@ ORT_OPSET = 17
 OPTIMIZERS = ("sgd", "adamw")
 TRAINING_SETS = ("full", "personal", "base")
 LOGITS = "logits"
+DISTILL_LOSS = "loss"
+DISTILL_INPUTS = ("input", "labels", "teacher_logits", "T", "lambda")
+DISTILL_VARIANTS = ("kd", "gd")
+DISTILL_SETS = ("full",)  # PersFL's stage 2 trains the whole student
 
 
 def export_training_onnx(model: BlockModel, path: Path) -> onnx.ModelProto:
@@ -85,14 +89,114 @@ def bn_stat_outputs(proto: onnx.ModelProto) -> list[dict]:
     return stats
 
 
+def export_distill_onnx(model: BlockModel, variant: str, path: Path) -> onnx.ModelProto:
+    """Training-mode ONNX export of (input, labels, teacher_logits, T, lambda) -> (loss, logits) for PersFL.
+
+    The loss is `edgepfl.export.portable.distillation_loss`, the same function the portable graphs trace.
+    Tensor names are the model's own (the wrapper's `model.` prefix is removed); the model is left untouched.
+    """
+    before = copy.deepcopy(model.state_dict())
+    wrapper = _DistillForward(model, variant)
+    batch = 2
+    example = (
+        torch.zeros(batch, *model.spec.input_shape),
+        torch.zeros(batch, dtype=torch.int64),
+        torch.zeros(batch, model.spec.num_classes),
+        torch.tensor(2.0),
+        torch.tensor(0.5),
+    )
+    wrapper.train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*num_batches_tracked.*")
+        torch.onnx.export(
+            wrapper,
+            example,
+            str(path),
+            input_names=list(DISTILL_INPUTS),
+            output_names=[DISTILL_LOSS, LOGITS],
+            dynamic_axes={
+                "input": {0: "batch"},
+                "labels": {0: "batch"},
+                "teacher_logits": {0: "batch"},
+                LOGITS: {0: "batch"},
+            },
+            opset_version=ORT_OPSET,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            dynamo=False,
+        )
+    model.load_state_dict(before)
+    proto = onnx.load(str(path))
+    prefix = _DistillForward.PREFIX
+    renamed = {init.name: init.name[len(prefix) :] for init in proto.graph.initializer if init.name.startswith(prefix)}
+    for init in proto.graph.initializer:
+        init.name = renamed.get(init.name, init.name)
+        if init.name in before:
+            init.CopyFrom(numpy_helper.from_array(before[init.name].detach().cpu().numpy(), init.name))
+    for index, node in enumerate(proto.graph.node):
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        if node.op_type == "SoftmaxCrossEntropyLoss" and len(node.output) == 1:
+            # ORT's gradient of this op reads its optional log_prob output, which the exporter may leave out
+            node.output.append(f"distill_log_prob_{index}")
+    onnx.save(proto, str(path))
+    return proto
+
+
+def build_distill_sets(model: BlockModel, trainable_sets: dict[str, list[str]], folder: Path, optimizer: str) -> dict:
+    """ORT training artifacts of the distillation loss, per variant and set; returns the manifest entry."""
+    entry: dict = {}
+    for variant in DISTILL_VARIANTS:
+        forward = folder / f"forward_distill_{variant}.onnx"
+        proto = export_distill_onnx(model, variant, forward)
+        stats = bn_stat_outputs(proto)
+        sets = {}
+        for set_name in DISTILL_SETS:
+            trainable = trainable_sets.get(set_name)
+            if not trainable:
+                continue
+            out = f"distill_{variant}_{set_name}"
+            build_training_set(proto, folder / out, trainable, optimizer, stats, loss_output=DISTILL_LOSS)
+            sets[set_name] = {
+                "training_model": f"{folder.name}/{out}/training_model.onnx",
+                "eval_model": f"{folder.name}/{out}/eval_model.onnx",
+                "optimizer_model": f"{folder.name}/{out}/optimizer_model.onnx",
+                "checkpoint": f"{folder.name}/{out}/checkpoint",
+            }
+        forward.unlink()
+        entry[variant] = {"sets": sets, "bn_stats": stats, "inputs": list(DISTILL_INPUTS)}
+    return entry
+
+
+class _DistillForward(torch.nn.Module):
+    """The model followed by PersFL's distillation loss, as one module for the exporter."""
+
+    PREFIX = "model."
+
+    def __init__(self, model: BlockModel, variant: str):
+        super().__init__()
+        self.model = model
+        self.variant = variant
+
+    def forward(self, x, labels, teacher_logits, temperature, lam):
+        from edgepfl.export.portable import distillation_loss
+
+        logits = self.model(x)
+        weights = torch.ones_like(labels, dtype=logits.dtype)
+        return distillation_loss(logits, teacher_logits, labels, weights, temperature, lam, self.variant), logits
+
+
 def build_training_set(
     proto: onnx.ModelProto,
     out_dir: Path,
     trainable: list[str],
     optimizer: str,
     stats: list[dict],
+    loss_output: str | None = None,
 ) -> list[str]:
-    """generate_artifacts for one trainable set, then the eval-graph and IR fixes; returns file names."""
+    """generate_artifacts for one trainable set, then the eval-graph and IR fixes; returns file names.
+
+    Without `loss_output` ORT adds cross-entropy on the logits; with it, that graph output is the loss.
+    """
     from onnxruntime.training import artifacts
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +207,8 @@ def build_training_set(
             copy.deepcopy(proto),
             requires_grad=list(trainable),
             frozen_params=frozen,
-            loss=artifacts.LossType.CrossEntropyLoss,
+            loss=artifacts.LossType.CrossEntropyLoss if loss_output is None else None,
+            loss_input_names=None if loss_output is None else [loss_output],
             optimizer=optim,
             artifact_directory=str(out_dir),
             additional_output_names=[LOGITS, *(s["output"] for s in stats)],

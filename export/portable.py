@@ -34,14 +34,19 @@ BUFFER_PREFIX = "buffer:"
 NEW_PARAM_PREFIX = "new_param:"
 NEW_BUFFER_PREFIX = "new_buffer:"
 SAMPLE_INPUTS = ("x", "y", "w")
+DISTILL_INPUTS = ("teacher_logits", "T", "lambda")
+DISTILL_VARIANTS = ("kd", "gd")  # PersFL (Hinton KD) and PersFL-GD (generalized distillation)
+DISTILL_SETS = ("full", "personal")  # stage 2 trains the whole student; personal-only for K_P > 0
 STEP_OUTPUT_LOSS = "loss"
 EVAL_OUTPUTS = ("logits", "loss", "correct")
 
 aten = torch.ops.aten
 
 
-def export_portable(model: BlockModel, manifest: Manifest, folder: Path, batch_size: int = DEFAULT_BATCH) -> dict:
-    """Write the step graphs, the eval graph and the initial tensors; returns the manifest entry."""
+def export_portable(
+    model: BlockModel, manifest: Manifest, folder: Path, batch_size: int = DEFAULT_BATCH, distill: bool = True
+) -> dict:
+    """Write step, distillation (optional) and eval graphs and the initial tensors; returns the manifest entry."""
     if batch_size < 1:
         raise UsageError(f"portable batch size {batch_size} must be positive", "use 32, or at least 1")
     folder = Path(folder)
@@ -69,6 +74,20 @@ def export_portable(model: BlockModel, manifest: Manifest, folder: Path, batch_s
             "inputs": [i.name for i in proto.graph.input],
             "outputs": [o.name for o in proto.graph.output],
         }
+    distill_steps: dict = {}
+    for variant in DISTILL_VARIANTS if distill else ():
+        for set_name in DISTILL_SETS:
+            trainable = trainable_sets[set_name]
+            if not trainable:
+                continue
+            proto = export_distill_step(step_model, params, buffers, trainable, batch_size, variant)
+            onnx.save(proto, str(folder / f"distill_{variant}_{set_name}.onnx"))
+            distill_steps.setdefault(variant, {})[set_name] = {
+                "model": f"{prefix}/distill_{variant}_{set_name}.onnx",
+                "trainable": trainable,
+                "inputs": [i.name for i in proto.graph.input],
+                "outputs": [o.name for o in proto.graph.output],
+            }
     eval_proto = export_eval(step_model, params, buffers, batch_size)
     onnx.save(eval_proto, str(folder / "eval.onnx"))
     save_tensors(folder / "initial.safetensors", {n: t.detach().cpu().numpy() for n, t in state.items()})
@@ -82,6 +101,7 @@ def export_portable(model: BlockModel, manifest: Manifest, folder: Path, batch_s
         "params": params,
         "buffers": buffers,
         "steps": steps,
+        "distill": distill_steps,
         "eval": {
             "model": f"{prefix}/eval.onnx",
             "inputs": [i.name for i in eval_proto.graph.input],
@@ -159,6 +179,103 @@ def trace(
     table[aten.convolution_backward.default] = _convolution_backward
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
     return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=table)(*inputs)
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    temperature: torch.Tensor,
+    lam: torch.Tensor,
+    variant: str = "kd",
+) -> torch.Tensor:
+    """PersFL's stage-2 loss, averaged over the samples with weight w (w = 0 marks padding).
+
+    kd (PersFL, Hinton et al.): (1-λ)·CE(y, softmax(s)) + λ·T²·KL(softmax(t/T) ‖ softmax(s/T)).
+    gd (PersFL-GD, the paper's Eq. 7, generalized distillation of Lopez-Paz et al.): the student's soft
+    predictions softmax(s/T) are fitted to the teacher's soft labels softmax(t/T) by cross-entropy,
+    (1-λ)·CE(y, softmax(s)) + λ·CE(softmax(t/T), softmax(s/T)), with no T² factor. Our reading: the
+    soft-label cross-entropy equals the KL term plus the teacher's entropy (constant in the student),
+    so gd's gradient is kd's with the distillation term scaled by 1/T²; at T = 1 the two steps agree.
+    """
+    if variant not in DISTILL_VARIANTS:
+        raise UsageError(f"unknown distillation variant {variant!r}", f"choose one of: {', '.join(DISTILL_VARIANTS)}")
+    hard = F.cross_entropy(student_logits, y, reduction="none")
+    log_student = F.log_softmax(student_logits / temperature, dim=1)
+    log_teacher = F.log_softmax(teacher_logits / temperature, dim=1)
+    teacher = log_teacher.exp()
+    if variant == "kd":
+        soft = (teacher * (log_teacher - log_student)).sum(1) * (temperature * temperature)
+    else:
+        soft = -(teacher * log_student).sum(1)
+    per_sample = (1 - lam) * hard + lam * soft
+    return (per_sample * w).sum() / w.sum()
+
+
+def distill_sgd_step(
+    model: MaskedModel,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    trainable: Sequence[str],
+    batch: tuple[torch.Tensor, ...],
+    variant: str = "kd",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One SGD step on the distillation loss; `batch` is (x, y, w, teacher_logits, T, λ, lr)."""
+    x, y, w, teacher_logits, temperature, lam, lr = batch
+    trainable_set = set(trainable)
+    frozen = {n: p for n, p in params.items() if n not in trainable_set}
+
+    def loss_of(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        new_buffers = {n: b.clone() for n, b in buffers.items()}
+        logits = model({**train, **frozen, **new_buffers}, x, w)
+        return distillation_loss(logits, teacher_logits, y, w, temperature, lam, variant), new_buffers
+
+    train = {n: params[n] for n in trainable}
+    grads, (loss, new_buffers) = torch.func.grad_and_value(loss_of, has_aux=True)(train)
+    new_params = {n: (p - lr * grads[n] if n in trainable_set else p) for n, p in params.items()}
+    return loss, new_params, new_buffers
+
+
+def distill_step_function(
+    step_model: MaskedModel, params: list[str], buffers: list[str], trainable: list[str], variant: str = "kd"
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """`distill_sgd_step` over flat tensors: (params…, buffers…, x, y, w, teacher_logits, T, λ, lr) -> (loss, …)."""
+
+    def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        param_values = dict(zip(params, flat[: len(params)]))
+        buffer_values = dict(zip(buffers, flat[len(params) : len(params) + len(buffers)]))
+        batch = flat[len(params) + len(buffers) :]
+        loss, new_params, new_buffers = distill_sgd_step(
+            step_model, param_values, buffer_values, trainable, batch, variant
+        )
+        return (loss, *(new_params[n] for n in params), *(new_buffers[n] for n in buffers))
+
+    return step
+
+
+def export_distill_step(
+    step_model: MaskedModel,
+    params: list[str],
+    buffers: list[str],
+    trainable: list[str],
+    batch_size: int,
+    variant: str = "kd",
+) -> onnx.ModelProto:
+    """Trace `distill_sgd_step` for one trainable set and variant as a default-domain ONNX graph."""
+    step_model.train()
+    inputs = _example_inputs(step_model, params, buffers, batch_size) + [
+        torch.zeros(batch_size, step_model.spec.num_classes),
+        torch.tensor(2.0),
+        torch.tensor(0.5),
+        torch.tensor(0.01),
+    ]
+    input_names = _state_names(params, buffers) + [*SAMPLE_INPUTS, *DISTILL_INPUTS, "lr"]
+    output_names = (
+        [STEP_OUTPUT_LOSS] + [NEW_PARAM_PREFIX + n for n in params] + [NEW_BUFFER_PREFIX + n for n in buffers]
+    )
+    fn = distill_step_function(step_model, params, buffers, trainable, variant)
+    return _to_onnx(fn, inputs, input_names, output_names)
 
 
 def export_eval(step_model: MaskedModel, params: list[str], buffers: list[str], batch_size: int) -> onnx.ModelProto:

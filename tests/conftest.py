@@ -17,13 +17,18 @@ SHARED = REPO.parent / "shared"
 BUNDLES_ENV = "EDGEPFL_TEST_BUNDLES"  # a folder of bundles exported beforehand, for environments without torch
 
 
-def bundle_folder(root: str | Path, name: str, kp: int, engines: tuple[str, ...], seed: int, **fields) -> Path:
+def bundle_folder(
+    root: str | Path, name: str, kp: int, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
+) -> Path:
     """Where a bundle made with these arguments lives under `root` (one folder per argument set)."""
     parts = [name, f"kp{kp}", "+".join(engines), f"seed{seed}", *(f"{k}{v}" for k, v in sorted(fields.items()))]
+    parts += ["distill"] if distill else []
     return Path(root) / "-".join(parts)
 
 
-def export_test_bundle(out: Path, name: str, kp: int, engines: tuple[str, ...], seed: int, **fields) -> Path:
+def export_test_bundle(
+    out: Path, name: str, kp: int, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
+) -> Path:
     """Export a zoo model into `out` (needs torch)."""
     import torch
 
@@ -32,7 +37,7 @@ def export_test_bundle(out: Path, name: str, kp: int, engines: tuple[str, ...], 
 
     spec = ModelSpec(**{**default_spec(name).to_dict(), **fields})
     torch.set_num_threads(2)
-    export_bundle(spec, kp, out, ExportOptions(engines=engines, seed=seed, force=True))
+    export_bundle(spec, kp, out, ExportOptions(engines=engines, seed=seed, force=True, distill=distill))
     return out
 
 
@@ -47,22 +52,24 @@ def bundle_factory(tmp_path_factory):
     shared = os.environ.get(BUNDLES_ENV)
     cache: dict[tuple, Path] = {}
 
-    def export(name: str, kp: int, engines: tuple[str, ...] = ("ort-training",), seed: int = 0, **fields):
-        key = (name, kp, engines, seed, tuple(sorted(fields.items())))
+    def export(
+        name: str, kp: int, engines: tuple[str, ...] = ("ort-training",), seed: int = 0, distill: bool = False, **fields
+    ):
+        key = (name, kp, engines, seed, distill, tuple(sorted(fields.items())))
         if key in cache:
             return cache[key]
-        if shared and (bundle_folder(shared, name, kp, engines, seed, **fields) / "manifest.json").is_file():
-            cache[key] = bundle_folder(shared, name, kp, engines, seed, **fields)
+        if shared and (bundle_folder(shared, name, kp, engines, seed, distill, **fields) / "manifest.json").is_file():
+            cache[key] = bundle_folder(shared, name, kp, engines, seed, distill, **fields)
             return cache[key]
         if importlib.util.find_spec("torch") is None:
             if shared:
                 pytest.fail(f"{BUNDLES_ENV}={shared} has no bundle for {key}; export it first (scripts/device-env.sh)")
             pytest.skip("exporting a bundle needs torch (pip install 'edgepfl[export]')")
         if shared:
-            out = bundle_folder(shared, name, kp, engines, seed, **fields)
+            out = bundle_folder(shared, name, kp, engines, seed, distill, **fields)
         else:
             out = tmp_path_factory.mktemp(f"bundle-{name}-kp{kp}")
-        cache[key] = export_test_bundle(out, name, kp, engines, seed, **fields)
+        cache[key] = export_test_bundle(out, name, kp, engines, seed, distill, **fields)
         return cache[key]
 
     return export

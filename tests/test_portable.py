@@ -107,14 +107,16 @@ def export_case_bundle(out: Path, engines: tuple[str, ...]) -> Path:
     from edgepfl.export.models import ModelSpec, default_spec
 
     spec = ModelSpec(**{**default_spec(CASE_SPEC["name"]).to_dict(), **CASE_SPEC})
-    export_bundle(spec, CASE_KP, out, ExportOptions(engines=engines, force=True))
+    export_bundle(spec, CASE_KP, out, ExportOptions(engines=engines, force=True, distill=True))
     return out
 
 
 @pytest.fixture(scope="session")
 def case_bundle(bundle_factory):
     """The cnn (BatchNorm) bundle with both engines' artifacts, shared by the torch-side tests."""
-    return bundle_factory(CASE_SPEC["name"], CASE_KP, engines=("ort-training", "portable"), norm=CASE_SPEC["norm"])
+    return bundle_factory(
+        CASE_SPEC["name"], CASE_KP, engines=("ort-training", "portable"), norm=CASE_SPEC["norm"], distill=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -213,7 +215,9 @@ def test_every_written_graph_is_default_domain_only(case_bundle):
     from edgepfl.export.portable import PORTABLE_IR, default_domain_violations
 
     graphs = sorted((case_bundle / "portable").glob("*.onnx"))
-    assert {g.name for g in graphs} == {"step_full.onnx", "step_personal.onnx", "step_base.onnx", "eval.onnx"}
+    steps = {"step_full.onnx", "step_personal.onnx", "step_base.onnx", "eval.onnx"}
+    distill = {f"distill_{v}_{s}.onnx" for v in ("kd", "gd") for s in ("full", "personal")}  # PersFL stage 2
+    assert {g.name for g in graphs} == steps | distill
     for path in graphs:
         proto = onnx.load(str(path))
         assert default_domain_violations(proto) == [], path.name
