@@ -1,4 +1,4 @@
-"""`edgepfl device run | train | distill | eval`: on-device commands. Only typer and the standard library load here."""
+"""`edgepfl device run | train | teacher | distill | eval`: on-device commands (typer and the standard library only)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,95 @@ def train(
         }
         device_state.commit(device_engine.get_tensors(), record)
         _print_result(record, as_json, "device train")
+    except EdgePFLError as error:
+        fail(error)
+
+
+@device_app.command()
+def teacher(
+    bundle: Bundle,
+    data: Data,
+    state: State,
+    server: Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")],
+    token: Annotated[str, typer.Option(help="device token from `edgepfl serve tokens add`", envvar="EDGEPFL_TOKEN")],
+    engine: EngineName = "auto",
+    val_fraction: ValFraction = 0.2,
+    seed: Seed = 0,
+    threads: Threads = None,
+    retries: Annotated[int, typer.Option(help="tries per request on connection errors and 5xx")] = 8,
+    timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
+    as_json: AsJson = False,
+) -> None:
+    """PersFL for a new participant: score every global model the server keeps; keep the best as the teacher.
+
+    Each round's global model (`GET /v1/history`) is scored on the held-out data exactly as in
+    `device run --persfl-teacher`, and the one with the lowest loss is kept in --state for `device distill`.
+    """
+    from edgepfl.cli import fail
+    from edgepfl.errors import EdgePFLError, StateError, UsageError
+
+    try:
+        if retries < 1 or timeout <= 0:
+            raise UsageError("--retries and --timeout must be positive", "pass positive values")
+        from edgepfl.device_runtime.algorithms import upload_specs
+        from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
+        from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
+        from edgepfl.device_runtime.progress import RichEvents
+        from edgepfl.protocol import RoundSettings
+        from edgepfl.wire import WireError, check_tensors
+
+        device_engine, local_data, _ = _open(bundle, data, state, engine, val_fraction, seed, threads)
+        manifest = device_engine.manifest
+        store = TeacherStore(state, manifest)
+        losses: dict[str, float] = {}
+        with RichEvents(quiet=as_json) as events:
+            client = ServerClient(
+                server, token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
+            )
+            try:
+                entries = client.history()
+                if not entries:
+                    raise StateError("the server keeps no global model yet", "run this after the server closed a round")
+                for entry in entries:
+                    try:
+                        global_model = client.global_model(entry)
+                    except ServerRefused as refused:
+                        if refused.error != "released":
+                            raise
+                        events.message(f"round {entry.round_id} was released meanwhile; skipped")
+                        continue
+                    shares_buffers = any(name in global_model for name in manifest.names("buffer"))
+                    try:
+                        specs = upload_specs(manifest, RoundSettings(share_buffers=shares_buffers))
+                        check_tensors(global_model, specs, what=f"global model of round {entry.round_id}")
+                    except WireError as error:
+                        raise UsageError(str(error), "use the bundle the server was started with") from None
+                    # labelled like stage 1 in `device run`: the round that starts from this global model
+                    kept, result = consider_global_model(
+                        device_engine, store, entry.round_id + 1, global_model, local_data
+                    )
+                    losses[str(entry.round_id)] = result.loss
+                    events.message(
+                        f"global model of round {entry.round_id}: held-out loss {result.loss:.4f}"
+                        + (" (kept as teacher)" if kept else "")
+                    )
+            finally:
+                client.close()
+        if store.record is None:
+            raise StateError("no global model could be scored", "check the server's history and --val-fraction")
+        _print_result(
+            {
+                "teacher_round": store.record.round_id,
+                "teacher_global_round": store.record.round_id - 1,
+                "teacher_val_loss": store.record.val_loss,
+                "teacher_val_accuracy": store.record.val_accuracy,
+                "rounds_scored": len(losses),
+                "val_losses": json.dumps(losses) if not as_json else losses,
+                "engine": device_engine.name,
+            },
+            as_json,
+            "device teacher",
+        )
     except EdgePFLError as error:
         fail(error)
 

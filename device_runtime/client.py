@@ -55,6 +55,15 @@ class RetryPolicy:
     max_delay: float = 30.0  # cap on one wait (a server's Retry-After is capped at 10x this)
 
 
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One round listed by `GET /v1/history`: its id, its global model's sha256 and where to fetch it."""
+
+    round_id: int
+    sha256: str
+    url: str
+
+
 @dataclass
 class Traffic:
     """Bytes of request and response bodies, for the round log and the benchmark."""
@@ -109,6 +118,30 @@ class ServerClient:
                 return decode_tensors(response.content)
             self._notify(f"GET {url}: body does not match its ETag, fetching again")
         raise ServerUnreachable(f"GET {url} kept returning bytes that do not match their ETag", "check the network")
+
+    def history(self) -> list[HistoryEntry]:
+        """`GET /v1/history`: the closed rounds whose global model the server still keeps, oldest first."""
+        response = self._request("GET", f"{API_PREFIX}/history")
+        try:
+            return [
+                HistoryEntry(int(row["round"]), str(row["sha256"]), str(row["url"]))
+                for row in response.json()["rounds"]
+            ]
+        except (ValueError, KeyError, TypeError):
+            raise ServerError(
+                "the server's history is not the expected JSON", "use an `edgepfl serve` with /v1/history"
+            ) from None
+
+    def global_model(self, entry: HistoryEntry) -> dict[str, np.ndarray]:
+        """The global model a closed round produced, checked against the sha256 the history listed."""
+        for _ in range(self.retry.attempts):
+            response = self._request("GET", entry.url)
+            if hashlib.sha256(response.content).hexdigest() == entry.sha256:
+                return decode_tensors(response.content)
+            self._notify(f"GET {entry.url}: body does not match the sha256 in the history, fetching again")
+        raise ServerUnreachable(
+            f"GET {entry.url} kept returning bytes that do not match their sha256", "check the network"
+        )
 
     def upload(self, round_id: int, payload: bytes) -> dict[str, Any]:
         """`POST /v1/rounds/{r}/update` with a body from `encode_update`; an identical retry is idempotent."""

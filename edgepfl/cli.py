@@ -155,7 +155,7 @@ def simulate(
     algorithm: Annotated[
         str | None,
         typer.Option(
-            help="fedavg | local | fedper (= fedsim) | fedalt | fedper-ft | pfedla | heurpfedla (default: fedper)"
+            help="fedavg | local | fedper (=fedsim) | fedalt | fedper-ft | pfedla | heurpfedla | persfl [fedper]"
         ),
     ] = None,
     dataset: Annotated[

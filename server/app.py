@@ -47,6 +47,7 @@ _ERRORS = {
         403: "not sampled",
         404: "no such round",
         409: "round closed, deadline passed, duplicate or layout mismatch",
+        410: "the round's tensors were released by --history retention",
         413: "body too large",
         422: "invalid round id, metadata, tensors or metrics",
     }.items()
@@ -141,7 +142,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         responses={
             200: {"content": {SAFETENSORS: {}}},
             304: {"description": "not modified"},
-            **{code: _ERRORS[code] for code in (401, 403, 404, 422)},
+            **{code: _ERRORS[code] for code in (401, 403, 404, 410, 422)},
         },
     )
     def get_base(round_id: RoundId, name: Device, request: Request) -> Response:
@@ -152,12 +153,20 @@ def create_app(engine: RoundEngine) -> FastAPI:
     @app.get(
         f"{API_PREFIX}/rounds/{{round_id}}/result",
         response_class=Response,
-        responses={200: {"content": {SAFETENSORS: {}}}, **{code: _ERRORS[code] for code in (401, 404, 409, 422)}},
+        responses={
+            200: {"content": {SAFETENSORS: {}}},
+            **{code: _ERRORS[code] for code in (401, 404, 409, 410, 422)},
+        },
     )
     def get_result(round_id: RoundId, name: Device, request: Request) -> Response:
-        """The aggregated base a closed round produced (safetensors; ETag = sha256)."""
+        """The aggregated base (global model) a closed round produced (safetensors; ETag = sha256)."""
         payload, sha = engine.result_of(round_id)
         return _tensor_response(payload, sha, request)
+
+    @app.get(f"{API_PREFIX}/history", responses={401: _ERRORS[401]})
+    def get_history(name: Device) -> dict[str, Any]:
+        """Closed rounds whose global model can be fetched (oldest first, with sha256 and URL), and the retention."""
+        return engine.history()
 
     @app.post(
         f"{API_PREFIX}/rounds/{{round_id}}/update",

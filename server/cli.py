@@ -70,6 +70,9 @@ def serve(
     public_status: Annotated[
         bool, typer.Option("--public-status", help="/, /plot.png, /v1/status need no token")
     ] = False,
+    history: Annotated[
+        int, typer.Option(help="closed rounds whose global model is kept for new participants; 0 keeps all")
+    ] = 0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
@@ -110,6 +113,7 @@ def serve(
             available_for=available_for,
             upload_slots=upload_slots,
             public_status=public_status,
+            history=history,
             strategy_options=StrategyOptions(
                 settings=settings, trim_fraction=trim_fraction, clients=clients, hn_lr=hn_lr, seed=seed
             ),

@@ -41,6 +41,7 @@ class ServerConfig:
     available_for: float = 60.0  # a device counts as available this long after its last /v1/task poll
     upload_slots: int = 4  # uploads decoded and checked at once (memory stays O(slots x model))
     public_status: bool = False  # `/`, `/plot.png` and `/v1/status` readable without a token
+    history: int = 0  # closed rounds whose global model (and tensors) are kept; 0 keeps every round
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
 
     @property
@@ -60,6 +61,7 @@ class ServerConfig:
             (self.max_samples >= 1, "--max-samples must be at least 1", "pass e.g. 10000000"),
             (self.poll_interval > 0, "--poll-interval must be positive", "pass seconds, e.g. 5"),
             (self.available_for > 0, "--available-for must be positive", "pass seconds, e.g. 60"),
+            (self.history >= 0, "--history must not be negative", "pass 0 to keep every round, or e.g. 10"),
             (self.upload_slots >= 1, "--upload-slots must be at least 1", "pass e.g. 4"),
             (
                 settings.algorithm in ALGORITHMS,

@@ -123,6 +123,7 @@ class RoundEngine:
                 for key, value in {**binding, "initial_base_sha": sha, "global_base_sha": sha}.items():
                     db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
         self._load_strategy_state()
+        self._apply_history()
         removed = self.store.remove_unreferenced_blobs()
         if removed:
             log.info("removed %d unreferenced blob(s) left by an interrupted write", removed)
@@ -185,6 +186,7 @@ class RoundEngine:
     def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
         """The base tensors a device gets for a round (safetensors bytes) and their sha256."""
         record = self._round_or_404(round_id)
+        self._check_retained(record)
         assignment = self.store.assignment(round_id, device)
         if assignment is not None:
             sha = assignment.base_sha
@@ -200,8 +202,9 @@ class RoundEngine:
         return self.store.read_blob(sha), sha
 
     def result_of(self, round_id: int) -> tuple[bytes, str]:
-        """The aggregated base a closed round produced."""
+        """The aggregated base (global model) a closed round produced."""
         record = self._round_or_404(round_id)
+        self._check_retained(record)
         if record.result_sha is None:
             raise ApiError(
                 409,
@@ -210,6 +213,26 @@ class RoundEngine:
                 "fetch the result of a closed round (see /v1/status)",
             )
         return self.store.read_blob(record.result_sha), record.result_sha
+
+    def history(self) -> dict[str, Any]:
+        """JSON: the closed rounds whose global model can still be fetched, oldest first, and the retention."""
+        with self._lock:
+            rounds = self.store.rounds()
+            released = self.store.released_through()
+        return {
+            "retention": self.config.history,
+            "released_through": released,
+            "rounds": [
+                {
+                    "round": record.round_id,
+                    "sha256": record.result_sha,
+                    "closed": record.closed,
+                    "url": f"{API_PREFIX}/rounds/{record.round_id}/result",
+                }
+                for record in rounds
+                if record.state == "closed" and record.result_sha is not None
+            ],
+        }
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late."""
@@ -237,6 +260,7 @@ class RoundEngine:
             if previous is not None:
                 return self._retry_receipt(previous, sha)
             self._check_open_for(device, round_id)
+            self.store.put_blob(payload, sha)  # again: a release of history may have deleted identical bytes
             self.store.add_update(
                 UpdateRecord(
                     round_id,
@@ -372,12 +396,25 @@ class RoundEngine:
             raise
         with self._lock:
             self._closing = None
+            self._apply_history()  # after the commit: a failed release leaves the round closed and the blobs kept
         log.info(
             "round %d closed: %d update(s) aggregated in %.3f s",
             record.round_id,
             len(self.store.updates(record.round_id)),
             seconds,
         )
+
+    def _apply_history(self) -> None:
+        """Release the tensors of rounds older than the last `history` closed rounds (0 keeps every round)."""
+        if self.config.history == 0:
+            return
+        closed = [record.round_id for record in self.store.rounds() if record.state == "closed"]
+        if len(closed) <= self.config.history:
+            return
+        through = closed[-self.config.history] - 1
+        removed = self.store.release_history(through)
+        if removed:
+            log.info("history: released the tensors of rounds up to %d (%d blob file(s))", through, removed)
 
     def _load_strategy_state(self) -> None:
         """Bring the strategy back to its last saved state (a strategy that keeps none is left as is)."""
@@ -478,6 +515,16 @@ class RoundEngine:
                 "poll /v1/task for the current round",
             )
         return record
+
+    def _check_retained(self, record: RoundRecord) -> None:
+        if record.round_id <= self.store.released_through():
+            raise ApiError(
+                410,
+                "released",
+                f"round {record.round_id}'s tensors were released (the server keeps the last "
+                f"{self.config.history} rounds' global models)",
+                "choose a round listed by GET /v1/history, or restart the server with a larger --history",
+            )
 
     def _check_open_for(self, device: str, round_id: int) -> None:
         record = self._round_or_404(round_id)

@@ -227,13 +227,8 @@ class Store:
         return self.blob_dir / sha256[:2] / f"{sha256}.safetensors"
 
     def remove_unreferenced_blobs(self) -> int:
-        """Delete blobs and temp files no row names (left by a crash between write and commit)."""
-        rows = self._query(
-            "SELECT base_sha FROM rounds UNION SELECT result_sha FROM rounds WHERE result_sha IS NOT NULL "
-            "UNION SELECT base_sha FROM assignments UNION SELECT blob_sha FROM updates "
-            "UNION SELECT value FROM meta WHERE key IN ('initial_base_sha', 'global_base_sha', 'strategy_state_sha')"
-        )
-        keep = {row[0] for row in rows}
+        """Delete blobs and temp files no kept row names (left by a crash, or by a release of history)."""
+        keep = self._referenced_blobs(self.released_through())
         removed = 0
         for path in self.blob_dir.glob("*/*"):
             name = path.name
@@ -241,6 +236,42 @@ class Store:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def released_through(self) -> int:
+        """Highest round whose tensors were released by history retention (0: none)."""
+        return int(self.get_meta("history_released_through") or 0)
+
+    def release_history(self, through: int) -> int:
+        """Release the tensors of every round up to `through`; returns the number of blob files deleted.
+
+        One transaction records the new boundary and clears those rounds' `result_sha`; then only
+        blobs that no round after the boundary (nor the global base, initial base or strategy state)
+        names are deleted, so a retained blob is never lost. A crash before the deletions leaves
+        unreferenced blobs, which `remove_unreferenced_blobs` deletes at the next start.
+        """
+        previous = self.released_through()
+        if through <= previous:
+            return 0
+        released = {row[0] for row in self._query(_BLOBS_OF_ROUNDS.replace("{where}", "round_id <= ?"), (through,) * 4)}
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('history_released_through', ?)", (str(through),)
+            )
+            db.execute("UPDATE rounds SET result_sha = NULL WHERE round_id <= ?", (through,))
+        removed = 0
+        for sha in released - self._referenced_blobs(through):
+            path = self.blob_path(sha)
+            if path.is_file():
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def _referenced_blobs(self, released_through: int) -> set[str]:
+        rows = self._query(_BLOBS_OF_ROUNDS.replace("{where}", "round_id > ?"), (released_through,) * 4)
+        meta = self._query(
+            "SELECT value FROM meta WHERE key IN ('initial_base_sha', 'global_base_sha', 'strategy_state_sha')"
+        )
+        return {row[0] for row in rows + meta}
 
     # rounds
 
@@ -387,6 +418,11 @@ class Store:
             )
 
 
+_BLOBS_OF_ROUNDS = (
+    "SELECT base_sha FROM rounds WHERE {where} "
+    "UNION SELECT result_sha FROM rounds WHERE result_sha IS NOT NULL AND {where} "
+    "UNION SELECT base_sha FROM assignments WHERE {where} UNION SELECT blob_sha FROM updates WHERE {where}"
+)
 _ROUND_COLUMNS = "round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, aggregate_seconds, note"
 _UPDATE_COLUMNS = (
     "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status"

@@ -8,9 +8,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from edgepfl.device_runtime.persfl import DistillConfig
 from edgepfl.errors import UsageError
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
+_DISTILL_DEFAULTS = DistillConfig()
+GRID_KEYS = ("distill_lambdas", "distill_temperatures")  # tuples of floats; a config file may write "0.1,0.5"
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class AlgorithmPlan:
     strategy: str | None  # server strategy name; None: nothing is aggregated
     kp: str  # "given" (use --kp), "zero" (FedAvg shares everything) or "all" (Local keeps everything)
     finetune: bool = False  # personal fine-tuning with the base frozen at round start
+    persfl: bool = False  # keep each client's best global model as teacher, then distil a student (stage 2)
 
 
 ALGORITHMS: dict[str, AlgorithmPlan] = {
@@ -32,6 +36,7 @@ ALGORITHMS: dict[str, AlgorithmPlan] = {
     "fedper-ft": AlgorithmPlan("fedsim", "fedper", kp="given", finetune=True),
     "pfedla": AlgorithmPlan("fedsim", "pfedla", kp="given"),  # --kp 0 is the paper's; kp > 0 mixes the base only
     "heurpfedla": AlgorithmPlan("fedsim", "heurpfedla", kp="given"),
+    "persfl": AlgorithmPlan("fedsim", "fedavg", kp="zero", persfl=True),
 }
 
 
@@ -63,6 +68,11 @@ class SimulateConfig:
     hn_lr: float = 5e-3  # pfedla, heurpfedla: SGD learning rate of the hypernetworks
     retain_top_k: int = 1  # heurpfedla: tensors with the largest self-weight that stay on each client
     share_buffers: bool = False
+    distill_lambdas: tuple[float, ...] = tuple(_DISTILL_DEFAULTS.lambdas)  # persfl stage 2: the (λ, T) grid
+    distill_temperatures: tuple[float, ...] = tuple(_DISTILL_DEFAULTS.temperatures)
+    distill_epochs: int = _DISTILL_DEFAULTS.epochs
+    distill_lr: float = _DISTILL_DEFAULTS.lr
+    distill_variant: str = _DISTILL_DEFAULTS.variant
     engine: str = "torch"
     seed: int = 0
     threads: int | None = None
@@ -92,6 +102,20 @@ class SimulateConfig:
         for ok, problem, fix in checks:
             if not ok:
                 raise UsageError(problem, fix)
+        if self.plan.persfl:
+            self.distill_config()
+
+    def distill_config(self) -> DistillConfig:
+        """PersFL stage 2's settings (DistillConfig checks them); stage 2 trains with the run's batch size."""
+        return DistillConfig(
+            lambdas=self.distill_lambdas,
+            temperatures=self.distill_temperatures,
+            epochs=self.distill_epochs,
+            lr=self.distill_lr,
+            batch_size=self.batch_size,
+            variant=self.distill_variant,
+            seed=self.seed,
+        )
 
     @property
     def plan(self) -> AlgorithmPlan:
@@ -102,6 +126,8 @@ class SimulateConfig:
         """JSON form (results.json `config`)."""
         data = asdict(self)
         data["split"] = list(self.split)
+        for key in GRID_KEYS:
+            data[key] = list(data[key])
         return data
 
     def same_experiment(self, other: SimulateConfig) -> list[str]:
@@ -124,10 +150,21 @@ def config_from_json(data: dict[str, Any], origin: str = "config") -> SimulateCo
 
             split = parse_split(split)
         normalised["split"] = tuple(float(v) for v in split)
+    for key in GRID_KEYS:
+        if key in normalised:
+            normalised[key] = _float_tuple(normalised[key], key, origin)
     for key in ("out", "data_root", "checksums"):
         if isinstance(normalised.get(key), Path):
             normalised[key] = str(normalised[key])
     return replace(SimulateConfig(), **normalised)
+
+
+def _float_tuple(value: Any, key: str, origin: str) -> tuple[float, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        return tuple(float(item) for item in items)
+    except (TypeError, ValueError):
+        raise UsageError(f"{origin}: {key} must be a list of numbers", f'write e.g. "{key}": [0.1, 0.5]') from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

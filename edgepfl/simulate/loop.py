@@ -8,23 +8,33 @@ statistics) are swapped in before its round and kept after it, like a device's s
 After each round every client is evaluated on its own test split with the round's new global base
 and its own personal part (and on its validation split, which picks the "best" round: never the test
 split). State is written after each round, so an interrupted run resumes from its last completed round.
+
+PersFL (`--algorithm persfl`): stage 1 is FedAvg where every sampled client first scores the received
+global model on its validation split and keeps the lowest-loss one as its teacher, through the device's
+own `persfl.consider_global_model` and `TeacherStore` (one store per client under `teachers/`). After
+the last round, stage 2 runs `persfl.distill` for every client (train / validation / test splits).
+A resumed run keeps the teachers on disk (a rerun of an interrupted round offers the same global model
+again, so the choice does not change); a run that starts from round 1 drops any teachers left there.
+Stage 2 is recomputed whenever a run ends, from the kept teachers (students are not saved as state).
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgepfl.atomic import write_bytes_atomic
-from edgepfl.data import LocalData, check_labels, to_model_layout
+from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
 from edgepfl.device_runtime.algorithms import evaluate, run_client_round, upload_tensors
 from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model, distill
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.protocol import RoundSettings
@@ -35,6 +45,7 @@ from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 STATE_FILE = "state.safetensors"
 STRATEGY_STATE = "strategy/state"  # what the server strategy learnt (pFedLA's hypernetworks), as raw bytes
 BUNDLE_DIR = "bundle"
+TEACHERS_DIR = "teachers"  # persfl: one device-style state folder per client holding its TeacherStore
 # per-round progress: (round, clients done, clients this round)
 RoundProgress = Callable[[int, int, int], None]
 
@@ -96,6 +107,11 @@ def run_simulation(
     for number, part in enumerate(parts):
         if not len(part.test):
             raise DataError(f"client {number} has no test samples", "use a --split with a test share, e.g. 0.6,0.2,0.2")
+        if config.plan.persfl and len(part.val) < 1:
+            raise DataError(
+                f"client {number} has no validation samples, on which persfl chooses its teacher",
+                "use a --split with a validation share, e.g. 0.6,0.2,0.2",
+            )
         clients.append(_make_client(number, part, dataset, manifest, config.seed, initial))
     strategy = None
     if config.plan.strategy is not None:
@@ -121,6 +137,7 @@ def run_simulation(
         if len(records) != done:
             raise StateError(f"{out} has state for round {done} but results for {len(records)}", "use a new --out")
         start = done + 1
+    stores = _teacher_stores(out / TEACHERS_DIR, clients, manifest, fresh=start == 1) if config.plan.persfl else None
     results = Results(config=config, rounds=records, info=_run_info(config, dataset, manifest, engine, parts))
     write_results(out, results)
     names = [client.name for client in clients]
@@ -131,6 +148,7 @@ def run_simulation(
 
         sampled = sample_devices(config.seed, round_id, names, config.fraction, config.min_clients)
         updates, losses, bytes_up, bytes_down, bytes_kept = [], [], 0, 0, 0
+        start_val_loss: dict[str, float] = {}
         base_bytes = len(encode_tensors(global_base)) if global_base else 0
         for done_count, name in enumerate(sampled):
             client = by_name[name]
@@ -143,6 +161,9 @@ def run_simulation(
                 bytes_down += len(encode_tensors(device_base))
             else:
                 bytes_down += base_bytes
+            if stores is not None:  # persfl stage 1: the device's own teacher choice, before local training
+                _, scores = consider_global_model(engine, stores[name], round_id, device_base, client.train)
+                start_val_loss[name] = scores.loss
             engine.set_tensors(device_base)
             result = run_client_round(engine, settings, client.train, client.seed, round_id)
             client.tensors = engine.get_tensors()
@@ -176,11 +197,72 @@ def run_simulation(
                 bytes_down=bytes_down,
                 seconds=time.perf_counter() - started,
                 bytes_kept=bytes_kept,
+                start_val_loss=start_val_loss if stores is not None else None,
             )
         )
         write_results(out, results)
         _save_state(out / STATE_FILE, round_id, clients, global_base, strategy)
+    if stores is not None:
+        results.persfl = run_distillation(config, engine, clients, stores, status)
+        write_results(out, results)
     return results
+
+
+def run_distillation(
+    config: SimulateConfig,
+    engine: Engine,
+    clients: list[Client],
+    stores: dict[str, TeacherStore],
+    status: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """PersFL stage 2 for every client: `persfl.distill` from its kept teacher; the results.json `persfl` section.
+
+    A client's `teacher_round` r is the global model it received at the start of round r (1: the initial model).
+    """
+    distill_config = config.distill_config()
+    per_client = []
+    for number, client in enumerate(clients):
+        status(f"persfl distillation, client {number + 1}/{len(clients)}")
+        store = stores[client.name]
+        if store.record is None:  # with --fraction < 1 a client may never have received a global model
+            per_client.append({"client": client.name, "teacher_round": None, "skipped": "never sampled: no teacher"})
+            continue
+        teacher = store.load()
+        train, val = _arrays(client.train, client.train.train_index), _arrays(client.train, client.train.val_index)
+        outcome = distill(engine, teacher, train, val, _arrays(client.test, client.test.val_index), distill_config)
+        per_client.append(
+            {
+                "client": client.name,
+                "teacher_round": store.record.round_id,
+                "teacher_val_loss": store.record.val_loss,
+                "lambda": outcome.student["lambda"],
+                "T": outcome.student["T"],
+                "teacher": outcome.teacher,
+                "student": {k: v for k, v in outcome.student.items() if k not in ("lambda", "T")},
+                "grid": outcome.grid,
+            }
+        )
+    grid = {"lambdas": list(distill_config.lambdas), "temperatures": list(distill_config.temperatures)}
+    section: dict[str, Any] = {"distill": {**asdict(distill_config), **grid}}
+    for role in ("teacher", "student"):
+        section[role] = {
+            f"{split}_accuracy": accuracy_summary([e[role][f"{split}_accuracy"] for e in per_client if role in e])
+            for split in ("val", "test")
+        }
+    section["clients"] = per_client
+    return section
+
+
+def _arrays(data: LocalData, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Normalised model inputs and labels of some of a client's samples."""
+    return normalize(data.images[index], data.input_spec), data.labels[index]
+
+
+def _teacher_stores(folder: Path, clients: list[Client], manifest: Manifest, fresh: bool) -> dict[str, TeacherStore]:
+    """One TeacherStore per client; a fresh run first drops teachers an interrupted first round may have left."""
+    if fresh and folder.is_dir():
+        shutil.rmtree(folder)
+    return {client.name: TeacherStore(folder / client.name, manifest) for client in clients}
 
 
 def _evaluated_base(strategy, round_id: int, name: str, global_base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -221,7 +303,9 @@ def ensure_bundle(
         engines: tuple[str, ...] = ("portable",)
     else:
         engines = ("ort-training",)  # fast to export; the torch engine takes its initial tensors from it
-    options = ExportOptions(engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size)
+    options = ExportOptions(
+        engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size, distill=config.plan.persfl
+    )
     return export_bundle(spec, kp, folder, options)
 
 

@@ -34,6 +34,8 @@ class RoundRecord:
     bytes_down: int
     seconds: float
     bytes_kept: int = 0  # bytes of tensors that stayed on the clients instead of travelling (HeurpFedLA), both ways
+    # persfl: each sampled client's validation loss of the received global model (what chooses its teacher)
+    start_val_loss: dict[str, float] | None = None
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Results:
     config: Any  # SimulateConfig
     rounds: list[RoundRecord]
     info: dict[str, Any] = field(default_factory=dict)
+    persfl: dict[str, Any] | None = None  # persfl stage 2: per-client teacher and student scores, and the means
 
     def summary(self) -> dict[str, Any]:
         """Last round and best round (by mean validation accuracy) with their test accuracies."""
@@ -65,6 +68,7 @@ class Results:
             "info": self.info,
             "rounds": [asdict(r) for r in self.rounds],
             "summary": self.summary(),
+            **({"persfl": self.persfl} if self.persfl is not None else {}),
         }
 
 
@@ -103,7 +107,7 @@ def load_results(run: str | Path) -> Results:
         config = config_from_json(document["config"], origin=str(path))
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise StateError(f"{path} is not a results file of edgepfl simulate ({exc!r})", "pass another run") from None
-    return Results(config=config, rounds=rounds, info=document.get("info", {}))
+    return Results(config=config, rounds=rounds, info=document.get("info", {}), persfl=document.get("persfl"))
 
 
 def results_table(results: Results, title: str = ""):
@@ -121,6 +125,10 @@ def results_table(results: Results, title: str = ""):
         acc = entry["test_accuracy"]
         chosen = entry.get("chosen_by", "the final round")
         table.add_row(key, str(entry["round"]), _pm(acc), _pct(acc["min"]), _pct(acc["max"]), chosen)
+    if results.persfl is not None:
+        for key, chosen in (("teacher", "each client's lowest validation loss"), ("student", "best validation (λ, T)")):
+            acc = results.persfl[key]["test_accuracy"]
+            table.add_row(f"persfl {key}", "-", _pm(acc), _pct(acc["min"]), _pct(acc["max"]), chosen)
     return table
 
 

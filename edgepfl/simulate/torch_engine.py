@@ -4,7 +4,8 @@ Semantics shared with `ort-training` and `portable` (so one seed gives the same 
 tolerance): plain SGD on the mean cross-entropy of the batch; only the tensors of the trainable set
 (`full`, `personal`, `base`) move; every BatchNorm layer, frozen or not, runs in training mode during
 a step (batch statistics) and updates its running statistics with momentum 0.1 and the unbiased
-variance; evaluation uses the running statistics.
+variance; evaluation uses the running statistics. PersFL's `distill_step` uses the exported graphs'
+own loss (`export.portable.distillation_loss`), so it matches both ONNX engines.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
 from edgepfl.errors import BundleError
 from edgepfl.manifest import Manifest
 
@@ -75,22 +76,41 @@ class TorchEngine(Engine):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One SGD step on the set's tensors; BatchNorm statistics update in every block."""
         torch = self._torch
-        self.check_set(trainable)
-        chosen = self._sets[trainable]
-        self.model.train()
-        for name, param in self._params.items():
-            param.requires_grad_(name in chosen)
-            param.grad = None
-        logits = self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
-        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(np.asarray(y, dtype=np.int64)))
-        loss.backward()
+        labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
+        return self._sgd_step(x, lr, trainable, lambda logits: torch.nn.functional.cross_entropy(logits, labels))
+
+    def distill_step(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        teacher_logits: np.ndarray,
+        lr: float,
+        temperature: float,
+        lam: float,
+        variant: str = "kd",
+        trainable: str = "full",
+    ) -> float:
+        """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
+        from edgepfl.export.portable import distillation_loss
+
+        torch = self._torch
+        check_distill_inputs(self.manifest, len(y), np.asarray(teacher_logits), temperature, lam)
+        labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
+        teacher = torch.from_numpy(np.ascontiguousarray(teacher_logits, dtype=np.float32))
+        weights = torch.ones(len(y), dtype=torch.float32)
+        temperature_t, lam_t = torch.tensor(float(temperature)), torch.tensor(float(lam))
+
+        def loss_of(logits):
+            return distillation_loss(logits, teacher, labels, weights, temperature_t, lam_t, variant)
+
+        return self._sgd_step(x, lr, trainable, loss_of)
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The current model's inference-mode logits, (n, classes) float32."""
+        torch = self._torch
+        self.model.eval()
         with torch.no_grad():
-            for name in chosen:
-                param = self._params[name]
-                if param.grad is not None:
-                    param.sub_(lr * param.grad)
-                    param.grad = None
-        return float(loss.detach())
+            return self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy().copy()
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Summed loss and correct count in inference mode (running BatchNorm statistics)."""
@@ -102,6 +122,25 @@ class TorchEngine(Engine):
             loss_sum = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
             correct = int((logits.argmax(dim=1) == labels).sum())
         return EvalResult(loss_sum=float(loss_sum), correct=correct, count=len(y))
+
+    def _sgd_step(self, x: np.ndarray, lr: float, trainable: str, loss_of) -> float:
+        """Forward in training mode, `loss_of(logits)`, backward, plain SGD on the set's tensors."""
+        torch = self._torch
+        self.check_set(trainable)
+        chosen = self._sets[trainable]
+        self.model.train()
+        for name, param in self._params.items():
+            param.requires_grad_(name in chosen)
+            param.grad = None
+        loss = loss_of(self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))))
+        loss.backward()
+        with torch.no_grad():
+            for name in chosen:
+                param = self._params[name]
+                if param.grad is not None:
+                    param.sub_(lr * param.grad)
+                    param.grad = None
+        return float(loss.detach())
 
     def _tensor(self, name: str):
         if name in self._params:
