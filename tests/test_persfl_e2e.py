@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from server_helpers import LiveServer, enroll
+from test_device_e2e import DEVICE_CLI, device_command, run_args
 from test_device_runtime import DEVICE_BUNDLE, save_npz
 
 # the real CLI in a process where `import torch` fails, as on a device
-DEVICE_CLI = "import sys; sys.modules['torch'] = None; sys.argv[0] = 'edgepfl'; from edgepfl.cli import app; app()"
 ROUNDS = 2
 
 
@@ -42,31 +42,10 @@ def test_devices_keep_teachers_during_fedavg_and_distil_afterwards(bundle, tmp_p
     try:
         processes = {
             name: subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    DEVICE_CLI,
-                    "device",
-                    "run",
-                    "--bundle",
-                    str(bundle),
-                    "--data",
-                    str(data[name]),
-                    "--server",
-                    server.url,
-                    "--token",
-                    tokens[name],
-                    "--state",
-                    str(tmp_path / name),
-                    "--engine",
-                    "portable",
-                    "--poll-interval",
-                    "0.1",
-                    "--retries",
-                    "3",
+                device_command(
+                    *run_args(bundle, data[name], server, tokens[name], tmp_path / name, "--engine", "portable"),
                     "--persfl-teacher",
-                    "--json",
-                ],
+                ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

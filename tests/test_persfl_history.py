@@ -15,8 +15,9 @@ import pytest
 from conftest import REPO
 from fastapi.testclient import TestClient
 from server_helpers import LiveServer, enroll, make_bundle, upload_body
+from test_device_e2e import device_command, run_args
 from test_device_runtime import DEVICE_BUNDLE, class_images, save_npz
-from test_persfl_e2e import DEVICE_CLI, device
+from test_persfl_e2e import device
 
 from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
@@ -193,30 +194,9 @@ def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundl
     try:
         processes = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    DEVICE_CLI,
-                    "device",
-                    "run",
-                    "--bundle",
-                    str(bundle),
-                    "--data",
-                    str(data[name]),
-                    "--server",
-                    server.url,
-                    "--token",
-                    tokens[name],
-                    "--state",
-                    str(tmp_path / name),
-                    "--engine",
-                    "portable",
-                    "--poll-interval",
-                    "0.1",
-                    "--retries",
-                    "3",
-                    "--json",
-                ],
+                device_command(
+                    *run_args(bundle, data[name], server, tokens[name], tmp_path / name, "--engine", "portable")
+                ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
