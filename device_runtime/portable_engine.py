@@ -56,24 +56,9 @@ class PortableEngine(Engine):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One SGD step on a batch of at most `batch_size` samples (a shorter one is padded and masked)."""
         self.check_set(trainable)
-        count = self._check_batch(x, y)
-        if count > self.batch_size:
-            raise DataError(
-                f"a batch of {count} samples exceeds the portable graphs' batch size {self.batch_size}",
-                f"train with batches of at most {self.batch_size} or re-export with a larger portable batch",
-            )
-        graph = self.entry["steps"][trainable]
-        session = self._session(f"step_{trainable}", graph["model"])
-        binding = self._bind_state(session, graph["inputs"])
+        count = self._check_step_batch(x, y)
         batch = (*self._padded(x, y, 0, count), np.array(lr, dtype=np.float32))
-        for name, value in zip(graph["inputs"][len(self._state_names) :], batch):
-            binding.bind_cpu_input(name, value)
-        for name in graph["outputs"]:
-            binding.bind_output(name, "cpu")
-        session.run_with_iobinding(binding)
-        loss, *state = binding.get_outputs()
-        self._state.update(zip(self._state_names, state))
-        return float(loss.numpy())
+        return self._run_step(f"step_{trainable}", self.entry["steps"][trainable], batch)
 
     def distill_step(
         self,
@@ -95,21 +80,28 @@ class PortableEngine(Engine):
                 f"the bundle has no portable {variant!r} distillation graph for the {trainable!r} set",
                 f"re-export the bundle with --distill (it has: {', '.join(available) or 'none'})",
             )
+        count = self._check_step_batch(x, y)
+        check_distill_inputs(self.manifest, count, teacher_logits, temperature, lam)
+        padded_teacher = np.zeros((self.batch_size, self.manifest.num_classes), dtype=np.float32)
+        padded_teacher[:count] = teacher_logits
+        scalars = (np.array(v, dtype=np.float32) for v in (temperature, lam, lr))
+        batch = (*self._padded(x, y, 0, count), padded_teacher, *scalars)
+        return self._run_step(f"distill_{variant}_{trainable}", graphs[variant][trainable], batch)
+
+    def _check_step_batch(self, x: np.ndarray, y: np.ndarray) -> int:
+        """The sample count of a training batch, which must fit the step graphs' fixed batch size."""
         count = self._check_batch(x, y)
         if count > self.batch_size:
             raise DataError(
                 f"a batch of {count} samples exceeds the portable graphs' batch size {self.batch_size}",
                 f"train with batches of at most {self.batch_size} or re-export with a larger portable batch",
             )
-        check_distill_inputs(self.manifest, count, teacher_logits, temperature, lam)
-        num_classes = self.manifest.num_classes
-        padded_teacher = np.zeros((self.batch_size, num_classes), dtype=np.float32)
-        padded_teacher[:count] = teacher_logits
-        graph = graphs[variant][trainable]
-        session = self._session(f"distill_{variant}_{trainable}", graph["model"])
+        return count
+
+    def _run_step(self, key: str, graph: dict, batch: tuple[np.ndarray, ...]) -> float:
+        """Run one step graph on the current state plus `batch`; keep the new state, return the loss."""
+        session = self._session(key, graph["model"])
         binding = self._bind_state(session, graph["inputs"])
-        scalars = (np.array(v, dtype=np.float32) for v in (temperature, lam, lr))
-        batch = (*self._padded(x, y, 0, count), padded_teacher, *scalars)
         for name, value in zip(graph["inputs"][len(self._state_names) :], batch):
             binding.bind_cpu_input(name, value)
         for name in graph["outputs"]:
