@@ -71,17 +71,7 @@ class OrtTrainingEngine(Engine):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One optimizer step of the chosen set; BatchNorm statistics are written back after it."""
         self.check_set(trainable)
-        self._activate(trainable)
-        state, module, optimizer, slots = self._sets[trainable]
-        if self._lr.get(trainable) != lr:
-            optimizer.set_learning_rate(float(lr))
-            self._lr[trainable] = lr
-        module.train()
-        outputs = module(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
-        optimizer.step()
-        module.lazy_reset_grad()
-        self._write_back_stats(state, slots, outputs, batch=len(x))
-        return float(outputs[0])
+        return self._run_step(trainable, lr, x, np.ascontiguousarray(y, dtype=np.int64))
 
     def distill_step(
         self,
@@ -104,20 +94,25 @@ class OrtTrainingEngine(Engine):
                 f"re-export with --distill or use --engine portable (it has: {', '.join(available) or 'none'})",
             )
         check_distill_inputs(self.manifest, len(x), teacher_logits, temperature, lam)
-        key = f"distill_{variant}_{trainable}"
+        return self._run_step(
+            f"distill_{variant}_{trainable}",
+            lr,
+            x,
+            np.ascontiguousarray(y, dtype=np.int64),
+            np.ascontiguousarray(teacher_logits, dtype=np.float32),
+            np.array(temperature, dtype=np.float32),
+            np.array(lam, dtype=np.float32),
+        )
+
+    def _run_step(self, key: str, lr: float, x: np.ndarray, *inputs: np.ndarray) -> float:
+        """One optimizer step of training set `key` on (x, *inputs); BatchNorm statistics are written back after it."""
         self._activate(key)
         state, module, optimizer, slots = self._sets[key]
         if self._lr.get(key) != lr:
             optimizer.set_learning_rate(float(lr))
             self._lr[key] = lr
         module.train()
-        outputs = module(
-            np.ascontiguousarray(x, dtype=np.float32),
-            np.ascontiguousarray(y, dtype=np.int64),
-            np.ascontiguousarray(teacher_logits, dtype=np.float32),
-            np.array(temperature, dtype=np.float32),
-            np.array(lam, dtype=np.float32),
-        )
+        outputs = module(np.ascontiguousarray(x, dtype=np.float32), *inputs)
         optimizer.step()
         module.lazy_reset_grad()
         self._write_back_stats(state, slots, outputs, batch=len(x))
