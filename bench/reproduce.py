@@ -7,11 +7,16 @@ Settings (issue 6):
   fedper-k       FedPer's CIFAR-10 setting with `mobilenet`: FedAvg vs FedPer for classes:k, k in {4, 8, 10}
   fedper-kp      FedPer with K_P in {1, 2, 3, 4} at classes:4
   fedalt         FedAlt vs FedSim (= fedper) on the fedper-k setting at classes:4
+  pfedla         pFedLA Table 1 (issue 7): CIFAR-10, 10 clients, classes:4, `cnn` with BatchNorm: FedAvg, Local,
+                 FedRep (= fedalt with K_P 1: the head first, then the body), pFedLA, HeurpFedLA; writes the
+                 alpha heat map of the paper's Fig. 6
+The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
 
 Every run is a folder under --out holding results.json; rerunning resumes. `--report` reads every
 results.json under --out and writes the markdown (our numbers only come from those files).
-Usage: python bench/reproduce.py persfl-mnist --data-root ../shared/data --rounds 20 --out runs/bench
-       python bench/reproduce.py --report --out runs/bench --figures bench/figures > RESULTS.md
+Usage: python bench/reproduce.py persfl-mnist --data-root ../shared/data --rounds 20 --out bench/results
+       python bench/reproduce.py --report --out bench/results --figures bench/figures > RESULTS.md
+bench/results keeps only the results.json files under git, so RESULTS.md can be rebuilt from what is committed.
 """
 
 from __future__ import annotations
@@ -34,9 +39,20 @@ PERSFL_PARTITIONS = {"DS-1": "classes:4", "DS-2": "dirichlet:0.9", "DS-3": "ds3"
 PAPER = {
     ("persfl-cifar", "fedavg"): {"DS-1": 45.0, "DS-2": 48.7, "DS-3": 46.6},
     ("persfl-cifar", "fedper"): {"DS-1": 78.2, "DS-2": 55.1, "DS-3": 79.2},
+    ("persfl-cifar", "persfl"): {"DS-1": 81.9, "DS-2": 59.6, "DS-3": 82.3},  # issue 7
     ("persfl-mnist", "fedavg"): {"DS-1": 92.0, "DS-2": 85.5, "DS-3": 96.4},
     ("persfl-mnist", "fedper"): {"DS-1": 98.3, "DS-2": 85.5, "DS-3": 99.4},
+    ("persfl-mnist", "persfl"): {"DS-1": 98.6, "DS-2": 88.0, "DS-3": 99.4},  # issue 7
+    # pFedLA Table 1 (CIFAR-10, 10 clients, 4 classes each), as quoted in issue 7; FedRep is our fedalt K_P 1
+    ("pfedla", "fedavg"): {"k4": 48.57},
+    ("pfedla", "local"): {"k4": 59.44},
+    ("pfedla", "fedrep"): {"k4": 58.01},
+    ("pfedla", "pfedla"): {"k4": 61.43},
+    ("pfedla", "heurpfedla"): {"k4": 60.02},
 }
+PAPER_SOURCE = {"persfl-cifar": "PersFL", "persfl-mnist": "PersFL", "pfedla": "pFedLA"}
+# rows whose config is identical to another setting's run: read from (and run into) that run's folder
+SAME_RUN = {"fedper-kp/kp2/fedper": "fedper-k/k4/fedper", "fedalt/k4/fedper": "fedper-k/k4/fedper"}
 
 
 def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]:
@@ -45,7 +61,7 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
     if setting in ("persfl-mnist", "persfl-cifar"):
         model, dataset = ("mlp", "mnist") if setting == "persfl-mnist" else ("cnn", "cifar10")
         for name, partition in PERSFL_PARTITIONS.items():
-            for algorithm in ("fedavg", "fedper", "local"):
+            for algorithm in ("fedavg", "fedper", "local", "persfl"):
                 config = replace(base, model=model, dataset=dataset, partition=partition, algorithm=algorithm, kp=1)
                 runs.append((f"{setting}/{name}/{algorithm}", config))
     elif setting == "fedper-k":
@@ -65,6 +81,16 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         for algorithm in ("fedalt", "fedper"):
             config = replace(base, model=base.model, dataset="cifar10", partition="classes:4", algorithm=algorithm)
             runs.append((f"{setting}/k4/{algorithm}", config))
+    elif setting == "pfedla":
+        cnn = replace(base, model="cnn", norm="batch", dataset="cifar10", partition="classes:4")
+        for label, algorithm, kp in (
+            ("fedavg", "fedavg", 0),
+            ("local", "local", 0),
+            ("fedrep", "fedalt", 1),
+            ("pfedla", "pfedla", 0),
+            ("heurpfedla", "heurpfedla", 0),
+        ):
+            runs.append((f"{setting}/k4/{label}", replace(cnn, algorithm=algorithm, kp=kp)))
     else:
         raise SystemExit(f"unknown setting {setting!r}")
     return runs
@@ -85,7 +111,7 @@ def run(args: argparse.Namespace) -> None:
     )
     for seed in args.seeds:
         for label, config in plan(args.setting, replace(base, seed=seed)):
-            out = Path(args.out) / label / f"seed{seed}"
+            out = Path(args.out) / SAME_RUN.get(label, label) / f"seed{seed}"
             started = time.perf_counter()
             results = run_simulation(replace(config, out=str(out)))
             summary = results.summary()
@@ -97,7 +123,7 @@ def report(out: Path, figures: Path | None = None) -> str:
     """Markdown tables from every results.json under `out`: mean ± std over clients and seeds.
 
     With `figures`, one accuracy plot per setting and partition (seed 0 of each run) is written there
-    and linked from the markdown.
+    and linked from the markdown, and for pFedLA the mixing-weight heat map.
     """
     groups: dict[str, list] = {}
     for path in sorted(out.rglob("results.json")):
@@ -106,58 +132,115 @@ def report(out: Path, figures: Path | None = None) -> str:
             continue  # started, no round completed yet
         label = str(path.parent.parent.relative_to(out))
         groups.setdefault(label, []).append(results)
+    for label, same in SAME_RUN.items():  # a row of one setting that is another setting's run
+        if same in groups and label.split("/")[0] in {k.split("/")[0] for k in groups}:
+            groups[label] = groups[same]
     lines = [
         "# Reproduction results",
         "",
-        "Written by `bench/reproduce.py --report` from the results.json files of the runs below; no number is",
-        "typed by hand. Accuracy: each client's model (final shared base + its own personal part) on its own",
+        "Written by `bench/reproduce.py --report` from the results.json files under `bench/results/`; no number",
+        "is typed by hand. Accuracy: each client's model (final shared base + its own personal part) on its own",
         "test split; mean ± std across clients and seeds. *Best* is the round with the highest mean",
-        "validation accuracy (never chosen on the test split). Models are edgepfl's zoo models and the",
-        "hyper-parameters are ours (stated per section), not necessarily the papers'; runs marked with fewer",
-        "rounds than configured were still running or cut short for time.",
+        "validation accuracy (never chosen on the test split). For PersFL the accuracy is the distilled student's",
+        "(its (λ, T) chosen on each client's validation split), after the FedAvg rounds. Models are edgepfl's zoo",
+        "models and the hyper-parameters are ours (stated per section), not necessarily the papers'.",
         "",
     ]
     settings = sorted({label.split("/")[0] for label in groups})
     for setting in settings:
         lines += [f"## {setting}", ""]
-        first = next(r for label, rs in groups.items() if label.startswith(setting + "/") for r in rs)
-        config = first.config
+        labels = sorted(k for k in groups if k.startswith(setting + "/"))
+        config = groups[labels[0]][0].config
+        info = groups[labels[0]][0].info
+        norm = f", norm {config.norm}" if config.norm else ""
         lines.append(
-            f"Config: `{config.model}`{f' width {config.width}' if config.model == 'mobilenet' else ''} "
-            f"(K_P {config.kp} for fedper/fedalt; fedavg K_P 0; local keeps the whole model) on "
-            f"{first.info.get('dataset', config.dataset)}, {first.info.get('clients')} clients, split "
+            f"Config: `{config.model}`{f' width {config.width}' if config.model == 'mobilenet' else ''}{norm} on "
+            f"{info.get('dataset', config.dataset)}, {info.get('clients')} clients, split "
             f"{'/'.join(str(int(100 * s)) for s in config.split)}, {config.rounds} rounds x {config.epochs} local "
             f"epoch(s), batch {config.batch_size}, lr {config.lr}, fraction {config.fraction}, engine {config.engine}."
         )
+        source = f" ({PAPER_SOURCE[setting]})" if setting in PAPER_SOURCE else ""
         lines += [
             "",
-            "| run | seeds | rounds done | last round | best round (by validation) | paper (PersFL) |",
-            "|---|---|---|---|---|---|",
+            f"| run | K_P | seeds | rounds done | last round | best round (by validation) | paper{source} |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for label in sorted(k for k in groups if k.startswith(setting + "/")):
+        for label in labels:
             runs = groups[label]
             _, part, algorithm = label.split("/")
             paper = PAPER.get((setting, algorithm), {}).get(part)
+            kp = "all" if runs[0].config.algorithm == "local" else runs[0].config.kp
+            done = ",".join(str(len(r.rounds)) for r in runs)
+            same = f" (= {SAME_RUN[label]})" if label in SAME_RUN else ""
+            if runs[0].persfl is not None:  # the student is the result; the teacher is the chosen global model
+                students = [c["student"]["test_accuracy"] for r in runs for c in r.persfl["clients"] if "student" in c]
+                teachers = [c["teacher"]["test_accuracy"] for r in runs for c in r.persfl["clients"] if "teacher" in c]
+                lines.append(
+                    f"| {label} (student) | {kp} | {len(runs)} | {done} | {_pm(students)} | - | "
+                    f"{'' if paper is None else paper} |"
+                )
+                lines.append(f"| {label} (its teacher) | {kp} | {len(runs)} | {done} | {_pm(teachers)} | - |  |")
+                continue
             last = [v for r in runs for v in r.rounds[-1].test_accuracy["per_client"] if v is not None]
             best = []
             for r in runs:
                 chosen = r.summary()["best"]["round"]
                 best += [v for v in r.rounds[chosen - 1].test_accuracy["per_client"] if v is not None]
-            done = ",".join(str(len(r.rounds)) for r in runs)
             lines.append(
-                f"| {label} | {len(runs)} | {done} | {_pm(last)} | {_pm(best)} | {'' if paper is None else paper} |"
+                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_pm(best)} | "
+                f"{'' if paper is None else paper} |"
             )
+        kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
+        for r in kept:
+            moved = r.rounds[-1].bytes_up + r.rounds[-1].bytes_down
+            share = r.rounds[-1].bytes_kept / (moved + r.rounds[-1].bytes_kept)
+            lines += ["", f"HeurpFedLA kept {100 * share:.1f}% of the round's bytes on the clients (last round)."]
         lines.append("")
         if figures is not None:
             from edgepfl.simulate.plots import plot_runs
 
-            parts = sorted({label.split("/")[1] for label in groups if label.startswith(setting + "/")})
+            parts = sorted({label.split("/")[1] for label in labels})
             for part in parts:
-                labels = sorted(k for k in groups if k.startswith(f"{setting}/{part}/"))
+                in_part = [k for k in labels if k.startswith(f"{setting}/{part}/") and not groups[k][0].persfl]
                 path = figures / f"{setting}-{part}.png"
-                plot_runs([groups[k][0] for k in labels], path, labels=[k.split("/")[2] for k in labels])
+                plot_runs([groups[k][0] for k in in_part], path, labels=[k.split("/")[2] for k in in_part])
                 lines += [f"![{setting} {part}]({path.as_posix()})", ""]
+            for label in labels:
+                if groups[label][0].alpha:
+                    path = figures / f"{label.replace('/', '-')}-alpha.png"
+                    shown = plot_alpha(groups[label][0], path)
+                    lines += [
+                        f"Mixing weights α learnt by {label} after its last round, for {shown} (row i: how much",
+                        "client i takes of each client's tensor; the paper's Fig. 6):",
+                        "",
+                        f"![{label} alpha]({path.as_posix()})",
+                        "",
+                    ]
     return "\n".join(lines)
+
+
+def plot_alpha(results, path: Path) -> str:
+    """Heat maps of the N x N mixing weights of the first and the last mixed weight tensor; returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name in results.alpha if name.endswith("weight")] or list(results.alpha)
+    shown = [names[0], names[-1]] if len(names) > 1 else names
+    figure, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 4.4), squeeze=False)
+    for axis, name in zip(axes[0], shown):
+        matrix = np.asarray(results.alpha[name])
+        image = axis.imshow(matrix, cmap="viridis", vmin=0.0, vmax=max(float(matrix.max()), 1e-9))
+        axis.set_title(name)
+        axis.set_xlabel("client j (source)")
+        axis.set_ylabel("client i (receiver)")
+        figure.colorbar(image, ax=axis, fraction=0.046)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return " and ".join(f"`{name}`" for name in shown)
 
 
 def _pm(values: list[float]) -> str:
@@ -168,9 +251,9 @@ def _pm(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "setting", nargs="?", choices=["persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedalt"]
+        "setting", nargs="?", choices=["persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedalt", "pfedla"]
     )
-    parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--out", default="bench/results")
     parser.add_argument("--data-root", default="../shared/data")
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--epochs", type=int, default=1)

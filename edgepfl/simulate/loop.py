@@ -200,6 +200,8 @@ def run_simulation(
                 start_val_loss=start_val_loss if stores is not None else None,
             )
         )
+        if hasattr(strategy, "alpha_matrix"):  # pfedla: what the hypernetworks learnt (the paper's Fig. 6)
+            results.alpha = {name: strategy.alpha_matrix(name).round(6).tolist() for name in strategy.mixed}
         write_results(out, results)
         _save_state(out / STATE_FILE, round_id, clients, global_base, strategy)
     if stores is not None:

@@ -46,6 +46,8 @@ class Results:
     rounds: list[RoundRecord]
     info: dict[str, Any] = field(default_factory=dict)
     persfl: dict[str, Any] | None = None  # persfl stage 2: per-client teacher and student scores, and the means
+    # pfedla, heurpfedla: {tensor name: N x N mixing weights} after the last completed round (row i: client i's α)
+    alpha: dict[str, list[list[float]]] | None = None
 
     def summary(self) -> dict[str, Any]:
         """Last round and best round (by mean validation accuracy) with their test accuracies."""
@@ -69,6 +71,7 @@ class Results:
             "rounds": [asdict(r) for r in self.rounds],
             "summary": self.summary(),
             **({"persfl": self.persfl} if self.persfl is not None else {}),
+            **({"alpha": self.alpha} if self.alpha is not None else {}),
         }
 
 
@@ -107,7 +110,13 @@ def load_results(run: str | Path) -> Results:
         config = config_from_json(document["config"], origin=str(path))
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise StateError(f"{path} is not a results file of edgepfl simulate ({exc!r})", "pass another run") from None
-    return Results(config=config, rounds=rounds, info=document.get("info", {}), persfl=document.get("persfl"))
+    return Results(
+        config=config,
+        rounds=rounds,
+        info=document.get("info", {}),
+        persfl=document.get("persfl"),
+        alpha=document.get("alpha"),
+    )
 
 
 def results_table(results: Results, title: str = ""):
