@@ -104,8 +104,8 @@ def round_phases(settings: RoundSettings, available_sets: tuple[str, ...]) -> li
 
 
 def upload_specs(manifest: Manifest, settings: RoundSettings) -> list[TensorSpec]:
-    """The tensors that travel between device and server: the base, plus base-block buffers when shared."""
-    return manifest.by_role("base") + (manifest.base_buffers() if settings.share_buffers else [])
+    """The tensors that travel between device and server this round: the shared ones but those kept on the device."""
+    return settings.travelling(manifest.shared(settings.share_buffers))
 
 
 def upload_tensors(engine: Engine, settings: RoundSettings) -> dict[str, np.ndarray]:

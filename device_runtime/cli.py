@@ -190,12 +190,10 @@ def teacher(
     try:
         if retries < 1 or timeout <= 0:
             raise UsageError("--retries and --timeout must be positive", "pass positive values")
-        from edgepfl.device_runtime.algorithms import upload_specs
         from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
         from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
         from edgepfl.device_runtime.progress import RichEvents
-        from edgepfl.protocol import RoundSettings
-        from edgepfl.wire import WireError, check_tensors
+        from edgepfl.device_runtime.runner import check_global_model
 
         device_engine, local_data, _ = _open(bundle, data, state, engine, val_fraction, seed, threads)
         manifest = device_engine.manifest
@@ -217,12 +215,7 @@ def teacher(
                             raise
                         events.message(f"round {entry.round_id} was released meanwhile; skipped")
                         continue
-                    shares_buffers = any(name in global_model for name in manifest.names("buffer"))
-                    try:
-                        specs = upload_specs(manifest, RoundSettings(share_buffers=shares_buffers))
-                        check_tensors(global_model, specs, what=f"global model of round {entry.round_id}")
-                    except WireError as error:
-                        raise UsageError(str(error), "use the bundle the server was started with") from None
+                    check_global_model(global_model, manifest, f"global model of round {entry.round_id}")
                     # labelled like stage 1 in `device run`: the round that starts from this global model
                     kept, result = consider_global_model(
                         device_engine, store, entry.round_id + 1, global_model, local_data

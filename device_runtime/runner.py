@@ -145,8 +145,8 @@ def _train_round(
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
         return False
-    _check_base(base, manifest, settings.share_buffers, f"base of round {round_id}")
-    engine.set_tensors(base)
+    _check_base(base, manifest, settings, f"base of round {round_id}")
+    engine.set_tensors(base)  # a tensor kept on the device (HeurpFedLA) keeps the value this device trained
     if options.persfl_teacher:
         _consider_teacher(engine, data, state, round_id, events)
     steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
@@ -205,18 +205,21 @@ def _finish(
     options: DeviceOptions,
     events: DeviceEvents,
 ) -> float | None:
-    """The run is over: take the final base (if any), evaluate the personalized model, save it."""
-    if task.base_url is None:
+    """The run is over: take the final base (if any), evaluate the personalized model, save it.
+
+    Without a final base after some rounds (pFedLA: every device had its own base), the model this device
+    trained last is its personalized model.
+    """
+    if task.round_id is None:
         events.message("the server says the run is over")
         return None
-    final_base = client.fetch_tensors(task.base_url)
-    # a done task carries no settings: whether buffers travel is read off the tensors themselves
-    shares_buffers = any(name in final_base for name in engine.manifest.names("buffer"))
-    _check_base(final_base, engine.manifest, shares_buffers, "final base")
-    engine.set_tensors(final_base)
-    if options.persfl_teacher and task.round_id is not None:
-        # the final aggregate is the global model a round after the last one would have started from
-        _consider_teacher(engine, data, state, task.round_id + 1, events)
+    if task.base_url is not None:
+        final_base = client.fetch_tensors(task.base_url)
+        check_global_model(final_base, engine.manifest, "final base")
+        engine.set_tensors(final_base)
+        if options.persfl_teacher:
+            # the final aggregate is the global model a round after the last one would have started from
+            _consider_teacher(engine, data, state, task.round_id + 1, events)
     result = evaluate(engine, data)
     accuracy = result.accuracy if result.count else None
     record = {
@@ -240,12 +243,21 @@ def _consider_teacher(engine: Engine, data: LocalData, state: StateFolder, round
         events.message(f"PersFL teacher: the global model of round {round_id} (held-out loss {result.loss:.4f})")
 
 
-def _check_base(base: dict[str, Any], manifest: Manifest, share_buffers: bool, what: str) -> None:
-    """The server's base must be exactly the tensors this bundle shares."""
+def _check_base(base: dict[str, Any], manifest: Manifest, settings: RoundSettings, what: str) -> None:
+    """The server's base must be exactly the tensors this bundle shares, less those the device keeps."""
     try:
-        check_tensors(base, upload_specs(manifest, RoundSettings(share_buffers=share_buffers)), what=what)
+        check_tensors(base, upload_specs(manifest, settings), what=what)
     except WireError as error:
         raise BundleError(str(error), "use the bundle the server was started with") from None
+
+
+def check_global_model(tensors: dict[str, Any], manifest: Manifest, what: str) -> None:
+    """A global model (an aggregate, which carries no round settings) must be the whole shared set of this bundle.
+
+    Whether BatchNorm statistics travel is read off the tensors themselves.
+    """
+    shares_buffers = any(name in tensors for name in manifest.names("buffer"))
+    _check_base(tensors, manifest, RoundSettings(share_buffers=shares_buffers), what)
 
 
 def _summary(trained: int, finished: bool, accuracy: float | None, client: ServerClient) -> RunSummary:

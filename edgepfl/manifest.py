@@ -84,6 +84,10 @@ class Manifest:
         """Buffers (BatchNorm running statistics) that live in base blocks: shareable if a strategy wants."""
         return [t for t in self.by_role("buffer") if t.block < self.personal_block_start]
 
+    def shared(self, share_buffers: bool) -> list[TensorSpec]:
+        """The tensors that travel between devices and server: the base, plus base BatchNorm stats if shared."""
+        return self.by_role("base") + (self.base_buffers() if share_buffers else [])
+
     def tensor(self, name: str) -> TensorSpec:
         """The spec of one tensor by name."""
         for spec in self.tensors:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edgepfl.errors import WireError
+from edgepfl.manifest import TensorSpec
 
 API_PREFIX = "/v1"
 ALGORITHMS = ("fedsim", "fedalt", "local")
@@ -33,16 +34,29 @@ class RoundSettings:
     personal_epochs: int = 1  # fedalt: epochs of the personal phase before the base phase
     share_buffers: bool = False  # BatchNorm statistics of base blocks travel with the base
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific knobs (pFedLA, PersFL)
+    # shared tensors this device keeps its own value of this round (HeurpFedLA): neither in the base it gets
+    # nor in the update it sends
+    kept_on_device: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """JSON form sent in a task."""
-        return asdict(self)
+        return {**asdict(self), "kept_on_device": list(self.kept_on_device)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundSettings:
-        """Parse settings received from a server."""
+        """Parse settings received from a server; raises TypeError when kept_on_device is not a list of names."""
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if "kept_on_device" in known:
+            kept = known["kept_on_device"]
+            if not isinstance(kept, list) or not all(isinstance(name, str) for name in kept):
+                raise TypeError(f"kept_on_device must be a list of tensor names, not {kept!r}")
+            known["kept_on_device"] = tuple(kept)
         return cls(**known)
+
+    def travelling(self, shared: list[TensorSpec]) -> list[TensorSpec]:
+        """The shared tensors that go to and come back from the device this round: all but kept_on_device."""
+        kept = set(self.kept_on_device)
+        return [spec for spec in shared if spec.name not in kept]
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ def serve(
     trim_fraction: Annotated[float, typer.Option(help="trimmed-mean: fraction cut from each end")] = 0.1,
     clients: Annotated[int, typer.Option(help="pfedla: number of clients the hypernetworks mix")] = 0,
     hn_lr: Annotated[float, typer.Option(help="pfedla: hypernetwork learning rate")] = 5e-3,
+    retain_top_k: Annotated[
+        int, typer.Option(help="heurpfedla: tensors (largest self-weight) each device keeps instead of exchanging")
+    ] = 1,
     poll_interval: Annotated[float, typer.Option(help="retry_after told to waiting devices (seconds)")] = 5.0,
     available_for: Annotated[float, typer.Option(help="a device is available this long after it polls (s)")] = 60.0,
     upload_slots: Annotated[int, typer.Option(help="uploads checked at once (bounds memory)")] = 4,
@@ -115,7 +118,12 @@ def serve(
             public_status=public_status,
             history=history,
             strategy_options=StrategyOptions(
-                settings=settings, trim_fraction=trim_fraction, clients=clients, hn_lr=hn_lr, seed=seed
+                settings=settings,
+                trim_fraction=trim_fraction,
+                clients=clients,
+                hn_lr=hn_lr,
+                seed=seed,
+                retain_top_k=retain_top_k,
             ),
         )
         config.check()

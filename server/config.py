@@ -18,7 +18,7 @@ class StrategyOptions:
     clients: int = 0  # pfedla: how many clients the hypernetworks mix (N)
     hn_lr: float = 5e-3  # pfedla: SGD learning rate of the embeddings and hypernetworks
     seed: int = 0  # strategies that draw random numbers (pfedla's hypernetwork initialisation)
-    retain_top_k: int = 0  # heurpfedla: tensors (largest self-weight) that stay on each device
+    retain_top_k: int = 1  # heurpfedla: tensors (largest self-weight) that stay on each device
 
 
 @dataclass(frozen=True)

@@ -31,17 +31,19 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from edgepfl.errors import BundleError, EdgePFLError, StateError, UsageError, WireError
-from edgepfl.manifest import Manifest, TensorSpec, layout_hash, load_manifest
+import numpy as np
+
+from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
+from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import ApiError
 from edgepfl.server.store import Assignment, BlobError, EvalRecord, RoundRecord, Store, UpdateRecord, hash_token
-from edgepfl.server.strategies import STRATEGIES, make_strategy
+from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
 from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
 
@@ -54,9 +56,7 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     """Load the bundle's manifest, open (or create) the state folder and bind the two together."""
     manifest = load_manifest(config.bundle)
     store = Store(config.state)
-    specs = shared_specs(manifest, config.share_buffers)
-    if config.strategy in STRATEGIES and STRATEGIES[config.strategy].simulator_only:
-        raise UsageError(f"strategy {config.strategy} runs in edgepfl simulate only", "serve another --strategy")
+    specs = manifest.shared(config.share_buffers)
     strategy = make_strategy(config.strategy, specs, config.strategy_options)
     strategy.check_manifest(manifest)
     engine = RoundEngine(config, manifest, store, strategy, clock)
@@ -72,11 +72,6 @@ def sample_devices(seed: int, round_id: int, names: Sequence[str], fraction: flo
     available = sorted(names)
     wanted = max(min_clients, math.ceil(fraction * len(available)))
     return sorted(random.Random(f"{seed}/{round_id}").sample(available, min(wanted, len(available))))
-
-
-def shared_specs(manifest: Manifest, share_buffers: bool) -> list[TensorSpec]:
-    """The tensors that travel between devices and server: the base, plus base BatchNorm stats if shared."""
-    return manifest.by_role("base") + (manifest.base_buffers() if share_buffers else [])
 
 
 class RoundEngine:
@@ -175,7 +170,7 @@ class RoundEngine:
                         action="train",
                         base_layout_hash=self.manifest.base_layout_hash,
                         round_id=current.round_id,
-                        settings=RoundSettings.from_json(json.loads(assignment.settings)),
+                        settings=self._settings_of(device, current.round_id),
                         base_url=f"{API_PREFIX}/rounds/{current.round_id}/base",
                         deadline=current.deadline,
                     )
@@ -247,7 +242,7 @@ class RoundEngine:
         meta = self._upload_meta(payload)
         base_tensors = self._upload_tensors(payload)
         try:
-            check_tensors(base_tensors, self.specs, what="upload")
+            check_tensors(base_tensors, self._settings_of(device, round_id).travelling(self.specs), what="upload")
         except WireError as error:
             raise ApiError(422, "bad_tensors", error.problem, error.fix) from None
         sha = hashlib.sha256(payload).hexdigest()
@@ -463,7 +458,7 @@ class RoundEngine:
             try:
                 for device in sampled:
                     settings, payload = self.strategy.configure_device(round_id, device, global_base)
-                    check_tensors(payload, self.specs, what=f"{self.strategy.name} payload for {device}")
+                    self._check_payload(device, settings, payload)
                     device_sha = self.store.put_blob(encode_tensors(payload))
                     assignments.append(
                         Assignment(round_id, device, device_sha, json.dumps(settings.to_json(), sort_keys=True))
@@ -496,11 +491,13 @@ class RoundEngine:
     def _done_task(self) -> Task:
         closed = [r for r in self.store.rounds() if r.state == "closed"]
         last = closed[-1].round_id if closed else None
+        # with a per-device base (pFedLA) the round's result is no device's model: each keeps what it trained
+        shared_result = last is not None and not self.strategy.needs_per_device_payload
         return Task(
             action="done",
             base_layout_hash=self.manifest.base_layout_hash,
             round_id=last,
-            base_url=f"{API_PREFIX}/rounds/{last}/result" if last is not None else None,
+            base_url=f"{API_PREFIX}/rounds/{last}/result" if shared_result else None,
         )
 
     # checks
@@ -515,6 +512,23 @@ class RoundEngine:
                 "poll /v1/task for the current round",
             )
         return record
+
+    def _check_payload(self, device: str, settings: RoundSettings, payload: Mapping[str, np.ndarray]) -> None:
+        """A strategy's per-device base: exactly the shared tensors it does not tell the device to keep."""
+        unknown = sorted(set(settings.kept_on_device) - {spec.name for spec in self.specs})
+        if unknown:
+            raise WireError(
+                f"{self.strategy.name} tells {device} to keep {unknown[0]!r}, which is not a shared tensor",
+                "keep only tensors of the bundle's base",
+            )
+        check_tensors(payload, settings.travelling(self.specs), what=f"{self.strategy.name} payload for {device}")
+
+    def _settings_of(self, device: str, round_id: int) -> RoundSettings:
+        """The settings a sampled device was given for a round (every strategy's, stored with the assignment)."""
+        assignment = self.store.assignment(round_id, device)
+        if assignment is None:
+            return self.strategy.settings(round_id)
+        return RoundSettings.from_json(json.loads(assignment.settings))
 
     def _check_retained(self, record: RoundRecord) -> None:
         if record.round_id <= self.store.released_through():

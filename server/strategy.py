@@ -40,7 +40,6 @@ class Strategy(ABC):
     needs_per_device_payload: ClassVar[bool] = False  # configure_device returns a different base per device
     personalized: ClassVar[bool] = True  # devices keep personal blocks (False: the whole model is shared)
     streaming: ClassVar[bool] = True  # aggregate() holds O(model) memory, not O(devices x model)
-    simulator_only: ClassVar[bool] = False  # needs what devices cannot do yet: `edgepfl serve` refuses it
 
     def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
         self.specs = specs  # the tensors that travel: the base (and base BatchNorm stats if shared)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 (tiny_npz: t
 from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import TensorSpec  # noqa: E402
 from edgepfl.server.config import ServerConfig, StrategyOptions  # noqa: E402
-from edgepfl.server.engine import create_engine, shared_specs  # noqa: E402
+from edgepfl.server.engine import create_engine  # noqa: E402
 from edgepfl.server.errors import ApiError  # noqa: E402
 from edgepfl.server.strategies import make_strategy  # noqa: E402
 from edgepfl.server.strategies.pfedla import PFedLA, normalise  # noqa: E402
@@ -284,7 +285,7 @@ def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_pa
     options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2")
     options += ("--poll-interval", "0.2")
     server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
-    reference = make_strategy("pfedla", shared_specs(manifest, False), StrategyOptions(clients=3))
+    reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=3))
     initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
     start = {name: initial[name] for name in manifest.names("base")}
     try:
@@ -318,7 +319,7 @@ def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_pa
     tokens = enroll(tmp_path / "state", "a", "b")
     options = ("--strategy", "pfedla", "--clients", "2", "--min-clients", "2", "--rounds", "3")
     options += ("--poll-interval", "0.2")
-    reference = make_strategy("pfedla", shared_specs(manifest, False), StrategyOptions(clients=2))
+    reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=2))
     initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
     start = {name: initial[name] for name in manifest.names("base")}
     server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
@@ -350,8 +351,6 @@ def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_pa
 
 @pytest.mark.parametrize("kp", [0, 1])  # kp=0: the paper's pFedLA; kp=1: it mixes the base, the head stays
 def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, tmp_path: Path, kp: int) -> None:  # noqa: F811
-    import json
-
     from edgepfl.simulate.loop import STATE_FILE, STRATEGY_STATE, run_simulation
     from edgepfl.wire import decode_metadata
 
@@ -416,10 +415,41 @@ def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
         make_strategy("heurpfedla", SPECS, StrategyOptions(clients=2, retain_top_k=3))
 
 
-def test_serve_refuses_heurpfedla(engine_setup) -> None:
-    _, config = engine_setup
-    with pytest.raises(UsageError, match="simulate only"):
-        create_engine(dataclasses.replace(config, strategy="heurpfedla"))
+def test_served_heurpfedla_names_the_kept_tensors_and_refuses_uploads_that_carry_them(engine_setup) -> None:
+    """The device is told what it keeps; its base lacks those tensors, and an upload holding one is a 422."""
+    manifest, config = engine_setup
+    options = dataclasses.replace(config.strategy_options, retain_top_k=1)
+    engine = create_engine(dataclasses.replace(config, strategy="heurpfedla", strategy_options=options), Clock())
+    for device in ("d0", "d1", "d2"):
+        task = engine.task(device)
+    shared = {spec.name for spec in manifest.shared(False)}
+    for device in ("d0", "d1", "d2"):
+        task = engine.task(device)
+        assert task.action == "train"
+        kept = set(task.settings.kept_on_device)
+        assert len(kept) == 1 and kept < shared
+        assert engine.strategy.retained(device) == list(task.settings.kept_on_device)
+        base = decode_tensors(engine.base_for(device, task.round_id)[0])
+        assert set(base) == shared - kept
+        whole = {**base, **{name: np.zeros(manifest.tensor(name).shape, np.float32) for name in kept}}
+        with pytest.raises(ApiError) as refused:
+            engine.accept_update(device, task.round_id, upload_body(whole, manifest))
+        assert refused.value.status == 422 and refused.value.error == "bad_tensors"
+        assert next(iter(kept)) in refused.value.problem
+        assert engine.accept_update(device, task.round_id, upload_body(base, manifest))["accepted"]
+
+
+def test_round_settings_carry_kept_tensors_over_the_wire() -> None:
+    from edgepfl.errors import WireError
+    from edgepfl.protocol import RoundSettings, Task
+
+    settings = RoundSettings(kept_on_device=("a.weight",))
+    task = Task("train", "hash", 3, settings, "/v1/rounds/3/base", 1.0)
+    assert Task.from_json(json.loads(json.dumps(task.to_json()))).settings == settings
+    assert [spec.name for spec in settings.travelling(SPECS)] == ["b.bias", "bn.num_batches_tracked"]
+    malformed = {**task.to_json(), "settings": {**settings.to_json(), "kept_on_device": "a.weight"}}
+    with pytest.raises(WireError, match="kept_on_device"):
+        Task.from_json(malformed)
 
 
 def test_simulate_heurpfedla_never_sends_the_retained_tensors(tiny_npz, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
@@ -499,6 +529,100 @@ def test_device_processes_run_two_pfedla_rounds_against_a_real_server(bundle_fac
         store.close()
     first = manifest.names("base")[0]
     assert not np.allclose(sent["a"][first], sent["b"][first])  # round 2: each device got its own mix
+
+
+class RecordingTransport:
+    """An httpx transport that keeps every request body and response body a device exchanged."""
+
+    def __init__(self) -> None:
+        import httpx
+
+        self.inner = httpx.HTTPTransport()
+        self.exchanges: list[tuple[str, str, bytes, bytes]] = []  # method, path, request body, response body
+
+    def handle_request(self, request):
+        response = self.inner.handle_request(request)
+        response.read()
+        self.exchanges.append((request.method, request.url.path, request.read(), response.content))
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_factory, tmp_path: Path) -> None:
+    """`edgepfl serve --strategy heurpfedla`, two device processes and one in-process device whose HTTP is recorded."""
+    import subprocess
+
+    from conftest import REPO
+    from test_device_e2e import device_command, finish, run_args, stored_updates
+    from test_device_runtime import DEVICE_BUNDLE, save_npz
+
+    from edgepfl.device_runtime.client import RetryPolicy, ServerClient
+    from edgepfl.device_runtime.data import load_device_data
+    from edgepfl.device_runtime.engine import open_engine
+    from edgepfl.device_runtime.runner import DeviceOptions, run_device
+    from edgepfl.device_runtime.state import StateFolder
+    from edgepfl.manifest import load_manifest
+    from edgepfl.protocol import RoundSettings
+    from edgepfl.server.store import Store
+
+    bundle = bundle_factory(**{**DEVICE_BUNDLE, "engines": ("portable",)})
+    manifest = load_manifest(bundle)
+    base_names = set(manifest.names("base"))
+    names = ("a", "b", "c")
+    tokens = enroll(tmp_path / "server", *names)
+    options = ("--strategy", "heurpfedla", "--retain-top-k", "1", "--clients", "3", "--min-clients", "3")
+    options += ("--rounds", "2", "--lr", "0.1", "--poll-interval", "0.2", "--batch-size", "16")
+    server = LiveServer(bundle, tmp_path / "server", *options).start()
+    recorder = RecordingTransport()
+    try:
+        processes = {}
+        for index, name in enumerate(names[:2]):
+            data = save_npz(tmp_path / f"{name}.npz", (index, index + 1), 120, seed=index)
+            args = run_args(bundle, data, server, tokens[name], tmp_path / name, "--engine", "portable")
+            processes[name] = subprocess.Popen(
+                device_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+            )
+        engine = open_engine(bundle, "portable")
+        data = load_device_data(save_npz(tmp_path / "c.npz", (2, 3), 120, seed=2), manifest, 0.2, 0)
+        state = StateFolder(tmp_path / "c", manifest, engine.name)
+        initial = engine.get_tensors()
+        client = ServerClient(server.url, tokens["c"], RetryPolicy(attempts=3), transport=recorder)
+        summary = run_device(engine, data, state, client, DeviceOptions(poll_interval=0.1))
+        results = {name: finish(process) for name, process in processes.items()}
+    finally:
+        server.stop()
+    assert summary.finished and summary.rounds_trained == 2
+    for result in results.values():
+        assert result["finished"] and result["rounds_trained"] == 2, result
+    kept_by_round = {}
+    for method, path, _, body in recorder.exchanges:
+        if method == "GET" and path == "/v1/task" and json.loads(body)["action"] == "train":
+            task = json.loads(body)
+            kept_by_round[task["round"]] = set(RoundSettings.from_json(task["settings"]).kept_on_device)
+    assert sorted(kept_by_round) == [1, 2] and all(len(kept) == 1 for kept in kept_by_round.values())
+    bases = uploads = 0
+    for _, path, sent, received in recorder.exchanges:
+        if path.endswith("/base"):
+            round_id = int(path.split("/")[3])
+            assert set(decode_tensors(received)) == base_names - kept_by_round[round_id]  # never received
+            bases += 1
+        elif path.endswith("/update"):
+            round_id = int(path.split("/")[3])
+            assert set(decode_tensors(sent)) == base_names - kept_by_round[round_id]  # never sent
+            uploads += 1
+    assert bases == 2 and uploads == 2
+    kept = next(iter(kept_by_round[2]))  # the device trained its own copy of what it kept
+    assert not np.array_equal(engine.get_tensors([kept])[kept], initial[kept])
+    store = Store(tmp_path / "server")
+    try:  # the other devices' stored uploads leave out what each was told to keep
+        for round_id, by_device in stored_updates(tmp_path / "server").items():
+            for device, tensors in by_device.items():
+                told = RoundSettings.from_json(json.loads(store.assignment(round_id, device).settings))
+                assert set(tensors) == base_names - set(told.kept_on_device) and told.kept_on_device
+    finally:
+        store.close()
 
 
 def test_more_devices_than_clients_is_a_clear_503_not_a_crash(engine_setup) -> None:

@@ -102,7 +102,6 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
     from edgepfl.manifest import load_manifest
     from edgepfl.partition import make_partition
     from edgepfl.server.config import StrategyOptions
-    from edgepfl.server.engine import shared_specs
     from edgepfl.server.strategies import make_strategy
     from edgepfl.server.strategy import AcceptedUpdate
     from edgepfl.simulate.loop import _make_client, initial_tensors, round_settings
@@ -128,7 +127,7 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
         engine = TorchEngine(bundle, manifest, initial)
         result = run_client_round(engine, settings, client.train, client.seed, 1)
         updates.append(AcceptedUpdate(client.name, result.num_samples, upload_tensors(engine, settings)))
-    specs = shared_specs(manifest, False)
+    specs = manifest.shared(False)
     assert {s.name for s in specs} == set(simulated) == set(manifest.names("base"))
     strategy = make_strategy("fedper", specs, StrategyOptions(settings=settings))
     expected = strategy.aggregate(1, iter(updates), {n: initial[n] for n in simulated})

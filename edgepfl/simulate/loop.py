@@ -116,7 +116,6 @@ def run_simulation(
     strategy = None
     if config.plan.strategy is not None:
         from edgepfl.server.config import StrategyOptions
-        from edgepfl.server.engine import shared_specs
         from edgepfl.server.strategies import make_strategy
 
         options = StrategyOptions(
@@ -126,7 +125,7 @@ def run_simulation(
             seed=config.seed,
             retain_top_k=config.retain_top_k,
         )
-        strategy = make_strategy(config.plan.strategy, shared_specs(manifest, settings.share_buffers), options)
+        strategy = make_strategy(config.plan.strategy, manifest.shared(settings.share_buffers), options)
         strategy.check_manifest(manifest)
     global_base = upload_tensors(engine, settings)
     records: list[RoundRecord] = []
@@ -153,11 +152,12 @@ def run_simulation(
         for done_count, name in enumerate(sampled):
             client = by_name[name]
             engine.set_tensors(client.tensors)
-            device_base = global_base
+            device_base, device_settings = global_base, settings
             if strategy is not None and strategy.needs_per_device_payload:  # e.g. pFedLA: each client its own base
-                device_base = dict(strategy.configure_device(round_id, name, global_base)[1])
-                # a tensor left out of the payload stays on the client: neither sent nor uploaded (HeurpFedLA)
-                bytes_kept += 2 * sum(value.nbytes for key, value in global_base.items() if key not in device_base)
+                device_settings, device_base = strategy.configure_device(round_id, name, global_base)
+                # a tensor kept on the client is neither sent nor uploaded (HeurpFedLA)
+                kept = device_settings.kept_on_device
+                bytes_kept += 2 * sum(global_base[key].nbytes for key in kept)
                 bytes_down += len(encode_tensors(device_base))
             else:
                 bytes_down += base_bytes
@@ -165,14 +165,14 @@ def run_simulation(
                 _, scores = consider_global_model(engine, stores[name], round_id, device_base, client.train)
                 start_val_loss[name] = scores.loss
             engine.set_tensors(device_base)
-            result = run_client_round(engine, settings, client.train, client.seed, round_id)
+            result = run_client_round(engine, device_settings, client.train, client.seed, round_id)
             client.tensors = engine.get_tensors()
             if not math.isnan(result.train_loss):
                 losses.append(result.train_loss)
             if result.uploads and strategy is not None:
                 from edgepfl.server.strategy import AcceptedUpdate
 
-                upload = {key: value for key, value in upload_tensors(engine, settings).items() if key in device_base}
+                upload = upload_tensors(engine, device_settings)
                 bytes_up += len(encode_tensors(upload))
                 updates.append(AcceptedUpdate(name, result.num_samples, upload, result.train_loss, result.val_accuracy))
             if progress is not None:

@@ -1,13 +1,14 @@
 """HeurpFedLA (Ma et al.): pFedLA where each client's top-k tensors by self-weight αᵢˡⁱ stay on the device.
 
 Those tensors are neither sent to the device nor uploaded by it, which saves their bytes both ways;
-the server's copy of them goes stale, and their heads get no hypernetwork step that round. Devices
-cannot yet be told to keep tensors back, so this strategy runs in `edgepfl simulate` only.
+the device is told their names in the round settings (`kept_on_device`) and trains its own copy, the
+server's copy goes stale, and their heads get no hypernetwork step that round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,7 +23,6 @@ class HeurPFedLA(PFedLA):
     """pFedLA whose per-device payload leaves out the k tensors the client weighs most on itself."""
 
     name = "heurpfedla"
-    simulator_only = True
 
     def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
         super().__init__(specs, options)
@@ -43,7 +43,8 @@ class HeurPFedLA(PFedLA):
     def configure_device(
         self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
     ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
-        """pFedLA's θ̄ᵢ without the retained tensors."""
+        """pFedLA's θ̄ᵢ without the retained tensors, and settings that name them."""
         settings, payload = super().configure_device(round_id, device, global_base)
-        kept = set(self.retained(device))
-        return settings, {name: value for name, value in payload.items() if name not in kept}
+        kept = self.retained(device)
+        payload = {name: value for name, value in payload.items() if name not in kept}
+        return replace(settings, kept_on_device=tuple(kept)), payload
