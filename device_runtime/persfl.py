@@ -5,7 +5,7 @@ received global model on its validation split and keeps the one with the lowest 
 far as its teacher (`TeacherStore`, inside the device's state folder). Stage 2 (local, no server):
 the student starts from the teacher and trains on the distillation loss for every (λ, T) of a grid;
 the student with the best validation accuracy is kept and its test accuracy reported (`distill`).
-Both engines have `distill_step` and `logits` (ort-training: the full set only).
+Both engines have `distill_step` and `logits`, for the full set and (K_P > 0) the personal set.
 """
 
 from __future__ import annotations

@@ -187,6 +187,23 @@ def simulate(
         int | None, typer.Option(help="seed of partition, init, sampling and shuffling (default: 0)")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads of the engine")] = None,
+    hn_lr: Annotated[
+        float | None, typer.Option(help="pfedla, heurpfedla: hypernetwork learning rate (default: 0.005)")
+    ] = None,
+    retain_top_k: Annotated[
+        int | None, typer.Option(help="heurpfedla: tensors each client keeps instead of exchanging (default: 1)")
+    ] = None,
+    distill_lambdas: Annotated[
+        str | None, typer.Option(help="persfl: λ grid, comma-separated (default: 0.1,0.3,0.5,0.7,0.9)")
+    ] = None,
+    distill_temperatures: Annotated[
+        str | None, typer.Option(help="persfl: temperature grid, comma-separated (default: 1,2,4,8)")
+    ] = None,
+    distill_epochs: Annotated[int | None, typer.Option(help="persfl: epochs per (λ, T) (default: 5)")] = None,
+    distill_lr: Annotated[float | None, typer.Option(help="persfl: distillation learning rate (default: 0.05)")] = None,
+    distill_variant: Annotated[
+        str | None, typer.Option(help="persfl: kd (soft-label KL) | gd (PersFL-GD, Eq. 7) (default: kd)")
+    ] = None,
 ) -> None:
     """Run many clients and a server strategy in one process; results.json, a table and accuracy.png."""
     from edgepfl.errors import UsageError
@@ -215,6 +232,13 @@ def simulate(
         "engine": engine,
         "seed": seed,
         "threads": threads,
+        "hn_lr": hn_lr,
+        "retain_top_k": retain_top_k,
+        "distill_lambdas": distill_lambdas,
+        "distill_temperatures": distill_temperatures,
+        "distill_epochs": distill_epochs,
+        "distill_lr": distill_lr,
+        "distill_variant": distill_variant,
     }
     try:
         from edgepfl.simulate.config import config_from_json, read_config_file

@@ -14,6 +14,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from edgepfl.export.models import BlockModel
+from edgepfl.export.portable import DISTILL_SETS, DISTILL_VARIANTS
 
 ORT_MAX_IR = 10  # onnxruntime(-training) 1.19 loads IR <= 10
 ORT_OPSET = 17
@@ -22,8 +23,6 @@ TRAINING_SETS = ("full", "personal", "base")
 LOGITS = "logits"
 DISTILL_LOSS = "loss"
 DISTILL_INPUTS = ("input", "labels", "teacher_logits", "T", "lambda")
-DISTILL_VARIANTS = ("kd", "gd")
-DISTILL_SETS = ("full",)  # PersFL's stage 2 trains the whole student
 
 
 def export_training_onnx(model: BlockModel, path: Path) -> onnx.ModelProto:

@@ -119,7 +119,8 @@ def test_bundle_lists_ort_training_distillation_artifacts(bundle):
 
     manifest = load_manifest(bundle, verify_files=True)
     distill = manifest.engines["ort-training"]["distill"]
-    assert set(distill) == {"kd", "gd"} and all(set(entry["sets"]) == {"full"} for entry in distill.values())
+    assert set(distill) == {"kd", "gd"}
+    assert all(set(entry["sets"]) == {"full", "personal"} for entry in distill.values())
     assert distill["kd"]["inputs"] == ["input", "labels", "teacher_logits", "T", "lambda"]
     assert distill["kd"]["bn_stats"]  # the cnn's BatchNorm statistics are written back after distillation steps too
     for entry in distill.values():
@@ -156,8 +157,9 @@ def test_one_distillation_step_matches_pytorch_float32(bundle, engine_name, vari
     assert any(not np.array_equal(initial[n], after[n]) for n in engine.manifest.names("base"))
 
 
-def test_personal_distillation_leaves_base_bit_identical(bundle):
-    engine = open_engine(bundle, "portable", threads=2)
+@pytest.mark.parametrize("engine_name", ["portable", "ort-training"])
+def test_personal_distillation_leaves_base_bit_identical(bundle, engine_name):
+    engine = open_engine(bundle, engine_name, threads=2)
     base_before = engine.tensors_by_role("base")
     personal_before = engine.tensors_by_role("personal")
     for seed in range(3):

@@ -108,3 +108,27 @@ def test_torch_distill_step_matches_the_bundle_engine(tiny_npz, tmp_path):
         ]
         assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     np.testing.assert_allclose(torch_engine.logits(x), bundle_engine.logits(x), rtol=1e-4, atol=1e-5)
+
+
+def test_simulate_cli_takes_the_distillation_grid_and_pfedla_knobs(tiny_npz, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+
+    common = ["simulate", "--model", "mlp", "--kp", "1", "--dataset", str(tiny_npz), "--data-root", str(tmp_path)]
+    common += ["--partition", "classes:2", "--clients", "4", "--rounds", "1", "--epochs", "1", "--batch-size", "32"]
+    runner = CliRunner()
+    flags = ["--distill-lambdas", "0.2,0.8", "--distill-temperatures", "3", "--distill-epochs", "1"]
+    flags += ["--distill-lr", "0.1", "--distill-variant", "gd"]
+    result = runner.invoke(app, [*common, "--algorithm", "persfl", "--out", str(tmp_path / "p"), *flags])
+    assert result.exit_code == 0, result.output
+    distill = load_results(tmp_path / "p").persfl["distill"]
+    assert distill["lambdas"] == [0.2, 0.8] and distill["temperatures"] == [3.0]
+    assert (distill["epochs"], distill["lr"], distill["variant"]) == (1, 0.1, "gd")
+    flags = ["--algorithm", "heurpfedla", "--hn-lr", "0.02", "--retain-top-k", "2", "--out", str(tmp_path / "h")]
+    result = runner.invoke(app, [*common, *flags])
+    assert result.exit_code == 0, result.output
+    config = load_results(tmp_path / "h").config
+    assert (config.hn_lr, config.retain_top_k) == (0.02, 2)
+    bad = runner.invoke(app, [*common, "--algorithm", "persfl", "--distill-lambdas", "x", "--out", str(tmp_path / "b")])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output and "lambda" in bad.output.lower()
