@@ -12,6 +12,7 @@ import numpy as np
 
 from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.ortbuild import training_build_installed
 
 ENGINE_NAMES = ("ort-training", "portable")
 TRAINABLE_SETS = ("full", "personal", "base")
@@ -65,6 +66,24 @@ class Engine(ABC):
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Loss and correct count of the current model on a batch (inference mode)."""
 
+    @abstractmethod
+    def distill_step(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        teacher_logits: np.ndarray,
+        lr: float,
+        temperature: float,
+        lam: float,
+        variant: str = "kd",
+        trainable: str = "full",
+    ) -> float:
+        """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
+
+    @abstractmethod
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
+
     def tensors_by_role(self, role: str) -> dict[str, np.ndarray]:
         """Copies of every tensor of one manifest role: base, personal or buffer."""
         return self.get_tensors(self.manifest.names(role))
@@ -100,13 +119,6 @@ def check_distill_inputs(manifest: Manifest, count: int, teacher_logits: np.ndar
             f"teacher logits have shape {tuple(teacher_logits.shape)} for {count} samples",
             f"pass one row of {manifest.num_classes} logits per sample",
         )
-
-
-def training_build_installed() -> bool:
-    """True when the installed onnxruntime is the training build (it has the training Module)."""
-    import onnxruntime
-
-    return hasattr(onnxruntime.capi._pybind_state, "Module")
 
 
 def open_engine(bundle_dir: str | os.PathLike, engine: str = "auto", threads: int | None = None) -> Engine:

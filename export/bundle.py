@@ -16,6 +16,7 @@ from edgepfl.errors import UsageError
 from edgepfl.export import ort_training
 from edgepfl.export.models import BlockModel, ModelSpec, build_model
 from edgepfl.manifest import InputSpec, Manifest, split_roles
+from edgepfl.ortbuild import training_build_installed
 
 ENGINES = ("ort-training", "portable")
 INFERENCE_OPSET = 17
@@ -23,10 +24,7 @@ INFERENCE_OPSET = 17
 
 def default_engines() -> tuple[str, ...]:
     """Both engines where the training build is installed (it generates ORT artifacts), else portable only."""
-    import onnxruntime
-
-    # the training build's marker (export must not import the device runtime, which has the same check)
-    return ENGINES if hasattr(onnxruntime.capi._pybind_state, "Module") else ("portable",)
+    return ENGINES if training_build_installed() else ("portable",)
 
 
 @dataclass(frozen=True)
