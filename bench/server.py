@@ -15,9 +15,6 @@ import argparse
 import json
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +26,7 @@ import numpy as np
 
 from edgepfl.manifest import InputSpec, Manifest, split_roles
 from edgepfl.protocol import UploadMeta
+from edgepfl.server.launch import LocalServer
 from edgepfl.server.store import Store, hash_token
 from edgepfl.wire import decode_tensors, encode_tensors, save_tensors
 
@@ -71,13 +69,6 @@ def peak_rss_mb(pid: int) -> tuple[float, float]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def free_port() -> int:
-    """A TCP port free right now on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_round(bundle: Path, manifest: Manifest, devices: int, concurrency: int, upload_slots: int, work: Path) -> dict:
     """One server, `devices` enrolled devices, one round of uploads; returns the measurements."""
     state = work / f"state-{devices}"
@@ -86,47 +77,16 @@ def run_round(bundle: Path, manifest: Manifest, devices: int, concurrency: int, 
     for name, token in tokens.items():
         store.add_device(name, hash_token(token), time.time())
     store.close()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable,
-        "-m",
-        "edgepfl.cli",
-        "serve",
-        "--bundle",
-        str(bundle),
-        "--state",
-        str(state),
-        "--port",
-        str(port),
-        "--strategy",
-        "fedper",
-        "--rounds",
-        "1",
-        "--min-clients",
-        str(devices),
-        "--round-timeout",
-        "3600",
-        "--upload-slots",
-        str(upload_slots),
-        "--max-upload-mb",
-        "256",
-        "--public-status",
-        "--log-level",
-        "warning",
-    ]
-    log = open(work / f"server-{devices}.log", "wb")  # noqa: SIM115 - closed below, after the process
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    server = LocalServer(
+        bundle,
+        state,
+        *("--strategy", "fedper", "--rounds", "1", "--min-clients", str(devices), "--round-timeout", "3600"),
+        *("--upload-slots", str(upload_slots), "--max-upload-mb", "256", "--public-status"),
+        log=work / f"server-{devices}.log",
+    )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{url}/openapi.json", timeout=1.0)
-                break
-            except httpx.TransportError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((work / f"server-{devices}.log").read_text()[-2000:]) from None
-                time.sleep(0.1)
+        server.start(timeout=60)
+        url = server.url
         clients = {
             name: httpx.Client(base_url=url, headers={"Authorization": f"Bearer {t}"}, timeout=600)
             for name, t in tokens.items()
@@ -138,7 +98,7 @@ def run_round(bundle: Path, manifest: Manifest, devices: int, concurrency: int, 
             raise RuntimeError(f"round did not open: {task}")
         round_id = task["round"]
         base = decode_tensors(clients["d000"].get(task["base_url"]).content)
-        rss_before, _ = peak_rss_mb(server.pid)
+        rss_before, _ = peak_rss_mb(server.process.pid)
 
         def upload(index_name: tuple[int, str]) -> int:
             index, name = index_name
@@ -161,7 +121,7 @@ def run_round(bundle: Path, manifest: Manifest, devices: int, concurrency: int, 
             if status["rounds_completed"] == 1:
                 break
             time.sleep(0.1)
-        _, peak = peak_rss_mb(server.pid)
+        _, peak = peak_rss_mb(server.process.pid)
         record = status["rounds"][0]
         for client in clients.values():
             client.close()
@@ -178,12 +138,7 @@ def run_round(bundle: Path, manifest: Manifest, devices: int, concurrency: int, 
             "server_peak_rss_mb": round(peak, 1),
         }
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop(grace=20)
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +14,7 @@ import numpy as np
 
 from edgepfl.manifest import InputSpec, Manifest, TensorSpec
 from edgepfl.protocol import UploadMeta
+from edgepfl.server.launch import LocalServer, free_port  # noqa: F401 - free_port is for the tests
 from edgepfl.server.store import Store, hash_token
 from edgepfl.wire import decode_tensors, encode_tensors, save_tensors
 
@@ -82,84 +79,11 @@ def upload_body(
     return encode_tensors(base_tensors, fields)
 
 
-def free_port() -> int:
-    """A TCP port free right now on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """`edgepfl serve` in a real uvicorn subprocess on loopback; `kill()` is kill -9."""
+class LiveServer(LocalServer):
+    """`edgepfl serve` in a real uvicorn subprocess on loopback, logged to `<state>-server.log`; kill() is kill -9."""
 
     def __init__(self, bundle: Path, state: Path, *options: str, tls: tuple[Path, Path] | None = None):
-        self.bundle, self.state, self.options, self.tls = bundle, state, options, tls
-        self.process: subprocess.Popen | None = None
-        self.port = 0
-        self.log = state.parent / f"{state.name}-server.log"
-
-    @property
-    def url(self) -> str:
-        """Base URL of the running server."""
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
-
-    @property
-    def verify(self) -> ssl.SSLContext | bool:
-        """How a client verifies this server: the self-signed certificate, if TLS."""
-        return ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else True
-
-    def start(self, timeout: float = 30.0) -> LiveServer:
-        """Start the server and wait until it answers."""
-        self.port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "edgepfl.cli",
-            "serve",
-            "--bundle",
-            str(self.bundle),
-            "--state",
-            str(self.state),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            *self.options,
-        ]
-        if self.tls:
-            command += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                httpx.get(f"{self.url}/openapi.json", timeout=1.0, verify=self.verify)
-                return self
-            except httpx.TransportError:
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"server did not answer within {timeout} s: {self.log.read_text()[-2000:]}")
-
-    def kill(self) -> None:
-        """kill -9, as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-        self.process = None
-
-    def stop(self) -> None:
-        """Graceful shutdown (SIGTERM), kill -9 if it hangs."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process = None
+        super().__init__(bundle, state, *options, log=state.parent / f"{state.name}-server.log", tls=tls)
 
 
 class DeviceClient:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edgepfl.errors import EdgePFLError, UsageError
+from edgepfl.server.launch import LocalServer, last_line
 
 DEMO_DATA = "mnist-demo.npz"
 DEVICES = 4
@@ -131,23 +131,21 @@ def _federate(
     logs.mkdir(parents=True, exist_ok=True)
     names = [f"device-{number}" for number in range(len(device_files))]
     tokens = [_edgepfl(["serve", "tokens", "add", name, "--state", str(state)], logs / "tokens.log") for name in names]
-    port = options.port or _free_port()
-    server_log = logs / "server.log"
-    server = _start(
-        [
-            "serve",
-            *("--bundle", str(bundle), "--state", str(state), "--strategy", strategy),
-            *("--rounds", str(options.rounds), "--min-clients", str(len(names)), "--fraction", "1.0"),
-            *("--round-timeout", str(options.round_timeout), "--host", "127.0.0.1", "--port", str(port)),
-            *("--init", str(bundle.parent / f"{bundle.name}-initial.safetensors")),
-            *("--poll-interval", "0.5", "--log-level", "warning", *DEMO_SETTINGS),
-        ],
-        server_log,
+    server = LocalServer(
+        bundle,
+        state,
+        *("--strategy", strategy, "--rounds", str(options.rounds), "--min-clients", str(len(names))),
+        *("--fraction", "1.0", "--round-timeout", str(options.round_timeout)),
+        *("--init", str(bundle.parent / f"{bundle.name}-initial.safetensors")),
+        *("--poll-interval", "0.5", *DEMO_SETTINGS),
+        log=logs / "server.log",
+        port=options.port or None,
+        env=_env(),
+        name="the demo server",
     )
     devices: list[subprocess.Popen] = []
     try:
-        _wait_for_port(port, server, server_log)
-        url = f"http://127.0.0.1:{port}"
+        url = server.start(timeout=START_TIMEOUT).url
         for number, (name, token, (data, _, _)) in enumerate(zip(names, tokens, device_files)):
             command = [
                 "device",
@@ -163,7 +161,7 @@ def _federate(
             code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
             log = logs / f"{name}.log"
             if code != 0:
-                raise EdgePFLError(f"{name} stopped with exit code {code}: {_last_line(log)}", f"see {log}")
+                raise EdgePFLError(f"{name} stopped with exit code {code}: {last_line(log)}", f"see {log}")
             result = _json_result(log)
             outcomes.append(
                 DeviceOutcome(name, classes, samples, result.get("final_accuracy"), int(result["rounds_trained"]))
@@ -172,8 +170,9 @@ def _federate(
     except subprocess.TimeoutExpired:
         raise EdgePFLError("the demo devices did not finish in time", f"see the logs in {logs}") from None
     finally:
-        for process in [*devices, server]:
+        for process in devices:
             _stop(process)
+        server.stop(grace=15)
 
 
 def _print_comparison(outcomes: dict[str, list[DeviceOutcome]], rounds: int, seconds: float) -> None:
@@ -228,25 +227,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _wait_for_port(port: int, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise EdgePFLError(f"the demo server exited with code {server.returncode}: {_last_line(log)}", f"see {log}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise EdgePFLError(f"the demo server did not listen on port {port} within {START_TIMEOUT:.0f}s", f"see {log}")
-
-
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()
@@ -265,11 +245,6 @@ def _json_result(log: Path) -> dict:
             except json.JSONDecodeError:
                 break
     raise EdgePFLError(f"{log} holds no JSON result of edgepfl device run", "see the log")
-
-
-def _last_line(log: Path) -> str:
-    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "(no output)"
 
 
 def _mean(outcomes: list[DeviceOutcome]) -> float | None:
