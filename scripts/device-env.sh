@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device runtime's tests where a device stands: edgepfl installed without the export extra, no torch.
 #
-# 1. With the development environment's Python (torch + exporter), export the bundle the device tests use.
+# 1. With the development environment's Python (torch + exporter), export the bundles the device tests use.
 # 2. Create VENV (default .venv-device) with `pip install -e '.[server]'` (the device's dependencies, and
 #    the server the end-to-end tests talk to; no torch), and run the device tests there against that bundle.
 #
@@ -18,9 +18,10 @@ import sys
 
 sys.path[:0] = ["tests"]
 from conftest import bundle_folder, export_test_bundle
-from test_device_runtime import DEVICE_BUNDLE
+from test_device_runtime import BN_BUNDLE, DEVICE_BUNDLE
 
-export_test_bundle(bundle_folder(sys.argv[1], **DEVICE_BUNDLE), **DEVICE_BUNDLE)
+for bundle in (DEVICE_BUNDLE, BN_BUNDLE):
+    export_test_bundle(bundle_folder(sys.argv[1], **bundle), **bundle)
 PY
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -31,17 +31,29 @@ SIDE = 8  # the tiny mlp takes 8x8 grey images
 DEVICE_BUNDLE = {"name": "mlp", "kp": 1, "engines": ENGINES, "seed": 0, "input_size": SIDE, "num_classes": NUM_CLASSES}
 
 
+# a BatchNorm model for the phase tests: the cnn (its smallest input, 28x28) on grey images like the mlp's
+BN_BUNDLE = {**DEVICE_BUNDLE, "name": "cnn", "input_size": 28, "in_channels": 1, "norm": "batch"}
+
+
+@pytest.fixture(scope="session")
+def bn_bundle(bundle_factory) -> Path:
+    """The tiny cnn with BatchNorm (kp=1: the classifier is personal) with both engines' artifacts."""
+    return bundle_factory(**BN_BUNDLE)
+
+
 @pytest.fixture(scope="session")
 def mlp_bundle(bundle_factory) -> Path:
     """A tiny mlp (hidden block = base, classifier = personal) with both engines' artifacts."""
     return bundle_factory(**DEVICE_BUNDLE)
 
 
-def class_images(labels: np.ndarray, seed: int = 0, noise: float = 40.0, channels: int = 1) -> np.ndarray:
+def class_images(
+    labels: np.ndarray, seed: int = 0, noise: float = 40.0, channels: int = 1, side: int = SIDE
+) -> np.ndarray:
     """uint8 NHWC images: one fixed random prototype per class plus seeded noise, so a small model can learn them."""
-    prototypes = np.random.default_rng(1234).integers(0, 256, (NUM_CLASSES, SIDE, SIDE, channels))
+    prototypes = np.random.default_rng(1234).integers(0, 256, (NUM_CLASSES, side, side, channels))
     rng = np.random.default_rng(seed)
-    images = prototypes[labels] + rng.normal(0.0, noise, (len(labels), SIDE, SIDE, channels))
+    images = prototypes[labels] + rng.normal(0.0, noise, (len(labels), side, side, channels))
     return np.clip(images, 0, 255).astype(np.uint8)
 
 
@@ -54,7 +66,8 @@ def save_npz(path: Path, classes: tuple[int, ...], count: int, seed: int = 0) ->
 
 def local_data(manifest: Manifest, count: int = 96, seed: int = 0) -> LocalData:
     labels = np.arange(count) % NUM_CLASSES
-    return make_local_data(class_images(labels, seed), labels, manifest, 0.25, seed)
+    images = class_images(labels, seed, side=manifest.model["input_size"])
+    return make_local_data(images, labels, manifest, 0.25, seed)
 
 
 def changed(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> set[str]:
@@ -82,6 +95,43 @@ def test_fedalt_freezes_base_then_personal(mlp_bundle, engine_name):
     assert changed(start, end_of_personal) == personal  # first phase: base bit-identical
     assert changed(end_of_personal, snapshots["base"][-1]) == base  # second phase: personal bit-identical
     assert all(changed(start, snap) <= personal for snap in snapshots["personal"])
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_fedalt_phases_on_a_batchnorm_model(bn_bundle, engine_name):
+    """Parameters follow the phases; BatchNorm statistics move in both (training-mode forward passes, as in torch)."""
+    engine = open_engine(bn_bundle, engine_name)
+    manifest = engine.manifest
+    base, personal = set(manifest.names("base")), set(manifest.names("personal"))
+    stats = {name for name in manifest.names("buffer") if not name.endswith("num_batches_tracked")}
+    assert stats, "the cnn with norm=batch has BatchNorm running statistics"
+    snapshots: dict[str, list[dict[str, np.ndarray]]] = {}
+
+    def progress(phase: str, done: int, total: int, loss: float) -> None:
+        snapshots.setdefault(phase, []).append(engine.get_tensors())
+
+    start = engine.get_tensors()
+    settings = RoundSettings(algorithm="fedalt", epochs=1, personal_epochs=1, batch_size=16, lr=0.1)
+    run_client_round(engine, settings, local_data(manifest), seed=0, round_id=1, progress=progress)
+    end_of_personal, end = snapshots["personal"][-1], snapshots["base"][-1]
+    assert changed(start, end_of_personal) & (base | personal) == personal  # base parameters bit-identical
+    moved = changed(end_of_personal, end) & (base | personal)
+    assert moved <= base  # personal parameters bit-identical
+    # a convolution bias followed by BatchNorm has zero gradient (the normalisation removes it): only weights move
+    assert {name for name in base if name.endswith("weight")} <= moved
+    assert stats <= changed(start, end_of_personal) and stats <= changed(end_of_personal, end)
+
+
+def test_both_engines_agree_on_a_batchnorm_round(bn_bundle):
+    manifest = load_manifest(bn_bundle)
+    settings = RoundSettings(algorithm="fedsim", finetune_epochs=1, batch_size=16, lr=0.1)
+    tensors = []
+    for name in ENGINES:
+        engine = open_engine(bn_bundle, name)
+        run_client_round(engine, settings, local_data(manifest), seed=3, round_id=2)
+        tensors.append(engine.get_tensors())
+    for name in tensors[0]:
+        np.testing.assert_allclose(tensors[0][name], tensors[1][name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
