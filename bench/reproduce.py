@@ -50,6 +50,7 @@ PAPER = {
     ("pfedla", "pfedla"): {"k4": 61.43},
     ("pfedla", "heurpfedla"): {"k4": 60.02},
 }
+NOTES_FILE = "NOTES.md"  # under --out: appended to the report
 PAPER_SOURCE = {"persfl-cifar": "PersFL", "persfl-mnist": "PersFL", "pfedla": "pFedLA"}
 # rows whose config is identical to another setting's run: read from (and run into) that run's folder
 SAME_RUN = {"fedper-kp/kp2/fedper": "fedper-k/k4/fedper", "fedalt/k4/fedper": "fedper-k/k4/fedper"}
@@ -169,7 +170,7 @@ def report(out: Path, figures: Path | None = None) -> str:
             runs = groups[label]
             _, part, algorithm = label.split("/")
             paper = PAPER.get((setting, algorithm), {}).get(part)
-            kp = "all" if runs[0].config.algorithm == "local" else runs[0].config.kp
+            kp = "all" if runs[0].config.algorithm == "local" else runs[0].info.get("kp", runs[0].config.kp)
             done = ",".join(str(len(r.rounds)) for r in runs)
             same = f" (= {SAME_RUN[label]})" if label in SAME_RUN else ""
             if runs[0].persfl is not None:  # the student is the result; the teacher is the chosen global model
@@ -216,6 +217,9 @@ def report(out: Path, figures: Path | None = None) -> str:
                         f"![{label} alpha]({path.as_posix()})",
                         "",
                     ]
+    notes = out / NOTES_FILE
+    if notes.is_file():  # how the runs were made and what was reduced: prose kept beside the results, no numbers
+        lines += [notes.read_text(encoding="utf-8").rstrip(), ""]
     return "\n".join(lines)
 
 
