@@ -177,6 +177,7 @@ def trace(
 
     table = dict(core_aten_decompositions())
     table[aten.convolution_backward.default] = _convolution_backward
+    table[aten.threshold_backward.default] = _threshold_backward
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
     return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=table)(*inputs)
 
@@ -446,6 +447,11 @@ def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[s
     return proto
 
 
+def _threshold_backward(grad_out: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """ReLU's backward as a product with a 0/1 mask: onnxruntime's Where with a scalar branch is a slow loop."""
+    return grad_out * (x > threshold).to(grad_out.dtype)
+
+
 def _convolution_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -476,7 +482,9 @@ def _conv_grad_input(grad_out, x, weight, stride, padding, groups) -> torch.Tens
     if list(stride) == [1, 1]:
         # a stride-1 convolution's input gradient is a plain convolution with the flipped, transposed kernel
         flipped = weight.reshape(groups, cout // groups, cin_group, kh, kw).transpose(1, 2)
-        flipped = flipped.reshape(groups * cin_group, cout // groups, kh, kw).flip((2, 3))
+        flipped = flipped.reshape(groups * cin_group, cout // groups, kh, kw)
+        if kh > 1 or kw > 1:  # flipping a 1x1 kernel changes nothing but would still cost a copy
+            flipped = flipped.flip((2, 3))
         pad = [kh - 1 - padding[0], kw - 1 - padding[1]]
         return aten.convolution(grad_out, flipped, None, [1, 1], pad, [1, 1], False, [0, 0], groups)
     out_h, out_w = grad_out.shape[2:]
@@ -510,6 +518,12 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
         padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
         taps = [_tap(padded, i, j, stride, out_h, out_w) for i in range(kh) for j in range(kw)]
         patches = torch.stack(taps, 2).reshape(n, cin * kh * kw, out_h * out_w)
+    if cout * cin * kh * kw > out_h * out_w * (cout + cin * kh * kw):
+        # small feature maps (late layers): one matrix product over all samples beats n products summed,
+        # whose (n, cout, cin) intermediate outgrows the inputs it would save transposing
+        columns = patches.transpose(0, 1).reshape(cin * kh * kw, n * out_h * out_w)
+        rows = grad_rows.transpose(0, 1).reshape(cout, n * out_h * out_w)
+        return (rows @ columns.transpose(0, 1)).reshape(cout, cin, kh, kw)
     return torch.bmm(grad_rows, patches.transpose(1, 2)).sum(0).reshape(cout, cin, kh, kw)
 
 
