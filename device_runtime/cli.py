@@ -1,4 +1,4 @@
-"""`edgepfl device run | train | teacher | distill | eval`: on-device commands (typer and the standard library only)."""
+"""`edgepfl device enroll | run | train | teacher | distill | eval`: on-device commands (typer and stdlib only)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,61 @@ ValFraction = Annotated[float, typer.Option(help="fraction of the data held out 
 Seed = Annotated[int, typer.Option(help="seed of the train/held-out split and of batch shuffling")]
 Threads = Annotated[int | None, typer.Option(help="ONNX Runtime threads (default: ORT's choice)")]
 AsJson = Annotated[bool, typer.Option("--json", help="print the result as JSON only")]
+Server = Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")]
+Token = Annotated[
+    str | None,
+    typer.Option(help="device token from `edgepfl serve tokens add` (or use --token-file)", envvar="EDGEPFL_TOKEN"),
+]
+TokenFile = Annotated[
+    Path | None, typer.Option(help="file holding the device token, e.g. written by `edgepfl device enroll`")
+]
+
+
+@device_app.command()
+def enroll(
+    server: Server,
+    name: Annotated[str, typer.Option(help="this device's name (1-64 letters, digits, . _ -)")],
+    secret_file: Annotated[Path, typer.Option(help="file holding the server's shared enrollment secret")],
+    token_file: Annotated[
+        Path | None, typer.Option(help="write the token to this new file (0600) instead of printing it")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
+) -> None:
+    """Enroll this device with the server's shared secret and print its token once (or write it to --token-file)."""
+    from edgepfl.cli import fail
+    from edgepfl.credentials import read_secret_file, refuse_existing, write_secret_file
+    from edgepfl.errors import EdgePFLError, UsageError
+
+    try:
+        if timeout <= 0:
+            raise UsageError("--timeout must be positive", "pass seconds, e.g. 60")
+        if token_file is not None:
+            refuse_existing(token_file, "--token-file")  # before the name is spent on the server
+        secret = read_secret_file(secret_file, "--secret-file")
+        from edgepfl.device_runtime.client import ServerClient
+
+        client = ServerClient(server, None, timeout=timeout)
+        try:
+            token = client.enroll(name, secret)
+        finally:
+            client.close()
+        if token_file is not None:
+            write_secret_file(token_file, token, "--token-file")
+    except EdgePFLError as error:
+        fail(error)
+        return
+    if token_file is None:
+        typer.echo(token)
 
 
 @device_app.command()
 def run(
     bundle: Bundle,
     data: Data,
-    server: Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")],
-    token: Annotated[str, typer.Option(help="device token from `edgepfl serve tokens add`", envvar="EDGEPFL_TOKEN")],
+    server: Server,
     state: State,
+    token: Token = None,
+    token_file: TokenFile = None,
     engine: EngineName = "auto",
     rounds: Annotated[int | None, typer.Option(help="stop after training this many rounds")] = None,
     val_fraction: ValFraction = 0.2,
@@ -60,6 +106,7 @@ def run(
             raise UsageError(f"--rounds {rounds} is not positive", "pass --rounds 1 or more, or leave it out")
         if retries < 1 or timeout <= 0 or poll_interval <= 0:
             raise UsageError("--retries, --timeout and --poll-interval must be positive", "pass positive values")
+        device_token = _device_token(token, token_file)
         from edgepfl.device_runtime.client import RetryPolicy, ServerClient
         from edgepfl.device_runtime.progress import RichEvents
         from edgepfl.device_runtime.runner import DeviceOptions, run_device
@@ -67,7 +114,7 @@ def run(
         device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
         with RichEvents(quiet=as_json) as events:
             client = ServerClient(
-                server, token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
+                server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
             )
             try:
                 summary = run_device(
@@ -169,8 +216,9 @@ def teacher(
     bundle: Bundle,
     data: Data,
     state: State,
-    server: Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")],
-    token: Annotated[str, typer.Option(help="device token from `edgepfl serve tokens add`", envvar="EDGEPFL_TOKEN")],
+    server: Server,
+    token: Token = None,
+    token_file: TokenFile = None,
     engine: EngineName = "auto",
     val_fraction: ValFraction = 0.2,
     seed: Seed = 0,
@@ -190,6 +238,7 @@ def teacher(
     try:
         if retries < 1 or timeout <= 0:
             raise UsageError("--retries and --timeout must be positive", "pass positive values")
+        device_token = _device_token(token, token_file)
         from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
         from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
         from edgepfl.device_runtime.progress import RichEvents
@@ -201,7 +250,7 @@ def teacher(
         losses: dict[str, float] = {}
         with RichEvents(quiet=as_json) as events:
             client = ServerClient(
-                server, token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
+                server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
             )
             try:
                 entries = client.history()
@@ -383,6 +432,18 @@ def _open(
     device_state = StateFolder(state, device_engine.manifest, device_engine.name)
     restore(device_engine, device_state)
     return device_engine, local_data, device_state
+
+
+def _device_token(token: str | None, token_file: Path | None) -> str:
+    """The device token from exactly one of --token (or EDGEPFL_TOKEN) and --token-file."""
+    from edgepfl.credentials import read_secret_file
+    from edgepfl.errors import UsageError
+
+    if token_file is None and token is None:
+        raise UsageError("no device token", "pass --token-file FILE (from `edgepfl device enroll`) or --token TOKEN")
+    if token_file is not None and token is not None:
+        raise UsageError("both --token (or EDGEPFL_TOKEN) and --token-file are given", "pass only one of them")
+    return token if token_file is None else read_secret_file(token_file, "--token-file")
 
 
 def _floats(text: str, option: str) -> tuple[float, ...]:

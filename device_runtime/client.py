@@ -73,12 +73,12 @@ class Traffic:
 
 
 class ServerClient:
-    """One device's connection to `edgepfl serve`: task, base, update and metrics calls."""
+    """One device's connection to `edgepfl serve`: task, base, update and metrics calls (and enrollment)."""
 
     def __init__(
         self,
         server_url: str,
-        token: str,
+        token: str | None,
         retry: RetryPolicy = RetryPolicy(),
         timeout: float = 60.0,
         transport: httpx.BaseTransport | None = None,
@@ -92,7 +92,7 @@ class ServerClient:
         self._jitter = random.Random()
         self._http = httpx.Client(
             base_url=server_url.rstrip("/"),
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {token}"} if token is not None else None,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             transport=transport,
         )
@@ -100,6 +100,19 @@ class ServerClient:
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()
+
+    def enroll(self, name: str, secret: str) -> str:
+        """`POST /v1/enroll` with the shared secret in place of a device token: this device's new token."""
+        response = self._request(
+            "POST", f"{API_PREFIX}/enroll", json={"device": name}, headers={"Authorization": f"Bearer {secret}"}
+        )
+        try:
+            token = response.json()["token"]
+        except (ValueError, KeyError, TypeError):
+            token = None
+        if not isinstance(token, str) or not token:
+            raise ServerError("the server's enrollment reply holds no token", "use an `edgepfl serve` with /v1/enroll")
+        return token
 
     def task(self) -> Task:
         """`GET /v1/task`: what to do now."""

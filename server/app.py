@@ -39,9 +39,18 @@ _ERROR_SCHEMA = {
     "properties": {"error": {"type": "string"}, "detail": {"type": "string"}, "fix": {"type": "string"}},
     "required": ["error", "detail", "fix"],
 }
-_ERRORS = {
-    code: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-    for code, text in {
+
+
+def _error_replies(descriptions: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """OpenAPI response entries, by status code, for JSON `{error, detail, fix}` refusals."""
+    return {
+        code: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+        for code, text in descriptions.items()
+    }
+
+
+_ERRORS = _error_replies(
+    {
         400: "malformed safetensors",
         401: "missing or invalid token",
         403: "not sampled",
@@ -50,12 +59,35 @@ _ERRORS = {
         410: "the round's tensors were released by --history retention",
         413: "body too large",
         422: "invalid round id, metadata, tensors or metrics",
-    }.items()
+    }
+)
+_ENROLL_ERRORS = _error_replies(
+    {
+        401: "missing or wrong enrollment secret",
+        403: "enrollment closed: the server was started without --enroll-secret-file",
+        409: "the device name is already enrolled",
+        413: "body too large",
+        422: "invalid device name or body",
+    }
+)
+_ENROLL_REQUEST = {
+    "type": "object",
+    "properties": {"device": {"type": "string", "description": "1-64 letters, digits, '.', '_' or '-'"}},
+    "required": ["device"],
+}
+_ENROLL_REPLY = {
+    "type": "object",
+    "properties": {"device": {"type": "string"}, "token": {"type": "string"}},
+    "required": ["device", "token"],
 }
 
 
 _BEARER = HTTPBearer(auto_error=False, description="per-device token from `edgepfl serve tokens add NAME`")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
+_ENROLL_SECRET = HTTPBearer(
+    auto_error=False, scheme_name="EnrollSecret", description="the shared secret of `--enroll-secret-file`"
+)
+EnrollSecret = Annotated[HTTPAuthorizationCredentials | None, Security(_ENROLL_SECRET)]
 
 
 def _device(request: Request, credentials: Credentials) -> str:
@@ -201,7 +233,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
         try:
             metrics = _EVAL_METRICS.validate_python(json.loads(body))
-        except (ValueError, ValidationError) as error:
+        except (ValueError, ValidationError, RecursionError) as error:
             raise ApiError(
                 422,
                 "bad_metrics",
@@ -209,6 +241,28 @@ def create_app(engine: RoundEngine) -> FastAPI:
                 'send {"accuracy": 0.9, "num_samples": 100, "loss": 0.3}',
             ) from None
         return JSONResponse(await run_in_threadpool(engine.accept_metrics, name, round_id, metrics))
+
+    @app.post(
+        f"{API_PREFIX}/enroll",
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _ENROLL_REQUEST}}}},
+        responses={200: {"content": {"application/json": {"schema": _ENROLL_REPLY}}}, **_ENROLL_ERRORS},
+    )
+    async def post_enroll(credentials: EnrollSecret, request: Request) -> JSONResponse:
+        """Enroll a device with the shared secret (`Authorization: Bearer <secret>`); the reply shows its token once."""
+        secret = credentials.credentials if credentials else None
+        engine.check_enroll_secret(secret)  # refused before the body is read
+        _check_declared_length(request, MAX_JSON_BYTES)
+        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
+        try:
+            name = json.loads(body)["device"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            name = None
+        if not isinstance(name, str):
+            raise ApiError(
+                422, "invalid_request", "the body is not JSON with a string `device`", 'send {"device": "phone-1"}'
+            )
+        token = await run_in_threadpool(engine.enroll, secret, name)
+        return JSONResponse({"device": name, "token": token})
 
     @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})
     def get_status() -> dict[str, Any]:

@@ -6,8 +6,6 @@ Only typer and the standard library are imported here; the web stack loads when 
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 import time
 from pathlib import Path
 from typing import Annotated
@@ -21,8 +19,6 @@ serve_app = typer.Typer(
 )
 tokens_app = typer.Typer(help="Issue and list per-device bearer tokens.", add_completion=False)
 serve_app.add_typer(tokens_app, name="tokens")
-
-DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @serve_app.callback(invoke_without_command=True)
@@ -76,6 +72,12 @@ def serve(
     history: Annotated[
         int, typer.Option(help="closed rounds whose global model is kept for new participants; 0 keeps all")
     ] = 0,
+    enroll_secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="file holding a shared secret (16+ characters) with which devices enroll via POST /v1/enroll"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
@@ -88,7 +90,7 @@ def serve(
         if bundle is None or state is None:
             raise UsageError("serve needs --bundle and --state", "edgepfl serve --bundle DIR --state DIR")
         from edgepfl.protocol import RoundSettings
-        from edgepfl.server.config import ServerConfig, StrategyOptions
+        from edgepfl.server.config import ServerConfig, StrategyOptions, read_enroll_secret
 
         settings = RoundSettings(
             algorithm=algorithm,
@@ -117,6 +119,7 @@ def serve(
             upload_slots=upload_slots,
             public_status=public_status,
             history=history,
+            enroll_secret=read_enroll_secret(enroll_secret_file) if enroll_secret_file is not None else None,
             strategy_options=StrategyOptions(
                 settings=settings,
                 trim_fraction=trim_fraction,
@@ -149,8 +152,10 @@ def serve(
         fail(error)
         return
     scheme = "https" if tls_cert else "http"
+    enrollment = ", enrollment open" if config.enroll_secret is not None else ""
     typer.echo(
-        f"edgepfl serve: {config.strategy}, {config.rounds} rounds, state {config.state}, {scheme}://{host}:{port}"
+        f"edgepfl serve: {config.strategy}, {config.rounds} rounds, state {config.state}, "
+        f"{scheme}://{host}:{port}{enrollment}"
     )
     uvicorn.run(
         create_app(engine),
@@ -172,16 +177,16 @@ def tokens_add(
 ) -> None:
     """Enroll a device and print its bearer token once (only a hash of it is stored)."""
     from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, UsageError
-    from edgepfl.server.store import Store, hash_token
+    from edgepfl.errors import EdgePFLError
+    from edgepfl.server.store import Store, check_device_name, issue_token
 
     try:
-        if not DEVICE_NAME.fullmatch(name):
-            raise UsageError(f"device name {name!r} is not allowed", "use 1-64 letters, digits, '.', '_' or '-'")
-        token = secrets.token_urlsafe(32)
+        check_device_name(name)  # before Store(): a refused name leaves no state folder behind
         store = Store(state)
-        store.add_device(name, hash_token(token), time.time(), replace=replace)
-        store.close()
+        try:
+            token = issue_token(store, name, time.time(), replace=replace)
+        finally:
+            store.close()
     except EdgePFLError as error:
         fail(error)
         return

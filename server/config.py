@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgepfl.credentials import read_secret_file
 from edgepfl.errors import UsageError
 from edgepfl.protocol import ALGORITHMS, RoundSettings
+
+MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class ServerConfig:
     upload_slots: int = 4  # uploads decoded and checked at once (memory stays O(slots x model))
     public_status: bool = False  # `/`, `/plot.png` and `/v1/status` readable without a token
     history: int = 0  # closed rounds whose global model (and tensors) are kept; 0 keeps every round
+    enroll_secret: str | None = field(default=None, repr=False)  # POST /v1/enroll is open while set; never stored
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
 
     @property
@@ -80,3 +84,14 @@ class ServerConfig:
         for ok, problem, fix in checks:
             if not ok:
                 raise UsageError(problem, fix)
+
+
+def read_enroll_secret(path: Path) -> str:
+    """The shared enrollment secret held in `path` (surrounding whitespace stripped); UsageError if unusable."""
+    secret = read_secret_file(path, "--enroll-secret-file")
+    if len(secret) < MIN_ENROLL_SECRET:
+        raise UsageError(
+            f"--enroll-secret-file {path} holds a secret shorter than {MIN_ENROLL_SECRET} characters",
+            "write a longer one, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE`",
+        )
+    return secret

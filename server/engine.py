@@ -25,6 +25,7 @@ applies a round twice.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -42,7 +43,18 @@ from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import ApiError
-from edgepfl.server.store import Assignment, BlobError, EvalRecord, RoundRecord, Store, UpdateRecord, hash_token
+from edgepfl.server.store import (
+    AlreadyEnrolled,
+    Assignment,
+    BlobError,
+    DeviceNameError,
+    EvalRecord,
+    RoundRecord,
+    Store,
+    UpdateRecord,
+    hash_token,
+    issue_token,
+)
 from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
 from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
@@ -150,6 +162,41 @@ class RoundEngine:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return device
+
+    def enroll(self, secret: str | None, name: str) -> str:
+        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/401/422/409)."""
+        self.check_enroll_secret(secret)
+        try:
+            token = issue_token(self.store, name, self.clock())
+        except DeviceNameError as error:
+            raise ApiError(422, "invalid_device_name", error.problem, error.fix) from None
+        except AlreadyEnrolled as error:
+            raise ApiError(
+                409,
+                "already_enrolled",
+                error.problem,
+                "pick another name, or ask the operator to run `edgepfl serve tokens add NAME --replace`",
+            ) from None
+        log.info("device %r enrolled with the shared secret", name)
+        return token
+
+    def check_enroll_secret(self, secret: str | None) -> None:
+        """403 if self-enrollment is closed, 401 unless `secret` is the shared enrollment secret."""
+        if self.config.enroll_secret is None:
+            raise ApiError(
+                403,
+                "enrollment_closed",
+                "this server takes no self-enrollment (it was started without --enroll-secret-file)",
+                "ask the operator for a token (`edgepfl serve tokens add NAME`)",
+            )
+        if secret is None or not hmac.compare_digest(secret.encode(), self.config.enroll_secret.encode()):
+            raise ApiError(
+                401,
+                "unauthorized",
+                "missing or wrong enrollment secret",
+                "send `Authorization: Bearer <secret>` with the secret of the server's --enroll-secret-file",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     # device calls
 

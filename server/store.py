@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import secrets
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -17,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgepfl.atomic import write_bytes_atomic
-from edgepfl.errors import StateError
+from edgepfl.errors import StateError, UsageError
 
 DB_NAME = "edgepfl-server.sqlite3"
+DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -45,6 +48,28 @@ CREATE TABLE IF NOT EXISTS eval_metrics (
 def hash_token(token: str) -> str:
     """What the store keeps of a device token: its sha256, never the token."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def check_device_name(name: str) -> None:
+    """Refuse a device name outside the one rule every enrollment path follows (raises DeviceNameError)."""
+    if not DEVICE_NAME.fullmatch(name):
+        raise DeviceNameError(f"device name {name[:80]!r} is not allowed", "use 1-64 letters, digits, '.', '_' or '-'")
+
+
+def issue_token(store: Store, name: str, created: float, replace: bool = False) -> str:
+    """Enroll `name` with a new random bearer token and return it; only its hash is stored."""
+    check_device_name(name)
+    token = secrets.token_urlsafe(32)
+    store.add_device(name, hash_token(token), created, replace=replace)
+    return token
+
+
+class DeviceNameError(UsageError):
+    """A device name that the enrollment rule refuses."""
+
+
+class AlreadyEnrolled(StateError):
+    """A device name that is enrolled already (and `replace` was not asked for)."""
 
 
 class BlobError(StateError):
@@ -179,7 +204,7 @@ class Store:
         with self.transaction() as db:
             exists = db.execute("SELECT 1 FROM devices WHERE name = ?", (name,)).fetchall()
             if exists and not replace:
-                raise StateError(f"device {name!r} is already enrolled", "pass --replace to issue a new token")
+                raise AlreadyEnrolled(f"device {name!r} is already enrolled", "pass --replace to issue a new token")
             db.execute(
                 "INSERT OR REPLACE INTO devices (name, token_hash, created) VALUES (?, ?, ?)",
                 (name, token_hash, created),

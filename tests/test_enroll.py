@@ -1,0 +1,191 @@
+"""Enrollment with a shared secret: `POST /v1/enroll` on a real server, and `edgepfl device enroll` end to end."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO
+from server_helpers import LiveServer, enroll, make_bundle
+from test_device_e2e import device_command, finish, run_args
+from test_device_runtime import DEVICE_BUNDLE, save_npz
+from typer.testing import CliRunner
+
+from edgepfl.server.store import Store
+
+SECRET = "shared-secret-of-the-fleet-0123456789"
+BAD_NAMES = ("", "-dash-first", "a" * 65, "with space", "slash/name", "ünïcode", "a\nb")
+
+
+def write_secret(folder: Path, secret: str = SECRET) -> Path:
+    path = folder / "enroll.secret"
+    path.write_text(f"  {secret}\n")  # surrounding whitespace is not part of the secret
+    return path
+
+
+def post_enroll(server: LiveServer, name: object, secret: str | bytes | None = SECRET) -> httpx.Response:
+    value = b"Bearer " + secret if isinstance(secret, bytes) else f"Bearer {secret}"
+    headers = {"Authorization": value} if secret is not None else {}
+    return httpx.post(f"{server.url}/v1/enroll", json={"device": name}, headers=headers, timeout=30)
+
+
+def task_status(server: LiveServer, token: str) -> int:
+    return httpx.get(f"{server.url}/v1/task", headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code
+
+
+def enrolled(state: Path) -> list[str]:
+    store = Store(state)
+    try:
+        return [device.name for device in store.devices()]
+    finally:
+        store.close()
+
+
+def state_bytes(state: Path) -> bytes:
+    return b"".join(path.read_bytes() for path in sorted(state.rglob("*")) if path.is_file())
+
+
+def refusal(reply: httpx.Response, status: int, error: str) -> dict:
+    assert reply.status_code == status, reply.text
+    body = reply.json()
+    assert set(body) == {"error", "detail", "fix"} and body["error"] == error and body["detail"], body
+    return body
+
+
+def test_enroll_with_the_shared_secret_and_every_refusal(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle")
+    state = tmp_path / "state"
+    operator_tokens = enroll(state, "operator-made")
+    server = LiveServer(tmp_path / "bundle", state, "--enroll-secret-file", str(write_secret(tmp_path))).start()
+    try:
+        reply = post_enroll(server, "phone-1")
+        assert reply.status_code == 200, reply.text
+        issued = reply.json()
+        assert issued["device"] == "phone-1" and len(issued["token"]) >= 40
+        assert task_status(server, issued["token"]) == 200
+
+        before = enrolled(state)
+        assert before == ["operator-made", "phone-1"]
+        for secret in ("wrong-secret-of-the-fleet-0123456789", SECRET[:-1], f"{SECRET}x", "ü".encode() * 20, None):
+            body = refusal(post_enroll(server, "intruder", secret), 401, "unauthorized")
+            assert SECRET not in body["detail"] + body["fix"]
+        no_scheme = httpx.post(
+            f"{server.url}/v1/enroll", json={"device": "intruder"}, headers={"Authorization": SECRET}, timeout=30
+        )
+        refusal(no_scheme, 401, "unauthorized")
+        refusal(post_enroll(server, "operator-made", issued["token"]), 401, "unauthorized")  # a token is no secret
+
+        refusal(post_enroll(server, "phone-1"), 409, "already_enrolled")
+        duplicate = refusal(post_enroll(server, "operator-made"), 409, "already_enrolled")
+        assert "--replace" in duplicate["fix"]
+        assert (
+            task_status(server, issued["token"]) == 200 and task_status(server, operator_tokens["operator-made"]) == 200
+        )
+
+        for name in BAD_NAMES:
+            refusal(post_enroll(server, name), 422, "invalid_device_name")
+        for body in (b"not json", b"[]", b'{"name": "x"}', b'{"device": 7}', b""):
+            reply = httpx.post(
+                f"{server.url}/v1/enroll", content=body, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30
+            )
+            refusal(reply, 422, "invalid_request")
+        assert enrolled(state) == before  # nothing a refused request sent was stored
+
+        spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]["/v1/enroll"]["post"]
+        assert {"200", "401", "403", "409", "422"} <= set(spec["responses"])
+        assert spec["requestBody"]["content"]["application/json"]["schema"]["required"] == ["device"]
+    finally:
+        server.stop()
+    assert issued["token"].encode() not in state_bytes(state)  # only its hash is stored
+    assert SECRET.encode() not in state_bytes(state)
+    assert SECRET not in server.log.read_text()
+
+
+def test_enrollment_is_closed_without_a_secret_file(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle")
+    with LiveServer(tmp_path / "bundle", tmp_path / "state") as server:
+        for secret in (SECRET, None):
+            body = refusal(post_enroll(server, "phone-1", secret), 403, "enrollment_closed")
+            assert "tokens add" in body["fix"]
+    assert enrolled(tmp_path / "state") == []
+
+
+@pytest.mark.parametrize("secret", [None, "short-secret"])
+def test_serve_refuses_a_missing_or_short_secret_file_in_one_line(tmp_path: Path, secret: str | None) -> None:
+    make_bundle(tmp_path / "bundle")
+    secret_file = write_secret(tmp_path, secret) if secret is not None else tmp_path / "missing.secret"
+    done = subprocess.run(
+        [sys.executable, "-m", "edgepfl.cli", "serve", "--bundle", str(tmp_path / "bundle"),
+         "--state", str(tmp_path / "state"), "--enroll-secret-file", str(secret_file)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("error: --enroll-secret-file") and str(secret_file) in done.stderr
+    assert secret is None or secret not in done.stderr
+
+
+def test_device_run_takes_exactly_one_of_token_and_token_file(tmp_path: Path) -> None:
+    from edgepfl.device_runtime.cli import device_app
+
+    runner = CliRunner()
+    common = ["run", "--bundle", str(tmp_path), "--data", str(tmp_path), "--state", str(tmp_path / "s")]
+    common += ["--server", "http://127.0.0.1:9"]
+    token_file = tmp_path / "device.token"
+    token_file.write_text("a-token\n")
+    for extra, expected in (
+        ([], "no device token"),
+        (["--token", "a-token", "--token-file", str(token_file)], "both --token"),
+        (["--token-file", str(tmp_path / "missing.token")], "cannot be read"),
+    ):
+        result = runner.invoke(device_app, [*common, *extra], env={"EDGEPFL_TOKEN": ""})
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert result.output.startswith("error: ") and expected in result.output, result.output
+
+
+def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_factory, tmp_path: Path) -> None:
+    bundle = bundle_factory(**DEVICE_BUNDLE)
+    secret_file = write_secret(tmp_path)
+    state = tmp_path / "server"
+    options = ("--enroll-secret-file", str(secret_file), "--rounds", "1", "--min-clients", "1")
+    server = LiveServer(bundle, state, *options, "--poll-interval", "0.2", "--batch-size", "16").start()
+    token_file = tmp_path / "phone-1.token"
+
+    def device_enroll(name: str, *extra: str | Path) -> subprocess.CompletedProcess:
+        args = ["device", "enroll", "--server", server.url, "--name", name, *extra]
+        return subprocess.run(device_command(*args), capture_output=True, text=True, timeout=120, cwd=REPO)
+
+    try:
+        done = device_enroll("phone-1", "--secret-file", secret_file, "--token-file", token_file)
+        assert done.returncode == 0 and done.stdout == "", done.stderr[-3000:]
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 40 and token not in done.stderr
+
+        again = device_enroll("phone-2", "--secret-file", secret_file, "--token-file", token_file)
+        assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists already" in again.stderr
+        assert token_file.read_text().strip() == token and enrolled(state) == ["phone-1"]  # refused before asking
+
+        wrong = tmp_path / "wrong.secret"
+        wrong.write_text("not-the-secret-of-this-fleet")
+        refused = device_enroll("phone-2", "--secret-file", wrong)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith("error: server refused POST /v1/enroll (401 unauthorized)")
+        taken = device_enroll("phone-1", "--secret-file", secret_file)
+        assert taken.returncode == 2 and "409 already_enrolled" in taken.stderr and "--replace" in taken.stderr
+        printed = device_enroll("phone-2", "--secret-file", secret_file)
+        assert printed.returncode == 0 and len(printed.stdout.strip()) >= 40, printed.stderr[-3000:]
+
+        data = save_npz(tmp_path / "d.npz", (0, 1), 60)
+        args = run_args(bundle, data, server, token, tmp_path / "device")
+        args[args.index("--token") : args.index("--token") + 2] = ["--token-file", str(token_file)]
+        result = finish(subprocess.Popen(device_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, cwd=REPO))  # fmt: skip
+    finally:
+        server.stop()
+    assert result["finished"] and result["rounds_trained"] == 1, result
+    assert token.encode() not in state_bytes(state)
