@@ -209,10 +209,17 @@ def report(out: Path, figures: Path | None = None) -> str:
             for label in labels:
                 if groups[label][0].alpha:
                     path = figures / f"{label.replace('/', '-')}-alpha.png"
-                    shown = plot_alpha(groups[label][0], path)
+                    run = groups[label][0]
+                    shown = plot_alpha(run, path)
+                    start = initial_alpha(run)
+                    drift = "; ".join(
+                        f"`{name}` {np.diag(start[name]).mean():.2f} at the start, "
+                        f"{np.diag(np.asarray(run.alpha[name])).mean():.2f} after round {len(run.rounds)}"
+                        for name in shown
+                    )
                     lines += [
-                        f"Mixing weights α learnt by {label} after its last round, for {shown} (row i: how much",
-                        "client i takes of each client's tensor; the paper's Fig. 6):",
+                        f"Mixing weights α learnt by {label} after its last round (row i: how much client i takes",
+                        f"of each client's tensor; the paper's Fig. 6). Mean self-weight αᵢⁱ: {drift}.",
                         "",
                         f"![{label} alpha]({path.as_posix()})",
                         "",
@@ -223,7 +230,18 @@ def report(out: Path, figures: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def plot_alpha(results, path: Path) -> str:
+def initial_alpha(results) -> dict[str, np.ndarray]:
+    """The run's mixing weights before its first round: its strategy's hypernetworks as initialised (same seed)."""
+    from edgepfl.manifest import TensorSpec
+    from edgepfl.server.config import StrategyOptions
+    from edgepfl.server.strategies.pfedla import PFedLA
+
+    specs = [TensorSpec(name, (1,), "float32", "base", 0) for name in results.alpha]  # α needs names only
+    fresh = PFedLA(specs, StrategyOptions(clients=len(next(iter(results.alpha.values()))), seed=results.config.seed))
+    return {name: fresh.alpha_matrix(name) for name in results.alpha}
+
+
+def plot_alpha(results, path: Path) -> list[str]:
     """Heat maps of the N x N mixing weights of the first and the last mixed weight tensor; returns their names."""
     import matplotlib
 
@@ -244,7 +262,7 @@ def plot_alpha(results, path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
-    return " and ".join(f"`{name}`" for name in shown)
+    return shown
 
 
 def _pm(values: list[float]) -> str:
