@@ -200,9 +200,15 @@ def report(out: Path, figures: Path | None = None) -> str:
         if figures is not None:
             from edgepfl.simulate.plots import plot_runs
 
-            parts = sorted({label.split("/")[1] for label in labels})
+            plotted = [k for k in labels if not groups[k][0].persfl]  # a PersFL run's curve is its teacher's
+            parts = sorted({label.split("/")[1] for label in plotted})
+            if all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in parts):  # one run a part: one plot
+                path = figures / f"{setting}.png"
+                plot_runs([groups[k][0] for k in plotted], path, labels=[k.split("/")[1] for k in plotted])
+                lines += [f"![{setting}]({path.as_posix()})", ""]
+                parts = []
             for part in parts:
-                in_part = [k for k in labels if k.startswith(f"{setting}/{part}/") and not groups[k][0].persfl]
+                in_part = [k for k in plotted if k.startswith(f"{setting}/{part}/")]
                 path = figures / f"{setting}-{part}.png"
                 plot_runs([groups[k][0] for k in in_part], path, labels=[k.split("/")[2] for k in in_part])
                 lines += [f"![{setting} {part}]({path.as_posix()})", ""]
