@@ -195,7 +195,11 @@ def report(out: Path, figures: Path | None = None) -> str:
         for r in kept:
             moved = r.rounds[-1].bytes_up + r.rounds[-1].bytes_down
             share = r.rounds[-1].bytes_kept / (moved + r.rounds[-1].bytes_kept)
-            lines += ["", f"HeurpFedLA kept {100 * share:.1f}% of the round's bytes on the clients (last round)."]
+            lines += [
+                "",
+                f"HeurpFedLA kept {100 * share:.1f}% of the round's bytes on the clients "
+                f"(seed {r.config.seed}, last round).",
+            ]
         lines.append("")
         if figures is not None:
             from edgepfl.simulate.plots import plot_runs
@@ -224,8 +228,9 @@ def report(out: Path, figures: Path | None = None) -> str:
                         for name in shown
                     )
                     lines += [
-                        f"Mixing weights α learnt by {label} after its last round (row i: how much client i takes",
-                        f"of each client's tensor; the paper's Fig. 6). Mean self-weight αᵢⁱ: {drift}.",
+                        f"Mixing weights α learnt by {label} (seed {run.config.seed}) after its last round (row i:",
+                        f"how much client i takes of each client's tensor; the paper's Fig. 6). Mean self-weight αᵢⁱ: "
+                        f"{drift}.",
                         "",
                         f"![{label} alpha]({path.as_posix()})",
                         "",
