@@ -217,7 +217,7 @@ class RoundEngine:
                         action="train",
                         base_layout_hash=self.manifest.base_layout_hash,
                         round_id=current.round_id,
-                        settings=self._settings_of(device, current.round_id),
+                        settings=self._settings_of(assignment, current.round_id),
                         base_url=f"{API_PREFIX}/rounds/{current.round_id}/base",
                         deadline=current.deadline,
                     )
@@ -289,7 +289,8 @@ class RoundEngine:
         meta = self._upload_meta(payload)
         base_tensors = self._upload_tensors(payload)
         try:
-            check_tensors(base_tensors, self._settings_of(device, round_id).travelling(self.specs), what="upload")
+            settings = self._settings_of(self.store.assignment(round_id, device), round_id)
+            check_tensors(base_tensors, settings.travelling(self.specs), what="upload")
         except WireError as error:
             raise ApiError(422, "bad_tensors", error.problem, error.fix) from None
         sha = hashlib.sha256(payload).hexdigest()
@@ -570,9 +571,8 @@ class RoundEngine:
             )
         check_tensors(payload, settings.travelling(self.specs), what=f"{self.strategy.name} payload for {device}")
 
-    def _settings_of(self, device: str, round_id: int) -> RoundSettings:
+    def _settings_of(self, assignment: Assignment | None, round_id: int) -> RoundSettings:
         """The settings a sampled device was given for a round (every strategy's, stored with the assignment)."""
-        assignment = self.store.assignment(round_id, device)
         if assignment is None:
             return self.strategy.settings(round_id)
         return RoundSettings.from_json(json.loads(assignment.settings))
