@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +106,18 @@ class Engine(ABC):
                 f"this bundle (kp={self.manifest.kp}) has no {trainable!r} trainable set",
                 f"choose one of: {', '.join(self.available_sets())}",
             )
+
+
+def check_distill_set(
+    engine: str, sets_by_variant: Mapping[str, Collection[str]], variant: str, trainable: str, fix: str
+) -> None:
+    """A clear error when the bundle has no distillation step of `variant` for the `trainable` set (both engines)."""
+    if variant not in sets_by_variant or trainable not in sets_by_variant[variant]:
+        available = [f"{v}/{s}" for v, sets in sets_by_variant.items() for s in sets]
+        raise BundleError(
+            f"the bundle has no {engine} {variant!r} distillation step for the {trainable!r} set",
+            f"{fix} (it has: {', '.join(available) or 'none'})",
+        )
 
 
 def check_distill_inputs(manifest: Manifest, count: int, teacher_logits: np.ndarray, temperature: float, lam: float):

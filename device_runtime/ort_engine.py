@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set
 from edgepfl.errors import BundleError
 from edgepfl.manifest import Manifest
 
@@ -86,13 +86,8 @@ class OrtTrainingEngine(Engine):
     ) -> float:
         """One optimizer step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
         self.check_set(trainable)
-        distill = self._entry.get("distill", {})
-        if variant not in distill or trainable not in distill[variant]["sets"]:
-            available = [f"{v}/{s}" for v, entry in distill.items() for s in entry["sets"]]
-            raise BundleError(
-                f"the bundle has no ort-training {variant!r} distillation artifacts for the {trainable!r} set",
-                f"re-export with --distill or use --engine portable (it has: {', '.join(available) or 'none'})",
-            )
+        sets = {v: entry["sets"] for v, entry in self._entry.get("distill", {}).items()}
+        check_distill_set(self.name, sets, variant, trainable, "re-export with --distill or use --engine portable")
         check_distill_inputs(self.manifest, len(x), teacher_logits, temperature, lam)
         return self._run_step(
             f"distill_{variant}_{trainable}",

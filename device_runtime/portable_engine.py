@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnxruntime as ort
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set
 from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import check_tensors, load_tensors
@@ -74,12 +74,7 @@ class PortableEngine(Engine):
         """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
         self.check_set(trainable)
         graphs = self.entry.get("distill", {})
-        if variant not in graphs or trainable not in graphs[variant]:
-            available = [f"{v}/{s}" for v, sets in graphs.items() for s in sets]
-            raise BundleError(
-                f"the bundle has no portable {variant!r} distillation graph for the {trainable!r} set",
-                f"re-export the bundle with --distill (it has: {', '.join(available) or 'none'})",
-            )
+        check_distill_set(self.name, graphs, variant, trainable, "re-export the bundle with --distill")
         count = self._check_step_batch(x, y)
         check_distill_inputs(self.manifest, count, teacher_logits, temperature, lam)
         padded_teacher = np.zeros((self.batch_size, self.manifest.num_classes), dtype=np.float32)
