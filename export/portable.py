@@ -132,8 +132,14 @@ def sgd_step(
 
     train = {n: params[n] for n in trainable}
     grads, (loss, new_buffers) = torch.func.grad_and_value(weighted_loss, has_aux=True)(train)
-    new_params = {n: (p - lr * grads[n] if n in trainable_set else p) for n, p in params.items()}
+    new_params = {n: (_sgd_update(p, grads[n], lr) if n in trainable_set else p) for n, p in params.items()}
     return loss, new_params, new_buffers
+
+
+def _sgd_update(param: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+    """param - lr * grad over flat views: onnxruntime broadcasts a scalar over a (C, C', 1, 1) tensor ~50x
+    slower than over the same values as a vector."""
+    return (param.reshape(-1) - lr * grad.reshape(-1)).reshape(param.shape)
 
 
 def export_step(
@@ -176,6 +182,7 @@ def trace(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     table = dict(core_aten_decompositions())
+    table[aten.convolution.default] = _convolution
     table[aten.convolution_backward.default] = _convolution_backward
     table[aten.threshold_backward.default] = _threshold_backward
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
@@ -234,7 +241,7 @@ def distill_sgd_step(
 
     train = {n: params[n] for n in trainable}
     grads, (loss, new_buffers) = torch.func.grad_and_value(loss_of, has_aux=True)(train)
-    new_params = {n: (p - lr * grads[n] if n in trainable_set else p) for n, p in params.items()}
+    new_params = {n: (_sgd_update(p, grads[n], lr) if n in trainable_set else p) for n, p in params.items()}
     return loss, new_params, new_buffers
 
 
@@ -324,22 +331,37 @@ class MaskedBatchNorm2d(nn.Module):
         self.register_buffer("running_var", source.running_var.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (1, -1, 1, 1)
         if not self.training:
             scale = self.weight * torch.rsqrt(self.running_var + self.eps)
-            return x * scale.view(shape) + (self.bias - self.running_mean * scale).view(shape)
+            return x * _per_channel(scale, x) + _per_channel(self.bias - self.running_mean * scale, x)
         mask = self.mask_slot.value
-        sample_mask = mask.view(-1, 1, 1, 1)
+        # masked sums over samples as (1, N) @ (N, C*H*W) products: onnxruntime broadcasts an (N, 1, 1, 1)
+        # mask over an activation, and expands an (N, C) gradient back to one, in slow elementwise loops
+        n, channels = x.shape[:2]
+        sample_row = mask.view(1, n)
         count = mask.sum() * (x.shape[2] * x.shape[3])
-        mean = (x * sample_mask).sum((0, 2, 3)) / count
-        centred = x - mean.view(shape)
-        var = (centred * centred * sample_mask).sum((0, 2, 3)) / count
+        mean = (sample_row @ x.reshape(n, -1)).reshape(channels, -1).sum(1) / count
+        centred = x - _per_channel(mean, x)
+        var = (sample_row @ (centred * centred).reshape(n, -1)).reshape(channels, -1).sum(1) / count
         scale = self.weight * torch.rsqrt(var + self.eps)
         with torch.no_grad():
             unbiased = var * count / (count - 1)
             self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
             self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased)
-        return centred * scale.view(shape) + self.bias.view(shape)
+        return centred * _per_channel(scale, x) + _per_channel(self.bias, x)
+
+
+SMALL_MAP = 64  # feature maps of at most this many pixels get the small-map forms below
+
+
+def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast over activations `x` (N, C, H, W).
+
+    On small maps it is spread to (1, C, H, W) first: onnxruntime broadcasts a (1, C, 1, 1) operand
+    over a few pixels per channel in a slow loop, and over a whole (C, H, W) sample fast.
+    """
+    column = values.view(1, -1, 1, 1)
+    return column.expand(1, -1, *x.shape[2:]) if x.shape[2] * x.shape[3] <= SMALL_MAP else column
 
 
 class _MaskSlot:
@@ -452,6 +474,25 @@ def _threshold_backward(grad_out: torch.Tensor, x: torch.Tensor, threshold: floa
     return grad_out * (x > threshold).to(grad_out.dtype)
 
 
+def _convolution(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """aten.convolution: small depthwise maps as matrix products, everything else unchanged."""
+    if transposed or not _small_depthwise(x, weight, groups, dilation):
+        return NotImplemented
+    maps = _DepthwiseMaps(x, weight, stride, padding)
+    y = maps.forward(x, weight)
+    return y if bias is None else y + bias.reshape(1, -1, 1, 1)
+
+
 def _convolution_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -471,8 +512,13 @@ def _convolution_backward(
             "the portable step supports 2-D, non-transposed, non-dilated convolutions only",
             "use a zoo model or export with --engines ort-training",
         )
-    grad_input = _conv_grad_input(grad_out, x, weight, stride, padding, groups) if output_mask[0] else None
-    grad_weight = _conv_grad_weight(grad_out, x, weight, stride, padding, groups) if output_mask[1] else None
+    if _small_depthwise(x, weight, groups, dilation):
+        maps = _DepthwiseMaps(x, weight, stride, padding)
+        grad_input = maps.grad_input(grad_out, weight) if output_mask[0] else None
+        grad_weight = maps.grad_weight(grad_out, x) if output_mask[1] else None
+    else:
+        grad_input = _conv_grad_input(grad_out, x, weight, stride, padding, groups) if output_mask[0] else None
+        grad_weight = _conv_grad_weight(grad_out, x, weight, stride, padding, groups) if output_mask[1] else None
     grad_bias = grad_out.sum((0, 2, 3)) if output_mask[2] else None
     return grad_input, grad_weight, grad_bias
 
@@ -532,3 +578,66 @@ def _tap(padded: torch.Tensor, i: int, j: int, stride: Sequence[int], out_h: int
     return padded[
         :, :, i : i + stride[0] * (out_h - 1) + 1 : stride[0], j : j + stride[1] * (out_w - 1) + 1 : stride[1]
     ]
+
+
+def _small_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int, dilation: Sequence[int]) -> bool:
+    channels = x.shape[1]
+    return (
+        x.dim() == 4
+        and groups == channels == weight.shape[0]
+        and weight.shape[1] == 1
+        and all(d == 1 for d in dilation)
+        and x.shape[2] * x.shape[3] <= SMALL_MAP
+    )
+
+
+class _DepthwiseMaps:
+    """A depthwise convolution on a small map as one (in pixels x out pixels) matrix per channel.
+
+    onnxruntime runs a depthwise Conv as one tiny product per sample and channel (8,192 of them on a
+    2x2 map with 256 channels), and the kernel-tap weight gradient as 9 slices, products and sums.
+    Here each channel's kernel becomes a matrix M_c = sum_k w_c[k] * S_k, where the constant 0/1
+    S_k says which input pixel tap k of each output pixel reads (padding is where S_k has no 1), so
+    forward, input gradient and weight gradient are each one batched matrix product over channels.
+    """
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int]):
+        import numpy as np
+
+        self.n, self.channels, in_h, in_w = x.shape
+        kh, kw = weight.shape[2:]
+        self.out_h = (in_h + 2 * padding[0] - kh) // stride[0] + 1
+        self.out_w = (in_w + 2 * padding[1] - kw) // stride[1] + 1
+        self.in_hw = (in_h, in_w)
+        self.in_pixels, self.out_pixels = in_h * in_w, self.out_h * self.out_w
+        self.kernel_shape = (kh, kw)
+        taps = np.zeros((kh, kw, in_h, in_w, self.out_h, self.out_w), dtype=np.float64)
+        for i in range(kh):
+            for j in range(kw):
+                for oy in range(self.out_h):
+                    for ox in range(self.out_w):
+                        iy, ix = oy * stride[0] + i - padding[0], ox * stride[1] + j - padding[1]
+                        if 0 <= iy < in_h and 0 <= ix < in_w:
+                            taps[i, j, iy, ix, oy, ox] = 1.0
+        self.taps = torch.tensor(taps.reshape(kh * kw, -1), dtype=x.dtype)
+
+    def matrices(self, weight: torch.Tensor) -> torch.Tensor:
+        """(channels, in pixels, out pixels): each channel's convolution as a matrix."""
+        flat = weight.reshape(self.channels, -1) @ self.taps
+        return flat.reshape(self.channels, self.in_pixels, self.out_pixels)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(self.n, self.channels, self.in_pixels).transpose(0, 1)
+        y = torch.bmm(rows, self.matrices(weight))
+        return y.transpose(0, 1).reshape(self.n, self.channels, self.out_h, self.out_w)
+
+    def grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = grad_out.reshape(self.n, self.channels, self.out_pixels).transpose(0, 1)
+        grad = torch.bmm(rows, self.matrices(weight).transpose(1, 2))
+        return grad.transpose(0, 1).reshape(self.n, self.channels, *self.in_hw)
+
+    def grad_weight(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(self.n, self.channels, self.in_pixels).permute(1, 2, 0)
+        grad_rows = grad_out.reshape(self.n, self.channels, self.out_pixels).transpose(0, 1)
+        per_pixel = torch.bmm(rows, grad_rows).reshape(self.channels, -1)
+        return (per_pixel @ self.taps.transpose(0, 1)).reshape(self.channels, 1, *self.kernel_shape)

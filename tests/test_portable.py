@@ -377,6 +377,30 @@ def test_mobilenet_onnx_step_is_as_close_to_float64_as_pytorch_float32(mobilenet
     assert ours <= RTOL + 2 * theirs, (ours, theirs)
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize(
+    ("height", "width", "kernel", "stride", "padding"),
+    [(4, 4, 3, 1, 1), (2, 2, 3, 1, 1), (8, 8, 3, 2, 1), (5, 3, 3, 2, 0), (1, 1, 3, 1, 1), (3, 4, 1, 1, 0)],
+)
+def test_small_map_depthwise_convolution_matches_pytorch_autograd(height, width, kernel, stride, padding):
+    """Depthwise convolutions on small maps run as per-channel matrices: forward and both gradients exact."""
+    import torch
+
+    from edgepfl.export.portable import _DepthwiseMaps
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, height, width, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(6, 1, kernel, kernel, dtype=torch.float64, generator=generator, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding, groups=6)
+    grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
+    grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_out)
+    maps = _DepthwiseMaps(x, weight, (stride, stride), (padding, padding))
+    with torch.no_grad():
+        torch.testing.assert_close(maps.forward(x, weight), y, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(maps.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(maps.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
+
+
 def test_mobilenet_step_graph_is_default_domain_only(mobilenet_step):
     from edgepfl.export.portable import default_domain_violations
 
