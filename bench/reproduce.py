@@ -142,7 +142,8 @@ def report(out: Path, figures: Path | None = None) -> str:
         "Written by `bench/reproduce.py --report` from the results.json files under `bench/results/`; no number",
         "is typed by hand. Accuracy: each client's model (final shared base + its own personal part) on its own",
         "test split; mean ± std across clients and seeds. *Best* is the round with the highest mean",
-        "validation accuracy (never chosen on the test split). For PersFL the accuracy is the distilled student's",
+        "validation accuracy (never chosen on the test split); *mean per seed* gives each seed's mean over its",
+        "clients, in seed order. For PersFL the accuracy is the distilled student's",
         "(its (λ, T) chosen on each client's validation split), after the FedAvg rounds. Models are edgepfl's zoo",
         "models and the hyper-parameters are ours (stated per section), not necessarily the papers'.",
         "",
@@ -163,8 +164,9 @@ def report(out: Path, figures: Path | None = None) -> str:
         source = f" ({PAPER_SOURCE[setting]})" if setting in PAPER_SOURCE else ""
         lines += [
             "",
-            f"| run | K_P | seeds | rounds done | last round | best round (by validation) | paper{source} |",
-            "|---|---|---|---|---|---|---|",
+            f"| run | K_P | seeds | rounds done | last round | last round, mean per seed | best round (by validation) "
+            f"| paper{source} |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for label in labels:
             runs = groups[label]
@@ -174,21 +176,26 @@ def report(out: Path, figures: Path | None = None) -> str:
             done = ",".join(str(len(r.rounds)) for r in runs)
             same = f" (= {SAME_RUN[label]})" if label in SAME_RUN else ""
             if runs[0].persfl is not None:  # the student is the result; the teacher is the chosen global model
-                students = [c["student"]["test_accuracy"] for r in runs for c in r.persfl["clients"] if "student" in c]
-                teachers = [c["teacher"]["test_accuracy"] for r in runs for c in r.persfl["clients"] if "teacher" in c]
+                clients = [r.persfl["clients"] for r in runs if r.persfl is not None]  # None: stage 2 not done
+                students = [[c["student"]["test_accuracy"] for c in run if "student" in c] for run in clients]
+                teachers = [[c["teacher"]["test_accuracy"] for c in run if "teacher" in c] for run in clients]
                 lines.append(
-                    f"| {label} (student) | {kp} | {len(runs)} | {done} | {_pm(students)} | - | "
-                    f"{'' if paper is None else paper} |"
+                    f"| {label} (student) | {kp} | {len(runs)} | {done} | {_pm(sum(students, []))} | "
+                    f"{_per_seed(students)} | - | {'' if paper is None else paper} |"
                 )
-                lines.append(f"| {label} (its teacher) | {kp} | {len(runs)} | {done} | {_pm(teachers)} | - |  |")
+                lines.append(
+                    f"| {label} (its teacher) | {kp} | {len(runs)} | {done} | {_pm(sum(teachers, []))} | "
+                    f"{_per_seed(teachers)} | - |  |"
+                )
                 continue
-            last = [v for r in runs for v in r.rounds[-1].test_accuracy["per_client"] if v is not None]
+            per_run = [[v for v in r.rounds[-1].test_accuracy["per_client"] if v is not None] for r in runs]
+            last = sum(per_run, [])
             best = []
             for r in runs:
                 chosen = r.summary()["best"]["round"]
                 best += [v for v in r.rounds[chosen - 1].test_accuracy["per_client"] if v is not None]
             lines.append(
-                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_pm(best)} | "
+                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | {_pm(best)} | "
                 f"{'' if paper is None else paper} |"
             )
         kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
@@ -279,6 +286,11 @@ def plot_alpha(results, path: Path) -> list[str]:
 def _pm(values: list[float]) -> str:
     array = 100 * np.asarray(values, dtype=np.float64)
     return f"{array.mean():.1f} ± {array.std():.1f}" if len(array) else "-"
+
+
+def _per_seed(per_run: list[list[float]]) -> str:
+    """Each seed's mean over its clients, in seed order: whether an ordering holds on every draw."""
+    return " / ".join(f"{100 * np.mean(values):.1f}" for values in per_run if values) or "-"
 
 
 def main() -> None:
