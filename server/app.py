@@ -68,6 +68,7 @@ _ENROLL_ERRORS = _error_replies(
         409: "the device name is already enrolled",
         413: "body too large",
         422: "invalid device name or body",
+        429: "too many wrong secrets from this address lately; Retry-After says when to try again",
     }
 )
 _ENROLL_REQUEST = {
@@ -250,7 +251,8 @@ def create_app(engine: RoundEngine) -> FastAPI:
     async def post_enroll(credentials: EnrollSecret, request: Request) -> JSONResponse:
         """Enroll a device with the shared secret (`Authorization: Bearer <secret>`); the reply shows its token once."""
         secret = credentials.credentials if credentials else None
-        engine.check_enroll_secret(secret)  # refused before the body is read
+        address = request.client.host if request.client else "unknown"
+        engine.check_enroll_secret(secret, address)  # refused before the body is read
         _check_declared_length(request, MAX_JSON_BYTES)
         body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
         try:
@@ -261,7 +263,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
             raise ApiError(
                 422, "invalid_request", "the body is not JSON with a string `device`", 'send {"device": "phone-1"}'
             )
-        token = await run_in_threadpool(engine.enroll, secret, name)
+        token = await run_in_threadpool(engine.enroll, secret, name, address)
         return JSONResponse({"device": name, "token": token})
 
     @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})

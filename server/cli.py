@@ -78,6 +78,12 @@ def serve(
             help="file holding a shared secret (16+ characters) with which devices enroll via POST /v1/enroll"
         ),
     ] = None,
+    enroll_max_failures: Annotated[
+        int, typer.Option(help="wrong enrollment secrets from one address before it gets 429 (see --enroll-window)")
+    ] = 10,
+    enroll_window: Annotated[
+        int, typer.Option(help="seconds over which --enroll-max-failures are counted (a sliding window)")
+    ] = 600,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
@@ -120,6 +126,8 @@ def serve(
             public_status=public_status,
             history=history,
             enroll_secret=read_enroll_secret(enroll_secret_file) if enroll_secret_file is not None else None,
+            enroll_max_failures=enroll_max_failures,
+            enroll_window=enroll_window,
             strategy_options=StrategyOptions(
                 settings=settings,
                 trim_fraction=trim_fraction,

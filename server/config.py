@@ -46,6 +46,8 @@ class ServerConfig:
     public_status: bool = False  # `/`, `/plot.png` and `/v1/status` readable without a token
     history: int = 0  # closed rounds whose global model (and tensors) are kept; 0 keeps every round
     enroll_secret: str | None = field(default=None, repr=False)  # POST /v1/enroll is open while set; never stored
+    enroll_max_failures: int = 10  # wrong secrets from one address that block it from POST /v1/enroll ...
+    enroll_window: int = 600  # ... while they fall within this many seconds
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
 
     @property
@@ -67,6 +69,8 @@ class ServerConfig:
             (self.available_for > 0, "--available-for must be positive", "pass seconds, e.g. 60"),
             (self.history >= 0, "--history must not be negative", "pass 0 to keep every round, or e.g. 10"),
             (self.upload_slots >= 1, "--upload-slots must be at least 1", "pass e.g. 4"),
+            (self.enroll_max_failures >= 1, "--enroll-max-failures must be at least 1", "pass e.g. 10"),
+            (self.enroll_window >= 1, "--enroll-window must be at least 1 second", "pass seconds, e.g. 600"),
             (
                 settings.algorithm in ALGORITHMS,
                 f"--algorithm {settings.algorithm!r} is unknown",

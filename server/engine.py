@@ -43,6 +43,7 @@ from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import ApiError
+from edgepfl.server.ratelimit import FailureLimiter
 from edgepfl.server.store import (
     AlreadyEnrolled,
     Assignment,
@@ -105,6 +106,7 @@ class RoundEngine:
         self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
         self._closing: int | None = None  # round being aggregated outside the lock
         self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
+        self.enroll_limiter = FailureLimiter(config.enroll_max_failures, config.enroll_window)
 
     # start-up
 
@@ -163,9 +165,9 @@ class RoundEngine:
             )
         return device
 
-    def enroll(self, secret: str | None, name: str) -> str:
-        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/401/422/409)."""
-        self.check_enroll_secret(secret)
+    def enroll(self, secret: str | None, name: str, address: str) -> str:
+        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/429/401/422/409)."""
+        self.check_enroll_secret(secret, address)
         try:
             token = issue_token(self.store, name, self.clock())
         except DeviceNameError as error:
@@ -180,8 +182,12 @@ class RoundEngine:
         log.info("device %r enrolled with the shared secret", name)
         return token
 
-    def check_enroll_secret(self, secret: str | None) -> None:
-        """403 if self-enrollment is closed, 401 unless `secret` is the shared enrollment secret."""
+    def check_enroll_secret(self, secret: str | None, address: str) -> None:
+        """403 if self-enrollment is closed, 429 while `address` is blocked, 401 unless `secret` is the shared secret.
+
+        Each 401 counts against `address`; a blocked address is refused before its secret is compared,
+        so guessing stops there even with the right secret.
+        """
         if self.config.enroll_secret is None:
             raise ApiError(
                 403,
@@ -189,7 +195,18 @@ class RoundEngine:
                 "this server takes no self-enrollment (it was started without --enroll-secret-file)",
                 "ask the operator for a token (`edgepfl serve tokens add NAME`)",
             )
+        retry_after = self.enroll_limiter.retry_after(address)
+        if retry_after is not None:
+            raise ApiError(
+                429,
+                "too_many_attempts",
+                f"too many wrong enrollment secrets from {address} (the limit is "
+                f"{self.config.enroll_max_failures} per {self.config.enroll_window} s)",
+                f"wait {retry_after} s, then enroll with the secret of the server's --enroll-secret-file",
+                headers={"Retry-After": str(retry_after)},
+            )
         if secret is None or not hmac.compare_digest(secret.encode(), self.config.enroll_secret.encode()):
+            self.enroll_limiter.record_failure(address)
             raise ApiError(
                 401,
                 "unauthorized",

@@ -10,11 +10,18 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO
+from fastapi.testclient import TestClient
 from server_helpers import LiveServer, enroll, make_bundle
 from test_device_e2e import device_command, finish, run_args
 from test_device_runtime import DEVICE_BUNDLE, save_npz
+from test_server_engine import Clock
 from typer.testing import CliRunner
 
+from edgepfl.cli import app as cli_app
+from edgepfl.server.app import create_app
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.engine import create_engine
+from edgepfl.server.ratelimit import FailureLimiter
 from edgepfl.server.store import Store
 
 SECRET = "shared-secret-of-the-fleet-0123456789"
@@ -103,6 +110,82 @@ def test_enroll_with_the_shared_secret_and_every_refusal(tmp_path: Path) -> None
     assert issued["token"].encode() not in state_bytes(state)  # only its hash is stored
     assert SECRET.encode() not in state_bytes(state)
     assert SECRET not in server.log.read_text()
+
+
+def test_limiter_blocks_after_max_failures_until_the_oldest_leaves_the_window() -> None:
+    clock = Clock()
+    limiter = FailureLimiter(3, 600, clock)
+    for seconds in (0, 100, 200):
+        assert limiter.retry_after("10.0.0.1") is None
+        clock.now = 1_000_000.0 + seconds
+        limiter.record_failure("10.0.0.1")
+    clock.now += 0.5
+    assert limiter.retry_after("10.0.0.1") == 400  # the failure at +0 s leaves at +600 s (399.5 s, rounded up)
+    assert limiter.retry_after("10.0.0.2") is None  # addresses are counted apart
+    clock.now = 1_000_000.0 + 599
+    assert limiter.retry_after("10.0.0.1") == 1
+    clock.now = 1_000_000.0 + 600
+    assert limiter.retry_after("10.0.0.1") is None  # the window slid past the first failure
+    limiter.record_failure("10.0.0.1")  # two left in the window and this one: blocked again
+    assert limiter.retry_after("10.0.0.1") == 100  # until the failure at +100 s leaves
+    clock.now = 1_000_000.0 + 1400
+    assert limiter.retry_after("10.0.0.1") is None and len(limiter) == 0  # stale addresses are forgotten
+
+
+def test_limiter_tracks_at_most_max_addresses_and_shares_one_count_beyond() -> None:
+    clock = Clock()
+    limiter = FailureLimiter(2, 60, clock, max_addresses=2)
+    for address in ("a", "b", "c"):
+        limiter.record_failure(address)
+    assert len(limiter) == 2  # "c" went to the overflow count
+    limiter.record_failure("d")
+    assert limiter.retry_after("c") == limiter.retry_after("e") == 60  # every untracked address shares it
+    assert limiter.retry_after("a") is None and limiter.retry_after("b") is None
+    limiter.record_failure("a")
+    assert limiter.retry_after("a") == 60 and limiter.retry_after("b") is None
+    for host in range(1, 1000):  # many addresses cannot grow the table
+        clock.now += 0.01
+        limiter.record_failure(f"10.0.{host // 256}.{host % 256}")
+    assert len(limiter) == 2
+    clock.now += 61
+    assert limiter.retry_after("c") is None and len(limiter) == 0
+    limiter.record_failure("c")
+    assert len(limiter) == 1 and limiter.retry_after("c") is None  # tracked on its own again
+
+
+def test_enroll_is_429_with_retry_after_once_one_address_sent_too_many_wrong_secrets(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle")
+    state = tmp_path / "state"
+    config = ServerConfig(bundle=tmp_path / "bundle", state=state, enroll_secret=SECRET, enroll_max_failures=3)
+    app = create_app(create_engine(config))  # no lifespan: enrollment needs no round loop
+    attacker = TestClient(app, client=("203.0.113.7", 50000))
+    neighbour = TestClient(app, client=("198.51.100.9", 50000))
+
+    def post(http: TestClient, name: str, secret: str | None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
+        return http.post("/v1/enroll", json={"device": name}, headers=headers)
+
+    for secret in ("wrong-secret-of-the-fleet-0123456789", None, SECRET[:-1]):
+        refusal(post(attacker, "intruder", secret), 401, "unauthorized")
+    for secret in ("wrong-secret-of-the-fleet-0123456789", SECRET):
+        blocked = post(attacker, "intruder", secret)
+        body = refusal(blocked, 429, "too_many_attempts")
+        assert 1 <= int(blocked.headers["retry-after"]) <= config.enroll_window
+        assert f"wait {blocked.headers['retry-after']} s" in body["fix"] and SECRET not in body["detail"] + body["fix"]
+    assert enrolled(state) == []  # nothing a refused request sent was stored
+    assert post(neighbour, "phone-1", SECRET).status_code == 200  # another address is not blocked
+    refusal(post(attacker, "intruder", SECRET), 429, "too_many_attempts")  # nor is the attacker unblocked by it
+    assert enrolled(state) == ["phone-1"]
+    spec = attacker.get("/openapi.json").json()["paths"]["/v1/enroll"]["post"]["responses"]
+    assert "429" in spec
+
+
+@pytest.mark.parametrize("option", ["--enroll-max-failures", "--enroll-window"])
+def test_serve_refuses_a_non_positive_enroll_limit_in_one_line(tmp_path: Path, option: str) -> None:
+    args = ["serve", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), option, "0"]
+    refused = CliRunner().invoke(cli_app, args)
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1, refused.output
+    assert refused.output.startswith(f"error: {option}"), refused.output
 
 
 def test_enrollment_is_closed_without_a_secret_file(tmp_path: Path) -> None:
