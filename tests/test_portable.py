@@ -347,6 +347,26 @@ def test_mobilenet_step_computation_matches_float64_pytorch(mobilenet_step):
     assert_close(dict(zip(params + buffers, outputs)), {n: reference[n] for n in params + buffers})
 
 
+def test_mobilenet_partial_batch_step_matches_float64_pytorch_on_its_real_samples(mobilenet_step):
+    """A padded last batch through the small-map forms (depthwise as matrices, BatchNorm's mask as a product)."""
+    import torch
+
+    from edgepfl.export import portable
+
+    model, params, buffers, _ = mobilenet_step
+    x, y = _mobilenet_batch(model, seed=2)
+    real = 7
+    weights = torch.zeros(32, dtype=torch.float64)
+    weights[:real] = 1.0
+    state = {n: t.detach().double() for n, t in model.state_dict().items()}
+    inputs = [state[n] for n in params + buffers]
+    inputs += [torch.from_numpy(x).double(), torch.from_numpy(y), weights, torch.tensor(0.1, dtype=torch.float64)]
+    step = portable.step_function(portable.MaskedModel(copy.deepcopy(model).double()), params, buffers, params)
+    outputs = [t.numpy() for t in portable.trace(step, inputs, tracing_mode="real")(*inputs)[1:]]
+    reference = _torch_step(model, x[:real], y[:real], torch.float64, lr=0.1)
+    assert_close(dict(zip(params + buffers, outputs)), {n: reference[n] for n in params + buffers})
+
+
 def test_mobilenet_onnx_step_is_as_close_to_float64_as_pytorch_float32(mobilenet_step):
     """The float32 ONNX graph vs a float64 reference, every param and buffer.
 
