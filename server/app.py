@@ -162,7 +162,10 @@ def create_app(engine: RoundEngine) -> FastAPI:
             500,
         )
 
-    @app.get(f"{API_PREFIX}/task", responses={401: _ERRORS[401]})
+    @app.get(
+        f"{API_PREFIX}/task",
+        responses={401: _ERRORS[401], **_error_replies({409: "the strategy has no place for this device (pfedla)"})},
+    )
     def get_task(name: Device) -> JSONResponse:
         """What this device should do now: train in a round, wait (retry_after), or stop (done)."""
         task = engine.task(name)

@@ -84,6 +84,12 @@ class ServerConfig:
             (settings.batch_size >= 1, "--batch-size must be at least 1", "pass e.g. 32"),
             (settings.lr > 0, "--lr must be positive", "pass e.g. 0.01"),
             (0.0 <= self.strategy_options.trim_fraction < 0.5, "--trim-fraction must be in [0, 0.5)", "pass e.g. 0.1"),
+            (
+                self.strategy_options.clients == 0 or self.min_clients <= self.strategy_options.clients,
+                f"--min-clients {self.min_clients} is more than the {self.strategy_options.clients} clients of "
+                "--clients, so no round could open",
+                f"pass --min-clients {self.strategy_options.clients} or less",
+            ),
         ]
         for ok, problem, fix in checks:
             if not ok:

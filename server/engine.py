@@ -220,6 +220,10 @@ class RoundEngine:
     def task(self, device: str) -> Task:
         """What a device should do now; polling also makes it available for sampling."""
         with self._lock:
+            try:
+                self.strategy.check_device(device)
+            except EdgePFLError as error:  # e.g. pfedla's N client places all belong to other devices
+                raise ApiError(409, "cannot_join", error.problem, error.fix) from None
             now = self.clock()
             self._seen[device] = now
             if self._done():
@@ -502,7 +506,8 @@ class RoundEngine:
         log.warning("round %d abandoned: %s; the next round starts from the same base", record.round_id, why)
 
     def _maybe_open(self, now: float) -> RoundRecord | None:
-        available = sorted(d for d, seen in self._seen.items() if now - seen <= self.config.available_for)
+        recent = sorted(d for d, seen in self._seen.items() if now - seen <= self.config.available_for)
+        available = self.strategy.admissible(recent)
         if len(available) < self.config.min_clients:
             self._quorum_since = None
             return None
@@ -531,7 +536,7 @@ class RoundEngine:
                 # configuring may change the strategy (e.g. a device's first sight): saved with the round's opening
                 strategy_state = self.strategy.state_bytes()
                 state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
-            except EdgePFLError as error:  # the strategy refuses this round (e.g. more devices than it mixes)
+            except EdgePFLError as error:  # the strategy refuses this round
                 self._load_strategy_state()
                 log.error("round %d not opened: %s", round_id, error)
                 raise ApiError(503, "round_not_opened", error.problem, error.fix) from None

@@ -8,7 +8,7 @@ file in `strategies/` plus one line in the registry.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,6 +62,14 @@ class Strategy(ABC):
     ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
         """Settings and base tensors for one sampled device (called only if needs_per_device_payload)."""
         return self.settings(round_id), global_base
+
+    def admissible(self, devices: Sequence[str]) -> list[str]:
+        """The devices among the available `devices` that this round may sample (default: all of them)."""
+        return list(devices)
+
+    def check_device(self, device: str) -> None:
+        """Raise EdgePFLError if `device` can never take part in this strategy's rounds (default: any can)."""
+        return None
 
     def state_bytes(self) -> bytes | None:
         """What the strategy learnt beyond the global base (None: nothing); saved as a round opens and closes."""

@@ -625,15 +625,37 @@ def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_f
         store.close()
 
 
-def test_more_devices_than_clients_is_a_clear_503_not_a_crash(engine_setup) -> None:
-    """A fourth device where pfedla mixes three: the round is not opened, pollers get the strategy's fix."""
+def test_a_device_beyond_the_clients_pfedla_mixes_gets_one_409_and_the_others_train(engine_setup) -> None:
+    """A fourth device where pfedla mixes three: the round opens for three, the fourth is told it cannot join."""
     _, config = engine_setup
     enroll(config.state, "d3")
-    engine = create_engine(dataclasses.replace(config, min_clients=4), Clock())
-    for device in ("d0", "d1", "d2"):
+    clock = Clock()
+    engine = create_engine(config, clock)
+    for device in ("d3", "d0", "d1", "d2"):  # four available, three places: the round waits for no one
         assert engine.task(device).action == "wait"
+    clock.now += config.poll_interval
+    assert engine.task("d0").action == "train"
+    assert engine.store.open_round().sampled == ("d0", "d1", "d2")
     with pytest.raises(ApiError) as refused:
         engine.task("d3")
-    assert refused.value.status == 503 and refused.value.error == "round_not_opened"
-    assert "--clients" in refused.value.fix
-    assert engine.store.open_round() is None and engine.store.last_round_id() == 0
+    assert refused.value.status == 409 and refused.value.error == "cannot_join"
+    assert "'d3'" in refused.value.problem and "--clients" in refused.value.fix
+    assert engine.task("d1").action == engine.task("d2").action == "train"
+
+
+def test_pfedla_admits_newcomers_only_into_free_places() -> None:
+    strategy = _strategy(clients=2)
+    assert strategy.admissible(["a", "b", "c"]) == ["a", "b"]
+    strategy.configure_device(1, "b", _tensors(np.random.default_rng(0)))
+    assert strategy.admissible(["a", "b", "c"]) == ["a", "b"]  # b holds a place; one is free, for a
+    strategy.configure_device(1, "c", _tensors(np.random.default_rng(0)))
+    assert strategy.admissible(["a", "b", "c"]) == ["b", "c"]
+    strategy.check_device("b")
+    with pytest.raises(UsageError, match="all 2 places"):
+        strategy.check_device("a")
+
+
+def test_serve_refuses_more_min_clients_than_pfedla_clients(engine_setup) -> None:
+    _, config = engine_setup
+    with pytest.raises(UsageError, match="--min-clients 4 is more than the 3 clients"):
+        dataclasses.replace(config, min_clients=4).check()

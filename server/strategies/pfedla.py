@@ -13,7 +13,7 @@ torch is imported lazily: only this strategy needs it, and only on the server.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,13 +100,24 @@ class PFedLA(Strategy):
     def slot_of(self, device: str) -> int:
         """The device's slot among the N clients; a new device takes the next free one."""
         if device not in self.slots:
-            if len(self.slots) >= self.num_clients:
-                raise UsageError(
-                    f"pfedla mixes {self.num_clients} clients and {device!r} would be client {len(self.slots) + 1}",
-                    "restart with a new --state and --clients set to the number of devices",
-                )
+            self.check_device(device)
             self.slots[device] = len(self.slots)
         return self.slots[device]
+
+    def admissible(self, devices: Sequence[str]) -> list[str]:
+        """The devices that hold a slot, and as many newcomers as there are free slots (in the given order)."""
+        free = self.num_clients - len(self.slots)
+        newcomers = [d for d in devices if d not in self.slots][: max(free, 0)]
+        return [d for d in devices if d in self.slots or d in newcomers]
+
+    def check_device(self, device: str) -> None:
+        """A device without a slot can never take part once all N slots belong to other devices."""
+        if device not in self.slots and len(self.slots) >= self.num_clients:
+            raise UsageError(
+                f"this server's {self.name} mixes {self.num_clients} clients and all {self.num_clients} places "
+                f"belong to other devices, so device {device!r} cannot join",
+                "run this device against a server started with a new --state and --clients counting every device",
+            )
 
     def hypernetwork(self, slot: int) -> Any:
         """Client `slot`'s embedding and hypernetwork (seeded by the options' seed and the slot)."""
