@@ -34,6 +34,43 @@ def decode_tensors(payload: bytes) -> dict[str, np.ndarray]:
         ) from None
 
 
+class StoredTensors(Mapping[str, np.ndarray]):
+    """The tensors of a safetensors file, each read from disk when asked for (none held in memory).
+
+    For aggregations that need every device's copy of one tensor at once (median, trimmed mean): they
+    hold O(devices x largest tensor) instead of O(devices x model). The file must not change while
+    this mapping is in use (the server's blobs are content-addressed and written once).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        with self._open() as handle:
+            self._names = list(handle.keys())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        with self._open() as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def _open(self):
+        from safetensors import safe_open
+
+        try:
+            return safe_open(self.path, framework="numpy")
+        except Exception as exc:  # safetensors raises its own error types on a bad header
+            raise WireError(
+                f"{self.path.name} is not valid safetensors ({type(exc).__name__}: {str(exc)[:120]})",
+                "send the bytes produced by safetensors.numpy.save",
+            ) from None
+
+
 def decode_metadata(payload: bytes) -> dict[str, str]:
     """The string map in a safetensors header's `__metadata__` (empty when absent)."""
     if len(payload) < 8:

@@ -491,14 +491,12 @@ class RoundEngine:
     def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):
             try:
-                payload = self.store.read_blob(update.blob_sha)
+                tensors = self.store.blob_tensors(update.blob_sha)
             except BlobError as error:
                 log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
                 self.store.mark_corrupt(record.round_id, update.device)
                 continue
-            yield AcceptedUpdate(
-                update.device, update.num_samples, decode_tensors(payload), update.train_loss, update.val_accuracy
-            )
+            yield AcceptedUpdate(update.device, update.num_samples, tensors, update.train_loss, update.val_accuracy)
 
     def _abandon(self, record: RoundRecord, now: float, why: str) -> None:
         global_base = self.store.get_meta("global_base_sha") or record.base_sha

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgepfl.atomic import write_bytes_atomic
-from edgepfl.errors import StateError, UsageError
+from edgepfl.errors import StateError, UsageError, WireError
+from edgepfl.wire import StoredTensors
 
 DB_NAME = "edgepfl-server.sqlite3"
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -240,12 +241,27 @@ class Store:
         try:
             payload = path.read_bytes()
         except OSError as exc:
-            raise BlobError(
-                f"blob {sha256[:12]} cannot be read ({exc.strerror})", "restore the --state folder"
-            ) from None
+            raise _unreadable(sha256, exc) from None
         if hashlib.sha256(payload).hexdigest() != sha256:
-            raise BlobError(f"blob {sha256[:12]} does not match its sha256", "restore the --state folder")
+            raise _mismatch(sha256)
         return payload
+
+    def blob_tensors(self, sha256: str) -> StoredTensors:
+        """A blob's tensors, read one at a time when used; the file is checked against its sha256 first
+        without being held in memory."""
+        path = self.blob_path(sha256)
+        digest = hashlib.sha256()
+        try:
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+            if digest.hexdigest() != sha256:
+                raise _mismatch(sha256)
+            return StoredTensors(path)
+        except OSError as exc:
+            raise _unreadable(sha256, exc) from None
+        except WireError as error:
+            raise BlobError(f"blob {sha256[:12]}: {error.problem}", "restore the --state folder") from None
 
     def blob_path(self, sha256: str) -> Path:
         """Where a blob lives."""
@@ -459,3 +475,11 @@ def _round(row: tuple) -> RoundRecord:
     return RoundRecord(
         round_id, state, base_sha, opened, deadline, tuple(json.loads(sampled)), closed, result_sha, seconds, note
     )
+
+
+def _unreadable(sha256: str, exc: OSError) -> BlobError:
+    return BlobError(f"blob {sha256[:12]} cannot be read ({exc.strerror})", "restore the --state folder")
+
+
+def _mismatch(sha256: str) -> BlobError:
+    return BlobError(f"blob {sha256[:12]} does not match its sha256", "restore the --state folder")

@@ -18,7 +18,7 @@ from edgepfl.server.errors import ApiError
 from edgepfl.server.page import render_page
 from edgepfl.server.store import Store
 from edgepfl.server.strategies.fedavg import FedAvg
-from edgepfl.wire import decode_tensors
+from edgepfl.wire import decode_tensors, encode_tensors
 
 
 class Clock:
@@ -241,6 +241,23 @@ def test_corrupt_blob_is_excluded_not_aggregated(setup) -> None:
     engine.tick()
     assert engine.store.round(1).state == "closed"
     assert engine.store.update(1, "d2").status == "corrupt"
+
+
+def test_blob_tensors_are_checked_then_read_one_at_a_time(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state")
+    try:
+        tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, dtype=np.int64)}
+        lazy = store.blob_tensors(store.put_blob(encode_tensors(tensors)))
+        assert sorted(lazy) == ["a", "b"] and len(lazy) == 2
+        for name, value in tensors.items():
+            np.testing.assert_array_equal(lazy[name], value)
+            assert lazy[name].dtype == value.dtype
+        with pytest.raises(StateError, match="not valid safetensors"):  # named by its sha256, but not tensors
+            store.blob_tensors(store.put_blob(b"not safetensors at all"))
+        with pytest.raises(StateError, match="cannot be read"):
+            store.blob_tensors("0" * 64)
+    finally:
+        store.close()
 
 
 def test_metrics_and_status_page(setup) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -66,6 +68,36 @@ def test_fedavg_matches_float64_reference(pairs: list[tuple[float, int]]) -> Non
 def test_median_resists_one_outlier() -> None:
     result = make_strategy("median", SPECS, StrategyOptions()).aggregate(1, _updates([1.0, 2.0, 1e9], [1, 1, 1000]), {})
     np.testing.assert_allclose(result["w"], 2.0)
+
+
+class _Logged(Mapping):
+    """A device's tensors that log each read, as the server's blobs are read from disk one at a time."""
+
+    def __init__(self, tensors: dict, device: str, log: list) -> None:
+        self.tensors, self.device, self.log = tensors, device, log
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self.log.append((self.device, name))
+        return self.tensors[name]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed-mean"])
+def test_robust_strategies_hold_one_tensor_of_every_device_at_a_time(name: str) -> None:
+    """O(devices x largest tensor): all devices' "w" is read and reduced before any device's "b"."""
+    log: list = []
+    updates = [
+        AcceptedUpdate(u.device, u.num_samples, _Logged(u.base_tensors, u.device, log))
+        for u in _updates([1.0, 2.0, 9.0], [1, 1, 1])
+    ]
+    result = make_strategy(name, SPECS, StrategyOptions(trim_fraction=0.34)).aggregate(1, iter(updates), {})
+    assert log == [(f"d{i}", "w") for i in range(3)] + [(f"d{i}", "b") for i in range(3)]
+    np.testing.assert_allclose(result["w"], np.full((3, 2), 2.0))
 
 
 def test_trimmed_mean_cuts_each_end() -> None:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from edgepfl.manifest import TensorSpec
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, cast_like
 
 
 class Median(Strategy):
     """Per-coordinate median of the devices' base tensors, unweighted.
 
-    A median needs every value of a coordinate at once, so memory is O(devices x model) (float32 or
-    the tensors' own dtype), unlike FedAvg's running sum.
+    A median needs every device's value of a coordinate at once; tensor by tensor (the uploads are read
+    from disk one tensor at a time), that is O(devices x largest tensor) memory, not O(devices x model).
     """
 
     name = "median"
@@ -23,16 +24,20 @@ class Median(Strategy):
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
     ) -> BaseTensors:
         """Coordinate-wise median over the accepted updates."""
-        stacks = stack_updates(round_id, updates, self.specs)
-        return cast_like({name: np.median(stack, axis=0) for name, stack in stacks.items()}, self.specs)
+        return coordinatewise(round_id, updates, self.specs, lambda stack: np.median(stack, axis=0))
 
 
-def stack_updates(round_id: int, updates: Iterable[AcceptedUpdate], specs: list) -> dict[str, np.ndarray]:
-    """Stack each tensor over devices: name -> array of shape (devices, *shape)."""
-    columns: dict[str, list[np.ndarray]] = {spec.name: [] for spec in specs}
-    for update in updates:
-        for name, column in columns.items():
-            column.append(np.asarray(update.base_tensors[name]))
-    if not any(columns.values()):
+def coordinatewise(
+    round_id: int,
+    updates: Iterable[AcceptedUpdate],
+    specs: list[TensorSpec],
+    reduce: Callable[[np.ndarray], np.ndarray],
+) -> BaseTensors:
+    """`reduce` over each tensor stacked across devices (devices, *shape), one tensor at a time."""
+    updates = list(updates)
+    if not updates:
         raise ValueError(f"round {round_id} has no updates to aggregate")
-    return {name: np.stack(column) for name, column in columns.items()}
+    result = {}
+    for spec in specs:
+        result[spec.name] = reduce(np.stack([np.asarray(update.base_tensors[spec.name]) for update in updates]))
+    return cast_like(result, specs)

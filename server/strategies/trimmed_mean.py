@@ -6,15 +6,15 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.server.strategies.median import stack_updates
-from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, cast_like
+from edgepfl.server.strategies.median import coordinatewise
+from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy
 
 
 class TrimmedMean(Strategy):
     """Per coordinate, sort the devices' values, cut `trim_fraction` from each end, take the plain mean.
 
-    Like the median this holds O(devices x model) memory. With n updates, k = floor(trim_fraction * n)
-    values are cut from each end, and never so many that nothing is left.
+    Like the median it works tensor by tensor: O(devices x largest tensor) memory. With n updates,
+    k = floor(trim_fraction * n) values are cut from each end, and never so many that nothing is left.
     """
 
     name = "trimmed-mean"
@@ -24,11 +24,10 @@ class TrimmedMean(Strategy):
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
     ) -> BaseTensors:
         """Coordinate-wise trimmed mean over the accepted updates."""
-        stacks = stack_updates(round_id, updates, self.specs)
-        count = next(iter(stacks.values())).shape[0]
-        cut = min(int(np.floor(self.options.trim_fraction * count)), (count - 1) // 2)
-        result = {}
-        for name, stack in stacks.items():
-            ordered = np.sort(stack.astype(np.float64), axis=0)
-            result[name] = ordered[cut : count - cut].mean(axis=0)
-        return cast_like(result, self.specs)
+
+        def trimmed(stack: np.ndarray) -> np.ndarray:
+            count = stack.shape[0]
+            cut = min(int(np.floor(self.options.trim_fraction * count)), (count - 1) // 2)
+            return np.sort(stack.astype(np.float64), axis=0)[cut : count - cut].mean(axis=0)
+
+        return coordinatewise(round_id, updates, self.specs, trimmed)
