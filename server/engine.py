@@ -490,8 +490,11 @@ class RoundEngine:
 
     def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):
-            try:
-                tensors = self.store.blob_tensors(update.blob_sha)
+            try:  # one update at a time: read it whole; all at once (median...): one tensor at a time
+                if self.strategy.streaming:
+                    tensors = decode_tensors(self.store.read_blob(update.blob_sha))
+                else:
+                    tensors = self.store.blob_tensors(update.blob_sha)
             except BlobError as error:
                 log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
                 self.store.mark_corrupt(record.round_id, update.device)

@@ -256,6 +256,10 @@ def test_blob_tensors_are_checked_then_read_one_at_a_time(tmp_path: Path) -> Non
             store.blob_tensors(store.put_blob(b"not safetensors at all"))
         with pytest.raises(StateError, match="cannot be read"):
             store.blob_tensors("0" * 64)
+        rotten = store.put_blob(encode_tensors(tensors))
+        store.blob_path(rotten).write_bytes(encode_tensors({"a": tensors["a"] + 1, "b": tensors["b"]}))
+        with pytest.raises(StateError, match="does not match its sha256"):
+            store.blob_tensors(rotten)
     finally:
         store.close()
 
