@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -49,7 +51,11 @@ def enroll(
     ] = None,
     timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
 ) -> None:
-    """Enroll this device with the server's shared secret and print its token once (or write it to --token-file)."""
+    """Enroll this device with the server's shared secret and print its token once (or write it to --token-file).
+
+    A random enrollment key goes with the request; with --token-file it is kept in TOKEN_FILE.enroll-key
+    until the token is written, so running the same command again after a lost reply gets a new token.
+    """
     from edgepfl.cli import fail
     from edgepfl.credentials import read_secret_file, refuse_existing, write_secret_file
     from edgepfl.errors import EdgePFLError, UsageError
@@ -60,15 +66,18 @@ def enroll(
         if token_file is not None:
             refuse_existing(token_file, "--token-file")  # before the name is spent on the server
         secret = read_secret_file(secret_file, "--secret-file")
+        key = _enroll_key(_enroll_key_file(token_file) if token_file is not None else None)
         from edgepfl.device_runtime.client import ServerClient
 
         client = ServerClient(server, None, timeout=timeout)
         try:
-            token = client.enroll(name, secret)
+            token = client.enroll(name, secret, key)
         finally:
             client.close()
         if token_file is not None:
             write_secret_file(token_file, token, "--token-file")
+            with contextlib.suppress(OSError):  # a key left behind only re-enrolls this name with the secret
+                _enroll_key_file(token_file).unlink(missing_ok=True)
     except EdgePFLError as error:
         fail(error)
         return
@@ -444,6 +453,24 @@ def _device_token(token: str | None, token_file: Path | None) -> str:
     if token_file is not None and token is not None:
         raise UsageError("both --token (or EDGEPFL_TOKEN) and --token-file are given", "pass only one of them")
     return token if token_file is None else read_secret_file(token_file, "--token-file")
+
+
+def _enroll_key_file(token_file: Path) -> Path:
+    """Where `device enroll --token-file` keeps its enrollment key until the token is written."""
+    return token_file.with_name(f"{token_file.name}.enroll-key")
+
+
+def _enroll_key(key_file: Path | None) -> str:
+    """This device's enrollment key: the one an earlier run left in `key_file` (its reply was lost), or a new
+    random one, written to `key_file` (0600, atomically) before it is ever sent."""
+    from edgepfl.credentials import read_secret_file, replace_secret_file
+
+    if key_file is not None and key_file.exists():
+        return read_secret_file(key_file, "enrollment key file")
+    key = secrets.token_urlsafe(32)
+    if key_file is not None:
+        replace_secret_file(key_file, key, "enrollment key file")
+    return key
 
 
 def _floats(text: str, option: str) -> tuple[float, ...]:

@@ -101,10 +101,14 @@ class ServerClient:
         """Close the connection pool."""
         self._http.close()
 
-    def enroll(self, name: str, secret: str) -> str:
-        """`POST /v1/enroll` with the shared secret in place of a device token: this device's new token."""
+    def enroll(self, name: str, secret: str, key: str | None = None) -> str:
+        """`POST /v1/enroll` with the shared secret in place of a device token: this device's new token.
+
+        Every retry sends the same `key`, so a retry after a lost reply gets a new token instead of 409.
+        """
+        body = {"device": name} if key is None else {"device": name, "key": key}
         response = self._request(
-            "POST", f"{API_PREFIX}/enroll", json={"device": name}, headers={"Authorization": f"Bearer {secret}"}
+            "POST", f"{API_PREFIX}/enroll", json=body, headers={"Authorization": f"Bearer {secret}"}
         )
         try:
             token = response.json()["token"]

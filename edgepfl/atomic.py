@@ -7,12 +7,18 @@ import os
 from pathlib import Path
 
 
-def write_bytes_atomic(path: str | os.PathLike, payload: bytes) -> None:
-    """Write `payload` to `path` so that a reader sees the old file or the new one, never a part."""
+def write_bytes_atomic(path: str | os.PathLike, payload: bytes, mode: int | None = None) -> None:
+    """Write `payload` to `path` so that a reader sees the old file or the new one, never a part.
+
+    `mode` (e.g. 0o600) is set on the new file before any byte is written; None leaves the umask's choice.
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+    if mode is not None:
+        os.chmod(tmp, mode)  # a temp file left by a crash keeps its old mode under O_CREAT
+    with os.fdopen(descriptor, "wb") as handle:
         handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())

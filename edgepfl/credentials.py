@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from edgepfl.atomic import write_bytes_atomic
 from edgepfl.errors import UsageError
 
 
@@ -38,6 +39,14 @@ def write_secret_file(path: Path, secret: str, option: str) -> None:
         handle.write(secret + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def replace_secret_file(path: Path, secret: str, option: str) -> None:
+    """Write `secret` to `path` (0600) atomically, replacing any file there: a reader never sees a part."""
+    try:
+        write_bytes_atomic(path, (secret + "\n").encode("utf-8"), mode=0o600)
+    except OSError as exc:
+        raise UsageError(f"{option} {path} cannot be written ({exc.strerror})", "pass a writable path") from None
 
 
 def _exists(path: Path, option: str) -> UsageError:

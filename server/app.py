@@ -65,15 +65,26 @@ _ENROLL_ERRORS = _error_replies(
     {
         401: "missing or wrong enrollment secret",
         403: "enrollment closed: the server was started without --enroll-secret-file",
-        409: "the device name is already enrolled",
+        409: "the device name is already enrolled (and `key` is not the key it was enrolled with)",
         413: "body too large",
-        422: "invalid device name or body",
+        422: "invalid device name, key or body",
         429: "too many wrong secrets from this address lately; Retry-After says when to try again",
     }
 )
 _ENROLL_REQUEST = {
     "type": "object",
-    "properties": {"device": {"type": "string", "description": "1-64 letters, digits, '.', '_' or '-'"}},
+    "properties": {
+        "device": {"type": "string", "description": "1-64 letters, digits, '.', '_' or '-'"},
+        "key": {
+            "type": "string",
+            "minLength": 16,
+            "maxLength": 200,
+            "pattern": "^[!-~]+$",
+            "description": "optional: a random key (printable ASCII) the device keeps until it has its token; "
+            "enrolling the same name again with the same key issues a new token in place of the old one, "
+            "so a retry after a lost reply succeeds. Without it an enrolled name is 409.",
+        },
+    },
     "required": ["device"],
 }
 _ENROLL_REPLY = {
@@ -259,14 +270,18 @@ def create_app(engine: RoundEngine) -> FastAPI:
         _check_declared_length(request, MAX_JSON_BYTES)
         body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
         try:
-            name = json.loads(body)["device"]
+            fields = json.loads(body)
+            name, key = fields["device"], fields.get("key")
         except (ValueError, KeyError, TypeError, RecursionError):
-            name = None
-        if not isinstance(name, str):
+            name = key = None
+        if not isinstance(name, str) or not isinstance(key, str | None):
             raise ApiError(
-                422, "invalid_request", "the body is not JSON with a string `device`", 'send {"device": "phone-1"}'
+                422,
+                "invalid_request",
+                "the body is not JSON with a string `device` (and an optional string `key`)",
+                'send {"device": "phone-1", "key": "<random key>"}',
             )
-        token = await run_in_threadpool(engine.enroll, secret, name, address)
+        token = await run_in_threadpool(engine.enroll, secret, name, address, key)
         return JSONResponse({"device": name, "token": token})
 
     @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})

@@ -49,6 +49,7 @@ from edgepfl.server.store import (
     Assignment,
     BlobError,
     DeviceNameError,
+    EnrollKeyError,
     EvalRecord,
     RoundRecord,
     Store,
@@ -165,13 +166,19 @@ class RoundEngine:
             )
         return device
 
-    def enroll(self, secret: str | None, name: str, address: str) -> str:
-        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/429/401/422/409)."""
+    def enroll(self, secret: str | None, name: str, address: str, key: str | None = None) -> str:
+        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/429/401/422/409).
+
+        An enrolled name gets a new token (the old one stops working) only when `key` is the enrollment
+        key it was enrolled with: the device retries after a lost reply.
+        """
         self.check_enroll_secret(secret, address)
         try:
-            token = issue_token(self.store, name, self.clock())
+            token = issue_token(self.store, name, self.clock(), enroll_key=key)
         except DeviceNameError as error:
             raise ApiError(422, "invalid_device_name", error.problem, error.fix) from None
+        except EnrollKeyError as error:
+            raise ApiError(422, "invalid_enroll_key", error.problem, error.fix) from None
         except AlreadyEnrolled as error:
             raise ApiError(
                 409,

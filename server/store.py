@@ -8,6 +8,7 @@ the blob is on disk, so a crash leaves at worst an unreferenced blob, removed at
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import secrets
@@ -24,11 +25,12 @@ from edgepfl.wire import StoredTensors
 
 DB_NAME = "edgepfl-server.sqlite3"
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ENROLL_KEY = re.compile(r"[!-~]{16,200}")  # printable ASCII: a device's random key for retrying its enrollment
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS devices (
-    name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL);
+    name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL, enroll_key_hash TEXT);
 CREATE TABLE IF NOT EXISTS rounds (
     round_id INTEGER PRIMARY KEY, state TEXT NOT NULL, base_sha TEXT NOT NULL,
     opened REAL NOT NULL, deadline REAL NOT NULL, closed REAL, sampled TEXT NOT NULL,
@@ -47,7 +49,7 @@ CREATE TABLE IF NOT EXISTS eval_metrics (
 
 
 def hash_token(token: str) -> str:
-    """What the store keeps of a device token: its sha256, never the token."""
+    """What the store keeps of a device token (or enrollment key): its sha256, never the token."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
@@ -57,11 +59,27 @@ def check_device_name(name: str) -> None:
         raise DeviceNameError(f"device name {name[:80]!r} is not allowed", "use 1-64 letters, digits, '.', '_' or '-'")
 
 
-def issue_token(store: Store, name: str, created: float, replace: bool = False) -> str:
-    """Enroll `name` with a new random bearer token and return it; only its hash is stored."""
+def check_enroll_key(key: str) -> None:
+    """Refuse an enrollment key outside 16-200 printable ASCII characters (raises EnrollKeyError)."""
+    if not ENROLL_KEY.fullmatch(key):
+        raise EnrollKeyError(
+            "the enrollment key is not 16-200 printable ASCII characters",
+            "send a random key, e.g. secrets.token_urlsafe(32), or none",
+        )
+
+
+def issue_token(store: Store, name: str, created: float, replace: bool = False, enroll_key: str | None = None) -> str:
+    """Enroll `name` with a new random bearer token and return it; only its hash is stored.
+
+    With `enroll_key`, its hash is kept too, and enrolling the enrolled name again with the same key
+    issues a new token in place of the old one: a device whose reply was lost retries safely.
+    """
     check_device_name(name)
+    if enroll_key is not None:
+        check_enroll_key(enroll_key)
     token = secrets.token_urlsafe(32)
-    store.add_device(name, hash_token(token), created, replace=replace)
+    key_hash = hash_token(enroll_key) if enroll_key is not None else None
+    store.add_device(name, hash_token(token), created, replace=replace, enroll_key_hash=key_hash)
     return token
 
 
@@ -69,8 +87,12 @@ class DeviceNameError(UsageError):
     """A device name that the enrollment rule refuses."""
 
 
+class EnrollKeyError(UsageError):
+    """An enrollment key that is not a short printable string."""
+
+
 class AlreadyEnrolled(StateError):
-    """A device name that is enrolled already (and `replace` was not asked for)."""
+    """A device name that is enrolled already (and neither `replace` nor its enrollment key was given)."""
 
 
 class BlobError(StateError):
@@ -153,12 +175,20 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the reply
             self._db.executescript(_SCHEMA)
+            self._lock = threading.RLock()
+            self._add_missing_columns()
         except (OSError, sqlite3.Error) as exc:
             raise StateError(
                 f"cannot open the server state in {self.folder} ({exc})", "pass a writable --state folder"
             ) from None
-        self._lock = threading.RLock()
         self._blob_locks = [threading.Lock() for _ in range(64)]  # same-content writers share a temp name
+
+    def _add_missing_columns(self) -> None:
+        """Bring a state folder written by an older version up to the schema; nothing stored is lost."""
+        with self.transaction() as db:  # two servers opening one old folder must not both add the column
+            columns = {row[1] for row in db.execute("PRAGMA table_info(devices)")}
+            if "enroll_key_hash" not in columns:
+                db.execute("ALTER TABLE devices ADD COLUMN enroll_key_hash TEXT")
 
     @property
     def blob_dir(self) -> Path:
@@ -200,15 +230,26 @@ class Store:
 
     # devices
 
-    def add_device(self, name: str, token_hash: str, created: float, replace: bool = False) -> None:
-        """Enroll a device under its token's hash; an existing name is an error unless `replace`."""
+    def add_device(
+        self,
+        name: str,
+        token_hash: str,
+        created: float,
+        replace: bool = False,
+        enroll_key_hash: str | None = None,
+    ) -> None:
+        """Enroll a device under its token's hash (and its enrollment key's hash, if any).
+
+        An existing name is an error unless `replace`, or unless `enroll_key_hash` equals the hash it
+        was enrolled with (a retried enrollment); either way the new token replaces the old one.
+        """
         with self.transaction() as db:
-            exists = db.execute("SELECT 1 FROM devices WHERE name = ?", (name,)).fetchall()
-            if exists and not replace:
+            rows = db.execute("SELECT enroll_key_hash FROM devices WHERE name = ?", (name,)).fetchall()
+            if rows and not replace and not _same_key(rows[0][0], enroll_key_hash):
                 raise AlreadyEnrolled(f"device {name!r} is already enrolled", "pass --replace to issue a new token")
             db.execute(
-                "INSERT OR REPLACE INTO devices (name, token_hash, created) VALUES (?, ?, ?)",
-                (name, token_hash, created),
+                "INSERT OR REPLACE INTO devices (name, token_hash, created, enroll_key_hash) VALUES (?, ?, ?, ?)",
+                (name, token_hash, created, enroll_key_hash),
             )
 
     def device_for_token(self, token_hash: str) -> str | None:
@@ -468,6 +509,13 @@ _ROUND_COLUMNS = "round_id, state, base_sha, opened, deadline, sampled, closed, 
 _UPDATE_COLUMNS = (
     "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status"
 )
+
+
+def _same_key(stored_hash: str | None, offered_hash: str | None) -> bool:
+    """Whether an enrollment key matches the stored one (in constant time; no stored key matches nothing)."""
+    if stored_hash is None or offered_hash is None:
+        return False
+    return hmac.compare_digest(stored_hash.encode(), offered_hash.encode())
 
 
 def _round(row: tuple) -> RoundRecord:

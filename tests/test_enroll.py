@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import stat
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -18,11 +21,12 @@ from test_server_engine import Clock
 from typer.testing import CliRunner
 
 from edgepfl.cli import app as cli_app
+from edgepfl.device_runtime.client import ServerRefused
 from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import create_engine
 from edgepfl.server.ratelimit import FailureLimiter
-from edgepfl.server.store import Store
+from edgepfl.server.store import DB_NAME, Store, hash_token
 
 SECRET = "shared-secret-of-the-fleet-0123456789"
 BAD_NAMES = ("", "-dash-first", "a" * 65, "with space", "slash/name", "ünïcode", "a\nb")
@@ -272,3 +276,166 @@ def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_f
         server.stop()
     assert result["finished"] and result["rounds_trained"] == 1, result
     assert token.encode() not in state_bytes(state)
+
+
+# a retried enrollment: the same name with the same key gets a new token
+
+
+KEY = "enroll-key-of-phone-1-0123456789"
+
+
+def in_process_app(tmp_path: Path, state: Path | None = None) -> tuple[TestClient, Path]:
+    make_bundle(tmp_path / "bundle")
+    state = state or tmp_path / "state"
+    config = ServerConfig(bundle=tmp_path / "bundle", state=state, enroll_secret=SECRET, min_clients=100)
+    return TestClient(create_app(create_engine(config))), state  # no lifespan: enrollment needs no round loop
+
+
+def post_with_key(http: TestClient, name: str, key: object = None) -> httpx.Response:
+    body = {"device": name} if key is None else {"device": name, "key": key}
+    return http.post("/v1/enroll", json=body, headers={"Authorization": f"Bearer {SECRET}"})
+
+
+def authenticates(http: TestClient, token: str) -> bool:
+    return http.get("/v1/task", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+
+def enroll_key_hashes(state: Path) -> dict[str, str | None]:
+    with closing(sqlite3.connect(state / DB_NAME)) as db:
+        return dict(db.execute("SELECT name, enroll_key_hash FROM devices").fetchall())
+
+
+def test_the_same_key_gets_a_new_token_and_the_old_one_stops_working(tmp_path: Path) -> None:
+    http, state = in_process_app(tmp_path)
+    first = post_with_key(http, "phone-1", KEY)
+    assert first.status_code == 200, first.text
+    assert authenticates(http, first.json()["token"])
+    again = post_with_key(http, "phone-1", KEY)  # the first reply was "lost"
+    assert again.status_code == 200 and again.json()["device"] == "phone-1", again.text
+    assert again.json()["token"] != first.json()["token"]
+    assert not authenticates(http, first.json()["token"]) and authenticates(http, again.json()["token"])
+    assert enrolled(state) == ["phone-1"]
+    assert enroll_key_hashes(state) == {"phone-1": hash_token(KEY)}  # the key is stored as its hash only
+    assert KEY.encode() not in state_bytes(state)
+
+
+def test_another_key_no_key_or_an_operator_token_is_still_409(tmp_path: Path) -> None:
+    http, state = in_process_app(tmp_path)
+    operator_token = enroll(state, "operator-made")["operator-made"]
+    token = post_with_key(http, "phone-1", KEY).json()["token"]
+    for key in (f"{KEY}x", KEY[:-1], None):
+        refusal(post_with_key(http, "phone-1", key), 409, "already_enrolled")
+    refusal(post_with_key(http, "operator-made", KEY), 409, "already_enrolled")  # it has no key to match
+    assert authenticates(http, token) and authenticates(http, operator_token)  # the stored tokens are unchanged
+
+    replaced = CliRunner().invoke(cli_app, ["serve", "tokens", "add", "phone-1", "--state", str(state), "--replace"])
+    assert replaced.exit_code == 0, replaced.output
+    assert enroll_key_hashes(state)["phone-1"] is None  # the operator's token supersedes the key
+    refusal(post_with_key(http, "phone-1", KEY), 409, "already_enrolled")
+    assert authenticates(http, replaced.output.strip()) and not authenticates(http, token)
+
+
+def test_an_invalid_key_is_422_and_stores_nothing(tmp_path: Path) -> None:
+    http, state = in_process_app(tmp_path)
+    for key in ("too-short", "k" * 201, "a key with spaces 0123456789", "ü" * 20):
+        body = refusal(post_with_key(http, "phone-1", key), 422, "invalid_enroll_key")
+        assert "16-200 printable ASCII" in body["detail"]
+    for key in (7, ["a-list-is-no-key-0123456789"], {"k": 1}):
+        refusal(post_with_key(http, "phone-1", key), 422, "invalid_request")
+    lone_surrogate = b'{"device": "phone-1", "key": "\\ud800-0123456789abcdef"}'
+    reply = http.post("/v1/enroll", content=lone_surrogate, headers={"Authorization": f"Bearer {SECRET}"})
+    refusal(reply, 422, "invalid_enroll_key")
+    assert enrolled(state) == []
+    spec = http.get("/openapi.json").json()["paths"]["/v1/enroll"]["post"]
+    assert "key" in spec["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+
+def test_a_state_folder_without_the_key_column_gains_it_and_keeps_its_devices(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    with closing(sqlite3.connect(state / DB_NAME)) as db, db:
+        db.execute(
+            "CREATE TABLE devices (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL)"
+        )
+        db.execute("INSERT INTO devices VALUES ('old-phone', ?, 1.0)", (hash_token("token-of-the-old-phone"),))
+    http, _ = in_process_app(tmp_path, state)
+    assert authenticates(http, "token-of-the-old-phone")
+    assert enroll_key_hashes(state) == {"old-phone": None}
+    refusal(post_with_key(http, "old-phone", KEY), 409, "already_enrolled")
+    assert post_with_key(http, "phone-1", KEY).status_code == 200
+    assert post_with_key(http, "phone-1", KEY).status_code == 200
+    Store(state).close()  # opening it again adds nothing twice
+    assert enrolled(state) == ["old-phone", "phone-1"]
+
+
+@pytest.mark.parametrize("attempts", [3, 1], ids=["retried-in-process", "run-again"])
+def test_device_enroll_gets_its_token_after_the_first_reply_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attempts: int
+) -> None:
+    from edgepfl.device_runtime import client as client_module
+    from edgepfl.device_runtime.cli import device_app
+
+    http, state = in_process_app(tmp_path)
+    sent: list[dict] = []
+
+    def lose_the_first_reply(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        headers = {"Authorization": request.headers["authorization"], "Content-Type": "application/json"}
+        reply = http.post(request.url.path, content=request.content, headers=headers)
+        if len(sent) == 1:  # the server enrolled the device, then the connection broke
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return httpx.Response(reply.status_code, content=reply.content, headers={"Content-Type": "application/json"})
+
+    real_client = client_module.ServerClient
+
+    def lossy_client(server_url: str, token: str | None, timeout: float = 60.0) -> client_module.ServerClient:
+        retry = client_module.RetryPolicy(attempts=attempts, first_delay=0.0)
+        transport = httpx.MockTransport(lose_the_first_reply)
+        return real_client(server_url, token, retry, timeout, transport=transport, sleep=lambda _: None)
+
+    monkeypatch.setattr(client_module, "ServerClient", lossy_client)
+    token_file, key_file = tmp_path / "device.token", tmp_path / "device.token.enroll-key"
+    args = [
+        "enroll",
+        "--server",
+        "http://device.test",
+        "--name",
+        "phone-1",
+        "--secret-file",
+        str(write_secret(tmp_path)),
+    ]
+    args += ["--token-file", str(token_file)]
+    runner = CliRunner()
+    if attempts == 1:
+        lost = runner.invoke(device_app, args)
+        assert lost.exit_code == 2 and lost.output.startswith("error: POST /v1/enroll failed 1 times"), lost.output
+        assert not token_file.exists() and stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        assert key_file.read_text().strip() == sent[0]["key"]
+    done = runner.invoke(device_app, args)
+    assert done.exit_code == 0 and done.output == "", done.output
+    assert len(sent) == 2 and sent[0]["key"] == sent[1]["key"] and len(sent[0]["key"]) >= 40
+    assert not key_file.exists() and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert authenticates(http, token_file.read_text().strip()) and enrolled(state) == ["phone-1"]
+
+
+def test_a_client_that_sends_no_key_is_409_on_a_second_enrollment_as_before(tmp_path: Path) -> None:
+    from edgepfl.device_runtime.client import ServerClient
+
+    http, _ = in_process_app(tmp_path)
+    sent: list[dict] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        headers = {"Authorization": request.headers["authorization"], "Content-Type": "application/json"}
+        reply = http.post(request.url.path, content=request.content, headers=headers)
+        return httpx.Response(reply.status_code, content=reply.content, headers={"Content-Type": "application/json"})
+
+    client = ServerClient("http://device.test", None, transport=httpx.MockTransport(answer), sleep=pytest.fail)
+    try:
+        old_style = client.enroll("phone-1", SECRET)  # an old client sends no key: behaviour as before
+        with pytest.raises(ServerRefused) as refused:
+            client.enroll("phone-1", SECRET)
+    finally:
+        client.close()
+    assert sent == [{"device": "phone-1"}] * 2 and refused.value.status == 409
+    assert authenticates(http, old_style)
