@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import onnx
+import onnx_ir.passes.common
 import onnxscript
 import onnxscript.optimizer
 import torch
@@ -434,6 +435,9 @@ def _to_onnx(
     onnx_program = torch.onnx.export(program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False)
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
+    # one copy of each identical constant (e.g. _DepthwiseMaps' tap matrices, made again for every layer
+    # of the same map size and again for its backward), so that CSE also merges the products they feed
+    onnx_ir.passes.common.DeduplicateInitializersPass(size_limit=1 << 20)(ir_model)
     onnxscript.ir.passes.common.RemoveUnusedNodesPass()(ir_model)
     onnxscript.ir.passes.common.CommonSubexpressionEliminationPass()(ir_model)
     proto = _rename(onnxscript.ir.serde.serialize_model(ir_model), input_names, output_names)
