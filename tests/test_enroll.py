@@ -368,6 +368,13 @@ def test_a_state_folder_without_the_key_column_gains_it_and_keeps_its_devices(tm
     assert enrolled(state) == ["old-phone", "phone-1"]
 
 
+def forward(http: TestClient, request: httpx.Request) -> httpx.Response:
+    """A device client's enroll POST, answered by the in-process server (for an httpx.MockTransport)."""
+    headers = {"Authorization": request.headers["authorization"], "Content-Type": "application/json"}
+    reply = http.post(request.url.path, content=request.content, headers=headers)
+    return httpx.Response(reply.status_code, content=reply.content, headers={"Content-Type": "application/json"})
+
+
 @pytest.mark.parametrize("attempts", [3, 1], ids=["retried-in-process", "run-again"])
 def test_device_enroll_gets_its_token_after_the_first_reply_is_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attempts: int
@@ -380,11 +387,10 @@ def test_device_enroll_gets_its_token_after_the_first_reply_is_lost(
 
     def lose_the_first_reply(request: httpx.Request) -> httpx.Response:
         sent.append(json.loads(request.content))
-        headers = {"Authorization": request.headers["authorization"], "Content-Type": "application/json"}
-        reply = http.post(request.url.path, content=request.content, headers=headers)
+        reply = forward(http, request)
         if len(sent) == 1:  # the server enrolled the device, then the connection broke
             raise httpx.ReadError("connection reset by peer", request=request)
-        return httpx.Response(reply.status_code, content=reply.content, headers={"Content-Type": "application/json"})
+        return reply
 
     real_client = client_module.ServerClient
 
@@ -426,9 +432,7 @@ def test_a_client_that_sends_no_key_is_409_on_a_second_enrollment_as_before(tmp_
 
     def answer(request: httpx.Request) -> httpx.Response:
         sent.append(json.loads(request.content))
-        headers = {"Authorization": request.headers["authorization"], "Content-Type": "application/json"}
-        reply = http.post(request.url.path, content=request.content, headers=headers)
-        return httpx.Response(reply.status_code, content=reply.content, headers={"Content-Type": "application/json"})
+        return forward(http, request)
 
     client = ServerClient("http://device.test", None, transport=httpx.MockTransport(answer), sleep=pytest.fail)
     try:
