@@ -66,7 +66,8 @@ def enroll(
         if token_file is not None:
             refuse_existing(token_file, "--token-file")  # before the name is spent on the server
         secret = read_secret_file(secret_file, "--secret-file")
-        key = _enroll_key(_enroll_key_file(token_file) if token_file is not None else None)
+        key_file = _enroll_key_file(token_file) if token_file is not None else None
+        key = _enroll_key(key_file)
         from edgepfl.device_runtime.client import ServerClient
 
         client = ServerClient(server, None, timeout=timeout)
@@ -74,10 +75,10 @@ def enroll(
             token = client.enroll(name, secret, key)
         finally:
             client.close()
-        if token_file is not None:
+        if token_file is not None and key_file is not None:
             write_secret_file(token_file, token, "--token-file")
             with contextlib.suppress(OSError):  # a key left behind only re-enrolls this name with the secret
-                _enroll_key_file(token_file).unlink(missing_ok=True)
+                key_file.unlink(missing_ok=True)
     except EdgePFLError as error:
         fail(error)
         return
