@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from edgepfl.errors import EdgePFLError
+from edgepfl.errors import EdgePFLError, WireError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, Task, UploadMeta
 from edgepfl.wire import decode_tensors, encode_tensors
 
@@ -126,7 +126,7 @@ class ServerClient:
             response = self._request("GET", url)
             etag = response.headers.get("etag", "").strip('"')
             if not etag or hashlib.sha256(response.content).hexdigest() == etag:
-                return decode_tensors(response.content)
+                return _tensors_reply(response)
             self._notify(f"GET {url}: body does not match its ETag, fetching again")
         raise ServerUnreachable(f"GET {url} kept returning bytes that do not match their ETag", "check the network")
 
@@ -145,7 +145,7 @@ class ServerClient:
         for _ in range(self.retry.attempts):
             response = self._request("GET", entry.url)
             if hashlib.sha256(response.content).hexdigest() == entry.sha256:
-                return decode_tensors(response.content)
+                return _tensors_reply(response)
             self._notify(f"GET {entry.url}: body does not match the sha256 in the history, fetching again")
         raise ServerUnreachable(
             f"GET {entry.url} kept returning bytes that do not match their sha256", "check the network"
@@ -250,14 +250,26 @@ def _json_reply(response: httpx.Response) -> dict[str, Any]:
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        kind = response.headers.get("content-type", "no content type").split(";")[0]
-        raise ServerError(
-            f"the reply to {response.request.method} {response.request.url.path} is not edgepfl JSON "
-            f"({response.status_code}, {kind}): a captive portal or proxy may have answered",
-            "check the network (log in to the Wi-Fi portal) and --server; the device resumes where it stopped "
-            "when run again",
-        )
+        raise _not_the_server(response, "edgepfl JSON")
     return body
+
+
+def _tensors_reply(response: httpx.Response) -> dict[str, np.ndarray]:
+    """The tensors of a 2xx safetensors reply; anything else is one ServerError line."""
+    try:
+        return decode_tensors(response.content)
+    except WireError:
+        raise _not_the_server(response, "safetensors") from None
+
+
+def _not_the_server(response: httpx.Response, expected: str) -> ServerError:
+    kind = response.headers.get("content-type", "no content type").split(";")[0]
+    return ServerError(
+        f"the reply to {response.request.method} {response.request.url.path} is not {expected} "
+        f"({response.status_code}, {kind}): a captive portal or proxy may have answered",
+        "check the network (log in to the Wi-Fi portal) and --server; the device resumes where it stopped "
+        "when run again",
+    )
 
 
 def _error_body(response: httpx.Response) -> dict[str, Any]:

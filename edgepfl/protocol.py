@@ -161,6 +161,8 @@ class Task:
     @classmethod
     def from_json(cls, data: Any) -> Task:
         """Parse a task received from the server; raises WireError naming what makes it not one."""
+        if not isinstance(data, dict):
+            raise WireError(f"the server's task is {type(data).__name__}, not a JSON object", "check --server")
         try:
             action = data["action"]
             if action not in TASK_ACTIONS:
@@ -182,7 +184,8 @@ class Task:
                 retry_after=_seconds(data.get("retry_after"), "retry_after"),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise WireError(f"the server's task is malformed ({exc})", "use a matching edgepfl version") from None
+            detail = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise WireError(f"the server's task is malformed ({detail})", "use a matching edgepfl version") from None
         return task
 
 

@@ -283,6 +283,13 @@ def test_a_malformed_task_names_its_field(change, problem):
     assert problem in caught.value.problem and "\n" not in str(caught.value)
 
 
+def test_a_task_that_is_not_an_object_or_lacks_a_field_is_one_line():
+    with pytest.raises(WireError, match="the server's task is list, not a JSON object"):
+        Task.from_json([1, 2])
+    with pytest.raises(WireError, match="the server's task is malformed \\(no 'base_layout_hash'\\)"):
+        Task.from_json({"action": "wait"})
+
+
 @pytest.mark.parametrize("header", ["-3", "nan", "inf", "soon"])
 def test_a_bad_retry_after_header_falls_back_to_backoff(header):
     sleeps: list[float] = []
@@ -314,6 +321,15 @@ def test_an_html_reply_to_the_upload_keeps_the_round_pending(mlp_bundle, tmp_pat
     # run again: the saved update goes out as it was, and the run completes
     summary = run_device(engine, data, state, client, DeviceOptions(), sleep=pytest.fail)
     assert summary.finished and server.uploads == [(1, saved_body)] and state.state.last_uploaded_round == 1
+
+
+def test_an_html_reply_to_the_base_is_one_line_before_training(mlp_bundle, tmp_path):
+    engine, data, state, server = _open_device(mlp_bundle, tmp_path, server_rounds=1)
+    server.faults["/v1/rounds/1/base"] = [httpx.Response(200, text=HTML, headers={"content-type": "text/html"})]
+    client = ServerClient("http://device.test", "t", transport=server.transport(), sleep=pytest.fail)
+    with pytest.raises(ServerError, match=r"GET /v1/rounds/1/base is not safetensors \(200, text/html\): a captive"):
+        run_device(engine, data, state, client, DeviceOptions(), sleep=pytest.fail)
+    assert state.state.last_completed_round is None and not server.uploads
 
 
 def test_an_html_reply_to_the_metrics_only_warns(mlp_bundle, tmp_path):
