@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,14 +18,22 @@ import numpy as np
 
 from edgepfl.data import LocalData, num_batches
 from edgepfl.device_runtime.engine import Engine, EvalResult
-from edgepfl.errors import UsageError
+from edgepfl.errors import EdgePFLError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import RoundSettings, UploadMeta
+from edgepfl.wire import nonfinite_names
 
 # progress(phase, steps done, steps in the round, loss of the last step)
 Progress = Callable[[str, int, int, float], None]
 
 EVAL_BATCH_SIZE = 256
+# a mean cross-entropy above this many times ln(classes) (uniform guessing) means training blew up: a sane
+# model never gets there, while the absurd magnitudes of a poisoned base or a huge lr do (finite or not)
+DIVERGED_LOSS_FACTOR = 100.0
+
+
+class TrainingDiverged(EdgePFLError):
+    """A received base or a training result the device must not keep (NaN, Inf or an exploding loss)."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +241,22 @@ def evaluate(engine: Engine, data: LocalData, batch_size: int = EVAL_BATCH_SIZE)
         result = engine.eval_batch(x, y)
         loss_sum, correct, count = loss_sum + result.loss_sum, correct + result.correct, count + result.count
     return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
+
+
+def divergence(losses: Iterable[float], tensors: Mapping[str, np.ndarray], num_classes: int) -> str | None:
+    """Why a training result must not be kept (`loss NaN`, `loss 3.4e+33`, `NaN or Inf in 'w'`), or None."""
+    limit = DIVERGED_LOSS_FACTOR * max(math.log(num_classes), 1.0)
+    for loss in losses:
+        if not math.isfinite(loss) or loss > limit:
+            return "loss NaN" if math.isnan(loss) else f"loss {loss:.3g}"
+    bad = nonfinite_names(tensors)
+    return f"NaN or Inf in {bad[0]!r}" if bad else None
+
+
+def round_losses(result: ClientResult) -> list[float]:
+    """The losses a round measured: each phase's mean training loss and the held-out loss after training."""
+    measured = [log.mean_loss for log in result.phases if log.steps]
+    return measured + ([result.val_loss] if result.val_samples else [])
 
 
 def round_seed(seed: int, round_id: int) -> int:

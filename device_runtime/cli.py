@@ -177,9 +177,9 @@ def train(
     from edgepfl.errors import EdgePFLError, UsageError
 
     try:
-        if epochs < 1 or batch_size < 1 or not lr > 0:
+        if epochs < 1 or batch_size < 1 or not 0 < lr < math.inf:
             raise UsageError("--epochs, --batch-size and --lr must be positive", "pass positive values")
-        from edgepfl.device_runtime.algorithms import Phase, evaluate, train_phase
+        from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
         from edgepfl.device_runtime.engine import TRAINABLE_SETS
         from edgepfl.device_runtime.progress import RichEvents
 
@@ -200,6 +200,13 @@ def train(
                 on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
             )
         after = evaluate(device_engine, local_data)
+        tensors = device_engine.get_tensors()
+        losses = [log.mean_loss] if log.steps else []
+        why = divergence(losses + ([after.loss] if after.count else []), tensors, device_engine.manifest.num_classes)
+        if why is not None:
+            raise TrainingDiverged(
+                f"training diverged ({why}): kept {device_state.kept}", f"lower --lr, e.g. --lr {lr / 10:g}"
+            )
         record = {
             "local_training": True,
             "trainable": trainable,
@@ -215,7 +222,7 @@ def train(
             "val_samples": after.count,
             "engine": device_engine.name,
         }
-        device_state.commit(device_engine.get_tensors(), record)
+        device_state.commit(tensors, record)
         _print_result(record, as_json, "device train")
     except EdgePFLError as error:
         fail(error)
@@ -249,6 +256,7 @@ def teacher(
         if retries < 1 or timeout <= 0:
             raise UsageError("--retries and --timeout must be positive", "pass positive values")
         device_token = _device_token(token, token_file)
+        from edgepfl.device_runtime.algorithms import TrainingDiverged
         from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
         from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
         from edgepfl.device_runtime.progress import RichEvents
@@ -274,7 +282,11 @@ def teacher(
                             raise
                         events.message(f"round {entry.round_id} was released meanwhile; skipped")
                         continue
-                    check_global_model(global_model, manifest, f"global model of round {entry.round_id}")
+                    try:
+                        check_global_model(global_model, manifest, f"the global model of round {entry.round_id}")
+                    except TrainingDiverged as refused:
+                        events.message(f"{refused.problem}; skipped")
+                        continue
                     # labelled like stage 1 in `device run`: the round that starts from this global model
                     kept, result = consider_global_model(
                         device_engine, store, entry.round_id + 1, global_model, local_data

@@ -8,6 +8,7 @@ Connection errors, timeouts, 5xx and 429 are retried with exponential backoff an
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from edgepfl.errors import EdgePFLError
+from edgepfl.errors import EdgePFLError, WireError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, Task, UploadMeta
 from edgepfl.wire import decode_tensors, encode_tensors
 
@@ -110,21 +111,14 @@ class ServerClient:
         response = self._request(
             "POST", f"{API_PREFIX}/enroll", json=body, headers={"Authorization": f"Bearer {secret}"}
         )
-        try:
-            token = response.json()["token"]
-        except (ValueError, KeyError, TypeError):
-            token = None
+        token = _json_reply(response).get("token")
         if not isinstance(token, str) or not token:
             raise ServerError("the server's enrollment reply holds no token", "use an `edgepfl serve` with /v1/enroll")
         return token
 
     def task(self) -> Task:
         """`GET /v1/task`: what to do now."""
-        response = self._request("GET", f"{API_PREFIX}/task")
-        try:
-            return Task.from_json(response.json())
-        except ValueError:
-            raise ServerError("the server's task is not JSON", "check --server points at `edgepfl serve`") from None
+        return Task.from_json(_json_reply(self._request("GET", f"{API_PREFIX}/task")))
 
     def fetch_tensors(self, url: str) -> dict[str, np.ndarray]:
         """GET safetensors bytes (a round's base or result), checked against the ETag (sha256)."""
@@ -132,18 +126,15 @@ class ServerClient:
             response = self._request("GET", url)
             etag = response.headers.get("etag", "").strip('"')
             if not etag or hashlib.sha256(response.content).hexdigest() == etag:
-                return decode_tensors(response.content)
+                return _tensors_reply(response)
             self._notify(f"GET {url}: body does not match its ETag, fetching again")
         raise ServerUnreachable(f"GET {url} kept returning bytes that do not match their ETag", "check the network")
 
     def history(self) -> list[HistoryEntry]:
         """`GET /v1/history`: the closed rounds whose global model the server still keeps, oldest first."""
-        response = self._request("GET", f"{API_PREFIX}/history")
+        reply = _json_reply(self._request("GET", f"{API_PREFIX}/history"))
         try:
-            return [
-                HistoryEntry(int(row["round"]), str(row["sha256"]), str(row["url"]))
-                for row in response.json()["rounds"]
-            ]
+            return [HistoryEntry(int(row["round"]), str(row["sha256"]), str(row["url"])) for row in reply["rounds"]]
         except (ValueError, KeyError, TypeError):
             raise ServerError(
                 "the server's history is not the expected JSON", "use an `edgepfl serve` with /v1/history"
@@ -154,7 +145,7 @@ class ServerClient:
         for _ in range(self.retry.attempts):
             response = self._request("GET", entry.url)
             if hashlib.sha256(response.content).hexdigest() == entry.sha256:
-                return decode_tensors(response.content)
+                return _tensors_reply(response)
             self._notify(f"GET {entry.url}: body does not match the sha256 in the history, fetching again")
         raise ServerUnreachable(
             f"GET {entry.url} kept returning bytes that do not match their sha256", "check the network"
@@ -168,15 +159,16 @@ class ServerClient:
             content=payload,
             headers={"Content-Type": "application/octet-stream"},
         )
-        return response.json()
+        return _json_reply(response)
 
     def post_metrics(self, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
         """`POST /v1/rounds/{r}/metrics`: the personalized model's held-out evaluation."""
         response = self._request("POST", f"{API_PREFIX}/rounds/{round_id}/metrics", json=metrics.to_json())
-        return response.json()
+        return _json_reply(response)
 
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
         """Send with retries; return a 2xx response or raise ServerRefused / ServerUnreachable."""
+        self._check_origin(url)
         problem = ""
         for attempt in range(self.retry.attempts):
             retry_after = None
@@ -202,12 +194,31 @@ class ServerClient:
             "check --server and the network; the device resumes where it stopped when run again",
         )
 
+    def _check_origin(self, url: str) -> None:
+        """The bearer token goes only to --server: a URL a reply names must be a path on it (or the same origin)."""
+        server = self._http.base_url
+        try:
+            target = httpx.URL(url)
+        except httpx.InvalidURL:
+            raise ServerError(
+                f"the server named an invalid URL {url[:200]!r}", "use a matching edgepfl version"
+            ) from None
+        origin = (target.scheme, target.host, target.port)
+        if (target.scheme or target.host) and origin != (server.scheme, server.host, server.port):
+            raise ServerError(
+                f"the server's reply points the device at {url[:200]}, which is not the configured server {server}; "
+                "the device token is sent to --server only",
+                "ask the operator to check the server's address (a proxy may rewrite replies); pass the right --server",
+            )
+
     def _backoff(self, attempt: int, retry_after: str | None = None) -> float:
         if retry_after is not None:
             try:
-                return min(max(float(retry_after), 0.0), 10 * self.retry.max_delay)
+                seconds = float(retry_after)
             except ValueError:
-                pass
+                seconds = math.nan
+            if 0.0 <= seconds < math.inf:  # a negative, NaN or Inf Retry-After falls back to the backoff below
+                return min(seconds, 10 * self.retry.max_delay)
         delay = min(self.retry.first_delay * 2**attempt, self.retry.max_delay)
         return delay * self._jitter.uniform(0.5, 1.0)
 
@@ -229,6 +240,35 @@ def _refusal(method: str, url: str, response: httpx.Response) -> ServerRefused:
     kind = RoundGone if error in ROUND_GONE_ERRORS else ServerRefused
     return kind(
         f"server refused {method} {url} ({response.status_code} {error}): {detail}", fix, response.status_code, error
+    )
+
+
+def _json_reply(response: httpx.Response) -> dict[str, Any]:
+    """The JSON object of a 2xx reply; anything else (a captive portal's HTML page) is one ServerError line."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise _not_the_server(response, "edgepfl JSON")
+    return body
+
+
+def _tensors_reply(response: httpx.Response) -> dict[str, np.ndarray]:
+    """The tensors of a 2xx safetensors reply; anything else is one ServerError line."""
+    try:
+        return decode_tensors(response.content)
+    except WireError:
+        raise _not_the_server(response, "safetensors") from None
+
+
+def _not_the_server(response: httpx.Response, expected: str) -> ServerError:
+    kind = response.headers.get("content-type", "no content type").split(";")[0]
+    return ServerError(
+        f"the reply to {response.request.method} {response.request.url.path} is not {expected} "
+        f"({response.status_code}, {kind}): a captive portal or proxy may have answered",
+        "check the network (log in to the Wi-Fi portal) and --server; the device resumes where it stopped "
+        "when run again",
     )
 
 

@@ -39,8 +39,10 @@ def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
                     "save the images as `x` and the labels as `y`: np.savez(path, x=images, y=labels)",
                 )
             return archive["x"], archive["y"]
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise DataError(f"{path} is not a readable .npz file ({exc})", "pass an .npz written by numpy.savez") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # numpy raises EOFError on an empty file
+        raise DataError(
+            f"{path} is not a readable .npz file ({exc or type(exc).__name__})", "pass an .npz written by numpy.savez"
+        ) from None
 
 
 def read_image_folder(folder: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:

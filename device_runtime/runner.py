@@ -3,7 +3,9 @@
 One round: poll task -> train for round r > last completed -> fetch base (ETag-checked) -> set base ->
 run the client algorithm -> commit state with the upload body saved as pending -> upload -> mark
 delivered. After a `kill -9`, a pending upload is sent again (an identical body is idempotent on the
-server) or dropped when its round is gone; a round is never trained twice.
+server) or dropped when its round is gone; a round is never trained twice. A base holding NaN/Inf, or a
+round whose training diverges, is refused: the last good model stays, nothing is saved or sent, and the
+device waits for the next round.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from typing import Any
 from edgepfl.data import LocalData, num_batches
 from edgepfl.device_runtime.algorithms import (
     ClientResult,
+    TrainingDiverged,
+    divergence,
     evaluate,
+    round_losses,
     round_phases,
     run_client_round,
     upload_specs,
@@ -30,7 +35,7 @@ from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, WireError
 from edgepfl.manifest import Manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
-from edgepfl.wire import check_tensors
+from edgepfl.wire import check_tensors, nonfinite_names
 
 MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
 
@@ -98,6 +103,7 @@ def run_device(
         _deliver_pending(state, client, events)
     trained = 0
     told_waiting = False
+    refused: set[int] = set()  # rounds whose base or result this device refused: it waits for the next one
     while options.max_rounds is None or trained < options.max_rounds:
         task = client.task()
         if task.base_layout_hash != manifest.base_layout_hash:
@@ -112,11 +118,16 @@ def run_device(
         round_id = task.round_id
         last = state.state.last_completed_round
         if task.action == "train" and round_id is not None and (last is None or round_id > last):
-            if _train_round(engine, data, state, client, task, options, events):
-                trained += 1
-                told_waiting = False
-                continue
-            told_waiting = True
+            if round_id not in refused:
+                try:
+                    if _train_round(engine, data, state, client, task, options, events):
+                        trained += 1
+                        told_waiting = False
+                        continue
+                except TrainingDiverged as error:
+                    refused.add(round_id)
+                    events.message(str(error))
+                told_waiting = True
         if task.action == "train" and not told_waiting:
             events.message(f"round {round_id} is already trained on this device; waiting for the next round")
         elif not told_waiting:
@@ -135,7 +146,11 @@ def _train_round(
     options: DeviceOptions,
     events: DeviceEvents,
 ) -> bool:
-    """Train and deliver one round; False when the round was gone before training began."""
+    """Train and deliver one round; False when the round was gone before training began.
+
+    A base holding NaN/Inf, or a result whose loss or tensors blow up, raises TrainingDiverged with the
+    engine back at the last good model and nothing saved or sent.
+    """
     round_id = task.round_id
     assert round_id is not None
     settings = task.settings or RoundSettings()
@@ -145,18 +160,27 @@ def _train_round(
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
         return False
-    _check_base(base, manifest, settings, f"base of round {round_id}")
+    try:
+        _check_base(base, manifest, settings, f"the base of round {round_id}")
+    except TrainingDiverged as error:
+        raise _skipped(error.problem, state) from None
+    kept = engine.get_tensors()  # the last good model, back in place if this round's result is refused
     engine.set_tensors(base)  # a tensor kept on the device (HeurpFedLA) keeps the value this device trained
     if options.persfl_teacher:
         _consider_teacher(engine, data, state, round_id, events)
     steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
     events.round_started(round_id, settings, steps * num_batches(data.num_train, settings.batch_size))
     result = run_client_round(engine, settings, data, options.seed, round_id, progress=events.step)
+    tensors = engine.get_tensors()
+    why = divergence(round_losses(result), tensors, manifest.num_classes)
+    if why is not None:
+        engine.set_tensors(kept)
+        raise _skipped(f"training diverged in round {round_id} ({why})", state)
     payload = None
     if result.uploads:
         payload = encode_update(upload_tensors(engine, settings), result.upload_meta(manifest.base_layout_hash))
     record = {**result.to_json(), "round": round_id, "engine": engine.name, "upload": "pending" if payload else "none"}
-    state.commit(engine.get_tensors(), record, round_id=round_id, upload_payload=payload)
+    state.commit(tensors, record, round_id=round_id, upload_payload=payload)
     upload = _deliver_pending(state, client, events) if payload is not None else "none"
     if payload is None:
         _post_metrics(client, round_id, record, events)
@@ -213,10 +237,7 @@ def _finish(
     if task.round_id is None:
         events.message("the server says the run is over")
         return None
-    if task.base_url is not None:
-        final_base = client.fetch_tensors(task.base_url)
-        check_global_model(final_base, engine.manifest, "final base")
-        engine.set_tensors(final_base)
+    if task.base_url is not None and _take_final_base(engine, data, state, client.fetch_tensors(task.base_url), events):
         if options.persfl_teacher:
             # the final aggregate is the global model a round after the last one would have started from
             _consider_teacher(engine, data, state, task.round_id + 1, events)
@@ -235,6 +256,33 @@ def _finish(
     return accuracy
 
 
+def _take_final_base(
+    engine: Engine, data: LocalData, state: StateFolder, final_base: dict[str, Any], events: DeviceEvents
+) -> bool:
+    """Load the final base unless it holds NaN/Inf or its held-out loss explodes (then keep the model as it is)."""
+    kept = engine.get_tensors()
+    try:
+        check_global_model(final_base, engine.manifest, "the final base")
+        engine.set_tensors(final_base)
+        result = evaluate(engine, data)
+        why = divergence([result.loss] if result.count else [], {}, engine.manifest.num_classes)
+        if why is not None:
+            raise TrainingDiverged(f"the final base gives a held-out {why}", "")
+    except TrainingDiverged as error:
+        engine.set_tensors(kept)
+        events.message(f"{error.problem}: kept {state.kept} as this device's model (ask the operator to check it)")
+        return False
+    return True
+
+
+def _skipped(problem: str, state: StateFolder) -> TrainingDiverged:
+    """The one line for a round whose base or result the device refuses: what happened, what it kept, the fix."""
+    return TrainingDiverged(
+        f"{problem}: kept {state.kept} and skipped the round",
+        "ask the operator to check the server's model and --lr; the device joins the next round",
+    )
+
+
 def _consider_teacher(engine: Engine, data: LocalData, state: StateFolder, round_id: int, events: DeviceEvents) -> None:
     """PersFL stage 1: score the global model just received; keep it as the teacher if its held-out loss is lowest."""
     store = TeacherStore(state.folder, engine.manifest)
@@ -244,7 +292,10 @@ def _consider_teacher(engine: Engine, data: LocalData, state: StateFolder, round
 
 
 def _check_base(base: dict[str, Any], manifest: Manifest, settings: RoundSettings, what: str) -> None:
-    """The server's base must be exactly the tensors this bundle shares, less those the device keeps."""
+    """The server's base must be exactly the tensors this bundle shares, less those the device keeps, all finite."""
+    bad = nonfinite_names(base)
+    if bad:
+        raise TrainingDiverged(f"{what} holds NaN or Inf in {bad[0]!r}", "ask the operator to check the server's model")
     try:
         check_tensors(base, upload_specs(manifest, settings), what=what)
     except WireError as error:

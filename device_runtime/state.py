@@ -26,7 +26,7 @@ import numpy as np
 from edgepfl.atomic import sha256_file, write_bytes_atomic, write_text_atomic
 from edgepfl.errors import StateError
 from edgepfl.manifest import Manifest
-from edgepfl.wire import WireError, check_tensors, decode_tensors, encode_tensors
+from edgepfl.wire import WireError, check_tensors, decode_tensors, encode_tensors, nonfinite_names
 
 STATE_NAME = "state.json"
 STATE_SCHEMA = 1
@@ -114,6 +114,16 @@ class StateFolder:
         """The state.json file."""
         return self.folder / STATE_NAME
 
+    @property
+    def kept(self) -> str:
+        """How a refusal names the model it keeps: the state of round N, the saved state, or the initial model."""
+        if self.state.tensors_file is None:
+            return "the bundle's initial model"
+        last = self.state.history[-1] if self.state.history else {}
+        if last.get("round") is not None and not last.get("final"):
+            return f"the state of round {last['round']}"
+        return "the saved state"
+
     def load_tensors(self) -> dict[str, np.ndarray] | None:
         """The saved tensors (every param and buffer), checked against sha256 and the manifest; None when fresh."""
         if self.state.tensors_file is None:
@@ -151,7 +161,16 @@ class StateFolder:
         round_id: int | None = None,
         upload_payload: bytes | None = None,
     ) -> None:
-        """Save tensors and metrics atomically; with `round_id`, mark the round completed (and its upload pending)."""
+        """Save tensors and metrics atomically; with `round_id`, mark the round completed (and its upload pending).
+
+        Tensors holding NaN or Inf are refused (StateError) and nothing changes: a state folder stays usable.
+        """
+        bad = nonfinite_names(tensors)
+        if bad:
+            raise StateError(
+                f"refused to save a model holding NaN or Inf in {bad[0]!r}: kept {self.kept}",
+                "training diverged; lower the learning rate",
+            )
         generation = self.state.generation + 1
         tensors_file = f"tensors-{generation:06d}.safetensors"
         tensors_bytes = encode_tensors(tensors)

@@ -20,6 +20,14 @@ from edgepfl.manifest import TensorSpec
 
 API_PREFIX = "/v1"
 ALGORITHMS = ("fedsim", "fedalt", "local")
+# bounds of the integer round settings a device accepts; the server must not send more (epochs and batch
+# size beyond these are a server misconfiguration or an attack on the device's battery, never a real round)
+SETTINGS_LIMITS = {
+    "epochs": (0, 1000),
+    "finetune_epochs": (0, 1000),
+    "personal_epochs": (0, 1000),
+    "batch_size": (1, 1 << 20),
+}
 
 
 @dataclass(frozen=True)
@@ -43,15 +51,38 @@ class RoundSettings:
         return {**asdict(self), "kept_on_device": list(self.kept_on_device)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RoundSettings:
-        """Parse settings received from a server; raises TypeError when kept_on_device is not a list of names."""
+    def from_json(cls, data: Any) -> RoundSettings:
+        """Parse settings received from a server; raises WireError naming the first field of a wrong type or range."""
+        if not isinstance(data, dict):
+            raise _bad_settings(f"settings are {type(data).__name__}, not an object")
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        if "kept_on_device" in known:
-            kept = known["kept_on_device"]
-            if not isinstance(kept, list) or not all(isinstance(name, str) for name in kept):
-                raise TypeError(f"kept_on_device must be a list of tensor names, not {kept!r}")
-            known["kept_on_device"] = tuple(kept)
-        return cls(**known)
+        if isinstance(known.get("kept_on_device"), list):
+            known["kept_on_device"] = tuple(known["kept_on_device"])
+        if isinstance(known.get("lr"), int) and not isinstance(known["lr"], bool):
+            known["lr"] = float(known["lr"])
+        settings = cls(**known)
+        problem = settings.problem()
+        if problem is not None:
+            raise _bad_settings(problem)
+        return settings
+
+    def problem(self) -> str | None:
+        """What is wrong with these settings (a type or a bound, see SETTINGS_LIMITS), or None when they are valid."""
+        if self.algorithm not in ALGORITHMS:
+            return f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}"
+        for name, (low, high) in SETTINGS_LIMITS.items():
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                return f"{name} {value!r} is not an integer in {low}..{high}"
+        if type(self.lr) is not float or not (math.isfinite(self.lr) and self.lr > 0.0):
+            return f"lr {self.lr!r} is not a positive number"
+        if type(self.share_buffers) is not bool:
+            return f"share_buffers {self.share_buffers!r} is not true or false"
+        if not isinstance(self.extra, dict):
+            return f"extra {self.extra!r} is not an object"
+        if not isinstance(self.kept_on_device, tuple) or not all(isinstance(n, str) for n in self.kept_on_device):
+            return f"kept_on_device {self.kept_on_device!r} is not a list of tensor names"
+        return None
 
     def travelling(self, shared: list[TensorSpec]) -> list[TensorSpec]:
         """The shared tensors that go to and come back from the device this round: all but kept_on_device."""
@@ -128,27 +159,50 @@ class Task:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Task:
-        """Parse a task received from the server; raises WireError when it is not one."""
+    def from_json(cls, data: Any) -> Task:
+        """Parse a task received from the server; raises WireError naming what makes it not one."""
+        if not isinstance(data, dict):
+            raise WireError(f"the server's task is {type(data).__name__}, not a JSON object", "check --server")
         try:
             action = data["action"]
             if action not in TASK_ACTIONS:
                 raise ValueError(f"unknown action {action!r}")
             settings = data.get("settings")
             round_id = data.get("round")
-            deadline = data.get("deadline")
-            retry_after = data.get("retry_after")
-            return cls(
+            base_url = data.get("base_url")
+            if round_id is not None and (type(round_id) is not int or round_id < 0):
+                raise ValueError(f"round {round_id!r} is not a round number")
+            if base_url is not None and not isinstance(base_url, str):
+                raise ValueError(f"base_url {base_url!r} is not a URL")
+            task = cls(
                 action=action,
                 base_layout_hash=str(data["base_layout_hash"]),
-                round_id=int(round_id) if round_id is not None else None,
+                round_id=round_id,
                 settings=RoundSettings.from_json(settings) if settings is not None else None,
-                base_url=data.get("base_url"),
-                deadline=float(deadline) if deadline is not None else None,
-                retry_after=float(retry_after) if retry_after is not None else None,
+                base_url=base_url,
+                deadline=_seconds(data.get("deadline"), "deadline"),
+                retry_after=_seconds(data.get("retry_after"), "retry_after"),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise WireError(f"the server's task is malformed ({exc!r})", "use a matching edgepfl version") from None
+            detail = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise WireError(f"the server's task is malformed ({detail})", "use a matching edgepfl version") from None
+        return task
+
+
+def _seconds(value: Any, name: str) -> float | None:
+    """A time in seconds from a task: a finite number >= 0, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} {value!r} is not a number of seconds >= 0")
+    return float(value)
+
+
+def _bad_settings(problem: str) -> WireError:
+    return WireError(
+        f"the server's round settings are invalid: {problem}",
+        "ask the operator to check the server's round settings, or use a matching edgepfl version",
+    )
 
 
 @dataclass(frozen=True)

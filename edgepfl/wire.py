@@ -129,8 +129,14 @@ def check_tensors(tensors: Mapping[str, np.ndarray], expected: Iterable[TensorSp
                 f"{what} tensor {name!r} has dtype {value.dtype}, expected {spec.dtype}",
                 "send tensors in the manifest's dtype",
             )
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
-            raise WireError(f"{what} tensor {name!r} contains NaN or Inf", "lower the learning rate and retrain")
+    bad = nonfinite_names({name: tensors[name] for name in specs})
+    if bad:
+        raise WireError(f"{what} tensor {bad[0]!r} contains NaN or Inf", "lower the learning rate and retrain")
+
+
+def nonfinite_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an Inf, in the mapping's order."""
+    return [name for name, value in tensors.items() if value.dtype.kind == "f" and not np.isfinite(value).all()]
 
 
 def _short(names: list[str], limit: int = 3) -> str:
