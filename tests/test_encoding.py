@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -216,3 +219,9 @@ def test_payload_keeps_other_metadata_and_decodes_to_plain_float32():
     assert set(decode_tensors(payload)) == set(_delta()) | {name + SCALE_SUFFIX for name in _delta()}
     decoded = decode_payload(payload, Encoding.parse("int8"))
     assert set(decoded) == set(_delta()) and all(v.dtype == np.float32 for v in decoded.values())
+
+
+def test_encoding_and_privacy_import_without_torch_or_dp_accounting():
+    code = "import sys; sys.modules['torch'] = None; sys.modules['dp_accounting'] = None; " \
+           "import edgepfl.encoding, edgepfl.privacy"
+    subprocess.run([sys.executable, "-c", code], check=True)
