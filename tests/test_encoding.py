@@ -23,9 +23,10 @@ from edgepfl.encoding import (
     encode_with_feedback,
     residual_before,
 )
-from edgepfl.errors import DataError, UsageError, WireError
+from edgepfl.errors import DataError, StateError, UsageError, WireError
+from edgepfl.manifest import TensorSpec
 from edgepfl.privacy import delta_norm
-from edgepfl.wire import decode_tensors
+from edgepfl.wire import check_tensors, decode_tensors
 
 INT8_LABELS = ["int8", "int8-block7", "int8-sr", "int8-block7-sr"]
 values = arrays(
@@ -225,3 +226,28 @@ def test_encoding_and_privacy_import_without_torch_or_dp_accounting():
     code = "import sys; sys.modules['torch'] = None; sys.modules['dp_accounting'] = None; " \
            "import edgepfl.encoding, edgepfl.privacy"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("label", ["fp32", "fp16", "int8-block5"])
+def test_decoded_uploads_pass_the_servers_manifest_checks(label):
+    encoding = Encoding.parse(label)
+    specs = [TensorSpec(name, tuple(value.shape), "float32", "base", 0) for name, value in _delta().items()]
+    decoded = decode_payload(encode_delta(_delta(), encoding).to_bytes(), encoding)
+    check_tensors(decoded, specs)
+    wrong_shape = {**_delta(), "conv.bias": np.zeros(5, np.float32)}
+    with pytest.raises(WireError, match="'conv.bias' has shape"):
+        check_tensors(decode_payload(encode_delta(wrong_shape, encoding).to_bytes(), encoding), specs)
+
+
+def test_a_residual_from_another_layout_is_refused():
+    residual = {"conv.weight": np.zeros(3, np.float32)}
+    with pytest.raises(StateError, match="residual does not match"):
+        encode_with_feedback(_delta(), residual, Encoding("fp16"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=values, b=values, clip=st.floats(1e-3, 1e3), label=st.sampled_from(["fp32", "fp16", *INT8_LABELS]))
+def test_every_clipped_upload_decodes_within_the_clip_norm(a, b, clip, label):
+    encoding = Encoding.parse(label)
+    encoded, _ = encode_with_feedback({"a": a, "b": b}, None, encoding, np.random.default_rng(0), clip_norm=clip)
+    assert delta_norm(decode_payload(encoded.to_bytes(), encoding)) <= clip
