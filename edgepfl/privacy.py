@@ -34,6 +34,25 @@ _REFUSED = {
 }
 
 
+@dataclass(frozen=True)
+class DPConfig:
+    """The operator's DP settings: --dp-noise-multiplier, --dp-clip, --dp-delta, --dp-target-epsilon."""
+
+    noise_multiplier: float
+    clip_norm: float
+    delta: float = 1e-5
+    target_epsilon: float | None = None
+
+    def new_ledger(self, strategy: str, sampling: str) -> PrivacyLedger:
+        """Check these settings against the strategy and sampler (UsageError, one line) and start a budget."""
+        check_dp_strategy(strategy)
+        if not self.clip_norm > 0:
+            raise UsageError("--dp-clip must be above 0", "pass the L2 norm each delta is clipped to, e.g. 1.0")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise UsageError("--dp-target-epsilon must be above 0", "pass e.g. 8, or leave it out")
+        return PrivacyLedger(self.noise_multiplier, self.delta, sampling)
+
+
 def check_dp_strategy(strategy: str) -> None:
     """Refuse, in one line that says why, a strategy DP-FedAvg's noise does not cover."""
     if strategy in DP_STRATEGIES:

@@ -10,6 +10,7 @@ from hypothesis.extra.numpy import arrays
 
 from edgepfl.errors import StateError, UsageError, WireError
 from edgepfl.privacy import (
+    DPConfig,
     PrivacyLedger,
     check_delta_norm,
     check_dp_strategy,
@@ -146,3 +147,17 @@ def test_ledger_refuses_nonsense_settings():
     for args in ((0.0, 1e-5), (1.0, 0.0), (1.0, 1.5), (1.0, 1e-5, "uniform")):
         with pytest.raises(UsageError):
             PrivacyLedger(*args)
+
+
+def test_dp_config_checks_everything_before_a_budget_starts():
+    ledger = DPConfig(1.0, 0.5, 1e-6, target_epsilon=4.0).new_ledger("fedper", "fixed")
+    assert ledger == PrivacyLedger(1.0, 1e-6, "fixed")
+    for config, strategy, match in (
+        (DPConfig(1.0, 0.0), "fedper", "--dp-clip"),
+        (DPConfig(1.0, 1.0, target_epsilon=0.0), "fedper", "--dp-target-epsilon"),
+        (DPConfig(0.0, 1.0), "fedavg", "--dp-noise-multiplier"),
+        (DPConfig(1.0, 1.0, delta=2.0), "fedavg", "--dp-delta"),
+        (DPConfig(1.0, 1.0), "median", "--strategy median"),
+    ):
+        with pytest.raises(UsageError, match=match):
+            config.new_ledger(strategy, "poisson")
