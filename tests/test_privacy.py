@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dp_accounting
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,8 +20,6 @@ from edgepfl.privacy import (
     dp_aggregate,
     fixed_denominator,
 )
-
-dp_accounting = pytest.importorskip("dp_accounting")
 
 tensor = arrays(np.float32, st.integers(1, 30), elements=st.floats(-1e6, 1e6, width=32))
 
