@@ -24,12 +24,14 @@ from edgepfl.protocol import API_PREFIX, EvalMetrics
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError
 from edgepfl.server.page import render_page, render_plot
+from edgepfl.server.store import StorageError
 
 log = logging.getLogger("edgepfl.server")
 
 MAX_JSON_BYTES = 64 * 1024
 MAX_ROUND_ID = 2**31 - 1
 SAFETENSORS = "application/octet-stream"
+STORAGE_RETRY_AFTER = 60  # seconds a device waits after the server's disk refused its upload
 
 RoundId = Annotated[int, Path(ge=1, le=MAX_ROUND_ID, description="round id")]
 
@@ -59,6 +61,8 @@ _ERRORS = _error_replies(
         410: "the round's tensors were released by --history retention",
         413: "body too large",
         422: "invalid round id, metadata, tensors or metrics",
+        503: "the server's disk refused the write (read-only, I/O error); Retry-After says when to retry",
+        507: "the server's disk is full; Retry-After says when to retry",
     }
 )
 _ENROLL_ERRORS = _error_replies(
@@ -159,6 +163,14 @@ def create_app(engine: RoundEngine) -> FastAPI:
     async def _server_side(_: Request, error: EdgePFLError) -> JSONResponse:
         log.error("request failed on the server side: %s", error)
         return JSONResponse({"error": "server_error", "detail": error.problem, "fix": error.fix}, 500)
+
+    @app.exception_handler(StorageError)
+    async def _storage(_: Request, error: StorageError) -> JSONResponse:
+        log.error("%s", error)  # one line: the operator has to act, the device only retries
+        status, name = (507, "insufficient_storage") if error.full else (503, "storage_failed")
+        fix = f"retry in {STORAGE_RETRY_AFTER} s (the operator must {error.fix})"
+        body = {"error": name, "detail": error.problem, "fix": fix}
+        return JSONResponse(body, status, headers={"Retry-After": str(STORAGE_RETRY_AFTER)})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

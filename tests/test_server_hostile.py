@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +123,47 @@ def test_an_upload_naming_a_tensor_twice_is_400_naming_it(round_app) -> None:
     body = refused(post_update(round_app, "d0", duplicate_name_payload()), 400, "malformed")
     assert "'stem.bias'" in body["detail"]
     assert round_app["engine"].store.updates(1) == []
+
+
+# ---- storage failures: say what failed, leave no temp file, lose nothing stored
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("call", "errno_code", "status", "error"),
+    [("fsync", errno.ENOSPC, 507, "insufficient_storage"), ("replace", errno.EROFS, 503, "storage_failed")],
+)
+def test_a_failed_blob_write_is_507_or_503_and_leaves_no_temp_file(
+    round_app, monkeypatch, call: str, errno_code: int, status: int, error: str
+) -> None:
+    ctx = round_app
+    engine = ctx["engine"]
+    assert post_update(ctx, "d0", ctx["body"]).status_code == 200
+    blobs_before = _files(engine.store.blob_dir)
+    updates_before = engine.store.updates(1)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(errno_code, os.strerror(errno_code))
+
+    monkeypatch.setattr(os, call, fail)
+    other = upload_body(
+        {name: value * 2 for name, value in decode_tensors(engine.base_for("d1", 1)[0]).items()}, ctx["manifest"]
+    )
+    body = refused(post_update(ctx, "d1", other), status, error)
+    assert os.strerror(errno_code).lower() in body["detail"].lower() and "--state" in body["fix"]
+    monkeypatch.undo()
+    assert _files(engine.store.blob_dir) == blobs_before  # no temp file left, no stored blob touched
+    assert engine.store.updates(1) == updates_before
+    assert post_update(ctx, "d1", other).status_code == 200  # once the disk is back, the same upload goes through
+
+
+def test_temp_files_left_by_a_crash_are_removed_at_start(round_app) -> None:
+    engine = round_app["engine"]
+    stale = engine.store.blob_dir / "ab" / f".{'ab' * 32}.safetensors.4242.tmp"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"x" * 1000)
+    create_engine(engine.config, round_app["clock"])
+    assert not stale.exists()
