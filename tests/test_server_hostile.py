@@ -6,6 +6,10 @@ import errno
 import json
 import logging
 import os
+import select
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +17,11 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import enroll, make_bundle, upload_body
+from server_helpers import DeviceClient, LiveServer, enroll, make_bundle, upload_body
 from test_server_engine import Clock, _open
+from typer.testing import CliRunner
 
+from edgepfl.cli import app as cli_app
 from edgepfl.errors import WireError
 from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
@@ -125,6 +131,25 @@ def test_an_upload_naming_a_tensor_twice_is_400_naming_it(round_app) -> None:
     assert round_app["engine"].store.updates(1) == []
 
 
+
+def test_an_upload_after_the_deadline_is_409_and_a_short_round_is_abandoned(round_app) -> None:
+    ctx = round_app
+    http, engine, clock = ctx["http"], ctx["engine"], ctx["clock"]
+    headers = {name: {"Authorization": f"Bearer {token}"} for name, token in ctx["tokens"].items()}
+    first_etag = http.get("/v1/rounds/1/base", headers=headers["d0"]).headers["etag"]
+    assert post_update(ctx, "d0", ctx["body"]).status_code == 200
+    assert http.get("/v1/task", headers=headers["d0"]).json()["action"] == "wait"  # d0 has uploaded
+    deadline = http.get("/v1/task", headers=headers["d1"]).json()["deadline"]
+    clock.now = deadline + 0.1
+    refused(post_update(ctx, "d1", ctx["body"]), 409, "deadline_passed")
+    engine.tick()
+    status = http.get("/v1/status", headers=headers["d0"]).json()
+    assert status["rounds"][0]["state"] == "abandoned" and status["rounds_completed"] == 0
+    _open(engine, clock, "d0", "d1")
+    assert http.get("/v1/task", headers=headers["d0"]).json()["round"] == 2
+    assert http.get("/v1/rounds/2/base", headers=headers["d0"]).headers["etag"] == first_etag  # never aggregated
+
+
 # ---- storage failures: say what failed, leave no temp file, lose nothing stored
 
 
@@ -167,3 +192,164 @@ def test_temp_files_left_by_a_crash_are_removed_at_start(round_app) -> None:
     stale.write_bytes(b"x" * 1000)
     create_engine(engine.config, round_app["clock"])
     assert not stale.exists()
+
+
+# ---- enrollment: others' failures never lock out an honest device
+
+
+SECRET = "shared-secret-of-the-fleet-0123456789"
+
+
+def enroll_app(tmp_path: Path, **config: Any) -> tuple[Any, Any]:
+    make_bundle(tmp_path / "bundle")
+    settings = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state", enroll_secret=SECRET, **config)
+    engine = create_engine(settings)
+    return engine, create_app(engine)  # no lifespan: enrollment needs no round loop
+
+
+def post_enroll(app: Any, address: str, name: str, secret: str) -> httpx.Response:
+    http = TestClient(app, client=(address, 50000))
+    return http.post("/v1/enroll", json={"device": name}, headers={"Authorization": f"Bearer {secret}"})
+
+
+def test_failures_from_ten_thousand_addresses_do_not_block_an_honest_newcomer(tmp_path: Path) -> None:
+    engine, app = enroll_app(tmp_path)
+    for host in range(10_000 + 2 * engine.config.enroll_max_failures):  # the table overflows
+        engine.enroll_limiter.record_failure(f"10.{host // 65536}.{host // 256 % 256}.{host % 256}")
+    for attempt in range(engine.config.enroll_max_failures):
+        refused(post_enroll(app, f"203.0.113.{attempt}", "intruder", "wrong-secret-0123456789"), 401, "unauthorized")
+    reply = post_enroll(app, "198.51.100.9", "phone-1", SECRET)
+    assert reply.status_code == 200, reply.text
+
+
+def test_an_ipv6_host_cannot_rotate_addresses_within_its_64(tmp_path: Path) -> None:
+    engine, app = enroll_app(tmp_path, enroll_max_failures=3)
+    for host in range(1, 4):
+        refused(post_enroll(app, f"2001:db8:1:2::{host:x}", "intruder", "wrong-secret-0123456789"), 401, "unauthorized")
+    refused(post_enroll(app, "2001:db8:1:2:ffff::1", "intruder", SECRET), 429, "too_many_attempts")
+    assert post_enroll(app, "2001:db8:1:3::1", "phone-1", SECRET).status_code == 200  # the next /64 is not blocked
+
+
+# ---- a real server on loopback: slow senders and forwarded headers
+
+
+def _open_live_round(tmp_path: Path, *options: str) -> dict[str, Any]:
+    manifest = make_bundle(tmp_path / "bundle")
+    tokens = enroll(tmp_path / "state", "a", "b")
+    server = LiveServer(
+        tmp_path / "bundle", tmp_path / "state", "--min-clients", "2", "--poll-interval", "0.2", *options
+    )
+    server.start()
+    devices = {name: DeviceClient(server.url, tokens[name]) for name in tokens}
+    for device in devices.values():
+        device.task()
+    round_id = devices["a"].wait_for_train()["round"]
+    base = devices["a"].base(round_id)
+    bodies = {
+        name: upload_body({k: v + shift for k, v in base.items()}, manifest) for name, shift in (("a", 1), ("b", 2))
+    }
+    return {"server": server, "tokens": tokens, "devices": devices, "round": round_id, "bodies": bodies}
+
+
+def _raw_request_head(ctx: dict[str, Any], device: str, length: int) -> bytes:
+    return (
+        f"POST /v1/rounds/{ctx['round']}/update HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {ctx['tokens'][device]}\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def test_a_trickling_upload_loses_its_slot_and_the_others_upload(tmp_path: Path) -> None:
+    ctx = _open_live_round(tmp_path, "--upload-slots", "1", "--read-timeout", "1", "--min-upload-rate", "1")
+    try:
+        body = ctx["bodies"]["a"]
+        slow = socket.create_connection(("127.0.0.1", ctx["server"].port), timeout=10)
+        slow.sendall(_raw_request_head(ctx, "a", len(body)))
+        started = time.monotonic()
+        reply, sent = b"", 0
+        result: dict[str, Any] = {}
+
+        def upload_b() -> None:
+            begun = time.monotonic()
+            result["reply"] = ctx["devices"]["b"].upload(ctx["round"], ctx["bodies"]["b"])
+            result["seconds"] = time.monotonic() - begun
+
+        other = threading.Thread(target=upload_b)
+        for step in range(200):  # at most 10 s of 10 bytes/s: the server must cut it off well before
+            if step == 5:
+                other.start()  # a's trickle holds the only slot by now
+            try:
+                slow.sendall(body[sent : sent + 1])
+            except OSError:
+                break  # the server closed the connection
+            sent += 1
+            readable, _, _ = select.select([slow], [], [], 0.1)
+            if readable:
+                reply = slow.recv(65536)
+                break
+        slow.close()
+        other.join(timeout=30)
+        assert time.monotonic() - started < 8, "the trickle was never cut off"
+        assert b" 408 " in reply.split(b"\r\n", 1)[0], reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"] == "too_slow"
+        assert result["reply"].status_code == 200, result["reply"].text
+        assert result["seconds"] < 5, result  # b waited for the trickle's cut-off, not for its end
+    finally:
+        ctx["server"].kill()
+
+
+def test_headers_that_never_end_are_cut_off(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle")
+    with LiveServer(tmp_path / "bundle", tmp_path / "state", "--read-timeout", "1") as server:
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        slow.sendall(b"GET /v1/task HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        closed = False
+        for _ in range(100):  # at most 10 s
+            try:
+                slow.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                closed = True
+                break
+            readable, _, _ = select.select([slow], [], [], 0.1)
+            if readable and slow.recv(65536) == b"":
+                closed = True
+                break
+        slow.close()
+        assert closed and time.monotonic() - started < 5
+        assert httpx.get(f"{server.url}/openapi.json").status_code == 200  # and others are served
+
+
+def _wrong_enrollments_from(server: LiveServer, forwarded_for: list[str]) -> list[int]:
+    replies = []
+    for address in forwarded_for:
+        headers = {"Authorization": "Bearer wrong-secret-0123456789", "X-Forwarded-For": address}
+        replies.append(httpx.post(f"{server.url}/v1/enroll", json={"device": "x"}, headers=headers).status_code)
+    return replies
+
+
+def test_forwarded_for_is_believed_only_from_named_proxies(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle")
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    options = ("--enroll-secret-file", str(secret), "--enroll-max-failures", "2")
+    spoofed = [f"203.0.113.{host}" for host in range(1, 5)]
+    with LiveServer(tmp_path / "bundle", tmp_path / "state", *options) as server:
+        assert _wrong_enrollments_from(server, spoofed) == [401, 401, 429, 429]  # all from 127.0.0.1
+    with LiveServer(
+        tmp_path / "bundle", tmp_path / "proxied", *options, "--forwarded-allow-ips", "127.0.0.1"
+    ) as server:
+        assert _wrong_enrollments_from(server, spoofed) == [401] * 4  # the named proxy's word is taken
+    refused_option = CliRunner().invoke(
+        cli_app,
+        [
+            "serve",
+            "--bundle",
+            str(tmp_path / "bundle"),
+            "--state",
+            str(tmp_path / "x"),
+            "--forwarded-allow-ips",
+            "proxy.example",
+        ],
+    )
+    assert refused_option.exit_code == 2 and refused_option.output.startswith("error: --forwarded-allow-ips")
