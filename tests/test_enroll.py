@@ -232,6 +232,7 @@ def test_device_run_takes_exactly_one_of_token_and_token_file(tmp_path: Path) ->
         assert result.output.startswith("error: ") and expected in result.output, result.output
 
 
+@pytest.mark.slow
 def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_factory, tmp_path: Path) -> None:
     bundle = bundle_factory(**DEVICE_BUNDLE)
     secret_file = write_secret(tmp_path)
