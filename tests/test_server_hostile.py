@@ -353,3 +353,11 @@ def test_forwarded_for_is_believed_only_from_named_proxies(tmp_path: Path) -> No
         ],
     )
     assert refused_option.exit_code == 2 and refused_option.output.startswith("error: --forwarded-allow-ips")
+
+
+@pytest.mark.parametrize("option", ["--read-timeout", "--min-upload-rate"])
+def test_serve_refuses_a_non_positive_read_limit_in_one_line(tmp_path: Path, option: str) -> None:
+    args = ["serve", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), option, "0"]
+    refused_option = CliRunner().invoke(cli_app, args)
+    assert refused_option.exit_code == 2 and refused_option.output.count("\n") == 1, refused_option.output
+    assert refused_option.output.startswith(f"error: {option} must be positive"), refused_option.output
