@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -15,14 +16,19 @@ def write_bytes_atomic(path: str | os.PathLike, payload: bytes, mode: int | None
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
-    if mode is not None:
-        os.chmod(tmp, mode)  # a temp file left by a crash keeps its old mode under O_CREAT
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, target)
+    try:
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with os.fdopen(descriptor, "wb") as handle:
+            if mode is not None:
+                os.chmod(tmp, mode)  # a temp file left by a crash keeps its old mode under O_CREAT
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a failed write (a full disk) must not keep holding the space
+        raise
     _fsync_dir(target.parent)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import load as _st_load
@@ -15,6 +17,9 @@ from safetensors.numpy import save as _st_save
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.errors import WireError
 from edgepfl.manifest import TensorSpec
+
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # names, dtypes, shapes and offsets: about 100 bytes a tensor
+MAX_HEADER_DEPTH = 3  # {"name": {"shape": [...]}} is as deep as a valid header goes
 
 
 def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -25,6 +30,7 @@ def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str
 
 def decode_tensors(payload: bytes) -> dict[str, np.ndarray]:
     """Parse safetensors bytes; malformed input raises WireError, never a library traceback."""
+    read_header(payload)  # size, nesting and duplicate names: checks the library does not make
     try:
         return dict(_st_load(payload))
     except Exception as exc:  # safetensors raises its own error types and ValueError on bad headers
@@ -32,6 +38,39 @@ def decode_tensors(payload: bytes) -> dict[str, np.ndarray]:
             f"the tensor payload is not valid safetensors ({type(exc).__name__}: {str(exc)[:120]})",
             "send the bytes produced by safetensors.numpy.save",
         ) from None
+
+
+def read_header(payload: bytes) -> dict[str, Any]:
+    """The JSON header of safetensors bytes, its size and nesting bounded before it is parsed (WireError).
+
+    Refuses what both `json` and the safetensors library would take or choke on: a header nested
+    deeper than a valid one (Python's parser recurses per level), and a tensor named twice (JSON
+    parsers keep the last entry, so the bytes would say two things).
+    """
+    if len(payload) < 8:
+        raise WireError("the tensor payload is shorter than a safetensors header", "send safetensors bytes")
+    header_len = int.from_bytes(payload[:8], "little")
+    if header_len > len(payload) - 8:
+        raise WireError("the safetensors header length is out of range", "send safetensors bytes")
+    if header_len > MAX_HEADER_BYTES:
+        raise WireError(
+            f"the safetensors header is {header_len} bytes, over the limit of {MAX_HEADER_BYTES}",
+            "send fewer tensors or shorter metadata",
+        )
+    raw = payload[8 : 8 + header_len]
+    depth = _nesting_depth(raw)
+    if depth > MAX_HEADER_DEPTH:
+        raise WireError(
+            f"the safetensors header is nested {depth} levels deep, a valid one at most {MAX_HEADER_DEPTH}",
+            "send the bytes produced by safetensors.numpy.save",
+        )
+    try:
+        header = json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WireError("the safetensors header is not JSON", "send safetensors bytes") from None
+    if not isinstance(header, dict):
+        raise WireError("the safetensors header is not a JSON object", "send safetensors bytes")
+    return header
 
 
 class StoredTensors(Mapping[str, np.ndarray]):
@@ -73,16 +112,7 @@ class StoredTensors(Mapping[str, np.ndarray]):
 
 def decode_metadata(payload: bytes) -> dict[str, str]:
     """The string map in a safetensors header's `__metadata__` (empty when absent)."""
-    if len(payload) < 8:
-        raise WireError("the tensor payload is shorter than a safetensors header", "send safetensors bytes")
-    header_len = int.from_bytes(payload[:8], "little")
-    if header_len > len(payload) - 8 or header_len > 100 * 1024 * 1024:
-        raise WireError("the safetensors header length is out of range", "send safetensors bytes")
-    try:
-        header = json.loads(payload[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise WireError("the safetensors header is not JSON", "send safetensors bytes") from None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    metadata = read_header(payload).get("__metadata__")
     if metadata is None:
         return {}
     if not isinstance(metadata, dict) or not all(
@@ -137,6 +167,32 @@ def check_tensors(tensors: Mapping[str, np.ndarray], expected: Iterable[TensorSp
 def nonfinite_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an Inf, in the mapping's order."""
     return [name for name, value in tensors.items() if value.dtype.kind == "f" and not np.isfinite(value).all()]
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len({name for name, _ in pairs}) != len(pairs):
+        twice = sorted(name for name, count in Counter(name for name, _ in pairs).items() if count > 1)
+        raise WireError(
+            f"the safetensors header names {_short(twice)} more than once",
+            "send each tensor (and metadata key) once",
+        )
+    return dict(pairs)
+
+
+def _nesting_depth(header: bytes) -> int:
+    """How deep `{` and `[` nest in JSON bytes, outside strings; vectorised, so a huge header costs O(n)."""
+    codes = np.frombuffer(header, dtype=np.uint8)
+    if codes.size == 0:
+        return 0
+    backslash = codes == ord("\\")
+    index = np.arange(codes.size)
+    last_other = np.maximum.accumulate(np.where(backslash, -1, index))  # the last non-backslash at or before i
+    run_before = np.concatenate(([0], index[:-1] - last_other[:-1]))  # backslashes right before i
+    quote = (codes == ord('"')) & (run_before % 2 == 0)  # an escaped quote does not end a string
+    in_string = np.cumsum(quote) % 2 == 1
+    opens = ((codes == ord("{")) | (codes == ord("["))) & ~in_string
+    closes = ((codes == ord("}")) | (codes == ord("]"))) & ~in_string
+    return int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
 
 
 def _short(names: list[str], limit: int = 3) -> str:

@@ -17,6 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import edgepfl
 from edgepfl.errors import EdgePFLError
@@ -24,12 +25,15 @@ from edgepfl.protocol import API_PREFIX, EvalMetrics
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError
 from edgepfl.server.page import render_page, render_plot
+from edgepfl.server.store import StorageError
+from edgepfl.server.transport import HttpLimits
 
 log = logging.getLogger("edgepfl.server")
 
 MAX_JSON_BYTES = 64 * 1024
 MAX_ROUND_ID = 2**31 - 1
 SAFETENSORS = "application/octet-stream"
+STORAGE_RETRY_AFTER = 60  # seconds a device waits after the server's disk refused its upload
 
 RoundId = Annotated[int, Path(ge=1, le=MAX_ROUND_ID, description="round id")]
 
@@ -55,16 +59,20 @@ _ERRORS = _error_replies(
         401: "missing or invalid token",
         403: "not sampled",
         404: "no such round",
+        408: "the body arrived slower than the server's --min-upload-rate allows",
         409: "round closed, deadline passed, duplicate or layout mismatch",
         410: "the round's tensors were released by --history retention",
         413: "body too large",
         422: "invalid round id, metadata, tensors or metrics",
+        503: "the server's disk refused the write (read-only, I/O error); Retry-After says when to retry",
+        507: "the server's disk is full; Retry-After says when to retry",
     }
 )
 _ENROLL_ERRORS = _error_replies(
     {
         401: "missing or wrong enrollment secret",
         403: "enrollment closed: the server was started without --enroll-secret-file",
+        408: "the body arrived slower than the server's --min-upload-rate allows",
         409: "the device name is already enrolled (and `key` is not the key it was enrolled with)",
         413: "body too large",
         422: "invalid device name, key or body",
@@ -116,8 +124,9 @@ Device = Annotated[str, Depends(_device)]
 Viewer = Depends(_viewer)
 
 
-def create_app(engine: RoundEngine) -> FastAPI:
+def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI:
     """The ASGI app for one engine; its lifespan runs the engine's round loop in a thread."""
+    limits = limits or HttpLimits()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -159,6 +168,14 @@ def create_app(engine: RoundEngine) -> FastAPI:
     async def _server_side(_: Request, error: EdgePFLError) -> JSONResponse:
         log.error("request failed on the server side: %s", error)
         return JSONResponse({"error": "server_error", "detail": error.problem, "fix": error.fix}, 500)
+
+    @app.exception_handler(StorageError)
+    async def _storage(_: Request, error: StorageError) -> JSONResponse:
+        log.error("%s", error)  # one line: the operator has to act, the device only retries
+        status, name = (507, "insufficient_storage") if error.full else (503, "storage_failed")
+        fix = f"retry in {STORAGE_RETRY_AFTER} s (the operator must {error.fix})"
+        body = {"error": name, "detail": error.problem, "fix": fix}
+        return JSONResponse(body, status, headers={"Retry-After": str(STORAGE_RETRY_AFTER)})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -231,7 +248,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         _check_declared_length(request, cap)
         await run_in_threadpool(engine.check_upload_allowed, name, round_id)
         async with upload_slots:  # bodies wait in the socket, so memory is O(slots x model)
-            payload = await _read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}")
+            payload = await _read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}", limits)
             receipt = await run_in_threadpool(engine.accept_update, name, round_id, payload)
         return JSONResponse(receipt)
 
@@ -240,12 +257,12 @@ def create_app(engine: RoundEngine) -> FastAPI:
         openapi_extra={
             "requestBody": {"required": True, "content": {"application/json": {"schema": _EVAL_METRICS.json_schema()}}}
         },
-        responses={code: _ERRORS[code] for code in (401, 403, 404, 409, 413, 422)},
+        responses={code: _ERRORS[code] for code in (401, 403, 404, 408, 409, 413, 422)},
     )
     async def post_metrics(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
         """Report the evaluation of this device's personalized model after round `round_id`."""
         _check_declared_length(request, MAX_JSON_BYTES)
-        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
+        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
         try:
             metrics = _EVAL_METRICS.validate_python(json.loads(body))
         except (ValueError, ValidationError, RecursionError) as error:
@@ -268,7 +285,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         address = request.client.host if request.client else "unknown"
         engine.check_enroll_secret(secret, address)  # refused before the body is read
         _check_declared_length(request, MAX_JSON_BYTES)
-        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
+        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
         try:
             fields = json.loads(body)
             name, key = fields["device"], fields.get("key")
@@ -325,12 +342,33 @@ def _check_declared_length(request: Request, cap: int) -> None:
         )
 
 
-async def _read_capped(request: Request, cap: int, limit: str) -> bytes:
+async def _read_capped(request: Request, cap: int, limit: str, limits: HttpLimits) -> bytes:
+    """The body, refused once it exceeds `cap` (413) or falls behind the minimum rate of `limits` (408)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        wait = limits.body_deadline(started, size) - loop.time()
+        try:
+            if wait <= 0:
+                raise asyncio.TimeoutError
+            chunk = await asyncio.wait_for(stream.__anext__(), wait)
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408,
+                "too_slow",
+                f"the body arrived too slowly ({size} bytes in {loop.time() - started:.0f} s; the server waits "
+                f"{limits.read_timeout:g} s, then needs {limits.min_upload_rate:g} KiB/s on average)",
+                "retry over a better connection; the operator can lower --min-upload-rate",
+                headers={"Connection": "close"},  # the rest of the body is not read
+            ) from None
+        except ClientDisconnect:
+            raise ApiError(400, "disconnected", "the client went away during its body", "retry the request") from None
         size += len(chunk)
         if size > cap:
             raise ApiError(413, "too_large", f"the body exceeds {limit}", "send a smaller body or raise the limit")
         chunks.append(chunk)
-    return b"".join(chunks)

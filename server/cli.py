@@ -84,6 +84,15 @@ def serve(
     enroll_window: Annotated[
         int, typer.Option(help="seconds over which --enroll-max-failures are counted (a sliding window)")
     ] = 600,
+    read_timeout: Annotated[
+        float, typer.Option(help="seconds for a request's headers, and a body's grace before --min-upload-rate")
+    ] = 20.0,
+    min_upload_rate: Annotated[
+        float, typer.Option(help="KiB/s a request body must average after --read-timeout, or it is refused (408)")
+    ] = 8.0,
+    forwarded_allow_ips: Annotated[
+        str, typer.Option(help="reverse proxies (IPs or networks, comma-separated) whose X-Forwarded-For is believed")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
@@ -146,14 +155,15 @@ def serve(
         if not 0 <= port <= 65535:
             raise UsageError(f"--port {port} is not a port", "use 1..65535")
         try:
-            import uvicorn
-
             from edgepfl.server.app import create_app
             from edgepfl.server.engine import create_engine
+            from edgepfl.server.transport import HttpLimits, parse_proxies, run_server
         except ImportError as exc:
             raise UsageError(
                 f"serve needs the web stack ({exc.name} is missing)", "pip install 'edgepfl[server]'"
             ) from None
+        limits = HttpLimits(read_timeout, min_upload_rate, parse_proxies(forwarded_allow_ips))
+        limits.check()
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine = create_engine(config)
     except EdgePFLError as error:
@@ -165,15 +175,8 @@ def serve(
         f"edgepfl serve: {config.strategy}, {config.rounds} rounds, state {config.state}, "
         f"{scheme}://{host}:{port}{enrollment}"
     )
-    uvicorn.run(
-        create_app(engine),
-        host=host,
-        port=port,
-        log_level=log_level.lower(),
-        workers=1,
-        ssl_certfile=str(tls_cert) if tls_cert else None,
-        ssl_keyfile=str(tls_key) if tls_key else None,
-    )
+    tls = (tls_cert, tls_key) if tls_cert and tls_key else None
+    run_server(create_app(engine, limits), host, port, limits, log_level, tls)
     engine.store.close()
 
 

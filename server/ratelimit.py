@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import threading
 import time
@@ -12,12 +13,17 @@ from collections.abc import Callable
 class FailureLimiter:
     """Blocks an address once it has `max_failures` failures within the last `window_seconds` (a sliding window).
 
-    Memory is bounded: each address keeps at most `max_failures` timestamps, an address whose newest
-    failure left the window is forgotten, and at most `max_addresses` addresses are tracked. When the
-    table is full, every address not in it shares one overflow count: many addresses together then get
-    `max_failures` more guesses per window, not `max_failures` each, at the price of blocking honest
-    newcomers while the table is full. Evicting tracked addresses instead would unblock an attacker's
-    blocked addresses whenever it brought enough new ones. Thread-safe; `clock` must never go back.
+    Only an address's own failures count against it: no failure elsewhere, however many addresses
+    send them, ever blocks an address that has not failed, so honest devices cannot be locked out
+    from other addresses. An IPv6 address counts as its /64 network, which one host usually has to
+    itself, so a host cannot rotate through its 2^64 addresses for more guesses.
+
+    Memory and time are bounded: each address keeps at most `max_failures` timestamps, an address
+    whose newest failure left the window is forgotten, and at most `max_addresses` addresses are
+    tracked; a new one then evicts the address whose newest failure is oldest. An attacker with more
+    addresses than that can so unblock its own oldest ones, which gains it nothing beyond what those
+    addresses would have had anyway: its guesses stay `max_failures` per address per window.
+    Thread-safe; `clock` must never go back.
     """
 
     def __init__(
@@ -34,43 +40,40 @@ class FailureLimiter:
         self._lock = threading.Lock()
         # address -> its failure times, oldest first; the addresses ordered by their newest failure
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
-        self._overflow: deque[float] = deque(maxlen=max_failures)
 
     def retry_after(self, address: str) -> int | None:
         """Whole seconds until `address` may try again (at least 1), or None while it is not blocked."""
         with self._lock:
             now = self.clock()
-            failures = self._counted(address, now, track=False)
+            failures = self._counted(limited_key(address), now)
             if failures is None or len(failures) < self.max_failures:
                 return None
             return max(1, math.ceil(failures[0] + self.window_seconds - now))
 
     def record_failure(self, address: str) -> None:
         """Count one failed attempt by `address` now."""
+        key = limited_key(address)
         with self._lock:
             now = self.clock()
-            failures = self._counted(address, now, track=True)
-            assert failures is not None, "a tracked address always has a count"
+            failures = self._counted(key, now)
+            if failures is None:
+                while len(self._failures) >= self.max_addresses:
+                    self._failures.popitem(last=False)
+                failures = self._failures[key] = deque(maxlen=self.max_failures)
             failures.append(now)
-            if address in self._failures:
-                self._failures.move_to_end(address)
+            self._failures.move_to_end(key)
 
     def __len__(self) -> int:
-        """How many addresses the table holds (not the overflow count; stale ones leave at the next check)."""
+        """How many addresses the table holds (stale ones leave at the next check)."""
         with self._lock:
             return len(self._failures)
 
-    def _counted(self, address: str, now: float, track: bool) -> deque[float] | None:
-        """The failures counted against `address` within the window (None if untracked and `track` is False)."""
+    def _counted(self, key: str, now: float) -> deque[float] | None:
+        """The failures counted against `key` within the window (None if it has none on record)."""
         horizon = now - self.window_seconds
         self._forget_stale(horizon)
-        if address in self._failures:
-            failures = self._failures[address]
-        elif len(self._failures) >= self.max_addresses:
-            failures = self._overflow
-        elif track:
-            failures = self._failures[address] = deque(maxlen=self.max_failures)
-        else:
+        failures = self._failures.get(key)
+        if failures is None:
             return None
         while failures and failures[0] <= horizon:
             failures.popleft()
@@ -80,3 +83,16 @@ class FailureLimiter:
         """Drop the addresses whose newest failure is at or before `horizon` (they lead the table's order)."""
         while self._failures and next(iter(self._failures.values()))[-1] <= horizon:
             self._failures.popitem(last=False)
+
+
+def limited_key(address: str) -> str:
+    """What the limit counts for a client address: an IPv6 address's /64 network, an IPv4 address itself."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # not an IP (a test client, a unix socket): counted as given
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)

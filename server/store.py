@@ -7,6 +7,7 @@ the blob is on disk, so a crash leaves at worst an unreferenced blob, removed at
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -97,6 +98,22 @@ class AlreadyEnrolled(StateError):
 
 class BlobError(StateError):
     """A stored tensor blob is missing or does not match its sha256."""
+
+
+class StorageError(StateError):
+    """The state folder refused a write (full disk, read-only, I/O error); nothing half-written was kept."""
+
+    def __init__(self, problem: str, fix: str, full: bool):
+        super().__init__(problem, fix)
+        self.full = full  # out of space or quota: the operator frees space, nothing else is wrong
+
+    @classmethod
+    def from_os_error(cls, what: str, exc: OSError) -> StorageError:
+        """The error for a failed write of `what`, saying which failure it was."""
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        reason = exc.strerror or type(exc).__name__
+        fix = "free space on the disk of the server's --state folder" if full else "check the server's --state folder"
+        return cls(f"the server could not store {what}: {reason}", fix, full)
 
 
 @dataclass(frozen=True)
@@ -268,12 +285,15 @@ class Store:
     # blobs
 
     def put_blob(self, payload: bytes, sha256: str | None = None) -> str:
-        """Write a blob atomically (temp file, fsync, rename) unless present; returns its sha256."""
+        """Write a blob atomically (temp file, fsync, rename) unless present; returns its sha256 (StorageError)."""
         digest = sha256 or hashlib.sha256(payload).hexdigest()
         path = self.blob_path(digest)
         with self._blob_locks[int(digest[:2], 16) % len(self._blob_locks)]:
             if not path.is_file() or path.stat().st_size != len(payload):
-                write_bytes_atomic(path, payload)
+                try:
+                    write_bytes_atomic(path, payload)  # removes its temp file when it fails
+                except OSError as exc:
+                    raise StorageError.from_os_error(f"blob {digest[:12]}", exc) from None
         return digest
 
     def read_blob(self, sha256: str) -> bytes:

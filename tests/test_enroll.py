@@ -136,25 +136,23 @@ def test_limiter_blocks_after_max_failures_until_the_oldest_leaves_the_window() 
     assert limiter.retry_after("10.0.0.1") is None and len(limiter) == 0  # stale addresses are forgotten
 
 
-def test_limiter_tracks_at_most_max_addresses_and_shares_one_count_beyond() -> None:
+def test_limiter_tracks_at_most_max_addresses_and_evicts_the_oldest() -> None:
     clock = Clock()
     limiter = FailureLimiter(2, 60, clock, max_addresses=2)
-    for address in ("a", "b", "c"):
+    for address in ("a", "b"):
         limiter.record_failure(address)
-    assert len(limiter) == 2  # "c" went to the overflow count
-    limiter.record_failure("d")
-    assert limiter.retry_after("c") == limiter.retry_after("e") == 60  # every untracked address shares it
-    assert limiter.retry_after("a") is None and limiter.retry_after("b") is None
-    limiter.record_failure("a")
-    assert limiter.retry_after("a") == 60 and limiter.retry_after("b") is None
+        limiter.record_failure(address)
+        clock.now += 1
+    assert limiter.retry_after("a") == 58 and limiter.retry_after("b") == 59
+    limiter.record_failure("c")  # the table is full: "a", whose newest failure is oldest, leaves
+    assert len(limiter) == 2 and limiter.retry_after("a") is None and limiter.retry_after("b") == 59
+    assert limiter.retry_after("c") is None and limiter.retry_after("d") is None  # no shared count
     for host in range(1, 1000):  # many addresses cannot grow the table
         clock.now += 0.01
         limiter.record_failure(f"10.0.{host // 256}.{host % 256}")
-    assert len(limiter) == 2
+    assert len(limiter) == 2 and limiter.retry_after("e") is None
     clock.now += 61
-    assert limiter.retry_after("c") is None and len(limiter) == 0
-    limiter.record_failure("c")
-    assert len(limiter) == 1 and limiter.retry_after("c") is None  # tracked on its own again
+    assert limiter.retry_after("c") is None and len(limiter) == 0  # stale ones are forgotten
 
 
 def test_enroll_is_429_with_retry_after_once_one_address_sent_too_many_wrong_secrets(tmp_path: Path) -> None:
@@ -234,6 +232,7 @@ def test_device_run_takes_exactly_one_of_token_and_token_file(tmp_path: Path) ->
         assert result.output.startswith("error: ") and expected in result.output, result.output
 
 
+@pytest.mark.slow
 def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_factory, tmp_path: Path) -> None:
     bundle = bundle_factory(**DEVICE_BUNDLE)
     secret_file = write_secret(tmp_path)

@@ -1,0 +1,110 @@
+"""How the server meets the network: deadlines on reading requests, and which proxies it believes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from edgepfl.errors import UsageError
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one slow or lying client may cost the others; made at the CLI edge, read by the app and uvicorn.
+
+    A request's headers must arrive within `read_timeout` seconds. A body (an upload holds one of the
+    `--upload-slots` while it is read) must then keep up an average of `min_upload_rate` KiB/s after
+    a grace of `read_timeout` seconds, or it is refused (408) and its slot goes to the next upload.
+    """
+
+    read_timeout: float = 20.0
+    min_upload_rate: float = 8.0  # KiB/s
+    forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For/-Proto are believed; none by default
+
+    def check(self) -> None:
+        """Refuse values that cannot work, naming the option (raises UsageError)."""
+        if not self.read_timeout > 0:
+            raise UsageError("--read-timeout must be positive", "pass seconds, e.g. 20")
+        if not self.min_upload_rate > 0:
+            raise UsageError("--min-upload-rate must be positive", "pass KiB/s, e.g. 8")
+        for proxy in self.forwarded_allow_ips:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise UsageError(
+                    f"--forwarded-allow-ips: {proxy!r} is not an IP address or network",
+                    "name the reverse proxies in front of the server, e.g. 10.0.0.5,10.0.1.0/24",
+                ) from None
+
+    def body_deadline(self, started: float, received: int) -> float:
+        """When a body whose reading began at `started` must have sent its next bytes, having sent `received`."""
+        return started + self.read_timeout + received / (self.min_upload_rate * 1024)
+
+
+def parse_proxies(value: str) -> tuple[str, ...]:
+    """The comma-separated addresses of `--forwarded-allow-ips` (empty: trust no proxy)."""
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def run_server(
+    app: Any, host: str, port: int, limits: HttpLimits, log_level: str, tls: tuple[Path, Path] | None = None
+) -> None:
+    """Serve `app` with uvicorn under `limits` until interrupted."""
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        workers=1,
+        ssl_certfile=str(tls[0]) if tls else None,
+        ssl_keyfile=str(tls[1]) if tls else None,
+        http=functools.partial(HeaderDeadlineH11, header_timeout=limits.read_timeout),
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: anyone on the host could pick
+        # the address the enrollment limit counts. Only proxies the operator names are believed.
+        proxy_headers=bool(limits.forwarded_allow_ips),
+        forwarded_allow_ips=list(limits.forwarded_allow_ips),
+    )
+
+
+class HeaderDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers (uvicorn waits for them forever)."""
+
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._start_header_timer()  # the next request's headers get the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def _start_header_timer(self) -> None:
+        self._stop_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # no complete request line and headers in time: nothing to answer
