@@ -1,8 +1,8 @@
 """The device's HTTP client for the server protocol (`edgepfl.protocol`): retries what may pass, reports what won't.
 
-Connection errors, timeouts, 5xx and 429 are retried with exponential backoff and jitter (a
-`Retry-After` header wins). A 4xx is raised once as `ServerRefused`, carrying the server's
-`fix` text; the refusals that mean "this round is over for you" are `RoundGone`.
+Connection errors, timeouts, 5xx, 408 (the server cut a too-slow upload) and 429 are retried with
+exponential backoff and jitter (a `Retry-After` header wins). A 4xx is raised once as `ServerRefused`,
+carrying the server's `fix` text; the refusals that mean "this round is over for you" are `RoundGone`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from edgepfl.wire import decode_tensors, encode_tensors
 
 # server error names that end this device's part in a round: drop the round, poll for the next one
 ROUND_GONE_ERRORS = frozenset({"round_closed", "deadline_passed", "not_sampled", "no_such_round"})
+RETRIED_REFUSALS = (408, 429)  # a too-slow upload cut off by the server, too many requests: both may pass later
 
 
 class ServerError(EdgePFLError):
@@ -181,7 +182,7 @@ class ServerClient:
                 self.traffic.received += len(response.content)
                 if response.status_code < 400:
                     return response
-                if response.status_code < 500 and response.status_code != 429:
+                if response.status_code < 500 and response.status_code not in RETRIED_REFUSALS:
                     raise _refusal(method, url, response)
                 problem = f"HTTP {response.status_code} {_error_body(response).get('detail', '')}".strip()
                 retry_after = response.headers.get("retry-after")

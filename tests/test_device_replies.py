@@ -120,6 +120,19 @@ def test_a_bad_retry_after_header_falls_back_to_backoff(header):
     assert len(sleeps) == 1 and 0.25 <= sleeps[0] <= 0.5
 
 
+def test_a_too_slow_upload_cut_off_by_the_server_is_retried():
+    """The server answers 408 too_slow to a sender under --min-upload-rate: a bad link may do better next time."""
+    sleeps: list[float] = []
+    too_slow = {"error": "too_slow", "detail": "the body arrived too slowly", "fix": "retry on a better link"}
+    answers = iter([httpx.Response(408, json=too_slow), httpx.Response(200, json=Task("wait", "h").to_json())])
+    client = ServerClient(
+        "http://device.test", "t", RetryPolicy(first_delay=0.5), transport=httpx.MockTransport(lambda r: next(answers)),
+        sleep=sleeps.append,
+    )  # fmt: skip
+    assert client.task().action == "wait"
+    assert len(sleeps) == 1
+
+
 # replies that are not the server's: a captive portal's HTML page
 
 
