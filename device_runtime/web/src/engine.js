@@ -116,6 +116,7 @@ class Engine {
   async trainStep(x, y, count, lr, trainable = 'full') {
     this.checkSet(trainable);
     this.checkBatch(x, y, count);
+    if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     if (count > this.batchSize) {
       throw new EngineError(`a batch of ${count} samples exceeds the portable graphs' batch size ${this.batchSize}`, `train with batches of at most ${this.batchSize}`);
     }
@@ -165,6 +166,11 @@ class Engine {
     if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count) {
       throw new EngineError(`labels are not an Int32Array or BigInt64Array of ${count}`, 'pass one label per input');
     }
+    const classes = this.manifest.num_classes;
+    for (let i = 0; i < count; i++) {
+      const label = Number(y[i]);
+      if (!(label >= 0 && label < classes)) throw new EngineError(`label ${label} is not a class of this model (0..${classes - 1})`, 'relabel the examples');
+    }
   }
 
   /** State tensors plus x, y, w of one graph batch: `count` real samples from `start`, zero-padded and masked. */
@@ -194,7 +200,11 @@ class Engine {
       const bytes = this.files.get(path);
       if (!bytes) throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
       const options = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
-      this.sessions.set(key, this.ort.InferenceSession.create(bytes, options));
+      const created = this.ort.InferenceSession.create(bytes, options).catch((err) => {
+        this.sessions.delete(key); // a later call may retry, e.g. after memory was freed
+        throw new EngineError(`onnxruntime-web cannot load ${path} (${err.message})`, 'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory');
+      });
+      this.sessions.set(key, created);
     }
     return this.sessions.get(key);
   }

@@ -90,6 +90,10 @@ test('roles, trainable sets and tensor checks follow the manifest', { skip: NEED
   const tooMany = new Float32Array(feeds.xe.data.subarray(0, (engine.batchSize + 1) * engine.sampleSize));
   await assert.rejects(engine.trainStep(tooMany, new Int32Array(engine.batchSize + 1), engine.batchSize + 1, 0.1), /exceeds the portable graphs' batch size/);
   await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, 2, 0.1), /inputs hold/);
+  const badLabel = Int32Array.from(feeds.y1.data, Number);
+  badLabel[3] = manifest.num_classes;
+  await assert.rejects(engine.trainStep(feeds.x1.data, badLabel, badLabel.length, 0.1), new RegExp(`label ${manifest.num_classes} is not a class`));
+  await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], NaN), /learning rate NaN/);
   await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], 0.1, 'everything'), /no "everything" trainable set/);
 });
 
