@@ -75,7 +75,15 @@ async function credentials(store) {
   if (creds && !creds.token && creds.secret) {
     stage('loading', 'Joining the server…');
     const client = new ApiClient({ origin: location.origin, onRetry: (text) => status(text) });
-    creds = { device: creds.device, key: creds.key, token: await client.enroll(creds.device, creds.key, creds.secret) };
+    let token;
+    try {
+      token = await client.enroll(creds.device, creds.key, creds.secret);
+    } catch (err) {
+      // a refused secret is not tried again at the next start (each wrong one counts against this address)
+      if (err instanceof Refusal) await store.commit({ [KEYS.creds]: { device: creds.device, key: creds.key } });
+      throw err;
+    }
+    creds = { device: creds.device, key: creds.key, token };
     await store.commit({ [KEYS.creds]: creds }); // the secret is not kept once the token is
   }
   if (!creds || !creds.token) {
@@ -331,6 +339,7 @@ function renderHistory(device) {
 }
 
 function showProgress(roundId, phase, step, steps, loss) {
+  Object.assign(document.body.dataset, { round: roundId, step }); // for people's tools and the browser test
   $('round').hidden = false;
   $('round-text').textContent = `Round ${roundId}: training (${phase}), step ${step} of ${steps}`;
   $('progress').max = steps;
