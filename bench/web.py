@@ -10,7 +10,7 @@ First load counts what a device downloads before it can train: the runtime (ort.
 gzip (level 6). The renderer's peak memory is the highest VmHWM among the browser's renderer processes.
 Prints JSON and writes bench/figures/web.png.
 
-Usage: python bench/web.py [--bundle DIR] [--steps 10] [--threads 2]   (needs chromium, playwright, npm ci)
+Usage: python bench/web.py [--bundle DIR] [--steps 10] [--warmup 5] [--threads 2]   (needs chromium, playwright, npm ci)
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def browser_run(bundle: Path, threads: int, isolated: bool, steps: int) -> dict:
+def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: int) -> dict:
     """One bench page in a fresh headless chromium; returns its timings and the renderer's peak memory."""
     from playwright.sync_api import sync_playwright
 
@@ -154,7 +154,7 @@ def browser_run(bundle: Path, threads: int, isolated: bool, steps: int) -> dict:
                 errors: list[str] = []
                 page.on("pageerror", lambda exc: errors.append(str(exc)))
                 port = server.server_address[1]
-                page.goto(f"http://127.0.0.1:{port}/bench/index.html?threads={threads}&steps={steps}")
+                page.goto(f"http://127.0.0.1:{port}/bench/index.html?threads={threads}&steps={steps}&warmup={warmup}")
                 page.wait_for_function("window.benchResult !== undefined", timeout=600_000, polling=500)
                 result = page.evaluate("window.benchResult")
                 if "error" in result or errors:
@@ -167,7 +167,7 @@ def browser_run(bundle: Path, threads: int, isolated: bool, steps: int) -> dict:
         server.shutdown()
 
 
-def native_run(bundle: Path, steps: int) -> dict:
+def native_run(bundle: Path, steps: int, warmup: int) -> dict:
     """The Python portable engine at 1 thread on the same steps: images per second per trainable set."""
     from edgepfl.device_runtime.portable_engine import PortableEngine
     from edgepfl.manifest import load_manifest
@@ -177,9 +177,9 @@ def native_run(bundle: Path, steps: int) -> dict:
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (engine.batch_size, *manifest.input.shape)).astype(np.float32)
     y = rng.integers(0, manifest.num_classes, engine.batch_size)
-    result = {"threads": 1, "steps": steps, "batchSize": engine.batch_size}
+    result = {"threads": 1, "steps": steps, "warmup": warmup, "batchSize": engine.batch_size}
     for trainable in ("full", "personal"):
-        for _ in range(2):
+        for _ in range(warmup):
             engine.train_step(x, y, 0.01, trainable)
         started = time.perf_counter()
         for _ in range(steps):
@@ -206,7 +206,8 @@ def plot(report: dict, path: Path) -> None:
     load = report["first_load_bytes"]["total"]
     axis.set_title(
         f"MobileNet x0.25 portable steps (batch {runs[names[0]]['batchSize']}); "
-        f"first load {load['gzip'] / 1e6:.1f} MB gzip",
+        f"first load {load['gzip'] / 1e6:.1f} MB gzip; load average {report['load_average_1min']['start']:.0f} "
+        f"on {report['load_average_1min']['cpus']} CPUs",
         fontsize=9,
     )
     axis.legend()
@@ -228,6 +229,9 @@ def main() -> None:
     parser.add_argument("--bundle", type=Path, help="a MobileNet x0.25 bundle with portable graphs (default: export)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per trainable set")
     parser.add_argument("--threads", type=int, default=2, help="wasm threads of the cross-origin isolated run")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps first (V8 tiers the wasm up over the first steps)"
+    )
     args = parser.parse_args()
     if not Path(CHROMIUM).exists():
         sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
@@ -237,12 +241,12 @@ def main() -> None:
         bundle = args.bundle or export_bundle(Path(tmp) / "bundle")
         load_before = os.getloadavg()
         # native before and after the browser runs: on a shared machine the load drifts between them
-        native_before = native_run(bundle, args.steps)
-        runs = {"browser 1 thread": browser_run(bundle, 1, isolated=False, steps=args.steps)}
+        native_before = native_run(bundle, args.steps, args.warmup)
+        runs = {"browser 1 thread": browser_run(bundle, 1, isolated=False, steps=args.steps, warmup=args.warmup)}
         runs[f"browser {args.threads} threads (isolated)"] = browser_run(
-            bundle, args.threads, isolated=True, steps=args.steps
+            bundle, args.threads, isolated=True, steps=args.steps, warmup=args.warmup
         )
-        native_after = native_run(bundle, args.steps)
+        native_after = native_run(bundle, args.steps, args.warmup)
         runs["native 1 thread"] = {
             **native_after,
             **{key: (native_before[key] + native_after[key]) / 2 for key in SPEED_KEYS},

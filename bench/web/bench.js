@@ -6,7 +6,7 @@ import { openEngine } from '/src/engine.js';
 const params = new URLSearchParams(location.search);
 const threads = Number(params.get('threads') || 1);
 const steps = Number(params.get('steps') || 10);
-const warmup = Number(params.get('warmup') || 2);
+const warmup = Number(params.get('warmup') || 5);
 
 async function fetchBytes(path) {
   const response = await fetch(path);
@@ -30,7 +30,7 @@ async function run() {
   const next = () => ((state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32);
   const x = Float32Array.from({ length: size * engine.sampleSize }, () => next() * 2 - 1);
   const y = Int32Array.from({ length: size }, () => Math.floor(next() * manifest.num_classes));
-  const result = { threads, steps, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
+  const result = { threads, steps, warmup, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
   for (const set of ['full', 'personal']) {
     const first = performance.now();
     await engine.trainStep(x, y, size, 0.01, set);
