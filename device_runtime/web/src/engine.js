@@ -32,17 +32,18 @@ export async function openEngine(ort, manifest, files, { threads = 1 } = {}) {
     if (expected) await checkSha256(files.get(path), expected, `bundle file ${path}`);
   }
   ort.env.wasm.numThreads = Math.max(1, Math.floor(threads));
-  const engine = new Engine(ort, manifest, entry, files);
+  const graphs = new Map(required.slice(1).map((path) => [path, files.get(path)]));
+  const engine = new Engine(ort, manifest, entry, graphs);
   engine.setTensors(decodeSafetensors(files.get(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }
 
 class Engine {
-  constructor(ort, manifest, entry, files) {
+  constructor(ort, manifest, entry, graphs) {
     this.ort = ort;
     this.manifest = manifest;
     this.entry = entry;
-    this.files = files;
+    this.graphs = graphs; // bytes of graphs without a session yet; dropped once their session exists
     this.batchSize = Number(entry.batch_size);
     const [channels, height, width] = manifest.input.shape;
     this.sampleSize = channels * height * width;
@@ -197,13 +198,17 @@ class Engine {
 
   session(key, path) {
     if (!this.sessions.has(key)) {
-      const bytes = this.files.get(path);
-      if (!bytes) throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
       const options = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
-      const created = this.ort.InferenceSession.create(bytes, options).catch((err) => {
-        this.sessions.delete(key); // a later call may retry, e.g. after memory was freed
-        throw new EngineError(`onnxruntime-web cannot load ${path} (${err.message})`, 'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory');
-      });
+      const created = this.ort.InferenceSession.create(this.graphs.get(path), options).then(
+        (session) => {
+          this.graphs.delete(path);
+          return session;
+        },
+        (err) => {
+          this.sessions.delete(key); // a later call may retry, e.g. after memory was freed
+          throw new EngineError(`onnxruntime-web cannot load ${path} (${err.message})`, 'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory');
+        },
+      );
       this.sessions.set(key, created);
     }
     return this.sessions.get(key);
