@@ -217,8 +217,8 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
             raise not_found(f"vendor/{name}")
         return vendor[name].response(request, DEVICE_HEADERS)
 
-    @app.get(DEVICE_PATH + "bundle/{path:path}", include_in_schema=False)
-    def device_bundle(path: str, request: Request, name: str = Depends(device)) -> Response:
+    @app.get(DEVICE_PATH + "bundle/{path:path}", dependencies=[Depends(device)], include_in_schema=False)
+    def device_bundle(path: str, request: Request) -> Response:
         if path not in bundle:
             raise not_found(f"bundle/{path}")
         return bundle[path].response(request, DEVICE_HEADERS)
