@@ -24,3 +24,15 @@ export EDGEPFL_WEB_FIXTURES="$WEB_TMP/fixtures"
 export EDGEPFL_WEB_PYTHON="$PYTHON"
 "$PYTHON" device_runtime/web/test/make_fixtures.py "$EDGEPFL_WEB_FIXTURES"
 (cd device_runtime/web && node --test test/*.test.mjs)
+
+# 4. The real-browser test (tests/test_web_browser.py, marked `browser`): a phone-sized headless chromium against
+#    `edgepfl serve` and two Python devices. Debian's chromium is installed here when it is missing and we are
+#    root (the test skips, saying so, only where no browser can be installed); Playwright's Python package (the
+#    test extra) drives it. Screenshots of each stage are rewritten into docs/img/web-*.png.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+# the server's routes for the page once more, now that the runtime is surely there (without it they skip)
+"$PYTHON" -m pytest -q tests/test_web_server.py
+"$PYTHON" -m pytest -q -m browser tests/test_web_browser.py
