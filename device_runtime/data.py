@@ -46,7 +46,7 @@ def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_image_folder(folder: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 images (N, H, W, C) and labels from `folder/<class>/<image>`; classes sorted by name."""
+    """uint8 images (N, H, W, C) resized to the model input, and labels from `folder/<class>/<image>` (sorted)."""
     try:
         from PIL import Image
     except ImportError:
@@ -72,11 +72,6 @@ def read_image_folder(folder: Path, manifest: Manifest) -> tuple[np.ndarray, np.
         for file in files:
             try:
                 with Image.open(file) as image:
-                    if image.size != (width, height):
-                        raise DataError(
-                            f"{file} is {image.size[0]}x{image.size[1]}, the model takes {width}x{height}",
-                            f"resize the images or export the model with --input-size {image.size[0]}",
-                        )
                     if image.mode != "P" and (image.mode in _GREY_MODES) != (channels == 1):
                         kind = "grey" if image.mode in _GREY_MODES else "colour"
                         raise DataError(
@@ -86,6 +81,52 @@ def read_image_folder(folder: Path, manifest: Manifest) -> tuple[np.ndarray, np.
                     pixels = np.asarray(image.convert(mode), dtype=np.uint8)
             except OSError as exc:
                 raise DataError(f"{file} is not a readable image ({exc})", "remove or replace the file") from None
-            images.append(pixels.reshape(height, width, channels))
+            images.append(resize_image(pixels.reshape(pixels.shape[0], pixels.shape[1], channels), height, width))
             labels.append(label)
     return np.stack(images), np.asarray(labels, dtype=np.int64)
+
+
+def resize_image(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 (h, w, c) pixels resampled to (height, width, c) with the one resize the browser device repeats.
+
+    Separable triangle (bilinear) filter with pixel-centre alignment, widened by the scale factor when
+    shrinking so every source pixel counts (Pillow's BILINEAR with antialiasing), computed in float64
+    with taps summed in ascending order, then rounded half up to uint8. device_runtime/web/src/preprocess.js
+    performs the same operations in the same order, so both produce identical pixels.
+    """
+    if pixels.dtype != np.uint8 or pixels.ndim != 3:
+        raise DataError(
+            f"cannot resize pixels of dtype {pixels.dtype} and shape {pixels.shape}", "pass uint8 (h, w, c) pixels"
+        )
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    rows = _resample_axis(pixels.astype(np.float64), height, axis=0)
+    both = _resample_axis(rows, width, axis=1)
+    return np.clip(np.floor(both + 0.5), 0, 255).astype(np.uint8)
+
+
+def _resample_axis(values: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+    """One pass of `resize_image` along `axis`: each output is a normalised, in-order sum of its taps."""
+    taps, weights = resize_taps(values.shape[axis], out_size)
+    moved = np.moveaxis(values, axis, 0)
+    result = np.zeros((out_size, *moved.shape[1:]), dtype=np.float64)
+    for k in range(taps.shape[1]):  # in tap order: the browser accumulates the same way
+        result += weights[:, k].reshape(-1, *([1] * (moved.ndim - 1))) * moved[taps[:, k]]
+    return np.moveaxis(result, 0, axis)
+
+
+def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Source indices and normalised weights (out_size, taps) of `resize_image` along one axis; unused taps weigh 0."""
+    scale = in_size / out_size
+    support = max(scale, 1.0)  # the triangle's half-width in source pixels
+    centres = (np.arange(out_size) + 0.5) * scale
+    first = np.maximum((centres - support + 0.5).astype(np.int64), 0)
+    last = np.minimum((centres + support + 0.5).astype(np.int64), in_size)
+    count = int((last - first).max())
+    taps = np.minimum(first[:, None] + np.arange(count)[None, :], in_size - 1)
+    raw = np.maximum(0.0, 1.0 - np.abs((first[:, None] + np.arange(count)[None, :] - centres[:, None] + 0.5) / support))
+    raw[first[:, None] + np.arange(count)[None, :] >= last[:, None]] = 0.0
+    total = np.zeros(out_size, dtype=np.float64)
+    for k in range(count):  # in tap order, as the browser sums
+        total += raw[:, k]
+    return taps, raw / total[:, None]

@@ -306,10 +306,12 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         """Rounds so far, their upload counts, accuracies and timings (no device names, no tensors)."""
         return engine.status()
 
+    web_note = _add_device_page(app, engine)
+
     @app.get("/", response_class=HTMLResponse, dependencies=[Viewer], responses={401: _ERRORS[401]})
     def get_page() -> HTMLResponse:
         """A small self-contained HTML page: the rounds so far and a plot of device accuracy."""
-        return HTMLResponse(render_page(engine.status()))
+        return HTMLResponse(render_page(engine.status(), web_note))
 
     @app.get(
         "/plot.png",
@@ -322,6 +324,15 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         return Response(render_plot(engine.status()), media_type="image/png")
 
     return app
+
+
+def _add_device_page(app: FastAPI, engine: RoundEngine) -> str:
+    """The browser device's routes (server/web.py) unless --no-web; returns what the status page says of them."""
+    if not engine.config.web:
+        return "The device page is off (--no-web)."
+    from edgepfl.server.web import add_web_routes
+
+    return add_web_routes(app, engine, _device)
 
 
 def _tensor_response(payload: bytes, sha: str, request: Request) -> Response:

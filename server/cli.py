@@ -94,6 +94,9 @@ def serve(
         str, typer.Option(help="reverse proxies (IPs or networks, comma-separated) whose X-Forwarded-For is believed")
     ] = "",
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+    no_web: Annotated[
+        bool, typer.Option("--no-web", help="serve no browser device page (/device/) and no join link (/join)")
+    ] = False,
 ) -> None:
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
     if ctx.invoked_subcommand is not None:
@@ -145,6 +148,7 @@ def serve(
                 seed=seed,
                 retain_top_k=retain_top_k,
             ),
+            web=not no_web,
         )
         config.check()
         if (tls_cert is None) != (tls_key is None):

@@ -49,6 +49,7 @@ class ServerConfig:
     enroll_max_failures: int = 10  # wrong secrets from one address that block it from POST /v1/enroll ...
     enroll_window: int = 600  # ... while they fall within this many seconds
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
+    web: bool = True  # the browser device: /device/ (page, runtime, portable bundle files) and /join; --no-web
 
     @property
     def max_upload_bytes(self) -> int:

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 
-def render_page(status: dict[str, Any]) -> str:
-    """A self-contained HTML page summarising the rounds so far."""
+def render_page(status: dict[str, Any], web_note: str = "") -> str:
+    """A self-contained HTML page summarising the rounds so far (and how phones join: `web_note`)."""
     png = base64.b64encode(render_plot(status)).decode("ascii")
     rows = "\n".join(_row(r) for r in reversed(status["rounds"]))
     head = (
@@ -26,11 +26,32 @@ td,th{{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}}th{{back
 </head><body>
 <h1>edgepfl server</h1>
 <p>{head}</p>
+<p id="join">{html.escape(web_note)}</p>
 <img alt="device accuracy per round" src="data:image/png;base64,{png}">
 <table><tr><th>round</th><th>state</th><th>uploads / sampled</th><th>val acc (mean)</th>
 <th>personalized acc (mean)</th><th>train loss</th><th>aggregation s</th><th>closed</th><th>note</th></tr>
 {rows}
 </table></body></html>
+"""
+
+
+def render_join_page(url: str) -> str:
+    """The join link and its QR code (SVG by `segno`); the link holds the enrollment secret in its fragment."""
+    import segno
+
+    qr = segno.make(url, error="m").svg_inline(scale=6, border=2, title="join link")
+    link = html.escape(url, quote=True)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>edgepfl: join</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}a{{word-break:break-all}}</style>
+</head><body>
+<h1>Join this edgepfl server</h1>
+<p>Scan the code with a phone, or open the link on any device. The link holds the enrollment secret:
+show it only to the people whose phones should take part.</p>
+<p>{qr}</p>
+<p><a id="join-link" href="{link}">{link}</a></p>
+</body></html>
 """
 
 

@@ -253,10 +253,6 @@ def _write_png(path: Path, size: int, mode: str) -> None:
     Image.new(mode, (size, size)).save(path)
 
 
-def _bad_image_size(folder: Path) -> None:
-    _write_png(folder / "cat" / "1.png", SIDE + 2, "L")
-
-
 def _bad_image_channels(folder: Path) -> None:
     _write_png(folder / "cat" / "1.png", SIDE, "RGB")
 
@@ -283,7 +279,6 @@ def _npz_size(folder: Path) -> None:
 @pytest.mark.parametrize(
     "make_data, message",
     [
-        (_bad_image_size, f"is {SIDE + 2}x{SIDE + 2}, the model takes {SIDE}x{SIDE}"),
         (_bad_image_channels, "is a colour image, the model takes 1-channel images"),
         (_empty_class_folder, "holds no images"),
         (_label_out_of_range, f"= {NUM_CLASSES} is not a class of this model (0..{NUM_CLASSES - 1})"),

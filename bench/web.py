@@ -1,0 +1,276 @@
+"""The browser device's speed, first-load bytes and memory: MobileNet x0.25 steps in headless Chromium vs native.
+
+Serves bench/web/ (a page timing the browser engine), device_runtime/web/src, the wasm-only onnxruntime-web
+build and the bundle from a static server on 127.0.0.1, and drives Debian's chromium with Playwright:
+one run at 1 thread without cross-origin isolation, one with COOP/COEP and `--threads` wasm threads. The
+Python portable engine runs the same steps at 1 thread in this process, before and after the browser runs
+(their mean is the native figure; the load average is reported, since a shared machine drifts).
+First load counts what a device downloads before it can train: the runtime (ort.wasm.min.mjs, its worker
+.mjs and .wasm), the engine's modules, manifest.json, the portable graphs and initial tensors; raw and
+gzip (level 6). The renderer's peak memory is the highest VmHWM among the browser's renderer processes.
+Prints JSON and writes bench/figures/web.png.
+
+Usage: python bench/web.py [--bundle DIR] [--steps 10] [--warmup 5] [--threads 2]   (needs chromium, playwright, npm ci)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+WEB = ROOT / "device_runtime" / "web"
+DIST = WEB / "node_modules" / "onnxruntime-web" / "dist"
+RUNTIME = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+ENGINE_MODULES = ("engine.js", "safetensors.js", "sha256.js")
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TARGET_SPEED, TARGET_MB = 0.5, 8.0
+SPEED_KEYS = ("fullImagesPerSecond", "personalImagesPerSecond")
+
+
+class Handler(SimpleHTTPRequestHandler):
+    """Static files from a fixed map of URL prefixes to folders; COOP/COEP when the server is isolated."""
+
+    routes: dict[str, Path] = {}
+    isolated = False
+
+    def translate_path(self, path: str) -> str:
+        path = path.split("?", 1)[0]
+        for prefix, folder in self.routes.items():
+            if path.startswith(prefix):
+                target = (folder / path[len(prefix) :]).resolve()
+                if target.is_relative_to(folder.resolve()):
+                    return str(target)
+        return str(ROOT / "nonexistent")
+
+    def end_headers(self) -> None:
+        if self.isolated:
+            self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+            self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
+            self.send_header("Cross-Origin-Resource-Policy", "same-origin")
+        self.send_header("Cache-Control", "no-store")
+        super().end_headers()
+
+    def guess_type(self, path):
+        if str(path).endswith((".mjs", ".js")):
+            return "text/javascript"
+        if str(path).endswith(".wasm"):
+            return "application/wasm"
+        return super().guess_type(path)
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+def serve(bundle: Path, isolated: bool) -> ThreadingHTTPServer:
+    """A static server on a free loopback port, answering in a daemon thread."""
+    routes = {"/bench/": ROOT / "bench" / "web", "/src/": WEB / "src", "/vendor/": DIST, "/bundle/": bundle}
+    handler = type("BenchHandler", (Handler,), {"routes": routes, "isolated": isolated})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(handler))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def first_load_bytes(bundle: Path) -> dict:
+    """Bytes a device downloads before its first step, per part, raw and gzip-compressed."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    entry = manifest["engines"]["portable"]
+    graphs = [entry["eval"]["model"], *(step["model"] for step in entry["steps"].values())]
+    parts = {
+        "runtime": [DIST / name for name in RUNTIME],
+        "engine_modules": [WEB / "src" / name for name in ENGINE_MODULES],
+        "graphs": [bundle / "manifest.json", *(bundle / path for path in graphs)],
+        "initial_tensors": [bundle / entry["initial"]],
+    }
+    out = {}
+    for part, files in parts.items():
+        data = [path.read_bytes() for path in files]
+        out[part] = {"raw": sum(map(len, data)), "gzip": sum(len(gzip.compress(d, compresslevel=6)) for d in data)}
+    out["total"] = {kind: sum(part[kind] for part in out.values()) for kind in ("raw", "gzip")}
+    return out
+
+
+def renderer_peak_mib(ancestor: int) -> float | None:
+    """Highest VmHWM (peak resident set) among the chromium renderer processes below process `ancestor`."""
+    peak = None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        if b"--type=renderer" not in cmdline or not _descends_from(int(proc.name), ancestor):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                peak = max(peak or 0.0, int(line.split()[1]) / 1024)
+    return peak
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
+
+
+def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: int) -> dict:
+    """One bench page in a fresh headless chromium; returns its timings and the renderer's peak memory."""
+    from playwright.sync_api import sync_playwright
+
+    server = serve(bundle, isolated)
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                port = server.server_address[1]
+                page.goto(f"http://127.0.0.1:{port}/bench/index.html?threads={threads}&steps={steps}&warmup={warmup}")
+                page.wait_for_function("window.benchResult !== undefined", timeout=600_000, polling=500)
+                result = page.evaluate("window.benchResult")
+                if "error" in result or errors:
+                    raise RuntimeError(f"the bench page failed: {result.get('error') or errors[0]}")
+                result["renderer_peak_mib"] = renderer_peak_mib(os.getpid())
+                return result
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+
+
+def native_run(bundle: Path, steps: int, warmup: int) -> dict:
+    """The Python portable engine at 1 thread on the same steps: images per second per trainable set."""
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.manifest import load_manifest
+
+    manifest = load_manifest(bundle)
+    engine = PortableEngine(bundle, manifest, threads=1)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (engine.batch_size, *manifest.input.shape)).astype(np.float32)
+    y = rng.integers(0, manifest.num_classes, engine.batch_size)
+    result = {"threads": 1, "steps": steps, "warmup": warmup, "batchSize": engine.batch_size}
+    for trainable in ("full", "personal"):
+        for _ in range(warmup):
+            engine.train_step(x, y, 0.01, trainable)
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.train_step(x, y, 0.01, trainable)
+        result[f"{trainable}ImagesPerSecond"] = steps * engine.batch_size / (time.perf_counter() - started)
+    return result
+
+
+def plot(report: dict, path: Path) -> None:
+    """Bars of images/s per run and trainable set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    names = sorted(runs, key=lambda name: not name.startswith("native"))
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    for offset, trainable in ((-0.2, "full"), (0.2, "personal")):
+        values = [runs[name][f"{trainable}ImagesPerSecond"] for name in names]
+        axis.bar(np.arange(len(names)) + offset, values, width=0.4, label=f"{trainable} step")
+    axis.set_xticks(np.arange(len(names)), names)
+    axis.set_ylabel("images / s")
+    load = report["first_load_bytes"]["total"]
+    axis.set_title(
+        f"MobileNet x0.25 portable steps (batch {runs[names[0]]['batchSize']}); "
+        f"first load {load['gzip'] / 1e6:.1f} MB gzip; load average {report['load_average_1min']['start']:.0f} "
+        f"on {report['load_average_1min']['cpus']} CPUs",
+        fontsize=9,
+    )
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+
+
+def export_bundle(folder: Path) -> Path:
+    """MobileNet x0.25, K_P=2, portable graphs only (the bundle the issue's targets name)."""
+    command = [str(Path(sys.executable).parent / "edgepfl"), "export", "mobilenet", "--width", "0.25", "--kp", "2"]
+    subprocess.run([*command, "--engines", "portable", "--out", str(folder)], check=True, stdout=subprocess.DEVNULL)
+    return folder
+
+
+def main() -> None:
+    """Run everything and print the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, help="a MobileNet x0.25 bundle with portable graphs (default: export)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per trainable set")
+    parser.add_argument("--threads", type=int, default=2, help="wasm threads of the cross-origin isolated run")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps first (V8 tiers the wasm up over the first steps)"
+    )
+    args = parser.parse_args()
+    if not Path(CHROMIUM).exists():
+        sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    if not (DIST / RUNTIME[0]).exists():
+        sys.exit("onnxruntime-web is not installed: (cd device_runtime/web && npm ci)")
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = args.bundle or export_bundle(Path(tmp) / "bundle")
+        load_before = os.getloadavg()
+        # native before and after the browser runs: on a shared machine the load drifts between them
+        native_before = native_run(bundle, args.steps, args.warmup)
+        runs = {"browser 1 thread": browser_run(bundle, 1, isolated=False, steps=args.steps, warmup=args.warmup)}
+        runs[f"browser {args.threads} threads (isolated)"] = browser_run(
+            bundle, args.threads, isolated=True, steps=args.steps, warmup=args.warmup
+        )
+        native_after = native_run(bundle, args.steps, args.warmup)
+        runs["native 1 thread"] = {
+            **native_after,
+            **{key: (native_before[key] + native_after[key]) / 2 for key in SPEED_KEYS},
+            "before": native_before,
+            "after": native_after,
+        }
+        report = {
+            "bundle": "mobilenet x0.25 kp=2",
+            "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
+            "runs": runs,
+            "first_load_bytes": first_load_bytes(bundle),
+        }
+    native, browser = runs["native 1 thread"], runs["browser 1 thread"]
+    ratio = browser["fullImagesPerSecond"] / native["fullImagesPerSecond"]
+    gzip_mb = report["first_load_bytes"]["total"]["gzip"] / 1e6
+    report["targets"] = {
+        "browser_vs_native_full_1_thread": round(ratio, 3),
+        "browser_vs_native_met": ratio >= TARGET_SPEED,
+        "first_load_gzip_mb": round(gzip_mb, 2),
+        "first_load_met": gzip_mb <= TARGET_MB,
+    }
+    print(json.dumps(report, indent=1))
+    plot(report, ROOT / "bench" / "figures" / "web.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+// A person's labelled examples as the model sees them: photos (camera or library), a folder with one sub-folder
+// per class, or an .npz with `x`/`y` (as device_runtime/data.py reads them). Examples are kept as uint8 pixels at
+// the model's input size (C*H*W each, 1 byte per value); the seeded train/held-out split and the normalisation
+// happen when a round trains, exactly as the Python device does them (edgepfl/data.py).
+
+import { splitTrainVal } from './algorithms.js';
+import { normalizePixels, toModelPixels } from './preprocess.js';
+
+export const VAL_FRACTION = 0.2; // as `edgepfl device run --val-fraction`
+export const DEVICE_SEED = 0; // as `edgepfl device run --seed`: the split and the batch order
+const IMAGE_NAME = /\.(png|jpe?g|bmp|gif|webp|tiff?)$/i; // device_runtime/data.py IMAGE_SUFFIXES
+const LARGEST_DECODED_SIDE = 2048; // bigger photos are scaled down by the browser first (memory on phones)
+
+/** A problem with the person's examples: the message names it, `fix` says what to do. */
+export class DataError extends Error {
+  constructor(message, fix) {
+    super(message);
+    this.name = 'DataError';
+    this.fix = fix;
+  }
+}
+
+/** The class names to show: manifest.model.class_names when the bundle has them, else "0".."n-1". */
+export function classNames(manifest) {
+  const names = manifest.model && manifest.model.class_names;
+  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string')) return names;
+  return Array.from({ length: manifest.num_classes }, (_, i) => String(i));
+}
+
+/** No examples yet, for a model input of `shape` [C, H, W]. */
+export function emptyExamples(shape) {
+  return { pixels: new Uint8Array(0), labels: new Int32Array(0), count: 0, shape: [...shape] };
+}
+
+/** Examples with `more` ({pixels, labels, count}) appended. */
+export function appendExamples(examples, more) {
+  const pixels = new Uint8Array(examples.pixels.length + more.pixels.length);
+  pixels.set(examples.pixels);
+  pixels.set(more.pixels, examples.pixels.length);
+  const labels = new Int32Array(examples.count + more.count);
+  labels.set(examples.labels);
+  labels.set(more.labels, examples.count);
+  return { pixels, labels, count: examples.count + more.count, shape: examples.shape };
+}
+
+/** How many examples of each class. */
+export function classCounts(examples, numClasses) {
+  const counts = new Array(numClasses).fill(0);
+  for (const label of examples.labels) counts[label] += 1;
+  return counts;
+}
+
+/** Seeded train/held-out split (split_train_val) and normalised inputs: {train: {x, y, count}, val: {...}}. */
+export function splitExamples(examples, inputSpec, valFraction = VAL_FRACTION, seed = DEVICE_SEED) {
+  const { train, val } = splitTrainVal(examples.count, valFraction, seed);
+  const size = examples.shape.reduce((a, b) => a * b, 1);
+  const part = (index) => {
+    const x = new Float32Array(index.length * size);
+    const y = new Int32Array(index.length);
+    index.forEach((at, i) => {
+      x.set(normalizePixels(examples.pixels.subarray(at * size, (at + 1) * size), inputSpec), i * size);
+      y[i] = examples.labels[at];
+    });
+    return { x, y, count: index.length };
+  };
+  return { train: part(train), val: part(val) };
+}
+
+/** How many of `count` examples train and how many are held out. */
+export function splitSizes(count, valFraction = VAL_FRACTION, seed = DEVICE_SEED) {
+  const { train, val } = splitTrainVal(count, valFraction, seed);
+  return { train: train.length, val: val.length };
+}
+
+/** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */
+export async function readPhotos(files, label, inputSpec) {
+  const list = Array.from(files).filter((file) => IMAGE_NAME.test(file.name) || (file.type || '').startsWith('image/'));
+  if (!list.length) throw new DataError('none of the chosen files is an image', 'choose photos (PNG, JPEG, WebP, ...)');
+  return collect(list.map((file) => [file, label]), inputSpec);
+}
+
+/** A folder with one sub-folder per class (`<input webkitdirectory>`): classes are the sub-folders sorted by name. */
+export async function readFolder(files, inputSpec, numClasses) {
+  const byClass = new Map();
+  for (const file of Array.from(files)) {
+    const parts = (file.webkitRelativePath || file.name).split('/');
+    if (parts.length < 3 || parts[1].startsWith('.') || !IMAGE_NAME.test(file.name)) continue;
+    if (!byClass.has(parts[1])) byClass.set(parts[1], []);
+    byClass.get(parts[1]).push(file);
+  }
+  const names = [...byClass.keys()].sort(); // the Python loader's order (sorted folder names)
+  if (!names.length) throw new DataError('the folder has no class sub-folders with images', 'put each class\'s images in a sub-folder of its own');
+  if (names.length > numClasses) {
+    throw new DataError(`the folder has ${names.length} class folders, the model has ${numClasses} classes`, 'remove the extra folders');
+  }
+  const labelled = names.flatMap((name, label) =>
+    byClass.get(name).sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0)).map((file) => [file, label]),
+  );
+  return collect(labelled, inputSpec);
+}
+
+/** An .npz with uint8 images `x` (N,C,H,W | N,H,W,C | N,H,W) and class indices `y`, at the model's input size. */
+export async function readNpz(bytes, inputSpec, numClasses) {
+  const { unzipSync } = await import('./vendor/fflate.mjs');
+  let entries;
+  try {
+    entries = unzipSync(bytes);
+  } catch (err) {
+    throw new DataError(`the file is not a readable .npz (${err.message})`, 'choose an .npz written by numpy.savez');
+  }
+  for (const key of ['x', 'y']) {
+    if (!entries[`${key}.npy`]) throw new DataError(`the .npz has no array "${key}"`, 'save the images as x and the labels as y: np.savez(path, x=images, y=labels)');
+  }
+  const x = readNpy(entries['x.npy'], 'x');
+  const y = readNpy(entries['y.npy'], 'y');
+  if (!(x.data instanceof Uint8Array)) throw new DataError(`x holds ${x.descr} values`, 'save x as uint8 pixels (0..255)');
+  const count = x.shape[0];
+  const pixels = toChannelsFirst(x, inputSpec);
+  const labels = checkLabels(y, count, numClasses);
+  return { pixels, labels, count };
+}
+
+async function collect(labelled, inputSpec) {
+  const size = inputSpec.shape.reduce((a, b) => a * b, 1);
+  const pixels = new Uint8Array(labelled.length * size);
+  const labels = new Int32Array(labelled.length);
+  for (let i = 0; i < labelled.length; i++) {
+    const [file, label] = labelled[i];
+    const { rgba, width, height } = await decodeImage(file);
+    pixels.set(toModelPixels(rgba, width, height, inputSpec), i * size);
+    labels[i] = label;
+  }
+  return { pixels, labels, count: labelled.length };
+}
+
+/** RGBA pixels of an image file at its natural size (scaled down first only beyond LARGEST_DECODED_SIDE). */
+async function decodeImage(file) {
+  let bitmap;
+  try {
+    bitmap = await createImageBitmap(file, { colorSpaceConversion: 'none', premultiplyAlpha: 'none' });
+    const scale = Math.min(1, LARGEST_DECODED_SIDE / Math.max(bitmap.width, bitmap.height));
+    if (scale < 1) {
+      const resized = await createImageBitmap(bitmap, {
+        resizeWidth: Math.round(bitmap.width * scale),
+        resizeHeight: Math.round(bitmap.height * scale),
+        resizeQuality: 'high',
+      });
+      bitmap.close();
+      bitmap = resized;
+    }
+  } catch (err) {
+    throw new DataError(`${file.name} cannot be decoded as an image (${err.message})`, 'choose a PNG or JPEG photo');
+  }
+  const { width, height } = bitmap;
+  const canvas = typeof OffscreenCanvas === 'function' ? new OffscreenCanvas(width, height) : Object.assign(document.createElement('canvas'), { width, height });
+  const context = canvas.getContext('2d', { willReadFrequently: true });
+  context.drawImage(bitmap, 0, 0);
+  bitmap.close();
+  return { rgba: context.getImageData(0, 0, width, height).data, width, height };
+}
+
+const NPY_TYPES = { u1: Uint8Array, i1: Int8Array, u2: Uint16Array, i2: Int16Array, u4: Uint32Array, i4: Int32Array, u8: BigUint64Array, i8: BigInt64Array, f4: Float32Array, f8: Float64Array, b1: Uint8Array };
+
+/** One .npy array: {descr, shape, data}; refuses big-endian, Fortran order and pickled objects. */
+function readNpy(bytes, name) {
+  const bad = (problem) => new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
+  if (bytes.length < 10 || bytes[0] !== 0x93 || String.fromCharCode(...bytes.subarray(1, 6)) !== 'NUMPY') throw bad('is not an .npy array');
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const major = bytes[6];
+  const headerLength = major === 1 ? view.getUint16(8, true) : view.getUint32(8, true);
+  const start = major === 1 ? 10 : 12;
+  const header = new TextDecoder('latin1').decode(bytes.subarray(start, start + headerLength));
+  const descr = (header.match(/'descr':\s*'([^']+)'/) || [])[1];
+  const fortran = /'fortran_order':\s*True/.test(header);
+  const shapeText = (header.match(/'shape':\s*\(([^)]*)\)/) || [])[1];
+  if (!descr || shapeText === undefined) throw bad('has an unreadable header');
+  if (fortran) throw bad('is stored in Fortran order');
+  const type = NPY_TYPES[descr.slice(1)];
+  if (!type || descr[0] === '>' || (descr[0] === '|' && type.BYTES_PER_ELEMENT > 1)) throw bad(`has dtype ${descr}`);
+  const shape = shapeText.split(',').map((s) => s.trim()).filter(Boolean).map(Number);
+  const count = shape.reduce((a, b) => a * b, 1);
+  const dataStart = start + headerLength;
+  if (bytes.length - dataStart < count * type.BYTES_PER_ELEMENT) throw bad('is shorter than its shape');
+  const data = new type(bytes.slice(dataStart, dataStart + count * type.BYTES_PER_ELEMENT).buffer);
+  return { descr, shape, data };
+}
+
+/** x as N*C*H*W uint8 at the model's shape, reading the layouts edgepfl/data.py to_model_layout reads. */
+function toChannelsFirst(x, inputSpec) {
+  const [channels, height, width] = inputSpec.shape;
+  const [n, ...rest] = x.shape;
+  const same = (a, b) => a.length === b.length && a.every((v, i) => v === b[i]);
+  if (rest.length === 2 && channels === 1 && same(rest, [height, width])) return x.data;
+  if (rest.length === 3) {
+    const nchw = same(rest, [channels, height, width]);
+    const nhwc = same(rest, [height, width, channels]);
+    if (nchw && (!nhwc || inputSpec.layout === 'NCHW')) return x.data;
+    if (nhwc) {
+      const out = new Uint8Array(x.data.length);
+      const plane = height * width;
+      for (let i = 0; i < n; i++) {
+        for (let p = 0; p < plane; p++) for (let c = 0; c < channels; c++) out[(i * channels + c) * plane + p] = x.data[(i * plane + p) * channels + c];
+      }
+      return out;
+    }
+  }
+  throw new DataError(
+    `x has shape (${x.shape.join(', ')}), the model takes images of (${channels}, ${height}, ${width}) (NCHW) or (${height}, ${width}, ${channels}) (NHWC)`,
+    'save x at the model\'s input size, or add the photos one by one (they are resized)',
+  );
+}
+
+/** y as class indices 0..numClasses-1, one per image (check_labels). */
+function checkLabels(y, count, numClasses) {
+  if (y.shape.length !== 1 || y.shape[0] !== count) throw new DataError(`y has shape (${y.shape.join(', ')}), expected (${count},)`, 'store one class index per image');
+  const labels = new Int32Array(count);
+  for (let i = 0; i < count; i++) {
+    const value = Number(y.data[i]);
+    if (!Number.isInteger(value) || value < 0 || value >= numClasses) {
+      throw new DataError(`y[${i}] = ${value} is not a class of this model (0..${numClasses - 1})`, 'relabel the data');
+    }
+    labels[i] = value;
+  }
+  return labels;
+}

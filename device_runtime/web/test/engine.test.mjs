@@ -1,0 +1,109 @@
+// The browser engine (onnxruntime-web under Node) against the Python portable engine on the same bundle and feeds.
+
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import * as ort from 'onnxruntime-web';
+import { openEngine } from '../src/engine.js';
+import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureTensors, maxAbsDiff } from './fixtures.mjs';
+
+const TOLERANCE = 1e-5;
+
+async function freshEngine() {
+  const { manifest, files } = fixtureBundle();
+  return { manifest, engine: await openEngine(ort, manifest, files, { threads: 1 }) };
+}
+
+function assertTensorsClose(got, want, what) {
+  assert.deepEqual(Object.keys(got).sort(), Object.keys(want).sort(), `${what}: tensor names`);
+  for (const name of Object.keys(want)) {
+    assert.deepEqual(got[name].shape, want[name].shape, `${what}: ${name} shape`);
+    const diff = maxAbsDiff(got[name].data, want[name].data);
+    assert.ok(diff <= TOLERANCE, `${what}: ${name} differs from Python by ${diff}`);
+  }
+}
+
+test('full steps (a padded short batch, then a full one) equal Python for every parameter and buffer', { skip: NEEDS_FIXTURES }, async () => {
+  const { engine } = await freshEngine();
+  const feeds = fixtureTensors('feeds.safetensors');
+  const want = expected();
+  assert.equal(engine.batchSize, feeds.y2.shape[0]);
+  const losses = [
+    await engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], want.lr, 'full'),
+    await engine.trainStep(feeds.x2.data, feeds.y2.data, feeds.y2.shape[0], want.lr),
+  ];
+  assert.ok(maxAbsDiff(losses, want.full_losses) <= TOLERANCE, `losses ${losses} vs ${want.full_losses}`);
+  const after = fixtureTensors('full_after.safetensors');
+  assertTensorsClose(engine.getTensors(), after, 'full');
+  const initial = fixtureTensors('bundle/portable/initial.safetensors');
+  // conv biases feeding BatchNorm get no gradient; every weight does
+  for (const name of engine.namesByRole('base').filter((n) => n.endsWith('.weight'))) {
+    assert.ok(maxAbsDiff(after[name].data, initial[name].data) > 0, `${name} trained`);
+  }
+  const result = await engine.evaluate(feeds.xe.data, feeds.ye.data, feeds.ye.shape[0]);
+  assert.equal(result.count, want.eval_after_full.count);
+  assert.equal(result.correct, want.eval_after_full.correct);
+  assert.ok(Math.abs(result.lossSum - want.eval_after_full.loss_sum) <= TOLERANCE * result.count);
+});
+
+test('a personal step equals Python and leaves the base bit-identical', { skip: NEEDS_FIXTURES }, async () => {
+  const { engine } = await freshEngine();
+  const feeds = fixtureTensors('feeds.safetensors');
+  const want = expected();
+  const loss = await engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], want.lr, 'personal');
+  assert.ok(Math.abs(loss - want.personal_loss) <= TOLERANCE);
+  const got = engine.getTensors();
+  assertTensorsClose(got, fixtureTensors('personal_after.safetensors'), 'personal');
+  const initial = fixtureTensors('bundle/portable/initial.safetensors');
+  for (const name of engine.namesByRole('base')) assert.deepEqual(got[name].data, initial[name].data, `${name} frozen`);
+  for (const name of engine.namesByRole('personal')) assert.ok(maxAbsDiff(got[name].data, initial[name].data) > 0, `${name} trained`);
+});
+
+test('evaluate of the initial model equals Python eval over two chunks', { skip: NEEDS_FIXTURES }, async () => {
+  const { engine } = await freshEngine();
+  const feeds = fixtureTensors('feeds.safetensors');
+  const want = expected().eval_initial;
+  const result = await engine.evaluate(feeds.xe.data, feeds.ye.data, feeds.ye.shape[0]);
+  assert.equal(result.count, want.count);
+  assert.equal(result.correct, want.correct);
+  assert.ok(Math.abs(result.lossSum - want.loss_sum) <= TOLERANCE * result.count, `${result.lossSum} vs ${want.loss_sum}`);
+});
+
+test('roles, trainable sets and tensor checks follow the manifest', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, engine } = await freshEngine();
+  assert.deepEqual(engine.trainableSets(), ['full', 'personal', 'base']);
+  assert.deepEqual(engine.namesByRole('personal'), manifest.tensors.filter((t) => t.role === 'personal').map((t) => t.name));
+  assert.ok(engine.namesByRole('buffer').every((n) => n.includes('running_')));
+  const [name] = engine.namesByRole('personal');
+  const copy = engine.getTensors([name]);
+  copy[name].data.fill(0.25);
+  assert.notEqual(engine.getTensors([name])[name].data[0], 0.25, 'getTensors returns copies');
+  engine.setTensors(copy);
+  assert.equal(engine.getTensors([name])[name].data[0], 0.25);
+  const shape = copy[name].shape;
+  assert.throws(() => engine.setTensors({ nope: copy[name] }), /unknown tensor\(s\) nope/);
+  assert.throws(() => engine.setTensors({ [name]: { ...copy[name], shape: [...shape, 1] } }), /has shape/);
+  assert.throws(() => engine.setTensors({ [name]: { ...copy[name], dtype: 'float64', data: new Float64Array(copy[name].data) } }), /has dtype float64/);
+  const bad = copy[name].data.slice();
+  bad[0] = NaN;
+  assert.throws(() => engine.setTensors({ [name]: { ...copy[name], data: bad } }), /NaN or Inf/);
+  const feeds = fixtureTensors('feeds.safetensors');
+  const tooMany = new Float32Array(feeds.xe.data.subarray(0, (engine.batchSize + 1) * engine.sampleSize));
+  await assert.rejects(engine.trainStep(tooMany, new Int32Array(engine.batchSize + 1), engine.batchSize + 1, 0.1), /exceeds the portable graphs' batch size/);
+  await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, 2, 0.1), /inputs hold/);
+  const badLabel = Int32Array.from(feeds.y1.data, Number);
+  badLabel[3] = manifest.num_classes;
+  await assert.rejects(engine.trainStep(feeds.x1.data, badLabel, badLabel.length, 0.1), new RegExp(`label ${manifest.num_classes} is not a class`));
+  await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], NaN), /learning rate NaN/);
+  await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], 0.1, 'everything'), /no "everything" trainable set/);
+});
+
+test('a bundle file that does not match the manifest sha256 is refused', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  const graph = manifest.engines.portable.steps.full.model;
+  const tampered = files.get(graph).slice();
+  tampered[tampered.length - 1] ^= 1;
+  files.set(graph, tampered);
+  await assert.rejects(openEngine(ort, manifest, files), new RegExp(`bundle file ${graph} has sha256`));
+  files.delete(graph);
+  await assert.rejects(openEngine(ort, manifest, files), new RegExp(`bundle file ${graph} was not loaded`));
+});

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The browser device's tests (device_runtime/web): JavaScript unit tests under Node against fixtures that the
+# Python device writes, then (appended below) the real-browser tests.
+#
+# 1. `npm ci` in device_runtime/web: onnxruntime-web, fflate and pngjs at the lockfile's exact versions and
+#    integrity hashes (npm registry only; node >= 20 and npm must be installed).
+# 2. PYTHON (default .venv/bin/python, with the export extra) writes the fixtures into a temporary folder:
+#    a tiny BatchNorm cnn bundle, the Python portable engine's tensors after steps and a round, files
+#    written by Python's safetensors, PNGs and the Python loader's arrays of them.
+# 3. `node --test` runs device_runtime/web/test/*.test.mjs against them (EDGEPFL_WEB_FIXTURES).
+#
+# Usage: scripts/web-env.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+PYTHON="${PYTHON:-.venv/bin/python}"
+case "$PYTHON" in /*) ;; *) PYTHON="$ROOT/$PYTHON" ;; esac
+WEB_TMP="$(mktemp -d)"
+trap 'rm -rf "$WEB_TMP"' EXIT
+
+(cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error)
+
+export EDGEPFL_WEB_FIXTURES="$WEB_TMP/fixtures"
+export EDGEPFL_WEB_PYTHON="$PYTHON"
+"$PYTHON" device_runtime/web/test/make_fixtures.py "$EDGEPFL_WEB_FIXTURES"
+(cd device_runtime/web && node --test test/*.test.mjs)
+
+# 4. The real-browser test (tests/test_web_browser.py, marked `browser`): a phone-sized headless chromium against
+#    `edgepfl serve` and two Python devices. Debian's chromium is installed here when it is missing and we are
+#    root (the test skips, saying so, only where no browser can be installed); Playwright's Python package (the
+#    test extra) drives it. Screenshots of each stage are rewritten into docs/img/web-*.png.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+# the server's routes for the page once more, now that the runtime is surely there (without it they skip)
+"$PYTHON" -m pytest -q tests/test_web_server.py
+"$PYTHON" -m pytest -q -m browser tests/test_web_browser.py

@@ -1,0 +1,287 @@
+"""The browser device's routes: the page and its modules, the wasm runtime, the bundle's portable files, the join link.
+
+Everything under `/device/` is served from an allow-list fixed when the app starts (no path from a request
+reaches the file system), with cross-origin isolation (COOP/COEP, so onnxruntime-web may use threads) and a
+Content-Security-Policy that lets the page talk to this origin only. The join link carries the enrollment
+secret in its URL fragment, which browsers never send to a server; `/join` shows it (and its QR code) only
+to someone who types that secret into the browser's password prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import hashlib
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from urllib.parse import quote
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from edgepfl.manifest import MANIFEST_NAME
+from edgepfl.server.engine import RoundEngine
+from edgepfl.server.errors import ApiError
+
+log = logging.getLogger("edgepfl.server.web")
+
+DEVICE_PATH = "/device/"
+JOIN_PATH = "/join"
+# the wasm-only ES build of onnxruntime-web and the one wasm/worker pair it loads, plus fflate (reads .npz)
+VENDOR_FILES = {
+    "ort.wasm.min.mjs": "onnxruntime-web/dist/ort.wasm.min.mjs",
+    "ort-wasm-simd-threaded.mjs": "onnxruntime-web/dist/ort-wasm-simd-threaded.mjs",
+    "ort-wasm-simd-threaded.wasm": "onnxruntime-web/dist/ort-wasm-simd-threaded.wasm",
+    "fflate.mjs": "fflate/esm/browser.js",
+}
+PAGE_SUFFIXES = (".html", ".js", ".css")
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' blob: data:; "
+    "style-src 'self'; worker-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
+DEVICE_HEADERS = {
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Embedder-Policy": "require-corp",
+    "Cross-Origin-Resource-Policy": "same-origin",
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",  # revalidated with the ETag: an upgraded server is picked up at once
+}
+JOIN_HEADERS = {
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'none'; img-src data:; style-src 'unsafe-inline'; frame-ancestors 'none'",
+}
+MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".wasm": "application/wasm",
+    ".json": "application/json",
+}
+_COMPRESSED_MIN = 1024  # bytes: smaller files are sent as they are
+
+
+def web_folder() -> Path:
+    """The browser device's folder (`device_runtime/web`), found without importing the device runtime."""
+    spec = importlib.util.find_spec("edgepfl.device_runtime")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations))) / "web"
+
+
+@dataclass(frozen=True)
+class WebRuntime:
+    """The files the device page needs from this machine, and which of them are missing."""
+
+    folder: Path
+    missing: tuple[str, ...] = ()
+
+    @property
+    def ready(self) -> bool:
+        """Whether every file of the page and its runtime is present."""
+        return not self.missing
+
+    def problem(self) -> str:
+        """One line saying why the page is off and how to turn it on (empty when ready)."""
+        if self.ready:
+            return ""
+        return (
+            f"the device page is off: {self.missing[0]} is missing"
+            f"{f' (and {len(self.missing) - 1} more)' if len(self.missing) > 1 else ''}; "
+            f"fix: npm ci --prefix {self.folder} (or pass --no-web to serve without the page)"
+        )
+
+
+def find_web_runtime(folder: Path | None = None) -> WebRuntime:
+    """Check that the page's modules and the allow-listed vendor files exist under `folder`."""
+    folder = folder or web_folder()
+    wanted = [folder / "src" / "index.html", *(folder / "node_modules" / path for path in VENDOR_FILES.values())]
+    return WebRuntime(folder, tuple(str(path) for path in wanted if not path.is_file()))
+
+
+@dataclass
+class StaticFile:
+    """One allow-listed file: read once, its ETag, and a gzip copy made on first demand."""
+
+    path: Path
+    media_type: str
+    _gzip: bytes | None = field(default=None, repr=False)
+
+    @cached_property
+    def content(self) -> bytes:
+        """The file's bytes (read once: the runtime does not change while the server runs)."""
+        return self.path.read_bytes()
+
+    @cached_property
+    def etag(self) -> str:
+        """A strong ETag: the sha256 of the content."""
+        return f'"{hashlib.sha256(self.content).hexdigest()}"'
+
+    def gzipped(self) -> bytes:
+        """The content gzip-compressed (kept: the 14 MB wasm compresses to about 4 MB once)."""
+        if self._gzip is None:
+            self._gzip = gzip.compress(self.content, compresslevel=6, mtime=0)
+        return self._gzip
+
+    def response(self, request: Request, headers: dict[str, str]) -> Response:
+        """200 with the (possibly gzipped) content, or 304 when the browser holds this version."""
+        headers = {**headers, "ETag": self.etag, "Vary": "Accept-Encoding"}
+        if request.headers.get("if-none-match") == self.etag:
+            return Response(status_code=304, headers=headers)
+        body = self.content
+        if len(body) >= _COMPRESSED_MIN and "gzip" in request.headers.get("accept-encoding", ""):
+            body, headers["Content-Encoding"] = self.gzipped(), "gzip"
+        return Response(body, media_type=self.media_type, headers=headers)
+
+
+def page_files(runtime: WebRuntime) -> dict[str, StaticFile]:
+    """The page's own modules by URL name (src/*.html|js|css), fixed when the server starts."""
+    source = runtime.folder / "src"
+    return {
+        path.name: StaticFile(path, MEDIA_TYPES[path.suffix])
+        for path in sorted(source.iterdir())
+        if path.is_file() and path.suffix in PAGE_SUFFIXES
+    }
+
+
+def vendor_files(runtime: WebRuntime) -> dict[str, StaticFile]:
+    """The allow-listed runtime files by URL name."""
+    modules = runtime.folder / "node_modules"
+    return {name: StaticFile(modules / path, MEDIA_TYPES[Path(name).suffix]) for name, path in VENDOR_FILES.items()}
+
+
+def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
+    """manifest.json and the files its `engines.portable` entry names (graphs and initial tensors) only."""
+    portable = engine.manifest.engines.get("portable") or {}
+    names = [step["model"] for step in (portable.get("steps") or {}).values()]
+    if "eval" in portable:
+        names.append(portable["eval"]["model"])
+    if "initial" in portable:
+        names.append(portable["initial"])
+    folder = engine.config.bundle
+    files = {MANIFEST_NAME: StaticFile(folder / MANIFEST_NAME, MEDIA_TYPES[".json"])}
+    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in names})
+    return files
+
+
+def join_url(base_url: str, secret: str) -> str:
+    """The link a phone opens: the device page with the enrollment secret in the fragment (never sent to a server)."""
+    return f"{base_url.rstrip('/')}{DEVICE_PATH}#enroll={quote(secret, safe='')}"
+
+
+def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]) -> str:
+    """Mount `/device/...` (page, runtime, bundle files) and `/join`; returns the status page's line about them.
+
+    `device` is the app's token dependency. A missing runtime is said once, in the log; the routes then
+    answer 503 with the same fix, and the server runs on for the Python devices.
+    """
+    from edgepfl.server.page import render_join_page
+
+    runtime = find_web_runtime()
+    if not runtime.ready:
+        log.warning("%s", runtime.problem())
+    pages = page_files(runtime) if runtime.ready else {}
+    vendor = vendor_files(runtime) if runtime.ready else {}
+    bundle = bundle_files(engine)
+
+    def check_ready() -> None:
+        if not runtime.ready:
+            problem, _, fix = runtime.problem().partition("; fix: ")
+            raise ApiError(503, "device_page_off", problem, fix)
+
+    def not_found(what: str) -> ApiError:
+        return ApiError(404, "not_found", f"{what} is not a file of the device page", f"open {DEVICE_PATH}")
+
+    @app.get("/device", include_in_schema=False)
+    def device_redirect() -> RedirectResponse:
+        return RedirectResponse(DEVICE_PATH, status_code=308)  # a browser keeps the #fragment across it
+
+    @app.get(DEVICE_PATH, include_in_schema=False)
+    def device_page(request: Request) -> Response:
+        check_ready()
+        return pages["index.html"].response(request, DEVICE_HEADERS)
+
+    @app.get(DEVICE_PATH + "vendor/{name}", include_in_schema=False)
+    def device_vendor(name: str, request: Request) -> Response:
+        check_ready()
+        if name not in vendor:
+            raise not_found(f"vendor/{name}")
+        return vendor[name].response(request, DEVICE_HEADERS)
+
+    @app.get(DEVICE_PATH + "bundle/{path:path}", dependencies=[Depends(device)], include_in_schema=False)
+    def device_bundle(path: str, request: Request) -> Response:
+        if path not in bundle:
+            raise not_found(f"bundle/{path}")
+        return bundle[path].response(request, DEVICE_HEADERS)
+
+    @app.get(DEVICE_PATH + "{name}", include_in_schema=False)
+    def device_module(name: str, request: Request) -> Response:
+        check_ready()
+        if name not in pages:
+            raise not_found(name)
+        return pages[name].response(request, DEVICE_HEADERS)
+
+    @app.get(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
+    def join(request: Request) -> Response:
+        """The join link and its QR code, for whoever types the enrollment secret as the password."""
+        check_ready()
+        secret = _basic_password(request.headers.get("authorization"))
+        address = request.client.host if request.client else "unknown"
+        if engine.config.enroll_secret is None:
+            raise ApiError(
+                403,
+                "enrollment_closed",
+                "this server takes no self-enrollment (started without --enroll-secret-file), so it has no join link",
+                f"restart with --enroll-secret-file, or hand a phone {DEVICE_PATH}#token=TOKEN with a token "
+                "from `edgepfl serve tokens add NAME`",
+            )
+        if secret is None:  # the browser's first try carries no credentials: ask, without counting a failure
+            return _password_prompt()
+        try:
+            engine.check_enroll_secret(secret, address)
+        except ApiError as error:
+            if error.status != 401:
+                raise
+            return _password_prompt()
+        url = join_url(str(request.base_url), secret)
+        return HTMLResponse(render_join_page(url), headers=JOIN_HEADERS)
+
+    if not runtime.ready:
+        return runtime.problem()
+    if engine.config.enroll_secret is None:
+        return (
+            f"Phones join at {DEVICE_PATH}#token=TOKEN, a token from `edgepfl serve tokens add NAME` "
+            "(self-enrollment is closed)."
+        )
+    return f"Phones join with the join link: open {JOIN_PATH} and type the enrollment secret as the password."
+
+
+def _basic_password(authorization: str | None) -> str | None:
+    """The password of an `Authorization: Basic` header (the user name is ignored), or None."""
+    scheme, _, encoded = (authorization or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return decoded.partition(":")[2] or None
+
+
+def _password_prompt() -> Response:
+    return Response(
+        "the join link is shown to whoever knows the enrollment secret: type it as the password "
+        "(any user name)\n",
+        status_code=401,
+        media_type="text/plain; charset=utf-8",
+        headers={**JOIN_HEADERS, "WWW-Authenticate": 'Basic realm="edgepfl join: password = enrollment secret"'},
+    )

@@ -1,0 +1,330 @@
+"""The browser device in a real chromium emulating a phone, against `edgepfl serve` with two Python devices.
+
+One run of three rounds: the page joins from the join link, gets examples through the file chooser (an .npz and
+PNG photos), trains round 1; round 2 is reloaded at its third training step and resumes; in round 3 the page is
+killed after training, before the upload's reply, and a fresh page re-sends the same bytes. Every request is
+recorded; screenshots of each stage go to docs/img/web-*.png.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+from conftest import REPO
+from server_helpers import LiveServer, enroll
+from test_device_runtime import BN_BUNDLE, NUM_CLASSES, class_images
+
+from edgepfl.manifest import load_manifest
+from edgepfl.protocol import UploadMeta
+from edgepfl.server.store import Store
+from edgepfl.server.web import find_web_runtime
+from edgepfl.wire import decode_metadata, decode_tensors
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+PHONE = {
+    "viewport": {"width": 390, "height": 844},
+    "device_scale_factor": 2,
+    "is_mobile": True,
+    "has_touch": True,
+    "user_agent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
+    "Chrome/131.0.0.0 Mobile Safari/537.36",
+}
+CPU_SLOWDOWN = 4
+SECRET = "browser-join-secret-0123456789"
+SIDE = BN_BUNDLE["input_size"]
+SHOTS = REPO / "docs" / "img"
+SERVER_OPTIONS = ("--min-clients", "3", "--rounds", "3", "--poll-interval", "0.3", "--lr", "0.05")
+SERVER_OPTIONS += ("--batch-size", "16", "--epochs", "2", "--round-timeout", "300", "--enroll-secret-file")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    """Debian's chromium, installed here when missing and we may (root with apt-get); else the test skips."""
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    if not CHROMIUM.is_file() and shutil.which("apt-get") and hasattr(os, "getuid") and os.getuid() == 0:
+        for command in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
+            environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            subprocess.run(command, capture_output=True, timeout=900, env=environment, check=False)
+    if not CHROMIUM.is_file():
+        pytest.skip(f"no browser: {CHROMIUM} is missing and cannot be installed here (root: apt-get install chromium)")
+    runtime = find_web_runtime()
+    assert runtime.ready, runtime.problem()
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def bundle(bundle_factory) -> Path:
+    return bundle_factory(**BN_BUNDLE)
+
+
+def write_npz(path: Path, count: int, seed: int) -> Path:
+    labels = np.arange(count) % NUM_CLASSES
+    np.savez(path, x=class_images(labels, seed, side=SIDE), y=labels)
+    return path
+
+
+def write_pngs(folder: Path, label: int, count: int, seed: int) -> list[Path]:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    images = class_images(np.full(count, label), seed, side=SIDE)
+    paths = [folder / f"photo-{i}.png" for i in range(count)]
+    for image, path in zip(images, paths):
+        Image.fromarray(image[:, :, 0], mode="L").save(path)
+    return paths
+
+
+def updates_of(state: Path, device: str) -> dict[int, list[bytes]]:
+    store = Store(state)
+    try:
+        return {
+            r.round_id: [store.read_blob(u.blob_sha) for u in store.updates(r.round_id) if u.device == device]
+            for r in store.rounds()
+        }
+    finally:
+        store.close()
+
+
+def test_a_phone_joins_trains_resumes_and_never_uploads_twice(chromium, bundle, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    manifest = load_manifest(bundle)
+    (tmp_path / "secret").write_text(SECRET)
+    state = tmp_path / "server"
+    tokens = enroll(state, "py-a", "py-b")
+    devices: list[subprocess.Popen] = []
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with LiveServer(bundle, state, *SERVER_OPTIONS, str(tmp_path / "secret")) as server:
+        origin = server.url
+        for i, name in enumerate(tokens):
+            data = write_npz(tmp_path / f"{name}.npz", 48, seed=i)
+            command = [sys.executable, "-m", "edgepfl.cli", "device", "run", "--bundle", str(bundle)]
+            command += ["--data", str(data), "--server", origin, "--token", tokens[name], "--state"]
+            command += [str(tmp_path / name), "--poll-interval", "0.2", "--json"]
+            devices.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO))
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+                try:
+                    run_phone(browser, origin, manifest, state, tokens, tmp_path)
+                finally:
+                    browser.close()
+            for process in devices:
+                out, err = process.communicate(timeout=120)
+                assert process.returncode == 0, err.decode()[-2000:]
+        finally:
+            for process in devices:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+
+
+def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str], tmp_path: Path) -> None:
+    # the operator opens /join and types the enrollment secret; the page there holds the link and its QR code
+    operator = browser.new_context(http_credentials={"username": "operator", "password": SECRET})
+    join = operator.new_page()
+    join.goto(f"{origin}/join")
+    link = join.get_attribute("#join-link", "href")
+    assert link.startswith(f"{origin}/device/#enroll=") and "?" not in link
+    join.screenshot(path=str(SHOTS / "web-join.png"))
+    operator.close()
+
+    phone = browser.new_context(**PHONE)
+    requests: list = []
+    phone.on("request", lambda request: requests.append(request))
+    page = open_page(phone)
+    page.goto(link)
+    wait(page, "body[data-stage=examples]")
+    assert "#" not in page.url  # the secret left the address bar and the history
+    page.screenshot(path=str(SHOTS / "web-examples.png"))
+
+    # examples through the file chooser: an .npz, then PNG photos labelled with the class picked first
+    page.set_input_files("#npz", str(write_npz(tmp_path / "phone.npz", 64, seed=7)))
+    wait(page, "#classes li:text-is('0: 16')")
+    page.select_option("#class-select", "2")
+    page.set_input_files("#photos", [str(p) for p in write_pngs(tmp_path / "photos", 2, 8, seed=8)])
+    wait(page, "#classes li:text-is('2: 24')")
+
+    # round 1: trains and uploads
+    wait(page, "body[data-stage=training][data-round='1'][data-step]")
+    page.screenshot(path=str(SHOTS / "web-training.png"))
+    wait_round(page, 1)
+
+    # round 2: reloaded in the middle of training, it starts the round again from its base
+    reload_during_step(page, round_id=2, step=3)
+    wait_round(page, 2)
+
+    # round 3: the upload reaches the server, its reply never reaches the page, and the page is killed
+    sent = threading.Event()
+    first: dict = {}
+
+    def hold_reply(route) -> None:
+        if not first:
+            first["body"] = route.request.post_data_buffer
+            first["reply"] = route.fetch().json()  # the server stores it; the page never hears back
+            sent.set()
+        else:
+            route.continue_()
+
+    page.route("**/v1/rounds/3/update", hold_reply)
+    for _ in range(1800):  # the route handler runs while the page is waited on
+        if sent.is_set():
+            break
+        page.wait_for_timeout(100)
+    assert sent.is_set(), f"round 3 was never uploaded; the page says {said(page)}"
+    page.close()  # the tab is killed before the reply
+    page = open_page(phone)
+    with page.expect_response("**/v1/rounds/3/update", timeout=120_000) as resent:
+        page.goto(f"{origin}/device/")
+    assert resent.value.request.post_data_buffer == first["body"]
+    assert first["reply"]["duplicate"] is False and resent.value.json()["duplicate"] is True
+    wait(page, "body[data-stage=done]")
+    page.screenshot(path=str(SHOTS / "web-results.png"), full_page=True)
+
+    rows = [
+        {
+            "round": row.get_attribute("data-round"),
+            "upload": row.get_attribute("data-upload"),
+            "accuracy": row.get_attribute("data-accuracy"),
+            "before": row.locator("td").nth(1).text_content(),
+        }
+        for row in page.locator("#history tr").all()
+    ]
+    assert [(row["round"], row["upload"]) for row in rows] == [(str(r), "delivered") for r in (1, 2, 3)]
+    first_before = float(rows[0]["before"].rstrip("%")) / 100
+    assert float(rows[1]["accuracy"]) > first_before and float(rows[2]["accuracy"]) >= 0.75, rows
+
+    names = set(device_names(state)) - set(tokens)
+    assert len(names) == 1, names
+    held = updates_of(state, names.pop())
+    assert {round_id: len(bodies) for round_id, bodies in held.items()} == {1: 1, 2: 1, 3: 1}
+    assert held[3][0] == first["body"]
+
+    # the reload restarted round 2 from its base: fetched twice, uploaded once
+    assert sum(r.url == f"{origin}/v1/rounds/2/base" for r in requests) == 2
+    check_requests(requests, origin, manifest)
+    check_status_page(browser, origin, tokens)
+
+
+def reload_during_step(page, round_id: int, step: int) -> None:
+    """Reload the page at a training step, exactly: a DevTools breakpoint stops the round there and, while the
+    page is paused, schedules the reload and empties the training inputs, so that the round cannot go on to its
+    end (and save) before the reload comes, however slow this machine is."""
+    source = (REPO / "device_runtime" / "web" / "src" / "algorithms.js").read_text().splitlines()
+    line = next(i for i, text in enumerate(source) if "if (onProgress) onProgress(" in text)
+    devtools = session(page)
+    paused: list[str] = []
+    devtools.on("Debugger.paused", lambda event: paused.append(event["callFrames"][0]["callFrameId"]))
+    devtools.send("Debugger.enable")
+    condition = f"roundId === {round_id} && done === {step}"
+    breakpoint = {"urlRegex": r"/algorithms\.js$", "lineNumber": line, "condition": condition}
+    devtools.send("Debugger.setBreakpointByUrl", breakpoint)
+    for _ in range(1800):  # the event arrives while the page is waited on
+        if paused:
+            break
+        page.wait_for_timeout(100)
+    assert paused, f"round {round_id} never reached step {step}; the page says {said(page)}"
+    expression = "location.reload(); train.x = null"
+    devtools.send("Debugger.evaluateOnCallFrame", {"callFrameId": paused[0], "expression": expression})
+    devtools.send("Debugger.disable")  # resumes: the next step fails, the reload replaces the page
+
+
+def open_page(context):
+    page = context.new_page()
+    throttle(page, CPU_SLOWDOWN)
+    return page
+
+
+def throttle(page, rate: int) -> None:
+    """Slow the page's CPU `rate` times (DevTools protocol), as a phone's is next to this machine's."""
+    session(page).send("Emulation.setCPUThrottlingRate", {"rate": rate})
+
+
+def session(page):
+    """The page's one DevTools protocol session (a second one would not lift the first one's settings)."""
+    if page not in _DEVTOOLS:
+        _DEVTOOLS[page] = page.context.new_cdp_session(page)
+    return _DEVTOOLS[page]
+
+
+_DEVTOOLS: dict = {}
+
+
+def wait(page, selector: str, timeout: float = 180_000) -> None:
+    """Wait for `selector`; on timeout, fail with what the page says (its stage, status line and problem)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_selector(selector, timeout=timeout, state="attached")
+    except PlaywrightTimeout:
+        raise AssertionError(f"the page never showed {selector}; it says {said(page)}") from None
+
+
+def said(page) -> list[str | None]:
+    """The page's stage, status line and problem (with its fix)."""
+    return [page.get_attribute("body", "data-stage"), page.text_content("#status")] + [
+        page.text_content(selector) for selector in ("#problem-text", "#problem-fix")
+    ]
+
+
+def wait_round(page, round_id: int) -> None:
+    wait(page, f"#history tr[data-round='{round_id}'][data-upload=delivered]")
+
+
+def device_names(state: Path) -> list[str]:
+    store = Store(state)
+    try:
+        return [device.name for device in store.devices()]
+    finally:
+        store.close()
+
+
+def check_requests(requests: list, origin: str, manifest) -> None:
+    """No request left the server's origin; every upload holds travelling base tensors only, with Python's metadata."""
+    for request in requests:
+        parts = urlsplit(request.url)
+        assert parts.scheme == "data" or f"{parts.scheme}://{parts.netloc}" == origin, request.url
+    personal = set(manifest.names("personal")) | {t.name for t in manifest.by_role("buffer")}
+    uploads = [r for r in requests if r.method == "POST" and r.url.endswith("/update")]
+    assert len(uploads) >= 3
+    for request in uploads:
+        body = request.post_data_buffer
+        tensors = decode_tensors(body)
+        assert set(tensors) == set(manifest.names("base")), sorted(tensors)
+        assert not any(name.encode() in body for name in personal)
+        metadata = decode_metadata(body)
+        assert set(metadata) == set(UploadMeta.__dataclass_fields__)
+        meta = UploadMeta.from_metadata(metadata)
+        assert meta.to_metadata() == metadata  # written as the Python device writes it
+    for request in requests:
+        if request.method == "GET" and request.url.startswith(f"{origin}/device/bundle/"):
+            assert request.headers.get("authorization", "").startswith("Bearer ")
+
+
+def check_status_page(browser, origin: str, tokens: dict[str, str]) -> None:
+    viewer = browser.new_context(extra_http_headers={"Authorization": f"Bearer {tokens['py-a']}"})
+    page = viewer.new_page()
+    page.goto(f"{origin}/")
+    assert "/join" in page.text_content("#join") and SECRET not in page.content()
+    page.screenshot(path=str(SHOTS / "web-status.png"), full_page=True)
+    viewer.close()
+    assert httpx.get(f"{origin}/device/vendor/ort.all.min.mjs").status_code == 404
