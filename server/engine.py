@@ -29,10 +29,9 @@ import hmac
 import json
 import logging
 import math
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, Uploa
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import ApiError
 from edgepfl.server.ratelimit import FailureLimiter
+from edgepfl.server.sampling import sample_devices
 from edgepfl.server.store import (
     AlreadyEnrolled,
     Assignment,
@@ -76,16 +76,6 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     engine = RoundEngine(config, manifest, store, strategy, clock)
     engine.bind_state()
     return engine
-
-
-def sample_devices(seed: int, round_id: int, names: Sequence[str], fraction: float, min_clients: int) -> list[str]:
-    """Every round's sampling rule: max(min_clients, ceil(fraction * n)) of the n available, seeded by (seed, round).
-
-    The simulator calls this same function, so a simulated run samples exactly as a served one.
-    """
-    available = sorted(names)
-    wanted = max(min_clients, math.ceil(fraction * len(available)))
-    return sorted(random.Random(f"{seed}/{round_id}").sample(available, min(wanted, len(available))))
 
 
 class RoundEngine:
@@ -260,7 +250,7 @@ class RoundEngine:
         assignment = self.store.assignment(round_id, device)
         if assignment is not None:
             sha = assignment.base_sha
-        elif not self.strategy.needs_per_device_payload:
+        elif self._shares_base(round_id):
             sha = record.base_sha
         else:
             raise ApiError(
@@ -529,31 +519,18 @@ class RoundEngine:
         sampled = sample_devices(self.config.seed, round_id, available, self.config.fraction, self.config.min_clients)
         base_sha = self.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
-        state_sha = None
-        if self.strategy.needs_per_device_payload:
-            global_base = decode_tensors(self.store.read_blob(base_sha))
-            assignments = []
-            try:
-                for device in sampled:
-                    settings, payload = self.strategy.configure_device(round_id, device, global_base)
-                    self._check_payload(device, settings, payload)
-                    device_sha = self.store.put_blob(encode_tensors(payload))
-                    assignments.append(
-                        Assignment(round_id, device, device_sha, json.dumps(settings.to_json(), sort_keys=True))
-                    )
-                # configuring may change the strategy (e.g. a device's first sight): saved with the round's opening
-                strategy_state = self.strategy.state_bytes()
-                state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
-            except EdgePFLError as error:  # the strategy refuses this round
-                self._load_strategy_state()
-                log.error("round %d not opened: %s", round_id, error)
-                raise ApiError(503, "round_not_opened", error.problem, error.fix) from None
-            except BaseException:
-                self._load_strategy_state()
-                raise
-        else:
-            settings_json = json.dumps(self.strategy.settings(round_id).to_json(), sort_keys=True)
-            assignments = [Assignment(round_id, device, base_sha, settings_json) for device in sampled]
+        try:
+            assignments = self._plan_round(round_id, sampled, base_sha)
+            # planning may change the strategy (e.g. a device's first sight): saved with the round's opening
+            strategy_state = self.strategy.state_bytes()
+            state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
+        except EdgePFLError as error:  # the strategy refuses this round
+            self._load_strategy_state()
+            log.error("round %d not opened: %s", round_id, error)
+            raise ApiError(503, "round_not_opened", error.problem, error.fix) from None
+        except BaseException:
+            self._load_strategy_state()
+            raise
         record = RoundRecord(round_id, "open", base_sha, now, now + self.config.round_timeout, tuple(sampled))
         try:
             self.store.create_round(record, assignments, strategy_state_sha=state_sha)
@@ -563,6 +540,27 @@ class RoundEngine:
         log.info("round %d opened: %d of %d available device(s) sampled", round_id, len(sampled), len(available))
         return record
 
+    def _plan_round(self, round_id: int, sampled: list[str], base_sha: str) -> list[Assignment]:
+        """Ask the strategy for every sampled device's settings and base; each distinct base is stored once."""
+        global_base = decode_tensors(self.store.read_blob(base_sha))
+        plans = self.strategy.configure_round(round_id, sampled, global_base)
+        stored: dict[int, str] = {id(global_base): base_sha}  # the shared base is already a blob
+        assignments = []
+        for device in sampled:
+            settings, payload = plans[device]
+            if id(payload) not in stored:
+                self._check_payload(device, settings, payload)
+                stored[id(payload)] = self.store.put_blob(encode_tensors(payload))
+            assignments.append(
+                Assignment(round_id, device, stored[id(payload)], json.dumps(settings.to_json(), sort_keys=True))
+            )
+        return assignments
+
+    def _shares_base(self, round_id: int) -> bool:
+        """Whether every device sampled in a round was sent the round's shared base (not its own mix)."""
+        record = self.store.round(round_id)
+        return record is not None and self.store.assigned_bases(round_id) <= {record.base_sha}
+
     def _done(self) -> bool:
         return self.store.count_closed() >= self.config.rounds
 
@@ -570,7 +568,7 @@ class RoundEngine:
         closed = [r for r in self.store.rounds() if r.state == "closed"]
         last = closed[-1].round_id if closed else None
         # with a per-device base (pFedLA) the round's result is no device's model: each keeps what it trained
-        shared_result = last is not None and not self.strategy.needs_per_device_payload
+        shared_result = last is not None and self._shares_base(last)
         return Task(
             action="done",
             base_layout_hash=self.manifest.base_layout_hash,
@@ -600,6 +598,10 @@ class RoundEngine:
                 "keep only tensors of the bundle's base",
             )
         check_tensors(payload, settings.travelling(self.specs), what=f"{self.strategy.name} payload for {device}")
+
+    def settings_for(self, device: str, round_id: int) -> RoundSettings:
+        """The settings `device` was given for a round (the strategy's default if it was not sampled)."""
+        return self._settings_of(self.store.assignment(round_id, device), round_id)
 
     def _settings_of(self, assignment: Assignment | None, round_id: int) -> RoundSettings:
         """The settings a sampled device was given for a round (every strategy's, stored with the assignment)."""

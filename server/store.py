@@ -440,6 +440,11 @@ class Store:
         )
         return Assignment(*rows[0]) if rows else None
 
+    def assigned_bases(self, round_id: int) -> set[str]:
+        """The distinct base blobs the devices sampled in a round were sent."""
+        rows = self._query("SELECT DISTINCT base_sha FROM assignments WHERE round_id = ?", (round_id,))
+        return {row[0] for row in rows}
+
     def update(self, round_id: int, device: str) -> UpdateRecord | None:
         """A device's upload in a round, or None."""
         rows = self._query(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -205,13 +205,16 @@ class OffsetPerDevice(FedAvg):
     """A plug-in strategy with per-device payloads (as pFedLA will have): base + the device's index."""
 
     name = "offset"
-    needs_per_device_payload = True
 
-    def configure_device(
-        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
-    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
-        offset = float(device.removeprefix("d"))
-        return RoundSettings(epochs=2, extra={"offset": offset}), {k: v + offset for k, v in global_base.items()}
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, tuple[RoundSettings, Mapping[str, np.ndarray]]]:
+        plans = {}
+        for device in sampled:
+            offset = float(device.removeprefix("d"))
+            shifted = {k: v + offset for k, v in global_base.items()}
+            plans[device] = RoundSettings(epochs=2, extra={"offset": offset}), shifted
+        return plans
 
 
 def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:

@@ -12,9 +12,10 @@ from conftest import SHARED
 
 pytest.importorskip("torch")
 
-from edgepfl.server.engine import sample_devices  # noqa: E402
+from edgepfl.server.sampling import sample_devices  # noqa: E402
 from edgepfl.simulate.config import SimulateConfig, config_from_json  # noqa: E402
 from edgepfl.simulate.loop import STATE_FILE, run_simulation  # noqa: E402
+from edgepfl.simulate.rounds import final_global_base  # noqa: E402
 from edgepfl.wire import decode_tensors  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
 
     config = tiny_config(tiny_npz, tmp_path / "run", rounds=1, fraction=0.75)
     run_simulation(config)
-    simulated = {k.removeprefix("global/"): v for k, v in state_of(tmp_path / "run").items() if k.startswith("global/")}
+    simulated = final_global_base(tmp_path / "run")
 
     bundle = tmp_path / "run" / "bundle"
     manifest = load_manifest(bundle)
@@ -152,6 +153,8 @@ def test_resume_continues_from_the_last_completed_round(tiny_npz, tmp_path):
         assert a.test_accuracy["per_client"] == b.test_accuracy["per_client"]
         assert a.train_loss == pytest.approx(b.train_loss, rel=1e-6)
     first, second = state_of(tmp_path / "straight"), state_of(tmp_path / "resumed")
+    first.update(final_global_base(tmp_path / "straight"))
+    second.update(final_global_base(tmp_path / "resumed"))
     for name in first:
         np.testing.assert_allclose(first[name], second[name], rtol=1e-6, atol=1e-7)
 
