@@ -39,6 +39,12 @@ def serve(
     tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
     max_upload_mb: Annotated[float, typer.Option(help="largest accepted upload body")] = 64.0,
     max_samples: Annotated[int, typer.Option(help="largest sample count an upload may claim")] = 10_000_000,
+    clip_multiple: Annotated[
+        float, typer.Option(help="clip each update's delta to this many times the round's median delta norm; 0: off")
+    ] = 3.0,
+    weight_multiple: Annotated[
+        float, typer.Option(help="cap each claimed sample count at this many times the round's median; 0: off")
+    ] = 2.0,
     seed: Annotated[int, typer.Option(help="seed of device sampling")] = 0,
     share_bn_stats: Annotated[
         bool,
@@ -117,6 +123,8 @@ def serve(
             round_timeout=round_timeout,
             max_upload_mb=max_upload_mb,
             max_samples=max_samples,
+            clip_multiple=clip_multiple,
+            weight_multiple=weight_multiple,
             seed=seed,
             share_buffers=share_bn_stats,
             init=init,

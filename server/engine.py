@@ -40,6 +40,7 @@ import numpy as np
 from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
+from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import ApiError
 from edgepfl.server.ratelimit import FailureLimiter
@@ -98,6 +99,9 @@ class RoundEngine:
         self._closing: int | None = None  # round being aggregated outside the lock
         self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
         self.enroll_limiter = FailureLimiter(config.enroll_max_failures, config.enroll_window)
+        self.bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
+        self._delta_norms: dict[tuple[int, str], float] = {}  # (round, device) -> |upload - its base|, from acceptance
+        self._bases: dict[str, Mapping[str, np.ndarray]] = {}  # decoded base blobs of the open round, by sha256
 
     # start-up
 
@@ -315,6 +319,7 @@ class RoundEngine:
         previous = self.store.update(round_id, device)
         if previous is not None:
             return self._retry_receipt(previous, sha)
+        norm = delta_norm(base_tensors, self._base_of(round_id, device))
         self.store.put_blob(payload, sha)  # on disk (fsynced) before the row that names it is committed
         with self._lock:
             previous = self.store.update(round_id, device)
@@ -335,6 +340,7 @@ class RoundEngine:
                     self.clock(),
                 )
             )
+            self._delta_norms[(round_id, device)] = norm
             uploads = len(self.store.updates(round_id))
             sampled = len(self._round_or_404(round_id).sampled)
         self._wake.set()
@@ -421,7 +427,7 @@ class RoundEngine:
         started = time.perf_counter()
         try:
             global_base = decode_tensors(self.store.read_blob(record.base_sha))
-            new_base = self.strategy.aggregate(record.round_id, self._accepted_updates(record), global_base)
+            new_base = self.strategy.aggregate(record.round_id, self._bounded_updates(record), global_base)
             check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
         except OSError:
             with self._lock:
@@ -457,6 +463,8 @@ class RoundEngine:
             raise
         with self._lock:
             self._closing = None
+            self._delta_norms = {key: norm for key, norm in self._delta_norms.items() if key[0] > record.round_id}
+            self._bases.clear()
             self._apply_history()  # after the commit: a failed release leaves the round closed and the blobs kept
         log.info(
             "round %d closed: %d update(s) aggregated in %.3f s",
@@ -484,6 +492,33 @@ class RoundEngine:
             self.strategy.load_state(self.store.read_blob(sha))
         elif self.strategy.state_bytes() is not None:  # nothing saved yet: back to a fresh strategy
             self.strategy = type(self.strategy)(self.specs, self.strategy.options)
+
+    def _base_of(self, round_id: int, device: str) -> Mapping[str, np.ndarray]:
+        """The base tensors a sampled device was sent in a round (decoded once per blob while its round is open)."""
+        assignment = self.store.assignment(round_id, device)
+        assert assignment is not None, "uploads are accepted from sampled devices only"
+        base = self._bases.get(assignment.base_sha)
+        if base is None:
+            if len(self._bases) > 64:  # per-device bases (pFedLA): bounded, re-read when needed
+                self._bases.clear()
+            base = self._bases[assignment.base_sha] = decode_tensors(self.store.read_blob(assignment.base_sha))
+        return base
+
+    def _bounded_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
+        """The round's accepted updates with what one device can move bounded (see bounds.py)."""
+        stored = self.store.updates(record.round_id)
+        bases = {u.device: self._base_of(record.round_id, u.device) for u in stored}
+        norms = {}
+        for update in stored:  # norms are measured at acceptance; after a restart they are measured again here
+            norm = self._delta_norms.get((record.round_id, update.device))
+            if norm is None:
+                try:
+                    norm = delta_norm(decode_tensors(self.store.read_blob(update.blob_sha)), bases[update.device])
+                except BlobError:
+                    continue  # excluded as corrupt by _accepted_updates
+            norms[update.device] = norm
+        counts = {u.device: u.num_samples for u in stored if u.device in norms}
+        yield from bounded(self._accepted_updates(record), bases, norms, counts, self.bounds)
 
     def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):

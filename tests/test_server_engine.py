@@ -308,3 +308,43 @@ def test_an_unexpected_failure_is_one_json_500_and_the_app_keeps_serving(setup, 
         assert reply.status_code == 500 and reply.json()["error"] == "server_error"
         assert "secret" not in reply.text and "Traceback" not in reply.text
         assert client.get("/v1/status", headers=headers).status_code == 200
+
+
+def test_one_device_claiming_10m_samples_of_1e30_cannot_replace_the_base(setup) -> None:
+    """Its delta is clipped to 3x the round's median delta norm and its weight capped at 2x the median count."""
+    manifest, config, clock = setup
+    engine = create_engine(dataclasses.replace(config, min_clients=4), clock)
+    _open(engine, clock, "d0", "d1", "d2", "d3")
+    base = decode_tensors(engine.base_for("d0", 1)[0])
+    for name in ("d0", "d1", "d2"):
+        _update(engine, name, 1, 0.01, 100, manifest)
+    hostile = {name: np.full_like(value, 1e30) for name, value in base.items()}
+    engine.accept_update("d3", 1, upload_body(hostile, manifest, num_samples=10_000_000))
+    engine.tick()
+    result = decode_tensors(engine.result_of(1)[0])
+    for name, value in result.items():
+        moved = np.abs(value.astype(np.float64) - base[name])
+        # honest: +0.01 with weight 3 x 100; hostile: at most 3x their delta norm, with weight 200 of 500
+        assert np.all(np.isfinite(value)) and moved.max() <= 0.6 * 0.01 + 0.4 * 3 * 0.01 + 1e-6, name
+
+
+def test_the_bounds_clip_and_cap_one_outlier_exactly_and_can_be_turned_off(setup) -> None:
+    manifest, config, clock = setup
+    for multiples in ((3.0, 2.0), (0.0, 0.0)):
+        state = config.state.parent / f"state-{multiples[0]}"
+        enroll(state, "d0", "d1", "d2")
+        changed = dataclasses.replace(config, state=state, clip_multiple=multiples[0], weight_multiple=multiples[1])
+        engine = create_engine(dataclasses.replace(changed, min_clients=3), clock)
+        _open(engine, clock, "d0", "d1", "d2")
+        base = decode_tensors(engine.base_for("d0", 1)[0])
+        _update(engine, "d0", 1, 1.0, 10, manifest)
+        _update(engine, "d1", 1, 2.0, 10, manifest)
+        _update(engine, "d2", 1, 100.0, 10_000, manifest)
+        engine.tick()
+        result = decode_tensors(engine.result_of(1)[0])
+        if multiples == (0.0, 0.0):  # the plain weighted mean
+            expected_shift = (10 * 1.0 + 10 * 2.0 + 10_000 * 100.0) / 10_020
+        else:  # d2: clipped to 3 x the median delta (2.0) and weighted 2 x the median count (10)
+            expected_shift = (10 * 1.0 + 10 * 2.0 + 20 * 6.0) / 40
+        np.testing.assert_allclose(result["mid.weight"] - base["mid.weight"], expected_shift, rtol=1e-4)
+        engine.store.close()

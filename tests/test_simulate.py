@@ -231,3 +231,23 @@ def test_config_file_form_and_cli(tiny_npz, tmp_path):
     assert bad.exit_code == 2 and "--algorithm 'fedprox' is unknown" in bad.output
     missing = runner.invoke(app, ["plot", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path, monkeypatch):
+    """Client 0 uploads values of 1e30 claiming 10M samples every round: the server's bounds keep the others' model."""
+    from edgepfl.simulate import loop
+
+    honest_encode = loop.encode_update
+    uploads = []
+
+    def hostile_encode(tensors, meta):
+        uploads.append(meta)
+        if len(uploads) % 4 == 1:  # all four clients upload each round, in name order: client-000 first
+            tensors = {name: np.full_like(value, 1e30) for name, value in tensors.items()}
+            meta = replace(meta, num_samples=10_000_000)
+        return honest_encode(tensors, meta)
+
+    monkeypatch.setattr(loop, "encode_update", hostile_encode)
+    results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", rounds=3))
+    honest = results.rounds[-1].test_accuracy["per_client"][1:]
+    assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%
