@@ -22,7 +22,8 @@ import edgepfl
 from edgepfl.errors import EdgePFLError
 from edgepfl.protocol import API_PREFIX, EvalMetrics
 from edgepfl.server.engine import RoundEngine
-from edgepfl.server.errors import ApiError
+from edgepfl.server.errors import ApiError, Refused
+from edgepfl.server.http_errors import status_of
 from edgepfl.server.page import render_page, render_plot
 
 log = logging.getLogger("edgepfl.server")
@@ -137,9 +138,9 @@ def create_app(engine: RoundEngine) -> FastAPI:
     upload_slots = asyncio.Semaphore(engine.config.upload_slots)
     app.state.engine = engine
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    @app.exception_handler(Refused)
+    async def _refused(_: Request, error: Refused) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=status_of(error), headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:

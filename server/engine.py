@@ -42,7 +42,7 @@ from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
 from edgepfl.server.config import ServerConfig
-from edgepfl.server.errors import ApiError
+from edgepfl.server.errors import Refused
 from edgepfl.server.ratelimit import FailureLimiter
 from edgepfl.server.sampling import sample_devices
 from edgepfl.server.store import (
@@ -151,8 +151,7 @@ class RoundEngine:
         scheme, _, token = (authorization or "").partition(" ")
         device = self.store.device_for_token(hash_token(token.strip())) if scheme.lower() == "bearer" else None
         if device is None:
-            raise ApiError(
-                401,
+            raise Refused(
                 "unauthorized",
                 "missing or invalid device token",
                 "send `Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`",
@@ -170,12 +169,11 @@ class RoundEngine:
         try:
             token = issue_token(self.store, name, self.clock(), enroll_key=key)
         except DeviceNameError as error:
-            raise ApiError(422, "invalid_device_name", error.problem, error.fix) from None
+            raise Refused("invalid_device_name", error.problem, error.fix) from None
         except EnrollKeyError as error:
-            raise ApiError(422, "invalid_enroll_key", error.problem, error.fix) from None
+            raise Refused("invalid_enroll_key", error.problem, error.fix) from None
         except AlreadyEnrolled as error:
-            raise ApiError(
-                409,
+            raise Refused(
                 "already_enrolled",
                 error.problem,
                 "pick another name, or ask the operator to run `edgepfl serve tokens add NAME --replace`",
@@ -190,16 +188,14 @@ class RoundEngine:
         so guessing stops there even with the right secret.
         """
         if self.config.enroll_secret is None:
-            raise ApiError(
-                403,
+            raise Refused(
                 "enrollment_closed",
                 "this server takes no self-enrollment (it was started without --enroll-secret-file)",
                 "ask the operator for a token (`edgepfl serve tokens add NAME`)",
             )
         retry_after = self.enroll_limiter.retry_after(address)
         if retry_after is not None:
-            raise ApiError(
-                429,
+            raise Refused(
                 "too_many_attempts",
                 f"too many wrong enrollment secrets from {address} (the limit is "
                 f"{self.config.enroll_max_failures} per {self.config.enroll_window} s)",
@@ -208,8 +204,7 @@ class RoundEngine:
             )
         if secret is None or not hmac.compare_digest(secret.encode(), self.config.enroll_secret.encode()):
             self.enroll_limiter.record_failure(address)
-            raise ApiError(
-                401,
+            raise Refused(
                 "unauthorized",
                 "missing or wrong enrollment secret",
                 "send `Authorization: Bearer <secret>` with the secret of the server's --enroll-secret-file",
@@ -224,7 +219,7 @@ class RoundEngine:
             try:
                 self.strategy.check_device(device)
             except EdgePFLError as error:  # e.g. pfedla's N client places all belong to other devices
-                raise ApiError(409, "cannot_join", error.problem, error.fix) from None
+                raise Refused("cannot_join", error.problem, error.fix) from None
             now = self.clock()
             self._seen[device] = now
             if self._done():
@@ -257,8 +252,7 @@ class RoundEngine:
         elif self._shares_base(round_id):
             sha = record.base_sha
         else:
-            raise ApiError(
-                403,
+            raise Refused(
                 "not_sampled",
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and fetch the base it names",
@@ -270,8 +264,7 @@ class RoundEngine:
         record = self._round_or_404(round_id)
         self._check_retained(record)
         if record.result_sha is None:
-            raise ApiError(
-                409,
+            raise Refused(
                 "no_result",
                 f"round {round_id} is {record.state} and has no aggregated base",
                 "fetch the result of a closed round (see /v1/status)",
@@ -314,7 +307,7 @@ class RoundEngine:
             settings = self._settings_of(self.store.assignment(round_id, device), round_id)
             check_tensors(base_tensors, settings.travelling(self.specs), what="upload")
         except WireError as error:
-            raise ApiError(422, "bad_tensors", error.problem, error.fix) from None
+            raise Refused("bad_tensors", error.problem, error.fix) from None
         sha = hashlib.sha256(payload).hexdigest()
         previous = self.store.update(round_id, device)
         if previous is not None:
@@ -358,12 +351,11 @@ class RoundEngine:
         try:
             metrics.check(self.config.max_samples)
         except WireError as error:
-            raise ApiError(422, "bad_metrics", error.problem, error.fix) from None
+            raise Refused("bad_metrics", error.problem, error.fix) from None
         with self._lock:
             self._round_or_404(round_id)
             if self.store.assignment(round_id, device) is None:
-                raise ApiError(
-                    403,
+                raise Refused(
                     "not_sampled",
                     f"device {device!r} was not sampled in round {round_id}",
                     "report metrics for a round you trained in",
@@ -376,8 +368,7 @@ class RoundEngine:
                     metrics.num_samples,
                 )
                 if not same:
-                    raise ApiError(
-                        409,
+                    raise Refused(
                         "duplicate_metrics",
                         f"device {device!r} already reported metrics for round {round_id}, with different values",
                         "report each round's metrics once",
@@ -562,7 +553,7 @@ class RoundEngine:
         except EdgePFLError as error:  # the strategy refuses this round
             self._load_strategy_state()
             log.error("round %d not opened: %s", round_id, error)
-            raise ApiError(503, "round_not_opened", error.problem, error.fix) from None
+            raise Refused("round_not_opened", error.problem, error.fix) from None
         except BaseException:
             self._load_strategy_state()
             raise
@@ -616,8 +607,7 @@ class RoundEngine:
     def _round_or_404(self, round_id: int) -> RoundRecord:
         record = self.store.round(round_id)
         if record is None:
-            raise ApiError(
-                404,
+            raise Refused(
                 "no_such_round",
                 f"round {round_id} does not exist (last is {self.store.last_round_id()})",
                 "poll /v1/task for the current round",
@@ -646,8 +636,7 @@ class RoundEngine:
 
     def _check_retained(self, record: RoundRecord) -> None:
         if record.round_id <= self.store.released_through():
-            raise ApiError(
-                410,
+            raise Refused(
                 "released",
                 f"round {record.round_id}'s tensors were released (the server keeps the last "
                 f"{self.config.history} rounds' global models)",
@@ -657,35 +646,32 @@ class RoundEngine:
     def _check_open_for(self, device: str, round_id: int) -> None:
         record = self._round_or_404(round_id)
         if self.store.assignment(round_id, device) is None:
-            raise ApiError(
-                403,
+            raise Refused(
                 "not_sampled",
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and train only when told to",
             )
         if self.clock() >= record.deadline:
-            raise ApiError(
-                409,
+            raise Refused(
                 "deadline_passed",
                 f"round {round_id} stopped taking uploads at its deadline",
                 "poll /v1/task for the next round; this update was not stored",
             )
         if record.state != "open" or record.round_id == self._closing:
             state = "closing" if record.state == "open" else record.state
-            raise ApiError(409, "round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
+            raise Refused("round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
 
     def _upload_meta(self, payload: bytes) -> UploadMeta:
         try:
             metadata = decode_metadata(payload)
         except WireError as error:
-            raise ApiError(400, "malformed", error.problem, error.fix) from None
+            raise Refused("malformed", error.problem, error.fix) from None
         try:
             meta = UploadMeta.from_metadata(metadata, max_samples=self.config.max_samples)
         except WireError as error:
-            raise ApiError(422, "bad_metadata", error.problem, error.fix) from None
+            raise Refused("bad_metadata", error.problem, error.fix) from None
         if meta.base_layout_hash != self.manifest.base_layout_hash:
-            raise ApiError(
-                409,
+            raise Refused(
                 "layout_mismatch",
                 f"upload quotes base_layout_hash {meta.base_layout_hash[:16]!r}, the server's bundle has "
                 f"{self.manifest.base_layout_hash[:16]!r}",
@@ -693,26 +679,24 @@ class RoundEngine:
             )
         for key in ("train_loss", "val_loss"):
             if math.isinf(getattr(meta, key)):
-                raise ApiError(422, "bad_metadata", f"upload {key} is infinite", "send a finite loss, or omit it")
+                raise Refused("bad_metadata", f"upload {key} is infinite", "send a finite loss, or omit it")
         return meta
 
     def _upload_tensors(self, payload: bytes) -> dict[str, Any]:
         try:
             base_tensors = decode_tensors(payload)
         except WireError as error:
-            raise ApiError(400, "malformed", error.problem, error.fix) from None
+            raise Refused("malformed", error.problem, error.fix) from None
         personal = sorted(set(base_tensors) & self._personal_names)
         if personal:
-            raise ApiError(
-                422,
+            raise Refused(
                 "personal_tensors",
                 f"upload contains personal tensor(s) {', '.join(personal[:3])}",
                 "personal tensors never leave the device: send the base tensors only",
             )
         buffers = sorted((set(base_tensors) - self._shared_names) & set(self.manifest.names("buffer")))
         if buffers:
-            raise ApiError(
-                422,
+            raise Refused(
                 "buffers_not_shared",
                 f"upload contains BatchNorm statistics {', '.join(buffers[:3])}",
                 "this server keeps BatchNorm statistics on the devices (no --share-bn-stats): send the base only",
@@ -721,8 +705,7 @@ class RoundEngine:
 
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
         if previous.blob_sha != sha:
-            raise ApiError(
-                409,
+            raise Refused(
                 "duplicate_update",
                 f"device {previous.device!r} already uploaded a different update for round {previous.round_id}",
                 "upload once per round; a retry must send the same bytes",

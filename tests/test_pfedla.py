@@ -20,7 +20,8 @@ from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import TensorSpec  # noqa: E402
 from edgepfl.server.config import ServerConfig, StrategyOptions  # noqa: E402
 from edgepfl.server.engine import create_engine  # noqa: E402
-from edgepfl.server.errors import ApiError  # noqa: E402
+from edgepfl.server.errors import Refused  # noqa: E402
+from edgepfl.server.http_errors import status_of  # noqa: E402
 from edgepfl.server.strategies import make_strategy  # noqa: E402
 from edgepfl.server.strategies.pfedla import PFedLA, normalise  # noqa: E402
 from edgepfl.server.strategy import AcceptedUpdate  # noqa: E402
@@ -441,9 +442,9 @@ def test_served_heurpfedla_names_the_kept_tensors_and_refuses_uploads_that_carry
         base = decode_tensors(engine.base_for(device, task.round_id)[0])
         assert set(base) == shared - kept
         whole = {**base, **{name: np.zeros(manifest.tensor(name).shape, np.float32) for name in kept}}
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(Refused) as refused:
             engine.accept_update(device, task.round_id, upload_body(whole, manifest))
-        assert refused.value.status == 422 and refused.value.error == "bad_tensors"
+        assert status_of(refused.value) == 422 and refused.value.error == "bad_tensors"
         assert next(iter(kept)) in refused.value.problem
         assert engine.accept_update(device, task.round_id, upload_body(base, manifest))["accepted"]
 
@@ -646,9 +647,9 @@ def test_a_device_beyond_the_clients_pfedla_mixes_gets_one_409_and_the_others_tr
     clock.now += config.poll_interval
     assert engine.task("d0").action == "train"
     assert engine.store.open_round().sampled == ("d0", "d1", "d2")
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(Refused) as refused:
         engine.task("d3")
-    assert refused.value.status == 409 and refused.value.error == "cannot_join"
+    assert status_of(refused.value) == 409 and refused.value.error == "cannot_join"
     assert "'d3'" in refused.value.problem and "--clients" in refused.value.fix
     assert engine.task("d1").action == engine.task("d2").action == "train"
 

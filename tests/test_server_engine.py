@@ -14,7 +14,8 @@ from edgepfl.errors import BundleError, StateError, UsageError
 from edgepfl.protocol import EvalMetrics, RoundSettings, Task
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
-from edgepfl.server.errors import ApiError
+from edgepfl.server.errors import Refused
+from edgepfl.server.http_errors import status_of
 from edgepfl.server.page import render_page
 from edgepfl.server.store import Store
 from edgepfl.server.strategies.fedavg import FedAvg
@@ -106,12 +107,12 @@ def test_deadline_closes_with_enough_uploads_and_refuses_stragglers(setup) -> No
     _update(engine, "d0", 1, 1.0, 5, manifest)
     _update(engine, "d1", 1, 2.0, 5, manifest)
     clock.now += 101
-    with pytest.raises(ApiError) as late:
+    with pytest.raises(Refused) as late:
         engine.check_upload_allowed("d2", 1)
-    assert late.value.status == 409 and late.value.error == "deadline_passed"
+    assert status_of(late.value) == 409 and late.value.error == "deadline_passed"
     engine.tick()
     assert engine.store.round(1).state == "closed"
-    with pytest.raises(ApiError) as closed:
+    with pytest.raises(Refused) as closed:
         engine.check_upload_allowed("d2", 1)
     assert closed.value.error == "deadline_passed"  # a straggler is told why, even after the close
 
@@ -229,7 +230,7 @@ def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:
     d1 = decode_tensors(engine.base_for("d1", 1)[0])
     d3 = decode_tensors(engine.base_for("d3", 1)[0])
     np.testing.assert_allclose(d3["mid.weight"] - d1["mid.weight"], 2.0, rtol=1e-5)
-    with pytest.raises(ApiError, match="not sampled"):
+    with pytest.raises(Refused, match="not sampled"):
         engine.base_for("d0", 1)
 
 
@@ -276,12 +277,12 @@ def test_metrics_and_status_page(setup) -> None:
     engine.tick()
     assert engine.accept_metrics("d0", 1, EvalMetrics(0.75, 20, 0.4))["duplicate"] is False
     assert engine.accept_metrics("d0", 1, EvalMetrics(0.75, 20, 0.4))["duplicate"] is True
-    with pytest.raises(ApiError) as conflict:
+    with pytest.raises(Refused) as conflict:
         engine.accept_metrics("d0", 1, EvalMetrics(0.5, 20, 0.4))
-    assert conflict.value.status == 409
-    with pytest.raises(ApiError) as bad:
+    assert status_of(conflict.value) == 409
+    with pytest.raises(Refused) as bad:
         engine.accept_metrics("d1", 1, EvalMetrics(1.5, 20))
-    assert bad.value.status == 422
+    assert status_of(bad.value) == 422
     status = engine.status()
     assert status["rounds"][0]["eval_accuracy"]["mean"] == 0.75
     page = render_page(status)
@@ -348,3 +349,15 @@ def test_the_bounds_clip_and_cap_one_outlier_exactly_and_can_be_turned_off(setup
             expected_shift = (10 * 1.0 + 10 * 2.0 + 20 * 6.0) / 40
         np.testing.assert_allclose(result["mid.weight"] - base["mid.weight"], expected_shift, rtol=1e-4)
         engine.store.close()
+
+
+def test_every_refusal_code_the_engine_raises_has_one_http_status() -> None:
+    """The engine names refusals by code only; server/http_errors.py's table gives each its status."""
+    import re
+
+    import edgepfl.server.engine as engine_module
+    from edgepfl.server.http_errors import STATUS
+
+    source = Path(engine_module.__file__).read_text()
+    raised = set(re.findall(r'Refused\(\s*"([a-z_]+)"', source))
+    assert raised and raised <= set(STATUS), sorted(raised - set(STATUS))
