@@ -105,7 +105,7 @@ EnrollSecret = Annotated[HTTPAuthorizationCredentials | None, Security(_ENROLL_S
 
 def _device(request: Request, credentials: Credentials) -> str:
     engine: RoundEngine = request.app.state.engine
-    return engine.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
+    return engine.enrollment.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
 
 
 def _viewer(request: Request, credentials: Credentials) -> None:
@@ -267,7 +267,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
         """Enroll a device with the shared secret (`Authorization: Bearer <secret>`); the reply shows its token once."""
         secret = credentials.credentials if credentials else None
         address = request.client.host if request.client else "unknown"
-        engine.check_enroll_secret(secret, address)  # refused before the body is read
+        engine.enrollment.check_enroll_secret(secret, address)  # refused before the body is read
         _check_declared_length(request, MAX_JSON_BYTES)
         body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON")
         try:
@@ -282,7 +282,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
                 "the body is not JSON with a string `device` (and an optional string `key`)",
                 'send {"device": "phone-1", "key": "<random key>"}',
             )
-        token = await run_in_threadpool(engine.enroll, secret, name, address, key)
+        token = await run_in_threadpool(engine.enrollment.enroll, secret, name, address, key)
         return JSONResponse({"device": name, "token": token})
 
     @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})

@@ -1,4 +1,8 @@
-"""The round engine: sampling, deadlines, opening and closing rounds, and what is stored when.
+"""The round engine: deadlines, opening and closing rounds, and what is stored when.
+
+The other concerns live in files of their own: `sampling.py` (who a round samples), `uploads.py` (what
+an upload must be), `bounds.py` (what one device can move), `enrollment.py` (tokens, the shared secret),
+`status.py` (status and history), `store.py` (SQLite and blobs), `http_errors.py` (refusal -> status).
 
 One engine per state folder and per process. Rounds follow one life:
 
@@ -25,10 +29,8 @@ applies a round twice.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,28 +41,25 @@ import numpy as np
 
 from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
-from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
 from edgepfl.server.config import ServerConfig
+from edgepfl.server.enrollment import Enrollment
 from edgepfl.server.errors import Refused
-from edgepfl.server.ratelimit import FailureLimiter
 from edgepfl.server.sampling import sample_devices
+from edgepfl.server.status import history, server_status
 from edgepfl.server.store import (
-    AlreadyEnrolled,
     Assignment,
     BlobError,
-    DeviceNameError,
-    EnrollKeyError,
     EvalRecord,
     RoundRecord,
     Store,
     UpdateRecord,
-    hash_token,
-    issue_token,
 )
 from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
-from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
+from edgepfl.server.uploads import check_plan, finite_or_none, read_upload_meta, read_upload_tensors
+from edgepfl.wire import check_tensors, decode_tensors, encode_tensors, load_tensors
 
 log = logging.getLogger("edgepfl.server")
 
@@ -98,7 +97,7 @@ class RoundEngine:
         self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
         self._closing: int | None = None  # round being aggregated outside the lock
         self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
-        self.enroll_limiter = FailureLimiter(config.enroll_max_failures, config.enroll_window)
+        self.enrollment = Enrollment(config, store, clock)
         self.bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
         self._delta_norms: dict[tuple[int, str], float] = {}  # (round, device) -> |upload - its base|, from acceptance
         self._bases: dict[str, Mapping[str, np.ndarray]] = {}  # decoded base blobs of the open round, by sha256
@@ -143,73 +142,6 @@ class RoundEngine:
         shared = {name: value for name, value in tensors.items() if name in self._shared_names}
         check_tensors(shared, self.specs, what=f"initial tensors {path}")
         return shared
-
-    # authentication
-
-    def authenticate(self, authorization: str | None) -> str:
-        """The device name a bearer token belongs to; 401 otherwise."""
-        scheme, _, token = (authorization or "").partition(" ")
-        device = self.store.device_for_token(hash_token(token.strip())) if scheme.lower() == "bearer" else None
-        if device is None:
-            raise Refused(
-                "unauthorized",
-                "missing or invalid device token",
-                "send `Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return device
-
-    def enroll(self, secret: str | None, name: str, address: str, key: str | None = None) -> str:
-        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/429/401/422/409).
-
-        An enrolled name gets a new token (the old one stops working) only when `key` is the enrollment
-        key it was enrolled with: the device retries after a lost reply.
-        """
-        self.check_enroll_secret(secret, address)
-        try:
-            token = issue_token(self.store, name, self.clock(), enroll_key=key)
-        except DeviceNameError as error:
-            raise Refused("invalid_device_name", error.problem, error.fix) from None
-        except EnrollKeyError as error:
-            raise Refused("invalid_enroll_key", error.problem, error.fix) from None
-        except AlreadyEnrolled as error:
-            raise Refused(
-                "already_enrolled",
-                error.problem,
-                "pick another name, or ask the operator to run `edgepfl serve tokens add NAME --replace`",
-            ) from None
-        log.info("device %r enrolled with the shared secret", name)
-        return token
-
-    def check_enroll_secret(self, secret: str | None, address: str) -> None:
-        """403 if self-enrollment is closed, 429 while `address` is blocked, 401 unless `secret` is the shared secret.
-
-        Each 401 counts against `address`; a blocked address is refused before its secret is compared,
-        so guessing stops there even with the right secret.
-        """
-        if self.config.enroll_secret is None:
-            raise Refused(
-                "enrollment_closed",
-                "this server takes no self-enrollment (it was started without --enroll-secret-file)",
-                "ask the operator for a token (`edgepfl serve tokens add NAME`)",
-            )
-        retry_after = self.enroll_limiter.retry_after(address)
-        if retry_after is not None:
-            raise Refused(
-                "too_many_attempts",
-                f"too many wrong enrollment secrets from {address} (the limit is "
-                f"{self.config.enroll_max_failures} per {self.config.enroll_window} s)",
-                f"wait {retry_after} s, then enroll with the secret of the server's --enroll-secret-file",
-                headers={"Retry-After": str(retry_after)},
-            )
-        if secret is None or not hmac.compare_digest(secret.encode(), self.config.enroll_secret.encode()):
-            self.enroll_limiter.record_failure(address)
-            raise Refused(
-                "unauthorized",
-                "missing or wrong enrollment secret",
-                "send `Authorization: Bearer <secret>` with the secret of the server's --enroll-secret-file",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
 
     # device calls
 
@@ -274,22 +206,17 @@ class RoundEngine:
     def history(self) -> dict[str, Any]:
         """JSON: the closed rounds whose global model can still be fetched, oldest first, and the retention."""
         with self._lock:
+            return history(self.store, self.config.history)
+
+    def status(self) -> dict[str, Any]:
+        """JSON summary of the server and every round (no device names, no tensors)."""
+        with self._lock:
+            now = self.clock()
             rounds = self.store.rounds()
-            released = self.store.released_through()
-        return {
-            "retention": self.config.history,
-            "released_through": released,
-            "rounds": [
-                {
-                    "round": record.round_id,
-                    "sha256": record.result_sha,
-                    "closed": record.closed,
-                    "url": f"{API_PREFIX}/rounds/{record.round_id}/result",
-                }
-                for record in rounds
-                if record.state == "closed" and record.result_sha is not None
-            ],
-        }
+            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
+            training = self.store.open_round() is not None
+            state = "done" if self._done() else "closing" if self._closing else "training" if training else "waiting"
+        return server_status(self, rounds, available, state)
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late."""
@@ -301,8 +228,8 @@ class RoundEngine:
     def accept_update(self, device: str, round_id: int, payload: bytes) -> dict[str, Any]:
         """Check an upload against the manifest and store it durably; returns the receipt."""
         self.check_upload_allowed(device, round_id)
-        meta = self._upload_meta(payload)
-        base_tensors = self._upload_tensors(payload)
+        meta = read_upload_meta(payload, self.manifest, self.config.max_samples)
+        base_tensors = read_upload_tensors(payload, self.manifest, self._shared_names)
         try:
             settings = self._settings_of(self.store.assignment(round_id, device), round_id)
             check_tensors(base_tensors, settings.travelling(self.specs), what="upload")
@@ -327,9 +254,9 @@ class RoundEngine:
                     sha,
                     len(payload),
                     meta.num_samples,
-                    _finite_or_none(meta.train_loss),
-                    _finite_or_none(meta.val_accuracy),
-                    _finite_or_none(meta.val_loss),
+                    finite_or_none(meta.train_loss),
+                    finite_or_none(meta.val_accuracy),
+                    finite_or_none(meta.val_loss),
                     self.clock(),
                 )
             )
@@ -575,7 +502,7 @@ class RoundEngine:
         for device in sampled:
             settings, payload = plans[device]
             if id(payload) not in stored:
-                self._check_payload(device, settings, payload)
+                check_plan(self.strategy.name, self.specs, device, settings, payload)
                 stored[id(payload)] = self.store.put_blob(encode_tensors(payload))
             assignments.append(
                 Assignment(round_id, device, stored[id(payload)], json.dumps(settings.to_json(), sort_keys=True))
@@ -614,16 +541,6 @@ class RoundEngine:
             )
         return record
 
-    def _check_payload(self, device: str, settings: RoundSettings, payload: Mapping[str, np.ndarray]) -> None:
-        """A strategy's per-device base: exactly the shared tensors it does not tell the device to keep."""
-        unknown = sorted(set(settings.kept_on_device) - {spec.name for spec in self.specs})
-        if unknown:
-            raise WireError(
-                f"{self.strategy.name} tells {device} to keep {unknown[0]!r}, which is not a shared tensor",
-                "keep only tensors of the bundle's base",
-            )
-        check_tensors(payload, settings.travelling(self.specs), what=f"{self.strategy.name} payload for {device}")
-
     def settings_for(self, device: str, round_id: int) -> RoundSettings:
         """The settings `device` was given for a round (the strategy's default if it was not sampled)."""
         return self._settings_of(self.store.assignment(round_id, device), round_id)
@@ -661,48 +578,6 @@ class RoundEngine:
             state = "closing" if record.state == "open" else record.state
             raise Refused("round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
 
-    def _upload_meta(self, payload: bytes) -> UploadMeta:
-        try:
-            metadata = decode_metadata(payload)
-        except WireError as error:
-            raise Refused("malformed", error.problem, error.fix) from None
-        try:
-            meta = UploadMeta.from_metadata(metadata, max_samples=self.config.max_samples)
-        except WireError as error:
-            raise Refused("bad_metadata", error.problem, error.fix) from None
-        if meta.base_layout_hash != self.manifest.base_layout_hash:
-            raise Refused(
-                "layout_mismatch",
-                f"upload quotes base_layout_hash {meta.base_layout_hash[:16]!r}, the server's bundle has "
-                f"{self.manifest.base_layout_hash[:16]!r}",
-                "train from the bundle this server was started with",
-            )
-        for key in ("train_loss", "val_loss"):
-            if math.isinf(getattr(meta, key)):
-                raise Refused("bad_metadata", f"upload {key} is infinite", "send a finite loss, or omit it")
-        return meta
-
-    def _upload_tensors(self, payload: bytes) -> dict[str, Any]:
-        try:
-            base_tensors = decode_tensors(payload)
-        except WireError as error:
-            raise Refused("malformed", error.problem, error.fix) from None
-        personal = sorted(set(base_tensors) & self._personal_names)
-        if personal:
-            raise Refused(
-                "personal_tensors",
-                f"upload contains personal tensor(s) {', '.join(personal[:3])}",
-                "personal tensors never leave the device: send the base tensors only",
-            )
-        buffers = sorted((set(base_tensors) - self._shared_names) & set(self.manifest.names("buffer")))
-        if buffers:
-            raise Refused(
-                "buffers_not_shared",
-                f"upload contains BatchNorm statistics {', '.join(buffers[:3])}",
-                "this server keeps BatchNorm statistics on the devices (no --share-bn-stats): send the base only",
-            )
-        return base_tensors
-
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
         if previous.blob_sha != sha:
             raise Refused(
@@ -718,64 +593,3 @@ class RoundEngine:
             "uploads": len(self.store.updates(previous.round_id)),
             "sampled": len(self._round_or_404(previous.round_id).sampled),
         }
-
-    # status
-
-    def status(self) -> dict[str, Any]:
-        """JSON summary of the server and every round (no device names, no tensors)."""
-        with self._lock:
-            now = self.clock()
-            rounds = self.store.rounds()
-            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
-            current = self.store.open_round()
-            closing = self._closing
-            done = self._done()
-        rows = [self._round_summary(record) for record in rounds]
-        state = "done" if done else "closing" if closing else "training" if current else "waiting"
-        return {
-            "state": state,
-            "strategy": self.strategy.name,
-            "base_layout_hash": self.manifest.base_layout_hash,
-            "share_buffers": self.config.share_buffers,
-            "rounds_target": self.config.rounds,
-            "rounds_completed": sum(1 for r in rounds if r.state == "closed"),
-            "min_clients": self.config.min_clients,
-            "fraction": self.config.fraction,
-            "round_timeout": self.config.round_timeout,
-            "devices_enrolled": self.store.count_devices(),
-            "devices_available": available,
-            "open_round": next((row for row in rows if row["state"] == "open"), None),
-            "rounds": rows,
-        }
-
-    def _round_summary(self, record: RoundRecord) -> dict[str, Any]:
-        updates = self.store.updates(record.round_id)
-        evals = self.store.eval_metrics(record.round_id)
-        return {
-            "round": record.round_id,
-            "state": record.state,
-            "sampled": len(record.sampled),
-            "uploads": len(updates),
-            "opened": record.opened,
-            "deadline": record.deadline,
-            "closed": record.closed,
-            "aggregate_seconds": record.aggregate_seconds,
-            "upload_bytes": sum(u.nbytes for u in updates),
-            "note": record.note,
-            "base_sha256": record.base_sha,
-            "result_sha256": record.result_sha,
-            "train_loss": _summary([u.train_loss for u in updates]),
-            "val_accuracy": _summary([u.val_accuracy for u in updates]),
-            "eval_accuracy": _summary([e.accuracy for e in evals]),
-        }
-
-
-def _summary(values: list[float | None]) -> dict[str, float] | None:
-    present = [v for v in values if v is not None]
-    if not present:
-        return None
-    return {"mean": sum(present) / len(present), "min": min(present), "max": max(present), "count": len(present)}
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
