@@ -122,9 +122,7 @@ class RoundEngine:
         if self.store.get_meta("initial_base_sha") is None:
             initial = self._initial_base()
             sha = self.store.put_blob(encode_tensors(initial))
-            with self.store.transaction() as db:
-                for key, value in {**binding, "initial_base_sha": sha, "global_base_sha": sha}.items():
-                    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+            self.store.set_meta({**binding, "initial_base_sha": sha, "global_base_sha": sha})
         self._load_strategy_state()
         self._apply_history()
         removed = self.store.remove_unreferenced_blobs()

@@ -361,3 +361,51 @@ def test_every_refusal_code_the_engine_raises_has_one_http_status() -> None:
     source = Path(engine_module.__file__).read_text()
     raised = set(re.findall(r'Refused\(\s*"([a-z_]+)"', source))
     assert raised and raised <= set(STATUS), sorted(raised - set(STATUS))
+
+
+OLD_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE devices (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL);
+CREATE TABLE rounds (
+    round_id INTEGER PRIMARY KEY, state TEXT NOT NULL, base_sha TEXT NOT NULL,
+    opened REAL NOT NULL, deadline REAL NOT NULL, closed REAL, sampled TEXT NOT NULL,
+    result_sha TEXT, aggregate_seconds REAL, note TEXT);
+"""  # a state folder from before enrollment keys and before `PRAGMA user_version`
+
+
+def test_a_state_folder_of_the_old_schema_is_migrated_and_keeps_everything(tmp_path: Path) -> None:
+    import sqlite3
+
+    from edgepfl.server.store import DB_NAME, MIGRATIONS, hash_token
+
+    folder = tmp_path / "old-state"
+    folder.mkdir()
+    db = sqlite3.connect(folder / DB_NAME)
+    db.executescript(OLD_SCHEMA)
+    db.execute("INSERT INTO devices VALUES ('phone', ?, 1.0)", (hash_token("secret-token"),))
+    db.execute("INSERT INTO meta VALUES ('global_base_sha', 'abc')")
+    db.execute("INSERT INTO rounds VALUES (1, 'closed', 'abc', 1.0, 2.0, 3.0, '[\"phone\"]', 'def', 0.5, NULL)")
+    db.commit()
+    db.close()
+    store = Store(folder)
+    assert store.device_for_token(hash_token("secret-token")) == "phone"
+    assert store.get_meta("global_base_sha") == "abc"
+    assert store.round(1).sampled == ("phone",) and store.round(1).result_sha == "def"
+    store.add_device("tablet", hash_token("t2"), 2.0, enroll_key_hash=hash_token("k" * 16))  # the added column
+    assert store._query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
+    store.close()
+    assert Store(folder).device_for_token(hash_token("t2")) == "tablet"  # opening again migrates nothing twice
+
+
+def test_a_state_folder_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    import sqlite3
+
+    from edgepfl.server.store import DB_NAME, MIGRATIONS
+
+    Store(tmp_path / "state").close()
+    db = sqlite3.connect(tmp_path / "state" / DB_NAME)
+    db.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match="newer edgepfl"):
+        Store(tmp_path / "state")
