@@ -409,3 +409,17 @@ def test_a_state_folder_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(StateError, match="newer edgepfl"):
         Store(tmp_path / "state")
+
+
+def test_the_manifest_names_the_trainable_sets(tmp_path: Path) -> None:
+    from edgepfl.errors import BundleError
+
+    personal = make_bundle(tmp_path / "kp1", kp=1)
+    assert personal.trainable_sets() == {
+        "full": ["stem.weight", "stem.bias", "mid.weight", "head.weight", "head.bias"],
+        "personal": ["head.weight", "head.bias"],
+        "base": ["stem.weight", "stem.bias", "mid.weight"],
+    }
+    assert sorted(make_bundle(tmp_path / "kp0", kp=0).trainable_sets()) == ["base", "full"]  # no personal set
+    with pytest.raises(BundleError, match="unknown trainable set"):
+        personal.trainable("head")
