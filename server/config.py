@@ -85,7 +85,7 @@ class ServerConfig:
             ),
             (
                 settings.algorithm in ALGORITHMS,
-                f"--algorithm {settings.algorithm!r} is unknown",
+                f"--client-update {settings.algorithm!r} is unknown",
                 f"use one of: {', '.join(ALGORITHMS)}",
             ),
             (
@@ -99,7 +99,7 @@ class ServerConfig:
             (
                 self.strategy_options.clients == 0 or self.min_clients <= self.strategy_options.clients,
                 f"--min-clients {self.min_clients} is more than the {self.strategy_options.clients} clients of "
-                "--clients, so no round could open",
+                "--pfedla-clients, so no round could open",
                 f"pass --min-clients {self.strategy_options.clients} or less",
             ),
         ]

@@ -176,7 +176,7 @@ def test_uniform_alpha_is_fedavg_and_one_hot_self_is_local_training() -> None:
 
 
 def test_options_and_slots_are_checked(monkeypatch) -> None:
-    with pytest.raises(UsageError, match="--clients"):
+    with pytest.raises(UsageError, match="--pfedla-clients"):
         _strategy(clients=0)
     with pytest.raises(UsageError, match="learning rate"):
         _strategy(hn_lr=0.0)
@@ -288,7 +288,7 @@ def test_restart_keeps_the_strategy_state_and_a_failed_close_does_not_step_twice
 def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b", "c")
-    options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2")
+    options = ("--strategy", "pfedla", "--pfedla-clients", "3", "--min-clients", "3", "--rounds", "2")
     options += ("--poll-interval", "0.2")
     server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
     reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=3))
@@ -323,7 +323,7 @@ def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_pa
 def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b")
-    options = ("--strategy", "pfedla", "--clients", "2", "--min-clients", "2", "--rounds", "3")
+    options = ("--strategy", "pfedla", "--pfedla-clients", "2", "--min-clients", "2", "--rounds", "3")
     options += ("--poll-interval", "0.2")
     reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=2))
     initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
@@ -510,7 +510,7 @@ def test_device_processes_run_two_pfedla_rounds_against_a_real_server(bundle_fac
     manifest = load_manifest(bundle)
     names = ("a", "b", "c")
     tokens = enroll(tmp_path / "server", *names)
-    options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2", "--lr", "0.1")
+    options = ("--strategy", "pfedla", "--pfedla-clients", "3", "--min-clients", "3", "--rounds", "2", "--lr", "0.1")
     options += ("--poll-interval", "0.2", "--batch-size", "16", "--round-timeout", "120")
     server = LiveServer(bundle, tmp_path / "server", *options).start()
     try:
@@ -583,7 +583,7 @@ def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_f
     base_names = set(manifest.names("base"))
     names = ("a", "b", "c")
     tokens = enroll(tmp_path / "server", *names)
-    options = ("--strategy", "heurpfedla", "--retain-top-k", "1", "--clients", "3", "--min-clients", "3")
+    options = ("--strategy", "heurpfedla", "--retain-top-k", "1", "--pfedla-clients", "3", "--min-clients", "3")
     options += ("--rounds", "2", "--lr", "0.1", "--poll-interval", "0.2", "--batch-size", "16")
     server = LiveServer(bundle, tmp_path / "server", *options).start()
     recorder = RecordingTransport()
@@ -650,7 +650,7 @@ def test_a_device_beyond_the_clients_pfedla_mixes_gets_one_409_and_the_others_tr
     with pytest.raises(Refused) as refused:
         engine.task("d3")
     assert status_of(refused.value) == 409 and refused.value.error == "cannot_join"
-    assert "'d3'" in refused.value.problem and "--clients" in refused.value.fix
+    assert "'d3'" in refused.value.problem and "--pfedla-clients" in refused.value.fix
     assert engine.task("d1").action == engine.task("d2").action == "train"
 
 

@@ -423,3 +423,21 @@ def test_the_manifest_names_the_trainable_sets(tmp_path: Path) -> None:
     assert sorted(make_bundle(tmp_path / "kp0", kp=0).trainable_sets()) == ["base", "full"]  # no personal set
     with pytest.raises(BundleError, match="unknown trainable set"):
         personal.trainable("head")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (["--algorithm", "fedalt"], "--client-update"),
+        (["--clients", "3"], "--pfedla-clients"),
+        (["--share-buffers"], "--share-bn-stats"),
+    ],
+)
+def test_old_serve_flag_names_still_work_and_name_the_new_one(old, new) -> None:
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+
+    result = CliRunner().invoke(app, ["serve", *old])  # no --bundle: refused after the note
+    assert result.exit_code == 2
+    assert f"is now {new}" in result.output and "serve needs --bundle and --state" in result.output

@@ -79,7 +79,7 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
     options += ["--min-clients", "2", "--seed", str(config.seed), "--epochs", str(config.epochs)]
     options += ["--batch-size", str(config.batch_size), "--lr", str(config.lr), "--round-timeout", "300"]
     # round 1 opens once all four have polled, or a poll interval after two did: long enough for a loaded machine
-    options += ["--poll-interval", "20", "--clients", str(CLIENTS), "--hn-lr", str(config.hn_lr)]
+    options += ["--poll-interval", "20", "--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hn_lr)]
     server = LiveServer(bundle, tmp_path / "served", *options).start(timeout=120)
     try:
         processes = []

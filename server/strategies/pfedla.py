@@ -38,7 +38,7 @@ class PFedLA(Strategy):
     def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
         super().__init__(specs, options)
         if options.clients < 1:
-            raise UsageError("pfedla needs the number of clients its hypernetworks mix", "pass --clients N")
+            raise UsageError("pfedla needs the number of clients its hypernetworks mix", "pass --pfedla-clients N")
         if not options.hn_lr > 0:
             raise UsageError("the pfedla hypernetwork learning rate must be positive", "pass e.g. --hn-lr 0.005")
         try:
@@ -123,7 +123,7 @@ class PFedLA(Strategy):
             raise UsageError(
                 f"this server's {self.name} mixes {self.num_clients} clients and all {self.num_clients} places "
                 f"belong to other devices, so device {device!r} cannot join",
-                "run this device against a server started with a new --state and --clients counting every device",
+                "run this device against a server with a new --state and --pfedla-clients counting every device",
             )
 
     def hypernetwork(self, slot: int, keep: bool = True) -> Any:
@@ -215,7 +215,7 @@ class PFedLA(Strategy):
         if header.get("format") != STATE_FORMAT or header.get("clients") != self.num_clients:
             raise StateError(
                 f"the saved pfedla state is for {header.get('clients')} clients in format {header.get('format')!r}",
-                f"restart with --clients {header.get('clients')}, or use a new --state folder",
+                f"restart with --pfedla-clients {header.get('clients')}, or use a new --state folder",
             )
         tensors = decode_tensors(payload)
         self.slots = {device: int(slot) for device, slot in header["slots"].items()}
