@@ -15,12 +15,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgepfl.errors import StateError
 from edgepfl.protocol import RoundSettings
 from edgepfl.wire import decode_tensors, save_tensors
+
+if TYPE_CHECKING:
+    from edgepfl.server.engine import RoundEngine
+    from edgepfl.server.store import Store
+    from edgepfl.server.strategy import Strategy
 
 SERVER_DIR = "server"  # the engine's state folder inside the run folder
 INITIAL_FILE = "initial.safetensors"  # the simulation engine's initial tensors: the engine's round-1 base
@@ -49,14 +55,16 @@ class Assignment:
 class InProcessServer:
     """`edgepfl serve`'s engine for one simulated run (None engine: `local`, nothing is aggregated)."""
 
-    def __init__(self, engine, settings: RoundSettings, seed: int, fraction: float, min_clients: int):
+    def __init__(
+        self, engine: RoundEngine | None, settings: RoundSettings, seed: int, fraction: float, min_clients: int
+    ):
         self.engine = engine
         self.settings = settings
         self.seed, self.fraction, self.min_clients = seed, fraction, min_clients
         self.clock: SimClock = engine.clock if engine is not None else SimClock()
 
     @property
-    def strategy(self):
+    def strategy(self) -> Strategy | None:
         """The engine's strategy (None for `local`)."""
         return self.engine.strategy if self.engine is not None else None
 
@@ -186,7 +194,7 @@ def open_server(
     return InProcessServer(create_engine(config, clock), settings, seed, fraction, min_clients)
 
 
-def global_base_of(store) -> dict[str, np.ndarray]:
+def global_base_of(store: Store) -> dict[str, np.ndarray]:
     """The global base a server state folder holds now."""
     sha = store.get_meta("global_base_sha")
     if sha is None:
