@@ -180,8 +180,8 @@ def train(
         if epochs < 1 or batch_size < 1 or not 0 < lr < math.inf:
             raise UsageError("--epochs, --batch-size and --lr must be positive", "pass positive values")
         from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
-        from edgepfl.device_runtime.engine import TRAINABLE_SETS
         from edgepfl.device_runtime.progress import RichEvents
+        from edgepfl.manifest import TRAINABLE_SETS
 
         if trainable not in TRAINABLE_SETS:
             raise UsageError(f"unknown --trainable {trainable!r}", f"choose one of: {', '.join(TRAINABLE_SETS)}")

@@ -15,7 +15,6 @@ from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.ortbuild import training_build_installed
 
 ENGINE_NAMES = ("ort-training", "portable")
-TRAINABLE_SETS = ("full", "personal", "base")
 
 
 @dataclass(frozen=True)
@@ -90,14 +89,7 @@ class Engine(ABC):
 
     def available_sets(self) -> tuple[str, ...]:
         """Trainable sets this bundle has (K_P=0 has no personal set, K_P=max no base set)."""
-        sets = []
-        if self.manifest.by_role("base") or self.manifest.by_role("personal"):
-            sets.append("full")
-        if self.manifest.by_role("personal"):
-            sets.append("personal")
-        if self.manifest.by_role("base"):
-            sets.append("base")
-        return tuple(sets)
+        return tuple(self.manifest.trainable_sets())
 
     def check_set(self, trainable: str) -> None:
         """A clear error for a set the bundle cannot train."""

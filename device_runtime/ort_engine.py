@@ -50,7 +50,7 @@ class OrtTrainingEngine(Engine):
             raise BundleError("the bundle's ort-training entry lists no training sets", "re-export the bundle")
         self._active = "full" if "full" in entry["sets"] else next(iter(entry["sets"]))
         self._load_set(self._active)
-        self._tensor_names = set(self.manifest.names("base") + self.manifest.names("personal"))
+        self._tensor_names = set(self.manifest.trainable("full"))
         self._tensor_names |= set(self.manifest.names("buffer"))
 
     def get_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:

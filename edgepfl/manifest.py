@@ -17,6 +17,8 @@ MANIFEST_NAME = "manifest.json"
 ROLES = ("base", "personal", "buffer")
 
 
+TRAINABLE_SETS = ("full", "personal", "base")  # what a training step may update: all, head only, base only
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One named tensor of the model: its shape, dtype, role and the block it belongs to."""
@@ -79,6 +81,21 @@ class Manifest:
     def names(self, role: str) -> list[str]:
         """Names of the tensors of one role, in model order."""
         return [t.name for t in self.by_role(role)]
+
+    def trainable_sets(self) -> dict[str, list[str]]:
+        """The non-empty trainable sets, by name: full (base + personal), personal (base frozen), base.
+
+        K_P=0 has no personal set and K_P=max no base set; every engine and exporter asks this one place.
+        """
+        sets = {name: self.trainable(name) for name in TRAINABLE_SETS}
+        return {name: names for name, names in sets.items() if names}
+
+    def trainable(self, set_name: str) -> list[str]:
+        """The tensor names one trainable set trains (an unknown set name is a BundleError)."""
+        if set_name not in TRAINABLE_SETS:
+            raise BundleError(f"unknown trainable set {set_name!r}", f"choose one of: {', '.join(TRAINABLE_SETS)}")
+        roles = {"full": ("base", "personal"), "personal": ("personal",), "base": ("base",)}[set_name]
+        return [name for role in roles for name in self.names(role)]
 
     def base_buffers(self) -> list[TensorSpec]:
         """Buffers (BatchNorm running statistics) that live in base blocks: shareable if a strategy wants."""

@@ -146,15 +146,9 @@ def _export_ort_training(model: BlockModel, manifest: Manifest, folder: Path, op
     folder.mkdir(parents=True, exist_ok=True)
     proto = ort_training.export_training_onnx(model, folder / "forward_training.onnx")
     stats = ort_training.bn_stat_outputs(proto)
-    trainable_sets = {
-        "full": manifest.names("base") + manifest.names("personal"),
-        "personal": manifest.names("personal"),
-        "base": manifest.names("base"),
-    }
+    trainable_sets = manifest.trainable_sets()
     sets = {}
     for set_name, trainable in trainable_sets.items():
-        if not trainable:  # K_P=0 has no personal set, K_P=max no base set
-            continue
         ort_training.build_training_set(proto, folder / set_name, trainable, options.optimizer, stats)
         sets[set_name] = {
             "training_model": f"ort-training/{set_name}/training_model.onnx",

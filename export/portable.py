@@ -54,19 +54,14 @@ def export_portable(
     folder.mkdir(parents=True, exist_ok=True)
     prefix = folder.name
     step_model = MaskedModel(model)
-    params = manifest.names("base") + manifest.names("personal")
-    params = [name for name, _ in model.named_parameters() if name in set(params)]
+    trainable = set(manifest.trainable("full"))
+    params = [name for name, _ in model.named_parameters() if name in trainable]
     buffers = [name for name, _ in model.named_buffers() if name in set(manifest.names("buffer"))]
     state = _state(model, params, buffers)
-    trainable_sets = {
-        "full": params,
-        "personal": [n for n in params if manifest.tensor(n).role == "personal"],
-        "base": [n for n in params if manifest.tensor(n).role == "base"],
-    }
+    # the manifest's sets, each in the model's parameter order (the step graph's input order)
+    trainable_sets = {name: [n for n in params if n in set(names)] for name, names in manifest.trainable_sets().items()}
     steps = {}
-    for set_name, trainable in trainable_sets.items():
-        if not trainable:  # K_P=0 has no personal set, K_P=max no base set
-            continue
+    for set_name, trainable in trainable_sets.items():  # K_P=0 has no personal set, K_P=max no base set
         proto = export_step(step_model, params, buffers, trainable, batch_size)
         onnx.save(proto, str(folder / f"step_{set_name}.onnx"))
         steps[set_name] = {
@@ -78,7 +73,7 @@ def export_portable(
     distill_steps: dict = {}
     for variant in DISTILL_VARIANTS if distill else ():
         for set_name in DISTILL_SETS:
-            trainable = trainable_sets[set_name]
+            trainable = trainable_sets.get(set_name)
             if not trainable:
                 continue
             proto = export_distill_step(step_model, params, buffers, trainable, batch_size, variant)

@@ -23,7 +23,8 @@ import edgepfl
 from edgepfl.errors import EdgePFLError
 from edgepfl.protocol import API_PREFIX, EvalMetrics
 from edgepfl.server.engine import RoundEngine
-from edgepfl.server.errors import ApiError
+from edgepfl.server.errors import ApiError, Refused
+from edgepfl.server.http_errors import STATUS, status_of
 from edgepfl.server.page import render_page, render_plot
 from edgepfl.server.store import StorageError
 from edgepfl.server.transport import HttpLimits
@@ -112,7 +113,7 @@ EnrollSecret = Annotated[HTTPAuthorizationCredentials | None, Security(_ENROLL_S
 
 def _device(request: Request, credentials: Credentials) -> str:
     engine: RoundEngine = request.app.state.engine
-    return engine.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
+    return engine.enrollment.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
 
 
 def _viewer(request: Request, credentials: Credentials) -> None:
@@ -146,9 +147,9 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
     upload_slots = asyncio.Semaphore(engine.config.upload_slots)
     app.state.engine = engine
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    @app.exception_handler(Refused)
+    async def _refused(_: Request, error: Refused) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=status_of(error), headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -172,10 +173,10 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
     @app.exception_handler(StorageError)
     async def _storage(_: Request, error: StorageError) -> JSONResponse:
         log.error("%s", error)  # one line: the operator has to act, the device only retries
-        status, name = (507, "insufficient_storage") if error.full else (503, "storage_failed")
+        name = "insufficient_storage" if error.full else "storage_failed"
         fix = f"retry in {STORAGE_RETRY_AFTER} s (the operator must {error.fix})"
         body = {"error": name, "detail": error.problem, "fix": fix}
-        return JSONResponse(body, status, headers={"Retry-After": str(STORAGE_RETRY_AFTER)})
+        return JSONResponse(body, STATUS[name], headers={"Retry-After": str(STORAGE_RETRY_AFTER)})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -283,7 +284,7 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         """Enroll a device with the shared secret (`Authorization: Bearer <secret>`); the reply shows its token once."""
         secret = credentials.credentials if credentials else None
         address = request.client.host if request.client else "unknown"
-        engine.check_enroll_secret(secret, address)  # refused before the body is read
+        engine.enrollment.check_enroll_secret(secret, address)  # refused before the body is read
         _check_declared_length(request, MAX_JSON_BYTES)
         body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
         try:
@@ -298,7 +299,7 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
                 "the body is not JSON with a string `device` (and an optional string `key`)",
                 'send {"device": "phone-1", "key": "<random key>"}',
             )
-        token = await run_in_threadpool(engine.enroll, secret, name, address, key)
+        token = await run_in_threadpool(engine.enrollment.enroll, secret, name, address, key)
         return JSONResponse({"device": name, "token": token})
 
     @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})

@@ -39,14 +39,15 @@ def serve(
     tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
     max_upload_mb: Annotated[float, typer.Option(help="largest accepted upload body")] = 64.0,
     max_samples: Annotated[int, typer.Option(help="largest sample count an upload may claim")] = 10_000_000,
+    clip_multiple: Annotated[
+        float, typer.Option(help="clip each update's delta to this many times the round's median delta norm; 0: off")
+    ] = 3.0,
+    weight_multiple: Annotated[
+        float, typer.Option(help="cap each claimed sample count at this many times the round's median; 0: off")
+    ] = 2.0,
     seed: Annotated[int, typer.Option(help="seed of device sampling")] = 0,
     share_bn_stats: Annotated[
-        bool,
-        typer.Option(
-            "--share-bn-stats",
-            "--share-buffers",
-            help="average base-block BatchNorm statistics too (default: they stay)",
-        ),
+        bool, typer.Option("--share-bn-stats", help="average base-block BatchNorm statistics too (default: they stay)")
     ] = False,
     init: Annotated[
         Path | None, typer.Option(help="initial tensors (default: BUNDLE/portable/initial.safetensors)")
@@ -54,11 +55,13 @@ def serve(
     epochs: Annotated[int, typer.Option(help="local epochs per round")] = 1,
     batch_size: Annotated[int, typer.Option(help="local batch size")] = 32,
     lr: Annotated[float, typer.Option(help="local learning rate")] = 0.01,
-    algorithm: Annotated[str, typer.Option(help="device algorithm: fedsim | fedalt | local")] = "fedsim",
+    client_update: Annotated[
+        str, typer.Option(help="what a device trains each round: fedsim | fedalt | local")
+    ] = "fedsim",
     finetune_epochs: Annotated[int, typer.Option(help="personal fine-tuning epochs (base frozen) per round")] = 0,
     personal_epochs: Annotated[int, typer.Option(help="fedalt: personal-phase epochs")] = 1,
     trim_fraction: Annotated[float, typer.Option(help="trimmed-mean: fraction cut from each end")] = 0.1,
-    clients: Annotated[int, typer.Option(help="pfedla: number of clients the hypernetworks mix")] = 0,
+    pfedla_clients: Annotated[int, typer.Option(help="pfedla: number of clients N the hypernetworks mix")] = 0,
     hn_lr: Annotated[float, typer.Option(help="pfedla: hypernetwork learning rate")] = 5e-3,
     retain_top_k: Annotated[
         int, typer.Option(help="heurpfedla: tensors (largest self-weight) each device keeps instead of exchanging")
@@ -97,6 +100,9 @@ def serve(
     no_web: Annotated[
         bool, typer.Option("--no-web", help="serve no browser device page (/device/) and no join link (/join)")
     ] = False,
+    old_algorithm: Annotated[str | None, typer.Option("--algorithm", hidden=True)] = None,
+    old_clients: Annotated[int | None, typer.Option("--clients", hidden=True)] = None,
+    old_share_buffers: Annotated[bool, typer.Option("--share-buffers", hidden=True)] = False,
 ) -> None:
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
     if ctx.invoked_subcommand is not None:
@@ -104,6 +110,16 @@ def serve(
     from edgepfl.cli import fail
     from edgepfl.errors import EdgePFLError, UsageError
 
+    # the old names meant something else in `edgepfl simulate`: still taken, with one line naming the new one
+    if old_algorithm is not None:
+        typer.echo("note: serve --algorithm is now --client-update", err=True)
+        client_update = old_algorithm
+    if old_clients is not None:
+        typer.echo("note: serve --clients is now --pfedla-clients", err=True)
+        pfedla_clients = old_clients
+    if old_share_buffers:
+        typer.echo("note: --share-buffers is now --share-bn-stats", err=True)
+        share_bn_stats = True
     try:
         if bundle is None or state is None:
             raise UsageError("serve needs --bundle and --state", "edgepfl serve --bundle DIR --state DIR")
@@ -111,7 +127,7 @@ def serve(
         from edgepfl.server.config import ServerConfig, StrategyOptions, read_enroll_secret
 
         settings = RoundSettings(
-            algorithm=algorithm,
+            algorithm=client_update,
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,
@@ -129,6 +145,8 @@ def serve(
             round_timeout=round_timeout,
             max_upload_mb=max_upload_mb,
             max_samples=max_samples,
+            clip_multiple=clip_multiple,
+            weight_multiple=weight_multiple,
             seed=seed,
             share_buffers=share_bn_stats,
             init=init,
@@ -143,7 +161,7 @@ def serve(
             strategy_options=StrategyOptions(
                 settings=settings,
                 trim_fraction=trim_fraction,
-                clients=clients,
+                clients=pfedla_clients,
                 hn_lr=hn_lr,
                 seed=seed,
                 retain_top_k=retain_top_k,

@@ -48,6 +48,8 @@ class ServerConfig:
     enroll_secret: str | None = field(default=None, repr=False)  # POST /v1/enroll is open while set; never stored
     enroll_max_failures: int = 10  # wrong secrets from one address that block it from POST /v1/enroll ...
     enroll_window: int = 600  # ... while they fall within this many seconds
+    clip_multiple: float = 3.0  # an update's delta is clipped to this many times the round's median delta norm
+    weight_multiple: float = 2.0  # a claimed sample count is capped at this many times the round's median
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
     web: bool = True  # the browser device: /device/ (page, runtime, portable bundle files) and /join; --no-web
 
@@ -73,8 +75,18 @@ class ServerConfig:
             (self.enroll_max_failures >= 1, "--enroll-max-failures must be at least 1", "pass e.g. 10"),
             (self.enroll_window >= 1, "--enroll-window must be at least 1 second", "pass seconds, e.g. 600"),
             (
+                self.clip_multiple == 0 or self.clip_multiple >= 1,
+                "--clip-multiple must be 0 (off) or at least 1 (times the round's median delta norm)",
+                "pass e.g. 3",
+            ),
+            (
+                self.weight_multiple == 0 or self.weight_multiple >= 1,
+                "--weight-multiple must be 0 (off) or at least 1 (times the round's median sample count)",
+                "pass e.g. 2",
+            ),
+            (
                 settings.algorithm in ALGORITHMS,
-                f"--algorithm {settings.algorithm!r} is unknown",
+                f"--client-update {settings.algorithm!r} is unknown",
                 f"use one of: {', '.join(ALGORITHMS)}",
             ),
             (
@@ -88,7 +100,7 @@ class ServerConfig:
             (
                 self.strategy_options.clients == 0 or self.min_clients <= self.strategy_options.clients,
                 f"--min-clients {self.min_clients} is more than the {self.strategy_options.clients} clients of "
-                "--clients, so no round could open",
+                "--pfedla-clients, so no round could open",
                 f"pass --min-clients {self.strategy_options.clients} or less",
             ),
         ]

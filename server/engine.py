@@ -1,4 +1,8 @@
-"""The round engine: sampling, deadlines, opening and closing rounds, and what is stored when.
+"""The round engine: deadlines, opening and closing rounds, and what is stored when.
+
+The other concerns live in files of their own: `sampling.py` (who a round samples), `uploads.py` (what
+an upload must be), `bounds.py` (what one device can move), `enrollment.py` (tokens, the shared secret),
+`status.py` (status and history), `store.py` (SQLite and blobs), `http_errors.py` (refusal -> status).
 
 One engine per state folder and per process. Rounds follow one life:
 
@@ -25,14 +29,11 @@ applies a round twice.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
-import math
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,26 +41,25 @@ import numpy as np
 
 from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
-from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
+from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
 from edgepfl.server.config import ServerConfig
-from edgepfl.server.errors import ApiError
-from edgepfl.server.ratelimit import FailureLimiter
+from edgepfl.server.enrollment import Enrollment
+from edgepfl.server.errors import Refused
+from edgepfl.server.sampling import sample_devices
+from edgepfl.server.status import history, server_status
 from edgepfl.server.store import (
-    AlreadyEnrolled,
     Assignment,
     BlobError,
-    DeviceNameError,
-    EnrollKeyError,
     EvalRecord,
     RoundRecord,
     Store,
     UpdateRecord,
-    hash_token,
-    issue_token,
 )
 from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
-from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
+from edgepfl.server.uploads import check_plan, finite_or_none, read_upload_meta, read_upload_tensors
+from edgepfl.wire import check_tensors, decode_tensors, encode_tensors, load_tensors
 
 log = logging.getLogger("edgepfl.server")
 
@@ -76,16 +76,6 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     engine = RoundEngine(config, manifest, store, strategy, clock)
     engine.bind_state()
     return engine
-
-
-def sample_devices(seed: int, round_id: int, names: Sequence[str], fraction: float, min_clients: int) -> list[str]:
-    """Every round's sampling rule: max(min_clients, ceil(fraction * n)) of the n available, seeded by (seed, round).
-
-    The simulator calls this same function, so a simulated run samples exactly as a served one.
-    """
-    available = sorted(names)
-    wanted = max(min_clients, math.ceil(fraction * len(available)))
-    return sorted(random.Random(f"{seed}/{round_id}").sample(available, min(wanted, len(available))))
 
 
 class RoundEngine:
@@ -107,7 +97,10 @@ class RoundEngine:
         self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
         self._closing: int | None = None  # round being aggregated outside the lock
         self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
-        self.enroll_limiter = FailureLimiter(config.enroll_max_failures, config.enroll_window)
+        self.enrollment = Enrollment(config, store, clock)
+        self.bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
+        self._delta_norms: dict[tuple[int, str], float] = {}  # (round, device) -> |upload - its base|, from acceptance
+        self._bases: dict[str, Mapping[str, np.ndarray]] = {}  # decoded base blobs of the open round, by sha256
 
     # start-up
 
@@ -129,9 +122,7 @@ class RoundEngine:
         if self.store.get_meta("initial_base_sha") is None:
             initial = self._initial_base()
             sha = self.store.put_blob(encode_tensors(initial))
-            with self.store.transaction() as db:
-                for key, value in {**binding, "initial_base_sha": sha, "global_base_sha": sha}.items():
-                    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+            self.store.set_meta({**binding, "initial_base_sha": sha, "global_base_sha": sha})
         self._load_strategy_state()
         self._apply_history()
         removed = self.store.remove_unreferenced_blobs()
@@ -150,78 +141,6 @@ class RoundEngine:
         check_tensors(shared, self.specs, what=f"initial tensors {path}")
         return shared
 
-    # authentication
-
-    def authenticate(self, authorization: str | None) -> str:
-        """The device name a bearer token belongs to; 401 otherwise."""
-        scheme, _, token = (authorization or "").partition(" ")
-        device = self.store.device_for_token(hash_token(token.strip())) if scheme.lower() == "bearer" else None
-        if device is None:
-            raise ApiError(
-                401,
-                "unauthorized",
-                "missing or invalid device token",
-                "send `Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return device
-
-    def enroll(self, secret: str | None, name: str, address: str, key: str | None = None) -> str:
-        """Enroll `name` if `secret` is the shared enrollment secret, and return its new token (403/429/401/422/409).
-
-        An enrolled name gets a new token (the old one stops working) only when `key` is the enrollment
-        key it was enrolled with: the device retries after a lost reply.
-        """
-        self.check_enroll_secret(secret, address)
-        try:
-            token = issue_token(self.store, name, self.clock(), enroll_key=key)
-        except DeviceNameError as error:
-            raise ApiError(422, "invalid_device_name", error.problem, error.fix) from None
-        except EnrollKeyError as error:
-            raise ApiError(422, "invalid_enroll_key", error.problem, error.fix) from None
-        except AlreadyEnrolled as error:
-            raise ApiError(
-                409,
-                "already_enrolled",
-                error.problem,
-                "pick another name, or ask the operator to run `edgepfl serve tokens add NAME --replace`",
-            ) from None
-        log.info("device %r enrolled with the shared secret", name)
-        return token
-
-    def check_enroll_secret(self, secret: str | None, address: str) -> None:
-        """403 if self-enrollment is closed, 429 while `address` is blocked, 401 unless `secret` is the shared secret.
-
-        Each 401 counts against `address`; a blocked address is refused before its secret is compared,
-        so guessing stops there even with the right secret.
-        """
-        if self.config.enroll_secret is None:
-            raise ApiError(
-                403,
-                "enrollment_closed",
-                "this server takes no self-enrollment (it was started without --enroll-secret-file)",
-                "ask the operator for a token (`edgepfl serve tokens add NAME`)",
-            )
-        retry_after = self.enroll_limiter.retry_after(address)
-        if retry_after is not None:
-            raise ApiError(
-                429,
-                "too_many_attempts",
-                f"too many wrong enrollment secrets from {address} (the limit is "
-                f"{self.config.enroll_max_failures} per {self.config.enroll_window} s)",
-                f"wait {retry_after} s, then enroll with the secret of the server's --enroll-secret-file",
-                headers={"Retry-After": str(retry_after)},
-            )
-        if secret is None or not hmac.compare_digest(secret.encode(), self.config.enroll_secret.encode()):
-            self.enroll_limiter.record_failure(address)
-            raise ApiError(
-                401,
-                "unauthorized",
-                "missing or wrong enrollment secret",
-                "send `Authorization: Bearer <secret>` with the secret of the server's --enroll-secret-file",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
     # device calls
 
     def task(self, device: str) -> Task:
@@ -230,7 +149,7 @@ class RoundEngine:
             try:
                 self.strategy.check_device(device)
             except EdgePFLError as error:  # e.g. pfedla's N client places all belong to other devices
-                raise ApiError(409, "cannot_join", error.problem, error.fix) from None
+                raise Refused("cannot_join", error.problem, error.fix) from None
             now = self.clock()
             self._seen[device] = now
             if self._done():
@@ -260,11 +179,10 @@ class RoundEngine:
         assignment = self.store.assignment(round_id, device)
         if assignment is not None:
             sha = assignment.base_sha
-        elif not self.strategy.needs_per_device_payload:
+        elif self._shares_base(round_id):
             sha = record.base_sha
         else:
-            raise ApiError(
-                403,
+            raise Refused(
                 "not_sampled",
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and fetch the base it names",
@@ -276,8 +194,7 @@ class RoundEngine:
         record = self._round_or_404(round_id)
         self._check_retained(record)
         if record.result_sha is None:
-            raise ApiError(
-                409,
+            raise Refused(
                 "no_result",
                 f"round {round_id} is {record.state} and has no aggregated base",
                 "fetch the result of a closed round (see /v1/status)",
@@ -287,22 +204,17 @@ class RoundEngine:
     def history(self) -> dict[str, Any]:
         """JSON: the closed rounds whose global model can still be fetched, oldest first, and the retention."""
         with self._lock:
+            return history(self.store, self.config.history)
+
+    def status(self) -> dict[str, Any]:
+        """JSON summary of the server and every round (no device names, no tensors)."""
+        with self._lock:
+            now = self.clock()
             rounds = self.store.rounds()
-            released = self.store.released_through()
-        return {
-            "retention": self.config.history,
-            "released_through": released,
-            "rounds": [
-                {
-                    "round": record.round_id,
-                    "sha256": record.result_sha,
-                    "closed": record.closed,
-                    "url": f"{API_PREFIX}/rounds/{record.round_id}/result",
-                }
-                for record in rounds
-                if record.state == "closed" and record.result_sha is not None
-            ],
-        }
+            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
+            training = self.store.open_round() is not None
+            state = "done" if self._done() else "closing" if self._closing else "training" if training else "waiting"
+        return server_status(self, rounds, available, state)
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late."""
@@ -314,17 +226,18 @@ class RoundEngine:
     def accept_update(self, device: str, round_id: int, payload: bytes) -> dict[str, Any]:
         """Check an upload against the manifest and store it durably; returns the receipt."""
         self.check_upload_allowed(device, round_id)
-        meta = self._upload_meta(payload)
-        base_tensors = self._upload_tensors(payload)
+        meta = read_upload_meta(payload, self.manifest, self.config.max_samples)
+        base_tensors = read_upload_tensors(payload, self.manifest, self._shared_names)
         try:
             settings = self._settings_of(self.store.assignment(round_id, device), round_id)
             check_tensors(base_tensors, settings.travelling(self.specs), what="upload")
         except WireError as error:
-            raise ApiError(422, "bad_tensors", error.problem, error.fix) from None
+            raise Refused("bad_tensors", error.problem, error.fix) from None
         sha = hashlib.sha256(payload).hexdigest()
         previous = self.store.update(round_id, device)
         if previous is not None:
             return self._retry_receipt(previous, sha)
+        norm = delta_norm(base_tensors, self._base_of(round_id, device))
         self.store.put_blob(payload, sha)  # on disk (fsynced) before the row that names it is committed
         with self._lock:
             previous = self.store.update(round_id, device)
@@ -339,12 +252,13 @@ class RoundEngine:
                     sha,
                     len(payload),
                     meta.num_samples,
-                    _finite_or_none(meta.train_loss),
-                    _finite_or_none(meta.val_accuracy),
-                    _finite_or_none(meta.val_loss),
+                    finite_or_none(meta.train_loss),
+                    finite_or_none(meta.val_accuracy),
+                    finite_or_none(meta.val_loss),
                     self.clock(),
                 )
             )
+            self._delta_norms[(round_id, device)] = norm
             uploads = len(self.store.updates(round_id))
             sampled = len(self._round_or_404(round_id).sampled)
         self._wake.set()
@@ -362,12 +276,11 @@ class RoundEngine:
         try:
             metrics.check(self.config.max_samples)
         except WireError as error:
-            raise ApiError(422, "bad_metrics", error.problem, error.fix) from None
+            raise Refused("bad_metrics", error.problem, error.fix) from None
         with self._lock:
             self._round_or_404(round_id)
             if self.store.assignment(round_id, device) is None:
-                raise ApiError(
-                    403,
+                raise Refused(
                     "not_sampled",
                     f"device {device!r} was not sampled in round {round_id}",
                     "report metrics for a round you trained in",
@@ -380,8 +293,7 @@ class RoundEngine:
                     metrics.num_samples,
                 )
                 if not same:
-                    raise ApiError(
-                        409,
+                    raise Refused(
                         "duplicate_metrics",
                         f"device {device!r} already reported metrics for round {round_id}, with different values",
                         "report each round's metrics once",
@@ -431,7 +343,7 @@ class RoundEngine:
         started = time.perf_counter()
         try:
             global_base = decode_tensors(self.store.read_blob(record.base_sha))
-            new_base = self.strategy.aggregate(record.round_id, self._accepted_updates(record), global_base)
+            new_base = self.strategy.aggregate(record.round_id, self._bounded_updates(record), global_base)
             check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
         except OSError:
             with self._lock:
@@ -467,6 +379,8 @@ class RoundEngine:
             raise
         with self._lock:
             self._closing = None
+            self._delta_norms = {key: norm for key, norm in self._delta_norms.items() if key[0] > record.round_id}
+            self._bases.clear()
             self._apply_history()  # after the commit: a failed release leaves the round closed and the blobs kept
         log.info(
             "round %d closed: %d update(s) aggregated in %.3f s",
@@ -494,6 +408,33 @@ class RoundEngine:
             self.strategy.load_state(self.store.read_blob(sha))
         elif self.strategy.state_bytes() is not None:  # nothing saved yet: back to a fresh strategy
             self.strategy = type(self.strategy)(self.specs, self.strategy.options)
+
+    def _base_of(self, round_id: int, device: str) -> Mapping[str, np.ndarray]:
+        """The base tensors a sampled device was sent in a round (decoded once per blob while its round is open)."""
+        assignment = self.store.assignment(round_id, device)
+        assert assignment is not None, "uploads are accepted from sampled devices only"
+        base = self._bases.get(assignment.base_sha)
+        if base is None:
+            if len(self._bases) > 64:  # per-device bases (pFedLA): bounded, re-read when needed
+                self._bases.clear()
+            base = self._bases[assignment.base_sha] = decode_tensors(self.store.read_blob(assignment.base_sha))
+        return base
+
+    def _bounded_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
+        """The round's accepted updates with what one device can move bounded (see bounds.py)."""
+        stored = self.store.updates(record.round_id)
+        bases = {u.device: self._base_of(record.round_id, u.device) for u in stored}
+        norms = {}
+        for update in stored:  # norms are measured at acceptance; after a restart they are measured again here
+            norm = self._delta_norms.get((record.round_id, update.device))
+            if norm is None:
+                try:
+                    norm = delta_norm(decode_tensors(self.store.read_blob(update.blob_sha)), bases[update.device])
+                except BlobError:
+                    continue  # excluded as corrupt by _accepted_updates
+            norms[update.device] = norm
+        counts = {u.device: u.num_samples for u in stored if u.device in norms}
+        yield from bounded(self._accepted_updates(record), bases, norms, counts, self.bounds)
 
     def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):
@@ -529,31 +470,18 @@ class RoundEngine:
         sampled = sample_devices(self.config.seed, round_id, available, self.config.fraction, self.config.min_clients)
         base_sha = self.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
-        state_sha = None
-        if self.strategy.needs_per_device_payload:
-            global_base = decode_tensors(self.store.read_blob(base_sha))
-            assignments = []
-            try:
-                for device in sampled:
-                    settings, payload = self.strategy.configure_device(round_id, device, global_base)
-                    self._check_payload(device, settings, payload)
-                    device_sha = self.store.put_blob(encode_tensors(payload))
-                    assignments.append(
-                        Assignment(round_id, device, device_sha, json.dumps(settings.to_json(), sort_keys=True))
-                    )
-                # configuring may change the strategy (e.g. a device's first sight): saved with the round's opening
-                strategy_state = self.strategy.state_bytes()
-                state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
-            except EdgePFLError as error:  # the strategy refuses this round
-                self._load_strategy_state()
-                log.error("round %d not opened: %s", round_id, error)
-                raise ApiError(503, "round_not_opened", error.problem, error.fix) from None
-            except BaseException:
-                self._load_strategy_state()
-                raise
-        else:
-            settings_json = json.dumps(self.strategy.settings(round_id).to_json(), sort_keys=True)
-            assignments = [Assignment(round_id, device, base_sha, settings_json) for device in sampled]
+        try:
+            assignments = self._plan_round(round_id, sampled, base_sha)
+            # planning may change the strategy (e.g. a device's first sight): saved with the round's opening
+            strategy_state = self.strategy.state_bytes()
+            state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
+        except EdgePFLError as error:  # the strategy refuses this round
+            self._load_strategy_state()
+            log.error("round %d not opened: %s", round_id, error)
+            raise Refused("round_not_opened", error.problem, error.fix) from None
+        except BaseException:
+            self._load_strategy_state()
+            raise
         record = RoundRecord(round_id, "open", base_sha, now, now + self.config.round_timeout, tuple(sampled))
         try:
             self.store.create_round(record, assignments, strategy_state_sha=state_sha)
@@ -563,6 +491,27 @@ class RoundEngine:
         log.info("round %d opened: %d of %d available device(s) sampled", round_id, len(sampled), len(available))
         return record
 
+    def _plan_round(self, round_id: int, sampled: list[str], base_sha: str) -> list[Assignment]:
+        """Ask the strategy for every sampled device's settings and base; each distinct base is stored once."""
+        global_base = decode_tensors(self.store.read_blob(base_sha))
+        plans = self.strategy.configure_round(round_id, sampled, global_base)
+        stored: dict[int, str] = {id(global_base): base_sha}  # the shared base is already a blob
+        assignments = []
+        for device in sampled:
+            settings, payload = plans[device]
+            if id(payload) not in stored:
+                check_plan(self.strategy.name, self.specs, device, settings, payload)
+                stored[id(payload)] = self.store.put_blob(encode_tensors(payload))
+            assignments.append(
+                Assignment(round_id, device, stored[id(payload)], json.dumps(settings.to_json(), sort_keys=True))
+            )
+        return assignments
+
+    def _shares_base(self, round_id: int) -> bool:
+        """Whether every device sampled in a round was sent the round's shared base (not its own mix)."""
+        record = self.store.round(round_id)
+        return record is not None and self.store.assigned_bases(round_id) <= {record.base_sha}
+
     def _done(self) -> bool:
         return self.store.count_closed() >= self.config.rounds
 
@@ -570,7 +519,7 @@ class RoundEngine:
         closed = [r for r in self.store.rounds() if r.state == "closed"]
         last = closed[-1].round_id if closed else None
         # with a per-device base (pFedLA) the round's result is no device's model: each keeps what it trained
-        shared_result = last is not None and not self.strategy.needs_per_device_payload
+        shared_result = last is not None and self._shares_base(last)
         return Task(
             action="done",
             base_layout_hash=self.manifest.base_layout_hash,
@@ -583,23 +532,16 @@ class RoundEngine:
     def _round_or_404(self, round_id: int) -> RoundRecord:
         record = self.store.round(round_id)
         if record is None:
-            raise ApiError(
-                404,
+            raise Refused(
                 "no_such_round",
                 f"round {round_id} does not exist (last is {self.store.last_round_id()})",
                 "poll /v1/task for the current round",
             )
         return record
 
-    def _check_payload(self, device: str, settings: RoundSettings, payload: Mapping[str, np.ndarray]) -> None:
-        """A strategy's per-device base: exactly the shared tensors it does not tell the device to keep."""
-        unknown = sorted(set(settings.kept_on_device) - {spec.name for spec in self.specs})
-        if unknown:
-            raise WireError(
-                f"{self.strategy.name} tells {device} to keep {unknown[0]!r}, which is not a shared tensor",
-                "keep only tensors of the bundle's base",
-            )
-        check_tensors(payload, settings.travelling(self.specs), what=f"{self.strategy.name} payload for {device}")
+    def settings_for(self, device: str, round_id: int) -> RoundSettings:
+        """The settings `device` was given for a round (the strategy's default if it was not sampled)."""
+        return self._settings_of(self.store.assignment(round_id, device), round_id)
 
     def _settings_of(self, assignment: Assignment | None, round_id: int) -> RoundSettings:
         """The settings a sampled device was given for a round (every strategy's, stored with the assignment)."""
@@ -609,8 +551,7 @@ class RoundEngine:
 
     def _check_retained(self, record: RoundRecord) -> None:
         if record.round_id <= self.store.released_through():
-            raise ApiError(
-                410,
+            raise Refused(
                 "released",
                 f"round {record.round_id}'s tensors were released (the server keeps the last "
                 f"{self.config.history} rounds' global models)",
@@ -620,72 +561,24 @@ class RoundEngine:
     def _check_open_for(self, device: str, round_id: int) -> None:
         record = self._round_or_404(round_id)
         if self.store.assignment(round_id, device) is None:
-            raise ApiError(
-                403,
+            raise Refused(
                 "not_sampled",
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and train only when told to",
             )
         if self.clock() >= record.deadline:
-            raise ApiError(
-                409,
+            raise Refused(
                 "deadline_passed",
                 f"round {round_id} stopped taking uploads at its deadline",
                 "poll /v1/task for the next round; this update was not stored",
             )
         if record.state != "open" or record.round_id == self._closing:
             state = "closing" if record.state == "open" else record.state
-            raise ApiError(409, "round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
-
-    def _upload_meta(self, payload: bytes) -> UploadMeta:
-        try:
-            metadata = decode_metadata(payload)
-        except WireError as error:
-            raise ApiError(400, "malformed", error.problem, error.fix) from None
-        try:
-            meta = UploadMeta.from_metadata(metadata, max_samples=self.config.max_samples)
-        except WireError as error:
-            raise ApiError(422, "bad_metadata", error.problem, error.fix) from None
-        if meta.base_layout_hash != self.manifest.base_layout_hash:
-            raise ApiError(
-                409,
-                "layout_mismatch",
-                f"upload quotes base_layout_hash {meta.base_layout_hash[:16]!r}, the server's bundle has "
-                f"{self.manifest.base_layout_hash[:16]!r}",
-                "train from the bundle this server was started with",
-            )
-        for key in ("train_loss", "val_loss"):
-            if math.isinf(getattr(meta, key)):
-                raise ApiError(422, "bad_metadata", f"upload {key} is infinite", "send a finite loss, or omit it")
-        return meta
-
-    def _upload_tensors(self, payload: bytes) -> dict[str, Any]:
-        try:
-            base_tensors = decode_tensors(payload)
-        except WireError as error:
-            raise ApiError(400, "malformed", error.problem, error.fix) from None
-        personal = sorted(set(base_tensors) & self._personal_names)
-        if personal:
-            raise ApiError(
-                422,
-                "personal_tensors",
-                f"upload contains personal tensor(s) {', '.join(personal[:3])}",
-                "personal tensors never leave the device: send the base tensors only",
-            )
-        buffers = sorted((set(base_tensors) - self._shared_names) & set(self.manifest.names("buffer")))
-        if buffers:
-            raise ApiError(
-                422,
-                "buffers_not_shared",
-                f"upload contains BatchNorm statistics {', '.join(buffers[:3])}",
-                "this server keeps BatchNorm statistics on the devices (no --share-bn-stats): send the base only",
-            )
-        return base_tensors
+            raise Refused("round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
 
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
         if previous.blob_sha != sha:
-            raise ApiError(
-                409,
+            raise Refused(
                 "duplicate_update",
                 f"device {previous.device!r} already uploaded a different update for round {previous.round_id}",
                 "upload once per round; a retry must send the same bytes",
@@ -698,64 +591,3 @@ class RoundEngine:
             "uploads": len(self.store.updates(previous.round_id)),
             "sampled": len(self._round_or_404(previous.round_id).sampled),
         }
-
-    # status
-
-    def status(self) -> dict[str, Any]:
-        """JSON summary of the server and every round (no device names, no tensors)."""
-        with self._lock:
-            now = self.clock()
-            rounds = self.store.rounds()
-            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
-            current = self.store.open_round()
-            closing = self._closing
-            done = self._done()
-        rows = [self._round_summary(record) for record in rounds]
-        state = "done" if done else "closing" if closing else "training" if current else "waiting"
-        return {
-            "state": state,
-            "strategy": self.strategy.name,
-            "base_layout_hash": self.manifest.base_layout_hash,
-            "share_buffers": self.config.share_buffers,
-            "rounds_target": self.config.rounds,
-            "rounds_completed": sum(1 for r in rounds if r.state == "closed"),
-            "min_clients": self.config.min_clients,
-            "fraction": self.config.fraction,
-            "round_timeout": self.config.round_timeout,
-            "devices_enrolled": self.store.count_devices(),
-            "devices_available": available,
-            "open_round": next((row for row in rows if row["state"] == "open"), None),
-            "rounds": rows,
-        }
-
-    def _round_summary(self, record: RoundRecord) -> dict[str, Any]:
-        updates = self.store.updates(record.round_id)
-        evals = self.store.eval_metrics(record.round_id)
-        return {
-            "round": record.round_id,
-            "state": record.state,
-            "sampled": len(record.sampled),
-            "uploads": len(updates),
-            "opened": record.opened,
-            "deadline": record.deadline,
-            "closed": record.closed,
-            "aggregate_seconds": record.aggregate_seconds,
-            "upload_bytes": sum(u.nbytes for u in updates),
-            "note": record.note,
-            "base_sha256": record.base_sha,
-            "result_sha256": record.result_sha,
-            "train_loss": _summary([u.train_loss for u in updates]),
-            "val_accuracy": _summary([u.val_accuracy for u in updates]),
-            "eval_accuracy": _summary([e.accuracy for e in evals]),
-        }
-
-
-def _summary(values: list[float | None]) -> dict[str, float] | None:
-    present = [v for v in values if v is not None]
-    if not present:
-        return None
-    return {"mean": sum(present) / len(present), "min": min(present), "max": max(present), "count": len(present)}
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None

@@ -15,7 +15,7 @@ import re
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,19 @@ CREATE TABLE IF NOT EXISTS eval_metrics (
     round_id INTEGER NOT NULL, device TEXT NOT NULL, accuracy REAL NOT NULL, loss REAL,
     num_samples INTEGER NOT NULL, received REAL NOT NULL, PRIMARY KEY (round_id, device));
 """
+
+
+def _schema_1(db: sqlite3.Connection) -> None:
+    """The tables; a folder from before `user_version` (0) may lack devices.enroll_key_hash: it is added."""
+    for statement in filter(str.strip, _SCHEMA.split(";")):
+        db.execute(statement)
+    columns = {row["name"] for row in db.execute("PRAGMA table_info(devices)")}
+    if "enroll_key_hash" not in columns:
+        db.execute("ALTER TABLE devices ADD COLUMN enroll_key_hash TEXT")
+
+
+# step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1,)
 
 
 def hash_token(token: str) -> str:
@@ -191,21 +204,27 @@ class Store:
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the reply
-            self._db.executescript(_SCHEMA)
+            self._db.row_factory = sqlite3.Row
             self._lock = threading.RLock()
-            self._add_missing_columns()
+            self._migrate()
         except (OSError, sqlite3.Error) as exc:
             raise StateError(
                 f"cannot open the server state in {self.folder} ({exc})", "pass a writable --state folder"
             ) from None
         self._blob_locks = [threading.Lock() for _ in range(64)]  # same-content writers share a temp name
 
-    def _add_missing_columns(self) -> None:
-        """Bring a state folder written by an older version up to the schema; nothing stored is lost."""
-        with self.transaction() as db:  # two servers opening one old folder must not both add the column
-            columns = {row[1] for row in db.execute("PRAGMA table_info(devices)")}
-            if "enroll_key_hash" not in columns:
-                db.execute("ALTER TABLE devices ADD COLUMN enroll_key_hash TEXT")
+    def _migrate(self) -> None:
+        """Bring the state folder to this version's schema (`PRAGMA user_version`), one step at a time."""
+        with self.transaction() as db:  # two servers opening one old folder must not both migrate it
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise StateError(
+                    f"the state folder {self.folder} was written by a newer edgepfl (schema {version})",
+                    "run the edgepfl version that made it, or use a new --state folder",
+                )
+            for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
+                step(db)
+                db.execute(f"PRAGMA user_version = {number}")
 
     @property
     def blob_dir(self) -> Path:
@@ -229,7 +248,7 @@ class Store:
                 raise
             self._db.execute("COMMIT")
 
-    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
@@ -238,12 +257,12 @@ class Store:
     def get_meta(self, key: str) -> str | None:
         """A stored setting, or None."""
         rows = self._query("SELECT value FROM meta WHERE key = ?", (key,))
-        return rows[0][0] if rows else None
+        return rows[0]["value"] if rows else None
 
-    def set_meta(self, key: str, value: str) -> None:
-        """Store a setting durably."""
+    def set_meta(self, values: Mapping[str, str]) -> None:
+        """Store settings durably, all or none."""
         with self.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+            _write_meta(db, values)
 
     # devices
 
@@ -272,7 +291,7 @@ class Store:
     def device_for_token(self, token_hash: str) -> str | None:
         """The device name a token hash belongs to."""
         rows = self._query("SELECT name FROM devices WHERE token_hash = ?", (token_hash,))
-        return rows[0][0] if rows else None
+        return rows[0]["name"] if rows else None
 
     def count_devices(self) -> int:
         """Number of enrolled devices."""
@@ -356,9 +375,7 @@ class Store:
             return 0
         released = {row[0] for row in self._query(_BLOBS_OF_ROUNDS.replace("{where}", "round_id <= ?"), (through,) * 4)}
         with self.transaction() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES ('history_released_through', ?)", (str(through),)
-            )
+            _write_meta(db, {"history_released_through": str(through)})
             db.execute("UPDATE rounds SET result_sha = NULL WHERE round_id <= ?", (through,))
         removed = 0
         for sha in released - self._referenced_blobs(through):
@@ -405,9 +422,7 @@ class Store:
         """Open a round and record what each sampled device gets (and the strategy state), in one transaction."""
         with self.transaction() as db:
             if strategy_state_sha is not None:
-                db.execute(
-                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('strategy_state_sha', ?)", (strategy_state_sha,)
-                )
+                _write_meta(db, {"strategy_state_sha": strategy_state_sha})
             db.execute(
                 "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled) VALUES (?, ?, ?, ?, ?, ?)",
                 (
@@ -444,11 +459,9 @@ class Store:
             ).rowcount
             if changed != 1:
                 raise StateError(f"round {round_id} is not open", "this is a bug: report it")
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('global_base_sha', ?)", (global_base_sha,))
+            _write_meta(db, {"global_base_sha": global_base_sha})
             if strategy_state_sha is not None:
-                db.execute(
-                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('strategy_state_sha', ?)", (strategy_state_sha,)
-                )
+                _write_meta(db, {"strategy_state_sha": strategy_state_sha})
 
     # assignments, updates, metrics
 
@@ -459,6 +472,11 @@ class Store:
             (round_id, device),
         )
         return Assignment(*rows[0]) if rows else None
+
+    def assigned_bases(self, round_id: int) -> set[str]:
+        """The distinct base blobs the devices sampled in a round were sent."""
+        rows = self._query("SELECT DISTINCT base_sha FROM assignments WHERE round_id = ?", (round_id,))
+        return {row["base_sha"] for row in rows}
 
     def update(self, round_id: int, device: str) -> UpdateRecord | None:
         """A device's upload in a round, or None."""
@@ -531,6 +549,11 @@ _UPDATE_COLUMNS = (
 )
 
 
+def _write_meta(db: sqlite3.Connection, values: Mapping[str, str]) -> None:
+    """The one way meta is written, inside the caller's transaction."""
+    db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", list(values.items()))
+
+
 def _same_key(stored_hash: str | None, offered_hash: str | None) -> bool:
     """Whether an enrollment key matches the stored one (in constant time; no stored key matches nothing)."""
     if stored_hash is None or offered_hash is None:
@@ -538,11 +561,8 @@ def _same_key(stored_hash: str | None, offered_hash: str | None) -> bool:
     return hmac.compare_digest(stored_hash.encode(), offered_hash.encode())
 
 
-def _round(row: tuple) -> RoundRecord:
-    round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, seconds, note = row
-    return RoundRecord(
-        round_id, state, base_sha, opened, deadline, tuple(json.loads(sampled)), closed, result_sha, seconds, note
-    )
+def _round(row: sqlite3.Row) -> RoundRecord:
+    return RoundRecord(**{**dict(row), "sampled": tuple(json.loads(row["sampled"]))})
 
 
 def _unreadable(sha256: str, exc: OSError) -> BlobError:

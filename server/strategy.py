@@ -20,6 +20,7 @@ from edgepfl.protocol import RoundSettings
 from edgepfl.server.config import StrategyOptions
 
 BaseTensors = dict[str, np.ndarray]
+RoundPlan = tuple[RoundSettings, Mapping[str, np.ndarray]]  # what one sampled device is told and sent
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,6 @@ class Strategy(ABC):
     """What the round engine asks of an aggregation strategy."""
 
     name: ClassVar[str]
-    needs_per_device_payload: ClassVar[bool] = False  # configure_device returns a different base per device
     personalized: ClassVar[bool] = True  # devices keep personal blocks (False: the whole model is shared)
     streaming: ClassVar[bool] = True  # aggregate() holds O(model) memory, not O(devices x model)
 
@@ -57,11 +57,20 @@ class Strategy(ABC):
         """The settings every sampled device gets in a round."""
         return self.options.settings
 
-    def configure_device(
-        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
-    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
-        """Settings and base tensors for one sampled device (called only if needs_per_device_payload)."""
-        return self.settings(round_id), global_base
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, RoundPlan]:
+        """Settings and base tensors for every sampled device, planned in `sampled` order (default: the shared base).
+
+        The one hook through which a round is planned: the engine stores a plan's base once per distinct
+        mapping object, so a strategy that hands every device `global_base` itself costs one blob.
+        """
+        settings = self.settings(round_id)
+        return {device: (settings, global_base) for device in sampled}
+
+    def evaluation_base(self, device: str, global_base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The base `device` is evaluated with after a round; never changes the strategy (default: the global base)."""
+        return global_base
 
     def admissible(self, devices: Sequence[str]) -> list[str]:
         """The devices among the available `devices` that this round may sample (default: all of them)."""

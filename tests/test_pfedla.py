@@ -20,7 +20,8 @@ from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import TensorSpec  # noqa: E402
 from edgepfl.server.config import ServerConfig, StrategyOptions  # noqa: E402
 from edgepfl.server.engine import create_engine  # noqa: E402
-from edgepfl.server.errors import ApiError  # noqa: E402
+from edgepfl.server.errors import Refused  # noqa: E402
+from edgepfl.server.http_errors import status_of  # noqa: E402
 from edgepfl.server.strategies import make_strategy  # noqa: E402
 from edgepfl.server.strategies.pfedla import PFedLA, normalise  # noqa: E402
 from edgepfl.server.strategy import AcceptedUpdate  # noqa: E402
@@ -43,6 +44,11 @@ def _tensors(rng: np.random.Generator, shift: float = 0.0) -> dict[str, np.ndarr
         "b.bias": (rng.normal(size=4) + shift).astype(np.float32),
         "bn.num_batches_tracked": np.array(int(rng.integers(0, 100)), dtype=np.int64),
     }
+
+
+def configure(strategy: PFedLA, round_id: int, device: str, base: dict[str, np.ndarray]) -> tuple:
+    """One device's plan: settings and θ̄ (configure_round for a round that samples only `device`)."""
+    return strategy.configure_round(round_id, [device], base)[device]
 
 
 def _distinct_clients(strategy: PFedLA, seed: int = 1) -> list[dict[str, np.ndarray]]:
@@ -85,11 +91,11 @@ def test_a_zero_sum_falls_back_to_the_clients_own_one_hot() -> None:
     np.testing.assert_allclose(normalise(torch.tensor([1.0, 0.0, 3.0]), 0).numpy(), [0.25, 0.0, 0.75])
     strategy = _strategy()
     start = _tensors(np.random.default_rng(0))
-    strategy.configure_device(1, "x", start)
-    strategy.configure_device(1, "y", start)
+    configure(strategy, 1, "x", start)
+    configure(strategy, 1, "y", start)
     clients = _distinct_clients(strategy)
     _force_alphas(strategy, 1, [-1.0, -2.0, -0.5])  # every ReLU output is zero
-    _, payload = strategy.configure_device(2, "y", start)
+    _, payload = configure(strategy, 2, "y", start)
     for name, value in clients[1].items():
         np.testing.assert_allclose(payload[name], value, rtol=1e-6)
 
@@ -97,10 +103,10 @@ def test_a_zero_sum_falls_back_to_the_clients_own_one_hot() -> None:
 def test_theta_bar_matches_a_hand_computation() -> None:
     strategy = _strategy()
     start = _tensors(np.random.default_rng(0))
-    assert strategy.configure_device(1, "x", start)[1]["a.weight"].dtype == np.float32
+    assert configure(strategy, 1, "x", start)[1]["a.weight"].dtype == np.float32
     clients = _distinct_clients(strategy)
     _force_alphas(strategy, 0, [1.0, 3.0, -5.0])  # α = (0.25, 0.75, 0)
-    _, payload = strategy.configure_device(2, "x", start)
+    _, payload = configure(strategy, 2, "x", start)
     for name in ("a.weight", "b.bias"):
         expected = 0.25 * clients[0][name] + 0.75 * clients[1][name]
         np.testing.assert_allclose(payload[name], expected, rtol=1e-6)
@@ -112,9 +118,9 @@ def test_hypernetwork_update_equals_autograd_of_the_mix() -> None:
     strategy = _strategy(hn_lr=lr)
     start = _tensors(np.random.default_rng(0))
     for device in ("x", "y", "z"):
-        strategy.configure_device(1, device, start)
+        configure(strategy, 1, device, start)
     clients = _distinct_clients(strategy)
-    sent = strategy.configure_device(2, "y", start)[1]
+    sent = configure(strategy, 2, "y", start)[1]
     trained = {k: (v + np.random.default_rng(5).normal(size=v.shape)).astype(v.dtype) for k, v in sent.items()}
 
     reference = copy.deepcopy(strategy.hypernetwork(1))  # an independent autograd computation of the same step
@@ -147,30 +153,30 @@ def test_uniform_alpha_is_fedavg_and_one_hot_self_is_local_training() -> None:
     start = _tensors(rng)
     strategy = _strategy(hn_lr=1e-12)  # α stays where it is forced
     for slot, device in enumerate(("x", "y", "z")):
-        strategy.configure_device(1, device, start)
+        configure(strategy, 1, device, start)
         _force_alphas(strategy, slot, [1.0, 1.0, 1.0])
     uploads = {device: _tensors(rng, shift=i) for i, device in enumerate(("x", "y", "z"))}
     strategy.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
     fedavg = make_strategy("fedavg", SPECS[:2], StrategyOptions())
     average = fedavg.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
     for device in ("x", "y", "z"):
-        _, payload = strategy.configure_device(2, device, start)
+        _, payload = configure(strategy, 2, device, start)
         for name in ("a.weight", "b.bias"):
             np.testing.assert_allclose(payload[name], average[name], rtol=1e-6)
 
     strategy = _strategy()
     for slot, device in enumerate(("x", "y", "z")):
-        strategy.configure_device(1, device, start)
+        configure(strategy, 1, device, start)
         _force_alphas(strategy, slot, [-1.0] * slot + [2.0] + [-1.0] * (2 - slot))
     strategy.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
     for device, upload in uploads.items():
-        _, payload = strategy.configure_device(2, device, start)
+        _, payload = configure(strategy, 2, device, start)
         for name, value in upload.items():
             np.testing.assert_array_equal(payload[name], value)  # each client continues from its own model
 
 
 def test_options_and_slots_are_checked(monkeypatch) -> None:
-    with pytest.raises(UsageError, match="--clients"):
+    with pytest.raises(UsageError, match="--pfedla-clients"):
         _strategy(clients=0)
     with pytest.raises(UsageError, match="learning rate"):
         _strategy(hn_lr=0.0)
@@ -180,16 +186,16 @@ def test_options_and_slots_are_checked(monkeypatch) -> None:
             _strategy()
     strategy = _strategy(clients=2)
     start = _tensors(np.random.default_rng(0))
-    strategy.configure_device(1, "x", start)
-    strategy.configure_device(1, "y", start)
+    configure(strategy, 1, "x", start)
+    configure(strategy, 1, "y", start)
     with pytest.raises(UsageError, match="mixes 2 clients"):
-        strategy.configure_device(1, "z", start)
+        configure(strategy, 1, "z", start)
     with pytest.raises(StateError, match="3 clients"):
         _strategy(clients=2).load_state(_strategy(clients=3).state_bytes() or _started(_strategy(clients=3)))
 
 
 def _started(strategy: PFedLA) -> bytes:
-    strategy.configure_device(1, "x", _tensors(np.random.default_rng(0)))
+    configure(strategy, 1, "x", _tensors(np.random.default_rng(0)))
     return strategy.state_bytes()
 
 
@@ -250,7 +256,7 @@ def test_restart_keeps_the_strategy_state_and_a_failed_close_does_not_step_twice
     start = decode_tensors(engine.store.read_blob(engine.store.get_meta("initial_base_sha")))
     for device in ("d0", "d1", "d2"):
         engine.task(device)
-        reference.configure_device(1, device, start)
+        configure(reference, 1, device, start)
     reference.aggregate(1, _play_round(engine, manifest, 1, 0.5), start)
     engine.tick()
     assert engine.store.round(1).state == "closed"
@@ -282,7 +288,7 @@ def test_restart_keeps_the_strategy_state_and_a_failed_close_does_not_step_twice
 def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b", "c")
-    options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2")
+    options = ("--strategy", "pfedla", "--pfedla-clients", "3", "--min-clients", "3", "--rounds", "2")
     options += ("--poll-interval", "0.2")
     server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
     reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=3))
@@ -298,7 +304,7 @@ def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_pa
                 task = device.wait_for_train()
                 assert task["round"] == round_id
                 base = device.base(round_id)
-                expected = reference.configure_device(round_id, name, start)[1]
+                expected = configure(reference, round_id, name, start)[1]
                 assert sorted(base) == sorted(manifest.names("base"))  # the personal head never travels
                 for tensor, value in expected.items():
                     np.testing.assert_allclose(base[tensor], value, rtol=1e-5, atol=1e-6)
@@ -317,7 +323,7 @@ def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_pa
 def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b")
-    options = ("--strategy", "pfedla", "--clients", "2", "--min-clients", "2", "--rounds", "3")
+    options = ("--strategy", "pfedla", "--pfedla-clients", "2", "--min-clients", "2", "--rounds", "3")
     options += ("--poll-interval", "0.2")
     reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=2))
     initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
@@ -332,7 +338,7 @@ def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_pa
             for shift, (name, device) in zip((1.0, -2.0), devices.items()):
                 assert device.wait_for_train()["round"] == round_id
                 base = device.base(round_id)
-                expected = reference.configure_device(round_id, name, start)[1]
+                expected = configure(reference, round_id, name, start)[1]
                 for tensor, value in expected.items():
                     np.testing.assert_allclose(base[tensor], value, rtol=1e-5, atol=1e-6)
                 new = {k: v + np.float32(shift) for k, v in base.items()}
@@ -351,7 +357,9 @@ def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_pa
 
 @pytest.mark.parametrize("kp", [0, 1])  # kp=0: the paper's pFedLA; kp=1: it mixes the base, the head stays
 def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, tmp_path: Path, kp: int) -> None:  # noqa: F811
-    from edgepfl.simulate.loop import STATE_FILE, STRATEGY_STATE, run_simulation
+    from edgepfl.server.store import Store
+    from edgepfl.simulate.loop import STATE_FILE, run_simulation
+    from edgepfl.simulate.rounds import SERVER_DIR, final_global_base
     from edgepfl.wire import decode_metadata
 
     out = tmp_path / "pfedla"
@@ -361,11 +369,13 @@ def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, 
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in document["rounds"])
     assert results.rounds[-1].test_accuracy["mean"] > 0.3  # two classes per client: well above chance (10%)
     state = decode_tensors((out / STATE_FILE).read_bytes())
-    payload = state[STRATEGY_STATE].tobytes()
+    store = Store(out / SERVER_DIR)  # the served round engine's state: simulate aggregates through it
+    payload = store.read_blob(store.get_meta("strategy_state_sha"))
+    store.close()
     slots = json.loads(decode_metadata(payload)["pfedla"])["slots"]
     assert sorted(slots) == [f"client-{i:03d}" for i in range(4)]
     stored = decode_tensors(payload)
-    base_names = [k.removeprefix("global/") for k in state if k.startswith("global/")]
+    base_names = list(final_global_base(out))
     client_names = [k.removeprefix("client-000/") for k in state if k.startswith("client-000/")]
     assert document["info"]["kp"] == kp and (set(base_names) == set(client_names)) == (kp == 0)
     for client, slot in slots.items():  # the server side holds what each client trained (all are sampled)
@@ -392,8 +402,8 @@ def test_simulate_pfedla_resumes_with_its_hypernetworks(tiny_npz, tmp_path: Path
 def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
     strategy = make_strategy("heurpfedla", SPECS, StrategyOptions(clients=2, retain_top_k=1, hn_lr=0.05))
     start = _tensors(np.random.default_rng(0))
-    strategy.configure_device(1, "x", start)
-    strategy.configure_device(1, "y", start)
+    configure(strategy, 1, "x", start)
+    configure(strategy, 1, "y", start)
     clients = _distinct_clients(strategy)
     net = strategy.hypernetwork(0)
     with torch.no_grad():  # self-weight 0.9 for b.bias, 0.5 for a.weight
@@ -401,7 +411,7 @@ def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
             head.weight.zero_()
             head.bias.copy_(torch.tensor(biases))
     assert strategy.retained("x") == ["b.bias"]
-    _, payload = strategy.configure_device(2, "x", start)
+    _, payload = configure(strategy, 2, "x", start)
     assert sorted(payload) == ["a.weight", "bn.num_batches_tracked"]
     np.testing.assert_allclose(payload["a.weight"], 0.5 * clients[0]["a.weight"] + 0.5 * clients[1]["a.weight"])
     heads_before = [head.weight.detach().clone() for head in net.heads]
@@ -432,9 +442,9 @@ def test_served_heurpfedla_names_the_kept_tensors_and_refuses_uploads_that_carry
         base = decode_tensors(engine.base_for(device, task.round_id)[0])
         assert set(base) == shared - kept
         whole = {**base, **{name: np.zeros(manifest.tensor(name).shape, np.float32) for name in kept}}
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(Refused) as refused:
             engine.accept_update(device, task.round_id, upload_body(whole, manifest))
-        assert refused.value.status == 422 and refused.value.error == "bad_tensors"
+        assert status_of(refused.value) == 422 and refused.value.error == "bad_tensors"
         assert next(iter(kept)) in refused.value.problem
         assert engine.accept_update(device, task.round_id, upload_body(base, manifest))["accepted"]
 
@@ -458,19 +468,20 @@ def test_simulate_heurpfedla_never_sends_the_retained_tensors(tiny_npz, tmp_path
 
     sent: dict[tuple[int, str], tuple[set, set]] = {}
     uploaded: list[tuple[int, str, set]] = []
-    configure, aggregate = HeurPFedLA.configure_device, HeurPFedLA.aggregate
+    configure_round, aggregate = HeurPFedLA.configure_round, HeurPFedLA.aggregate
 
-    def spy_configure(self, round_id, device, global_base):
-        settings, payload = configure(self, round_id, device, global_base)
-        sent.setdefault((round_id, device), (set(payload), set(self.retained(device))))
-        return settings, payload
+    def spy_configure(self, round_id, sampled, global_base):
+        plans = configure_round(self, round_id, sampled, global_base)
+        for device, (_, payload) in plans.items():
+            sent.setdefault((round_id, device), (set(payload), set(self.retained(device))))
+        return plans
 
     def spy_aggregate(self, round_id, updates, global_base):
         updates = list(updates)
         uploaded.extend((round_id, u.device, set(u.base_tensors)) for u in updates)
         return aggregate(self, round_id, updates, global_base)
 
-    monkeypatch.setattr(HeurPFedLA, "configure_device", spy_configure)
+    monkeypatch.setattr(HeurPFedLA, "configure_round", spy_configure)
     monkeypatch.setattr(HeurPFedLA, "aggregate", spy_aggregate)
     heur = run_simulation(tiny_config(tiny_npz, tmp_path / "heur", algorithm="heurpfedla", retain_top_k=1))
     plain = run_simulation(tiny_config(tiny_npz, tmp_path / "plain", algorithm="pfedla"))
@@ -499,7 +510,7 @@ def test_device_processes_run_two_pfedla_rounds_against_a_real_server(bundle_fac
     manifest = load_manifest(bundle)
     names = ("a", "b", "c")
     tokens = enroll(tmp_path / "server", *names)
-    options = ("--strategy", "pfedla", "--clients", "3", "--min-clients", "3", "--rounds", "2", "--lr", "0.1")
+    options = ("--strategy", "pfedla", "--pfedla-clients", "3", "--min-clients", "3", "--rounds", "2", "--lr", "0.1")
     options += ("--poll-interval", "0.2", "--batch-size", "16", "--round-timeout", "120")
     server = LiveServer(bundle, tmp_path / "server", *options).start()
     try:
@@ -572,7 +583,7 @@ def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_f
     base_names = set(manifest.names("base"))
     names = ("a", "b", "c")
     tokens = enroll(tmp_path / "server", *names)
-    options = ("--strategy", "heurpfedla", "--retain-top-k", "1", "--clients", "3", "--min-clients", "3")
+    options = ("--strategy", "heurpfedla", "--retain-top-k", "1", "--pfedla-clients", "3", "--min-clients", "3")
     options += ("--rounds", "2", "--lr", "0.1", "--poll-interval", "0.2", "--batch-size", "16")
     server = LiveServer(bundle, tmp_path / "server", *options).start()
     recorder = RecordingTransport()
@@ -636,19 +647,19 @@ def test_a_device_beyond_the_clients_pfedla_mixes_gets_one_409_and_the_others_tr
     clock.now += config.poll_interval
     assert engine.task("d0").action == "train"
     assert engine.store.open_round().sampled == ("d0", "d1", "d2")
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(Refused) as refused:
         engine.task("d3")
-    assert refused.value.status == 409 and refused.value.error == "cannot_join"
-    assert "'d3'" in refused.value.problem and "--clients" in refused.value.fix
+    assert status_of(refused.value) == 409 and refused.value.error == "cannot_join"
+    assert "'d3'" in refused.value.problem and "--pfedla-clients" in refused.value.fix
     assert engine.task("d1").action == engine.task("d2").action == "train"
 
 
 def test_pfedla_admits_newcomers_only_into_free_places() -> None:
     strategy = _strategy(clients=2)
     assert strategy.admissible(["a", "b", "c"]) == ["a", "b"]
-    strategy.configure_device(1, "b", _tensors(np.random.default_rng(0)))
+    configure(strategy, 1, "b", _tensors(np.random.default_rng(0)))
     assert strategy.admissible(["a", "b", "c"]) == ["a", "b"]  # b holds a place; one is free, for a
-    strategy.configure_device(1, "c", _tensors(np.random.default_rng(0)))
+    configure(strategy, 1, "c", _tensors(np.random.default_rng(0)))
     assert strategy.admissible(["a", "b", "c"]) == ["b", "c"]
     strategy.check_device("b")
     with pytest.raises(UsageError, match="all 2 places"):

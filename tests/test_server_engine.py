@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,8 @@ from edgepfl.errors import BundleError, StateError, UsageError
 from edgepfl.protocol import EvalMetrics, RoundSettings, Task
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
-from edgepfl.server.errors import ApiError
+from edgepfl.server.errors import Refused
+from edgepfl.server.http_errors import status_of
 from edgepfl.server.page import render_page
 from edgepfl.server.store import Store
 from edgepfl.server.strategies.fedavg import FedAvg
@@ -106,12 +107,12 @@ def test_deadline_closes_with_enough_uploads_and_refuses_stragglers(setup) -> No
     _update(engine, "d0", 1, 1.0, 5, manifest)
     _update(engine, "d1", 1, 2.0, 5, manifest)
     clock.now += 101
-    with pytest.raises(ApiError) as late:
+    with pytest.raises(Refused) as late:
         engine.check_upload_allowed("d2", 1)
-    assert late.value.status == 409 and late.value.error == "deadline_passed"
+    assert status_of(late.value) == 409 and late.value.error == "deadline_passed"
     engine.tick()
     assert engine.store.round(1).state == "closed"
-    with pytest.raises(ApiError) as closed:
+    with pytest.raises(Refused) as closed:
         engine.check_upload_allowed("d2", 1)
     assert closed.value.error == "deadline_passed"  # a straggler is told why, even after the close
 
@@ -205,13 +206,16 @@ class OffsetPerDevice(FedAvg):
     """A plug-in strategy with per-device payloads (as pFedLA will have): base + the device's index."""
 
     name = "offset"
-    needs_per_device_payload = True
 
-    def configure_device(
-        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
-    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
-        offset = float(device.removeprefix("d"))
-        return RoundSettings(epochs=2, extra={"offset": offset}), {k: v + offset for k, v in global_base.items()}
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, tuple[RoundSettings, Mapping[str, np.ndarray]]]:
+        plans = {}
+        for device in sampled:
+            offset = float(device.removeprefix("d"))
+            shifted = {k: v + offset for k, v in global_base.items()}
+            plans[device] = RoundSettings(epochs=2, extra={"offset": offset}), shifted
+        return plans
 
 
 def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:
@@ -226,7 +230,7 @@ def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:
     d1 = decode_tensors(engine.base_for("d1", 1)[0])
     d3 = decode_tensors(engine.base_for("d3", 1)[0])
     np.testing.assert_allclose(d3["mid.weight"] - d1["mid.weight"], 2.0, rtol=1e-5)
-    with pytest.raises(ApiError, match="not sampled"):
+    with pytest.raises(Refused, match="not sampled"):
         engine.base_for("d0", 1)
 
 
@@ -273,12 +277,12 @@ def test_metrics_and_status_page(setup) -> None:
     engine.tick()
     assert engine.accept_metrics("d0", 1, EvalMetrics(0.75, 20, 0.4))["duplicate"] is False
     assert engine.accept_metrics("d0", 1, EvalMetrics(0.75, 20, 0.4))["duplicate"] is True
-    with pytest.raises(ApiError) as conflict:
+    with pytest.raises(Refused) as conflict:
         engine.accept_metrics("d0", 1, EvalMetrics(0.5, 20, 0.4))
-    assert conflict.value.status == 409
-    with pytest.raises(ApiError) as bad:
+    assert status_of(conflict.value) == 409
+    with pytest.raises(Refused) as bad:
         engine.accept_metrics("d1", 1, EvalMetrics(1.5, 20))
-    assert bad.value.status == 422
+    assert status_of(bad.value) == 422
     status = engine.status()
     assert status["rounds"][0]["eval_accuracy"]["mean"] == 0.75
     page = render_page(status)
@@ -305,3 +309,135 @@ def test_an_unexpected_failure_is_one_json_500_and_the_app_keeps_serving(setup, 
         assert reply.status_code == 500 and reply.json()["error"] == "server_error"
         assert "secret" not in reply.text and "Traceback" not in reply.text
         assert client.get("/v1/status", headers=headers).status_code == 200
+
+
+def test_one_device_claiming_10m_samples_of_1e30_cannot_replace_the_base(setup) -> None:
+    """Its delta is clipped to 3x the round's median delta norm and its weight capped at 2x the median count."""
+    manifest, config, clock = setup
+    engine = create_engine(dataclasses.replace(config, min_clients=4), clock)
+    _open(engine, clock, "d0", "d1", "d2", "d3")
+    base = decode_tensors(engine.base_for("d0", 1)[0])
+    for name in ("d0", "d1", "d2"):
+        _update(engine, name, 1, 0.01, 100, manifest)
+    hostile = {name: np.full_like(value, 1e30) for name, value in base.items()}
+    engine.accept_update("d3", 1, upload_body(hostile, manifest, num_samples=10_000_000))
+    engine.tick()
+    result = decode_tensors(engine.result_of(1)[0])
+    for name, value in result.items():
+        moved = np.abs(value.astype(np.float64) - base[name])
+        # honest: +0.01 with weight 3 x 100; hostile: at most 3x their delta norm, with weight 200 of 500
+        assert np.all(np.isfinite(value)) and moved.max() <= 0.6 * 0.01 + 0.4 * 3 * 0.01 + 1e-6, name
+
+
+def test_the_bounds_clip_and_cap_one_outlier_exactly_and_can_be_turned_off(setup) -> None:
+    manifest, config, clock = setup
+    for multiples in ((3.0, 2.0), (0.0, 0.0)):
+        state = config.state.parent / f"state-{multiples[0]}"
+        enroll(state, "d0", "d1", "d2")
+        changed = dataclasses.replace(config, state=state, clip_multiple=multiples[0], weight_multiple=multiples[1])
+        engine = create_engine(dataclasses.replace(changed, min_clients=3), clock)
+        _open(engine, clock, "d0", "d1", "d2")
+        base = decode_tensors(engine.base_for("d0", 1)[0])
+        _update(engine, "d0", 1, 1.0, 10, manifest)
+        _update(engine, "d1", 1, 2.0, 10, manifest)
+        _update(engine, "d2", 1, 100.0, 10_000, manifest)
+        engine.tick()
+        result = decode_tensors(engine.result_of(1)[0])
+        if multiples == (0.0, 0.0):  # the plain weighted mean
+            expected_shift = (10 * 1.0 + 10 * 2.0 + 10_000 * 100.0) / 10_020
+        else:  # d2: clipped to 3 x the median delta (2.0) and weighted 2 x the median count (10)
+            expected_shift = (10 * 1.0 + 10 * 2.0 + 20 * 6.0) / 40
+        np.testing.assert_allclose(result["mid.weight"] - base["mid.weight"], expected_shift, rtol=1e-4)
+        engine.store.close()
+
+
+def test_every_refusal_code_the_engine_raises_has_one_http_status() -> None:
+    """The engine names refusals by code only; server/http_errors.py's table gives each its status."""
+    import re
+
+    import edgepfl.server.engine as engine_module
+    from edgepfl.server.http_errors import STATUS
+
+    source = Path(engine_module.__file__).read_text()
+    raised = set(re.findall(r'Refused\(\s*"([a-z_]+)"', source))
+    assert raised and raised <= set(STATUS), sorted(raised - set(STATUS))
+
+
+OLD_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE devices (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL);
+CREATE TABLE rounds (
+    round_id INTEGER PRIMARY KEY, state TEXT NOT NULL, base_sha TEXT NOT NULL,
+    opened REAL NOT NULL, deadline REAL NOT NULL, closed REAL, sampled TEXT NOT NULL,
+    result_sha TEXT, aggregate_seconds REAL, note TEXT);
+"""  # a state folder from before enrollment keys and before `PRAGMA user_version`
+
+
+def test_a_state_folder_of_the_old_schema_is_migrated_and_keeps_everything(tmp_path: Path) -> None:
+    import sqlite3
+
+    from edgepfl.server.store import DB_NAME, MIGRATIONS, hash_token
+
+    folder = tmp_path / "old-state"
+    folder.mkdir()
+    db = sqlite3.connect(folder / DB_NAME)
+    db.executescript(OLD_SCHEMA)
+    db.execute("INSERT INTO devices VALUES ('phone', ?, 1.0)", (hash_token("secret-token"),))
+    db.execute("INSERT INTO meta VALUES ('global_base_sha', 'abc')")
+    db.execute("INSERT INTO rounds VALUES (1, 'closed', 'abc', 1.0, 2.0, 3.0, '[\"phone\"]', 'def', 0.5, NULL)")
+    db.commit()
+    db.close()
+    store = Store(folder)
+    assert store.device_for_token(hash_token("secret-token")) == "phone"
+    assert store.get_meta("global_base_sha") == "abc"
+    assert store.round(1).sampled == ("phone",) and store.round(1).result_sha == "def"
+    store.add_device("tablet", hash_token("t2"), 2.0, enroll_key_hash=hash_token("k" * 16))  # the added column
+    assert store._query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
+    store.close()
+    assert Store(folder).device_for_token(hash_token("t2")) == "tablet"  # opening again migrates nothing twice
+
+
+def test_a_state_folder_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    import sqlite3
+
+    from edgepfl.server.store import DB_NAME, MIGRATIONS
+
+    Store(tmp_path / "state").close()
+    db = sqlite3.connect(tmp_path / "state" / DB_NAME)
+    db.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match="newer edgepfl"):
+        Store(tmp_path / "state")
+
+
+def test_the_manifest_names_the_trainable_sets(tmp_path: Path) -> None:
+    from edgepfl.errors import BundleError
+
+    personal = make_bundle(tmp_path / "kp1", kp=1)
+    assert personal.trainable_sets() == {
+        "full": ["stem.weight", "stem.bias", "mid.weight", "head.weight", "head.bias"],
+        "personal": ["head.weight", "head.bias"],
+        "base": ["stem.weight", "stem.bias", "mid.weight"],
+    }
+    assert sorted(make_bundle(tmp_path / "kp0", kp=0).trainable_sets()) == ["base", "full"]  # no personal set
+    with pytest.raises(BundleError, match="unknown trainable set"):
+        personal.trainable("head")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (["--algorithm", "fedalt"], "--client-update"),
+        (["--clients", "3"], "--pfedla-clients"),
+        (["--share-buffers"], "--share-bn-stats"),
+    ],
+)
+def test_old_serve_flag_names_still_work_and_name_the_new_one(old, new) -> None:
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+
+    result = CliRunner().invoke(app, ["serve", *old])  # no --bundle: refused after the note
+    assert result.exit_code == 2
+    assert f"is now {new}" in result.output and "serve needs --bundle and --state" in result.output

@@ -12,9 +12,10 @@ from conftest import SHARED
 
 pytest.importorskip("torch")
 
-from edgepfl.server.engine import sample_devices  # noqa: E402
+from edgepfl.server.sampling import sample_devices  # noqa: E402
 from edgepfl.simulate.config import SimulateConfig, config_from_json  # noqa: E402
 from edgepfl.simulate.loop import STATE_FILE, run_simulation  # noqa: E402
+from edgepfl.simulate.rounds import final_global_base  # noqa: E402
 from edgepfl.wire import decode_tensors  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
 
     config = tiny_config(tiny_npz, tmp_path / "run", rounds=1, fraction=0.75)
     run_simulation(config)
-    simulated = {k.removeprefix("global/"): v for k, v in state_of(tmp_path / "run").items() if k.startswith("global/")}
+    simulated = final_global_base(tmp_path / "run")
 
     bundle = tmp_path / "run" / "bundle"
     manifest = load_manifest(bundle)
@@ -152,6 +153,8 @@ def test_resume_continues_from_the_last_completed_round(tiny_npz, tmp_path):
         assert a.test_accuracy["per_client"] == b.test_accuracy["per_client"]
         assert a.train_loss == pytest.approx(b.train_loss, rel=1e-6)
     first, second = state_of(tmp_path / "straight"), state_of(tmp_path / "resumed")
+    first.update(final_global_base(tmp_path / "straight"))
+    second.update(final_global_base(tmp_path / "resumed"))
     for name in first:
         np.testing.assert_allclose(first[name], second[name], rtol=1e-6, atol=1e-7)
 
@@ -228,3 +231,23 @@ def test_config_file_form_and_cli(tiny_npz, tmp_path):
     assert bad.exit_code == 2 and "--algorithm 'fedprox' is unknown" in bad.output
     missing = runner.invoke(app, ["plot", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path, monkeypatch):
+    """Client 0 uploads values of 1e30 claiming 10M samples every round: the server's bounds keep the others' model."""
+    from edgepfl.simulate import loop
+
+    honest_encode = loop.encode_update
+    uploads = []
+
+    def hostile_encode(tensors, meta):
+        uploads.append(meta)
+        if len(uploads) % 4 == 1:  # all four clients upload each round, in name order: client-000 first
+            tensors = {name: np.full_like(value, 1e30) for name, value in tensors.items()}
+            meta = replace(meta, num_samples=10_000_000)
+        return honest_encode(tensors, meta)
+
+    monkeypatch.setattr(loop, "encode_update", hostile_encode)
+    results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", rounds=3))
+    honest = results.rounds[-1].test_accuracy["per_client"][1:]
+    assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%

@@ -1,13 +1,15 @@
-"""The simulation loop: many clients and one server strategy in one process, through the shared code.
+"""The simulation loop: many clients and the served round engine in one process, through the shared code.
 
 Every client round is `device_runtime.algorithms.run_client_round` on an `Engine`, exactly as on a
-device; every aggregation is the server's `Strategy.aggregate` on `AcceptedUpdate`s, exactly as in
-`edgepfl serve`. One engine is shared by all clients: a client's tensors (personal part and BatchNorm
-statistics) are swapped in before its round and kept after it, like a device's saved state.
+device; every round is sampled, planned, checked, aggregated and stored by `edgepfl serve`'s own
+`RoundEngine` (see `simulate/rounds.py`), called in-process instead of over HTTP. One engine is shared
+by all clients: a client's tensors (personal part and BatchNorm statistics) are swapped in before its
+round and kept after it, like a device's saved state.
 
-After each round every client is evaluated on its own test split with the round's new global base
-and its own personal part (and on its validation split, which picks the "best" round: never the test
-split). State is written after each round, so an interrupted run resumes from its last completed round.
+After each round every client is evaluated on its own test split with the base the strategy would give
+it (the global base; pFedLA: its own mix, read without changing the strategy) and its own personal part
+(and on its validation split, which picks the "best" round: never the test split). The clients' tensors
+are written once a round's uploads are in, before the close, so an interrupted run resumes where it was.
 
 PersFL (`--algorithm persfl`): stage 1 is FedAvg where every sampled client first scores the received
 global model on its validation split and keeps the lowest-loss one as its teacher, through the device's
@@ -20,6 +22,7 @@ Stage 2 is recomputed whenever a run ends, from the kept teachers (students are 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -33,6 +36,7 @@ import numpy as np
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
 from edgepfl.device_runtime.algorithms import evaluate, run_client_round, upload_tensors
+from edgepfl.device_runtime.client import encode_update
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model, distill
 from edgepfl.errors import DataError, StateError
@@ -40,10 +44,10 @@ from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.protocol import RoundSettings
 from edgepfl.simulate.config import SimulateConfig
 from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
+from edgepfl.simulate.rounds import InProcessServer, open_server
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
-STATE_FILE = "state.safetensors"
-STRATEGY_STATE = "strategy/state"  # what the server strategy learnt (pFedLA's hypernetworks), as raw bytes
+STATE_FILE = "state.safetensors"  # every client's tensors (the server's state is the engine's, in OUT/server)
 BUNDLE_DIR = "bundle"
 TEACHERS_DIR = "teachers"  # persfl: one device-style state folder per client holding its TeacherStore
 # per-round progress: (round, clients done, clients this round)
@@ -113,101 +117,109 @@ def run_simulation(
                 "use a --split with a validation share, e.g. 0.6,0.2,0.2",
             )
         clients.append(_make_client(number, part, dataset, manifest, config.seed, initial))
-    strategy = None
-    if config.plan.strategy is not None:
-        from edgepfl.server.config import StrategyOptions
-        from edgepfl.server.strategies import make_strategy
-
-        options = StrategyOptions(
-            settings=settings,
-            clients=len(clients),
-            hn_lr=config.hn_lr,
-            seed=config.seed,
-            retain_top_k=config.retain_top_k,
-        )
-        strategy = make_strategy(config.plan.strategy, manifest.shared(settings.share_buffers), options)
-        strategy.check_manifest(manifest)
-    global_base = upload_tensors(engine, settings)
-    records: list[RoundRecord] = []
-    start = 1
-    if previous is not None and (out / STATE_FILE).is_file():
-        done, global_base = _load_state(out / STATE_FILE, clients, global_base, strategy)
-        records = [r for r in previous.rounds if r.round <= done]
+    names = [client.name for client in clients]
+    saved = _load_state(out / STATE_FILE, clients) if previous is not None and (out / STATE_FILE).is_file() else None
+    done, pending = saved if saved is not None else (0, None)
+    server = open_server(
+        out,
+        config.plan.strategy,
+        names,
+        settings,
+        initial,
+        rounds=config.rounds,
+        seed=config.seed,
+        fraction=config.fraction,
+        min_clients=config.min_clients,
+        hn_lr=config.hn_lr,
+        retain_top_k=config.retain_top_k,
+        fresh=saved is None,
+    )
+    try:
+        if server.strategy is not None:
+            server.strategy.check_manifest(manifest)
+        records = [r for r in previous.rounds if r.round <= done] if previous is not None else []
+        if server.closed_rounds() == done - 1:  # interrupted after the round's uploads, before its close
+            server.tick()
+        if server.closed_rounds() != done:
+            raise StateError(f"{out} has client state for round {done} but its server is elsewhere", "use a new --out")
+        if len(records) == done - 1 and pending is not None:  # interrupted before the round was evaluated
+            records.append(_evaluate(engine, clients, server, server.global_base(), done, pending))
         if len(records) != done:
             raise StateError(f"{out} has state for round {done} but results for {len(records)}", "use a new --out")
-        start = done + 1
-    stores = _teacher_stores(out / TEACHERS_DIR, clients, manifest, fresh=start == 1) if config.plan.persfl else None
-    results = Results(config=config, rounds=records, info=_run_info(config, dataset, manifest, engine, parts))
-    write_results(out, results)
-    names = [client.name for client in clients]
-    by_name = {client.name: client for client in clients}
-    for round_id in range(start, config.rounds + 1):
-        started = time.perf_counter()
-        from edgepfl.server.engine import sample_devices
-
-        sampled = sample_devices(config.seed, round_id, names, config.fraction, config.min_clients)
-        updates, losses, bytes_up, bytes_down, bytes_kept = [], [], 0, 0, 0
-        start_val_loss: dict[str, float] = {}
-        base_bytes = len(encode_tensors(global_base)) if global_base else 0
-        for done_count, name in enumerate(sampled):
-            client = by_name[name]
-            engine.set_tensors(client.tensors)
-            device_base, device_settings = global_base, settings
-            if strategy is not None and strategy.needs_per_device_payload:  # e.g. pFedLA: each client its own base
-                device_settings, device_base = strategy.configure_device(round_id, name, global_base)
-                # a tensor kept on the client is neither sent nor uploaded (HeurpFedLA)
-                kept = device_settings.kept_on_device
-                bytes_kept += 2 * sum(global_base[key].nbytes for key in kept)
-                bytes_down += len(encode_tensors(device_base))
-            else:
-                bytes_down += base_bytes
-            if stores is not None:  # persfl stage 1: the device's own teacher choice, before local training
-                _, scores = consider_global_model(engine, stores[name], round_id, device_base, client.train)
-                start_val_loss[name] = scores.loss
-            engine.set_tensors(device_base)
-            result = run_client_round(engine, device_settings, client.train, client.seed, round_id)
-            client.tensors = engine.get_tensors()
-            if not math.isnan(result.train_loss):
-                losses.append(result.train_loss)
-            if result.uploads and strategy is not None:
-                from edgepfl.server.strategy import AcceptedUpdate
-
-                upload = upload_tensors(engine, device_settings)
-                bytes_up += len(encode_tensors(upload))
-                updates.append(AcceptedUpdate(name, result.num_samples, upload, result.train_loss, result.val_accuracy))
-            if progress is not None:
-                progress(round_id, done_count + 1, len(sampled))
-        if strategy is not None and updates:
-            global_base = strategy.aggregate(round_id, iter(updates), global_base)
-        test_acc, val_acc = [], []
-        for client in clients:
-            engine.set_tensors(client.tensors)
-            engine.set_tensors(_evaluated_base(strategy, round_id, client.name, global_base))
-            test_acc.append(evaluate(engine, client.test).accuracy)
-            val_result = evaluate(engine, client.train)
-            val_acc.append(val_result.accuracy if val_result.count else math.nan)
-        records.append(
-            RoundRecord(
-                round=round_id,
-                test_accuracy=accuracy_summary(test_acc),
-                val_accuracy=accuracy_summary(val_acc),
-                train_loss=float(np.mean(losses)) if losses else None,
-                sampled=len(sampled),
-                bytes_up=bytes_up,
-                bytes_down=bytes_down,
-                seconds=time.perf_counter() - started,
-                bytes_kept=bytes_kept,
-                start_val_loss=start_val_loss if stores is not None else None,
-            )
-        )
-        if hasattr(strategy, "alpha_matrix"):  # pfedla: what the hypernetworks learnt (the paper's Fig. 6)
-            results.alpha = {name: strategy.alpha_matrix(name).round(6).tolist() for name in strategy.mixed}
+        stores = _teacher_stores(out / TEACHERS_DIR, clients, manifest, fresh=done == 0) if config.plan.persfl else None
+        results = Results(config=config, rounds=records, info=_run_info(config, dataset, manifest, engine, parts))
         write_results(out, results)
-        _save_state(out / STATE_FILE, round_id, clients, global_base, strategy)
+        by_name = {client.name: client for client in clients}
+        for round_id in range(done + 1, config.rounds + 1):
+            started = time.perf_counter()
+            global_base = server.global_base()
+            plans = server.open_round(round_id, names)
+            losses, start_val_loss = [], {}
+            traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
+            for done_count, (name, plan) in enumerate(plans.items()):
+                client = by_name[name]
+                engine.set_tensors(client.tensors)
+                traffic["bytes_down"] += plan.nbytes
+                # a tensor kept on the client is neither sent nor uploaded (HeurpFedLA)
+                traffic["bytes_kept"] += 2 * sum(global_base[key].nbytes for key in plan.settings.kept_on_device)
+                if stores is not None:  # persfl stage 1: the device's own teacher choice, before local training
+                    _, scores = consider_global_model(engine, stores[name], round_id, plan.base, client.train)
+                    start_val_loss[name] = scores.loss
+                engine.set_tensors(plan.base)
+                result = run_client_round(engine, plan.settings, client.train, client.seed, round_id)
+                client.tensors = engine.get_tensors()
+                if not math.isnan(result.train_loss):
+                    losses.append(result.train_loss)
+                if result.uploads:  # the bytes a device would upload, through the served acceptance checks
+                    meta = result.upload_meta(manifest.base_layout_hash)
+                    payload = encode_update(upload_tensors(engine, plan.settings), meta)
+                    traffic["bytes_up"] += len(payload)
+                    server.upload(name, round_id, payload)
+                if progress is not None:
+                    progress(round_id, done_count + 1, len(plans))
+            pending = {
+                **traffic,
+                "train_loss": float(np.mean(losses)) if losses else None,
+                "sampled": len(plans),
+                "seconds": time.perf_counter() - started,
+                "start_val_loss": start_val_loss if stores is not None else None,
+            }
+            _save_state(out / STATE_FILE, round_id, clients, pending)  # before the close: a resume can finish it
+            global_base = server.close_round(round_id)
+            records.append(_evaluate(engine, clients, server, global_base, round_id, pending))
+            if hasattr(server.strategy, "alpha_matrix"):  # pfedla: what the hypernetworks learnt (the paper's Fig. 6)
+                results.alpha = {n: server.strategy.alpha_matrix(n).round(6).tolist() for n in server.strategy.mixed}
+            write_results(out, results)
+    finally:
+        server.close()
     if stores is not None:
         results.persfl = run_distillation(config, engine, clients, stores, status)
         write_results(out, results)
     return results
+
+
+def _evaluate(
+    engine: Engine,
+    clients: list[Client],
+    server: InProcessServer,
+    global_base: dict[str, np.ndarray],
+    round_id: int,
+    pending: dict[str, Any],
+) -> RoundRecord:
+    """A round's record: every client evaluated with the strategy's base for it and its own personal part."""
+    test_acc, val_acc = [], []
+    for client in clients:
+        engine.set_tensors(client.tensors)
+        engine.set_tensors(server.evaluation_base(client.name, global_base))
+        test_acc.append(evaluate(engine, client.test).accuracy)
+        val_result = evaluate(engine, client.train)
+        val_acc.append(val_result.accuracy if val_result.count else math.nan)
+    return RoundRecord(
+        round=round_id,
+        test_accuracy=accuracy_summary(test_acc),
+        val_accuracy=accuracy_summary(val_acc),
+        **pending,
+    )
 
 
 def run_distillation(
@@ -265,13 +277,6 @@ def _teacher_stores(folder: Path, clients: list[Client], manifest: Manifest, fre
     if fresh and folder.is_dir():
         shutil.rmtree(folder)
     return {client.name: TeacherStore(folder / client.name, manifest) for client in clients}
-
-
-def _evaluated_base(strategy, round_id: int, name: str, global_base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The base a client is evaluated with after a round: the global one, or the one it would get next round."""
-    if strategy is None or not strategy.needs_per_device_payload:
-        return global_base
-    return dict(strategy.configure_device(round_id + 1, name, global_base)[1])
 
 
 def ensure_bundle(
@@ -349,36 +354,29 @@ def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, init
     return Client(f"client-{number:03d}", train, test, client_seed, {k: v.copy() for k, v in initial.items()})
 
 
-def _save_state(
-    path: Path, round_id: int, clients: list[Client], global_base: dict[str, np.ndarray], strategy=None
-) -> None:
-    tensors = {f"global/{name}": value for name, value in global_base.items()}
-    for client in clients:
-        tensors.update({f"{client.name}/{name}": value for name, value in client.tensors.items()})
-    strategy_state = strategy.state_bytes() if strategy is not None else None
-    if strategy_state is not None:  # in the same file, so clients and strategy are saved atomically together
-        tensors[STRATEGY_STATE] = np.frombuffer(strategy_state, dtype=np.uint8)
-    write_bytes_atomic(path, encode_tensors(tensors, metadata={"round": str(round_id)}))
+def _save_state(path: Path, round_id: int, clients: list[Client], pending: dict[str, Any]) -> None:
+    """Every client's tensors after training `round_id`, and the round's training numbers (for its record)."""
+    tensors = {f"{client.name}/{name}": value for client in clients for name, value in client.tensors.items()}
+    metadata = {"round": str(round_id), "pending": json.dumps(pending)}
+    write_bytes_atomic(path, encode_tensors(tensors, metadata=metadata))
 
 
-def _load_state(
-    path: Path, clients: list[Client], global_base: dict, strategy=None
-) -> tuple[int, dict[str, np.ndarray]]:
+def _load_state(path: Path, clients: list[Client]) -> tuple[int, dict[str, Any] | None]:
+    """The round the saved client tensors were trained through (loaded into `clients`) and its training numbers."""
     payload = path.read_bytes()
+    metadata = decode_metadata(payload)
     try:
-        done = int(decode_metadata(payload)["round"])
+        done = int(metadata["round"])
+        pending = json.loads(metadata["pending"]) if "pending" in metadata else None
     except (KeyError, ValueError):
         raise StateError(f"{path} does not say which round it holds", "delete the run folder and start again") from None
     tensors = decode_tensors(payload)
     try:
-        base = {name: tensors[f"global/{name}"] for name in global_base}
         for client in clients:
             client.tensors = {name: tensors[f"{client.name}/{name}"] for name in client.tensors}
     except KeyError as missing:
         raise StateError(f"{path} lacks tensor {missing}", "resume with the same options or use a new --out") from None
-    if STRATEGY_STATE in tensors and strategy is not None:
-        strategy.load_state(tensors[STRATEGY_STATE].tobytes())
-    return done, base
+    return done, pending
 
 
 def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engine, parts) -> dict[str, Any]:

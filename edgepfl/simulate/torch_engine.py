@@ -17,7 +17,7 @@ import numpy as np
 
 from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
 from edgepfl.errors import BundleError
-from edgepfl.manifest import Manifest
+from edgepfl.manifest import TRAINABLE_SETS, Manifest
 
 
 class TorchEngine(Engine):
@@ -54,11 +54,7 @@ class TorchEngine(Engine):
         for module in self.model.modules():
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None:
                 raise BundleError("a BatchNorm layer uses a cumulative average", "use momentum 0.1")
-        self._sets = {
-            "full": set(manifest.names("base")) | set(manifest.names("personal")),
-            "personal": set(manifest.names("personal")),
-            "base": set(manifest.names("base")),
-        }
+        self._sets = {name: set(manifest.trainable(name)) for name in TRAINABLE_SETS}
         self.set_tensors(initial)
 
     def get_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:

@@ -7,16 +7,16 @@ server's copy goes stale, and their heads get no hypernetwork step that round.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
 
 from edgepfl.errors import UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.protocol import RoundSettings
 from edgepfl.server.config import StrategyOptions
 from edgepfl.server.strategies.pfedla import PFedLA
+from edgepfl.server.strategy import RoundPlan
 
 
 class HeurPFedLA(PFedLA):
@@ -40,11 +40,13 @@ class HeurPFedLA(PFedLA):
         order = sorted(range(len(self.mixed)), key=lambda index: (-alphas[self.mixed[index]][slot], index))
         return [self.mixed[index] for index in order[: self.options.retain_top_k]]
 
-    def configure_device(
-        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
-    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
-        """pFedLA's θ̄ᵢ without the retained tensors, and settings that name them."""
-        settings, payload = super().configure_device(round_id, device, global_base)
-        kept = self.retained(device)
-        payload = {name: value for name, value in payload.items() if name not in kept}
-        return replace(settings, kept_on_device=tuple(kept)), payload
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, RoundPlan]:
+        """pFedLA's θ̄ᵢ without each device's retained tensors, and settings that name them."""
+        plans = super().configure_round(round_id, sampled, global_base)
+        for device, (settings, payload) in plans.items():
+            kept = self.retained(device)
+            trimmed = {name: value for name, value in payload.items() if name not in kept}
+            plans[device] = (replace(settings, kept_on_device=tuple(kept)), trimmed)
+        return plans

@@ -20,9 +20,8 @@ import numpy as np
 
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.protocol import RoundSettings
 from edgepfl.server.config import StrategyOptions
-from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, cast_like
+from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, RoundPlan, Strategy, cast_like
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 EMBEDDING_DIM = 100
@@ -34,13 +33,12 @@ class PFedLA(Strategy):
     """Layer-wise aggregation by per-client hypernetworks; every sampled device gets its own base."""
 
     name = "pfedla"
-    needs_per_device_payload = True
     streaming = False  # keeps every client's latest tensors: O(clients x model)
 
     def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
         super().__init__(specs, options)
         if options.clients < 1:
-            raise UsageError("pfedla needs the number of clients its hypernetworks mix", "pass --clients N")
+            raise UsageError("pfedla needs the number of clients its hypernetworks mix", "pass --pfedla-clients N")
         if not options.hn_lr > 0:
             raise UsageError("the pfedla hypernetwork learning rate must be positive", "pass e.g. --hn-lr 0.005")
         try:
@@ -55,14 +53,23 @@ class PFedLA(Strategy):
 
     # the hooks the engine calls
 
-    def configure_device(
-        self, round_id: int, device: str, global_base: Mapping[str, np.ndarray]
-    ) -> tuple[RoundSettings, Mapping[str, np.ndarray]]:
-        """θ̄ᵢ for this device, mixed tensor by tensor from every client's latest tensors."""
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, RoundPlan]:
+        """θ̄ᵢ for each sampled device, mixed tensor by tensor; a newcomer takes the next slot in `sampled` order."""
         self._ensure_started(global_base)
-        slot = self.slot_of(device)
-        alphas = self.mixing_weights(slot)
-        return self.settings(round_id), cast_like(self._mix(slot, alphas), self.specs)
+        settings = self.settings(round_id)
+        return {device: (settings, self.personalized_base(self.slot_of(device))) for device in sampled}
+
+    def evaluation_base(self, device: str, global_base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """θ̄ᵢ of a device that holds a slot; the global base (the clients' mean) for one never sampled."""
+        if device not in self.slots or self.client_tensors is None:
+            return global_base
+        return self.personalized_base(self.slots[device])
+
+    def personalized_base(self, slot: int) -> BaseTensors:
+        """θ̄ᵢ of client `slot`, cast to the manifest dtypes (reads the hypernetworks, changes nothing)."""
+        return cast_like(self._mix(slot, self.mixing_weights(slot)), self.specs)
 
     def aggregate(
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
@@ -116,22 +123,28 @@ class PFedLA(Strategy):
             raise UsageError(
                 f"this server's {self.name} mixes {self.num_clients} clients and all {self.num_clients} places "
                 f"belong to other devices, so device {device!r} cannot join",
-                "run this device against a server started with a new --state and --clients counting every device",
+                "run this device against a server with a new --state and --pfedla-clients counting every device",
             )
 
-    def hypernetwork(self, slot: int) -> Any:
-        """Client `slot`'s embedding and hypernetwork (seeded by the options' seed and the slot)."""
-        if slot not in self.hypernets:
-            seed = self.options.seed * 100_003 + slot
-            self.hypernets[slot] = make_hypernetwork(self.mixed, self.num_clients, seed)
-        return self.hypernets[slot]
+    def hypernetwork(self, slot: int, keep: bool = True) -> Any:
+        """Client `slot`'s embedding and hypernetwork (seeded by the options' seed and the slot).
+
+        A slot's network is kept (and saved) from its first step; before that, reading its weights
+        (keep=False) builds the same seeded network without changing the strategy's state.
+        """
+        if slot in self.hypernets:
+            return self.hypernets[slot]
+        net = make_hypernetwork(self.mixed, self.num_clients, self.options.seed * 100_003 + slot)
+        if keep:
+            self.hypernets[slot] = net
+        return net
 
     def mixing_weights(self, slot: int) -> dict[str, np.ndarray]:
         """αᵢˡ for every mixed tensor l: N non-negative weights summing to one."""
         import torch
 
         with torch.no_grad():
-            alphas = self.hypernetwork(slot)(slot)
+            alphas = self.hypernetwork(slot, keep=False)(slot)
         return {name: alpha.double().numpy() for name, alpha in alphas.items()}
 
     def alpha_matrix(self, tensor_name: str) -> np.ndarray:
@@ -202,7 +215,7 @@ class PFedLA(Strategy):
         if header.get("format") != STATE_FORMAT or header.get("clients") != self.num_clients:
             raise StateError(
                 f"the saved pfedla state is for {header.get('clients')} clients in format {header.get('format')!r}",
-                f"restart with --clients {header.get('clients')}, or use a new --state folder",
+                f"restart with --pfedla-clients {header.get('clients')}, or use a new --state folder",
             )
         tensors = decode_tensors(payload)
         self.slots = {device: int(slot) for device, slot in header["slots"].items()}

@@ -1,0 +1,217 @@
+"""The round engine of `edgepfl serve`, driven by in-process devices: what `edgepfl simulate` aggregates through.
+
+Simulated clients are enrolled devices of a real `RoundEngine` over `OUT/server` (the same SQLite store and
+blobs as a served run), on a clock that moves one second per round. Each round every client polls
+`task()` (so, as in a served run where every enrolled device polls, the round opens once all of them are
+available), the engine samples and plans it, each sampled client fetches its base with `base_for()`, trains,
+and hands `accept_update()` the bytes a device would upload; `tick()` then closes the round. Sampling,
+planning, acceptance checks, aggregation and durable state are therefore the served ones, minus HTTP.
+
+The `local` algorithm aggregates nothing, so it has no engine: it samples with the same rule and trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edgepfl.errors import StateError
+from edgepfl.protocol import RoundSettings
+from edgepfl.wire import decode_tensors, save_tensors
+
+if TYPE_CHECKING:
+    from edgepfl.server.engine import RoundEngine
+    from edgepfl.server.store import Store
+    from edgepfl.server.strategy import Strategy
+
+SERVER_DIR = "server"  # the engine's state folder inside the run folder
+INITIAL_FILE = "initial.safetensors"  # the simulation engine's initial tensors: the engine's round-1 base
+HISTORY = 2  # closed rounds whose tensors the engine keeps: a resumed run needs only the last one
+
+
+class SimClock:
+    """The engine's clock: constant within a round, one second further at each round's start."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What one sampled client is told in a round: its settings, its base and the bytes that carried it."""
+
+    settings: RoundSettings
+    base: dict[str, np.ndarray]
+    nbytes: int
+
+
+class InProcessServer:
+    """`edgepfl serve`'s engine for one simulated run (None engine: `local`, nothing is aggregated)."""
+
+    def __init__(
+        self, engine: RoundEngine | None, settings: RoundSettings, seed: int, fraction: float, min_clients: int
+    ):
+        self.engine = engine
+        self.settings = settings
+        self.seed, self.fraction, self.min_clients = seed, fraction, min_clients
+        self.clock: SimClock = engine.clock if engine is not None else SimClock()
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The engine's strategy (None for `local`)."""
+        return self.engine.strategy if self.engine is not None else None
+
+    def open_round(self, round_id: int, names: list[str]) -> dict[str, Assignment]:
+        """Every client polls; the round opens; each sampled client gets its settings and base (in sampled order)."""
+        self.clock.now = float(round_id)
+        if self.engine is None:
+            from edgepfl.server.sampling import sample_devices
+
+            sampled = sample_devices(self.seed, round_id, names, self.fraction, self.min_clients)
+            return {name: Assignment(self.settings, {}, 0) for name in sampled}
+        for name in names:  # availability: the last poll finds every enrolled device available and opens the round
+            self.engine.task(name)
+        current = self.engine.store.open_round()
+        if current is None or current.round_id != round_id:
+            found = "none" if current is None else str(current.round_id)
+            raise StateError(
+                f"the simulated server opened round {found} where round {round_id} was due",
+                "the run folder's server state does not match its results: use a new --out",
+            )
+        plans = {}
+        for name in current.sampled:  # a client that uploaded before an interruption trains again: same bytes
+            payload, _ = self.engine.base_for(name, round_id)
+            plans[name] = Assignment(self.engine.settings_for(name, round_id), decode_tensors(payload), len(payload))
+        return plans
+
+    def upload(self, name: str, round_id: int, payload: bytes) -> None:
+        """Hand the engine a client's update bytes, as `POST /v1/rounds/N/update` would."""
+        if self.engine is not None:
+            self.engine.accept_update(name, round_id, payload)
+
+    def close_round(self, round_id: int) -> dict[str, np.ndarray]:
+        """Aggregate the round (every sampled client has uploaded); returns the new global base."""
+        if self.engine is None:
+            return {}
+        self.engine.tick()
+        record = self.engine.store.round(round_id)
+        if record is None or record.state != "closed":
+            state = "missing" if record is None else f"{record.state} ({record.note})"
+            raise StateError(f"simulated round {round_id} did not close: {state}", "see the log above; use a new --out")
+        return self.global_base()
+
+    def global_base(self) -> dict[str, np.ndarray]:
+        """The engine's current global base (the last closed round's result, or the initial base)."""
+        if self.engine is None:
+            return {}
+        return global_base_of(self.engine.store)
+
+    def evaluation_base(self, name: str, global_base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The base a client is evaluated with after a round (the strategy's view; it changes nothing)."""
+        if self.engine is None:
+            return global_base
+        return self.engine.strategy.evaluation_base(name, global_base)
+
+    def closed_rounds(self) -> int:
+        """How many rounds the engine has closed."""
+        return self.engine.store.count_closed() if self.engine is not None else 0
+
+    def tick(self) -> None:
+        """Close a round whose uploads all arrived before an interruption."""
+        if self.engine is not None:
+            self.engine.tick()
+
+    def close(self) -> None:
+        """Close the engine's store."""
+        if self.engine is not None:
+            self.engine.store.close()
+
+
+def open_server(
+    out: Path,
+    strategy: str | None,
+    names: list[str],
+    settings: RoundSettings,
+    initial: Mapping[str, np.ndarray],
+    *,
+    rounds: int,
+    seed: int,
+    fraction: float,
+    min_clients: int,
+    hn_lr: float,
+    retain_top_k: int,
+    fresh: bool,
+) -> InProcessServer:
+    """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device."""
+    if strategy is None:
+        return InProcessServer(None, settings, seed, fraction, min_clients)
+    import shutil
+
+    from edgepfl.server.config import ServerConfig, StrategyOptions
+    from edgepfl.server.engine import create_engine
+    from edgepfl.server.store import Store, issue_token
+
+    folder = out / SERVER_DIR
+    if fresh:
+        shutil.rmtree(folder, ignore_errors=True)
+        save_tensors(out / INITIAL_FILE, dict(initial))
+    elif not folder.is_dir():
+        raise StateError(
+            f"{out} was made by an older edgepfl simulate (it has no {SERVER_DIR}/ round engine state)",
+            "rerun into a new --out",
+        )
+    options = StrategyOptions(settings=settings, clients=len(names), hn_lr=hn_lr, seed=seed, retain_top_k=retain_top_k)
+    config = ServerConfig(
+        bundle=out / "bundle",
+        state=folder,
+        strategy=strategy,
+        rounds=rounds,
+        min_clients=min(min_clients, len(names)),
+        fraction=fraction,
+        seed=seed,
+        share_buffers=settings.share_buffers,
+        init=out / INITIAL_FILE,
+        history=HISTORY,
+        strategy_options=options,
+    )
+    config.check()
+    clock = SimClock()
+    store = Store(folder)
+    try:
+        enrolled = {device.name for device in store.devices()}
+        for name in names:
+            if name not in enrolled:  # a simulated device never presents its token: the engine is called directly
+                issue_token(store, name, clock())
+    finally:
+        store.close()
+    return InProcessServer(create_engine(config, clock), settings, seed, fraction, min_clients)
+
+
+def global_base_of(store: Store) -> dict[str, np.ndarray]:
+    """The global base a server state folder holds now."""
+    sha = store.get_meta("global_base_sha")
+    if sha is None:
+        raise StateError(f"{store.folder} holds no global base", "use a new --out")
+    return decode_tensors(store.read_blob(sha))
+
+
+def final_global_base(out: str | Path) -> dict[str, np.ndarray]:
+    """The global base a simulated run folder ends with (its engine's), or {} for `local`."""
+    from edgepfl.server.store import Store
+
+    folder = Path(out) / SERVER_DIR
+    if not folder.is_dir():
+        return {}
+    store = Store(folder)
+    try:
+        return global_base_of(store)
+    finally:
+        store.close()
+
