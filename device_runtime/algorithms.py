@@ -17,15 +17,14 @@ from typing import Any
 import numpy as np
 
 from edgepfl.data import LocalData, num_batches
-from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.evaluation import evaluate, score  # noqa: F401 (evaluate: re-exported)
 from edgepfl.errors import UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import RoundSettings, UploadMeta
 
 # progress(phase, steps done, steps in the round, loss of the last step)
 Progress = Callable[[str, int, int, float], None]
-
-EVAL_BATCH_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def run_client_round(
     started = time.perf_counter()
     algorithm = client_algorithm(settings.algorithm)
     phases = round_phases(settings, engine.available_sets())
-    before = evaluate(engine, data)
+    before = score(engine, data)  # the held model of the device's previous round (evaluation.py)
     total = sum(p.epochs for p in phases) * num_batches(data.num_train, settings.batch_size)
     logs: list[PhaseLog] = []
     done = 0
@@ -188,7 +187,7 @@ def run_client_round(
             )
         )
         epoch += phase.epochs
-    after = evaluate(engine, data)
+    after = score(engine, data)  # the trained model
     return ClientResult(
         round_id=round_id,
         algorithm=algorithm.name,
@@ -224,15 +223,6 @@ def train_phase(
             if on_step is not None:
                 on_step(phase.name, losses[-1])
     return PhaseLog(phase.name, phase.trainable, phase.epochs, len(losses), _mean(losses))
-
-
-def evaluate(engine: Engine, data: LocalData, batch_size: int = EVAL_BATCH_SIZE) -> EvalResult:
-    """Loss and accuracy of the engine's current (personalized) model on the held-out data."""
-    loss_sum, correct, count = 0.0, 0, 0
-    for x, y in data.val_batches(batch_size):
-        result = engine.eval_batch(x, y)
-        loss_sum, correct, count = loss_sum + result.loss_sum, correct + result.correct, count + result.count
-    return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
 
 
 def round_seed(seed: int, round_id: int) -> int:

@@ -5,9 +5,11 @@ device; every aggregation is the server's `Strategy.aggregate` on `AcceptedUpdat
 `edgepfl serve`. One engine is shared by all clients: a client's tensors (personal part and BatchNorm
 statistics) are swapped in before its round and kept after it, like a device's saved state.
 
-After each round every client is evaluated on its own test split with the round's new global base
-and its own personal part (and on its validation split, which picks the "best" round: never the test
-split). State is written after each round, so an interrupted run resumes from its last completed round.
+After each round every client is scored by the one protocol of `device_runtime.evaluation`: *held*, its
+own tensors with the shared part it receives after the round (the new global base, or its pFedLA mix), on
+its test split (and on its validation split, which picks the "best" round: never the test split), and
+*trained*, each sampled client right after its local training. State is written after each round, so an
+interrupted run resumes from its last completed round.
 
 PersFL (`--algorithm persfl`): stage 1 is FedAvg where every sampled client first scores the received
 global model on its validation split and keeps the lowest-loss one as its teacher, through the device's
@@ -32,8 +34,9 @@ import numpy as np
 
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
-from edgepfl.device_runtime.algorithms import evaluate, run_client_round, upload_tensors
+from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
 from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model, distill
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest, load_manifest
@@ -147,6 +150,7 @@ def run_simulation(
 
         sampled = sample_devices(config.seed, round_id, names, config.fraction, config.min_clients)
         updates, losses, bytes_up, bytes_down, bytes_kept = [], [], 0, 0, 0
+        trained_acc = {}  # evaluation.py's *trained* score of every sampled client
         start_val_loss: dict[str, float] = {}
         base_bytes = len(encode_tensors(global_base)) if global_base else 0
         for done_count, name in enumerate(sampled):
@@ -167,6 +171,7 @@ def run_simulation(
             engine.set_tensors(device_base)
             result = run_client_round(engine, device_settings, client.train, client.seed, round_id)
             client.tensors = engine.get_tensors()
+            trained_acc[name] = score(engine, client.test).accuracy
             if not math.isnan(result.train_loss):
                 losses.append(result.train_loss)
             if result.uploads and strategy is not None:
@@ -180,16 +185,16 @@ def run_simulation(
         if strategy is not None and updates:
             global_base = strategy.aggregate(round_id, iter(updates), global_base)
         test_acc, val_acc = [], []
-        for client in clients:
-            engine.set_tensors(client.tensors)
-            engine.set_tensors(_evaluated_base(strategy, round_id, client.name, global_base))
-            test_acc.append(evaluate(engine, client.test).accuracy)
-            val_result = evaluate(engine, client.train)
+        for client in clients:  # evaluation.py's *held* score
+            received = _received_after_round(strategy, round_id, client.name, global_base)
+            test_acc.append(score(engine, client.test, client.tensors, received).accuracy)
+            val_result = score(engine, client.train)
             val_acc.append(val_result.accuracy if val_result.count else math.nan)
         records.append(
             RoundRecord(
                 round=round_id,
                 test_accuracy=accuracy_summary(test_acc),
+                trained_test_accuracy=accuracy_summary([trained_acc.get(c.name, math.nan) for c in clients]),
                 val_accuracy=accuracy_summary(val_acc),
                 train_loss=float(np.mean(losses)) if losses else None,
                 sampled=len(sampled),
@@ -267,8 +272,10 @@ def _teacher_stores(folder: Path, clients: list[Client], manifest: Manifest, fre
     return {client.name: TeacherStore(folder / client.name, manifest) for client in clients}
 
 
-def _evaluated_base(strategy, round_id: int, name: str, global_base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The base a client is evaluated with after a round: the global one, or the one it would get next round."""
+def _received_after_round(
+    strategy, round_id: int, name: str, global_base: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The shared part a client receives after a round: the new global base, or its own mix for the next round."""
     if strategy is None or not strategy.needs_per_device_payload:
         return global_base
     return dict(strategy.configure_device(round_id + 1, name, global_base)[1])
@@ -392,5 +399,5 @@ def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engin
         "engine": engine.name,
         "client_algorithm": config.plan.client,
         "strategy": config.plan.strategy,
-        "evaluation": "after each round's aggregation: global base + each client's personal part, on its test split",
+        "evaluation": PROTOCOL,
     }
