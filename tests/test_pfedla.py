@@ -683,3 +683,14 @@ def test_pfedla_leaves_no_client_below_chance_on_a_two_class_split(tiny_npz, tmp
     results = run_simulation(config)
     for record in results.rounds[1:]:
         assert min(record.test_accuracy["per_client"]) >= 0.35, record.test_accuracy["per_client"]
+
+
+def test_pfedla_refuses_a_model_that_shares_nothing(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
+    """mlp has 2 blocks: --kp 2 made every tensor personal, and pfedla silently ran local training."""
+    from edgepfl.simulate.loop import run_simulation
+
+    buffers_only = [TensorSpec("bn.num_batches_tracked", (), "int64", "buffer", 0)]
+    with pytest.raises(UsageError, match="shares none"):
+        make_strategy("pfedla", buffers_only, StrategyOptions(clients=2))
+    with pytest.raises(UsageError, match="shares none"):
+        run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="pfedla", kp=2))

@@ -49,6 +49,11 @@ class PFedLA(Strategy):
             raise UsageError(f"strategy {self.name} needs torch on the server", "pip install torch") from None
         self.num_clients = options.clients
         self.mixed = [spec.name for spec in specs if np.dtype(spec.dtype).kind == "f"]
+        if not self.mixed:  # every block personal: the hypernetworks would mix nothing (issue 18's --kp 2 on mlp)
+            raise UsageError(
+                f"{self.name} mixes the shared tensors, and this model shares none (every block is personal)",
+                "use a smaller --kp, e.g. --kp 0 for the paper's pFedLA",
+            )
         self.slots: dict[str, int] = {}  # device -> slot, in order of first sight
         self.client_tensors: list[dict[str, np.ndarray]] | None = None  # per slot, float64; set from round 1's base
         self.hypernets: dict[int, Any] = {}  # slot -> HyperNetwork, made when the slot is first used
