@@ -26,6 +26,9 @@ def show(runs: list[str]) -> None:
     for run in runs:
         results = json.loads((Path(run) / "results.json").read_text())
         print(run)
+        if not results["rounds"]:
+            print("  no round completed yet")
+            continue
         for record in results["rounds"]:
             held, trained = record["test_accuracy"], record.get("trained_test_accuracy") or {}
             extra = (
