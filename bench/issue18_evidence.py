@@ -4,9 +4,10 @@ show RUN...              per round: mean and worst client of the held score (and
                          the run has it); the last round's per-client held scores; pFedLA's self-weights α_ii
 alpha-start RUN COMMIT   pFedLA self-weights at the start (the hypernetwork init of git COMMIT, the run's seeds)
                          against the run's α after its last round
-bn RUN                   FedPer with BatchNorm, offline on the run's saved state (its last round): the trained
+bn RUN [N]               FedPer with BatchNorm, offline on the run's saved state (its last round): the trained
                          model, the held model, and the held model with its BatchNorm statistics re-estimated
                          under the new base, with its own BatchNorm affine parameters, or with averaged statistics
+                         (only the first N clients when N is given)
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def alpha_start(run: str, commit: str) -> None:
         )
 
 
-def batchnorm(run: str) -> None:
+def batchnorm(run: str, limit: str | None = None) -> None:
     """Which part of FedPer's held model costs accuracy, on the run's saved state."""
     import torch
 
@@ -100,7 +101,7 @@ def batchnorm(run: str) -> None:
     rows: dict[str, list[float]] = {
         k: [] for k in ("trained", "held", "held, statistics re-estimated", "held, own BN affine", "held, mean stats")
     }
-    for client in clients:
+    for client in clients[: int(limit)] if limit else clients:
         mine = own[client.name]
         rows["trained"].append(score(engine, client.test, mine).accuracy)
         rows["held"].append(score(engine, client.test, mine, shared).accuracy)
