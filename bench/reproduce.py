@@ -10,6 +10,8 @@ Settings (issue 6):
   pfedla         pFedLA Table 1 (issue 7): CIFAR-10, 10 clients, classes:4, `cnn` with BatchNorm: FedAvg, Local,
                  FedRep (= fedalt with K_P 1: the head first, then the body), pFedLA, HeurpFedLA; writes the
                  alpha heat map of the paper's Fig. 6
+  pfedla-mnist   issue 18's MNIST setting: 10 clients, classes:2, 75/25 train/test, `mlp`: FedAvg, Local, FedPer
+                 (K_P 1), pFedLA, HeurpFedLA (K_P 0)
 The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
 
 Every run is a folder under --out holding results.json; rerunning resumes. `--report` reads every
@@ -92,6 +94,16 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             ("heurpfedla", "heurpfedla", 0),
         ):
             runs.append((f"{setting}/k4/{label}", replace(cnn, algorithm=algorithm, kp=kp)))
+    elif setting == "pfedla-mnist":
+        mlp = replace(base, model="mlp", dataset="mnist", partition="classes:2", split=(0.75, 0.0, 0.25))
+        for label, algorithm, kp in (
+            ("fedavg", "fedavg", 0),
+            ("local", "local", 0),
+            ("fedper", "fedper", 1),
+            ("pfedla", "pfedla", 0),
+            ("heurpfedla", "heurpfedla", 0),
+        ):
+            runs.append((f"{setting}/c2/{label}", replace(mlp, algorithm=algorithm, kp=kp)))
     else:
         raise SystemExit(f"unknown setting {setting!r}")
     return runs
@@ -140,8 +152,13 @@ def report(out: Path, figures: Path | None = None) -> str:
         "# Reproduction results",
         "",
         "Written by `bench/reproduce.py --report` from the results.json files under `bench/results/`; no number",
-        "is typed by hand. Accuracy: each client's model (final shared base + its own personal part) on its own",
-        "test split; mean ± std across clients and seeds. *Best* is the round with the highest mean",
+        "is typed by hand. Accuracy: every method is scored by one protocol (`device_runtime/evaluation.py`, issue",
+        "18), on each client's own test split. The headline number is the model each device holds and uses after",
+        "the round: its own personal part and BatchNorm statistics as the round left them, with the shared part",
+        "it receives after the round (the new global base; for pFedLA its own mix θ̄ᵢ for the next round; nothing",
+        "for local training). *After local training* is the same device's model right after the round's local",
+        "training, before it receives anything (written by runs made since issue 18; '-' where a run predates it).",
+        "Mean ± std across clients and seeds. *Best* is the round with the highest mean",
         "validation accuracy (never chosen on the test split); *mean per seed* gives each seed's mean over its",
         "clients, in seed order. For PersFL the accuracy is the distilled student's",
         "(its (λ, T) chosen on each client's validation split), after the FedAvg rounds. Models are edgepfl's zoo",
@@ -164,9 +181,9 @@ def report(out: Path, figures: Path | None = None) -> str:
         source = f" ({PAPER_SOURCE[setting]})" if setting in PAPER_SOURCE else ""
         lines += [
             "",
-            f"| run | K_P | seeds | rounds done | last round | last round, mean per seed | best round (by validation) "
-            f"| paper{source} |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| run | K_P | seeds | rounds done | last round | last round, mean per seed | last round, after local "
+            f"training | best round (by validation) | paper{source} |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for label in labels:
             runs = groups[label]
@@ -181,11 +198,11 @@ def report(out: Path, figures: Path | None = None) -> str:
                 teachers = [[c["teacher"]["test_accuracy"] for c in run if "teacher" in c] for run in clients]
                 lines.append(
                     f"| {label} (student) | {kp} | {len(runs)} | {done} | {_pm(sum(students, []))} | "
-                    f"{_per_seed(students)} | - | {'' if paper is None else paper} |"
+                    f"{_per_seed(students)} | - | - | {'' if paper is None else paper} |"
                 )
                 lines.append(
                     f"| {label} (its teacher) | {kp} | {len(runs)} | {done} | {_pm(sum(teachers, []))} | "
-                    f"{_per_seed(teachers)} | - |  |"
+                    f"{_per_seed(teachers)} | - | - |  |"
                 )
                 continue
             per_run = [[v for v in r.rounds[-1].test_accuracy["per_client"] if v is not None] for r in runs]
@@ -194,9 +211,11 @@ def report(out: Path, figures: Path | None = None) -> str:
             for r in runs:
                 chosen = r.summary()["best"]["round"]
                 best += [v for v in r.rounds[chosen - 1].test_accuracy["per_client"] if v is not None]
+            trained = [(r.rounds[-1].trained_test_accuracy or {}).get("per_client") for r in runs]
+            after = _pm([v for t in trained if t for v in t if v is not None]) if all(trained) else "-"
             lines.append(
-                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | {_pm(best)} | "
-                f"{'' if paper is None else paper} |"
+                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | {after} | "
+                f"{_pm(best)} | {'' if paper is None else paper} |"
             )
         kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
         for r in kept:
@@ -228,12 +247,15 @@ def report(out: Path, figures: Path | None = None) -> str:
                     path = figures / f"{label.replace('/', '-')}-alpha.png"
                     run = groups[label][0]
                     shown = plot_alpha(run, path)
-                    start = initial_alpha(run)
+                    # the start is recomputed with today's init: runs made before issue 18's head init get none
+                    start = initial_alpha(run) if run.rounds[-1].trained_test_accuracy is not None else None
                     drift = "; ".join(
-                        f"`{name}` {np.diag(start[name]).mean():.2f} at the start, "
-                        f"{np.diag(np.asarray(run.alpha[name])).mean():.2f} after round {len(run.rounds)}"
+                        (f"`{name}` {np.diag(start[name]).mean():.2f} at the start, " if start else f"`{name}` ")
+                        + f"{np.diag(np.asarray(run.alpha[name])).mean():.2f} after round {len(run.rounds)}"
                         for name in shown
                     )
+                    if start is None:
+                        drift += " (this run predates issue 18's hypernetwork initialisation)"
                     lines += [
                         f"Mixing weights α learnt by {label} (seed {run.config.seed}) after its last round (row i:",
                         f"how much client i takes of each client's tensor; the paper's Fig. 6). Mean self-weight αᵢⁱ: "
@@ -296,7 +318,9 @@ def _per_seed(per_run: list[list[float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "setting", nargs="?", choices=["persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedalt", "pfedla"]
+        "setting",
+        nargs="?",
+        choices=["persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedalt", "pfedla", "pfedla-mnist"],
     )
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--data-root", default="../shared/data")

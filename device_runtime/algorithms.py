@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from edgepfl.data import LocalData, num_batches
-from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.evaluation import evaluate, score  # noqa: F401 (evaluate: re-exported)
 from edgepfl.errors import EdgePFLError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import RoundSettings, UploadMeta
@@ -26,7 +27,6 @@ from edgepfl.wire import nonfinite_names
 # progress(phase, steps done, steps in the round, loss of the last step)
 Progress = Callable[[str, int, int, float], None]
 
-EVAL_BATCH_SIZE = 256
 # a mean cross-entropy above this many times ln(classes) (uniform guessing) means training blew up: a sane
 # model never gets there, while the absurd magnitudes of a poisoned base or a huge lr do (finite or not)
 DIVERGED_LOSS_FACTOR = 100.0
@@ -177,7 +177,7 @@ def run_client_round(
     started = time.perf_counter()
     algorithm = client_algorithm(settings.algorithm)
     phases = round_phases(settings, engine.available_sets())
-    before = evaluate(engine, data)
+    before = score(engine, data)  # the held model of the device's previous round (evaluation.py)
     total = sum(p.epochs for p in phases) * num_batches(data.num_train, settings.batch_size)
     logs: list[PhaseLog] = []
     done = 0
@@ -196,7 +196,7 @@ def run_client_round(
             )
         )
         epoch += phase.epochs
-    after = evaluate(engine, data)
+    after = score(engine, data)  # the trained model
     return ClientResult(
         round_id=round_id,
         algorithm=algorithm.name,
@@ -232,15 +232,6 @@ def train_phase(
             if on_step is not None:
                 on_step(phase.name, losses[-1])
     return PhaseLog(phase.name, phase.trainable, phase.epochs, len(losses), _mean(losses))
-
-
-def evaluate(engine: Engine, data: LocalData, batch_size: int = EVAL_BATCH_SIZE) -> EvalResult:
-    """Loss and accuracy of the engine's current (personalized) model on the held-out data."""
-    loss_sum, correct, count = 0.0, 0, 0
-    for x, y in data.val_batches(batch_size):
-        result = engine.eval_batch(x, y)
-        loss_sum, correct, count = loss_sum + result.loss_sum, correct + result.correct, count + result.count
-    return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
 
 
 def divergence(losses: Iterable[float], tensors: Mapping[str, np.ndarray], num_classes: int) -> str | None:

@@ -670,3 +670,38 @@ def test_serve_refuses_more_min_clients_than_pfedla_clients(engine_setup) -> Non
     _, config = engine_setup
     with pytest.raises(UsageError, match="--min-clients 4 is more than the 3 clients"):
         dataclasses.replace(config, min_clients=4).check()
+
+
+# issue 18: the lost clients
+
+
+def test_every_client_starts_with_a_positive_weight_on_every_client() -> None:
+    """With PyTorch's default head init about half the αˡʲ started at 0, own weights included, and ReLU never let
+    them back (a client mixed only from others lost its classes); the heads now start every weight positive."""
+    strategy = _strategy(clients=10)
+    for tensor in strategy.mixed:
+        matrix = strategy.alpha_matrix(tensor)
+        assert (matrix > 0.02).all(), f"{tensor}: a client starts without weight on some client"
+        assert matrix.diagonal().min() > 0.02
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pfedla_leaves_no_client_below_chance_on_a_two_class_split(tiny_npz, tmp_path: Path, seed: int) -> None:  # noqa: F811
+    """Each client holds 2 classes, so a model that learnt nothing of its own data but its label mix scores ~50%."""
+    from edgepfl.simulate.loop import run_simulation
+
+    config = tiny_config(tiny_npz, tmp_path / "run", algorithm="pfedla", kp=0, clients=6, rounds=3, seed=seed)
+    results = run_simulation(config)
+    for record in results.rounds[1:]:
+        assert min(record.test_accuracy["per_client"]) >= 0.35, record.test_accuracy["per_client"]
+
+
+def test_pfedla_refuses_a_model_that_shares_nothing(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
+    """mlp has 2 blocks: --kp 2 made every tensor personal, and pfedla silently ran local training."""
+    from edgepfl.simulate.loop import run_simulation
+
+    buffers_only = [TensorSpec("bn.num_batches_tracked", (), "int64", "buffer", 0)]
+    with pytest.raises(UsageError, match="shares none"):
+        make_strategy("pfedla", buffers_only, StrategyOptions(clients=2))
+    with pytest.raises(UsageError, match="shares none"):
+        run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="pfedla", kp=2))

@@ -6,10 +6,12 @@ device; every round is sampled, planned, checked, aggregated and stored by `edge
 by all clients: a client's tensors (personal part and BatchNorm statistics) are swapped in before its
 round and kept after it, like a device's saved state.
 
-After each round every client is evaluated on its own test split with the base the strategy would give
-it (the global base; pFedLA: its own mix, read without changing the strategy) and its own personal part
-(and on its validation split, which picks the "best" round: never the test split). The clients' tensors
-are written once a round's uploads are in, before the close, so an interrupted run resumes where it was.
+After each round every client is scored by the one protocol of `device_runtime.evaluation`: *held*, its
+own tensors with the shared part it receives after the round (the new global base, or its pFedLA mix,
+read without changing the strategy), on its test split (and on its validation split, which picks the
+"best" round: never the test split), and *trained*, each sampled client right after its local training.
+The clients' tensors are written once a round's uploads are in, before the close, so an interrupted run
+resumes where it was.
 
 PersFL (`--algorithm persfl`): stage 1 is FedAvg where every sampled client first scores the received
 global model on its validation split and keeps the lowest-loss one as its teacher, through the device's
@@ -35,9 +37,10 @@ import numpy as np
 
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
-from edgepfl.device_runtime.algorithms import evaluate, run_client_round, upload_tensors
+from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
 from edgepfl.device_runtime.client import encode_update
 from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model, distill
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest, load_manifest
@@ -155,6 +158,7 @@ def run_simulation(
             global_base = server.global_base()
             plans = server.open_round(round_id, names)
             losses, start_val_loss = [], {}
+            trained_acc = {}  # evaluation.py's *trained* score of every sampled client
             traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
             for done_count, (name, plan) in enumerate(plans.items()):
                 client = by_name[name]
@@ -168,6 +172,7 @@ def run_simulation(
                 engine.set_tensors(plan.base)
                 result = run_client_round(engine, plan.settings, client.train, client.seed, round_id)
                 client.tensors = engine.get_tensors()
+                trained_acc[name] = score(engine, client.test).accuracy
                 if not math.isnan(result.train_loss):
                     losses.append(result.train_loss)
                 if result.uploads:  # the bytes a device would upload, through the served acceptance checks
@@ -183,6 +188,7 @@ def run_simulation(
                 "sampled": len(plans),
                 "seconds": time.perf_counter() - started,
                 "start_val_loss": start_val_loss if stores is not None else None,
+                "trained_test_accuracy": accuracy_summary([trained_acc.get(c.name, math.nan) for c in clients]),
             }
             _save_state(out / STATE_FILE, round_id, clients, pending)  # before the close: a resume can finish it
             global_base = server.close_round(round_id)
@@ -206,13 +212,12 @@ def _evaluate(
     round_id: int,
     pending: dict[str, Any],
 ) -> RoundRecord:
-    """A round's record: every client evaluated with the strategy's base for it and its own personal part."""
+    """A round's record: every client's *held* score (evaluation.py), its own tensors with what it receives."""
     test_acc, val_acc = [], []
     for client in clients:
-        engine.set_tensors(client.tensors)
-        engine.set_tensors(server.evaluation_base(client.name, global_base))
-        test_acc.append(evaluate(engine, client.test).accuracy)
-        val_result = evaluate(engine, client.train)
+        received = server.evaluation_base(client.name, global_base)
+        test_acc.append(score(engine, client.test, client.tensors, received).accuracy)
+        val_result = score(engine, client.train)
         val_acc.append(val_result.accuracy if val_result.count else math.nan)
     return RoundRecord(
         round=round_id,
@@ -390,5 +395,5 @@ def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engin
         "engine": engine.name,
         "client_algorithm": config.plan.client,
         "strategy": config.plan.strategy,
-        "evaluation": "after each round's aggregation: global base + each client's personal part, on its test split",
+        "evaluation": PROTOCOL,
     }

@@ -36,6 +36,8 @@ class RoundRecord:
     bytes_kept: int = 0  # bytes of tensors that stayed on the clients instead of travelling (HeurpFedLA), both ways
     # persfl: each sampled client's validation loss of the received global model (what chooses its teacher)
     start_val_loss: dict[str, float] | None = None
+    # device_runtime/evaluation.py's *trained* score (test_accuracy is its *held* score); null for unsampled clients
+    trained_test_accuracy: dict[str, Any] | None = None
 
 
 @dataclass

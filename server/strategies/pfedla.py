@@ -47,6 +47,11 @@ class PFedLA(Strategy):
             raise UsageError(f"strategy {self.name} needs torch on the server", "pip install torch") from None
         self.num_clients = options.clients
         self.mixed = [spec.name for spec in specs if np.dtype(spec.dtype).kind == "f"]
+        if not self.mixed:  # every block personal: the hypernetworks would mix nothing (issue 18's --kp 2 on mlp)
+            raise UsageError(
+                f"{self.name} mixes the shared tensors, and this model shares none (every block is personal)",
+                "use a smaller --kp, e.g. --kp 0 for the paper's pFedLA",
+            )
         self.slots: dict[str, int] = {}  # device -> slot, in order of first sight
         self.client_tensors: list[dict[str, np.ndarray]] | None = None  # per slot, float64; set from round 1's base
         self.hypernets: dict[int, Any] = {}  # slot -> HyperNetwork, made when the slot is first used
@@ -232,7 +237,7 @@ class PFedLA(Strategy):
 
 
 def make_hypernetwork(tensor_names: list[str], num_clients: int, seed: int) -> Any:
-    """A client's embedding (dim 100) → 3 × (Linear 100 + ReLU) → one Linear(100, N) head per tensor."""
+    """A client's embedding (dim 100) → 3 × (Linear 100 + ReLU) → one Linear(100, N) head per tensor; α > 0 at start."""
     import torch
     from torch import nn
 
@@ -248,6 +253,13 @@ def make_hypernetwork(tensor_names: list[str], num_clients: int, seed: int) -> A
             self.body = nn.Sequential(*layers)
             # heads are indexed by position: tensor names contain dots, which module names may not
             self.heads = nn.ModuleList(nn.Linear(HIDDEN_DIM, num_clients) for _ in tensor_names)
+            for head in self.heads:
+                # non-negative weights and zero bias on non-negative features: every αˡʲ starts positive (near
+                # uniform). PyTorch's default init gave about half the outputs ≤ 0, and ReLU has no gradient
+                # there, so a client whose own weight started at 0 never regained it (issue 18; FL-bench's
+                # pFedLA initialises its heads this way)
+                nn.init.uniform_(head.weight, 0.0, 1.0)
+                nn.init.zeros_(head.bias)
 
         def forward(self, slot: int) -> dict[str, torch.Tensor]:
             feature = self.body(self.embedding)
