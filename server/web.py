@@ -26,7 +26,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from edgepfl.manifest import MANIFEST_NAME
 from edgepfl.server.engine import RoundEngine
-from edgepfl.server.errors import ApiError
+from edgepfl.server.errors import ApiError, Refused
 
 log = logging.getLogger("edgepfl.server.web")
 
@@ -247,9 +247,9 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
         if secret is None:  # the browser's first try carries no credentials: ask, without counting a failure
             return _password_prompt()
         try:
-            engine.check_enroll_secret(secret, address)
-        except ApiError as error:
-            if error.status != 401:
+            engine.enrollment.check_enroll_secret(secret, address)
+        except Refused as error:
+            if error.error != "unauthorized":
                 raise
             return _password_prompt()
         url = join_url(str(request.base_url), secret)

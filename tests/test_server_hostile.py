@@ -215,7 +215,7 @@ def post_enroll(app: Any, address: str, name: str, secret: str) -> httpx.Respons
 def test_failures_from_ten_thousand_addresses_do_not_block_an_honest_newcomer(tmp_path: Path) -> None:
     engine, app = enroll_app(tmp_path)
     for host in range(10_000 + 2 * engine.config.enroll_max_failures):  # the table overflows
-        engine.enroll_limiter.record_failure(f"10.{host // 65536}.{host // 256 % 256}.{host % 256}")
+        engine.enrollment.limiter.record_failure(f"10.{host // 65536}.{host // 256 % 256}.{host % 256}")
     for attempt in range(engine.config.enroll_max_failures):
         refused(post_enroll(app, f"203.0.113.{attempt}", "intruder", "wrong-secret-0123456789"), 401, "unauthorized")
     reply = post_enroll(app, "198.51.100.9", "phone-1", SECRET)
