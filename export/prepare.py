@@ -29,7 +29,7 @@ SUPPORTED_OPS = {
     # layout and indexing
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "clone", "contiguous", "squeeze",
     "unsqueeze", "flatten", "cat", "stack", "split", "split_with_sizes", "chunk",
-    "alias", "detach", "lift_fresh", "_to_copy", "copy", "copy_", "empty", "zeros", "ones", "zeros_like",
+    "alias", "detach", "lift_fresh", "_to_copy", "copy", "copy_", "empty", "empty_like", "zeros", "ones", "zeros_like",
     "ones_like", "full", "full_like", "fill", "fill_", "scalar_tensor", "arange", "pad", "constant_pad_nd",
     "channel_shuffle", "pixel_shuffle",
     # arithmetic and activations
