@@ -4,6 +4,7 @@ and the one-line refusals (unsupported op, orphan parameter, bad MODEL string, m
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 import numpy as np
@@ -98,6 +99,13 @@ def random_in_forward():
 
 def returns_int():
     return 3
+
+
+def grey():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, stride=2), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Dropout(0.1), nn.Linear(4, 3),
+    )
 """
 
 
@@ -385,3 +393,24 @@ def test_unknown_children_fall_back_to_top_level_children_and_refuse_root_tensor
     module = WithToken()
     with pytest.raises(UsageError, match="tensor 'token' belongs to no block"):
         check_blocks(module, find_blocks(module)[0])
+
+
+def test_simulate_takes_a_model_string(model_file, tmp_path):
+    """`simulate --model file.py:factory`: the dataset's shape, a head for its classes, blocks from the children."""
+    from edgepfl.simulate.config import SimulateConfig
+    from edgepfl.simulate.loop import run_simulation
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "grey.npz"
+    np.savez(data, x_train=rng.integers(0, 256, (160, 28, 28), dtype=np.uint8), y_train=np.arange(160) % 10,
+             x_test=rng.integers(0, 256, (40, 28, 28), dtype=np.uint8), y_test=np.arange(40) % 10)  # fmt: skip
+    config = SimulateConfig(out=str(tmp_path / "run"), model=f"{model_file}:grey", kp=1, dataset=str(data),
+                            data_root=str(tmp_path), partition="iid", clients=2, rounds=1, epochs=1, batch_size=16,
+                            engine="torch", threads=1)  # fmt: skip
+    results = run_simulation(config)
+    manifest = json.loads((tmp_path / "run" / "bundle" / "manifest.json").read_text())
+    assert manifest["model"]["source"] == config.model and manifest["model"]["new_head"] == "6"
+    assert manifest["num_classes"] == 10 and manifest["input"]["shape"] == [1, 28, 28]
+    assert [b["name"] for b in manifest["blocks"]] == ["0", "1", "6"]
+    assert manifest["model"]["random_layers_off"] == ["5"]
+    assert len(results.rounds) == 1 and math.isfinite(results.rounds[0].test_accuracy["mean"])
