@@ -1,4 +1,4 @@
-"""Backward passes of the mobile activations written with 0/1 masks, for the portable step graphs.
+"""Backward passes of the mobile activations written with 0/1 masks, and ops the ONNX exporter lacks.
 
 The core decompositions of hardswish/hardsigmoid backward (and of empty_like, which SiLU's own
 autograd formula calls) allocate with aten.empty_permuted, which the ONNX exporter cannot translate;
@@ -26,3 +26,11 @@ def hardsigmoid_backward(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tenso
 def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None, **_: object) -> torch.Tensor:
     """A zero-filled stand-in for aten.empty_like, which SiLU's autograd formula allocates and then fills."""
     return torch.zeros(x.shape, dtype=dtype or x.dtype)
+
+
+def slice_copy(
+    x: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1
+) -> torch.Tensor:
+    """aten.slice_copy (functionalization's form of a slice: chunk/split, e.g. ShuffleNet's branches) as a
+    slice and a copy: the ONNX exporter has no function for slice_copy."""
+    return torch.ops.aten.slice.Tensor(x, dim, start, end, step).clone()

@@ -190,6 +190,7 @@ def trace(
     table[aten.hardswish_backward.default] = activations.hardswish_backward
     table[aten.hardsigmoid_backward.default] = activations.hardsigmoid_backward
     table[aten.empty_like.default] = activations.empty_like
+    table[aten.slice_copy.Tensor] = activations.slice_copy
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
     return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=table)(*inputs)
 
