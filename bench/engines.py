@@ -1,10 +1,12 @@
 """Images per second of one training step: torch eager vs ort-training vs portable (plain onnxruntime graphs).
 
-MobileNet-v1 x0.25 and x1.0 at 32x32x3, batch 32, 2 threads; full steps and personal-only steps (K_P=2).
+The zoo MobileNet-v1 x0.25 and x1.0 at 32x32x3, and torchvision's mobilenet_v3_small, mobilenet_v2 and
+resnet18 (10-class head) at 32x32 and 96x96; batch 32, 2 threads; full steps and personal-only steps (K_P=2).
 Each engine runs in its own process (ORT's spinning threads and torch's OpenMP threads slow each other
 when they share one); the median of the timed steps after warm-up is reported.
 Prints JSON on stdout and a table on stderr, and writes bench/out/engines.png.
-Usage: python bench/engines.py [--steps 15] [--warmup 3] [--rounds 1] [--widths 0.25,1.0] [--bundles DIR]
+Usage: python bench/engines.py [--steps 15] [--warmup 3] [--rounds 1] [--models LIST] [--bundles DIR]
+  --models: comma list of mobilenet-xW (zoo) and torchvision:NAME@SIZE, e.g. mobilenet-x0.25,torchvision:resnet18@32
 """
 
 from __future__ import annotations
@@ -26,21 +28,36 @@ SETS = ("full", "personal")
 BATCH = 32
 THREADS = 2
 KP = 2
+CLASSES = 10
 
 
-def export_bundles(widths: list[float], folder: Path) -> dict[float, Path]:
-    """One bundle per width with both engines' artifacts (reused when `folder` already has it)."""
+MODELS = "mobilenet-x0.25,mobilenet-x1.0," + ",".join(
+    f"torchvision:{name}@{size}" for size in (32, 96) for name in ("mobilenet_v3_small", "mobilenet_v2", "resnet18")
+)
+
+
+def export_bundles(models: list[str], folder: Path) -> dict[str, Path]:
+    """One bundle per model with both engines' artifacts (reused when `folder` already has it)."""
+    from edgepfl.export import source
     from edgepfl.export.bundle import ExportOptions, export_bundle
     from edgepfl.export.models import ModelSpec
 
+    options = ExportOptions(engines=("ort-training", "portable"), portable_batch=BATCH, force=True)
     bundles = {}
-    for width in widths:
-        target = folder / f"mobilenet-x{width}"
+    for label in models:
+        target = folder / label.replace(":", "-").replace("@", "-")
         if not (target / "manifest.json").is_file():
-            print(f"exporting mobilenet x{width} ...", file=sys.stderr)
-            spec = ModelSpec(name="mobilenet", width=width)
-            export_bundle(spec, KP, target, ExportOptions(engines=("ort-training", "portable"), force=True))
-        bundles[width] = target
+            print(f"exporting {label} ...", file=sys.stderr)
+            if label.startswith("mobilenet-x"):
+                export_bundle(
+                    ModelSpec(name="mobilenet", width=float(label[len("mobilenet-x") :])), KP, target, options
+                )
+            else:
+                name, _, size = label.partition("@")
+                shape = (3, int(size or 32), int(size or 32))
+                loaded = source.build_from_string(source.parse_model(name), shape, None, CLASSES)
+                export_bundle(loaded.module, KP, target, options, input_shape=shape, description=loaded.description)
+        bundles[label] = target
     return bundles
 
 
@@ -72,11 +89,11 @@ def _onnx_step(engine: str, bundle: Path, x: np.ndarray, y: np.ndarray):
 def _torch_step(bundle: Path, manifest, trainable: str, x: np.ndarray, y: np.ndarray):
     import torch
 
-    from edgepfl.export.models import ModelSpec, build_model
+    from edgepfl.export.source import rebuild_module
     from edgepfl.wire import load_tensors
 
     torch.set_num_threads(THREADS)
-    model = build_model(ModelSpec(**manifest.model)).train()
+    model = rebuild_module(manifest.model).train()
     initial = load_tensors(bundle / manifest.engines["portable"]["initial"])
     model.load_state_dict({n: torch.from_numpy(v) for n, v in initial.items()}, strict=False)
     personal = set(manifest.names("personal"))
@@ -120,20 +137,20 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["width"], r["trainable"]) for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 4))
+    groups = sorted({(r["model"], r["trainable"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 0.9), 4))
     bar = 0.8 / len(ENGINES)
     for offset, engine in enumerate(ENGINES):
         values = [
             next(
-                (r.get("images_per_s", 0) for r in rows if (r["width"], r["trainable"], r["engine"]) == (*g, engine)), 0
+                (r.get("images_per_s", 0) for r in rows if (r["model"], r["trainable"], r["engine"]) == (*g, engine)), 0
             )
             for g in groups
         ]
         ax.bar([i + offset * bar for i in range(len(groups))], values, bar, label=engine)
-    ax.set_xticks([i + bar for i in range(len(groups))], [f"x{w} {t}" for w, t in groups])
+    ax.set_xticks([i + bar for i in range(len(groups))], [f"{m}\n{t}" for m, t in groups], fontsize=6)
     ax.set_ylabel("images / s (batch 32, 2 threads)")
-    ax.set_title("MobileNet-v1 training step, 32x32x3")
+    ax.set_title("training step, batch 32")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +162,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved (noisy hosts)")
-    parser.add_argument("--widths", default="0.25,1.0")
+    parser.add_argument("--models", default=MODELS)
     parser.add_argument("--bundles", type=Path, help="folder to keep the exported bundles in (reused)")
     parser.add_argument(
         "--worker", nargs=5, metavar=("ENGINE", "BUNDLE", "SET", "STEPS", "WARMUP"), help=argparse.SUPPRESS
@@ -155,48 +172,45 @@ def main() -> None:
         engine, bundle, trainable, steps, warmup = args.worker
         print(json.dumps(time_steps(engine, Path(bundle), trainable, int(steps), int(warmup))))
         return
-    widths = [float(w) for w in args.widths.split(",")]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
     with tempfile.TemporaryDirectory() as scratch:
-        bundles = export_bundles(widths, args.bundles or Path(scratch))
-        cases = [(w, t, e) for w in widths for t in SETS for e in ENGINES]
+        bundles = export_bundles(models, args.bundles or Path(scratch))
+        cases = [(m, t, e) for m in models for t in SETS for e in ENGINES]
         times: dict[tuple, list[float]] = {case: [] for case in cases}
         errors: dict[tuple, str] = {}
         # rounds interleave the engines, so that load from other processes falls on all of them alike
         for _ in range(args.rounds):
-            for width, trainable, engine in cases:
-                seconds = run_worker(engine, bundles[width], trainable, args.steps, args.warmup)
+            for model, trainable, engine in cases:
+                seconds = run_worker(engine, bundles[model], trainable, args.steps, args.warmup)
                 if isinstance(seconds, str):
-                    errors[(width, trainable, engine)] = seconds
+                    errors[(model, trainable, engine)] = seconds
                 else:
-                    times[(width, trainable, engine)] += seconds
-                print(
-                    f"x{width} {trainable} {engine}: {seconds if isinstance(seconds, str) else 'ok'}", file=sys.stderr
-                )
+                    times[(model, trainable, engine)] += seconds
+                print(f"{model} {trainable} {engine}: {seconds if isinstance(seconds, str) else 'ok'}", file=sys.stderr)
         rows = []
-        for width, trainable, engine in cases:
-            row = {"model": "mobilenet", "width": width, "trainable": trainable, "engine": engine}
-            if times[(width, trainable, engine)]:
-                row.update(summarize(times[(width, trainable, engine)], args.rounds))
+        for model, trainable, engine in cases:
+            row = {"model": model, "trainable": trainable, "engine": engine}
+            if times[(model, trainable, engine)]:
+                row.update(summarize(times[(model, trainable, engine)], args.rounds))
             else:
-                row["error"] = errors.get((width, trainable, engine), "no steps timed")
+                row["error"] = errors.get((model, trainable, engine), "no steps timed")
             rows.append(row)
     ratios = {}
-    for width in widths:
+    for model in models:
         for trainable in SETS:
             speed = {
-                r["engine"]: r.get("images_per_s") for r in rows if (r["width"], r["trainable"]) == (width, trainable)
+                r["engine"]: r.get("images_per_s") for r in rows if (r["model"], r["trainable"]) == (model, trainable)
             }
             if speed.get("torch") and speed.get("portable"):
-                ratios[f"x{width} {trainable}"] = round(speed["portable"] / speed["torch"], 2)
+                ratios[f"{model} {trainable}"] = round(speed["portable"] / speed["torch"], 2)
     plot(rows, OUT / "engines.png")
     result = {
         "batch": BATCH,
         "threads": THREADS,
         "kp": KP,
-        "input": [3, 32, 32],
         "rows": rows,
         "portable_vs_torch": ratios,
-        "targets": {"x0.25 full": 0.8, "x0.25 personal": 1.0},
+        "targets": {"full": 0.8, "personal": 1.0, "mobilenet-x1.0 full": 1.0},
     }
     print(json.dumps(result, indent=1))
 

@@ -1,7 +1,9 @@
-"""Export time and bundle size per model and width; base vs personal bytes for mobilenet x1.0 at K_P=0..4.
+"""Export time and bundle size per model: the zoo, and torchvision's tested families (10-class head, 32x32);
+base vs personal bytes for mobilenet x1.0 at K_P=0..4.
 
 Prints JSON on stdout and a table on stderr, and writes bench/out/export.png.
-Usage: python bench/export.py [--quick]   (--quick: mobilenet x0.25 and mlp only)
+Usage: python bench/export.py [--quick] [--families LIST] [--no-zoo]
+  --quick: mobilenet x0.25 and mlp only; --families: comma list of torchvision names ("" for none)
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 
 from edgepfl.export.bundle import ExportOptions, export_bundle, summarize
 from edgepfl.export.models import ModelSpec, default_spec
+from edgepfl.export.source import TORCHVISION_TESTED
 
 OUT = Path(__file__).resolve().parent / "out"
+FAMILY_SHAPE = (3, 32, 32)
 
 
 def bundle_bytes(folder: Path) -> dict[str, int]:
@@ -32,13 +36,22 @@ def bundle_bytes(folder: Path) -> dict[str, int]:
     return sizes
 
 
-def measure_exports(specs: list[tuple[str, ModelSpec]], kp: int) -> list[dict]:
-    """Time one export per model spec and record its bundle size."""
+def measure_exports(specs: list[tuple[str, ModelSpec | str]], kp: int) -> list[dict]:
+    """Time one export per zoo spec or MODEL string (built at 3x32x32, 10 classes) and record its bundle size."""
+    from edgepfl.export import source
+
     rows = []
     for label, spec in specs:
+        print(f"exporting {label} ...", file=sys.stderr)
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            manifest = export_bundle(spec, kp, Path(tmp) / "bundle", ExportOptions())
+            if isinstance(spec, ModelSpec):
+                manifest = export_bundle(spec, kp, Path(tmp) / "bundle", ExportOptions())
+            else:
+                loaded = source.build_from_string(source.parse_model(spec), FAMILY_SHAPE, None, 10)
+                manifest = export_bundle(
+                    loaded.module, kp, Path(tmp) / "bundle", input_shape=FAMILY_SHAPE, description=loaded.description
+                )
             seconds = time.perf_counter() - start
             sizes = bundle_bytes(Path(tmp) / "bundle")
         rows.append(
@@ -77,12 +90,19 @@ def split_bytes(max_kp: int = 4) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--families", default=",".join(TORCHVISION_TESTED))
+    parser.add_argument("--no-zoo", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    specs = [(f"mobilenet x{w}", ModelSpec(name="mobilenet", width=w)) for w in (0.25, 0.5, 0.75, 1.0)]
+    specs: list[tuple[str, ModelSpec | str]] = [
+        (f"mobilenet x{w}", ModelSpec(name="mobilenet", width=w)) for w in (0.25, 0.5, 0.75, 1.0)
+    ]
     specs += [("cnn", default_spec("cnn")), ("mlp", default_spec("mlp")), ("resnet34", default_spec("resnet34"))]
     if args.quick:
         specs = [specs[0], specs[5]]
+    if args.no_zoo:
+        specs = []
+    specs += [(name, f"torchvision:{name}") for name in args.families.split(",") if name]
     result = {"exports": measure_exports(specs, kp=2), "mobilenet_x1.0_split": split_bytes()}
     print(json.dumps(result, indent=2))
     for row in result["exports"]:

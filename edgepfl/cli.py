@@ -38,55 +38,107 @@ def fail(error: EdgePFLError) -> None:
 
 @app.command()
 def export(
-    model: Annotated[str, typer.Argument(help="zoo model: mobilenet, cnn, mlp, resnet34")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="zoo model (mobilenet, cnn, mlp, resnet34), torchvision:NAME, path/to/file.py:factory "
+            "or package.module:factory"
+        ),
+    ],
     kp: Annotated[int, typer.Option(help="personal blocks counted from the classifier (0 = FedAvg)")] = 2,
     out: Annotated[Path, typer.Option(help="bundle folder to write")] = Path("bundle"),
-    width: Annotated[float | None, typer.Option(help="MobileNet width multiplier: 0.25|0.5|0.75|1.0")] = None,
-    input_size: Annotated[int | None, typer.Option(help="image side: 32 (CIFAR), 28 (MNIST), 224")] = None,
-    in_channels: Annotated[int | None, typer.Option(help="input channels: 3 colour, 1 grey")] = None,
-    num_classes: Annotated[int | None, typer.Option(help="number of classes")] = None,
-    norm: Annotated[str | None, typer.Option(help="batch | group | none")] = None,
+    input_shape: Annotated[
+        str | None, typer.Option(help="C,H,W of one sample (torchvision:/factory models; torchvision: 3,224,224)")
+    ] = None,
+    weights: Annotated[
+        Path | None, typer.Option(help="local state_dict file (.pt/.pth via torch.load weights_only, or .safetensors)")
+    ] = None,
+    num_classes: Annotated[
+        int | None,
+        typer.Option(help="number of classes (torchvision:/factory models: a new, freshly initialised head)"),
+    ] = None,
+    show_blocks: Annotated[
+        bool, typer.Option("--show-blocks", help="print the blocks and what each --kp would upload, then stop")
+    ] = False,
+    width: Annotated[float | None, typer.Option(help="zoo MobileNet width multiplier: 0.25|0.5|0.75|1.0")] = None,
+    input_size: Annotated[int | None, typer.Option(help="zoo image side: 32 (CIFAR), 28 (MNIST), 224")] = None,
+    in_channels: Annotated[int | None, typer.Option(help="zoo input channels: 3 colour, 1 grey")] = None,
+    norm: Annotated[str | None, typer.Option(help="zoo normalisation: batch | group | none")] = None,
     engines: Annotated[
         str | None,
         typer.Option(help="comma list of: ort-training, portable [default: both, or portable alone]"),
     ] = None,
     optimizer: Annotated[str, typer.Option(help="ORT-training optimizer: sgd | adamw")] = "sgd",
-    seed: Annotated[int, typer.Option(help="seed of the initial weights")] = 0,
+    seed: Annotated[int, typer.Option(help="seed of the initial weights (and of a new head)")] = 0,
     force: Annotated[bool, typer.Option("--force", help="replace a non-empty output folder")] = False,
     distill: Annotated[
         bool, typer.Option(help="also write PersFL distillation graphs for `device distill` (doubles export time)")
     ] = False,
 ) -> None:
-    """Export a zoo model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
+    """Export a model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
-        from edgepfl.export.bundle import ExportOptions, default_engines, export_bundle, print_summary
-        from edgepfl.export.models import ModelSpec, default_spec, validate_spec
+        from edgepfl.export import bundle, source
+        from edgepfl.export.blocks import block_rows
+        from edgepfl.export.models import ModelSpec, default_spec
     except ImportError as exc:
         fail(EdgePFLError(f"export needs torch and onnx ({exc.name} is missing)", "pip install 'edgepfl[export]'"))
+    from edgepfl.errors import UsageError
+
     try:
-        base = default_spec(model) if model in ("mobilenet", "cnn", "mlp", "resnet34") else ModelSpec(name=model)
-        spec = ModelSpec(
-            name=model,
-            width=base.width if width is None else width,
-            input_size=base.input_size if input_size is None else input_size,
-            in_channels=base.in_channels if in_channels is None else in_channels,
-            num_classes=base.num_classes if num_classes is None else num_classes,
-            norm=base.norm if norm is None else norm,
-        )
-        validate_spec(spec)
-        options = ExportOptions(
-            engines=default_engines() if engines is None else tuple(e.strip() for e in engines.split(",") if e.strip()),
+        parsed = source.parse_model(model)
+        zoo_options = {"--width": width, "--input-size": input_size, "--in-channels": in_channels, "--norm": norm}
+        if parsed.is_zoo:
+            if input_shape is not None:
+                raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")
+            base = default_spec(model)
+            spec = ModelSpec(
+                name=model,
+                width=base.width if width is None else width,
+                input_size=base.input_size if input_size is None else input_size,
+                in_channels=base.in_channels if in_channels is None else in_channels,
+                num_classes=base.num_classes if num_classes is None else num_classes,
+                norm=base.norm if norm is None else norm,
+            )
+            target = bundle.zoo_target(spec, seed)
+            if weights is not None:
+                source.load_weights(target.module, source.read_state_dict(weights), f"weights file {weights}")
+        else:
+            given = [name for name, value in zoo_options.items() if value is not None]
+            if given:
+                raise UsageError(f"{given[0]} applies to zoo models only", "use --input-shape/--num-classes")
+            shape = source.parse_input_shape(input_shape) if input_shape is not None else None
+            loaded = source.build_from_string(parsed, shape, weights, num_classes, seed)
+            target = bundle.module_target(
+                loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description
+            )
+        from rich.console import Console
+
+        console = Console(stderr=False)
+        if show_blocks:
+            rows = block_rows(target.module, target.blocks)
+            bundle.print_blocks(
+                rows, f"{model}: blocks from the input end ({target.description.get('blocks_from', 'zoo')})", console
+            )
+            return
+        options = bundle.ExportOptions(
+            engines=bundle.default_engines()
+            if engines is None
+            else tuple(e.strip() for e in engines.split(",") if e.strip()),
             optimizer=optimizer,
             seed=seed,
             force=force,
             distill=distill,
         )
-        from rich.console import Console
-
-        console = Console(stderr=False)
         with console.status("exporting") as status:
-            manifest = export_bundle(spec, kp, out, options, progress=lambda step: status.update(f"exporting {step}"))
-        print_summary(manifest, out, console)
+            manifest = bundle.export_target(
+                target,
+                kp,
+                out,
+                options,
+                progress=lambda step: status.update(f"exporting {step}"),
+                notice=lambda line: console.print(line, markup=False, highlight=False),
+            )
+        bundle.print_summary(manifest, out, console)
     except EdgePFLError as error:
         fail(error)
 

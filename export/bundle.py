@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import edgepfl
 from edgepfl.atomic import sha256_file
-from edgepfl.errors import UsageError
-from edgepfl.export import ort_training
-from edgepfl.export.models import BlockModel, ModelSpec, build_model
+from edgepfl.errors import EdgePFLError, UsageError
+from edgepfl.export import ort_training, prepare, source
+from edgepfl.export.blocks import BlockList, check_blocks, find_blocks, state_tensors
+from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
+from edgepfl.export.portable import StepShape
 from edgepfl.manifest import InputSpec, Manifest, split_roles
 from edgepfl.ortbuild import training_build_installed
 
@@ -39,24 +44,62 @@ class ExportOptions:
     distill: bool = False  # PersFL stage-2 graphs for both engines (about doubles export time and size)
 
 
+@dataclass
+class ExportTarget:
+    """A model ready to export: the module, its blocks and what the manifest records about it."""
+
+    module: nn.Module
+    input_shape: tuple[int, ...]
+    num_classes: int
+    blocks: BlockList
+    normalization: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    description: dict = field(default_factory=dict)
+
+
 def export_bundle(
-    spec: ModelSpec,
+    model: nn.Module | ModelSpec,
     kp: int,
     out: str | Path,
     options: ExportOptions = ExportOptions(),
     progress: Callable[[str], None] = lambda _: None,
+    *,
+    input_shape: Sequence[int] | None = None,
+    blocks: BlockList | None = None,
+    normalization: tuple[Sequence[float], Sequence[float]] = ((), ()),
+    description: dict | None = None,
+    notice: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Manifest:
-    """Build the model, split it at `kp` and write the bundle into `out`; returns its manifest."""
-    validate_export(kp, out, options, spec)
-    torch.manual_seed(options.seed)
-    model = build_model(spec)
-    model.eval()
+    """Split `model` at `kp` and write the bundle into `out`; returns its manifest.
+
+    `model` is any nn.Module (its weights are exported as they are; `input_shape` is (C, H, W) of one
+    sample; `blocks` as (name, [submodule names]) from the input end, else found by `find_blocks`), or
+    a zoo ModelSpec (built with `options.seed`). `notice` gets the one-line remarks (dropout off, an
+    engine that cannot be built).
+    """
+    target = (
+        zoo_target(model, options.seed)
+        if isinstance(model, ModelSpec)
+        else module_target(model, input_shape, blocks, normalization, description)
+    )
+    return export_target(target, kp, out, options, progress, notice)
+
+
+def export_target(
+    target: ExportTarget,
+    kp: int,
+    out: str | Path,
+    options: ExportOptions = ExportOptions(),
+    progress: Callable[[str], None] = lambda _: None,
+    notice: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> Manifest:
+    """Write the bundle of a checked target (see `export_bundle`) into `out`, atomically."""
+    validate_export(kp, out, options, len(target.blocks), target.description.get("name", "model"))
     out = Path(out)
     # build next to the target and swap at the end, so a failed export never destroys a bundle
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        manifest = _write_bundle(model, kp, staging, options, progress)
+        manifest = _write_bundle(target, kp, staging, options, progress, notice)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -66,12 +109,92 @@ def export_bundle(
     return manifest
 
 
-def validate_export(kp: int, out: str | Path, options: ExportOptions, spec: ModelSpec) -> None:
+def zoo_target(spec: ModelSpec, seed: int) -> ExportTarget:
+    """A zoo model built from its spec under `seed`; the manifest records the spec verbatim."""
+    validate_spec(spec)
+    torch.manual_seed(seed)
+    model = build_model(spec).eval()
+    return ExportTarget(
+        model, spec.input_shape, spec.num_classes, model.block_modules, spec.normalization, spec.to_dict()
+    )
+
+
+def module_target(
+    module: nn.Module,
+    input_shape: Sequence[int] | None,
+    blocks: BlockList | None = None,
+    normalization: tuple[Sequence[float], Sequence[float]] = ((), ()),
+    description: dict | None = None,
+) -> ExportTarget:
+    """Check any nn.Module for export: input shape, blocks (every tensor in exactly one), BatchNorm, logits."""
+    if not isinstance(module, nn.Module):
+        raise UsageError(f"export_bundle got a {type(module).__name__}", "pass an nn.Module or a zoo ModelSpec")
+    if input_shape is None:
+        input_shape = getattr(module, source.INPUT_SHAPE_ATTR, None)
+    if input_shape is None:
+        raise UsageError(
+            f"{(description or {}).get('name', type(module).__name__)} does not say its input shape",
+            "pass --input-shape C,H,W (input_shape= in Python)",
+        )
+    input_shape = tuple(int(d) for d in input_shape)
+    if len(input_shape) != 3 or min(input_shape) < 1:
+        raise UsageError(f"input shape {input_shape} is not (C, H, W)", "pass e.g. --input-shape 3,32,32")
+    origin = "given"
+    if blocks is None:
+        blocks, origin = find_blocks(module)
+    blocks = [(str(name), list(members)) for name, members in blocks]
+    check_blocks(module, blocks)
+    prepare.check_batchnorm(module)
+    mean, std = (tuple(float(v) for v in part) for part in normalization)
+    if len(mean) != len(std) or (mean and len(mean) != input_shape[0]):
+        raise UsageError(
+            f"normalization {normalization} does not fit {input_shape[0]} channels", "one mean/std per channel"
+        )
+    num_classes = source.output_classes(module, input_shape)
+    description = {"name": type(module).__name__, **(description or {})}
+    description.update(
+        {
+            "class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "input_shape": list(input_shape),
+            "num_classes": num_classes,
+            "blocks_from": origin,
+            "random_layers_off": prepare.random_layers(module),
+        }
+    )
+    return ExportTarget(module, input_shape, num_classes, blocks, (mean, std), description)
+
+
+def simulation_target(
+    model: str,
+    sample_shape: Sequence[int],
+    num_classes: int,
+    seed: int,
+    width: float = 0.25,
+    norm: str | None = None,
+) -> ExportTarget:
+    """The simulator's model for a dataset: a zoo name with its knobs, or a MODEL string given the dataset's
+    input shape and a fresh head of `num_classes`."""
+    parsed = source.parse_model(model)
+    if parsed.is_zoo:
+        base = default_spec(model)
+        spec = ModelSpec(
+            name=model,
+            width=width if model == "mobilenet" else base.width,
+            input_size=int(sample_shape[1]),
+            in_channels=int(sample_shape[0]),
+            num_classes=num_classes,
+            norm=norm or base.norm,
+        )
+        return zoo_target(spec, seed)
+    loaded = source.build_from_string(parsed, tuple(int(d) for d in sample_shape), None, num_classes, seed)
+    return module_target(loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description)
+
+
+def validate_export(kp: int, out: str | Path, options: ExportOptions, num_blocks: int, name: str = "model") -> None:
     """One-line errors for a bad K_P, engine, optimizer or output folder, before any work."""
-    num_blocks = len(build_model(spec).block_modules)
     if not 0 <= kp <= num_blocks:
         raise UsageError(
-            f"--kp {kp} is outside 0..{num_blocks} for {spec.name}",
+            f"--kp {kp} is outside 0..{num_blocks} for {name}",
             f"choose 0 (FedAvg, all base) to {num_blocks} (all personal)",
         )
     unknown = [e for e in options.engines if e not in ENGINES]
@@ -89,34 +212,64 @@ def validate_export(kp: int, out: str | Path, options: ExportOptions, spec: Mode
 
 
 def _write_bundle(
-    model: BlockModel, kp: int, folder: Path, options: ExportOptions, progress: Callable[[str], None]
+    target: ExportTarget,
+    kp: int,
+    folder: Path,
+    options: ExportOptions,
+    progress: Callable[[str], None],
+    notice: Callable[[str], None],
 ) -> Manifest:
-    spec = model.spec
-    params, buffers = model.state_tensors()
-    tensors = split_roles(params, buffers, len(model.block_modules), kp)
-    mean, std = spec.normalization
+    model = target.module.eval()
+    params, buffers = state_tensors(model, target.blocks)
+    tensors = split_roles(params, buffers, len(target.blocks), kp)
+    mean, std = target.normalization
     manifest = Manifest(
-        model=spec.to_dict(),
-        input=InputSpec(shape=spec.input_shape, mean=mean, std=std),
-        num_classes=spec.num_classes,
+        model=target.description,
+        input=InputSpec(shape=target.input_shape, mean=mean, std=std),
+        num_classes=target.num_classes,
         kp=kp,
-        blocks=tuple(model.block_names()),
+        blocks=tuple(name for name, _ in target.blocks),
         tensors=tensors,
         edgepfl_version=edgepfl.__version__,
     )
+    shape = StepShape(target.input_shape, target.num_classes)
+    random_off = prepare.random_layers(model)
+    if random_off:
+        notice(
+            f"note: {len(random_off)} Dropout/StochasticDepth layer(s) run as in evaluation mode in on-device "
+            f"training (e.g. {random_off[0]}); the manifest lists them under model.random_layers_off"
+        )
+    trainer = prepare.without_random_layers(model)
     engines: dict = {}
     progress("inference model")
-    _export_inference(model, folder / "model.onnx")
-    if "ort-training" in options.engines:
+    _export_inference(model, target.input_shape, folder / "model.onnx")
+    wanted = list(options.engines)
+    if "portable" in wanted:
+        prepare.check_portable_ops(trainer, target.input_shape)  # before the slow ORT build, to fail fast
+    if "ort-training" in wanted:
         progress("ort-training artifacts")
-        engines["ort-training"] = _export_ort_training(model, manifest, folder / "ort-training", options)
-    if "portable" in options.engines:
+        try:
+            engines["ort-training"] = _export_ort_training(trainer, shape, manifest, folder / "ort-training", options)
+        except OrtUnsupported as exc:
+            if "portable" not in wanted:
+                raise UsageError(str(exc), "export with --engines portable") from None
+            shutil.rmtree(folder / "ort-training", ignore_errors=True)
+            notice(f"note: no ort-training artifacts: {exc}; writing the portable engine only")
+    if "portable" in wanted:
         progress("portable step graphs")
         from edgepfl.export import portable
 
-        engines["portable"] = portable.export_portable(
-            model, manifest, folder / "portable", options.portable_batch, distill=options.distill
-        )
+        try:
+            engines["portable"] = portable.export_portable(
+                trainer, manifest, folder / "portable", options.portable_batch, distill=options.distill
+            )
+        except EdgePFLError:
+            raise
+        except Exception as exc:  # a tracer or exporter failure: one line instead of a half-written graph
+            raise UsageError(
+                f"the portable step graph could not be exported ({type(exc).__name__}: {_first_line(exc)})",
+                "export with --engines ort-training, or report the model to the edgepfl developers",
+            ) from None
     files = {
         str(path.relative_to(folder)).replace("\\", "/"): sha256_file(path)
         for path in sorted(folder.rglob("*"))
@@ -128,11 +281,11 @@ def _write_bundle(
     return final
 
 
-def _export_inference(model: BlockModel, path: Path) -> None:
+def _export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -> None:
     model.eval()
     torch.onnx.export(
         model,
-        (torch.zeros(1, *model.spec.input_shape),),
+        (torch.zeros(1, *input_shape),),
         str(path),
         input_names=["input"],
         output_names=["logits"],
@@ -142,14 +295,31 @@ def _export_inference(model: BlockModel, path: Path) -> None:
     )
 
 
-def _export_ort_training(model: BlockModel, manifest: Manifest, folder: Path, options: ExportOptions) -> dict:
+class OrtUnsupported(Exception):
+    """onnxruntime-training 1.19.2 cannot build artifacts for this model (the message says why)."""
+
+
+def _export_ort_training(
+    model: nn.Module, shape: StepShape, manifest: Manifest, folder: Path, options: ExportOptions
+) -> dict:
+    momenta = prepare.batchnorm_momenta(model)
+    if len(momenta) > 1:
+        raise OrtUnsupported(
+            f"ort-training needs one BatchNorm momentum and this model's layers use {len(momenta)} ({momenta[:3]})"
+        )
+    model = prepare.primitive_group_norm(model)
     folder.mkdir(parents=True, exist_ok=True)
-    proto = ort_training.export_training_onnx(model, folder / "forward_training.onnx")
+    proto = ort_training.export_training_onnx(model, folder / "forward_training.onnx", shape)
     stats = ort_training.bn_stat_outputs(proto)
     trainable_sets = manifest.trainable_sets()
     sets = {}
     for set_name, trainable in trainable_sets.items():
-        ort_training.build_training_set(proto, folder / set_name, trainable, options.optimizer, stats)
+        try:
+            ort_training.build_training_set(proto, folder / set_name, trainable, options.optimizer, stats)
+        except RuntimeError as exc:
+            raise OrtUnsupported(
+                f"onnxruntime-training 1.19.2 cannot build artifacts for this model ({_ort_reason(exc)})"
+            ) from None
         sets[set_name] = {
             "training_model": f"ort-training/{set_name}/training_model.onnx",
             "eval_model": f"ort-training/{set_name}/eval_model.onnx",
@@ -158,7 +328,9 @@ def _export_ort_training(model: BlockModel, manifest: Manifest, folder: Path, op
         }
     (folder / "forward_training.onnx").unlink()
     distill = (
-        ort_training.build_distill_sets(model, trainable_sets, folder, options.optimizer) if options.distill else {}
+        ort_training.build_distill_sets(model, trainable_sets, folder, options.optimizer, shape)
+        if options.distill
+        else {}
     )
     return {
         "optimizer": options.optimizer,
@@ -166,9 +338,25 @@ def _export_ort_training(model: BlockModel, manifest: Manifest, folder: Path, op
         "sets": sets,
         "bn_stats": stats,
         "distill": distill,
-        "bn_momentum": 0.1,
+        "bn_momentum": momenta[0] if momenta else 0.1,
         "input_name": "input",
     }
+
+
+def _ort_reason(exc: BaseException) -> str:
+    text = str(exc)
+    marker = "The gradient builder has not been registered:"
+    if marker in text:
+        return "no gradient for " + text.split(marker, 1)[1].strip().splitlines()[0]
+    return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", str(exc))
+    if missing:
+        return f"the ONNX exporter has no function for {missing.group(1)}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(exc).__name__
 
 
 def summarize(manifest: Manifest) -> dict:
@@ -210,6 +398,32 @@ def print_summary(manifest: Manifest, out: Path, console=None) -> None:
         f"(FedAvg would send {_human(full)}); base_layout_hash {manifest.base_layout_hash[:16]}…"
     )
     console.print(f"engines: {', '.join(manifest.engines) or 'none'}; files: {len(manifest.files)}")
+
+
+def print_blocks(rows: list[dict], title: str, console=None) -> None:
+    """`export --show-blocks`: each block's size, the K_P whose personal part starts there, and its upload."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=title)
+    for column in ("#", "block", "parameters", "bytes", "K_P if personal from here", "one round uploads"):
+        table.add_column(column, justify="left" if column == "block" else "right")
+    for row in rows:
+        table.add_row(
+            str(row["index"]),
+            row["block"],
+            f"{row['parameters']:,}",
+            _human(row["bytes"]),
+            str(row["kp"]),
+            _human(row["upload_bytes"]),
+        )
+    console.print(table)
+    total = sum(row["bytes"] for row in rows)
+    console.print(
+        f"{len(rows)} blocks; --kp K keeps the last K blocks on the device and uploads the base parameters "
+        f"before them each round (--kp 0 = FedAvg uploads all {_human(total)})"
+    )
 
 
 def _block_range(names: Sequence[str], indices: list[int]) -> str:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
+from edgepfl.export import blocks
 
 MODEL_NAMES = ("mobilenet", "cnn", "mlp", "resnet34")
 WIDTHS = (0.25, 0.5, 0.75, 1.0)
@@ -109,20 +110,11 @@ class BlockModel(nn.Module):
 
     def block_of(self, tensor_name: str) -> int:
         """Index of the block that owns a parameter or buffer name."""
-        for index, (_, prefixes) in enumerate(self.block_modules):
-            if any(tensor_name == p or tensor_name.startswith(p + ".") for p in prefixes):
-                return index
-        raise ValueError(f"tensor {tensor_name} belongs to no block")
+        return blocks.block_of(self.block_modules, tensor_name)
 
     def state_tensors(self) -> tuple[list[tuple], list[tuple]]:
         """(params, buffers) as (name, shape, dtype, block); num_batches_tracked is not model state here."""
-        params = [(n, tuple(p.shape), _dtype(p), self.block_of(n)) for n, p in self.named_parameters()]
-        buffers = [
-            (n, tuple(b.shape), _dtype(b), self.block_of(n))
-            for n, b in self.named_buffers()
-            if not n.endswith("num_batches_tracked")
-        ]
-        return params, buffers
+        return blocks.state_tensors(self, self.block_modules)
 
 
 class GroupNorm(nn.GroupNorm):
@@ -135,7 +127,8 @@ class GroupNorm(nn.GroupNorm):
         centred = grouped - mean
         var = (centred * centred).mean(-1, keepdim=True)
         y = (centred / torch.sqrt(var + self.eps)).reshape(x.shape)
-        return y * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
+        per_channel = (1, c, *([1] * (x.dim() - 2)))
+        return y * self.weight.view(per_channel) + self.bias.view(per_channel)
 
 
 def _norm_factory(norm: str):
@@ -277,7 +270,3 @@ class ResNet34(BlockModel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.classifier(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-
-
-def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")

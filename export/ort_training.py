@@ -9,12 +9,12 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from edgepfl.export.models import BlockModel
-from edgepfl.export.portable import DISTILL_SETS, DISTILL_VARIANTS
+from edgepfl.export.portable import DISTILL_SETS, DISTILL_VARIANTS, StepShape
 
 ORT_MAX_IR = 10  # onnxruntime(-training) 1.19 loads IR <= 10
 ORT_OPSET = 17
@@ -25,14 +25,15 @@ DISTILL_LOSS = "loss"
 DISTILL_INPUTS = ("input", "labels", "teacher_logits", "T", "lambda")
 
 
-def export_training_onnx(model: BlockModel, path: Path) -> onnx.ModelProto:
+def export_training_onnx(model: torch.nn.Module, path: Path, shape: StepShape | None = None) -> onnx.ModelProto:
     """Training-mode ONNX export that leaves the model and the exported initializers untouched.
 
     Tracing runs one train-mode forward pass, which moves BatchNorm running statistics in the
     module and in the written initializers; both are restored from a copy taken before.
+    `shape` gives the input shape (a zoo model's own spec when left out).
     """
     before = copy.deepcopy(model.state_dict())
-    example = torch.zeros(2, *model.spec.input_shape)
+    example = torch.zeros(2, *(shape or model.spec).input_shape)
     model.train()
     with warnings.catch_warnings():
         # num_batches_tracked is not model state here (momentum is fixed), its increment may go
@@ -43,11 +44,12 @@ def export_training_onnx(model: BlockModel, path: Path) -> onnx.ModelProto:
     for init in proto.graph.initializer:
         if init.name in before:
             init.CopyFrom(numpy_helper.from_array(before[init.name].detach().cpu().numpy(), init.name))
+    ort_differentiable(proto)
     onnx.save(proto, str(path))
     return proto
 
 
-def _export_train_mode(model: BlockModel, example: torch.Tensor, path: Path) -> None:
+def _export_train_mode(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
     torch.onnx.export(
         model,
         (example,),
@@ -60,6 +62,47 @@ def _export_train_mode(model: BlockModel, example: torch.Tensor, path: Path) -> 
         training=torch.onnx.TrainingMode.TRAINING,
         dynamo=False,
     )
+
+
+def ort_differentiable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrites so that ORT 1.19 can build the gradient graph, same values.
+
+    HardSwish and HardSigmoid (no gradient builder) become Mul/Add/Clip: HardSigmoid(x) = Clip(alpha·x + beta,
+    0, 1) with the node's alpha and beta, HardSwish(x) = x · HardSigmoid(x) with 1/6 and 1/2 (the ONNX
+    definitions). LayerNormalization gets its optional Mean and InvStdDev outputs, which its gradient reads.
+    """
+    graph = proto.graph
+    nodes = []
+
+    def constant(value: float) -> str:
+        # a Constant node, not an initializer: generate_artifacts would make an initializer a frozen parameter
+        name = f"edgepfl_hard_const_{len(nodes)}"
+        nodes.append(
+            helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.float32)))
+        )
+        return name
+
+    for index, node in enumerate(graph.node):
+        if node.op_type == "LayerNormalization":
+            node.output.extend(f"edgepfl_ln_{index}_{kind}" for kind in ("mean", "inv_std")[len(node.output) - 1 :])
+        if node.op_type not in ("HardSwish", "HardSigmoid"):
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        alpha = attrs.get("alpha", 0.2) if node.op_type == "HardSigmoid" else 1 / 6
+        beta = attrs.get("beta", 0.5) if node.op_type == "HardSigmoid" else 0.5
+        x, tag = node.input[0], f"edgepfl_hard_{index}"
+        gate = node.output[0] if node.op_type == "HardSigmoid" else f"{tag}_gate"
+        nodes += [
+            helper.make_node("Mul", [x, constant(alpha)], [f"{tag}_scaled"], name=f"{tag}_mul"),
+            helper.make_node("Add", [f"{tag}_scaled", constant(beta)], [f"{tag}_shifted"], name=f"{tag}_add"),
+            helper.make_node("Clip", [f"{tag}_shifted", constant(0.0), constant(1.0)], [gate], name=f"{tag}_clip"),
+        ]
+        if node.op_type == "HardSwish":
+            nodes.append(helper.make_node("Mul", [x, gate], [node.output[0]], name=f"{tag}_out"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return proto
 
 
 def bn_stat_outputs(proto: onnx.ModelProto) -> list[dict]:
@@ -88,7 +131,9 @@ def bn_stat_outputs(proto: onnx.ModelProto) -> list[dict]:
     return stats
 
 
-def export_distill_onnx(model: BlockModel, variant: str, path: Path) -> onnx.ModelProto:
+def export_distill_onnx(
+    model: torch.nn.Module, variant: str, path: Path, shape: StepShape | None = None
+) -> onnx.ModelProto:
     """Training-mode ONNX export of (input, labels, teacher_logits, T, lambda) -> (loss, logits) for PersFL.
 
     The loss is `edgepfl.export.portable.distillation_loss`, the same function the portable graphs trace.
@@ -97,10 +142,11 @@ def export_distill_onnx(model: BlockModel, variant: str, path: Path) -> onnx.Mod
     before = copy.deepcopy(model.state_dict())
     wrapper = _DistillForward(model, variant)
     batch = 2
+    shape = shape or model.spec
     example = (
-        torch.zeros(batch, *model.spec.input_shape),
+        torch.zeros(batch, *shape.input_shape),
         torch.zeros(batch, dtype=torch.int64),
-        torch.zeros(batch, model.spec.num_classes),
+        torch.zeros(batch, shape.num_classes),
         torch.tensor(2.0),
         torch.tensor(0.5),
     )
@@ -137,16 +183,23 @@ def export_distill_onnx(model: BlockModel, variant: str, path: Path) -> onnx.Mod
         if node.op_type == "SoftmaxCrossEntropyLoss" and len(node.output) == 1:
             # ORT's gradient of this op reads its optional log_prob output, which the exporter may leave out
             node.output.append(f"distill_log_prob_{index}")
+    ort_differentiable(proto)
     onnx.save(proto, str(path))
     return proto
 
 
-def build_distill_sets(model: BlockModel, trainable_sets: dict[str, list[str]], folder: Path, optimizer: str) -> dict:
+def build_distill_sets(
+    model: torch.nn.Module,
+    trainable_sets: dict[str, list[str]],
+    folder: Path,
+    optimizer: str,
+    shape: StepShape | None = None,
+) -> dict:
     """ORT training artifacts of the distillation loss, per variant and set; returns the manifest entry."""
     entry: dict = {}
     for variant in DISTILL_VARIANTS:
         forward = folder / f"forward_distill_{variant}.onnx"
-        proto = export_distill_onnx(model, variant, forward)
+        proto = export_distill_onnx(model, variant, forward, shape)
         stats = bn_stat_outputs(proto)
         sets = {}
         for set_name in DISTILL_SETS:
@@ -171,7 +224,7 @@ class _DistillForward(torch.nn.Module):
 
     PREFIX = "model."
 
-    def __init__(self, model: BlockModel, variant: str):
+    def __init__(self, model: torch.nn.Module, variant: str):
         super().__init__()
         self.model = model
         self.variant = variant

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
-from edgepfl.export.models import BlockModel
+from edgepfl.export import activations
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
 
@@ -45,7 +46,7 @@ aten = torch.ops.aten
 
 
 def export_portable(
-    model: BlockModel, manifest: Manifest, folder: Path, batch_size: int = DEFAULT_BATCH, distill: bool = True
+    model: nn.Module, manifest: Manifest, folder: Path, batch_size: int = DEFAULT_BATCH, distill: bool = True
 ) -> dict:
     """Write step, distillation (optional) and eval graphs and the initial tensors; returns the manifest entry."""
     if batch_size < 1:
@@ -53,7 +54,7 @@ def export_portable(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     prefix = folder.name
-    step_model = MaskedModel(model)
+    step_model = MaskedModel(model, StepShape(tuple(manifest.input.shape), manifest.num_classes))
     trainable = set(manifest.trainable("full"))
     params = [name for name, _ in model.named_parameters() if name in trainable]
     buffers = [name for name, _ in model.named_buffers() if name in set(manifest.names("buffer"))]
@@ -93,7 +94,7 @@ def export_portable(
         "ir_version": PORTABLE_IR,
         "loss": "cross_entropy",
         "optimizer": "sgd",
-        "bn_momentum": BN_MOMENTUM,
+        "bn_momentum": step_model.momentum,
         "params": params,
         "buffers": buffers,
         "steps": steps,
@@ -181,6 +182,10 @@ def trace(
     table[aten.convolution.default] = _convolution
     table[aten.convolution_backward.default] = _convolution_backward
     table[aten.threshold_backward.default] = _threshold_backward
+    table[aten.hardswish_backward.default] = activations.hardswish_backward
+    table[aten.hardsigmoid_backward.default] = activations.hardsigmoid_backward
+    table[aten.empty_like.default] = activations.empty_like
+    table[aten.slice_copy.Tensor] = activations.slice_copy
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
     return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=table)(*inputs)
 
@@ -366,17 +371,34 @@ class _MaskSlot:
     value: torch.Tensor | None = None
 
 
-class MaskedModel:
-    """A copy of a zoo model whose BatchNorm layers count only real samples; called functionally."""
+@dataclass(frozen=True)
+class StepShape:
+    """What the step graphs are traced for: one sample's input shape and the number of classes."""
 
-    def __init__(self, model: BlockModel):
-        self.spec = model.spec
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+class MaskedModel:
+    """A copy of a model whose BatchNorm layers count only real samples; called functionally.
+
+    `spec` gives the input shape and class count (a zoo model's own spec when left out).
+    """
+
+    def __init__(self, model: nn.Module, spec: StepShape | None = None):
+        self.spec = model.spec if spec is None else spec
         self.module = copy.deepcopy(model)
         self.slot = _MaskSlot()
         for parent in list(self.module.modules()):
             for child_name, child in list(parent.named_children()):
                 if isinstance(child, nn.BatchNorm2d):
                     setattr(parent, child_name, MaskedBatchNorm2d(child, self.slot))
+
+    @property
+    def momentum(self) -> float | list[float]:
+        """The BatchNorm momentum (a list where layers differ; the default where there is no BatchNorm)."""
+        momenta = sorted({m.momentum for m in self.module.modules() if isinstance(m, MaskedBatchNorm2d)})
+        return momenta[0] if len(momenta) == 1 else (momenta or BN_MOMENTUM)
 
     def __call__(self, state: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Logits of `x` with the model's tensors taken from `state`; samples with w = 0 do not count."""

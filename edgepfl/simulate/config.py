@@ -45,7 +45,7 @@ class SimulateConfig:
     """Everything `edgepfl simulate` was told; results.json records it verbatim."""
 
     out: str = "runs/sim"
-    model: str = "mobilenet"
+    model: str = "mobilenet"  # zoo name, torchvision:NAME, path/to/file.py:factory or package.module:factory
     width: float = 0.25
     kp: int = 2
     norm: str | None = None  # None: the zoo model's default
@@ -102,6 +102,9 @@ class SimulateConfig:
         for ok, problem, fix in checks:
             if not ok:
                 raise UsageError(problem, fix)
+        from edgepfl.export.source import parse_model  # a zoo name or a MODEL string of `edgepfl export`
+
+        parse_model(self.model)
         if self.plan.persfl:
             self.distill_config()
 

@@ -288,28 +288,17 @@ def ensure_bundle(
     config: SimulateConfig, folder: Path, sample_shape: tuple[int, int, int], num_classes: int
 ) -> Manifest:
     """Export the run's bundle once (reused on resume); its input and classes follow the dataset."""
-    from edgepfl.export.models import ModelSpec, build_model, default_spec
+    from edgepfl.export.bundle import simulation_target
 
-    base = default_spec(config.model)
-    channels, height, _ = sample_shape
-    spec = ModelSpec(
-        name=config.model,
-        width=config.width if config.model == "mobilenet" else base.width,
-        input_size=height,
-        in_channels=channels,
-        num_classes=num_classes,
-        norm=config.norm or base.norm,
-    )
-    kp = {"zero": 0, "all": None, "given": config.kp}[config.plan.kp]
-    if kp is None:
-        kp = len(build_model(spec).block_modules)
+    target = simulation_target(config.model, sample_shape, num_classes, config.seed, config.width, config.norm)
+    kp = {"zero": 0, "all": len(target.blocks), "given": config.kp}[config.plan.kp]
     if (folder / "manifest.json").is_file():
         manifest = load_manifest(folder)
-        if manifest.model == spec.to_dict() and manifest.kp == kp:
+        if manifest.model == target.description and manifest.kp == kp:
             return manifest
         raise StateError(f"{folder} holds a different model or kp", "use a new --out")
     from edgepfl.device_runtime.engine import training_build_installed
-    from edgepfl.export.bundle import ExportOptions, export_bundle
+    from edgepfl.export.bundle import ExportOptions, export_target
 
     if config.engine == "portable" or not training_build_installed():
         engines: tuple[str, ...] = ("portable",)
@@ -318,7 +307,7 @@ def ensure_bundle(
     options = ExportOptions(
         engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size, distill=config.plan.persfl
     )
-    return export_bundle(spec, kp, folder, options)
+    return export_target(target, kp, folder, options)
 
 
 def open_sim_engine(name: str, bundle: Path, manifest: Manifest, threads: int | None = None) -> Engine:

@@ -21,7 +21,7 @@ from edgepfl.manifest import TRAINABLE_SETS, Manifest
 
 
 class TorchEngine(Engine):
-    """A zoo model rebuilt from the manifest's spec, holding the bundle's initial tensors."""
+    """The bundle's model rebuilt from its manifest (zoo spec or MODEL string), holding its initial tensors."""
 
     name = "torch"
 
@@ -35,12 +35,12 @@ class TorchEngine(Engine):
         super().__init__(bundle_dir, manifest)
         import torch
 
-        from edgepfl.export.models import ModelSpec, build_model
+        from edgepfl.export.source import rebuild_module
 
         self._torch = torch
         if threads:
             torch.set_num_threads(threads)
-        self.model = build_model(ModelSpec(**manifest.model))
+        self.model = rebuild_module(manifest.model)
         self._params = dict(self.model.named_parameters())
         self._buffers = {n: b for n, b in self.model.named_buffers() if not n.endswith("num_batches_tracked")}
         known = set(self._params) | set(self._buffers)

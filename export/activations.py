@@ -1,0 +1,36 @@
+"""Backward passes of the mobile activations written with 0/1 masks, and ops the ONNX exporter lacks.
+
+The core decompositions of hardswish/hardsigmoid backward (and of empty_like, which SiLU's own
+autograd formula calls) allocate with aten.empty_permuted, which the ONNX exporter cannot translate;
+these give PyTorch's values with ops ONNX has (and products with masks, which onnxruntime runs
+faster than Where with a scalar branch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hardswish_backward(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d/dx x·relu6(x+3)/6: 0 below -3, x/3 + 1/2 on [-3, 3], 1 above (PyTorch's boundaries)."""
+    middle = ((x >= -3) & (x <= 3)).to(grad_out.dtype)
+    above = (x > 3).to(grad_out.dtype)
+    return grad_out * (middle * (x / 3 + 0.5) + above)
+
+
+def hardsigmoid_backward(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d/dx relu6(x+3)/6: 1/6 strictly inside (-3, 3), else 0 (PyTorch's boundaries)."""
+    return grad_out * (((x > -3) & (x < 3)).to(grad_out.dtype) / 6)
+
+
+def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None, **_: object) -> torch.Tensor:
+    """A zero-filled stand-in for aten.empty_like, which SiLU's autograd formula allocates and then fills."""
+    return torch.zeros(x.shape, dtype=dtype or x.dtype)
+
+
+def slice_copy(
+    x: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1
+) -> torch.Tensor:
+    """aten.slice_copy (functionalization's form of a slice: chunk/split, e.g. ShuffleNet's branches) as a
+    slice and a copy: the ONNX exporter has no function for slice_copy."""
+    return torch.ops.aten.slice.Tensor(x, dim, start, end, step).clone()
