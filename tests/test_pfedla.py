@@ -686,8 +686,9 @@ def test_every_client_starts_with_a_positive_weight_on_every_client() -> None:
 
 
 # known, open (issue 18): this passed on the pfedla branch and in one merged checkout, but fails in a fresh
-# clone of main (clients at 0-7%): the initialisation fix alone does not keep every client above chance
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="pFedLA still loses clients in a fresh clone")
+# clone of main (clients at 0-7%): the initialisation fix alone does not keep every client above chance;
+# not strict, because it passes in some checkouts (the cause of that difference is not found yet)
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason="pFedLA still loses clients in a fresh clone")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pfedla_leaves_no_client_below_chance_on_a_two_class_split(tiny_npz, tmp_path: Path, seed: int) -> None:  # noqa: F811
     """Each client holds 2 classes, so a model that learnt nothing of its own data but its label mix scores ~50%."""
