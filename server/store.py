@@ -128,6 +128,13 @@ class StorageError(StateError):
         fix = "free space on the disk of the server's --state folder" if full else "check the server's --state folder"
         return cls(f"the server could not store {what}: {reason}", fix, full)
 
+    @classmethod
+    def from_sqlite_error(cls, exc: sqlite3.Error) -> StorageError:
+        """The error for a failed database write: full (507) or otherwise failing (503); nothing was committed."""
+        full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+        fix = "free space on the disk of the server's --state folder" if full else "check the server's --state folder"
+        return cls(f"the server could not write its database: {exc}", fix, full)
+
 
 @dataclass(frozen=True)
 class RoundRecord:
@@ -240,13 +247,17 @@ class Store:
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One atomic, durable write transaction."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:  # SQLite may already have rolled back (a full disk does)
+                        self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StorageError.from_sqlite_error(exc) from None
 
     def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import select
 import socket
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -183,6 +185,33 @@ def test_a_failed_blob_write_is_507_or_503_and_leaves_no_temp_file(
     assert _files(engine.store.blob_dir) == blobs_before  # no temp file left, no stored blob touched
     assert engine.store.updates(1) == updates_before
     assert post_update(ctx, "d1", other).status_code == 200  # once the disk is back, the same upload goes through
+
+
+def test_a_full_database_is_507_and_keeps_what_it_holds(round_app) -> None:
+    ctx = round_app
+    store = ctx["engine"].store
+    assert post_update(ctx, "d0", ctx["body"]).status_code == 200
+    updates_before = store.updates(1)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # the database cannot grow: SQLite's SQLITE_FULL
+    filler = iter(range(1 << 30))
+    for size in (1024, 64, 1):  # and the updates table has no room left in its pages (rows of a round 0)
+        with contextlib.suppress(sqlite3.OperationalError):
+            while True:
+                device = f"{next(filler):08d}".ljust(size, "x")
+                store._db.execute("INSERT INTO updates VALUES (0, ?, '', 0, 0, 0, 0, 0, 0, 'filler')", (device,))
+    other = upload_body(
+        {name: value * 2 for name, value in decode_tensors(ctx["engine"].base_for("d1", 1)[0]).items()},
+        ctx["manifest"],
+    )
+    try:
+        body = refused(post_update(ctx, "d1", other), 507, "insufficient_storage")
+    finally:
+        store._db.execute("DELETE FROM updates WHERE round_id = 0")
+        store._db.execute("PRAGMA max_page_count = 1073741823")
+    assert "database" in body["detail"] and "--state" in body["fix"]
+    assert store.updates(1) == updates_before  # the accepted upload is still there, nothing half-written
+    assert post_update(ctx, "d1", other).status_code == 200  # room again: the same upload goes through
 
 
 def test_temp_files_left_by_a_crash_are_removed_at_start(round_app) -> None:
