@@ -310,7 +310,7 @@ def _export_ort_training(
     model = prepare.primitive_group_norm(model)
     folder.mkdir(parents=True, exist_ok=True)
     proto = ort_training.export_training_onnx(model, folder / "forward_training.onnx", shape)
-    stats = ort_training.bn_stat_outputs(proto)
+    stats = ort_training.bn_stat_outputs(proto, ort_training.batchnorm_spatial_sizes(model, shape))
     trainable_sets = manifest.trainable_sets()
     sets = {}
     for set_name, trainable in trainable_sets.items():

@@ -105,17 +105,39 @@ def ort_differentiable(proto: onnx.ModelProto) -> onnx.ModelProto:
     return proto
 
 
-def bn_stat_outputs(proto: onnx.ModelProto) -> list[dict]:
+def batchnorm_spatial_sizes(model: torch.nn.Module, shape: StepShape) -> dict[str, int]:
+    """The number of positions (H·W) each BatchNorm normalises per sample, by its running_mean's name.
+
+    Measured with one eval-mode forward pass of the PyTorch model (which moves no statistic): ONNX shape
+    inference cannot always tell, e.g. behind ShuffleNet's channel shuffle, whose Reshape takes a computed shape.
+    """
+    sizes: dict[str, int] = {}
+    hooks = [
+        module.register_forward_hook(
+            lambda _, inputs, __, name=name: sizes.__setitem__(f"{name}.running_mean", inputs[0][0, 0].numel())
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(1, *shape.input_shape))
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    return sizes
+
+
+def bn_stat_outputs(proto: onnx.ModelProto, spatial: dict[str, int]) -> list[dict]:
     """Training-mode BatchNorm nodes: which graph value carries each updated running statistic.
 
-    Returns [{"output", "buffer", "reduce"}]; `reduce` is N-free H*W of the normalised input, used
-    to turn ORT's population variance into PyTorch's unbiased update.
+    Returns [{"output", "buffer", "kind", "reduce"}]; `reduce` is the N-free H*W of the normalised input
+    (`spatial`, from `batchnorm_spatial_sizes`), used to turn ORT's population variance into PyTorch's
+    unbiased update.
     """
-    inferred = onnx.shape_inference.infer_shapes(proto)
-    shapes = {
-        value.name: [d.dim_value for d in value.type.tensor_type.shape.dim]
-        for value in list(inferred.graph.value_info) + list(inferred.graph.input)
-    }
     stats = []
     for node in proto.graph.node:
         if node.op_type != "BatchNormalization" or len(node.output) < 3:
@@ -123,11 +145,11 @@ def bn_stat_outputs(proto: onnx.ModelProto) -> list[dict]:
         mode = [helper.get_attribute_value(a) for a in node.attribute if a.name == "training_mode"]
         if not mode or mode[0] != 1:
             continue
-        spatial = 1
-        for dim in shapes.get(node.input[0], [0, 0, 1, 1])[2:]:
-            spatial *= dim
-        stats.append({"output": node.output[1], "buffer": node.input[3], "kind": "mean", "reduce": spatial})
-        stats.append({"output": node.output[2], "buffer": node.input[4], "kind": "var", "reduce": spatial})
+        if node.input[3] not in spatial:
+            raise ValueError(f"BatchNorm statistic {node.input[3]} is not a BatchNorm module's running_mean")
+        reduce = spatial[node.input[3]]
+        stats.append({"output": node.output[1], "buffer": node.input[3], "kind": "mean", "reduce": reduce})
+        stats.append({"output": node.output[2], "buffer": node.input[4], "kind": "var", "reduce": reduce})
     return stats
 
 
@@ -200,7 +222,7 @@ def build_distill_sets(
     for variant in DISTILL_VARIANTS:
         forward = folder / f"forward_distill_{variant}.onnx"
         proto = export_distill_onnx(model, variant, forward, shape)
-        stats = bn_stat_outputs(proto)
+        stats = bn_stat_outputs(proto, batchnorm_spatial_sizes(model, shape or model.spec))
         sets = {}
         for set_name in DISTILL_SETS:
             trainable = trainable_sets.get(set_name)

@@ -135,12 +135,7 @@ def test_family_step_arithmetic_matches_float64_pytorch(family):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_family_engine_step_is_as_close_to_float64_as_pytorch_float32(family, engine, request):
-    if (family[0], engine) == ("shufflenet_v2_x1_0", "ort-training"):
-        # known, open: in a fresh clone ORT's running statistics of one ShuffleNet BatchNorm (which one varies
-        # between runs: stage2.0.branch1.1's running_var, stage3.0.branch2.4's running_mean) are 0.12 from
-        # float64 while PyTorch float32 is 5e-7 from it; the portable engine is exact
-        request.applymarker(pytest.mark.xfail(raises=AssertionError, strict=False, reason="ORT BN stats, ShuffleNet"))
+def test_family_engine_step_is_as_close_to_float64_as_pytorch_float32(family, engine):
     if engine == "ort-training" and not training_build_installed():
         pytest.skip("needs onnxruntime-training-cpu")
     name, module, bundle, _ = family
