@@ -30,20 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS
+
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "device_runtime" / "web"
 DIST = WEB / "node_modules" / "onnxruntime-web" / "dist"
 RUNTIME = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
 ENGINE_MODULES = ("engine.js", "safetensors.js", "sha256.js")
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TARGET_SPEED, TARGET_MB = 0.5, 8.0
 SPEED_KEYS = ("fullImagesPerSecond", "personalImagesPerSecond")
 
@@ -148,7 +141,7 @@ def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: 
     server = serve(bundle, isolated)
     try:
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=list(CHROMIUM_ARGS))
             try:
                 page = browser.new_page()
                 errors: list[str] = []
@@ -233,7 +226,7 @@ def main() -> None:
         "--warmup", type=int, default=5, help="untimed steps first (V8 tiers the wasm up over the first steps)"
     )
     args = parser.parse_args()
-    if not Path(CHROMIUM).exists():
+    if not CHROMIUM.exists():
         sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
     if not (DIST / RUNTIME[0]).exists():
         sys.exit("onnxruntime-web is not installed: (cd device_runtime/web && npm ci)")

@@ -40,6 +40,16 @@ VENDOR_FILES = {
     "fflate.mjs": "fflate/esm/browser.js",
 }
 PAGE_SUFFIXES = (".html", ".js", ".css")
+# the headless browser that tests/test_web_browser.py and bench/web.py drive the page in (Debian's chromium)
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = (
+    "--no-sandbox",  # CI runs as root, where chromium's sandbox refuses to start
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' blob: data:; "
     "style-src 'self'; worker-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "

@@ -26,20 +26,11 @@ from test_device_runtime import BN_BUNDLE, NUM_CLASSES, class_images
 from edgepfl.manifest import load_manifest
 from edgepfl.protocol import UploadMeta
 from edgepfl.server.store import Store
-from edgepfl.server.web import find_web_runtime
+from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, find_web_runtime
 from edgepfl.wire import decode_metadata, decode_tensors
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 PHONE = {
     "viewport": {"width": 390, "height": 844},
     "device_scale_factor": 2,
@@ -123,7 +114,7 @@ def test_a_phone_joins_trains_resumes_and_never_uploads_twice(chromium, bundle, 
             devices.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO))
         try:
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+                browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_ARGS))
                 try:
                     run_phone(browser, origin, manifest, state, tokens, tmp_path)
                 finally:
