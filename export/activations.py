@@ -28,6 +28,17 @@ def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None, **_: object) -
     return torch.zeros(x.shape, dtype=dtype or x.dtype)
 
 
+def split_copy(x: torch.Tensor, split_size: int, dim: int = 0) -> list[torch.Tensor]:
+    """aten.split_copy (functionalization's form of chunk/split, e.g. ShuffleNet's stride-1 blocks) as slices and
+    copies: the ONNX exporter has no function for split_copy."""
+    return [piece.clone() for piece in torch.ops.aten.split.Tensor(x, split_size, dim)]
+
+
+def split_with_sizes_copy(x: torch.Tensor, split_sizes: list[int], dim: int = 0) -> list[torch.Tensor]:
+    """aten.split_with_sizes_copy (split with a list of sizes) as slices and copies, as `split_copy`."""
+    return [piece.clone() for piece in torch.ops.aten.split_with_sizes.default(x, split_sizes, dim)]
+
+
 def slice_copy(
     x: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1
 ) -> torch.Tensor:

@@ -186,6 +186,8 @@ def trace(
     table[aten.hardsigmoid_backward.default] = activations.hardsigmoid_backward
     table[aten.empty_like.default] = activations.empty_like
     table[aten.slice_copy.Tensor] = activations.slice_copy
+    table[aten.split_copy.Tensor] = activations.split_copy
+    table[aten.split_with_sizes_copy.default] = activations.split_with_sizes_copy
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
     return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=table)(*inputs)
 

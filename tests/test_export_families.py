@@ -48,7 +48,8 @@ def build_family(name: str) -> torch.nn.Module:
         setting, last = efficientnet._efficientnet_conf(name, width_mult=0.25, depth_mult=0.25)
         return torchvision.models.EfficientNet(setting[:3], dropout=0.2, num_classes=CLASSES, last_channel=last)
     assert name == "shufflenet_v2_x1_0"
-    return shufflenetv2.ShuffleNetV2([1, 1, 1], [8, 16, 32, 64, 64], num_classes=CLASSES)
+    # two blocks in stage 2: the second has stride 1, whose channel split (chunk) exports as split_copy
+    return shufflenetv2.ShuffleNetV2([2, 1, 1], [8, 16, 32, 64, 64], num_classes=CLASSES)
 
 
 FAMILIES = ["mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x1_0", "resnet18", "mobilenet_v2",
