@@ -239,6 +239,14 @@ def simulate(
         int | None, typer.Option(help="seed of partition, init, sampling and shuffling (default: 0)")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads of the engine")] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="train a round's clients in this many Ray actors (default: 1, no Ray)")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of a local Ray")
+    ] = None,
+    client_cpus: Annotated[float | None, typer.Option(help="CPUs each Ray actor reserves (default: 1)")] = None,
+    client_gpus: Annotated[float | None, typer.Option(help="GPUs each Ray actor reserves (default: 0)")] = None,
     hn_lr: Annotated[
         float | None, typer.Option(help="pfedla, heurpfedla: hypernetwork learning rate (default: 0.005)")
     ] = None,
@@ -284,6 +292,10 @@ def simulate(
         "engine": engine,
         "seed": seed,
         "threads": threads,
+        "workers": workers,
+        "ray_address": ray_address,
+        "client_cpus": client_cpus,
+        "client_gpus": client_gpus,
         "hn_lr": hn_lr,
         "retain_top_k": retain_top_k,
         "distill_lambdas": distill_lambdas,

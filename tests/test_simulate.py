@@ -235,9 +235,9 @@ def test_config_file_form_and_cli(tiny_npz, tmp_path):
 
 def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path, monkeypatch):
     """Client 0 uploads values of 1e30 claiming 10M samples every round: the server's bounds keep the others' model."""
-    from edgepfl.simulate import loop
+    from edgepfl.simulate import workers
 
-    honest_encode = loop.encode_update
+    honest_encode = workers.encode_update
     uploads = []
 
     def hostile_encode(tensors, meta):
@@ -247,7 +247,7 @@ def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path
             meta = replace(meta, num_samples=10_000_000)
         return honest_encode(tensors, meta)
 
-    monkeypatch.setattr(loop, "encode_update", hostile_encode)
+    monkeypatch.setattr(workers, "encode_update", hostile_encode)
     results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", rounds=3))
     honest = results.rounds[-1].test_accuracy["per_client"][1:]
     assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%

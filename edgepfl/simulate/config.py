@@ -76,6 +76,10 @@ class SimulateConfig:
     engine: str = "torch"
     seed: int = 0
     threads: int | None = None
+    workers: int = 1  # > 1: clients train in this many Ray actors (simulate/workers.py)
+    ray_address: str | None = None  # an existing Ray cluster; None: a local Ray instance when workers > 1
+    client_cpus: float = 1.0  # each Ray actor's CPUs
+    client_gpus: float = 0.0  # each Ray actor's GPUs
 
     def check(self) -> None:
         """Refuse values that cannot work, naming the option (raises UsageError)."""
@@ -98,6 +102,9 @@ class SimulateConfig:
             (self.threads is None or self.threads >= 1, "--threads must be at least 1", "leave it out or pass 1+"),
             (self.hn_lr > 0 and math.isfinite(self.hn_lr), "hn_lr must be a positive number", "pass e.g. 0.005"),
             (self.retain_top_k >= 1, "retain_top_k must be at least 1", "pass e.g. 1"),
+            (self.workers >= 1, "--workers must be at least 1", "pass e.g. --workers 2"),
+            (self.client_cpus > 0, "--client-cpus must be positive", "pass e.g. --client-cpus 1"),
+            (self.client_gpus >= 0, "--client-gpus must not be negative", "leave it out or pass e.g. 0.5"),
         ]
         for ok, problem, fix in checks:
             if not ok:
@@ -134,8 +141,8 @@ class SimulateConfig:
         return data
 
     def same_experiment(self, other: SimulateConfig) -> list[str]:
-        """Fields that differ in a way that makes `other` a different experiment (rounds and threads may)."""
-        free = {"rounds", "threads", "out"}
+        """Fields that differ in a way that makes `other` a different experiment (rounds, threads, workers may)."""
+        free = {"rounds", "threads", "out", "workers", "ray_address", "client_cpus", "client_gpus"}
         return [f.name for f in fields(self) if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]
 
 

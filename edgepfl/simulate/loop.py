@@ -30,6 +30,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,16 @@ import numpy as np
 
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
-from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
-from edgepfl.device_runtime.client import encode_update
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
-from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model, distill
+from edgepfl.device_runtime.persfl import TeacherStore, distill
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.protocol import RoundSettings
 from edgepfl.simulate.config import SimulateConfig
 from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
 from edgepfl.simulate.rounds import InProcessServer, open_server
+from edgepfl.simulate.workers import ClientData, RayWorkers, Sequential
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 STATE_FILE = "state.safetensors"  # every client's tensors (the server's state is the engine's, in OUT/server)
@@ -58,13 +58,10 @@ RoundProgress = Callable[[int, int, int], None]
 
 
 @dataclass
-class Client:
-    """One simulated device: its data splits and its kept tensors."""
+class Client(ClientData):
+    """One simulated device: its data splits (train: train and validation; test: its test samples as the held-out
+    positions) and its kept tensors."""
 
-    name: str
-    train: LocalData  # train_index: training samples; val_index: validation samples
-    test: LocalData  # val_index: its test samples (evaluate() reads the held-out positions)
-    seed: int
     tensors: dict[str, np.ndarray]
 
 
@@ -137,6 +134,7 @@ def run_simulation(
         retain_top_k=config.retain_top_k,
         fresh=saved is None,
     )
+    workers = None
     try:
         if server.strategy is not None:
             server.strategy.check_manifest(manifest)
@@ -153,6 +151,8 @@ def run_simulation(
         results = Results(config=config, rounds=records, info=_run_info(config, dataset, manifest, engine, parts))
         write_results(out, results)
         by_name = {client.name: client for client in clients}
+        teachers = out / TEACHERS_DIR if stores is not None else None
+        workers = open_workers(config, out / BUNDLE_DIR, manifest, engine, clients, teachers)
         for round_id in range(done + 1, config.rounds + 1):
             started = time.perf_counter()
             global_base = server.global_base()
@@ -160,26 +160,21 @@ def run_simulation(
             losses, start_val_loss = [], {}
             trained_acc = {}  # evaluation.py's *trained* score of every sampled client
             traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
-            for done_count, (name, plan) in enumerate(plans.items()):
-                client = by_name[name]
-                engine.set_tensors(client.tensors)
+            current = {name: by_name[name].tensors for name in plans}
+            for done_count, (name, outcome) in enumerate(workers.run(round_id, plans, current)):
+                plan = plans[name]
+                by_name[name].tensors = outcome.tensors
                 traffic["bytes_down"] += plan.nbytes
                 # a tensor kept on the client is neither sent nor uploaded (HeurpFedLA)
                 traffic["bytes_kept"] += 2 * sum(global_base[key].nbytes for key in plan.settings.kept_on_device)
-                if stores is not None:  # persfl stage 1: the device's own teacher choice, before local training
-                    _, scores = consider_global_model(engine, stores[name], round_id, plan.base, client.train)
-                    start_val_loss[name] = scores.loss
-                engine.set_tensors(plan.base)
-                result = run_client_round(engine, plan.settings, client.train, client.seed, round_id)
-                client.tensors = engine.get_tensors()
-                trained_acc[name] = score(engine, client.test).accuracy
-                if not math.isnan(result.train_loss):
-                    losses.append(result.train_loss)
-                if result.uploads:  # the bytes a device would upload, through the served acceptance checks
-                    meta = result.upload_meta(manifest.base_layout_hash)
-                    payload = encode_update(upload_tensors(engine, plan.settings), meta)
-                    traffic["bytes_up"] += len(payload)
-                    server.upload(name, round_id, payload)
+                if outcome.start_val_loss is not None:
+                    start_val_loss[name] = outcome.start_val_loss
+                trained_acc[name] = outcome.trained_accuracy
+                if not math.isnan(outcome.train_loss):
+                    losses.append(outcome.train_loss)
+                if outcome.payload is not None:  # through the served acceptance checks
+                    traffic["bytes_up"] += len(outcome.payload)
+                    server.upload(name, round_id, outcome.payload)
                 if progress is not None:
                     progress(round_id, done_count + 1, len(plans))
             pending = {
@@ -197,8 +192,11 @@ def run_simulation(
                 results.alpha = {n: server.strategy.alpha_matrix(n).round(6).tolist() for n in server.strategy.mixed}
             write_results(out, results)
     finally:
+        if workers is not None:
+            workers.close()
         server.close()
-    if stores is not None:
+    if stores is not None:  # opened again: with --workers the teachers were chosen in the workers
+        stores = _teacher_stores(out / TEACHERS_DIR, clients, manifest, fresh=False)
         results.persfl = run_distillation(config, engine, clients, stores, status)
         write_results(out, results)
     return results
@@ -308,6 +306,19 @@ def ensure_bundle(
         engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size, distill=config.plan.persfl
     )
     return export_target(target, kp, folder, options)
+
+
+def open_workers(
+    config: SimulateConfig, bundle: Path, manifest: Manifest, engine: Engine, clients: list[Client], teachers
+) -> Sequential | RayWorkers:
+    """Where the clients train: the driver's engine (`--workers 1`) or Ray actors with an engine each."""
+    if config.workers == 1 and config.ray_address is None:
+        return Sequential(engine, manifest, clients, teachers)
+    opener = partial(open_sim_engine, config.engine, bundle, manifest, config.threads)
+    data = [ClientData(c.name, c.train, c.test, c.seed) for c in clients]
+    return RayWorkers(
+        opener, manifest, data, teachers, config.workers, config.ray_address, config.client_cpus, config.client_gpus
+    )
 
 
 def open_sim_engine(name: str, bundle: Path, manifest: Manifest, threads: int | None = None) -> Engine:

@@ -67,7 +67,8 @@ class TorchEngine(Engine):
         with self._torch.no_grad():
             for name, value in tensors.items():
                 target = self._tensor(name)
-                target.copy_(self._torch.from_numpy(np.ascontiguousarray(value).reshape(target.shape)))
+                writable = np.require(value, requirements="CW")  # Ray's object store hands out read-only arrays
+                target.copy_(self._torch.from_numpy(writable.reshape(target.shape)))
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One SGD step on the set's tensors; BatchNorm statistics update in every block."""
