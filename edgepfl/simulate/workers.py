@@ -154,6 +154,14 @@ class RayWorkers:
         actor = ray.remote(num_cpus=cpus, num_gpus=gpus)(_Actor)
         self.actors = [actor.remote(open_engine, manifest, shared, teachers) for _ in range(workers)]
         self._ray = ray
+        try:  # engines open and data arrive before the first round: its time is the round's, not the start-up's
+            ray.get([actor.peak_rss.remote() for actor in self.actors])
+        except ray.exceptions.RayError as exc:
+            self.close()
+            raise StateError(
+                f"a Ray worker could not start ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                "check that every Ray node has edgepfl installed (pip install 'edgepfl[ray]') and sees --out",
+            ) from None
 
     def run(
         self, round_id: int, plans: dict[str, Assignment], tensors: dict[str, dict[str, np.ndarray]]
