@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from edgepfl.boundary import ErrorBoundary
+
 if TYPE_CHECKING:
     from edgepfl.data import LocalData
     from edgepfl.device_runtime.engine import Engine
     from edgepfl.device_runtime.state import StateFolder
 
-device_app = typer.Typer(
+device_app = typer.Typer(cls=ErrorBoundary,
     help="Train on this device: take part in server rounds, train locally, evaluate. Never needs torch.",
     add_completion=False,
     no_args_is_help=True,
@@ -56,31 +58,27 @@ def enroll(
     A random enrollment key goes with the request; with --token-file it is kept in TOKEN_FILE.enroll-key
     until the token is written, so running the same command again after a lost reply gets a new token.
     """
-    from edgepfl.cli import fail
     from edgepfl.credentials import read_secret_file, refuse_existing, write_secret_file
-    from edgepfl.errors import EdgePFLError, UsageError
+    from edgepfl.errors import UsageError
 
+    if timeout <= 0:
+        raise UsageError("--timeout must be positive", "pass seconds, e.g. 60")
+    if token_file is not None:
+        refuse_existing(token_file, "--token-file")  # before the name is spent on the server
+    secret = read_secret_file(secret_file, "--secret-file")
+    key_file = _enroll_key_file(token_file) if token_file is not None else None
+    key = _enroll_key(key_file)
+    from edgepfl.device_runtime.client import ServerClient
+
+    client = ServerClient(server, None, timeout=timeout)
     try:
-        if timeout <= 0:
-            raise UsageError("--timeout must be positive", "pass seconds, e.g. 60")
-        if token_file is not None:
-            refuse_existing(token_file, "--token-file")  # before the name is spent on the server
-        secret = read_secret_file(secret_file, "--secret-file")
-        key_file = _enroll_key_file(token_file) if token_file is not None else None
-        key = _enroll_key(key_file)
-        from edgepfl.device_runtime.client import ServerClient
-
-        client = ServerClient(server, None, timeout=timeout)
-        try:
-            token = client.enroll(name, secret, key)
-        finally:
-            client.close()
-        if token_file is not None and key_file is not None:
-            write_secret_file(token_file, token, "--token-file")
-            with contextlib.suppress(OSError):  # a key left behind only re-enrolls this name with the secret
-                key_file.unlink(missing_ok=True)
-    except EdgePFLError as error:
-        fail(error)
+        token = client.enroll(name, secret, key)
+    finally:
+        client.close()
+    if token_file is not None and key_file is not None:
+        write_secret_file(token_file, token, "--token-file")
+        with contextlib.suppress(OSError):  # a key left behind only re-enrolls this name with the secret
+            key_file.unlink(missing_ok=True)
         return
     if token_file is None:
         typer.echo(token)
@@ -108,53 +106,49 @@ def run(
     as_json: AsJson = False,
 ) -> None:
     """Take part in rounds until the server says the run is over: base in, base out, personal part kept."""
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, UsageError
+    from edgepfl.errors import UsageError
 
-    try:
-        if rounds is not None and rounds < 1:
-            raise UsageError(f"--rounds {rounds} is not positive", "pass --rounds 1 or more, or leave it out")
-        if retries < 1 or timeout <= 0 or poll_interval <= 0:
-            raise UsageError("--retries, --timeout and --poll-interval must be positive", "pass positive values")
-        device_token = _device_token(token, token_file)
-        from edgepfl.device_runtime.client import RetryPolicy, ServerClient
-        from edgepfl.device_runtime.progress import RichEvents
-        from edgepfl.device_runtime.runner import DeviceOptions, run_device
+    if rounds is not None and rounds < 1:
+        raise UsageError(f"--rounds {rounds} is not positive", "pass --rounds 1 or more, or leave it out")
+    if retries < 1 or timeout <= 0 or poll_interval <= 0:
+        raise UsageError("--retries, --timeout and --poll-interval must be positive", "pass positive values")
+    device_token = _device_token(token, token_file)
+    from edgepfl.device_runtime.client import RetryPolicy, ServerClient
+    from edgepfl.device_runtime.progress import RichEvents
+    from edgepfl.device_runtime.runner import DeviceOptions, run_device
 
-        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
-        with RichEvents(quiet=as_json) as events:
-            client = ServerClient(
-                server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
-            )
-            try:
-                summary = run_device(
-                    device_engine,
-                    local_data,
-                    device_state,
-                    client,
-                    DeviceOptions(
-                        seed=seed, max_rounds=rounds, poll_interval=poll_interval, persfl_teacher=persfl_teacher
-                    ),
-                    events,
-                )
-            finally:
-                client.close()
-        _print_result(
-            {
-                "rounds_trained": summary.rounds_trained,
-                "finished": summary.finished,
-                "final_accuracy": summary.final_accuracy,
-                "last_completed_round": device_state.state.last_completed_round,
-                "bytes_sent": summary.bytes_sent,
-                "bytes_received": summary.bytes_received,
-                "engine": device_engine.name,
-                "state": str(state),
-            },
-            as_json,
-            "device run",
+    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    with RichEvents(quiet=as_json) as events:
+        client = ServerClient(
+            server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
         )
-    except EdgePFLError as error:
-        fail(error)
+        try:
+            summary = run_device(
+                device_engine,
+                local_data,
+                device_state,
+                client,
+                DeviceOptions(
+                    seed=seed, max_rounds=rounds, poll_interval=poll_interval, persfl_teacher=persfl_teacher
+                ),
+                events,
+            )
+        finally:
+            client.close()
+    _print_result(
+        {
+            "rounds_trained": summary.rounds_trained,
+            "finished": summary.finished,
+            "final_accuracy": summary.final_accuracy,
+            "last_completed_round": device_state.state.last_completed_round,
+            "bytes_sent": summary.bytes_sent,
+            "bytes_received": summary.bytes_received,
+            "engine": device_engine.name,
+            "state": str(state),
+        },
+        as_json,
+        "device run",
+    )
 
 
 @device_app.command()
@@ -173,59 +167,55 @@ def train(
     as_json: AsJson = False,
 ) -> None:
     """Train locally without a server (e.g. personal fine-tuning) and save the result in --state."""
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, UsageError
+    from edgepfl.errors import UsageError
 
-    try:
-        if epochs < 1 or batch_size < 1 or not 0 < lr < math.inf:
-            raise UsageError("--epochs, --batch-size and --lr must be positive", "pass positive values")
-        from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
-        from edgepfl.device_runtime.progress import RichEvents
-        from edgepfl.manifest import TRAINABLE_SETS
+    if epochs < 1 or batch_size < 1 or not 0 < lr < math.inf:
+        raise UsageError("--epochs, --batch-size and --lr must be positive", "pass positive values")
+    from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
+    from edgepfl.device_runtime.progress import RichEvents
+    from edgepfl.manifest import TRAINABLE_SETS
 
-        if trainable not in TRAINABLE_SETS:
-            raise UsageError(f"unknown --trainable {trainable!r}", f"choose one of: {', '.join(TRAINABLE_SETS)}")
-        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
-        device_engine.check_set(trainable)
-        before = evaluate(device_engine, local_data)
-        with RichEvents(quiet=as_json) as events:
-            events.start_bar(f"train {trainable}", epochs * -(-local_data.num_train // batch_size))
-            log = train_phase(
-                device_engine,
-                local_data,
-                Phase(trainable, trainable, epochs),
-                lr,
-                batch_size,
-                seed,
-                on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
-            )
-        after = evaluate(device_engine, local_data)
-        tensors = device_engine.get_tensors()
-        losses = [log.mean_loss] if log.steps else []
-        why = divergence(losses + ([after.loss] if after.count else []), tensors, device_engine.manifest.num_classes)
-        if why is not None:
-            raise TrainingDiverged(
-                f"training diverged ({why}): kept {device_state.kept}", f"lower --lr, e.g. --lr {lr / 10:g}"
-            )
-        record = {
-            "local_training": True,
-            "trainable": trainable,
-            "epochs": epochs,
-            "lr": lr,
-            "batch_size": batch_size,
-            "steps": log.steps,
-            "train_loss": log.mean_loss,
-            "num_samples": local_data.num_train,
-            "start_val_accuracy": before.accuracy if before.count else None,
-            "val_accuracy": after.accuracy if after.count else None,
-            "val_loss": after.loss if after.count else None,
-            "val_samples": after.count,
-            "engine": device_engine.name,
-        }
-        device_state.commit(tensors, record)
-        _print_result(record, as_json, "device train")
-    except EdgePFLError as error:
-        fail(error)
+    if trainable not in TRAINABLE_SETS:
+        raise UsageError(f"unknown --trainable {trainable!r}", f"choose one of: {', '.join(TRAINABLE_SETS)}")
+    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    device_engine.check_set(trainable)
+    before = evaluate(device_engine, local_data)
+    with RichEvents(quiet=as_json) as events:
+        events.start_bar(f"train {trainable}", epochs * -(-local_data.num_train // batch_size))
+        log = train_phase(
+            device_engine,
+            local_data,
+            Phase(trainable, trainable, epochs),
+            lr,
+            batch_size,
+            seed,
+            on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
+        )
+    after = evaluate(device_engine, local_data)
+    tensors = device_engine.get_tensors()
+    losses = [log.mean_loss] if log.steps else []
+    why = divergence(losses + ([after.loss] if after.count else []), tensors, device_engine.manifest.num_classes)
+    if why is not None:
+        raise TrainingDiverged(
+            f"training diverged ({why}): kept {device_state.kept}", f"lower --lr, e.g. --lr {lr / 10:g}"
+        )
+    record = {
+        "local_training": True,
+        "trainable": trainable,
+        "epochs": epochs,
+        "lr": lr,
+        "batch_size": batch_size,
+        "steps": log.steps,
+        "train_loss": log.mean_loss,
+        "num_samples": local_data.num_train,
+        "start_val_accuracy": before.accuracy if before.count else None,
+        "val_accuracy": after.accuracy if after.count else None,
+        "val_loss": after.loss if after.count else None,
+        "val_samples": after.count,
+        "engine": device_engine.name,
+    }
+    device_state.commit(tensors, record)
+    _print_result(record, as_json, "device train")
 
 
 @device_app.command()
@@ -249,72 +239,68 @@ def teacher(
     Each round's global model (`GET /v1/history`) is scored on the held-out data exactly as in
     `device run --persfl-teacher`, and the one with the lowest loss is kept in --state for `device distill`.
     """
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, StateError, UsageError
+    from edgepfl.errors import StateError, UsageError
 
-    try:
-        if retries < 1 or timeout <= 0:
-            raise UsageError("--retries and --timeout must be positive", "pass positive values")
-        device_token = _device_token(token, token_file)
-        from edgepfl.device_runtime.algorithms import TrainingDiverged
-        from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
-        from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
-        from edgepfl.device_runtime.progress import RichEvents
-        from edgepfl.device_runtime.runner import check_global_model
+    if retries < 1 or timeout <= 0:
+        raise UsageError("--retries and --timeout must be positive", "pass positive values")
+    device_token = _device_token(token, token_file)
+    from edgepfl.device_runtime.algorithms import TrainingDiverged
+    from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
+    from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
+    from edgepfl.device_runtime.progress import RichEvents
+    from edgepfl.device_runtime.runner import check_global_model
 
-        device_engine, local_data, _ = _open(bundle, data, state, engine, val_fraction, seed, threads)
-        manifest = device_engine.manifest
-        store = TeacherStore(state, manifest)
-        losses: dict[str, float] = {}
-        with RichEvents(quiet=as_json) as events:
-            client = ServerClient(
-                server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
-            )
-            try:
-                entries = client.history()
-                if not entries:
-                    raise StateError("the server keeps no global model yet", "run this after the server closed a round")
-                for entry in entries:
-                    try:
-                        global_model = client.global_model(entry)
-                    except ServerRefused as refused:
-                        if refused.error != "released":
-                            raise
-                        events.message(f"round {entry.round_id} was released meanwhile; skipped")
-                        continue
-                    try:
-                        check_global_model(global_model, manifest, f"the global model of round {entry.round_id}")
-                    except TrainingDiverged as refused:
-                        events.message(f"{refused.problem}; skipped")
-                        continue
-                    # labelled like stage 1 in `device run`: the round that starts from this global model
-                    kept, result = consider_global_model(
-                        device_engine, store, entry.round_id + 1, global_model, local_data
-                    )
-                    losses[str(entry.round_id)] = result.loss
-                    events.message(
-                        f"global model of round {entry.round_id}: held-out loss {result.loss:.4f}"
-                        + (" (kept as teacher)" if kept else "")
-                    )
-            finally:
-                client.close()
-        if store.record is None:
-            raise StateError("no global model could be scored", "check the server's history and --val-fraction")
-        _print_result(
-            {
-                "teacher_round": store.record.round_id,
-                "teacher_global_round": store.record.round_id - 1,
-                "teacher_val_loss": store.record.val_loss,
-                "teacher_val_accuracy": store.record.val_accuracy,
-                "rounds_scored": len(losses),
-                "val_losses": json.dumps(losses) if not as_json else losses,
-                "engine": device_engine.name,
-            },
-            as_json,
-            "device teacher",
+    device_engine, local_data, _ = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    manifest = device_engine.manifest
+    store = TeacherStore(state, manifest)
+    losses: dict[str, float] = {}
+    with RichEvents(quiet=as_json) as events:
+        client = ServerClient(
+            server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
         )
-    except EdgePFLError as error:
-        fail(error)
+        try:
+            entries = client.history()
+            if not entries:
+                raise StateError("the server keeps no global model yet", "run this after the server closed a round")
+            for entry in entries:
+                try:
+                    global_model = client.global_model(entry)
+                except ServerRefused as refused:
+                    if refused.error != "released":
+                        raise
+                    events.message(f"round {entry.round_id} was released meanwhile; skipped")
+                    continue
+                try:
+                    check_global_model(global_model, manifest, f"the global model of round {entry.round_id}")
+                except TrainingDiverged as refused:
+                    events.message(f"{refused.problem}; skipped")
+                    continue
+                # labelled like stage 1 in `device run`: the round that starts from this global model
+                kept, result = consider_global_model(
+                    device_engine, store, entry.round_id + 1, global_model, local_data
+                )
+                losses[str(entry.round_id)] = result.loss
+                events.message(
+                    f"global model of round {entry.round_id}: held-out loss {result.loss:.4f}"
+                    + (" (kept as teacher)" if kept else "")
+                )
+        finally:
+            client.close()
+    if store.record is None:
+        raise StateError("no global model could be scored", "check the server's history and --val-fraction")
+    _print_result(
+        {
+            "teacher_round": store.record.round_id,
+            "teacher_global_round": store.record.round_id - 1,
+            "teacher_val_loss": store.record.val_loss,
+            "teacher_val_accuracy": store.record.val_accuracy,
+            "rounds_scored": len(losses),
+            "val_losses": json.dumps(losses) if not as_json else losses,
+            "engine": device_engine.name,
+        },
+        as_json,
+        "device teacher",
+    )
 
 
 @device_app.command()
@@ -342,63 +328,58 @@ def distill(
     The held-out data is cut in halves: validation (choosing λ and T) and test (the reported accuracy).
     The chosen student is saved in --state as this device's model.
     """
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, UsageError
+    from edgepfl.device_runtime.persfl import (
+        DistillConfig,
+        TeacherStore,
+        distill_batch_size,
+        distill_steps,
+        local_splits,
+    )
+    from edgepfl.device_runtime.persfl import distill as run_distill
+    from edgepfl.device_runtime.progress import RichEvents
+    from edgepfl.errors import UsageError
 
-    try:
-        from edgepfl.device_runtime.persfl import (
-            DistillConfig,
-            TeacherStore,
-            distill_batch_size,
-            distill_steps,
-            local_splits,
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"--batch-size {batch_size} is not positive", "pass 1 or more, or leave it out")
+    config = DistillConfig(
+        lambdas=_floats(lambdas, "--lambdas"),
+        temperatures=_floats(temperatures, "--temperatures"),
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        variant=variant,
+        trainable=trainable,
+        seed=seed,
+    )
+    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    device_engine.check_set(trainable)
+    store = TeacherStore(state, device_engine.manifest)
+    teacher = store.load()
+    train_split, val_split, test_split = local_splits(local_data, seed)
+    steps = distill_steps(len(train_split[1]), distill_batch_size(device_engine, config), config)
+    with RichEvents(quiet=as_json) as events:
+        events.start_bar(f"distill {variant}", steps)
+        result = run_distill(
+            device_engine,
+            teacher,
+            train_split,
+            val_split,
+            test_split,
+            config,
+            on_step=lambda loss: events.step("distill", 0, 0, loss),
         )
-        from edgepfl.device_runtime.persfl import distill as run_distill
-        from edgepfl.device_runtime.progress import RichEvents
-
-        if batch_size is not None and batch_size < 1:
-            raise UsageError(f"--batch-size {batch_size} is not positive", "pass 1 or more, or leave it out")
-        config = DistillConfig(
-            lambdas=_floats(lambdas, "--lambdas"),
-            temperatures=_floats(temperatures, "--temperatures"),
-            epochs=epochs,
-            lr=lr,
-            batch_size=batch_size,
-            variant=variant,
-            trainable=trainable,
-            seed=seed,
-        )
-        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
-        device_engine.check_set(trainable)
-        store = TeacherStore(state, device_engine.manifest)
-        teacher = store.load()
-        train_split, val_split, test_split = local_splits(local_data, seed)
-        steps = distill_steps(len(train_split[1]), distill_batch_size(device_engine, config), config)
-        with RichEvents(quiet=as_json) as events:
-            events.start_bar(f"distill {variant}", steps)
-            result = run_distill(
-                device_engine,
-                teacher,
-                train_split,
-                val_split,
-                test_split,
-                config,
-                on_step=lambda loss: events.step("distill", 0, 0, loss),
-            )
-        record = {
-            "persfl_distill": True,
-            "variant": variant,
-            "teacher_round": store.record.round_id,
-            **{f"teacher_{k}": v for k, v in result.teacher.items()},
-            **{f"student_{k}": v for k, v in result.student.items()},
-            "val_samples": len(val_split[1]),
-            "test_samples": len(test_split[1]),
-            "engine": device_engine.name,
-        }
-        device_state.commit(device_engine.get_tensors(), {**record, "grid": result.grid})
-        _print_result(record, as_json, "device distill")
-    except EdgePFLError as error:
-        fail(error)
+    record = {
+        "persfl_distill": True,
+        "variant": variant,
+        "teacher_round": store.record.round_id,
+        **{f"teacher_{k}": v for k, v in result.teacher.items()},
+        **{f"student_{k}": v for k, v in result.student.items()},
+        "val_samples": len(val_split[1]),
+        "test_samples": len(test_split[1]),
+        "engine": device_engine.name,
+    }
+    device_state.commit(device_engine.get_tensors(), {**record, "grid": result.grid})
+    _print_result(record, as_json, "device distill")
 
 
 @device_app.command("eval")
@@ -413,31 +394,26 @@ def evaluate_command(
     as_json: AsJson = False,
 ) -> None:
     """Accuracy and loss of this device's personalized model on its held-out data."""
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, StateError
+    from edgepfl.device_runtime.algorithms import evaluate
+    from edgepfl.errors import StateError
 
-    try:
-        from edgepfl.device_runtime.algorithms import evaluate
-
-        device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
-        if device_state.state.tensors_file is None:
-            raise StateError(f"{state} holds no trained model yet", "run `edgepfl device run` or `device train` first")
-        result = evaluate(device_engine, local_data)
-        if not result.count:
-            raise StateError("no held-out samples to evaluate", "pass --val-fraction above 0 and more data")
-        _print_result(
-            {
-                "accuracy": result.accuracy,
-                "loss": result.loss,
-                "val_samples": result.count,
-                "last_completed_round": device_state.state.last_completed_round,
-                "engine": device_engine.name,
-            },
-            as_json,
-            "device eval",
-        )
-    except EdgePFLError as error:
-        fail(error)
+    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    if device_state.state.tensors_file is None:
+        raise StateError(f"{state} holds no trained model yet", "run `edgepfl device run` or `device train` first")
+    result = evaluate(device_engine, local_data)
+    if not result.count:
+        raise StateError("no held-out samples to evaluate", "pass --val-fraction above 0 and more data")
+    _print_result(
+        {
+            "accuracy": result.accuracy,
+            "loss": result.loss,
+            "val_samples": result.count,
+            "last_completed_round": device_state.state.last_completed_round,
+            "engine": device_engine.name,
+        },
+        as_json,
+        "device eval",
+    )
 
 
 def _open(

@@ -8,11 +8,12 @@ from typing import Annotated
 
 import typer
 
+from edgepfl.boundary import ErrorBoundary, fail
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
 from edgepfl.server.cli import serve_app
 
-app = typer.Typer(
+app = typer.Typer(cls=ErrorBoundary,
     name="edgepfl",
     help="Personalized federated learning on phones and small boards (FedPer base/personal split).",
     add_completion=False,
@@ -28,12 +29,6 @@ app.add_typer(device_app, name="device")
 @app.callback()
 def _root() -> None:
     """Personalized federated learning on phones and small boards."""
-
-
-def fail(error: EdgePFLError) -> None:
-    """Print one line naming the problem and the fix, then exit with code 2."""
-    typer.echo(f"error: {error}", err=True)
-    raise typer.Exit(code=2)
 
 
 @app.command()
@@ -84,63 +79,60 @@ def export(
         fail(EdgePFLError(f"export needs torch and onnx ({exc.name} is missing)", "pip install 'edgepfl[export]'"))
     from edgepfl.errors import UsageError
 
-    try:
-        parsed = source.parse_model(model)
-        zoo_options = {"--width": width, "--input-size": input_size, "--in-channels": in_channels, "--norm": norm}
-        if parsed.is_zoo:
-            if input_shape is not None:
-                raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")
-            base = default_spec(model)
-            spec = ModelSpec(
-                name=model,
-                width=base.width if width is None else width,
-                input_size=base.input_size if input_size is None else input_size,
-                in_channels=base.in_channels if in_channels is None else in_channels,
-                num_classes=base.num_classes if num_classes is None else num_classes,
-                norm=base.norm if norm is None else norm,
-            )
-            target = bundle.zoo_target(spec, seed)
-            if weights is not None:
-                source.load_weights(target.module, source.read_state_dict(weights), f"weights file {weights}")
-        else:
-            given = [name for name, value in zoo_options.items() if value is not None]
-            if given:
-                raise UsageError(f"{given[0]} applies to zoo models only", "use --input-shape/--num-classes")
-            shape = source.parse_input_shape(input_shape) if input_shape is not None else None
-            loaded = source.build_from_string(parsed, shape, weights, num_classes, seed)
-            target = bundle.module_target(
-                loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description
-            )
-        from rich.console import Console
-
-        console = Console(stderr=False)
-        if show_blocks:
-            rows = block_rows(target.module, target.blocks)
-            bundle.print_blocks(
-                rows, f"{model}: blocks from the input end ({target.description.get('blocks_from', 'zoo')})", console
-            )
-            return
-        options = bundle.ExportOptions(
-            engines=bundle.default_engines()
-            if engines is None
-            else tuple(e.strip() for e in engines.split(",") if e.strip()),
-            optimizer=optimizer,
-            seed=seed,
-            force=force,
-            distill=distill,
+    parsed = source.parse_model(model)
+    zoo_options = {"--width": width, "--input-size": input_size, "--in-channels": in_channels, "--norm": norm}
+    if parsed.is_zoo:
+        if input_shape is not None:
+            raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")
+        base = default_spec(model)
+        spec = ModelSpec(
+            name=model,
+            width=base.width if width is None else width,
+            input_size=base.input_size if input_size is None else input_size,
+            in_channels=base.in_channels if in_channels is None else in_channels,
+            num_classes=base.num_classes if num_classes is None else num_classes,
+            norm=base.norm if norm is None else norm,
         )
-        with console.status("exporting") as status:
-            manifest = bundle.export_target(
-                target,
-                kp,
-                out,
-                options,
-                progress=lambda step: status.update(f"exporting {step}"),
-                notice=lambda line: console.print(line, markup=False, highlight=False),
-            )
-        bundle.print_summary(manifest, out, console)
-    except EdgePFLError as error:
-        fail(error)
+        target = bundle.zoo_target(spec, seed)
+        if weights is not None:
+            source.load_weights(target.module, source.read_state_dict(weights), f"weights file {weights}")
+    else:
+        given = [name for name, value in zoo_options.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to zoo models only", "use --input-shape/--num-classes")
+        shape = source.parse_input_shape(input_shape) if input_shape is not None else None
+        loaded = source.build_from_string(parsed, shape, weights, num_classes, seed)
+        target = bundle.module_target(
+            loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description
+        )
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    if show_blocks:
+        rows = block_rows(target.module, target.blocks)
+        bundle.print_blocks(
+            rows, f"{model}: blocks from the input end ({target.description.get('blocks_from', 'zoo')})", console
+        )
+        return
+    options = bundle.ExportOptions(
+        engines=bundle.default_engines()
+        if engines is None
+        else tuple(e.strip() for e in engines.split(",") if e.strip()),
+        optimizer=optimizer,
+        seed=seed,
+        force=force,
+        distill=distill,
+    )
+    with console.status("exporting") as status:
+        manifest = bundle.export_target(
+            target,
+            kp,
+            out,
+            options,
+            progress=lambda step: status.update(f"exporting {step}"),
+            notice=lambda line: console.print(line, markup=False, highlight=False),
+        )
+    bundle.print_summary(manifest, out, console)
 
 
 @app.command("partition")
@@ -167,31 +159,28 @@ def partition_command(
     from edgepfl.errors import UsageError
     from edgepfl.partition import make_partition, parse_split, partition_table, write_partition_file
 
-    try:
-        if not show and out is None:
-            raise UsageError("partition has nothing to do", "add --show to print the table or --out FILE.json")
-        fractions = parse_split(split)
-        data = load_dataset(dataset, data_root, download=download, checksums=checksums)
-        if clients is None and not partition.startswith("file:"):
-            clients = 10
-        parts = make_partition(partition, data.y_train, data.y_test, clients, seed, fractions)
-        from rich.console import Console
-        from rich.measure import Measurement
+    if not show and out is None:
+        raise UsageError("partition has nothing to do", "add --show to print the table or --out FILE.json")
+    fractions = parse_split(split)
+    data = load_dataset(dataset, data_root, download=download, checksums=checksums)
+    if clients is None and not partition.startswith("file:"):
+        clients = 10
+    parts = make_partition(partition, data.y_train, data.y_test, clients, seed, fractions)
+    from rich.console import Console
+    from rich.measure import Measurement
 
-        console = Console()
-        console.print(f"{data.description}: {data.num_train} train + {len(data.y_test)} test samples ({data.verified})")
-        if show:
-            generated = "" if partition.startswith("file:") else f" --seed {seed} --split {split}"
-            title = f"{data.name} {partition}, {len(parts)} clients{generated}"
-            table = partition_table(parts, data.labels, title=title)
-            wide = Console(width=100_000)
-            needed = Measurement.get(wide, wide.options, table).maximum
-            Console(width=max(console.width, needed)).print(table)  # a cut-off count is worse than a wide line
-        if out is not None:
-            write_partition_file(out, parts)
-            console.print(f"wrote {out} ({len(parts)} clients, index_space train+test)")
-    except EdgePFLError as error:
-        fail(error)
+    console = Console()
+    console.print(f"{data.description}: {data.num_train} train + {len(data.y_test)} test samples ({data.verified})")
+    if show:
+        generated = "" if partition.startswith("file:") else f" --seed {seed} --split {split}"
+        title = f"{data.name} {partition}, {len(parts)} clients{generated}"
+        table = partition_table(parts, data.labels, title=title)
+        wide = Console(width=100_000)
+        needed = Measurement.get(wide, wide.options, table).maximum
+        Console(width=max(console.width, needed)).print(table)  # a cut-off count is worse than a wide line
+    if out is not None:
+        write_partition_file(out, parts)
+        console.print(f"wrote {out} ({len(parts)} clients, index_space train+test)")
 
 
 @app.command()
@@ -313,8 +302,6 @@ def simulate(
             raise UsageError("simulate needs a run folder", "pass --out runs/NAME (or out in the --config file)")
         config = config_from_json(values, origin=str(config_file) if config_file else "options")
         _run_simulation(config)
-    except EdgePFLError as error:
-        fail(error)
     except ImportError as exc:
         fail(EdgePFLError(f"simulate needs torch ({exc.name} is missing)", "pip install 'edgepfl[all]'"))
 
@@ -351,13 +338,10 @@ def plot(
     ] = None,
 ) -> None:
     """Overlay the accuracy curves of one or more simulated runs in one PNG."""
-    try:
-        from edgepfl.simulate.plots import plot_run_folders
+    from edgepfl.simulate.plots import plot_run_folders
 
-        path = plot_run_folders(runs, out)
-        typer.echo(f"wrote {path}")
-    except EdgePFLError as error:
-        fail(error)
+    path = plot_run_folders(runs, out)
+    typer.echo(f"wrote {path}")
 
 
 @app.command()
@@ -374,8 +358,6 @@ def demo(
         from edgepfl.simulate.demo import DemoOptions, run_demo
 
         run_demo(DemoOptions(rounds=rounds, workdir=workdir, port=port, keep=keep))
-    except EdgePFLError as error:
-        fail(error)
     except ImportError as exc:
         fail(
             EdgePFLError(

@@ -12,12 +12,14 @@ from typing import Annotated
 
 import typer
 
-serve_app = typer.Typer(
+from edgepfl.boundary import ErrorBoundary
+
+serve_app = typer.Typer(cls=ErrorBoundary,
     help="Run the aggregation server (base tensors only) or manage device tokens.",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-tokens_app = typer.Typer(help="Issue and list per-device bearer tokens.", add_completion=False)
+tokens_app = typer.Typer(cls=ErrorBoundary, help="Issue and list per-device bearer tokens.", add_completion=False)
 serve_app.add_typer(tokens_app, name="tokens")
 
 
@@ -107,8 +109,7 @@ def serve(
     """Run the aggregation server: rounds over base tensors only, durable in --state."""
     if ctx.invoked_subcommand is not None:
         return
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError, UsageError
+    from edgepfl.errors import UsageError
 
     # the old names meant something else in `edgepfl simulate`: still taken, with one line naming the new one
     if old_algorithm is not None:
@@ -120,77 +121,73 @@ def serve(
     if old_share_buffers:
         typer.echo("note: --share-buffers is now --share-bn-stats", err=True)
         share_bn_stats = True
-    try:
-        if bundle is None or state is None:
-            raise UsageError("serve needs --bundle and --state", "edgepfl serve --bundle DIR --state DIR")
-        from edgepfl.protocol import RoundSettings
-        from edgepfl.server.config import ServerConfig, StrategyOptions, read_enroll_secret
+    if bundle is None or state is None:
+        raise UsageError("serve needs --bundle and --state", "edgepfl serve --bundle DIR --state DIR")
+    from edgepfl.protocol import RoundSettings
+    from edgepfl.server.config import ServerConfig, StrategyOptions, read_enroll_secret
 
-        settings = RoundSettings(
-            algorithm=client_update,
-            epochs=epochs,
-            batch_size=batch_size,
-            lr=lr,
-            finetune_epochs=finetune_epochs,
-            personal_epochs=personal_epochs,
-            share_buffers=share_bn_stats,
-        )
-        config = ServerConfig(
-            bundle=bundle,
-            state=state,
-            strategy=strategy,
-            rounds=rounds,
-            min_clients=min_clients,
-            fraction=fraction,
-            round_timeout=round_timeout,
-            max_upload_mb=max_upload_mb,
-            max_samples=max_samples,
-            clip_multiple=clip_multiple,
-            weight_multiple=weight_multiple,
+    settings = RoundSettings(
+        algorithm=client_update,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        finetune_epochs=finetune_epochs,
+        personal_epochs=personal_epochs,
+        share_buffers=share_bn_stats,
+    )
+    config = ServerConfig(
+        bundle=bundle,
+        state=state,
+        strategy=strategy,
+        rounds=rounds,
+        min_clients=min_clients,
+        fraction=fraction,
+        round_timeout=round_timeout,
+        max_upload_mb=max_upload_mb,
+        max_samples=max_samples,
+        clip_multiple=clip_multiple,
+        weight_multiple=weight_multiple,
+        seed=seed,
+        share_buffers=share_bn_stats,
+        init=init,
+        poll_interval=poll_interval,
+        available_for=available_for,
+        upload_slots=upload_slots,
+        public_status=public_status,
+        history=history,
+        enroll_secret=read_enroll_secret(enroll_secret_file) if enroll_secret_file is not None else None,
+        enroll_max_failures=enroll_max_failures,
+        enroll_window=enroll_window,
+        strategy_options=StrategyOptions(
+            settings=settings,
+            trim_fraction=trim_fraction,
+            clients=pfedla_clients,
+            hn_lr=hn_lr,
             seed=seed,
-            share_buffers=share_bn_stats,
-            init=init,
-            poll_interval=poll_interval,
-            available_for=available_for,
-            upload_slots=upload_slots,
-            public_status=public_status,
-            history=history,
-            enroll_secret=read_enroll_secret(enroll_secret_file) if enroll_secret_file is not None else None,
-            enroll_max_failures=enroll_max_failures,
-            enroll_window=enroll_window,
-            strategy_options=StrategyOptions(
-                settings=settings,
-                trim_fraction=trim_fraction,
-                clients=pfedla_clients,
-                hn_lr=hn_lr,
-                seed=seed,
-                retain_top_k=retain_top_k,
-            ),
-            web=not no_web,
-        )
-        config.check()
-        if (tls_cert is None) != (tls_key is None):
-            raise UsageError("--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP")
-        for path in (tls_cert, tls_key):
-            if path is not None and not path.is_file():
-                raise UsageError(f"{path} does not exist", "pass a PEM file")
-        if not 0 <= port <= 65535:
-            raise UsageError(f"--port {port} is not a port", "use 1..65535")
-        try:
-            from edgepfl.server.app import create_app
-            from edgepfl.server.engine import create_engine
-            from edgepfl.server.transport import HttpLimits, parse_proxies, run_server
-        except ImportError as exc:
-            raise UsageError(
-                f"serve needs the web stack ({exc.name} is missing)", "pip install 'edgepfl[server]'"
-            ) from None
-        limits = HttpLimits(read_timeout, min_upload_rate, parse_proxies(forwarded_allow_ips))
-        limits.check()
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        engine = create_engine(config)
-    except EdgePFLError as error:
-        fail(error)
-        return
+            retain_top_k=retain_top_k,
+        ),
+        web=not no_web,
+    )
+    config.check()
+    if (tls_cert is None) != (tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP")
+    for path in (tls_cert, tls_key):
+        if path is not None and not path.is_file():
+            raise UsageError(f"{path} does not exist", "pass a PEM file")
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port} is not a port", "use 1..65535")
+    try:
+        from edgepfl.server.app import create_app
+        from edgepfl.server.engine import create_engine
+        from edgepfl.server.transport import HttpLimits, parse_proxies, run_server
+    except ImportError as exc:
+        raise UsageError(
+            f"serve needs the web stack ({exc.name} is missing)", "pip install 'edgepfl[server]'"
+        ) from None
+    limits = HttpLimits(read_timeout, min_upload_rate, parse_proxies(forwarded_allow_ips))
+    limits.check()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = create_engine(config)
     scheme = "https" if tls_cert else "http"
     enrollment = ", enrollment open" if config.enroll_secret is not None else ""
     typer.echo(
@@ -209,36 +206,24 @@ def tokens_add(
     replace: Annotated[bool, typer.Option("--replace", help="issue a new token for an enrolled device")] = False,
 ) -> None:
     """Enroll a device and print its bearer token once (only a hash of it is stored)."""
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError
     from edgepfl.server.store import Store, check_device_name, issue_token
 
+    check_device_name(name)  # before Store(): a refused name leaves no state folder behind
+    store = Store(state)
     try:
-        check_device_name(name)  # before Store(): a refused name leaves no state folder behind
-        store = Store(state)
-        try:
-            token = issue_token(store, name, time.time(), replace=replace)
-        finally:
-            store.close()
-    except EdgePFLError as error:
-        fail(error)
-        return
+        token = issue_token(store, name, time.time(), replace=replace)
+    finally:
+        store.close()
     typer.echo(token)
 
 
 @tokens_app.command("list")
 def tokens_list(state: Annotated[Path, typer.Option(help="the server's state folder")]) -> None:
     """List enrolled devices (names and enrollment time; tokens are never shown again)."""
-    from edgepfl.cli import fail
-    from edgepfl.errors import EdgePFLError
     from edgepfl.server.store import Store
 
-    try:
-        store = Store(state)
-        devices = store.devices()
-        store.close()
-    except EdgePFLError as error:
-        fail(error)
-        return
+    store = Store(state)
+    devices = store.devices()
+    store.close()
     for device in devices:
         typer.echo(f"{device.name}\t{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(device.created))}")
