@@ -65,7 +65,7 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         model, dataset = ("mlp", "mnist") if setting == "persfl-mnist" else ("cnn", "cifar10")
         for name, partition in PERSFL_PARTITIONS.items():
             for algorithm in ("fedavg", "fedper", "local", "persfl"):
-                config = replace(base, model=model, dataset=dataset, partition=partition, algorithm=algorithm, kp=1)
+                config = base.updated(model=model, dataset=dataset, partition=partition, algorithm=algorithm, kp=1)
                 runs.append((f"{setting}/{name}/{algorithm}", config))
     elif setting == "fedper-k":
         for k in (4, 8, 10):
@@ -82,10 +82,10 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             runs.append((f"{setting}/kp{kp}/fedper", config))
     elif setting == "fedalt":
         for algorithm in ("fedalt", "fedper"):
-            config = replace(base, model=base.model, dataset="cifar10", partition="classes:4", algorithm=algorithm)
+            config = base.updated(model=base.model, dataset="cifar10", partition="classes:4", algorithm=algorithm)
             runs.append((f"{setting}/k4/{algorithm}", config))
     elif setting == "pfedla":
-        cnn = replace(base, model="cnn", norm="batch", dataset="cifar10", partition="classes:4")
+        cnn = base.updated(model="cnn", norm="batch", dataset="cifar10", partition="classes:4")
         for label, algorithm, kp in (
             ("fedavg", "fedavg", 0),
             ("local", "local", 0),
@@ -93,9 +93,9 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             ("pfedla", "pfedla", 0),
             ("heurpfedla", "heurpfedla", 0),
         ):
-            runs.append((f"{setting}/k4/{label}", replace(cnn, algorithm=algorithm, kp=kp)))
+            runs.append((f"{setting}/k4/{label}", cnn.updated(algorithm=algorithm, kp=kp)))
     elif setting == "pfedla-mnist":
-        mlp = replace(base, model="mlp", dataset="mnist", partition="classes:2", split=(0.75, 0.0, 0.25))
+        mlp = base.updated(model="mlp", dataset="mnist", partition="classes:2", split=(0.75, 0.0, 0.25))
         for label, algorithm, kp in (
             ("fedavg", "fedavg", 0),
             ("local", "local", 0),
@@ -103,7 +103,7 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             ("pfedla", "pfedla", 0),
             ("heurpfedla", "heurpfedla", 0),
         ):
-            runs.append((f"{setting}/c2/{label}", replace(mlp, algorithm=algorithm, kp=kp)))
+            runs.append((f"{setting}/c2/{label}", mlp.updated(algorithm=algorithm, kp=kp)))
     else:
         raise SystemExit(f"unknown setting {setting!r}")
     return runs
@@ -123,10 +123,10 @@ def run(args: argparse.Namespace) -> None:
         threads=args.threads,
     )
     for seed in args.seeds:
-        for label, config in plan(args.setting, replace(base, seed=seed)):
+        for label, config in plan(args.setting, base.updated(seed=seed)):
             out = Path(args.out) / SAME_RUN.get(label, label) / f"seed{seed}"
             started = time.perf_counter()
-            results = run_simulation(replace(config, out=str(out)))
+            results = run_simulation(config.updated(out=str(out)))
             summary = results.summary()
             line = {"run": label, "seed": seed, "seconds": round(time.perf_counter() - started, 1), **summary}
             print(json.dumps(line), flush=True)

@@ -11,7 +11,9 @@ import typer
 from edgepfl.boundary import ErrorBoundary, fail
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
+from edgepfl.options import flag
 from edgepfl.server.cli import serve_app
+from edgepfl.simulate.config import SimulateConfig
 
 app = typer.Typer(cls=ErrorBoundary,
     name="edgepfl",
@@ -185,122 +187,55 @@ def partition_command(
 
 @app.command()
 def simulate(
+    ctx: typer.Context,
     config_file: Annotated[Path | None, typer.Option("--config", help="JSON or TOML file of these options")] = None,
-    out: Annotated[str | None, typer.Option(help="run folder (results.json, accuracy.png); rerun to resume")] = None,
-    model: Annotated[
-        str | None, typer.Option(help="zoo model: mobilenet, cnn, mlp, resnet34 (default: mobilenet)")
-    ] = None,
-    width: Annotated[float | None, typer.Option(help="MobileNet width: 0.25|0.5|0.75|1.0 (default: 0.25)")] = None,
-    kp: Annotated[int | None, typer.Option(help="personal blocks from the classifier (default: 2)")] = None,
-    norm: Annotated[str | None, typer.Option(help="batch | group | none (default: the model's default)")] = None,
-    algorithm: Annotated[
-        str | None,
-        typer.Option(
-            help="fedavg | local | fedper (=fedsim) | fedalt | fedper-ft | pfedla | heurpfedla | persfl [fedper]"
-        ),
-    ] = None,
-    dataset: Annotated[
-        str | None,
-        typer.Option(help="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or .npz (default: cifar10)"),
-    ] = None,
-    data_root: Annotated[str | None, typer.Option(help="folder that holds the dataset (default: data)")] = None,
-    download: Annotated[bool | None, typer.Option("--download", help="download the dataset if missing")] = None,
-    checksums: Annotated[str | None, typer.Option(help="md5 list (JSON or CSV) of a known dataset copy")] = None,
-    partition: Annotated[
-        str | None,
-        typer.Option(help="iid | classes:K | dirichlet:A | ds3 | dominant:D | file:PATH.json (default: classes:4)"),
-    ] = None,
-    clients: Annotated[int | None, typer.Option(help="number of clients (default: 10)")] = None,
-    split: Annotated[
-        str | None, typer.Option(help="each client's train,val,test fractions (default: 0.6,0.2,0.2)")
-    ] = None,
-    fraction: Annotated[float | None, typer.Option(help="fraction of clients sampled per round (default: 1.0)")] = None,
-    rounds: Annotated[int | None, typer.Option(help="rounds (default: 50)")] = None,
-    epochs: Annotated[int | None, typer.Option(help="local epochs per round (default: 4)")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="local batch size (default: 128)")] = None,
-    lr: Annotated[float | None, typer.Option(help="SGD learning rate (default: 0.01)")] = None,
-    finetune_epochs: Annotated[
-        int | None, typer.Option(help="fedper-ft: fine-tuning epochs per round (default: 1)")
-    ] = None,
-    personal_epochs: Annotated[int | None, typer.Option(help="fedalt: personal-phase epochs (default: 1)")] = None,
-    engine: Annotated[str | None, typer.Option(help="torch | portable | ort-training (default: torch)")] = None,
-    seed: Annotated[
-        int | None, typer.Option(help="seed of partition, init, sampling and shuffling (default: 0)")
-    ] = None,
-    threads: Annotated[int | None, typer.Option(help="CPU threads of the engine")] = None,
-    workers: Annotated[
-        int | None, typer.Option(help="train a round's clients in this many Ray actors (default: 1, no Ray)")
-    ] = None,
-    ray_address: Annotated[
-        str | None, typer.Option(help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of a local Ray")
-    ] = None,
-    client_cpus: Annotated[float | None, typer.Option(help="CPUs each Ray actor reserves (default: 1)")] = None,
-    client_gpus: Annotated[float | None, typer.Option(help="GPUs each Ray actor reserves (default: 0)")] = None,
-    hn_lr: Annotated[
-        float | None, typer.Option(help="pfedla, heurpfedla: hypernetwork learning rate (default: 0.005)")
-    ] = None,
-    retain_top_k: Annotated[
-        int | None, typer.Option(help="heurpfedla: tensors each client keeps instead of exchanging (default: 1)")
-    ] = None,
-    distill_lambdas: Annotated[
-        str | None, typer.Option(help="persfl: λ grid, comma-separated (default: 0.1,0.3,0.5,0.7,0.9)")
-    ] = None,
-    distill_temperatures: Annotated[
-        str | None, typer.Option(help="persfl: temperature grid, comma-separated (default: 1,2,4,8)")
-    ] = None,
-    distill_epochs: Annotated[int | None, typer.Option(help="persfl: epochs per (λ, T) (default: 5)")] = None,
-    distill_lr: Annotated[float | None, typer.Option(help="persfl: distillation learning rate (default: 0.05)")] = None,
-    distill_variant: Annotated[
-        str | None, typer.Option(help="persfl: kd (soft-label KL) | gd (PersFL-GD, Eq. 7) (default: kd)")
-    ] = None,
+    out: str | None = flag(SimulateConfig, 'out', unset_default=True),
+    model: str | None = flag(SimulateConfig, 'model', unset_default=True),
+    width: float | None = flag(SimulateConfig, 'width', unset_default=True),
+    kp: int | None = flag(SimulateConfig, 'kp', unset_default=True),
+    norm: str | None = flag(SimulateConfig, 'norm', unset_default=True),
+    algorithm: str | None = flag(SimulateConfig, 'algorithm', unset_default=True),
+    dataset: str | None = flag(SimulateConfig, 'dataset', unset_default=True),
+    data_root: str | None = flag(SimulateConfig, 'data_root', unset_default=True),
+    download: bool | None = flag(SimulateConfig, 'download', unset_default=True),
+    checksums: str | None = flag(SimulateConfig, 'checksums', unset_default=True),
+    partition: str | None = flag(SimulateConfig, 'partition', unset_default=True),
+    clients: int | None = flag(SimulateConfig, 'clients', unset_default=True),
+    split: str | None = flag(SimulateConfig, 'split', unset_default=True),
+    fraction: float | None = flag(SimulateConfig, 'fraction', unset_default=True),
+    min_clients: int | None = flag(SimulateConfig, 'min_clients', unset_default=True),
+    rounds: int | None = flag(SimulateConfig, 'rounds', unset_default=True),
+    epochs: int | None = flag(SimulateConfig, 'epochs', unset_default=True),
+    batch_size: int | None = flag(SimulateConfig, 'batch_size', unset_default=True),
+    lr: float | None = flag(SimulateConfig, 'lr', unset_default=True),
+    finetune_epochs: int | None = flag(SimulateConfig, 'finetune_epochs', unset_default=True),
+    personal_epochs: int | None = flag(SimulateConfig, 'personal_epochs', unset_default=True),
+    share_buffers: bool | None = flag(SimulateConfig, 'share_buffers', unset_default=True),
+    engine: str | None = flag(SimulateConfig, 'engine', unset_default=True),
+    seed: int | None = flag(SimulateConfig, 'seed', unset_default=True),
+    threads: int | None = flag(SimulateConfig, 'threads', unset_default=True),
+    workers: int | None = flag(SimulateConfig, 'workers', unset_default=True),
+    ray_address: str | None = flag(SimulateConfig, 'ray_address', unset_default=True),
+    client_cpus: float | None = flag(SimulateConfig, 'client_cpus', unset_default=True),
+    client_gpus: float | None = flag(SimulateConfig, 'client_gpus', unset_default=True),
+    hn_lr: float | None = flag(SimulateConfig, 'hn_lr', unset_default=True),
+    retain_top_k: int | None = flag(SimulateConfig, 'retain_top_k', unset_default=True),
+    distill_lambdas: str | None = flag(SimulateConfig, 'distill_lambdas', unset_default=True),
+    distill_temperatures: str | None = flag(SimulateConfig, 'distill_temperatures', unset_default=True),
+    distill_epochs: int | None = flag(SimulateConfig, 'distill_epochs', unset_default=True),
+    distill_lr: float | None = flag(SimulateConfig, 'distill_lr', unset_default=True),
+    distill_variant: str | None = flag(SimulateConfig, 'distill_variant', unset_default=True),
 ) -> None:
     """Run many clients and a server strategy in one process; results.json, a table and accuracy.png."""
     from edgepfl.errors import UsageError
+    from edgepfl.simulate.config import config_from_json, read_config_file
 
-    given = {
-        "out": out,
-        "model": model,
-        "width": width,
-        "kp": kp,
-        "norm": norm,
-        "algorithm": algorithm,
-        "dataset": dataset,
-        "data_root": data_root,
-        "download": download,
-        "checksums": checksums,
-        "partition": partition,
-        "clients": clients,
-        "split": split,
-        "fraction": fraction,
-        "rounds": rounds,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "lr": lr,
-        "finetune_epochs": finetune_epochs,
-        "personal_epochs": personal_epochs,
-        "engine": engine,
-        "seed": seed,
-        "threads": threads,
-        "workers": workers,
-        "ray_address": ray_address,
-        "client_cpus": client_cpus,
-        "client_gpus": client_gpus,
-        "hn_lr": hn_lr,
-        "retain_top_k": retain_top_k,
-        "distill_lambdas": distill_lambdas,
-        "distill_temperatures": distill_temperatures,
-        "distill_epochs": distill_epochs,
-        "distill_lr": distill_lr,
-        "distill_variant": distill_variant,
-    }
+    given = {name: value for name, value in ctx.params.items() if value is not None and name != "config_file"}
+    values = {**(read_config_file(config_file) if config_file is not None else {}), **given}
+    if "out" not in values:
+        raise UsageError("simulate needs a run folder", "pass --out runs/NAME (or out in the --config file)")
+    config = config_from_json(values, origin=str(config_file) if config_file else "options", flags=given)
     try:
-        from edgepfl.simulate.config import config_from_json, read_config_file
-
-        values = read_config_file(config_file) if config_file is not None else {}
-        values = {**values, **{key: value for key, value in given.items() if value is not None}}
-        if "out" not in values:
-            raise UsageError("simulate needs a run folder", "pass --out runs/NAME (or out in the --config file)")
-        config = config_from_json(values, origin=str(config_file) if config_file else "options")
         _run_simulation(config)
     except ImportError as exc:
         fail(EdgePFLError(f"simulate needs torch ({exc.name} is missing)", "pip install 'edgepfl[all]'"))

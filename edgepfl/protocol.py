@@ -34,13 +34,18 @@ SETTINGS_LIMITS = {
 class RoundSettings:
     """What a device does in one round; chosen by the server's strategy, run by the device runtime."""
 
-    algorithm: str = "fedsim"  # fedsim (FedPer/FedAvg local update) | fedalt | local
-    epochs: int = 1  # local epochs on the shared (and, for fedsim, personal) tensors
-    batch_size: int = 32
-    lr: float = 0.01
-    finetune_epochs: int = 0  # personal fine-tuning with base frozen at round start (FedPer A.3)
-    personal_epochs: int = 1  # fedalt: epochs of the personal phase before the base phase
-    share_buffers: bool = False  # BatchNorm statistics of base blocks travel with the base
+    # each field's help (metadata "help") is the help of the flag that sets it (edgepfl.options.settings_field)
+    algorithm: str = field(default="fedsim", metadata={"help": "what a device trains each round"})
+    epochs: int = field(default=1, metadata={"help": "local epochs per round"})
+    batch_size: int = field(default=32, metadata={"help": "local batch size"})
+    lr: float = field(default=0.01, metadata={"help": "local SGD learning rate"})
+    finetune_epochs: int = field(
+        default=0, metadata={"help": "personal fine-tuning epochs per round, base frozen at round start (FedPer A.3)"}
+    )
+    personal_epochs: int = field(default=1, metadata={"help": "fedalt: epochs of the personal phase per round"})
+    share_buffers: bool = field(
+        default=False, metadata={"help": "BatchNorm statistics of base blocks travel with the base and are averaged"}
+    )
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific knobs (pFedLA, PersFL)
     # shared tensors this device keeps its own value of this round (HeurpFedLA): neither in the base it gets
     # nor in the update it sends

@@ -22,12 +22,12 @@ from starlette.requests import ClientDisconnect
 import edgepfl
 from edgepfl.errors import EdgePFLError
 from edgepfl.protocol import API_PREFIX, EvalMetrics
+from edgepfl.server.config import HttpLimits
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError, Refused
 from edgepfl.server.http_errors import STATUS, status_of
 from edgepfl.server.page import render_page, render_plot
 from edgepfl.server.store import StorageError
-from edgepfl.server.transport import HttpLimits
 
 log = logging.getLogger("edgepfl.server")
 

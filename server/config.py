@@ -1,112 +1,234 @@
-"""The server's configuration: one typed object made at the CLI edge and passed down."""
+"""The server's configuration: one typed model per concern, made at the CLI edge and passed down.
+
+Each field's default, bounds, choices and help live here (or, for a strategy's own knobs, in that strategy's
+file; for what a device does in a round, in `edgepfl.protocol.RoundSettings`); `edgepfl serve` builds its
+flags from them (`edgepfl.options.flag`), so no default or help text is written twice.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import ipaddress
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, InstanceOf, field_validator, model_validator
 
 from edgepfl.credentials import read_secret_file
 from edgepfl.errors import UsageError
+from edgepfl.options import FLAG, OPTIONS, settings_field
 from edgepfl.protocol import ALGORITHMS, RoundSettings
+from edgepfl.server.strategies import STRATEGIES
+from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
+from edgepfl.server.strategies.pfedla import PFedLAOptions
+from edgepfl.server.strategies.trimmed_mean import TrimmedMeanOptions
 
 MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
 
 
-@dataclass(frozen=True)
-class StrategyOptions:
-    """What a strategy is told at construction: the round settings it hands out and its own knobs."""
+class RoundOptions(BaseModel):
+    """The round settings `edgepfl serve` hands out (defaults, bounds and help from RoundSettings)."""
 
-    settings: RoundSettings = field(default_factory=RoundSettings)
-    trim_fraction: float = 0.1  # trimmed-mean: fraction cut from each end per coordinate
-    clients: int = 0  # pfedla: how many clients the hypernetworks mix (N)
-    hn_lr: float = 5e-3  # pfedla: SGD learning rate of the embeddings and hypernetworks
-    seed: int = 0  # strategies that draw random numbers (pfedla's hypernetwork initialisation)
-    retain_top_k: int = 1  # heurpfedla: tensors (largest self-weight) that stay on each device
+    model_config = OPTIONS
+
+    algorithm: Literal[ALGORITHMS] = settings_field("algorithm", flag="--client-update")
+    epochs: int = settings_field("epochs")
+    batch_size: int = settings_field("batch_size")
+    lr: float = settings_field("lr")
+    finetune_epochs: int = settings_field("finetune_epochs")
+    personal_epochs: int = settings_field("personal_epochs")
+    share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
+
+    def settings(self) -> RoundSettings:
+        """The RoundSettings these options make."""
+        return RoundSettings(**self.model_dump())
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything `edgepfl serve` was told; the engine and the HTTP app read only this."""
+class StrategyOptions(TrimmedMeanOptions, PFedLAOptions, HeurPFedLAOptions):
+    """What a strategy is told at construction: the round settings it hands out and every strategy's own knobs."""
+
+    settings: InstanceOf[RoundSettings] = Field(default_factory=RoundSettings)
+    seed: int = 0  # strategies that draw random numbers (pfedla's hypernetwork initialisation): the server's --seed
+
+
+class ServerConfig(BaseModel):
+    """Everything `edgepfl serve` was told about rounds and devices; the engine and the HTTP app read only this."""
+
+    model_config = OPTIONS
 
     bundle: Path
     state: Path
-    strategy: str = "fedper"
-    rounds: int = 100
-    min_clients: int = 2
-    fraction: float = 1.0
-    round_timeout: float = 600.0  # seconds from a round's opening to its deadline
-    max_upload_mb: float = 64.0
-    max_samples: int = 10_000_000  # larger sample counts are refused as absurd
-    seed: int = 0  # device sampling
-    share_buffers: bool = False  # base-block BatchNorm statistics travel and are averaged
-    init: Path | None = None  # initial base tensors; default: the bundle's portable/initial.safetensors
-    poll_interval: float = 5.0  # retry_after for devices told to wait
-    available_for: float = 60.0  # a device counts as available this long after its last /v1/task poll
-    upload_slots: int = 4  # uploads decoded and checked at once (memory stays O(slots x model))
-    public_status: bool = False  # `/`, `/plot.png` and `/v1/status` readable without a token
-    history: int = 0  # closed rounds whose global model (and tensors) are kept; 0 keeps every round
-    enroll_secret: str | None = field(default=None, repr=False)  # POST /v1/enroll is open while set; never stored
-    enroll_max_failures: int = 10  # wrong secrets from one address that block it from POST /v1/enroll ...
-    enroll_window: int = 600  # ... while they fall within this many seconds
-    clip_multiple: float = 3.0  # an update's delta is clipped to this many times the round's median delta norm
-    weight_multiple: float = 2.0  # a claimed sample count is capped at this many times the round's median
-    strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
-    web: bool = True  # the browser device: /device/ (page, runtime, portable bundle files) and /join; --no-web
+    strategy: Literal[tuple(STRATEGIES)] = Field(  # type: ignore[valid-type]
+        "fedper", description="how accepted uploads become the next global base"
+    )
+    rounds: Annotated[int, Field(ge=1, description="rounds to aggregate, then tell devices 'done'")] = 100
+    min_clients: Annotated[
+        int, Field(ge=1, description="devices needed to open a round and to close it at its deadline")
+    ] = 2
+    fraction: Annotated[
+        float, Field(gt=0.0, le=1.0, description="fraction of available devices sampled per round")
+    ] = 1.0
+    round_timeout: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="seconds from a round's opening to its deadline")
+    ] = 600.0
+    max_upload_mb: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="largest accepted upload body, in MiB")
+    ] = 64.0
+    max_samples: Annotated[
+        int, Field(ge=1, description="largest sample count an upload may claim (larger ones are refused as absurd)")
+    ] = 10_000_000
+    seed: Annotated[int, Field(description="seed of device sampling (and of pfedla's hypernetworks)")] = 0
+    init: Annotated[
+        Path | None, Field(description="initial base tensors (default: BUNDLE/portable/initial.safetensors)")
+    ] = None
+    poll_interval: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="retry_after told to waiting devices (seconds)")
+    ] = 5.0
+    available_for: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="a device is available this long after it polls (s)")
+    ] = 60.0
+    upload_slots: Annotated[
+        int, Field(ge=1, description="uploads decoded and checked at once (memory stays O(slots x model))")
+    ] = 4
+    public_status: Annotated[bool, Field(description="/, /plot.png and /v1/status need no token")] = False
+    history: Annotated[
+        int, Field(ge=0, description="closed rounds whose global model is kept for new participants; 0 keeps all")
+    ] = 0
+    enroll_secret: Annotated[str | None, Field(repr=False)] = None  # POST /v1/enroll is open while set; never stored
+    enroll_max_failures: Annotated[
+        int, Field(ge=1, description="wrong enrollment secrets from one address before it gets 429 (--enroll-window)")
+    ] = 10
+    enroll_window: Annotated[
+        int, Field(ge=1, description="seconds over which --enroll-max-failures are counted (a sliding window)")
+    ] = 600
+    clip_multiple: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            allow_inf_nan=False,
+            description="clip each update's delta to this many times the round's median delta norm; 0: off",
+        ),
+    ] = 3.0
+    weight_multiple: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            allow_inf_nan=False,
+            description="cap each claimed sample count at this many times the round's median; 0: off",
+        ),
+    ] = 2.0
+    strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
+    web: Annotated[
+        bool,
+        Field(
+            description="serve the browser device page (/device/) and the join link (/join)",
+            json_schema_extra={FLAG: "--web/--no-web"},
+        ),
+    ] = True
+
+    @field_validator("clip_multiple", "weight_multiple")
+    @classmethod
+    def _off_or_at_least_one(cls, value: float) -> float:
+        if 0.0 < value < 1.0:
+            raise ValueError("must be 0 (off) or at least 1 (times the round's median)")
+        return value
+
+    @model_validator(mode="after")
+    def _rounds_can_open(self) -> ServerConfig:
+        clients = self.strategy_options.clients
+        if clients and self.min_clients > clients:
+            raise UsageError(
+                f"--min-clients {self.min_clients} is more than the {clients} clients of --pfedla-clients, "
+                "so no round could open",
+                f"pass --min-clients {clients} or less",
+            )
+        return self
+
+    @property
+    def share_buffers(self) -> bool:
+        """Base-block BatchNorm statistics travel and are averaged (the round settings' `--share-bn-stats`)."""
+        return self.strategy_options.settings.share_buffers
 
     @property
     def max_upload_bytes(self) -> int:
         """The upload size cap in bytes."""
         return int(self.max_upload_mb * 1024 * 1024)
 
-    def check(self) -> None:
-        """Refuse values that cannot work, naming the option (raises UsageError)."""
-        settings = self.strategy_options.settings
-        checks = [
-            (self.rounds >= 1, "--rounds must be at least 1", "pass e.g. --rounds 100"),
-            (self.min_clients >= 1, "--min-clients must be at least 1", "pass e.g. --min-clients 2"),
-            (0.0 < self.fraction <= 1.0, "--fraction must be in (0, 1]", "pass e.g. --fraction 1.0"),
-            (self.round_timeout > 0, "--round-timeout must be positive", "pass seconds, e.g. 600"),
-            (self.max_upload_mb > 0, "--max-upload-mb must be positive", "pass e.g. 64"),
-            (self.max_samples >= 1, "--max-samples must be at least 1", "pass e.g. 10000000"),
-            (self.poll_interval > 0, "--poll-interval must be positive", "pass seconds, e.g. 5"),
-            (self.available_for > 0, "--available-for must be positive", "pass seconds, e.g. 60"),
-            (self.history >= 0, "--history must not be negative", "pass 0 to keep every round, or e.g. 10"),
-            (self.upload_slots >= 1, "--upload-slots must be at least 1", "pass e.g. 4"),
-            (self.enroll_max_failures >= 1, "--enroll-max-failures must be at least 1", "pass e.g. 10"),
-            (self.enroll_window >= 1, "--enroll-window must be at least 1 second", "pass seconds, e.g. 600"),
-            (
-                self.clip_multiple == 0 or self.clip_multiple >= 1,
-                "--clip-multiple must be 0 (off) or at least 1 (times the round's median delta norm)",
-                "pass e.g. 3",
-            ),
-            (
-                self.weight_multiple == 0 or self.weight_multiple >= 1,
-                "--weight-multiple must be 0 (off) or at least 1 (times the round's median sample count)",
-                "pass e.g. 2",
-            ),
-            (
-                settings.algorithm in ALGORITHMS,
-                f"--client-update {settings.algorithm!r} is unknown",
-                f"use one of: {', '.join(ALGORITHMS)}",
-            ),
-            (
-                min(settings.epochs, settings.finetune_epochs, settings.personal_epochs) >= 0,
-                "epoch counts must not be negative",
-                "pass 0 or more",
-            ),
-            (settings.batch_size >= 1, "--batch-size must be at least 1", "pass e.g. 32"),
-            (settings.lr > 0, "--lr must be positive", "pass e.g. 0.01"),
-            (0.0 <= self.strategy_options.trim_fraction < 0.5, "--trim-fraction must be in [0, 0.5)", "pass e.g. 0.1"),
-            (
-                self.strategy_options.clients == 0 or self.min_clients <= self.strategy_options.clients,
-                f"--min-clients {self.min_clients} is more than the {self.strategy_options.clients} clients of "
-                "--pfedla-clients, so no round could open",
-                f"pass --min-clients {self.strategy_options.clients} or less",
-            ),
-        ]
-        for ok, problem, fix in checks:
-            if not ok:
-                raise UsageError(problem, fix)
+
+class HttpLimits(BaseModel):
+    """What one slow or lying client may cost the others; made at the CLI edge, read by the app and uvicorn.
+
+    A request's headers must arrive within `read_timeout` seconds. A body (an upload holds one of the
+    `--upload-slots` while it is read) must then keep up an average of `min_upload_rate` KiB/s after
+    a grace of `read_timeout` seconds, or it is refused (408) and its slot goes to the next upload.
+    """
+
+    model_config = OPTIONS
+
+    read_timeout: Annotated[
+        float,
+        Field(
+            gt=0.0,
+            allow_inf_nan=False,
+            description="seconds for a request's headers, and a body's grace before --min-upload-rate",
+        ),
+    ] = 20.0
+    min_upload_rate: Annotated[
+        float,
+        Field(
+            gt=0.0,
+            allow_inf_nan=False,
+            description="KiB/s a request body must average after --read-timeout, or it is refused (408)",
+        ),
+    ] = 8.0
+    forwarded_allow_ips: Annotated[
+        tuple[str, ...],
+        Field(
+            description="reverse proxies (IPs or networks, comma-separated) whose X-Forwarded-For is believed",
+            examples=["10.0.0.5,10.0.1.0/24"],
+        ),
+    ] = ()
+
+    @field_validator("forwarded_allow_ips", mode="before")
+    @classmethod
+    def _proxies(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = tuple(part.strip() for part in value.split(",") if part.strip())
+        for proxy in value if isinstance(value, tuple | list) else ():
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except (TypeError, ValueError):
+                raise ValueError(f"{proxy!r} is not an IP address or network") from None
+        return value
+
+    def body_deadline(self, started: float, received: int) -> float:
+        """When a body whose reading began at `started` must have sent its next bytes, having sent `received`."""
+        return started + self.read_timeout + received / (self.min_upload_rate * 1024)
+
+
+class Listen(BaseModel):
+    """Where `edgepfl serve` listens, over HTTP or HTTPS, and how much it logs."""
+
+    model_config = OPTIONS
+
+    host: Annotated[str, Field(description="address to listen on")] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535, description="port to listen on (0: any free port)")] = 8080
+    tls_cert: Annotated[Path | None, Field(description="TLS certificate (PEM); with --tls-key serves HTTPS")] = None
+    tls_key: Annotated[Path | None, Field(description="TLS private key (PEM)")] = None
+    log_level: Annotated[Literal["debug", "info", "warning"], Field(description="server log level")] = "info"
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> Listen:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise UsageError("--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not path.is_file():
+                raise UsageError(f"{path} does not exist", "pass a PEM file")
+        return self
+
+    @property
+    def tls(self) -> tuple[Path, Path] | None:
+        """The certificate and key files, or None for plain HTTP."""
+        return (self.tls_cert, self.tls_key) if self.tls_cert and self.tls_key else None
 
 
 def read_enroll_secret(path: Path) -> str:

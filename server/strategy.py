@@ -10,14 +10,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import RoundSettings
-from edgepfl.server.config import StrategyOptions
+
+if TYPE_CHECKING:
+    from edgepfl.server.config import StrategyOptions
 
 BaseTensors = dict[str, np.ndarray]
 RoundPlan = tuple[RoundSettings, Mapping[str, np.ndarray]]  # what one sampled device is told and sent

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,45 +11,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from edgepfl.errors import UsageError
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What one slow or lying client may cost the others; made at the CLI edge, read by the app and uvicorn.
-
-    A request's headers must arrive within `read_timeout` seconds. A body (an upload holds one of the
-    `--upload-slots` while it is read) must then keep up an average of `min_upload_rate` KiB/s after
-    a grace of `read_timeout` seconds, or it is refused (408) and its slot goes to the next upload.
-    """
-
-    read_timeout: float = 20.0
-    min_upload_rate: float = 8.0  # KiB/s
-    forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For/-Proto are believed; none by default
-
-    def check(self) -> None:
-        """Refuse values that cannot work, naming the option (raises UsageError)."""
-        if not self.read_timeout > 0:
-            raise UsageError("--read-timeout must be positive", "pass seconds, e.g. 20")
-        if not self.min_upload_rate > 0:
-            raise UsageError("--min-upload-rate must be positive", "pass KiB/s, e.g. 8")
-        for proxy in self.forwarded_allow_ips:
-            try:
-                ipaddress.ip_network(proxy, strict=False)
-            except ValueError:
-                raise UsageError(
-                    f"--forwarded-allow-ips: {proxy!r} is not an IP address or network",
-                    "name the reverse proxies in front of the server, e.g. 10.0.0.5,10.0.1.0/24",
-                ) from None
-
-    def body_deadline(self, started: float, received: int) -> float:
-        """When a body whose reading began at `started` must have sent its next bytes, having sent `received`."""
-        return started + self.read_timeout + received / (self.min_upload_rate * 1024)
-
-
-def parse_proxies(value: str) -> tuple[str, ...]:
-    """The comma-separated addresses of `--forwarded-allow-ips` (empty: trust no proxy)."""
-    return tuple(part.strip() for part in value.split(",") if part.strip())
+from edgepfl.server.config import HttpLimits
 
 
 def run_server(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import subprocess
@@ -110,25 +109,25 @@ def test_retention_keeps_exactly_the_last_rounds_and_survives_a_restart(setup) -
     assert _blob_files(again) == _needed_blobs(again)
     # a smaller retention at the next start releases more; a larger one cannot bring released rounds back
     again.store.close()
-    smaller = create_engine(dataclasses.replace(config, history=1), clock)
+    smaller = create_engine(config.model_copy(update=dict(history=1)), clock)
     assert [row["round"] for row in smaller.history()["rounds"]] == [5]
     assert _blob_files(smaller) == _needed_blobs(smaller)
     smaller.store.close()
-    everything = create_engine(dataclasses.replace(config, history=0), clock)
+    everything = create_engine(config.model_copy(update=dict(history=0)), clock)
     assert [row["round"] for row in everything.history()["rounds"]] == [5]
     assert everything.result_of(5) == kept[5]
 
 
 def test_a_crash_between_release_and_deletion_is_cleaned_at_start(setup) -> None:
     manifest, config, _, clock = setup
-    engine = create_engine(dataclasses.replace(config, history=0), clock)
+    engine = create_engine(config.model_copy(update=dict(history=0)), clock)
     _run_rounds(engine, clock, manifest, 3)
     before = _blob_files(engine)
     with engine.store.transaction() as db:  # the release committed, the process died before unlinking
         db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('history_released_through', '2')")
         db.execute("UPDATE rounds SET result_sha = NULL WHERE round_id <= 2")
     engine.store.close()
-    again = create_engine(dataclasses.replace(config, history=1), clock)
+    again = create_engine(config.model_copy(update=dict(history=1)), clock)
     assert _blob_files(again) == _needed_blobs(again) < before
     assert [row["round"] for row in again.history()["rounds"]] == [3]
     assert hashlib.sha256(again.result_of(3)[0]).hexdigest() == again.store.round(3).result_sha

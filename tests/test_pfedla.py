@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 (tiny_npz: t
 
 from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import TensorSpec  # noqa: E402
+from edgepfl.options import validated  # noqa: E402
 from edgepfl.server.config import ServerConfig, StrategyOptions  # noqa: E402
 from edgepfl.server.engine import create_engine  # noqa: E402
 from edgepfl.server.errors import Refused  # noqa: E402
@@ -178,8 +178,8 @@ def test_uniform_alpha_is_fedavg_and_one_hot_self_is_local_training() -> None:
 def test_options_and_slots_are_checked(monkeypatch) -> None:
     with pytest.raises(UsageError, match="--pfedla-clients"):
         _strategy(clients=0)
-    with pytest.raises(UsageError, match="learning rate"):
-        _strategy(hn_lr=0.0)
+    with pytest.raises(UsageError, match=r"--hn-lr 0\.0: input should be greater than 0 \(pass e\.g\. --hn-lr"):
+        validated(StrategyOptions, {"hn_lr": 0.0})
     with monkeypatch.context() as patched:
         patched.setitem(sys.modules, "torch", None)
         with pytest.raises(UsageError, match="needs torch"):
@@ -428,8 +428,8 @@ def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
 def test_served_heurpfedla_names_the_kept_tensors_and_refuses_uploads_that_carry_them(engine_setup) -> None:
     """The device is told what it keeps; its base lacks those tensors, and an upload holding one is a 422."""
     manifest, config = engine_setup
-    options = dataclasses.replace(config.strategy_options, retain_top_k=1)
-    engine = create_engine(dataclasses.replace(config, strategy="heurpfedla", strategy_options=options), Clock())
+    options = config.strategy_options.model_copy(update=dict(retain_top_k=1))
+    engine = create_engine(config.model_copy(update=dict(strategy="heurpfedla", strategy_options=options)), Clock())
     for device in ("d0", "d1", "d2"):
         task = engine.task(device)
     shared = {spec.name for spec in manifest.shared(False)}
@@ -669,7 +669,7 @@ def test_pfedla_admits_newcomers_only_into_free_places() -> None:
 def test_serve_refuses_more_min_clients_than_pfedla_clients(engine_setup) -> None:
     _, config = engine_setup
     with pytest.raises(UsageError, match="--min-clients 4 is more than the 3 clients"):
-        dataclasses.replace(config, min_clients=4).check()
+        ServerConfig.model_validate({**dict(config), "min_clients": 4})
 
 
 # issue 18: the lost clients

@@ -58,7 +58,7 @@ def _update(engine: RoundEngine, device: str, round_id: int, shift: float, num_s
 
 def test_round_opens_when_enough_devices_poll_and_samples_deterministically(setup) -> None:
     manifest, config, clock = setup
-    config = dataclasses.replace(config, min_clients=2, fraction=0.5, seed=7)
+    config = config.model_copy(update=dict(min_clients=2, fraction=0.5, seed=7))
     engine = create_engine(config, clock)
     assert engine.task("d0").action == "wait"
     for name in ("d1", "d2", "d3", "d4"):
@@ -69,7 +69,7 @@ def test_round_opens_when_enough_devices_poll_and_samples_deterministically(setu
     record = engine.store.open_round()
     assert record is not None and record.round_id == 1 and len(record.sampled) == 3  # ceil(0.5 * 5)
     # the same seed and the same available devices sample the same devices
-    again = create_engine(dataclasses.replace(config, state=config.state.parent / "other"), clock)
+    again = create_engine(config.model_copy(update=dict(state=config.state.parent / "other")), clock)
     enroll(again.config.state, *[f"d{i}" for i in range(6)])
     _open(again, clock, "d0", "d1", "d2", "d3", "d4")
     assert again.store.open_round().sampled == record.sampled
@@ -83,7 +83,7 @@ def test_round_opens_when_enough_devices_poll_and_samples_deterministically(setu
 
 def test_full_round_aggregates_once_and_chains_the_base(setup) -> None:
     manifest, config, clock = setup
-    engine = create_engine(dataclasses.replace(config, rounds=2), clock)
+    engine = create_engine(config.model_copy(update=dict(rounds=2)), clock)
     _open(engine, clock, "d0", "d1")
     uploads = [(_update(engine, "d0", 1, 1.0, 10, manifest), 10), (_update(engine, "d1", 1, 3.0, 30, manifest), 30)]
     engine.tick()
@@ -161,15 +161,15 @@ def test_state_is_bound_to_bundle_and_strategy(setup, tmp_path: Path) -> None:
     _, config, clock = setup
     create_engine(config, clock).store.close()
     with pytest.raises(StateError, match="different strategy"):
-        create_engine(dataclasses.replace(config, strategy="median"), clock)
+        create_engine(config.model_copy(update=dict(strategy="median")), clock)
     with pytest.raises(StateError, match="shared layout"):
-        create_engine(dataclasses.replace(config, share_buffers=True), clock)
+        create_engine(sharing_bn_stats(config), clock)
     other = tmp_path / "other-bundle"
     make_bundle(other, kp=0)
     with pytest.raises(UsageError, match="kp=1"):
-        create_engine(dataclasses.replace(config, bundle=tmp_path / "bundle", strategy="fedavg"), clock)
+        create_engine(config.model_copy(update=dict(bundle=tmp_path / "bundle", strategy="fedavg")), clock)
     with pytest.raises(StateError, match="bundle base layout"):
-        create_engine(dataclasses.replace(config, bundle=other), clock)
+        create_engine(config.model_copy(update=dict(bundle=other)), clock)
 
 
 def test_initial_base_comes_from_the_bundle_or_init(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ def test_initial_base_comes_from_the_bundle_or_init(tmp_path: Path) -> None:
 
     tensors = initial_tensors(manifest, seed=3)
     save_tensors(init, tensors)
-    engine = create_engine(dataclasses.replace(config, init=init))
+    engine = create_engine(config.model_copy(update=dict(init=init)))
     stored = decode_tensors(engine.store.read_blob(engine.store.get_meta("initial_base_sha")))
     assert sorted(stored) == sorted(manifest.names("base"))  # personal tensors in the file are not kept
     np.testing.assert_array_equal(stored["stem.weight"], tensors["stem.weight"])
@@ -190,7 +190,7 @@ def test_initial_base_comes_from_the_bundle_or_init(tmp_path: Path) -> None:
 
 def test_bn_statistics_travel_only_when_shared(setup) -> None:
     manifest, config, clock = setup
-    engine = create_engine(dataclasses.replace(config, share_buffers=True), clock)
+    engine = create_engine(sharing_bn_stats(config), clock)
     _open(engine, clock, "d0", "d1")
     base = decode_tensors(engine.base_for("d0", 1)[0])
     assert {"stem_bn.running_mean", "stem_bn.running_var"} <= set(base)
@@ -236,7 +236,7 @@ def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:
 
 def test_corrupt_blob_is_excluded_not_aggregated(setup) -> None:
     manifest, config, clock = setup
-    engine = create_engine(dataclasses.replace(config, min_clients=2), clock)
+    engine = create_engine(config.model_copy(update=dict(min_clients=2)), clock)
     _open(engine, clock, "d0", "d1", "d2")
     for i, name in enumerate(("d0", "d1", "d2")):
         _update(engine, name, 1, float(i), 1, manifest)
@@ -314,7 +314,7 @@ def test_an_unexpected_failure_is_one_json_500_and_the_app_keeps_serving(setup, 
 def test_one_device_claiming_10m_samples_of_1e30_cannot_replace_the_base(setup) -> None:
     """Its delta is clipped to 3x the round's median delta norm and its weight capped at 2x the median count."""
     manifest, config, clock = setup
-    engine = create_engine(dataclasses.replace(config, min_clients=4), clock)
+    engine = create_engine(config.model_copy(update=dict(min_clients=4)), clock)
     _open(engine, clock, "d0", "d1", "d2", "d3")
     base = decode_tensors(engine.base_for("d0", 1)[0])
     for name in ("d0", "d1", "d2"):
@@ -334,8 +334,8 @@ def test_the_bounds_clip_and_cap_one_outlier_exactly_and_can_be_turned_off(setup
     for multiples in ((3.0, 2.0), (0.0, 0.0)):
         state = config.state.parent / f"state-{multiples[0]}"
         enroll(state, "d0", "d1", "d2")
-        changed = dataclasses.replace(config, state=state, clip_multiple=multiples[0], weight_multiple=multiples[1])
-        engine = create_engine(dataclasses.replace(changed, min_clients=3), clock)
+        changed = config.model_copy(update=dict(state=state, clip_multiple=multiples[0], weight_multiple=multiples[1]))
+        engine = create_engine(changed.model_copy(update=dict(min_clients=3)), clock)
         _open(engine, clock, "d0", "d1", "d2")
         base = decode_tensors(engine.base_for("d0", 1)[0])
         _update(engine, "d0", 1, 1.0, 10, manifest)
@@ -441,3 +441,10 @@ def test_old_serve_flag_names_still_work_and_name_the_new_one(old, new) -> None:
     result = CliRunner().invoke(app, ["serve", *old])  # no --bundle: refused after the note
     assert result.exit_code == 2
     assert f"is now {new}" in result.output and "serve needs --bundle and --state" in result.output
+
+
+def sharing_bn_stats(config: ServerConfig) -> ServerConfig:
+    """`config` with --share-bn-stats: base-block BatchNorm statistics travel."""
+    settings = dataclasses.replace(config.strategy_options.settings, share_buffers=True)
+    options = config.strategy_options.model_copy(update=dict(settings=settings))
+    return config.model_copy(update=dict(strategy_options=options))

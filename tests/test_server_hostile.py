@@ -389,4 +389,4 @@ def test_serve_refuses_a_non_positive_read_limit_in_one_line(tmp_path: Path, opt
     args = ["serve", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), option, "0"]
     refused_option = CliRunner().invoke(cli_app, args)
     assert refused_option.exit_code == 2 and refused_option.output.count("\n") == 1, refused_option.output
-    assert refused_option.output.startswith(f"error: {option} must be positive"), refused_option.output
+    assert refused_option.output.startswith(f"error: {option} 0.0: input should be greater than 0"), refused_option

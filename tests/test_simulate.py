@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -64,7 +64,7 @@ def tiny_config(tiny_npz, out, **changes) -> SimulateConfig:
         engine="torch",
         threads=1,
     )
-    return replace(base, **changes)
+    return base.updated(**changes)
 
 
 def state_of(out) -> dict[str, np.ndarray]:
@@ -244,7 +244,7 @@ def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path
         uploads.append(meta)
         if len(uploads) % 4 == 1:  # all four clients upload each round, in name order: client-000 first
             tensors = {name: np.full_like(value, 1e30) for name, value in tensors.items()}
-            meta = replace(meta, num_samples=10_000_000)
+            meta = dataclasses.replace(meta, num_samples=10_000_000)
         return honest_encode(tensors, meta)
 
     monkeypatch.setattr(workers, "encode_update", hostile_encode)

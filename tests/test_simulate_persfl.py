@@ -80,7 +80,7 @@ def test_persfl_grid_options_are_checked_and_read_from_a_config_file(tiny_npz, t
     assert config.distill_lambdas == (0.2, 0.4) and config.distill_temperatures == (1.0, 3.0)
     assert config_from_json(config.to_json()) == config
     with pytest.raises(UsageError, match="lambdas"):
-        persfl_config(tiny_npz, tmp_path / "bad", distill_lambdas=(1.5,)).check()
+        persfl_config(tiny_npz, tmp_path / "bad", distill_lambdas=(1.5,))
     sparse = run_simulation(persfl_config(tiny_npz, tmp_path / "sparse", rounds=1, fraction=0.5))
     skipped = [entry for entry in sparse.persfl["clients"] if entry["teacher_round"] is None]
     assert len(skipped) == 2 and sparse.persfl["student"]["test_accuracy"]["per_client"].count(None) == 0

@@ -9,7 +9,6 @@ Both runs go through the one round engine, so every round samples, plans and agg
 from __future__ import annotations
 
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +59,7 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
     from edgepfl.simulate.loop import run_simulation
 
     out = tmp_path / "sim"
-    config = replace(
-        tiny_config(tiny_npz, out, algorithm=algorithm, engine="portable", clients=CLIENTS),
+    config = tiny_config(tiny_npz, out, algorithm=algorithm, engine="portable", clients=CLIENTS).updated(
         fraction=fraction,
         min_clients=2,
         seed=1,  # samples clients 0 and 3, then 0 and 1: client 1 first joins pFedLA in round 2

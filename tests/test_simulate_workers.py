@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -48,12 +47,12 @@ def assert_same_run(first, second, out_first, out_second) -> None:
 def test_two_workers_equal_one(tiny_npz, tmp_path, algorithm, engine, fraction):  # noqa: F811
     config = tiny_config(tiny_npz, tmp_path / "one", algorithm=algorithm, engine=engine, fraction=fraction)
     if algorithm == "persfl":
-        config = replace(config, split=(0.6, 0.2, 0.2), distill_lambdas=(0.5,), distill_temperatures=(2.0,),
+        config = config.updated(split=(0.6, 0.2, 0.2), distill_lambdas=(0.5,), distill_temperatures=(2.0,),
                          distill_epochs=1)  # fmt: skip
     one = run_simulation(config)
     seen: list[tuple[int, int]] = []
     two = run_simulation(
-        replace(config, out=str(tmp_path / "two"), workers=2), progress=lambda r, done, n: seen.append((r, done))
+        config.updated(out=str(tmp_path / "two"), workers=2), progress=lambda r, done, n: seen.append((r, done))
     )
     assert seen == [(r, d) for r in (1, 2) for d in range(1, len(seen) // 2 + 1)], "the bar moves per client"
     assert_same_run(one, two, tmp_path / "one", tmp_path / "two")
@@ -69,7 +68,7 @@ def test_a_workers_run_resumes_to_the_one_process_run(tiny_npz, tmp_path):  # no
 
 
 def test_bad_worker_options_are_one_line(tiny_npz, tmp_path, monkeypatch):  # noqa: F811
-    with pytest.raises(UsageError, match="--workers must be at least 1"):
+    with pytest.raises(UsageError, match="--workers 0: input should be greater than or equal to 1"):
         run_simulation(tiny_config(tiny_npz, tmp_path / "zero", workers=0))
     with pytest.raises(UsageError, match="--client-gpus 1 asks for GPUs and the Ray cluster has 0"):
         run_simulation(tiny_config(tiny_npz, tmp_path / "gpu", workers=2, client_gpus=1.0))

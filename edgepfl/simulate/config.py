@@ -1,15 +1,22 @@
-"""What one simulated experiment is: a typed config made at the CLI edge (flags or a JSON/TOML file)."""
+"""What one simulated experiment is: a typed config made at the CLI edge (flags or a JSON/TOML file).
+
+The `edgepfl simulate` flags are made from `SimulateConfig`'s fields (defaults, bounds, choices, help)."""
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from edgepfl.device_runtime.persfl import DistillConfig
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from edgepfl.device_runtime.persfl import VARIANTS, DistillConfig
 from edgepfl.errors import UsageError
+from edgepfl.options import OPTIONS, settings_field, validated
+from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
+from edgepfl.server.strategies.pfedla import PFedLAOptions
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
 _DISTILL_DEFAULTS = DistillConfig()
@@ -40,80 +47,103 @@ ALGORITHMS: dict[str, AlgorithmPlan] = {
 }
 
 
-@dataclass(frozen=True)
-class SimulateConfig:
-    """Everything `edgepfl simulate` was told; results.json records it verbatim."""
+class SimulateConfig(BaseModel):
+    """Everything `edgepfl simulate` was told; results.json records it verbatim. Its flags are made from it."""
 
-    out: str = "runs/sim"
-    model: str = "mobilenet"  # zoo name, torchvision:NAME, path/to/file.py:factory or package.module:factory
-    width: float = 0.25
-    kp: int = 2
-    norm: str | None = None  # None: the zoo model's default
-    algorithm: str = "fedper"
-    dataset: str = "cifar10"
-    data_root: str = "data"
-    download: bool = False
-    checksums: str | None = None
-    partition: str = "classes:4"
-    clients: int | None = 10  # None only with file: partitions (the file's count)
-    split: tuple[float, float, float] = (0.6, 0.2, 0.2)
-    fraction: float = 1.0
-    min_clients: int = 1
-    rounds: int = 50
-    epochs: int = 4
-    batch_size: int = 128
-    lr: float = 0.01
-    finetune_epochs: int = 1  # fedper-ft only
-    personal_epochs: int = 1  # fedalt only
-    hn_lr: float = 5e-3  # pfedla, heurpfedla: SGD learning rate of the hypernetworks
-    retain_top_k: int = 1  # heurpfedla: tensors with the largest self-weight that stay on each client
-    share_buffers: bool = False
-    distill_lambdas: tuple[float, ...] = tuple(_DISTILL_DEFAULTS.lambdas)  # persfl stage 2: the (λ, T) grid
-    distill_temperatures: tuple[float, ...] = tuple(_DISTILL_DEFAULTS.temperatures)
-    distill_epochs: int = _DISTILL_DEFAULTS.epochs
-    distill_lr: float = _DISTILL_DEFAULTS.lr
-    distill_variant: str = _DISTILL_DEFAULTS.variant
-    engine: str = "torch"
-    seed: int = 0
-    threads: int | None = None
-    workers: int = 1  # > 1: clients train in this many Ray actors (simulate/workers.py)
-    ray_address: str | None = None  # an existing Ray cluster; None: a local Ray instance when workers > 1
-    client_cpus: float = 1.0  # each Ray actor's CPUs
-    client_gpus: float = 0.0  # each Ray actor's GPUs
+    model_config = OPTIONS
 
-    def check(self) -> None:
-        """Refuse values that cannot work, naming the option (raises UsageError)."""
-        checks = [
-            (
-                self.algorithm in ALGORITHMS,
-                f"--algorithm {self.algorithm!r} is unknown",
-                f"use {', '.join(ALGORITHMS)}",
-            ),
-            (self.engine in SIM_ENGINES, f"--engine {self.engine!r} is unknown", f"use {', '.join(SIM_ENGINES)}"),
-            (self.rounds >= 1, "--rounds must be at least 1", "pass e.g. --rounds 50"),
-            (self.epochs >= 0, "--epochs must not be negative", "pass e.g. --epochs 4"),
-            (self.batch_size >= 1, "--batch-size must be at least 1", "pass e.g. --batch-size 128"),
-            (self.lr > 0 and math.isfinite(self.lr), "--lr must be a positive number", "pass e.g. --lr 0.01"),
-            (0.0 < self.fraction <= 1.0, "--fraction must be in (0, 1]", "pass e.g. --fraction 1.0"),
-            (self.min_clients >= 1, "--min-clients must be at least 1", "pass e.g. --min-clients 1"),
-            (self.kp >= 0, "--kp must not be negative", "pass e.g. --kp 2"),
-            (min(self.finetune_epochs, self.personal_epochs) >= 0, "epoch counts must not be negative", "pass 0+"),
-            (self.clients is None or self.clients >= 1, "--clients must be at least 1", "pass e.g. --clients 10"),
-            (self.threads is None or self.threads >= 1, "--threads must be at least 1", "leave it out or pass 1+"),
-            (self.hn_lr > 0 and math.isfinite(self.hn_lr), "hn_lr must be a positive number", "pass e.g. 0.005"),
-            (self.retain_top_k >= 1, "retain_top_k must be at least 1", "pass e.g. 1"),
-            (self.workers >= 1, "--workers must be at least 1", "pass e.g. --workers 2"),
-            (self.client_cpus > 0, "--client-cpus must be positive", "pass e.g. --client-cpus 1"),
-            (self.client_gpus >= 0, "--client-gpus must not be negative", "leave it out or pass e.g. 0.5"),
-        ]
-        for ok, problem, fix in checks:
-            if not ok:
-                raise UsageError(problem, fix)
+    out: Annotated[str, Field(description="run folder (results.json, accuracy.png); rerun to resume")] = "runs/sim"
+    model: Annotated[
+        str,
+        Field(
+            description="zoo name (mobilenet, cnn, mlp, resnet34), torchvision:NAME, path/to/file.py:factory "
+            "or package.module:factory"
+        ),
+    ] = "mobilenet"
+    width: Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="MobileNet width: 0.25|0.5|0.75|1.0")] = 0.25
+    kp: Annotated[int, Field(ge=0, description="personal blocks, counted from the classifier")] = 2
+    norm: Annotated[
+        Literal["batch", "group", "none"] | None, Field(description="normalisation (default: the zoo model's own)")
+    ] = None
+    algorithm: Literal[tuple(ALGORITHMS)] = Field("fedper", description="the method (fedper = fedsim)")  # type: ignore[valid-type]
+    dataset: Annotated[
+        str, Field(description="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or a .npz file")
+    ] = "cifar10"
+    data_root: Annotated[str, Field(description="folder that holds the dataset")] = "data"
+    download: Annotated[bool, Field(description="download the dataset if it is missing")] = False
+    checksums: Annotated[str | None, Field(description="md5 list (JSON or CSV) of a known dataset copy")] = None
+    partition: Annotated[
+        str, Field(description="iid | classes:K | dirichlet:A | ds3 | dominant:D | file:PATH.json")
+    ] = "classes:4"
+    clients: Annotated[
+        int | None, Field(ge=1, description="number of clients (a file: partition has its own count)")
+    ] = 10
+    split: Annotated[
+        tuple[float, float, float],
+        Field(description="each client's train,val,test fractions", examples=["0.6,0.2,0.2"]),
+    ] = (0.6, 0.2, 0.2)
+    fraction: Annotated[float, Field(gt=0.0, le=1.0, description="fraction of clients sampled per round")] = 1.0
+    min_clients: Annotated[int, Field(ge=1, description="clients needed to close a round")] = 1
+    rounds: Annotated[int, Field(ge=1, description="rounds")] = 50
+    epochs: int = settings_field("epochs", default=4)
+    batch_size: int = settings_field("batch_size", default=128)
+    lr: float = settings_field("lr", default=0.01)
+    finetune_epochs: int = settings_field("finetune_epochs", default=1)  # fedper-ft only
+    personal_epochs: int = settings_field("personal_epochs")
+    hn_lr: float = PFedLAOptions.model_fields["hn_lr"]
+    retain_top_k: int = HeurPFedLAOptions.model_fields["retain_top_k"]
+    share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
+    distill_lambdas: Annotated[
+        tuple[float, ...], Field(description="persfl: the λ grid, comma-separated", examples=["0.1,0.5"])
+    ] = tuple(_DISTILL_DEFAULTS.lambdas)
+    distill_temperatures: Annotated[
+        tuple[float, ...], Field(description="persfl: the temperature grid, comma-separated", examples=["1,2,4"])
+    ] = tuple(_DISTILL_DEFAULTS.temperatures)
+    distill_epochs: Annotated[int, Field(ge=1, description="persfl: epochs per (λ, T)")] = _DISTILL_DEFAULTS.epochs
+    distill_lr: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="persfl: distillation learning rate")
+    ] = _DISTILL_DEFAULTS.lr
+    distill_variant: Literal[VARIANTS] = Field(  # type: ignore[valid-type]
+        _DISTILL_DEFAULTS.variant, description="persfl: kd (soft-label KL) or gd (PersFL-GD, Eq. 7)"
+    )
+    engine: Literal[SIM_ENGINES] = Field("torch", description="the clients' training engine")  # type: ignore[valid-type]
+    seed: Annotated[int, Field(description="seed of partition, init, sampling and shuffling")] = 0
+    threads: Annotated[int | None, Field(ge=1, description="CPU threads of the engine (default: its choice)")] = None
+    workers: Annotated[
+        int, Field(ge=1, description="train a round's clients in this many Ray actors (1: in this process, no Ray)")
+    ] = 1
+    ray_address: Annotated[
+        str | None, Field(description="join this Ray cluster (e.g. ray://head:10001 or auto) instead of a local Ray")
+    ] = None
+    client_cpus: Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="CPUs each Ray actor reserves")] = 1.0
+    client_gpus: Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="GPUs each Ray actor reserves")] = 0.0
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        from edgepfl.partition import check_split, parse_split
+
+        if isinstance(value, str):
+            return parse_split(value)
+        return check_split(value) if isinstance(value, tuple | list) else value
+
+    @field_validator(*GRID_KEYS, mode="before")
+    @classmethod
+    def _grid(cls, value: Any) -> Any:
+        return tuple(item.strip() for item in value.split(",")) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _model_and_stage_two(self) -> SimulateConfig:
         from edgepfl.export.source import parse_model  # a zoo name or a MODEL string of `edgepfl export`
 
         parse_model(self.model)
         if self.plan.persfl:
             self.distill_config()
+        return self
+
+    def updated(self, **changes: Any) -> SimulateConfig:
+        """This config with `changes`, validated again."""
+        return validated(SimulateConfig, {**dict(self), **changes})
 
     def distill_config(self) -> DistillConfig:
         """PersFL stage 2's settings (DistillConfig checks them); stage 2 trains with the run's batch size."""
@@ -134,47 +164,25 @@ class SimulateConfig:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (results.json `config`)."""
-        data = asdict(self)
-        data["split"] = list(self.split)
-        for key in GRID_KEYS:
-            data[key] = list(data[key])
-        return data
+        return self.model_dump(mode="json")
 
     def same_experiment(self, other: SimulateConfig) -> list[str]:
         """Fields that differ in a way that makes `other` a different experiment (rounds, threads, workers may)."""
         free = {"rounds", "threads", "out", "workers", "ray_address", "client_cpus", "client_gpus"}
-        return [f.name for f in fields(self) if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]
+        names = [name for name in SimulateConfig.model_fields if name not in free]
+        return [name for name in names if getattr(self, name) != getattr(other, name)]
 
 
-def config_from_json(data: dict[str, Any], origin: str = "config") -> SimulateConfig:
-    """A config from a mapping (a config file or results.json); unknown keys are refused by name."""
-    known = {f.name for f in fields(SimulateConfig)}
+def config_from_json(data: dict[str, Any], origin: str = "config", flags: Iterable[str] = ()) -> SimulateConfig:
+    """A config from a mapping (a config file, results.json, or flags); unknown keys are refused by name.
+
+    Keys in `flags` came from the command line: a problem with one is named by its flag, any other by `origin`.
+    """
     normalised = {key.replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(normalised) - known)
-    if unknown:
-        raise UsageError(f"{origin} has unknown key {unknown[0]!r}", f"use keys of: {', '.join(sorted(known))}")
-    if "split" in normalised:
-        split = normalised["split"]
-        if isinstance(split, str):
-            from edgepfl.partition import parse_split
-
-            split = parse_split(split)
-        normalised["split"] = tuple(float(v) for v in split)
-    for key in GRID_KEYS:
-        if key in normalised:
-            normalised[key] = _float_tuple(normalised[key], key, origin)
     for key in ("out", "data_root", "checksums"):
         if isinstance(normalised.get(key), Path):
             normalised[key] = str(normalised[key])
-    return replace(SimulateConfig(), **normalised)
-
-
-def _float_tuple(value: Any, key: str, origin: str) -> tuple[float, ...]:
-    items = value.split(",") if isinstance(value, str) else value
-    try:
-        return tuple(float(item) for item in items)
-    except (TypeError, ValueError):
-        raise UsageError(f"{origin}: {key} must be a list of numbers", f'write e.g. "{key}": [0.1, 0.5]') from None
+    return validated(SimulateConfig, normalised, origin, flags=flags)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -85,7 +85,6 @@ def run_simulation(
     status: Callable[[str], None] = lambda _: None,
 ) -> Results:
     """Run (or resume) an experiment into `config.out`; returns the results also written there."""
-    config.check()
     out = Path(config.out)
     previous = load_results(out) if (out / "results.json").is_file() else None
     if previous is not None:

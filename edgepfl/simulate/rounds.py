@@ -176,12 +176,10 @@ def open_server(
         min_clients=min(min_clients, len(names)),
         fraction=fraction,
         seed=seed,
-        share_buffers=settings.share_buffers,
         init=out / INITIAL_FILE,
         history=HISTORY,
         strategy_options=options,
     )
-    config.check()
     clock = SimClock()
     store = Store(folder)
     try:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from edgepfl.errors import UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.server.config import StrategyOptions
 from edgepfl.server.strategies.fedavg import FedAvg
 from edgepfl.server.strategies.fedper import FedPer
 from edgepfl.server.strategies.heurpfedla import HeurPFedLA
@@ -12,6 +13,9 @@ from edgepfl.server.strategies.median import Median
 from edgepfl.server.strategies.pfedla import PFedLA
 from edgepfl.server.strategies.trimmed_mean import TrimmedMean
 from edgepfl.server.strategy import Strategy
+
+if TYPE_CHECKING:
+    from edgepfl.server.config import StrategyOptions
 
 STRATEGIES: dict[str, type[Strategy]] = {
     FedAvg.name: FedAvg,

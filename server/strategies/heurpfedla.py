@@ -9,14 +9,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
+from pydantic import BaseModel, Field
 
 from edgepfl.errors import UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.server.config import StrategyOptions
+from edgepfl.options import OPTIONS
 from edgepfl.server.strategies.pfedla import PFedLA
 from edgepfl.server.strategy import RoundPlan
+
+if TYPE_CHECKING:
+    from edgepfl.server.config import StrategyOptions
+
+
+class HeurPFedLAOptions(BaseModel):
+    """heurpfedla's own option (it also reads pfedla's)."""
+
+    model_config = OPTIONS
+
+    retain_top_k: Annotated[
+        int, Field(ge=1, description="heurpfedla: tensors (largest self-weight) a device keeps instead of exchanging")
+    ] = 1
 
 
 class HeurPFedLA(PFedLA):
@@ -30,7 +45,7 @@ class HeurPFedLA(PFedLA):
             raise UsageError(
                 f"heurpfedla keeps the top-k tensors on the device, and k={options.retain_top_k} is not in "
                 f"1..{len(self.mixed)}",
-                "pass e.g. retain_top_k 1",
+                "pass e.g. --retain-top-k 1",
             )
 
     def retained(self, device: str) -> list[str]:

@@ -14,19 +14,42 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, Field
 
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.server.config import StrategyOptions
+from edgepfl.options import FLAG, OPTIONS
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, RoundPlan, Strategy, cast_like
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 EMBEDDING_DIM = 100
 HIDDEN_DIM = 100
 STATE_FORMAT = "pfedla/1"
+
+if TYPE_CHECKING:
+    from edgepfl.server.config import StrategyOptions
+
+
+class PFedLAOptions(BaseModel):
+    """pfedla's (and heurpfedla's) own options."""
+
+    model_config = OPTIONS
+
+    clients: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="pfedla: number of clients N the hypernetworks mix (0: not set)",
+            json_schema_extra={FLAG: "--pfedla-clients"},
+            examples=[10],
+        ),
+    ] = 0
+    hn_lr: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="pfedla, heurpfedla: hypernetwork learning rate")
+    ] = 5e-3
 
 
 class PFedLA(Strategy):
@@ -39,8 +62,6 @@ class PFedLA(Strategy):
         super().__init__(specs, options)
         if options.clients < 1:
             raise UsageError("pfedla needs the number of clients its hypernetworks mix", "pass --pfedla-clients N")
-        if not options.hn_lr > 0:
-            raise UsageError("the pfedla hypernetwork learning rate must be positive", "pass e.g. --hn-lr 0.005")
         try:
             import torch  # noqa: F401 (refused at start, not at the first round)
         except ImportError:

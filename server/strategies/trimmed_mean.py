@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Annotated
 
 import numpy as np
+from pydantic import BaseModel, Field
 
+from edgepfl.options import OPTIONS
 from edgepfl.server.strategies.median import coordinatewise
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy
+
+
+class TrimmedMeanOptions(BaseModel):
+    """trimmed-mean's own option."""
+
+    model_config = OPTIONS
+
+    trim_fraction: Annotated[
+        float, Field(ge=0.0, lt=0.5, description="trimmed-mean: fraction of the values cut from each end")
+    ] = 0.1
 
 
 class TrimmedMean(Strategy):

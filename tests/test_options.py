@@ -1,0 +1,92 @@
+"""Options are typed models: every flag of serve and simulate comes from one field, and bad values are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from edgepfl.cli import app
+from edgepfl.errors import UsageError
+from edgepfl.options import flag_name, validated
+from edgepfl.server.config import HttpLimits, Listen, RoundOptions, ServerConfig, StrategyOptions
+from edgepfl.simulate.config import SimulateConfig
+
+NOT_FLAGS = {"bundle", "state", "enroll_secret", "strategy_options", "settings", "seed"}
+
+
+def _params(name: str) -> dict:
+    subcommand = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+    return {option: param for param in subcommand.params for option in param.opts + param.secondary_opts}
+
+
+@pytest.mark.parametrize("model", [ServerConfig, RoundOptions, StrategyOptions, HttpLimits, Listen])
+def test_every_serve_option_is_a_flag_with_the_models_default_and_help(model) -> None:
+    params = _params("serve")
+    for name, info in model.model_fields.items():
+        if name in NOT_FLAGS:
+            continue
+        flag = flag_name(model, name).split("/")[0]
+        assert flag in params, f"{model.__name__}.{name} has no serve flag {flag}"
+        param = params[flag]
+        if name != "forwarded_allow_ips":  # a comma list on the command line, a tuple in the model
+            assert param.default == info.get_default(call_default_factory=True), flag
+        assert info.description and info.description in (param.help or ""), flag
+
+
+def test_every_simulate_option_is_a_flag_that_shows_the_models_default() -> None:
+    params = _params("simulate")
+    for name, info in SimulateConfig.model_fields.items():
+        flag = flag_name(SimulateConfig, name)
+        assert flag in params, f"SimulateConfig.{name} has no simulate flag {flag}"
+        assert params[flag].default is None, "a left-out flag must let the --config file's value apply"
+        assert info.description and info.description in (params[flag].help or ""), flag
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--rounds", "0"], "error: --rounds 0: input should be greater than or equal to 1 (pass e.g. --rounds 100)"),
+        (["--strategy", "fedprox"], "error: --strategy 'fedprox' is unknown (use one of: fedavg, fedper,"),
+        (["--client-update", "sgd"], "error: --client-update 'sgd' is unknown (use one of: fedsim, fedalt, local)"),
+        (["--batch-size", "2000000"], "error: --batch-size 2000000: input should be less than or equal to 1048576"),
+        (["--trim-fraction", "0.5"], "error: --trim-fraction 0.5: input should be less than 0.5"),
+        (["--clip-multiple", "0.5"], "error: --clip-multiple 0.5: must be 0 (off) or at least 1"),
+        (["--forwarded-allow-ips", "proxy"], "error: --forwarded-allow-ips 'proxy': 'proxy' is not an IP address"),
+        (["--port", "70000"], "error: --port 70000: input should be less than or equal to 65535"),
+    ],
+)
+def test_a_bad_serve_value_is_one_line_naming_the_flag(tmp_path, args, line) -> None:
+    result = CliRunner().invoke(app, ["serve", "--bundle", str(tmp_path), "--state", str(tmp_path / "s"), *args])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(line), result.output
+    assert not (tmp_path / "s").exists(), "a refused start leaves no state behind"
+
+
+def test_a_bad_value_names_the_config_file_key_or_the_flag_that_gave_it(tmp_path) -> None:
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"out": str(tmp_path / "run"), "rounds": 0, "fraction": 0.5}))
+    runner = CliRunner()
+    from_file = runner.invoke(app, ["simulate", "--config", str(config)])
+    assert from_file.exit_code == 2 and from_file.output.count("\n") == 1, from_file.output
+    assert from_file.output.startswith(f"error: {config}: rounds 0: input should be greater than or equal to 1")
+    from_flag = runner.invoke(app, ["simulate", "--config", str(config), "--rounds", "3", "--fraction", "2"])
+    assert from_flag.output.startswith("error: --fraction 2.0: input should be less than or equal to 1"), from_flag
+    split = runner.invoke(app, ["simulate", "--out", str(tmp_path / "x"), "--split", "0.5,0.5"])
+    assert split.exit_code == 2 and "is not three fractions summing to 1" in split.output, split.output
+    assert not (tmp_path / "run").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_strategy_owns_its_options_and_simulate_reads_them() -> None:
+    from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
+    from edgepfl.server.strategies.pfedla import PFedLAOptions
+
+    assert SimulateConfig.model_fields["hn_lr"] is not None
+    assert SimulateConfig().hn_lr == PFedLAOptions().hn_lr == StrategyOptions().hn_lr
+    assert SimulateConfig().retain_top_k == HeurPFedLAOptions().retain_top_k
+    with pytest.raises(UsageError, match=r"--retain-top-k 0: input should be greater than or equal to 1"):
+        validated(SimulateConfig, {"retain_top_k": 0})
+    with pytest.raises(UsageError, match="unknown option 'colour'"):
+        validated(ServerConfig, {"bundle": ".", "state": ".", "colour": "red"})
