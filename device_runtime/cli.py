@@ -12,6 +12,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from edgepfl.boundary import ErrorBoundary
+from edgepfl.device_runtime.options import (
+    ConnectionOptions,
+    DeviceOptions,
+    DistillOptions,
+    LocalOptions,
+    TrainOptions,
+)
+from edgepfl.options import flag, validated
 
 if TYPE_CHECKING:
     from edgepfl.data import LocalData
@@ -28,10 +36,6 @@ device_app = typer.Typer(cls=ErrorBoundary,
 Bundle = Annotated[Path, typer.Option(help="bundle folder written by `edgepfl export`")]
 Data = Annotated[Path, typer.Option(help=".npz with x and y, or an image folder with one sub-folder per class")]
 State = Annotated[Path, typer.Option(help="device state folder (personal tensors, last round); reuse it to resume")]
-EngineName = Annotated[str, typer.Option(help="auto | ort-training | portable (auto: ort-training where installed)")]
-ValFraction = Annotated[float, typer.Option(help="fraction of the data held out for evaluation")]
-Seed = Annotated[int, typer.Option(help="seed of the train/held-out split and of batch shuffling")]
-Threads = Annotated[int | None, typer.Option(help="ONNX Runtime threads (default: ORT's choice)")]
 AsJson = Annotated[bool, typer.Option("--json", help="print the result as JSON only")]
 Server = Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")]
 Token = Annotated[
@@ -51,7 +55,7 @@ def enroll(
     token_file: Annotated[
         Path | None, typer.Option(help="write the token to this new file (0600) instead of printing it")
     ] = None,
-    timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
+    timeout: float = flag(ConnectionOptions, "timeout"),
 ) -> None:
     """Enroll this device with the server's shared secret and print its token once (or write it to --token-file).
 
@@ -59,10 +63,8 @@ def enroll(
     until the token is written, so running the same command again after a lost reply gets a new token.
     """
     from edgepfl.credentials import read_secret_file, refuse_existing, write_secret_file
-    from edgepfl.errors import UsageError
 
-    if timeout <= 0:
-        raise UsageError("--timeout must be positive", "pass seconds, e.g. 60")
+    connection = validated(ConnectionOptions, {"timeout": timeout})
     if token_file is not None:
         refuse_existing(token_file, "--token-file")  # before the name is spent on the server
     secret = read_secret_file(secret_file, "--secret-file")
@@ -70,7 +72,7 @@ def enroll(
     key = _enroll_key(key_file)
     from edgepfl.device_runtime.client import ServerClient
 
-    client = ServerClient(server, None, timeout=timeout)
+    client = ServerClient(server, None, timeout=connection.timeout)
     try:
         token = client.enroll(name, secret, key)
     finally:
@@ -92,35 +94,33 @@ def run(
     state: State,
     token: Token = None,
     token_file: TokenFile = None,
-    engine: EngineName = "auto",
-    rounds: Annotated[int | None, typer.Option(help="stop after training this many rounds")] = None,
-    val_fraction: ValFraction = 0.2,
-    seed: Seed = 0,
-    threads: Threads = None,
-    retries: Annotated[int, typer.Option(help="tries per request on connection errors and 5xx")] = 8,
-    timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
-    poll_interval: Annotated[float, typer.Option(help="seconds between polls when the server gives none")] = 5.0,
-    persfl_teacher: Annotated[
-        bool, typer.Option(help="PersFL stage 1: keep the round's global model with the lowest held-out loss")
-    ] = False,
+    engine: str = flag(LocalOptions, "engine"),
+    rounds: int | None = flag(DeviceOptions, "max_rounds"),
+    val_fraction: float = flag(LocalOptions, "val_fraction"),
+    seed: int = flag(LocalOptions, "seed"),
+    threads: int | None = flag(LocalOptions, "threads"),
+    retries: int = flag(ConnectionOptions, "retries"),
+    timeout: float = flag(ConnectionOptions, "timeout"),
+    poll_interval: float = flag(DeviceOptions, "poll_interval"),
+    persfl_teacher: bool = flag(DeviceOptions, "persfl_teacher"),
     as_json: AsJson = False,
 ) -> None:
     """Take part in rounds until the server says the run is over: base in, base out, personal part kept."""
-    from edgepfl.errors import UsageError
-
-    if rounds is not None and rounds < 1:
-        raise UsageError(f"--rounds {rounds} is not positive", "pass --rounds 1 or more, or leave it out")
-    if retries < 1 or timeout <= 0 or poll_interval <= 0:
-        raise UsageError("--retries, --timeout and --poll-interval must be positive", "pass positive values")
+    options = validated(
+        DeviceOptions,
+        {"seed": seed, "max_rounds": rounds, "poll_interval": poll_interval, "persfl_teacher": persfl_teacher},
+    )
+    connection = validated(ConnectionOptions, {"retries": retries, "timeout": timeout})
     device_token = _device_token(token, token_file)
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient
     from edgepfl.device_runtime.progress import RichEvents
-    from edgepfl.device_runtime.runner import DeviceOptions, run_device
+    from edgepfl.device_runtime.runner import run_device
 
-    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
     with RichEvents(quiet=as_json) as events:
         client = ServerClient(
-            server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
+            server, device_token, RetryPolicy(attempts=connection.retries), timeout=connection.timeout,
+            on_retry=events.message,
         )
         try:
             summary = run_device(
@@ -128,9 +128,7 @@ def run(
                 local_data,
                 device_state,
                 client,
-                DeviceOptions(
-                    seed=seed, max_rounds=rounds, poll_interval=poll_interval, persfl_teacher=persfl_teacher
-                ),
+                options,
                 events,
             )
         finally:
@@ -156,28 +154,23 @@ def train(
     bundle: Bundle,
     data: Data,
     state: State,
-    epochs: Annotated[int, typer.Option(help="local epochs")] = 1,
-    trainable: Annotated[str, typer.Option(help="full | personal (fine-tuning, base frozen) | base")] = "full",
-    lr: Annotated[float, typer.Option(help="SGD learning rate")] = 0.01,
-    batch_size: Annotated[int, typer.Option(help="batch size")] = 32,
-    engine: EngineName = "auto",
-    val_fraction: ValFraction = 0.2,
-    seed: Seed = 0,
-    threads: Threads = None,
+    epochs: int = flag(TrainOptions, "epochs"),
+    trainable: str = flag(TrainOptions, "trainable"),
+    lr: float = flag(TrainOptions, "lr"),
+    batch_size: int = flag(TrainOptions, "batch_size"),
+    engine: str = flag(LocalOptions, "engine"),
+    val_fraction: float = flag(LocalOptions, "val_fraction"),
+    seed: int = flag(LocalOptions, "seed"),
+    threads: int | None = flag(LocalOptions, "threads"),
     as_json: AsJson = False,
 ) -> None:
     """Train locally without a server (e.g. personal fine-tuning) and save the result in --state."""
-    from edgepfl.errors import UsageError
-
-    if epochs < 1 or batch_size < 1 or not 0 < lr < math.inf:
-        raise UsageError("--epochs, --batch-size and --lr must be positive", "pass positive values")
+    options = validated(TrainOptions, {"epochs": epochs, "trainable": trainable, "lr": lr, "batch_size": batch_size})
+    epochs, trainable, lr, batch_size = options.epochs, options.trainable, options.lr, options.batch_size
     from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
     from edgepfl.device_runtime.progress import RichEvents
-    from edgepfl.manifest import TRAINABLE_SETS
 
-    if trainable not in TRAINABLE_SETS:
-        raise UsageError(f"unknown --trainable {trainable!r}", f"choose one of: {', '.join(TRAINABLE_SETS)}")
-    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
     device_engine.check_set(trainable)
     before = evaluate(device_engine, local_data)
     with RichEvents(quiet=as_json) as events:
@@ -226,12 +219,12 @@ def teacher(
     server: Server,
     token: Token = None,
     token_file: TokenFile = None,
-    engine: EngineName = "auto",
-    val_fraction: ValFraction = 0.2,
-    seed: Seed = 0,
-    threads: Threads = None,
-    retries: Annotated[int, typer.Option(help="tries per request on connection errors and 5xx")] = 8,
-    timeout: Annotated[float, typer.Option(help="seconds per request")] = 60.0,
+    engine: str = flag(LocalOptions, "engine"),
+    val_fraction: float = flag(LocalOptions, "val_fraction"),
+    seed: int = flag(LocalOptions, "seed"),
+    threads: int | None = flag(LocalOptions, "threads"),
+    retries: int = flag(ConnectionOptions, "retries"),
+    timeout: float = flag(ConnectionOptions, "timeout"),
     as_json: AsJson = False,
 ) -> None:
     """PersFL for a new participant: score every global model the server keeps; keep the best as the teacher.
@@ -239,10 +232,9 @@ def teacher(
     Each round's global model (`GET /v1/history`) is scored on the held-out data exactly as in
     `device run --persfl-teacher`, and the one with the lowest loss is kept in --state for `device distill`.
     """
-    from edgepfl.errors import StateError, UsageError
+    from edgepfl.errors import StateError
 
-    if retries < 1 or timeout <= 0:
-        raise UsageError("--retries and --timeout must be positive", "pass positive values")
+    connection = validated(ConnectionOptions, {"retries": retries, "timeout": timeout})
     device_token = _device_token(token, token_file)
     from edgepfl.device_runtime.algorithms import TrainingDiverged
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
@@ -250,13 +242,14 @@ def teacher(
     from edgepfl.device_runtime.progress import RichEvents
     from edgepfl.device_runtime.runner import check_global_model
 
-    device_engine, local_data, _ = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    device_engine, local_data, _ = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
     manifest = device_engine.manifest
     store = TeacherStore(state, manifest)
     losses: dict[str, float] = {}
     with RichEvents(quiet=as_json) as events:
         client = ServerClient(
-            server, device_token, RetryPolicy(attempts=retries), timeout=timeout, on_retry=events.message
+            server, device_token, RetryPolicy(attempts=connection.retries), timeout=connection.timeout,
+            on_retry=events.message,
         )
         try:
             entries = client.history()
@@ -308,19 +301,17 @@ def distill(
     bundle: Bundle,
     data: Data,
     state: State,
-    lambdas: Annotated[
-        str, typer.Option(help="comma-separated λ grid (weight of the teacher term)")
-    ] = "0.1,0.3,0.5,0.7,0.9",
-    temperatures: Annotated[str, typer.Option(help="comma-separated temperature grid")] = "1,2,4,8",
-    variant: Annotated[str, typer.Option(help="kd (PersFL) | gd (PersFL-GD)")] = "kd",
-    epochs: Annotated[int, typer.Option(help="local epochs per grid point")] = 5,
-    lr: Annotated[float, typer.Option(help="SGD learning rate")] = 0.05,
-    batch_size: Annotated[int | None, typer.Option(help="batch size (default: the bundle's portable batch)")] = None,
-    trainable: Annotated[str, typer.Option(help="full | personal (base frozen)")] = "full",
-    engine: EngineName = "auto",
-    val_fraction: ValFraction = 0.2,
-    seed: Seed = 0,
-    threads: Threads = None,
+    lambdas: str | None = flag(DistillOptions, "lambdas", unset_default=True),
+    temperatures: str | None = flag(DistillOptions, "temperatures", unset_default=True),
+    variant: str = flag(DistillOptions, "variant"),
+    epochs: int = flag(DistillOptions, "epochs"),
+    lr: float = flag(DistillOptions, "lr"),
+    batch_size: int | None = flag(DistillOptions, "batch_size"),
+    trainable: str = flag(DistillOptions, "trainable"),
+    engine: str = flag(LocalOptions, "engine"),
+    val_fraction: float = flag(LocalOptions, "val_fraction"),
+    seed: int = flag(LocalOptions, "seed"),
+    threads: int | None = flag(LocalOptions, "threads"),
     as_json: AsJson = False,
 ) -> None:
     """PersFL stage 2: distil a student from the kept teacher over a (λ, T) grid; pick by validation accuracy.
@@ -328,30 +319,15 @@ def distill(
     The held-out data is cut in halves: validation (choosing λ and T) and test (the reported accuracy).
     The chosen student is saved in --state as this device's model.
     """
-    from edgepfl.device_runtime.persfl import (
-        DistillConfig,
-        TeacherStore,
-        distill_batch_size,
-        distill_steps,
-        local_splits,
-    )
+    from edgepfl.device_runtime.persfl import TeacherStore, distill_batch_size, distill_steps, local_splits
     from edgepfl.device_runtime.persfl import distill as run_distill
     from edgepfl.device_runtime.progress import RichEvents
-    from edgepfl.errors import UsageError
 
-    if batch_size is not None and batch_size < 1:
-        raise UsageError(f"--batch-size {batch_size} is not positive", "pass 1 or more, or leave it out")
-    config = DistillConfig(
-        lambdas=_floats(lambdas, "--lambdas"),
-        temperatures=_floats(temperatures, "--temperatures"),
-        epochs=epochs,
-        lr=lr,
-        batch_size=batch_size,
-        variant=variant,
-        trainable=trainable,
-        seed=seed,
-    )
-    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    chosen = {"variant": variant, "epochs": epochs, "lr": lr, "batch_size": batch_size, "trainable": trainable}
+    grids = {"lambdas": lambdas, "temperatures": temperatures}
+    config = validated(DistillOptions, {**chosen, **{k: v for k, v in grids.items() if v is not None}}).config(seed)
+    variant, trainable = config.variant, config.trainable
+    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
     device_engine.check_set(trainable)
     store = TeacherStore(state, device_engine.manifest)
     teacher = store.load()
@@ -387,17 +363,17 @@ def evaluate_command(
     bundle: Bundle,
     data: Data,
     state: State,
-    engine: EngineName = "auto",
-    val_fraction: ValFraction = 0.2,
-    seed: Seed = 0,
-    threads: Threads = None,
+    engine: str = flag(LocalOptions, "engine"),
+    val_fraction: float = flag(LocalOptions, "val_fraction"),
+    seed: int = flag(LocalOptions, "seed"),
+    threads: int | None = flag(LocalOptions, "threads"),
     as_json: AsJson = False,
 ) -> None:
     """Accuracy and loss of this device's personalized model on its held-out data."""
     from edgepfl.device_runtime.algorithms import evaluate
     from edgepfl.errors import StateError
 
-    device_engine, local_data, device_state = _open(bundle, data, state, engine, val_fraction, seed, threads)
+    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
     if device_state.state.tensors_file is None:
         raise StateError(f"{state} holds no trained model yet", "run `edgepfl device run` or `device train` first")
     result = evaluate(device_engine, local_data)
@@ -416,17 +392,22 @@ def evaluate_command(
     )
 
 
-def _open(
-    bundle: Path, data: Path, state: Path, engine: str, val_fraction: float, seed: int, threads: int | None
-) -> tuple[Engine, LocalData, StateFolder]:
+def _local(engine: str, val_fraction: float, seed: int, threads: int | None) -> LocalOptions:
+    """The engine, held-out split and threads the command line chose, checked."""
+    return validated(
+        LocalOptions, {"engine": engine, "val_fraction": val_fraction, "seed": seed, "threads": threads}
+    )
+
+
+def _open(bundle: Path, data: Path, state: Path, local: LocalOptions) -> tuple[Engine, LocalData, StateFolder]:
     """Bundle, data and state, all checked before any training: an engine holding the saved tensors."""
     from edgepfl.device_runtime.data import load_device_data
     from edgepfl.device_runtime.engine import open_engine
     from edgepfl.device_runtime.runner import restore
     from edgepfl.device_runtime.state import StateFolder
 
-    device_engine = open_engine(bundle, engine, threads=threads)
-    local_data = load_device_data(data, device_engine.manifest, val_fraction, seed)
+    device_engine = open_engine(bundle, local.engine, threads=local.threads)
+    local_data = load_device_data(data, device_engine.manifest, local.val_fraction, local.seed)
     device_state = StateFolder(state, device_engine.manifest, device_engine.name)
     restore(device_engine, device_state)
     return device_engine, local_data, device_state
@@ -460,19 +441,6 @@ def _enroll_key(key_file: Path | None) -> str:
     if key_file is not None:
         replace_secret_file(key_file, key, "enrollment key file")
     return key
-
-
-def _floats(text: str, option: str) -> tuple[float, ...]:
-    """A comma-separated list of numbers from the command line."""
-    from edgepfl.errors import UsageError
-
-    try:
-        values = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UsageError(f"{option} {text!r} is not a list of numbers", f"pass e.g. {option} 0.1,0.5,0.9") from None
-    if not values:
-        raise UsageError(f"{option} is empty", f"pass e.g. {option} 0.1,0.5,0.9")
-    return values
 
 
 def _print_result(result: dict[str, Any], as_json: bool, title: str) -> None:

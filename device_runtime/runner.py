@@ -30,6 +30,7 @@ from edgepfl.device_runtime.algorithms import (
 )
 from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, encode_update
 from edgepfl.device_runtime.engine import Engine
+from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, WireError
@@ -38,16 +39,6 @@ from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 from edgepfl.wire import check_tensors, nonfinite_names
 
 MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
-
-
-@dataclass(frozen=True)
-class DeviceOptions:
-    """How `edgepfl device run` behaves; made at the CLI edge."""
-
-    seed: int = 0  # shuffling seed (the train/held-out split has its own, in LocalData)
-    max_rounds: int | None = None  # rounds to train in this run; None: until the server says done
-    poll_interval: float = 5.0  # wait when the server gives no retry_after
-    persfl_teacher: bool = False  # PersFL stage 1: keep the received global model with the lowest held-out loss
 
 
 class DeviceEvents:

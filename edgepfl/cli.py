@@ -11,9 +11,11 @@ import typer
 from edgepfl.boundary import ErrorBoundary, fail
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
-from edgepfl.options import flag
+from edgepfl.export.options import ExportOptions
+from edgepfl.options import field_help, flag, validated
 from edgepfl.server.cli import serve_app
 from edgepfl.simulate.config import SimulateConfig
+from edgepfl.simulate.demo import DemoOptions
 
 app = typer.Typer(cls=ErrorBoundary,
     name="edgepfl",
@@ -61,16 +63,11 @@ def export(
     input_size: Annotated[int | None, typer.Option(help="zoo image side: 32 (CIFAR), 28 (MNIST), 224")] = None,
     in_channels: Annotated[int | None, typer.Option(help="zoo input channels: 3 colour, 1 grey")] = None,
     norm: Annotated[str | None, typer.Option(help="zoo normalisation: batch | group | none")] = None,
-    engines: Annotated[
-        str | None,
-        typer.Option(help="comma list of: ort-training, portable [default: both, or portable alone]"),
-    ] = None,
-    optimizer: Annotated[str, typer.Option(help="ORT-training optimizer: sgd | adamw")] = "sgd",
-    seed: Annotated[int, typer.Option(help="seed of the initial weights (and of a new head)")] = 0,
-    force: Annotated[bool, typer.Option("--force", help="replace a non-empty output folder")] = False,
-    distill: Annotated[
-        bool, typer.Option(help="also write PersFL distillation graphs for `device distill` (doubles export time)")
-    ] = False,
+    engines: Annotated[str | None, typer.Option(help=field_help(ExportOptions.model_fields["engines"]))] = None,
+    optimizer: str = flag(ExportOptions, "optimizer"),
+    seed: int = flag(ExportOptions, "seed"),
+    force: bool = flag(ExportOptions, "force"),
+    distill: bool = flag(ExportOptions, "distill"),
 ) -> None:
     """Export a model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
@@ -81,6 +78,10 @@ def export(
         fail(EdgePFLError(f"export needs torch and onnx ({exc.name} is missing)", "pip install 'edgepfl[export]'"))
     from edgepfl.errors import UsageError
 
+    chosen = {"optimizer": optimizer, "seed": seed, "force": force, "distill": distill}
+    if engines is not None:
+        chosen["engines"] = tuple(name.strip() for name in engines.split(",") if name.strip())
+    options = validated(ExportOptions, chosen)
     parsed = source.parse_model(model)
     zoo_options = {"--width": width, "--input-size": input_size, "--in-channels": in_channels, "--norm": norm}
     if parsed.is_zoo:
@@ -95,7 +96,7 @@ def export(
             num_classes=base.num_classes if num_classes is None else num_classes,
             norm=base.norm if norm is None else norm,
         )
-        target = bundle.zoo_target(spec, seed)
+        target = bundle.zoo_target(spec, options.seed)
         if weights is not None:
             source.load_weights(target.module, source.read_state_dict(weights), f"weights file {weights}")
     else:
@@ -103,7 +104,7 @@ def export(
         if given:
             raise UsageError(f"{given[0]} applies to zoo models only", "use --input-shape/--num-classes")
         shape = source.parse_input_shape(input_shape) if input_shape is not None else None
-        loaded = source.build_from_string(parsed, shape, weights, num_classes, seed)
+        loaded = source.build_from_string(parsed, shape, weights, num_classes, options.seed)
         target = bundle.module_target(
             loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description
         )
@@ -116,15 +117,6 @@ def export(
             rows, f"{model}: blocks from the input end ({target.description.get('blocks_from', 'zoo')})", console
         )
         return
-    options = bundle.ExportOptions(
-        engines=bundle.default_engines()
-        if engines is None
-        else tuple(e.strip() for e in engines.split(",") if e.strip()),
-        optimizer=optimizer,
-        seed=seed,
-        force=force,
-        distill=distill,
-    )
     with console.status("exporting") as status:
         manifest = bundle.export_target(
             target,
@@ -281,18 +273,17 @@ def plot(
 
 @app.command()
 def demo(
-    rounds: Annotated[int, typer.Option(help="federated rounds per run (3-5 recommended)")] = 4,
-    workdir: Annotated[
-        Path | None, typer.Option(help="folder for bundles, server state and logs (default: a temp folder)")
-    ] = None,
-    port: Annotated[int, typer.Option(help="loopback port of the demo server (0: pick a free one)")] = 0,
-    keep: Annotated[bool, typer.Option("--keep", help="keep the work folder")] = False,
+    rounds: int = flag(DemoOptions, "rounds"),
+    workdir: Path | None = flag(DemoOptions, "workdir"),
+    port: int = flag(DemoOptions, "port"),
+    keep: bool = flag(DemoOptions, "keep"),
 ) -> None:
     """FedPer vs FedAvg on 4 devices: a real `edgepfl serve` and 4 `edgepfl device run` processes on loopback."""
+    options = validated(DemoOptions, {"rounds": rounds, "workdir": workdir, "port": port, "keep": keep})
     try:
-        from edgepfl.simulate.demo import DemoOptions, run_demo
+        from edgepfl.simulate.demo import run_demo
 
-        run_demo(DemoOptions(rounds=rounds, workdir=workdir, port=port, keep=keep))
+        run_demo(options)
     except ImportError as exc:
         fail(
             EdgePFLError(

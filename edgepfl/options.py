@@ -46,6 +46,11 @@ def flag(
     return typer.Option(default, *declared, help=text, show_default=default is not None, hidden=hidden)
 
 
+def comma_separated(value: Any) -> Any:
+    """A before-validator's split of "0.1,0.5" into ("0.1", "0.5"); any other value is left to the field's type."""
+    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
+
+
 def settings_field(name: str, default: Any = dataclasses.MISSING, flag: str | None = None) -> Any:
     """A field for RoundSettings' `name`: its help, the bounds a device accepts, and its default unless given."""
     spec = next(item for item in dataclasses.fields(RoundSettings) if item.name == name)
@@ -86,10 +91,12 @@ def field_help(info: FieldInfo) -> str:
 
 
 def choices_of(info: FieldInfo) -> tuple[str, ...]:
-    """The values a `Literal[...]` field (or an optional one) allows; () for any other field."""
+    """The values a `Literal[...]` field (optional, or a tuple of them) allows; () for any other field."""
     annotation = info.annotation
     if typing.get_origin(annotation) is typing.Union:  # X | None
         annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    if typing.get_origin(annotation) is tuple:  # tuple[Literal[...], ...]: each item is one of the choices
+        annotation = typing.get_args(annotation)[0]
     if typing.get_origin(annotation) is typing.Literal:
         return tuple(str(choice) for choice in typing.get_args(annotation))
     return ()

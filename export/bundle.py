@@ -19,30 +19,11 @@ from edgepfl.errors import EdgePFLError, UsageError
 from edgepfl.export import ort_training, prepare, source
 from edgepfl.export.blocks import BlockList, check_blocks, find_blocks, state_tensors
 from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
+from edgepfl.export.options import ExportOptions
 from edgepfl.export.portable import StepShape
 from edgepfl.manifest import InputSpec, Manifest, split_roles
-from edgepfl.ortbuild import training_build_installed
 
-ENGINES = ("ort-training", "portable")
 INFERENCE_OPSET = 17
-
-
-def default_engines() -> tuple[str, ...]:
-    """Both engines where the training build is installed (it generates ORT artifacts), else portable only."""
-    return ENGINES if training_build_installed() else ("portable",)
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """How to export: which engines, which optimizer for ORT training, the init seed, PersFL's distillation graphs."""
-
-    engines: tuple[str, ...] = field(default_factory=default_engines)
-    optimizer: str = "sgd"
-    seed: int = 0
-    force: bool = False
-    portable_batch: int = 32
-    distill: bool = False  # PersFL stage-2 graphs for both engines (about doubles export time and size)
-
 
 @dataclass
 class ExportTarget:
@@ -191,18 +172,11 @@ def simulation_target(
 
 
 def validate_export(kp: int, out: str | Path, options: ExportOptions, num_blocks: int, name: str = "model") -> None:
-    """One-line errors for a bad K_P, engine, optimizer or output folder, before any work."""
+    """One-line errors for a bad K_P or output folder, before any work (ExportOptions checked the rest)."""
     if not 0 <= kp <= num_blocks:
         raise UsageError(
             f"--kp {kp} is outside 0..{num_blocks} for {name}",
             f"choose 0 (FedAvg, all base) to {num_blocks} (all personal)",
-        )
-    unknown = [e for e in options.engines if e not in ENGINES]
-    if unknown or not options.engines:
-        raise UsageError(f"unknown engine(s) {unknown or '(none)'}", f"choose from: {', '.join(ENGINES)}")
-    if options.optimizer not in ort_training.OPTIMIZERS:
-        raise UsageError(
-            f"unknown optimizer {options.optimizer!r}", f"choose one of: {', '.join(ort_training.OPTIMIZERS)}"
         )
     target = Path(out)
     if target.exists() and not target.is_dir():

@@ -18,7 +18,6 @@ from edgepfl.export.portable import DISTILL_SETS, DISTILL_VARIANTS, StepShape
 
 ORT_MAX_IR = 10  # onnxruntime(-training) 1.19 loads IR <= 10
 ORT_OPSET = 17
-OPTIMIZERS = ("sgd", "adamw")
 TRAINING_SETS = ("full", "personal", "base")
 LOGITS = "logits"
 DISTILL_LOSS = "loss"

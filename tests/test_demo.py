@@ -48,4 +48,4 @@ def test_demo_refuses_bad_rounds():
     from edgepfl.cli import app
 
     result = CliRunner().invoke(app, ["demo", "--rounds", "0"])
-    assert result.exit_code == 2 and "--rounds 0 is outside" in result.output
+    assert result.exit_code == 2 and "--rounds 0: input should be greater than or equal to 1" in result.output

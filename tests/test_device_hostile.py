@@ -30,7 +30,8 @@ from edgepfl.device_runtime.algorithms import divergence
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.client import ServerClient
 from edgepfl.device_runtime.engine import open_engine
-from edgepfl.device_runtime.runner import DeviceEvents, DeviceOptions, run_device
+from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.runner import DeviceEvents, run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import StateError
 from edgepfl.protocol import RoundSettings, Task

@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerError
 from edgepfl.device_runtime.engine import open_engine
-from edgepfl.device_runtime.runner import DeviceOptions, run_device
+from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.runner import run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import WireError
 from edgepfl.protocol import RoundSettings, Task

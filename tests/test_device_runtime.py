@@ -17,7 +17,8 @@ from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.client import RetryPolicy, RoundGone, ServerClient, ServerRefused, ServerUnreachable
 from edgepfl.device_runtime.data import load_device_data
 from edgepfl.device_runtime.engine import open_engine
-from edgepfl.device_runtime.runner import DeviceEvents, DeviceOptions, run_device
+from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.runner import DeviceEvents, run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, DataError, StateError, UsageError
 from edgepfl.manifest import Manifest, load_manifest

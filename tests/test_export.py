@@ -159,7 +159,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["export", "mlp", "--kp", "-1", "--out", "{out}"], "--kp -1 is outside 0..2"),
         (["export", "mobilenet", "--width", "0.3", "--out", "{out}"], "width 0.3 is not allowed"),
         (["export", "mobilenet", "--norm", "layer", "--out", "{out}"], "unknown norm 'layer'"),
-        (["export", "mlp", "--engines", "tflite", "--out", "{out}"], "unknown engine"),
+        (["export", "mlp", "--engines", "tflite", "--out", "{out}"], "--engines 'tflite' is unknown"),
+        (["export", "mlp", "--optimizer", "adam", "--out", "{out}"], "--optimizer 'adam' is unknown"),
+        (["export", "mlp", "--seed", "-1", "--out", "{out}"], "--seed -1: input should be greater than or equal to 0"),
         (["export", "mlp", "--out", "{full}"], "is not empty"),
     ],
 )

@@ -59,7 +59,8 @@ FAMILIES = ["mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x1_0", "resn
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(name, module, bundle, notices): the family's bundle with every engine this environment builds."""
-    from edgepfl.export.bundle import ExportOptions, default_engines, export_bundle
+    from edgepfl.export.bundle import export_bundle
+    from edgepfl.export.options import ExportOptions, default_engines
 
     torch.set_num_threads(2)
     module = build_family(request.param)

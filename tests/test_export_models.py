@@ -127,7 +127,8 @@ def own_bundle(model_file, tmp_path_factory):
     """The model file's network exported with both engines (portable batch 4), and the module it came from.
 
     About 40 s of CPU for its four portable step graphs: the tests that use it are marked slow."""
-    from edgepfl.export.bundle import ExportOptions, default_engines, export_bundle
+    from edgepfl.export.bundle import export_bundle
+    from edgepfl.export.options import ExportOptions, default_engines
 
     torch.set_num_threads(2)
     loaded = load_factory(model_file)

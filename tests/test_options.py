@@ -1,4 +1,5 @@
-"""Options are typed models: every flag of serve and simulate comes from one field, and bad values are one line."""
+"""Options are typed models: every flag of serve, simulate, export, device and demo comes from one field, and bad
+values are one line."""
 
 from __future__ import annotations
 
@@ -90,3 +91,76 @@ def test_a_strategy_owns_its_options_and_simulate_reads_them() -> None:
         validated(SimulateConfig, {"retain_top_k": 0})
     with pytest.raises(UsageError, match="unknown option 'colour'"):
         validated(ServerConfig, {"bundle": ".", "state": ".", "colour": "red"})
+
+
+def _device_params(name: str) -> dict:
+    group = typer.main.get_command(app).commands["device"]  # type: ignore[attr-defined]
+    command = group.commands[name]  # type: ignore[attr-defined]
+    return {option: param for param in command.params for option in param.opts + param.secondary_opts}
+
+
+def _assert_flags_carry_fields(params: dict, model, skip: set[str] = frozenset()) -> None:
+    """Each field of `model` is a flag whose default and help come from the field (a comma list shows none)."""
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        flag = flag_name(model, name)
+        assert flag in params, f"{model.__name__}.{name} has no flag {flag}"
+        default = info.get_default(call_default_factory=True)
+        if not isinstance(default, tuple):
+            assert params[flag].default == default, flag
+        assert info.description and info.description in (params[flag].help or ""), flag
+
+
+def test_export_device_and_demo_flags_come_from_their_models() -> None:
+    from edgepfl.device_runtime.options import (
+        ConnectionOptions,
+        DeviceOptions,
+        DistillOptions,
+        LocalOptions,
+        TrainOptions,
+    )
+    from edgepfl.export.options import ExportOptions
+    from edgepfl.simulate.demo import DemoOptions
+
+    _assert_flags_carry_fields(_params("export"), ExportOptions, skip={"portable_batch"})
+    _assert_flags_carry_fields(_params("demo"), DemoOptions, skip={"round_timeout"})
+    for command in ("run", "train", "teacher", "distill", "eval"):
+        _assert_flags_carry_fields(_device_params(command), LocalOptions)
+    _assert_flags_carry_fields(_device_params("run"), ConnectionOptions)
+    _assert_flags_carry_fields(_device_params("teacher"), ConnectionOptions)
+    _assert_flags_carry_fields(_device_params("run"), DeviceOptions, skip={"seed"})
+    _assert_flags_carry_fields(_device_params("train"), TrainOptions)
+    _assert_flags_carry_fields(_device_params("distill"), DistillOptions)
+    from edgepfl.device_runtime.persfl import DistillConfig
+
+    assert DistillOptions().config(seed=0) == DistillConfig(), "device distill's defaults are DistillConfig's"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["run", "--retries", "0"], "error: --retries 0: input should be greater than or equal to 1 (pass e.g. --ret"),
+        (["run", "--poll-interval", "nan"], "error: --poll-interval nan: input should be a finite number"),
+        (["run", "--rounds", "0"], "error: --rounds 0: input should be greater than or equal to 1"),
+        (["run", "--engine", "tflite"], "error: --engine 'tflite' is unknown (use one of: auto, ort-training, port"),
+        (["train", "--val-fraction", "1"], "error: --val-fraction 1.0: input should be less than 1"),
+        (["train", "--trainable", "head"], "error: --trainable 'head' is unknown (use one of: full, personal, base)"),
+        (["train", "--lr", "-1"], "error: --lr -1.0: input should be greater than 0"),
+        (["distill", "--lambdas", "0.1,x"], "error: --lambdas"),
+        (["distill", "--variant", "xx"], "error: --variant 'xx' is unknown (use one of: kd, gd)"),
+        (["teacher", "--timeout", "0"], "error: --timeout 0.0: input should be greater than 0"),
+    ],
+)
+def test_a_bad_device_value_is_one_line_naming_the_flag(tmp_path, args, line) -> None:
+    command, *rest = args
+    required = {
+        "run": ["--server", "http://127.0.0.1:9", "--token", "t"],
+        "teacher": ["--server", "http://127.0.0.1:9", "--token", "t"],
+    }.get(command, [])
+    state = tmp_path / "state"
+    base = ["--bundle", str(tmp_path), "--data", str(tmp_path / "d.npz"), "--state", str(state)]
+    result = CliRunner().invoke(app, ["device", command, *base, *required, *rest])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(line), result.output
+    assert not state.exists(), "a refused command leaves no state behind"

@@ -572,7 +572,8 @@ def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_f
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient
     from edgepfl.device_runtime.data import load_device_data
     from edgepfl.device_runtime.engine import open_engine
-    from edgepfl.device_runtime.runner import DeviceOptions, run_device
+    from edgepfl.device_runtime.options import DeviceOptions
+    from edgepfl.device_runtime.runner import run_device
     from edgepfl.device_runtime.state import StateFolder
     from edgepfl.manifest import load_manifest
     from edgepfl.protocol import RoundSettings

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from edgepfl.device_runtime.persfl import VARIANTS, DistillConfig
 from edgepfl.errors import UsageError
-from edgepfl.options import OPTIONS, settings_field, validated
+from edgepfl.options import OPTIONS, comma_separated, settings_field, validated
 from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
 from edgepfl.server.strategies.pfedla import PFedLAOptions
 
@@ -130,7 +130,7 @@ class SimulateConfig(BaseModel):
     @field_validator(*GRID_KEYS, mode="before")
     @classmethod
     def _grid(cls, value: Any) -> Any:
-        return tuple(item.strip() for item in value.split(",")) if isinstance(value, str) else value
+        return comma_separated(value)
 
     @model_validator(mode="after")
     def _model_and_stage_two(self) -> SimulateConfig:

@@ -19,10 +19,13 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+from pydantic import BaseModel, Field
 
-from edgepfl.errors import EdgePFLError, UsageError
+from edgepfl.errors import EdgePFLError
+from edgepfl.options import OPTIONS
 from edgepfl.server.launch import LocalServer, last_line
 
 DEMO_DATA = "mnist-demo.npz"
@@ -32,15 +35,18 @@ DEMO_SETTINGS = ("--epochs", "2", "--batch-size", "32", "--lr", "0.05")
 START_TIMEOUT = 60.0
 
 
-@dataclass(frozen=True)
-class DemoOptions:
-    """What `edgepfl demo` was told."""
+class DemoOptions(BaseModel):
+    """What `edgepfl demo` was told; its flags are made from these fields."""
 
-    rounds: int = 4
-    workdir: Path | None = None
-    port: int = 0  # 0: a free loopback port
-    keep: bool = False
-    round_timeout: float = 300.0
+    model_config = OPTIONS
+
+    rounds: Annotated[int, Field(ge=1, le=100, description="federated rounds per run (3-5 recommended)")] = 4
+    workdir: Annotated[
+        Path | None, Field(description="folder for bundles, server state and logs (default: a temp folder)")
+    ] = None
+    port: Annotated[int, Field(ge=0, le=65535, description="loopback port of the demo server (0: pick a free one)")] = 0
+    keep: Annotated[bool, Field(description="keep the work folder")] = False
+    round_timeout: Annotated[float, Field(gt=0.0, description="seconds a round may stay open")] = 300.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,6 @@ class DeviceOutcome:
 
 def run_demo(options: DemoOptions, echo=print) -> dict[str, list[DeviceOutcome]]:
     """Export, serve, run the devices for FedPer then FedAvg, print the comparison; returns the outcomes."""
-    if not 1 <= options.rounds <= 100:
-        raise UsageError(f"--rounds {options.rounds} is outside 1..100", "pass e.g. --rounds 4")
     workdir = Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="edgepfl-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
