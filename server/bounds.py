@@ -28,17 +28,29 @@ class UpdateBounds:
     weight_multiple: float = 2.0  # a claimed sample count above this many times the round's median is capped
 
 
+NORM_CHUNK = 1 << 16  # elements per pass of delta_norm: its float64 scratch stays in cache, O(chunk) not O(tensor)
+
+
 def delta_norm(upload: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> float:
-    """L2 norm (float64) of upload - base over the float tensors the upload carries."""
+    """L2 norm (float64) of upload - base over the float tensors the upload carries.
+
+    Computed in chunks through one small scratch buffer: a whole-tensor float64 difference held three float64
+    copies of the largest tensor per concurrent upload (about 100 MiB at four upload slots for MobileNet x1.0).
+    Elementwise square and sum, not np.dot: dot goes to multithreaded OpenBLAS, whose spinning threads made
+    concurrent uploads 5-80x slower on a small machine (bench/server.py --quick).
+    """
     total = 0.0
+    scratch = np.empty(NORM_CHUNK, dtype=np.float64)
     for name, value in upload.items():
         array = np.asarray(value)
         if array.dtype.kind != "f":
             continue
-        difference = (array.astype(np.float64) - np.asarray(base[name], dtype=np.float64)).ravel()
-        # elementwise square and sum, not np.dot: dot goes to multithreaded OpenBLAS, whose spinning threads
-        # made concurrent uploads 5-80x slower on a small machine (bench/server.py --quick)
-        total += float(np.multiply(difference, difference, out=difference).sum())
+        uploaded, sent = array.reshape(-1), np.asarray(base[name]).reshape(-1)
+        for start in range(0, uploaded.size, NORM_CHUNK):
+            stop = min(start + NORM_CHUNK, uploaded.size)
+            difference = scratch[: stop - start]
+            np.subtract(uploaded[start:stop], sent[start:stop], out=difference, dtype=np.float64)
+            total += float(np.multiply(difference, difference, out=difference).sum())
     return math.sqrt(total)
 
 
