@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from edgepfl.device_runtime.client import KEEPALIVE_SECONDS
 from edgepfl.manifest import InputSpec, Manifest, split_roles
 from edgepfl.protocol import UploadMeta
 from edgepfl.server.launch import LocalServer
@@ -88,7 +89,12 @@ def run_round(bundle: Path, manifest: Manifest, devices: int, concurrency: int, 
         server.start(timeout=60)
         url = server.url
         clients = {
-            name: httpx.Client(base_url=url, headers={"Authorization": f"Bearer {t}"}, timeout=600)
+            name: httpx.Client(
+                base_url=url,
+                headers={"Authorization": f"Bearer {t}"},
+                timeout=600,
+                limits=httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS),  # as a device: never reuse a closing one
+            )
             for name, t in tokens.items()
         }
         for client in clients.values():

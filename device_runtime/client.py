@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from edgepfl.device_runtime.options import ConnectionOptions
 from edgepfl.errors import EdgePFLError, WireError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, Task, UploadMeta
 from edgepfl.wire import decode_tensors, encode_tensors
@@ -25,6 +26,11 @@ from edgepfl.wire import decode_tensors, encode_tensors
 # server error names that end this device's part in a round: drop the round, poll for the next one
 ROUND_GONE_ERRORS = frozenset({"round_closed", "deadline_passed", "not_sampled", "no_such_round"})
 RETRIED_REFUSALS = (408, 429)  # a too-slow upload cut off by the server, too many requests: both may pass later
+
+
+# An idle connection is dropped before the server's idle timeout (uvicorn: 5 s) can close it under a request
+# being sent on it, which fails that request with "server disconnected" (seen at 400 devices, bench/server.py).
+KEEPALIVE_SECONDS = 2.0
 
 
 class ServerError(EdgePFLError):
@@ -52,7 +58,7 @@ class RoundGone(ServerRefused):
 class RetryPolicy:
     """How often and how patiently a request is retried."""
 
-    attempts: int = 8  # tries in all, the first included
+    attempts: int = ConnectionOptions.model_fields["retries"].default  # tries in all, the first included
     first_delay: float = 0.5  # seconds before the second try; doubled each time
     max_delay: float = 30.0  # cap on one wait (a server's Retry-After is capped at 10x this)
 
@@ -82,7 +88,7 @@ class ServerClient:
         server_url: str,
         token: str | None,
         retry: RetryPolicy = RetryPolicy(),
-        timeout: float = 60.0,
+        timeout: float = ConnectionOptions.model_fields["timeout"].default,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
         on_retry: Callable[[str], None] | None = None,
@@ -96,6 +102,7 @@ class ServerClient:
             base_url=server_url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"} if token is not None else None,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS),
             transport=transport,
         )
 
