@@ -1,0 +1,282 @@
+"""edgepfl in Flower: the strategy runs edgepfl's round engine, the ClientApp is the device runtime.
+
+A Flower simulation (Ray backend) of 3 nodes x 2 rounds ends with edgepfl simulate's global base and
+every client's tensors, bit for bit; replies are checked as `edgepfl serve` checks uploads; the ClientApp
+trains without torch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_without_torch
+from test_simulate import state_of, tiny_config, tiny_npz  # noqa: F401  (tiny_npz is a fixture)
+
+pytest.importorskip("torch")  # the reference run exports its bundle with torch
+pytest.importorskip("flwr")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+
+from edgepfl.device_runtime.state import StateFolder  # noqa: E402
+from edgepfl.errors import UsageError  # noqa: E402
+from edgepfl.flower.client_app import make_client_app  # noqa: E402
+from edgepfl.flower.config import node_config, server_config  # noqa: E402
+from edgepfl.flower.messages import BASE, UPLOAD  # noqa: E402
+from edgepfl.flower.strategy import EdgePFLStrategy  # noqa: E402
+from edgepfl.manifest import load_manifest  # noqa: E402
+from edgepfl.simulate.loop import initial_tensors, run_simulation  # noqa: E402
+from edgepfl.simulate.rounds import final_global_base, open_server  # noqa: E402
+
+NODES = {11: "client-000", 12: "client-001", 13: "client-002"}
+
+
+def flower_run_config(config, root) -> dict:
+    """The Flower run config that asks for the same run as an edgepfl simulate config (its bundle, data, seed)."""
+    return {
+        "bundle": str(root / "sim" / "bundle"),
+        "out": str(root / "flower"),
+        "strategy": config.plan.strategy,
+        "rounds": config.rounds,
+        "nodes": config.clients,
+        "min-clients": config.min_clients,
+        "fraction": config.fraction,
+        "seed": config.seed,
+        "algorithm": config.plan.client,
+        "epochs": config.epochs,
+        "batch-size": config.batch_size,
+        "lr": config.lr,
+        "hn-lr": config.hn_lr,
+        "engine": config.engine,
+        "threads": 1,
+        "dataset": config.dataset,
+        "data-root": config.data_root,
+        "partition": config.partition,
+        "clients": config.clients,
+        "state-root": str(root / "devices"),
+        "timeout": 120,
+    }
+
+
+@pytest.fixture
+def task_identity():
+    """Messages made outside a Flower runtime need the identity a ServerApp process has (set back afterwards)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_npz, tmp_path_factory):  # noqa: F811
+    """A one-round edgepfl simulate run of 3 portable clients: its config and folder (its bundle is the Flower one)."""
+    root = tmp_path_factory.mktemp("flower")
+    config = tiny_config(tiny_npz, root / "sim", clients=3, engine="portable", rounds=1)
+    run_simulation(config)
+    return config, root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["fedper", "pfedla"])
+def test_a_flower_simulation_ends_as_edgepfl_simulate(tiny_npz, tmp_path, algorithm):  # noqa: F811
+    from flwr.simulation import run_simulation as run_flower_simulation
+
+    from edgepfl.flower.server_app import make_server_app
+
+    config = tiny_config(tiny_npz, tmp_path / "sim", clients=3, engine="portable", algorithm=algorithm)
+    run_simulation(config)
+    run_config = flower_run_config(config, tmp_path)
+    run_flower_simulation(
+        make_server_app(run_config),
+        make_client_app(run_config),
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0}, "init_args": {"num_cpus": 2}},
+    )
+    expected, got = final_global_base(tmp_path / "sim"), final_global_base(tmp_path / "flower")
+    assert expected and expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    # each node kept its whole model (personal tensors included) in its state folder: the simulated client's
+    manifest, clients = load_manifest(tmp_path / "sim" / "bundle"), state_of(tmp_path / "sim")
+    for device in NODES.values():
+        state = StateFolder(tmp_path / "devices" / device, manifest, "portable")
+        kept = state.load_tensors()
+        state.close()
+        assert kept is not None and state.state.last_completed_round == 2
+        for name, value in kept.items():
+            np.testing.assert_array_equal(value, clients[f"{device}/{name}"], err_msg=f"{device} {name}")
+
+
+def run_round(reference, tmp_path, tamper=None):
+    """One round through EdgePFLStrategy with replies made by the ClientApp in-process; `tamper` changes one."""
+    config, root = reference
+    run_config = {**flower_run_config(config, root), "out": str(tmp_path), "state-root": str(tmp_path / "devices")}
+    server_options = server_config(run_config)
+    bundle = server_options.bundle
+    server = open_server(
+        tmp_path, "fedper", sorted(NODES.values()), server_options.settings(), initial_tensors(bundle),
+        rounds=2, seed=0, fraction=1.0, min_clients=1, fresh=True, bundle=bundle, round_timeout=60.0,
+    )  # fmt: skip
+    client_app = make_client_app(run_config)
+    try:
+        strategy = EdgePFLStrategy(server, NODES)
+        messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid=None))
+        assert sorted(m.metadata.dst_node_id for m in messages) == sorted(NODES)
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            context = Context(1, node, {"partition-id": node - 11}, RecordDict(), {})
+            replies.append(client_app(message, context))
+        if tamper is not None:  # edits the first reply in place, or replaces it
+            replies[0] = tamper(replies[0], messages[0]) or replies[0]
+        arrays, metrics = strategy.aggregate_train(1, replies)
+        stored = [update.device for update in server.engine.store.updates(1)]
+        return strategy, arrays, metrics, stored, load_manifest(bundle)
+    finally:
+        server.close()
+
+
+def test_replies_are_accepted_and_aggregated(reference, tmp_path, task_identity):
+    strategy, arrays, metrics, stored, manifest = run_round(reference, tmp_path)
+    assert strategy.refusals == [] and stored == sorted(NODES.values())
+    assert sorted(arrays) == sorted(manifest.names("base"))  # the global base: never a personal tensor
+    assert metrics["accepted"] == 3 and 0.0 <= metrics["val-accuracy"] <= 1.0
+    for device in NODES.values():  # personal tensors stayed on the node, in its durable state folder
+        state = StateFolder(tmp_path / "devices" / device, manifest, "portable")
+        kept = state.load_tensors()
+        state.close()
+        assert kept is not None and set(manifest.names("personal")) <= set(kept)
+
+
+def _add_personal(reply: Message, manifest) -> None:
+    name = manifest.names("personal")[0]
+    spec = next(spec for spec in manifest.tensors if spec.name == name)
+    reply.content[BASE][name] = Array(np.zeros(spec.shape, dtype=spec.dtype))
+
+
+def _poison(reply: Message, manifest) -> None:
+    name = next(iter(reply.content[BASE]))
+    value = reply.content[BASE][name].numpy().copy()
+    value.flat[0] = np.nan
+    reply.content[BASE][name] = Array(value)
+
+
+def _reshape(reply: Message, manifest) -> None:
+    name = next(iter(reply.content[BASE]))
+    reply.content[BASE][name] = Array(reply.content[BASE][name].numpy().reshape(-1)[:3].copy())
+
+
+def _retype(reply: Message, manifest) -> None:
+    name = next(iter(reply.content[BASE]))
+    reply.content[BASE][name] = Array(reply.content[BASE][name].numpy().astype(np.float64))
+
+
+def _other_layout(reply: Message, manifest) -> None:
+    reply.content[UPLOAD]["base_layout_hash"] = "0" * 64
+
+
+def _absurd_samples(reply: Message, manifest) -> None:
+    reply.content[UPLOAD]["num_samples"] = "-5"
+
+
+def _drop_tensor(reply: Message, manifest) -> None:
+    del reply.content[BASE][next(iter(reply.content[BASE]))]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "refusal"),
+    [
+        (_add_personal, "personal tensor"),
+        (_poison, "NaN"),
+        (_reshape, "shape"),
+        (_retype, "dtype"),
+        (_other_layout, "base_layout_hash"),
+        (_absurd_samples, "num_samples"),
+        (_drop_tensor, "lacks tensor"),
+    ],
+)
+def test_a_bad_reply_is_refused_as_serve_refuses_the_upload(reference, tmp_path, task_identity, tamper, refusal):
+    manifest = load_manifest(reference[1] / "sim" / "bundle")
+    strategy, arrays, metrics, stored, _ = run_round(reference, tmp_path, lambda reply, _: tamper(reply, manifest))
+    assert len(strategy.refusals) == 1
+    round_id, device, why = strategy.refusals[0]
+    assert round_id == 1 and device in NODES.values() and refusal in why
+    assert device not in stored and len(stored) == 2  # the round closed at its deadline with the two good replies
+    assert arrays is not None and metrics["accepted"] == 2
+
+
+def test_a_node_that_failed_is_refused_in_one_line(reference, tmp_path, task_identity):
+    def failed(reply: Message, message: Message) -> Message:
+        return Message(Error(2, "round 1 is already trained on this device"), reply_to=message)
+
+    strategy, _, _, stored, _ = run_round(reference, tmp_path, failed)
+    why = "the device could not train: round 1 is already trained on this device (see the node's log)"
+    assert [refusal[2] for refusal in strategy.refusals] == [why]
+    assert len(stored) == 2
+
+
+def test_the_client_app_trains_without_torch(reference, tmp_path):
+    """Handshake and one round on a node where `import torch` fails; the reply carries the base only."""
+    config, root = reference
+    run_config = {**flower_run_config(config, root), "state-root": str(tmp_path / "devices")}
+    manifest = load_manifest(root / "sim" / "bundle")
+    code = f"""
+import json
+from flwr.supercore.task_identity import TaskIdentity
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+from flwr.app import Context, Message, RecordDict
+from edgepfl.flower.client_app import app
+from edgepfl.flower.messages import BASE, DEVICE, DEVICE_QUERY, train_content
+from edgepfl.protocol import RoundSettings
+from edgepfl.simulate.loop import initial_tensors
+run_config = json.loads({json.dumps(json.dumps(run_config))})
+context = Context(1, 7, {{"partition-id": 2}}, RecordDict(), run_config)
+hello = app(Message(RecordDict(), dst_node_id=7, message_type=DEVICE_QUERY), context)
+print("device", hello.content[DEVICE]["name"])
+base = {{k: v for k, v in initial_tensors(run_config["bundle"]).items() if k in {manifest.names("base")!r}}}
+settings = RoundSettings(epochs=1, batch_size=32, lr=0.05)
+message = Message(train_content(1, settings, base, {manifest.base_layout_hash!r}), dst_node_id=7, message_type="train")
+reply = app(message, context)
+assert not reply.has_error(), reply.error.reason
+print("sent", sorted(reply.content[BASE]))
+again = app(message, context)
+print("again", again.error.reason)
+import sys; print("torch", sys.modules.get("torch"))
+"""
+    done = run_without_torch(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "device client-002" in lines
+    assert f"sent {sorted(manifest.names('base'))}" in lines
+    assert (
+        "again round 1 is already trained on this device (last trained: round 1) (a round is never trained "
+        "twice: the server goes on with the next one)" in lines
+    )
+    assert "torch None" in lines
+
+
+def test_bad_flower_config_is_one_line(reference, tmp_path, task_identity):
+    with pytest.raises(UsageError, match="the Flower run config has unknown key 'epoch'"):
+        server_config({"bundle": "b", "epoch": 2})
+    with pytest.raises(UsageError, match="the Flower run config: lr -1"):
+        server_config({"bundle": "b", "lr": -1})
+    with pytest.raises(UsageError, match="the node config has unknown key 'partitionid'"):
+        node_config({"bundle": "b"}, {"partitionid": 1})
+    config, root = reference
+    client_app = make_client_app({"bundle": str(root / "sim" / "bundle"), "state-root": str(tmp_path)})
+    query = Message(RecordDict(), dst_node_id=3, message_type="query.edgepfl_device")
+    reply = client_app(query, Context(1, 3, {}, RecordDict(), {}))
+    assert reply.has_error() and reply.error.reason.startswith("this node has no data (set --node-config")
+
+
+def test_edgepfl_and_its_cli_do_not_import_flower():
+    import subprocess
+    import sys
+
+    code = "import sys, edgepfl, edgepfl.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'flwr'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
