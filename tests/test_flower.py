@@ -8,6 +8,13 @@ trains without torch.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,10 +280,139 @@ def test_bad_flower_config_is_one_line(reference, tmp_path, task_identity):
 
 
 def test_edgepfl_and_its_cli_do_not_import_flower():
-    import subprocess
-    import sys
-
     code = "import sys, edgepfl, edgepfl.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'flwr'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flower"
+LOOPBACK = "127.0.0.1"  # every process of the deployment test listens here only
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"{process.args[0]} exited with {process.returncode}"
+        with socket.socket() as probe:
+            if probe.connect_ex((LOOPBACK, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on {LOOPBACK}:{port} after {timeout:g} s")
+
+
+def _descendants(pids: list[int]) -> set[int]:
+    """Every process below `pids` (Linux /proc), found by walking parent ids."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="walks /proc for the processes it started")
+def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tmp_path):
+    """One SuperLink and three SuperNodes on 127.0.0.1 (insecure: loopback only), `flwr run` of examples/flower."""
+    config, root = reference
+    bin_dir = Path(sys.executable).parent
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    port = _free_port()
+    (home / "config.toml").write_text(f'[superlink.loopback]\naddress = "{LOOPBACK}:{port}"\ninsecure = true\n')
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home)}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    processes: list[subprocess.Popen] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        log_file = open(logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process below)
+        process = subprocess.Popen(
+            [str(bin_dir / args[0]), *args[1:]], env=env, cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        log_file.close()
+        processes.append(process)
+        return process
+
+    run_config = {
+        "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
+        "dataset": config.dataset, "data-root": config.data_root, "partition": config.partition, "clients": 3,
+        "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
+    }  # fmt: skip
+    overrides = " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
+    stopped: dict[int, int | None] = {}
+    lingering: set[int] = set()
+    try:
+        superlink = start(
+            "superlink", "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(port),
+            "--disable-runtime-dependency-installation",
+        )  # fmt: skip
+        _wait_for_port(port, superlink, 60)
+        for number in range(3):
+            node_port = _free_port()
+            node = start(
+                f"supernode-{number}", "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{port}",
+                "--host", LOOPBACK, "--port", str(node_port), "--node-config",
+                f"partition-id={number} num-partitions=3",
+            )  # fmt: skip
+            _wait_for_port(node_port, node, 60)
+        run = subprocess.run(
+            [str(bin_dir / "flwr"), "run", str(EXAMPLE), "loopback", "--stream", "--run-config", overrides],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        output = run.stdout + run.stderr
+        assert run.returncode == 0, output[-3000:]
+        assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in output, output[-3000:]
+        assert "[ROUND 2/2]" in output and "refused-so-far': 0" in output.replace('"', "'")
+        from edgepfl.server.store import Store
+
+        store = Store(tmp_path / "run" / "server")
+        try:
+            assert [(r.round_id, r.state) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
+            assert len(store.updates(2)) == 3
+        finally:
+            store.close()
+    finally:
+        below = _descendants([process.pid for process in processes])
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                stopped[process.pid] = process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                stopped[process.pid] = None
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        deadline = time.monotonic() + 30  # helpers watch their parent (--parent-pid) and leave after it
+        while time.monotonic() < deadline and any(_alive(pid) for pid in below):
+            time.sleep(0.5)
+        lingering = {pid for pid in below if _alive(pid)}
+        for pid in lingering:
+            os.kill(pid, signal.SIGKILL)
+    assert None not in stopped.values(), f"not stopped by SIGTERM within 30 s: {stopped}"
+    assert not lingering, f"processes left behind: {sorted(lingering)}"
