@@ -325,6 +325,15 @@ def _descendants(pids: list[int]) -> set[int]:
     return found
 
 
+def _signal(pids: set[int], signum: int) -> None:
+    """Send `signum` to each of `pids` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -412,7 +421,65 @@ def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tm
         while time.monotonic() < deadline and any(_alive(pid) for pid in below):
             time.sleep(0.5)
         lingering = {pid for pid in below if _alive(pid)}
-        for pid in lingering:
-            os.kill(pid, signal.SIGKILL)
+        _signal(lingering, signal.SIGKILL)
     assert None not in stopped.values(), f"not stopped by SIGTERM within 30 s: {stopped}"
     assert not lingering, f"processes left behind: {sorted(lingering)}"
+
+
+def _processes_mentioning(text: str) -> set[int]:
+    """Processes whose command line holds `text` (e.g. this test's own FLWR_HOME), from Linux /proc."""
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace") and _alive(int(cmdline.parent.name)):
+                found.add(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="walks /proc for the processes it started")
+def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
+    """`flwr run examples/flower local`: Flower's own local SuperLink in simulation mode (Ray backend), 3 nodes."""
+    config, root = reference
+    bin_dir = Path(sys.executable).parent
+    home = tmp_path / "flwr-home"  # the local SuperLink `flwr` starts keeps its state and log here
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+    }
+    run_config = {
+        "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
+        "dataset": config.dataset, "data-root": config.data_root, "partition": config.partition, "clients": 3,
+        "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
+    }  # fmt: skip
+    overrides = " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
+    command = [str(bin_dir / "flwr"), "run", str(EXAMPLE), "local", "--stream"]
+    try:
+        run = subprocess.run(
+            [*command, "--federation-config", "num-supernodes=3", "--run-config", overrides],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        output = run.stdout + run.stderr
+        assert run.returncode == 0, output[-3000:]
+        assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in output, output[-3000:]
+        assert "[ROUND 2/2]" in output
+        from edgepfl.server.store import Store
+
+        store = Store(tmp_path / "run" / "server")
+        try:
+            assert [(r.round_id, r.state) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
+        finally:
+            store.close()
+    finally:  # the local SuperLink outlives `flwr run` by design: stop it and what it started
+        started = _processes_mentioning(str(home))
+        started |= _descendants(sorted(started))
+        _signal(started, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in started):
+            time.sleep(0.5)
+        _signal({pid for pid in started if _alive(pid)}, signal.SIGKILL)
