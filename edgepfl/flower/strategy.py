@@ -16,6 +16,7 @@ The global base Flower passes to the hooks is not used: the engine's state folde
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from logging import ERROR, INFO, WARNING
 
@@ -43,6 +44,7 @@ class EdgePFLStrategy(Strategy):
         self.nodes = {name: node for node, name in self.devices.items()}
         self.refusals: list[tuple[int, str, str]] = []  # (round, device or node, why) of every refused reply
         self.round_id = 0  # the engine's round being trained (an abandoned round makes it run ahead of Flower's)
+        self._started = 0.0  # when the round's planning began (its `seconds` metric: messages, training, aggregation)
 
     @property
     def engine(self) -> RoundEngine:
@@ -59,6 +61,7 @@ class EdgePFLStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Open the engine's next round; a train message to each sampled device with its planned base and settings."""
+        self._started = time.perf_counter()
         opened = self.engine.store.open_round()  # the engine opens the next round as it closes one, if devices wait
         self.round_id = opened.round_id if opened is not None else self.engine.store.last_round_id() + 1
         plans = self.server.open_round(self.round_id, sorted(self.nodes))
@@ -96,7 +99,9 @@ class EdgePFLStrategy(Strategy):
         except StateError as error:  # abandoned: fewer than min_clients accepted replies
             log(ERROR, "round %d: %s; the next round starts from the same base", round_id, error.problem)
             return None, None
-        return tensors_record(global_base), _round_metrics(accepted, len(self.refusals))
+        metrics = _round_metrics(accepted, len(self.refusals))
+        metrics["seconds"] = time.perf_counter() - self._started
+        return tensors_record(global_base), metrics
 
     def accept(self, round_id: int, device: str | None, reply: Message) -> None:
         """Check one reply exactly as an HTTP upload (the engine's `accept_update`) and store it; Refused if not."""
