@@ -342,11 +342,32 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _run_config_overrides(reference, tmp_path) -> str:
+    """`flwr run --run-config` for 3 nodes x 2 rounds of the reference run's bundle and data (keys of the example)."""
+    config, root = reference
+    run_config = {
+        "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
+        "dataset": config.dataset, "data-root": config.data_root, "partition": config.partition, "clients": 3,
+        "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
+    }  # fmt: skip
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
+
+
+def _closed_rounds(folder: Path) -> list[tuple[int, str]]:
+    """(round, state) of every round a run's engine state folder holds."""
+    from edgepfl.server.store import Store
+
+    store = Store(folder)
+    try:
+        return [(record.round_id, record.state) for record in store.rounds()]
+    finally:
+        store.close()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="walks /proc for the processes it started")
 def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tmp_path):
     """One SuperLink and three SuperNodes on 127.0.0.1 (insecure: loopback only), `flwr run` of examples/flower."""
-    config, root = reference
     bin_dir = Path(sys.executable).parent
     home = tmp_path / "flwr-home"
     home.mkdir()
@@ -367,12 +388,7 @@ def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tm
         processes.append(process)
         return process
 
-    run_config = {
-        "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
-        "dataset": config.dataset, "data-root": config.data_root, "partition": config.partition, "clients": 3,
-        "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
-    }  # fmt: skip
-    overrides = " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
+    overrides = _run_config_overrides(reference, tmp_path)
     stopped: dict[int, int | None] = {}
     lingering: set[int] = set()
     try:
@@ -397,14 +413,8 @@ def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tm
         assert run.returncode == 0, output[-3000:]
         assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in output, output[-3000:]
         assert "[ROUND 2/2]" in output and "refused-so-far': 0" in output.replace('"', "'")
-        from edgepfl.server.store import Store
-
-        store = Store(tmp_path / "run" / "server")
-        try:
-            assert [(r.round_id, r.state) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
-            assert len(store.updates(2)) == 3
-        finally:
-            store.close()
+        assert _closed_rounds(tmp_path / "run" / "server") == [(1, "closed"), (2, "closed")]
+        assert "'accepted': 3" in output
     finally:
         below = _descendants([process.pid for process in processes])
         for process in processes:
@@ -442,7 +452,6 @@ def _processes_mentioning(text: str) -> set[int]:
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="walks /proc for the processes it started")
 def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
     """`flwr run examples/flower local`: Flower's own local SuperLink in simulation mode (Ray backend), 3 nodes."""
-    config, root = reference
     bin_dir = Path(sys.executable).parent
     home = tmp_path / "flwr-home"  # the local SuperLink `flwr` starts keeps its state and log here
     env = {
@@ -452,12 +461,7 @@ def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
         "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
         "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
     }
-    run_config = {
-        "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
-        "dataset": config.dataset, "data-root": config.data_root, "partition": config.partition, "clients": 3,
-        "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
-    }  # fmt: skip
-    overrides = " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
+    overrides = _run_config_overrides(reference, tmp_path)
     command = [str(bin_dir / "flwr"), "run", str(EXAMPLE), "local", "--stream"]
     try:
         run = subprocess.run(
@@ -468,13 +472,7 @@ def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
         assert run.returncode == 0, output[-3000:]
         assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in output, output[-3000:]
         assert "[ROUND 2/2]" in output
-        from edgepfl.server.store import Store
-
-        store = Store(tmp_path / "run" / "server")
-        try:
-            assert [(r.round_id, r.state) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
-        finally:
-            store.close()
+        assert _closed_rounds(tmp_path / "run" / "server") == [(1, "closed"), (2, "closed")]
     finally:  # the local SuperLink outlives `flwr run` by design: stop it and what it started
         started = _processes_mentioning(str(home))
         started |= _descendants(sorted(started))
