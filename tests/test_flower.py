@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ pytest.importorskip("torch")  # the reference run exports its bundle with torch
 pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
 
 from edgepfl.device_runtime.state import StateFolder  # noqa: E402
 from edgepfl.errors import UsageError  # noqa: E402
@@ -223,6 +225,85 @@ def test_a_node_that_failed_is_refused_in_one_line(reference, tmp_path, task_ide
     why = "the device could not train: round 1 is already trained on this device (see the node's log)"
     assert [refusal[2] for refusal in strategy.refusals] == [why]
     assert len(stored) == 2
+
+
+class LocalGrid(Grid):
+    """A Grid without a SuperLink: each message goes to its node's handler in this process (None: no reply)."""
+
+    def __init__(self, handlers: dict[int, Callable[[Message], Message | None]]):
+        self.handlers = handlers
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.handlers)
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        replies = [self.handlers[message.metadata.dst_node_id](message) for message in messages]
+        return [reply for reply in replies if reply is not None]
+
+    def set_run(self, run):
+        raise NotImplementedError
+
+    def run(self):
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+
+def node_handler(client_app, node: int, partition: int) -> Callable[[Message], Message]:
+    """The edgepfl ClientApp of a node that trains client `partition`."""
+    return lambda message: client_app(message, Context(1, node, {"partition-id": partition}, RecordDict(), {}))
+
+
+def test_the_server_app_enrols_the_right_nodes_and_runs_its_rounds(reference, tmp_path, task_identity, caplog):
+    """Three good nodes; one with another bundle, one claiming a taken name, one silent: each left out in one line."""
+    from edgepfl.flower.messages import DEVICE
+    from edgepfl.flower.server_app import make_server_app
+
+    config, root = reference
+    run_config = {**flower_run_config(config, root), "out": str(tmp_path), "state-root": str(tmp_path / "devices")}
+    client_app = make_client_app(run_config)
+
+    def other_bundle(message: Message) -> Message:
+        identity = {"name": "client-009", "base_layout_hash": "f" * 64}
+        return Message(RecordDict({DEVICE: ConfigRecord(identity)}), reply_to=message)
+
+    handlers = {node: node_handler(client_app, node, node - 11) for node in NODES}
+    handlers |= {21: other_bundle, 22: node_handler(client_app, 22, 0), 23: lambda message: None}
+    with caplog.at_level("INFO", logger="flwr"):
+        make_server_app(run_config)(LocalGrid(handlers), Context(1, 1, {}, RecordDict(), {}))
+    lines = [record.getMessage() for record in caplog.records]
+    assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in lines
+    assert any(line.startswith("node 21 is left out: its bundle has base layout ffffffffffff") for line in lines)
+    assert (
+        "node 22 is left out: another node is already device 'client-000' (give each node its own "
+        "device-name/partition-id)" in lines
+    )
+    assert "node 23 is left out: it did not answer within 120 s (is its ClientApp edgepfl's?)" in lines
+    assert final_global_base(tmp_path)  # the rounds ran: the engine closed them
+    assert not [line for line in lines if "refused" in line and "refused-so-far" not in line]
+
+
+def test_a_server_app_error_is_one_line(reference, tmp_path, task_identity, caplog):
+    from edgepfl.flower.server_app import make_server_app
+
+    config, root = reference
+    run_config = {**flower_run_config(config, root), "out": str(tmp_path), "nodes": 5, "timeout": 0.5}
+    client_app = make_client_app(run_config)
+    grid = LocalGrid({node: node_handler(client_app, node, node - 11) for node in NODES})
+    with caplog.at_level("INFO", logger="flwr"):
+        make_server_app(run_config)(grid, Context(1, 1, {}, RecordDict(), {}))
+        make_server_app({**run_config, "epoch": 1})(grid, Context(1, 1, {}, RecordDict(), {}))
+    errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert errors[0].startswith("edgepfl: 3 of 5 SuperNodes connected within 0.5 s (start the SuperNodes")
+    assert errors[1].startswith("edgepfl: the Flower run config has unknown key 'epoch' (use one of: ")
+    assert len(errors) == 2
 
 
 def test_the_client_app_trains_without_torch(reference, tmp_path):

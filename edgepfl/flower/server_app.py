@@ -95,12 +95,16 @@ def enrol_nodes(grid: Grid, manifest: Manifest, nodes: int, timeout: float) -> d
         node_ids = sorted(grid.get_node_ids())
     queries = [Message(RecordDict(), dst_node_id=node, message_type=DEVICE_QUERY) for node in node_ids]
     devices: dict[int, str] = {}
+    answered = set()
     for reply in grid.send_and_receive(queries, timeout=timeout):
         node = reply.metadata.src_node_id
+        answered.add(node)
         try:
             devices[node] = _device_of(reply, manifest, set(devices.values()))
         except EdgePFLError as error:
             log(WARNING, "node %d is left out: %s", node, error)
+    for node in sorted(set(node_ids) - answered):
+        log(WARNING, "node %d is left out: it did not answer within %g s (is its ClientApp edgepfl's?)", node, timeout)
     log(INFO, "edgepfl: %d device(s) enrolled: %s", len(devices), ", ".join(sorted(devices.values())))
     return devices
 
