@@ -306,6 +306,32 @@ def test_a_server_app_error_is_one_line(reference, tmp_path, task_identity, capl
     assert len(errors) == 2
 
 
+def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path, task_identity, tiny_npz):  # noqa: F811
+    from edgepfl.flower.messages import DEVICE, DEVICE_QUERY, train_content
+    from edgepfl.protocol import RoundSettings
+
+    config, root = reference
+    with np.load(tiny_npz) as digits:
+        np.savez(tmp_path / "phone.npz", x=digits["x_train"][:64], y=digits["y_train"][:64])
+    bundle = root / "sim" / "bundle"
+    manifest = load_manifest(bundle)
+    client_app = make_client_app({"bundle": str(bundle), "engine": "portable", "state-root": str(tmp_path / "devices")})
+    own = {"device-name": "phone-1", "data": str(tmp_path / "phone.npz")}
+    hello = client_app(Message(RecordDict(), 5, DEVICE_QUERY), Context(1, 5, own, RecordDict(), {}))
+    assert hello.content[DEVICE]["name"] == "phone-1"
+    base = {name: value for name, value in initial_tensors(bundle).items() if name in manifest.names("base")}
+    content = train_content(1, RoundSettings(epochs=1, batch_size=16, lr=0.05), base, manifest.base_layout_hash)
+    reply = client_app(Message(content, 5, "train"), Context(1, 5, own, RecordDict(), {}))
+    assert not reply.has_error() and sorted(reply.content[BASE]) == sorted(manifest.names("base"))
+    assert (tmp_path / "devices" / "phone-1" / "state.json").is_file()
+    nameless = client_app(
+        Message(RecordDict(), 6, DEVICE_QUERY), Context(1, 6, {"data": own["data"]}, RecordDict(), {})
+    )
+    assert (
+        nameless.error.reason == "a node with its own data needs a name (set --node-config 'device-name=NAME data=...')"
+    )
+
+
 def test_the_client_app_trains_without_torch(reference, tmp_path):
     """Handshake and one round on a node where `import torch` fails; the reply carries the base only."""
     config, root = reference
