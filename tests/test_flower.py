@@ -119,14 +119,18 @@ def test_a_flower_simulation_ends_as_edgepfl_simulate(tiny_npz, tmp_path, algori
             np.testing.assert_array_equal(value, clients[f"{device}/{name}"], err_msg=f"{device} {name}")
 
 
-def run_round(reference, tmp_path, tamper=None):
-    """One round through EdgePFLStrategy with replies made by the ClientApp in-process; `tamper` changes one."""
+def run_round(reference, tmp_path, tamper=None, strategy_name="fedper"):
+    """One round through EdgePFLStrategy with replies made by the ClientApp in-process; `tamper` changes one.
+
+    Returns the strategy, the aggregate, the round's metrics, the devices whose update was stored, the
+    manifest and the train messages sent.
+    """
     config, root = reference
     run_config = {**flower_run_config(config, root), "out": str(tmp_path), "state-root": str(tmp_path / "devices")}
     server_options = server_config(run_config)
     bundle = server_options.bundle
     server = open_server(
-        tmp_path, "fedper", sorted(NODES.values()), server_options.settings(), initial_tensors(bundle),
+        tmp_path, strategy_name, sorted(NODES.values()), server_options.settings(), initial_tensors(bundle),
         rounds=2, seed=0, fraction=1.0, min_clients=1, fresh=True, bundle=bundle, round_timeout=60.0,
     )  # fmt: skip
     client_app = make_client_app(run_config)
@@ -143,16 +147,25 @@ def run_round(reference, tmp_path, tamper=None):
             replies[0] = tamper(replies[0], messages[0]) or replies[0]
         arrays, metrics = strategy.aggregate_train(1, replies)
         stored = [update.device for update in server.engine.store.updates(1)]
-        return strategy, arrays, metrics, stored, load_manifest(bundle)
+        return strategy, arrays, metrics, stored, load_manifest(bundle), messages
     finally:
         server.close()
 
 
-def test_replies_are_accepted_and_aggregated(reference, tmp_path, task_identity):
-    strategy, arrays, metrics, stored, manifest = run_round(reference, tmp_path)
+@pytest.mark.parametrize("strategy_name", ["fedper", "median", "trimmed-mean", "pfedla", "heurpfedla"])
+def test_replies_are_accepted_and_aggregated(reference, tmp_path, task_identity, strategy_name):
+    from edgepfl.flower.messages import round_of
+
+    strategy, arrays, metrics, stored, manifest, messages = run_round(reference, tmp_path, None, strategy_name)
     assert strategy.refusals == [] and stored == sorted(NODES.values())
     assert sorted(arrays) == sorted(manifest.names("base"))  # the global base: never a personal tensor
+    assert all(np.isfinite(array.numpy()).all() for array in arrays.values())
     assert metrics["accepted"] == 3 and 0.0 <= metrics["val-accuracy"] <= 1.0
+    for message in messages:  # each device's planned base: the shared tensors but those it keeps (heurpfedla)
+        _, settings, _ = round_of(message.content)
+        assert (len(settings.kept_on_device) > 0) == (strategy_name == "heurpfedla")
+        expected = set(manifest.names("base")) - set(settings.kept_on_device)
+        assert set(message.content[BASE]) == expected
     for device in NODES.values():  # personal tensors stayed on the node, in its durable state folder
         state = StateFolder(tmp_path / "devices" / device, manifest, "portable")
         kept = state.load_tensors()
@@ -209,7 +222,7 @@ def _drop_tensor(reply: Message, manifest) -> None:
 )
 def test_a_bad_reply_is_refused_as_serve_refuses_the_upload(reference, tmp_path, task_identity, tamper, refusal):
     manifest = load_manifest(reference[1] / "sim" / "bundle")
-    strategy, arrays, metrics, stored, _ = run_round(reference, tmp_path, lambda reply, _: tamper(reply, manifest))
+    strategy, arrays, metrics, stored, *_ = run_round(reference, tmp_path, lambda reply, _: tamper(reply, manifest))
     assert len(strategy.refusals) == 1
     round_id, device, why = strategy.refusals[0]
     assert round_id == 1 and device in NODES.values() and refusal in why
@@ -221,7 +234,7 @@ def test_a_node_that_failed_is_refused_in_one_line(reference, tmp_path, task_ide
     def failed(reply: Message, message: Message) -> Message:
         return Message(Error(2, "round 1 is already trained on this device"), reply_to=message)
 
-    strategy, _, _, stored, _ = run_round(reference, tmp_path, failed)
+    strategy, _, _, stored, *_ = run_round(reference, tmp_path, failed)
     why = "the device could not train: round 1 is already trained on this device (see the node's log)"
     assert [refusal[2] for refusal in strategy.refusals] == [why]
     assert len(stored) == 2
