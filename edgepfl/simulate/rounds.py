@@ -7,6 +7,9 @@ available), the engine samples and plans it, each sampled client fetches its bas
 and hands `accept_update()` the bytes a device would upload; `tick()` then closes the round. Sampling,
 planning, acceptance checks, aggregation and durable state are therefore the served ones, minus HTTP.
 
+The Flower strategy (`edgepfl/flower/strategy.py`) drives the same engine the same way; its devices are
+Flower nodes, and a round whose replies do not all arrive or pass closes at its deadline (`close_round`).
+
 The `local` algorithm aggregates nothing, so it has no engine: it samples with the same rule and trains.
 """
 
