@@ -333,6 +333,10 @@ def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path,
     hello = client_app(Message(RecordDict(), 5, DEVICE_QUERY), Context(1, 5, own, RecordDict(), {}))
     assert hello.content[DEVICE]["name"] == "phone-1"
     base = {name: value for name, value in initial_tensors(bundle).items() if name in manifest.names("base")}
+    local = train_content(1, RoundSettings(algorithm="local"), base, manifest.base_layout_hash)
+    refused = client_app(Message(local, 5, "train"), Context(1, 5, own, RecordDict(), {}))
+    assert refused.error.reason.startswith("the local algorithm uploads nothing, so a Flower round would get no reply")
+    assert not (tmp_path / "devices" / "phone-1" / "state.json").exists()  # refused before anything was trained
     content = train_content(1, RoundSettings(epochs=1, batch_size=16, lr=0.05), base, manifest.base_layout_hash)
     reply = client_app(Message(content, 5, "train"), Context(1, 5, own, RecordDict(), {}))
     assert not reply.has_error() and sorted(reply.content[BASE]) == sorted(manifest.names("base"))

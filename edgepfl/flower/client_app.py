@@ -30,6 +30,7 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from edgepfl.data import LocalData
+from edgepfl.device_runtime.algorithms import client_algorithm
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.runner import DeviceEvents, DeviceOptions, restore, train_round
 from edgepfl.device_runtime.state import StateFolder
@@ -96,6 +97,11 @@ def train_device(device: Device, message: Message) -> RecordDict:
             f"{device.manifest.base_layout_hash[:12]}…",
             "give the node the bundle the server was started with",
         )
+    if not client_algorithm(settings.algorithm).uploads:
+        raise UsageError(
+            f"the {settings.algorithm} algorithm uploads nothing, so a Flower round would get no reply",
+            "set algorithm to fedsim or fedalt in the run config (local needs no server)",
+        )
     base = tensors_of(message.content, f"the base of round {round_id}")
     state = StateFolder(device.state, device.manifest, device.engine.name)
     try:
@@ -113,11 +119,7 @@ def train_device(device: Device, message: Message) -> RecordDict:
         result, payload, _ = train_round(
             device.engine, device.data, state, round_id, settings, base, options, DeviceEvents()
         )
-        if payload is None:
-            raise UsageError(
-                f"the {settings.algorithm} algorithm uploads nothing, so a Flower round has no reply",
-                "train fedsim or fedalt (local needs no server)",
-            )
+        assert payload is not None, "an algorithm that uploads gives an upload body"
         state.settle_upload(round_id, delivered=True)  # handed to Flower, which carries it from here
     finally:
         state.close()
@@ -125,7 +127,7 @@ def train_device(device: Device, message: Message) -> RecordDict:
     return reply_content(decode_tensors(payload), meta, result)
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=1024)  # every node a process serves (a simulation's actor serves many)
 def open_device(run_config: str, node_config_json: str) -> Device:
     """The device a node is (run and node config as JSON, the cache key): its engine is opened once per process."""
     config, partition = node_config(json.loads(run_config), json.loads(node_config_json))
