@@ -349,11 +349,21 @@ def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path,
     )
 
 
-def test_the_client_app_trains_without_torch(reference, tmp_path):
-    """Handshake and one round on a node where `import torch` fails; the reply carries the base only."""
+@pytest.mark.parametrize("engine", ["portable", "ort-training"])
+def test_the_client_app_trains_without_torch(reference, tmp_path, engine):
+    """Handshake and one round on a node where `import torch` fails, on either engine; the reply carries the base."""
+    from edgepfl.device_runtime.engine import training_build_installed
+
     config, root = reference
-    run_config = {**flower_run_config(config, root), "state-root": str(tmp_path / "devices")}
+    if engine == "ort-training":
+        if not training_build_installed():
+            pytest.skip("onnxruntime-training is not installed here")
+        config = config.updated(out=str(tmp_path / "sim"), engine="ort-training")  # exports ort-training only
+        run_simulation(config)
+        root = tmp_path
+    run_config = {**flower_run_config(config, root), "state-root": str(tmp_path / "devices"), "engine": engine}
     manifest = load_manifest(root / "sim" / "bundle")
+    assert (root / "sim" / "bundle" / engine).is_dir() or engine == "portable"
     code = f"""
 import json
 from flwr.supercore.task_identity import TaskIdentity
