@@ -422,6 +422,7 @@ def test_edgepfl_and_its_cli_do_not_import_flower():
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flower"
 LOOPBACK = "127.0.0.1"  # every process of the deployment test listens here only
+QUIET = {"FLWR_DISABLE_UPDATE_CHECK": "1"}  # Flower's processes ask no server outside about new releases
 
 
 def _free_port() -> int:
@@ -507,7 +508,7 @@ def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tm
     home.mkdir()
     port = _free_port()
     (home / "config.toml").write_text(f'[superlink.loopback]\naddress = "{LOOPBACK}:{port}"\ninsecure = true\n')
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home)}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home), **QUIET}
     logs = tmp_path / "logs"
     logs.mkdir()
     processes: list[subprocess.Popen] = []
@@ -592,6 +593,7 @@ def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "FLWR_HOME": str(home),
+        **QUIET,
         "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
         "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
     }
