@@ -329,7 +329,7 @@ def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path,
     bundle = root / "sim" / "bundle"
     manifest = load_manifest(bundle)
     client_app = make_client_app({"bundle": str(bundle), "engine": "portable", "state-root": str(tmp_path / "devices")})
-    own = {"device-name": "phone-1", "data": str(tmp_path / "phone.npz")}
+    own = {"device-name": "phone-1", "data": str(tmp_path / "phone.npz"), "persfl-teacher": True}
     hello = client_app(Message(RecordDict(), 5, DEVICE_QUERY), Context(1, 5, own, RecordDict(), {}))
     assert hello.content[DEVICE]["name"] == "phone-1"
     base = {name: value for name, value in initial_tensors(bundle).items() if name in manifest.names("base")}
@@ -341,6 +341,10 @@ def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path,
     reply = client_app(Message(content, 5, "train"), Context(1, 5, own, RecordDict(), {}))
     assert not reply.has_error() and sorted(reply.content[BASE]) == sorted(manifest.names("base"))
     assert (tmp_path / "devices" / "phone-1" / "state.json").is_file()
+    from edgepfl.device_runtime.persfl import TeacherStore
+
+    teacher = TeacherStore(tmp_path / "devices" / "phone-1", manifest).record  # PersFL stage 1 ran on the node
+    assert teacher is not None and teacher.round_id == 1
     nameless = client_app(
         Message(RecordDict(), 6, DEVICE_QUERY), Context(1, 6, {"data": own["data"]}, RecordDict(), {})
     )

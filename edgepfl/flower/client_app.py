@@ -52,6 +52,7 @@ class Device:
     data: LocalData
     seed: int
     state: Path
+    persfl_teacher: bool = False  # PersFL stage 1 on the node: its teacher history in the state folder
 
     @property
     def manifest(self) -> Manifest:
@@ -115,7 +116,7 @@ def train_device(device: Device, message: Message) -> RecordDict:
             device.engine.set_tensors(device.initial)  # the engine is shared by the nodes of this process
         if state.state.pending_upload is not None:  # a round whose reply never left: it is over
             state.settle_upload(state.state.pending_upload.round_id, delivered=False)
-        options = DeviceOptions(seed=device.seed)
+        options = DeviceOptions(seed=device.seed, persfl_teacher=device.persfl_teacher)
         result, payload, _ = train_round(
             device.engine, device.data, state, round_id, settings, base, options, DeviceEvents()
         )
@@ -152,7 +153,8 @@ def open_device(run_config: str, node_config_json: str) -> Device:
     from edgepfl.server.store import check_device_name
 
     check_device_name(name)
-    return Device(name, engine, initial, data, seed, config.state or config.state_root / name)
+    state = config.state or config.state_root / name
+    return Device(name, engine, initial, data, seed, state, config.persfl_teacher)
 
 
 @lru_cache(maxsize=4)

@@ -76,6 +76,10 @@ class NodeRunConfig(BaseModel):
     state: Annotated[Path | None, Field(description="durable device state folder (default: STATE-ROOT/NAME)")] = None
     state_root: Annotated[Path, Field(description="where device state folders are made")] = Path("flower-devices")
     seed: Annotated[int, Field(description="shuffling seed (with partition-id: the run seed, as simulate)")] = 0
+    persfl_teacher: Annotated[
+        bool,
+        Field(description="PersFL stage 1: keep the received base with the lowest held-out loss (for device distill)"),
+    ] = False
 
 
 def server_config(values: Mapping[str, Any]) -> ServerRunConfig:
