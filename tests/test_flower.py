@@ -336,6 +336,10 @@ def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path,
     local = train_content(1, RoundSettings(algorithm="local"), base, manifest.base_layout_hash)
     refused = client_app(Message(local, 5, "train"), Context(1, 5, own, RecordDict(), {}))
     assert refused.error.reason.startswith("the local algorithm uploads nothing, so a Flower round would get no reply")
+    poisoned = {name: np.full_like(value, np.nan) for name, value in base.items()}
+    nan_round = train_content(1, RoundSettings(), poisoned, manifest.base_layout_hash)
+    refused_nan = client_app(Message(nan_round, 5, "train"), Context(1, 5, own, RecordDict(), {}))
+    assert refused_nan.error.reason.startswith("the base of round 1 holds NaN or Inf in ")
     assert not (tmp_path / "devices" / "phone-1" / "state.json").exists()  # refused before anything was trained
     content = train_content(1, RoundSettings(epochs=1, batch_size=16, lr=0.05), base, manifest.base_layout_hash)
     reply = client_app(Message(content, 5, "train"), Context(1, 5, own, RecordDict(), {}))
