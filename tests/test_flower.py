@@ -625,3 +625,12 @@ def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
         while time.monotonic() < deadline and any(_alive(pid) for pid in started):
             time.sleep(0.5)
         _signal({pid for pid in started if _alive(pid)}, signal.SIGKILL)
+
+
+def test_without_flower_the_package_says_how_to_install_it():
+    code = "import sys\nsys.modules['flwr'] = None\ntry:\n    import edgepfl.flower.client_app\n"
+    code += "except Exception as error:\n    print(error)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == (
+        "edgepfl.flower needs Flower (flwr) (pip install 'edgepfl[flower]' (on Python 3.11 or later))"
+    ), done.stderr[-2000:]
