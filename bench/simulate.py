@@ -10,11 +10,15 @@ aggregation, without the start-up: data loading, export, Ray's start).
 
 Targets (issue 17): with `--workers 1`, at most 0.3x FL-bench's 4.0-5.2 s per round and at most 0.5x its
 1.33 GB on this 2-core machine, and a speed-up of at least 1.6x from `--workers 2` on the compute-bound model.
-Runners are a table keyed by name: a Flower simulation row is not here (edgepfl's Flower integration is not
-built yet).
+Runners are a table keyed by name. `flower` runs the MNIST setting through Flower's simulation engine (Ray
+backend, `flwr.simulation.run_simulation`) with edgepfl's ServerApp and ClientApp: every client is a virtual
+SuperNode whose ClientApp is the device runtime (ort-training engine, one thread: nodes never use torch), and
+two Ray actors run the ClientApps (`workers` 2). Its seconds per round are the `seconds` metric of each
+round (planning, messages, training, acceptance, aggregation); its memory is the driver's (ServerApp and
+Flower's simulation runtime) and the `ray::ClientAppActor` processes'.
 
 Prints JSON on stdout and a table on stderr; writes bench/out/simulate.png.
-Usage: python bench/simulate.py [--data-root ../shared/data] [--quick]
+Usage: python bench/simulate.py [--data-root ../shared/data] [--quick] [--only flower]
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ MNIST = {"model": "mlp", "dataset": "mnist", "rounds": 10, "clients": 10}
 CIFAR = {"model": "cnn", "dataset": "cifar10", "rounds": 3, "clients": 10, "norm": "batch"}
 
 
-def settings(quick: bool) -> list[tuple[str, dict, int]]:
-    """(label, config changes, workers) of every run."""
+def settings(quick: bool) -> list[tuple[str, dict, int, str]]:
+    """(label, config changes, workers, runner) of every run."""
     mnist = {**MNIST, "rounds": 3} if quick else MNIST
-    runs = [("mnist-mlp-10", mnist, 1), ("mnist-mlp-10", mnist, 2)]
-    runs += [("mnist-mlp-100", {**mnist, "clients": 100}, 1), ("mnist-mlp-100", {**mnist, "clients": 100}, 2)]
+    runs = [("mnist-mlp-10", mnist, 1, "edgepfl"), ("mnist-mlp-10", mnist, 2, "edgepfl")]
+    runs += [("mnist-mlp-100", {**mnist, "clients": 100}, w, "edgepfl") for w in (1, 2)]
     cifar = {**CIFAR, "rounds": 1} if quick else CIFAR
-    return runs + [("cifar10-cnn-10", cifar, 1), ("cifar10-cnn-10", cifar, 2)]
+    runs += [("cifar10-cnn-10", cifar, 1, "edgepfl"), ("cifar10-cnn-10", cifar, 2, "edgepfl")]
+    return runs + [("mnist-mlp-10", mnist, 2, "flower")]
 
 
 def run_edgepfl(changes: dict, workers: int, data_root: str, out: str) -> dict:
@@ -74,17 +79,74 @@ def run_edgepfl(changes: dict, workers: int, data_root: str, out: str) -> dict:
     }
 
 
-RUNNERS = {"edgepfl": run_edgepfl}
+def run_flower(changes: dict, workers: int, data_root: str, out: str) -> dict:
+    """The same setting through Flower's simulation engine with edgepfl's ServerApp and ClientApp (the child)."""
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation as run_flower_simulation
+
+    from edgepfl.flower.client_app import make_client_app
+    from edgepfl.flower.config import server_config
+    from edgepfl.flower.server_app import run_federation
+    from edgepfl.simulate.config import SimulateConfig
+    from edgepfl.simulate.loop import ensure_bundle, load_partition
+    from edgepfl.simulate.workers import peak_rss
+
+    config = SimulateConfig(
+        out=out, data_root=data_root, partition="classes:2", epochs=1, batch_size=32, lr=0.01, algorithm="fedper",
+        kp=1, engine="ort-training", threads=1, seed=0, **changes,
+    )  # fmt: skip
+    dataset, _ = load_partition(config)
+    ensure_bundle(config, Path(out) / "bundle", dataset.sample_shape, dataset.num_classes)
+    run_config = {
+        "bundle": str(Path(out) / "bundle"), "out": str(Path(out) / "flower"), "strategy": "fedper",
+        "rounds": config.rounds, "nodes": config.clients, "min-clients": 1, "seed": 0, "epochs": 1,
+        "batch-size": 32, "lr": 0.01, "engine": "ort-training", "threads": 1, "dataset": config.dataset,
+        "data-root": data_root, "partition": "classes:2", "clients": config.clients,
+        "state-root": str(Path(out) / "devices"),
+    }  # fmt: skip
+    results = []
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid, context) -> None:
+        results.append(run_federation(grid, server_config(run_config)))
+
+    actors: dict[int, int] = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_actors, args=(actors, stop), daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    run_flower_simulation(
+        server_app, make_client_app(run_config), num_supernodes=config.clients,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0}, "init_args": {"num_cpus": workers}},
+    )  # fmt: skip
+    wall = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    if not results:
+        raise SystemExit("the Flower run did not finish (see its log above)")
+    seconds = [float(metrics["seconds"]) for metrics in results[0].train_metrics_clientapp.values()]
+    return {
+        "seconds_per_round": sum(seconds) / len(seconds),
+        "wall_seconds": wall,
+        "driver_peak_bytes": peak_rss(),
+        "worker_peak_bytes": sorted(actors.values()),
+        "rounds": len(seconds),
+    }
+
+
+RUNNERS = {"edgepfl": run_edgepfl, "flower": run_flower}
+ACTOR_TITLES = (b"ray::_Actor", b"ray::ClientAppActor")  # edgepfl simulate's workers, Flower's ClientApp actors
 
 
 def _sample_actors(peaks: dict[int, int], stop: threading.Event) -> None:
-    """Keep the largest VmHWM seen of every Ray actor process (their proctitle starts with `ray::_Actor`)."""
+    """Keep the largest VmHWM seen of every Ray actor process (their proctitles: ACTOR_TITLES)."""
     while not stop.wait(0.2):
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                if not (entry / "cmdline").read_bytes().startswith(b"ray::_Actor"):
+                if not (entry / "cmdline").read_bytes().startswith(ACTOR_TITLES):
                     continue
                 for line in (entry / "status").read_text().splitlines():
                     if line.startswith("VmHWM:"):
@@ -153,6 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run of the script)")
+    parser.add_argument("--only", choices=sorted(RUNNERS), help="run this runner's rows only")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -161,17 +224,22 @@ def main() -> None:
         print(json.dumps(runner(request["changes"], request["workers"], request["data_root"], request["out"])))
         return
     rows = []
-    for label, changes, workers in settings(args.quick):
-        print(f"running {label} --workers {workers} ...", file=sys.stderr)
-        rows.append(measure(label, changes, workers, args.data_root))
-    result = {"rows": rows, "summary": summarise(rows), "cores": os.cpu_count(), "quick": args.quick}
+    for label, changes, workers, runner in settings(args.quick):
+        if args.only in (None, runner):
+            print(f"running {runner} {label} --workers {workers} ...", file=sys.stderr)
+            rows.append(measure(label, changes, workers, args.data_root, runner))
+    complete = args.only is None
+    result = {"rows": rows, "summary": summarise(rows) if complete else None, "cores": os.cpu_count(),
+              "quick": args.quick}  # fmt: skip
     print(json.dumps(result, indent=2))
-    print(f"{'setting':16} {'workers':>7} {'s/round':>8} {'driver MB':>9} {'actors MB':>10}", file=sys.stderr)
+    print(f"{'runner':8} {'setting':16} {'workers':>7} {'s/round':>8} {'driver MB':>9} {'actors MB':>10}",
+          file=sys.stderr)  # fmt: skip
     for r in rows:
         actors = "+".join(f"{b / 1e6:.0f}" for b in r["worker_peak_bytes"]) or "-"
-        print(f"{r['setting']:16} {r['workers']:>7} {r['seconds_per_round']:>8.2f} "
+        print(f"{r['runner']:8} {r['setting']:16} {r['workers']:>7} {r['seconds_per_round']:>8.2f} "
               f"{r['driver_peak_bytes'] / 1e6:>9.0f} {actors:>10}", file=sys.stderr)  # fmt: skip
-    plot(rows, ROOT / "bench" / "out" / "simulate.png")
+    if complete:
+        plot([r for r in rows if r["runner"] == "edgepfl"], ROOT / "bench" / "out" / "simulate.png")
 
 
 if __name__ == "__main__":

@@ -137,20 +137,40 @@ def _train_round(
     options: DeviceOptions,
     events: DeviceEvents,
 ) -> bool:
-    """Train and deliver one round; False when the round was gone before training began.
-
-    A base holding NaN/Inf, or a result whose loss or tensors blow up, raises TrainingDiverged with the
-    engine back at the last good model and nothing saved or sent.
-    """
+    """Fetch the base, train (`train_round`) and deliver one round; False when the round was gone before training."""
     round_id = task.round_id
     assert round_id is not None
     settings = task.settings or RoundSettings()
-    manifest = engine.manifest
     try:
         base = client.fetch_tensors(task.base_url or f"{API_PREFIX}/rounds/{round_id}/base")
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
         return False
+    result, payload, record = train_round(engine, data, state, round_id, settings, base, options, events)
+    upload = _deliver_pending(state, client, events) if payload is not None else "none"
+    if payload is None:
+        _post_metrics(client, round_id, record, events)
+    events.round_finished(round_id, result, upload)
+    return True
+
+
+def train_round(
+    engine: Engine,
+    data: LocalData,
+    state: StateFolder,
+    round_id: int,
+    settings: RoundSettings,
+    base: dict[str, Any],
+    options: DeviceOptions,
+    events: DeviceEvents,
+) -> tuple[ClientResult, bytes | None, dict[str, Any]]:
+    """Train one round from a received base and commit it, its upload body saved as pending (however it travels).
+
+    Returns the result, the upload body (None when the algorithm uploads nothing) and the round's saved record.
+    A base holding NaN/Inf, or a result whose loss or tensors blow up, raises TrainingDiverged with the
+    engine back at the last good model and nothing saved or sent.
+    """
+    manifest = engine.manifest
     try:
         _check_base(base, manifest, settings, f"the base of round {round_id}")
     except TrainingDiverged as error:
@@ -172,11 +192,7 @@ def _train_round(
         payload = encode_update(upload_tensors(engine, settings), result.upload_meta(manifest.base_layout_hash))
     record = {**result.to_json(), "round": round_id, "engine": engine.name, "upload": "pending" if payload else "none"}
     state.commit(tensors, record, round_id=round_id, upload_payload=payload)
-    upload = _deliver_pending(state, client, events) if payload is not None else "none"
-    if payload is None:
-        _post_metrics(client, round_id, record, events)
-    events.round_finished(round_id, result, upload)
-    return True
+    return result, payload, record
 
 
 def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEvents) -> str:

@@ -39,8 +39,8 @@ class RoundOptions(BaseModel):
     share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
 
     def settings(self) -> RoundSettings:
-        """The RoundSettings these options make."""
-        return RoundSettings(**self.model_dump())
+        """The RoundSettings these options make (a model that extends them keeps its other fields out)."""
+        return RoundSettings(**self.model_dump(include=set(RoundOptions.model_fields)))
 
 
 class StrategyOptions(TrimmedMeanOptions, PFedLAOptions, HeurPFedLAOptions):

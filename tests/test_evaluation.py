@@ -40,8 +40,8 @@ def _received(results, out, names):
     config = results.config
     server = open_server(
         out, config.plan.strategy, names, round_settings(config), {}, rounds=config.rounds, seed=config.seed,
-        fraction=config.fraction, min_clients=config.min_clients, hn_lr=config.hn_lr,
-        retain_top_k=config.retain_top_k, fresh=False,
+        fraction=config.fraction, min_clients=config.min_clients,
+        knobs={"hn_lr": config.hn_lr, "retain_top_k": config.retain_top_k}, fresh=False,
     )  # fmt: skip
     try:
         glob = server.global_base()

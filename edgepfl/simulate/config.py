@@ -121,11 +121,7 @@ class SimulateConfig(BaseModel):
     @field_validator("split", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
-        from edgepfl.partition import check_split, parse_split
-
-        if isinstance(value, str):
-            return parse_split(value)
-        return check_split(value) if isinstance(value, tuple | list) else value
+        return split_value(value)
 
     @field_validator(*GRID_KEYS, mode="before")
     @classmethod
@@ -207,3 +203,35 @@ def _parse_toml(text: str, path: Path) -> Any:
     except ImportError:  # Python 3.10
         raise UsageError(f"reading {path} needs Python 3.11 or later (tomllib)", "write the config as JSON") from None
     return tomllib.loads(text)
+
+
+class PartitionOptions(BaseModel):
+    """The dataset and its split into clients, as `SimulateConfig` holds them (what a Flower node trains a part of).
+
+    Made without `SimulateConfig`, whose model check needs torch: a node has none.
+    """
+
+    model_config = OPTIONS
+
+    dataset: str = SimulateConfig.model_fields["dataset"]
+    data_root: str = SimulateConfig.model_fields["data_root"]
+    download: bool = SimulateConfig.model_fields["download"]
+    checksums: str | None = SimulateConfig.model_fields["checksums"]
+    partition: str = SimulateConfig.model_fields["partition"]
+    clients: int | None = SimulateConfig.model_fields["clients"]
+    split: tuple[float, float, float] = SimulateConfig.model_fields["split"]
+    seed: int = SimulateConfig.model_fields["seed"]
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return split_value(value)
+
+
+def split_value(value: Any) -> Any:
+    """`--split` as a (train, val, test) tuple: "0.6,0.2,0.2" parsed, a sequence checked."""
+    from edgepfl.partition import check_split, parse_split
+
+    if isinstance(value, str):
+        return parse_split(value)
+    return check_split(value) if isinstance(value, tuple | list) else value

@@ -44,7 +44,7 @@ from edgepfl.device_runtime.persfl import TeacherStore, distill
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.protocol import RoundSettings
-from edgepfl.simulate.config import SimulateConfig
+from edgepfl.simulate.config import PartitionOptions, SimulateConfig
 from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
 from edgepfl.simulate.rounds import InProcessServer, open_server
 from edgepfl.simulate.workers import ClientData, RayWorkers, Sequential
@@ -95,12 +95,7 @@ def run_simulation(
                 "pass the same options to resume it, or choose another --out",
             )
     status("loading data")
-    from edgepfl.datasets import load_dataset
-    from edgepfl.partition import make_partition
-
-    dataset = load_dataset(config.dataset, config.data_root, download=config.download, checksums=config.checksums)
-    clients_wanted = None if config.partition.startswith("file:") else config.clients
-    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, clients_wanted, config.seed, config.split)
+    dataset, parts = load_partition(config)
     status("exporting the model")
     manifest = ensure_bundle(config, out / BUNDLE_DIR, dataset.sample_shape, dataset.num_classes)
     engine = open_sim_engine(config.engine, out / BUNDLE_DIR, manifest, config.threads)
@@ -129,8 +124,7 @@ def run_simulation(
         seed=config.seed,
         fraction=config.fraction,
         min_clients=config.min_clients,
-        hn_lr=config.hn_lr,
-        retain_top_k=config.retain_top_k,
+        knobs={"hn_lr": config.hn_lr, "retain_top_k": config.retain_top_k},
         fresh=saved is None,
     )
     workers = None
@@ -341,6 +335,29 @@ def initial_tensors(bundle: Path) -> dict[str, np.ndarray]:
     from edgepfl.device_runtime.engine import open_engine
 
     return open_engine(bundle, "ort-training").get_tensors()
+
+
+def load_partition(config: SimulateConfig | PartitionOptions) -> tuple[Any, list[Any]]:
+    """The run's dataset and its per-client parts (`--dataset`, `--partition`, `--clients`, `--seed`, `--split`)."""
+    from edgepfl.datasets import load_dataset
+    from edgepfl.partition import make_partition
+
+    dataset = load_dataset(config.dataset, config.data_root, download=config.download, checksums=config.checksums)
+    clients_wanted = None if config.partition.startswith("file:") else config.clients
+    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, clients_wanted, config.seed, config.split)
+    return dataset, parts
+
+
+def client_data(config: SimulateConfig | PartitionOptions, manifest: Manifest, number: int) -> ClientData:
+    """Client `number`'s data splits and seed exactly as `run_simulation` makes them (a Flower node's, too)."""
+    dataset, parts = load_partition(config)
+    if not 0 <= number < len(parts):
+        raise DataError(
+            f"client {number} does not exist: the partition {config.partition!r} makes {len(parts)} clients",
+            f"use a client number (partition-id) in 0..{len(parts) - 1}",
+        )
+    client = _make_client(number, parts[number], dataset, manifest, config.seed, {})
+    return ClientData(client.name, client.train, client.test, client.seed)
 
 
 def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, initial: dict) -> Client:

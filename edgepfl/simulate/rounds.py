@@ -7,6 +7,9 @@ available), the engine samples and plans it, each sampled client fetches its bas
 and hands `accept_update()` the bytes a device would upload; `tick()` then closes the round. Sampling,
 planning, acceptance checks, aggregation and durable state are therefore the served ones, minus HTTP.
 
+The Flower strategy (`edgepfl/flower/strategy.py`) drives the same engine the same way; its devices are
+Flower nodes, and a round whose replies do not all arrive or pass closes at its deadline (`close_round`).
+
 The `local` algorithm aggregates nothing, so it has no engine: it samples with the same rule and trains.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -70,7 +73,7 @@ class InProcessServer:
 
     def open_round(self, round_id: int, names: list[str]) -> dict[str, Assignment]:
         """Every client polls; the round opens; each sampled client gets its settings and base (in sampled order)."""
-        self.clock.now = float(round_id)
+        self.clock.now = max(float(round_id), self.clock.now + 1.0)  # one second a round, never back past a deadline
         if self.engine is None:
             from edgepfl.server.sampling import sample_devices
 
@@ -96,10 +99,17 @@ class InProcessServer:
         if self.engine is not None:
             self.engine.accept_update(name, round_id, payload)
 
-    def close_round(self, round_id: int) -> dict[str, np.ndarray]:
-        """Aggregate the round (every sampled client has uploaded); returns the new global base."""
+    def close_round(self, round_id: int, at_deadline: bool = False) -> dict[str, np.ndarray]:
+        """Aggregate the round (every sampled client has uploaded, or it is `at_deadline`); returns the new global base.
+
+        At its deadline the round closes with the uploads accepted so far if they are at least `min_clients`,
+        and is abandoned (StateError here) otherwise, exactly as a served round.
+        """
         if self.engine is None:
             return {}
+        record = self.engine.store.round(round_id)
+        if at_deadline and record is not None:
+            self.clock.now = max(self.clock.now, record.deadline)
         self.engine.tick()
         record = self.engine.store.round(round_id)
         if record is None or record.state != "closed":
@@ -145,11 +155,16 @@ def open_server(
     seed: int,
     fraction: float,
     min_clients: int,
-    hn_lr: float,
-    retain_top_k: int,
     fresh: bool,
+    knobs: Mapping[str, Any] | None = None,
+    bundle: Path | None = None,
+    round_timeout: float | None = None,
 ) -> InProcessServer:
-    """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device."""
+    """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device.
+
+    `knobs`: the strategy's own options (e.g. hn_lr, retain_top_k, trim_fraction); `bundle` defaults to
+    OUT/bundle; `round_timeout` (seconds to a round's deadline) to `edgepfl serve`'s.
+    """
     if strategy is None:
         return InProcessServer(None, settings, seed, fraction, min_clients)
     import shutil
@@ -167,9 +182,10 @@ def open_server(
             f"{out} was made by an older edgepfl simulate (it has no {SERVER_DIR}/ round engine state)",
             "rerun into a new --out",
         )
-    options = StrategyOptions(settings=settings, clients=len(names), hn_lr=hn_lr, seed=seed, retain_top_k=retain_top_k)
+    options = StrategyOptions(settings=settings, clients=len(names), seed=seed, **(knobs or {}))
+    timeout = {} if round_timeout is None else {"round_timeout": round_timeout}
     config = ServerConfig(
-        bundle=out / "bundle",
+        bundle=bundle or out / "bundle",
         state=folder,
         strategy=strategy,
         rounds=rounds,
@@ -179,6 +195,7 @@ def open_server(
         init=out / INITIAL_FILE,
         history=HISTORY,
         strategy_options=options,
+        **timeout,
     )
     clock = SimClock()
     store = Store(folder)
