@@ -32,7 +32,8 @@ from flwr.common.constant import ErrorCode
 from edgepfl.data import LocalData
 from edgepfl.device_runtime.algorithms import client_algorithm
 from edgepfl.device_runtime.engine import Engine
-from edgepfl.device_runtime.runner import DeviceEvents, DeviceOptions, restore, train_round
+from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.runner import DeviceEvents, restore, train_round
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, EdgePFLError, StateError, UsageError
 from edgepfl.flower.config import node_config
