@@ -251,3 +251,24 @@ def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path
     results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", rounds=3))
     honest = results.rounds[-1].test_accuracy["per_client"][1:]
     assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%
+
+
+def test_the_export_runs_in_a_child_and_its_refusal_is_one_line(tiny_npz, tmp_path):
+    import subprocess
+    import sys
+
+    from edgepfl.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--kp 5 is outside 0\.\.2 for mlp \(choose 0"):
+        run_simulation(tiny_config(tiny_npz, tmp_path / "bad", kp=5))
+    # the driver never loads the exporter's libraries: a run with the torch engine imports no onnx
+    code = (
+        "import sys, json; from edgepfl.simulate.loop import run_simulation; "
+        "from edgepfl.simulate.config import SimulateConfig; "
+        "run_simulation(SimulateConfig.model_validate(json.loads(sys.argv[1]))); "
+        "print(sorted(m for m in ('onnx', 'onnxscript', 'torch.onnx') if m in sys.modules))"
+    )
+    config = tiny_config(tiny_npz, tmp_path / "run", rounds=1, engine="torch").model_dump(mode="json")
+    child = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip().splitlines()[-1] == "[]", child.stdout
