@@ -211,13 +211,6 @@ class ServerConfig(BaseModel):
                 "--download-encoding fp16 cannot carry the integer BatchNorm counters of --share-bn-stats",
                 "drop --share-bn-stats, or use --download-encoding fp32",
             )
-        lossy = settings.uploads_delta or settings.download_encoding != "fp32"
-        if self.web and lossy:
-            raise UsageError(
-                "the browser device (--web) uploads fp32 bases only: it cannot speak --upload-encoding "
-                f"{settings.upload_encoding}, --download-encoding {settings.download_encoding} or DP",
-                "pass --no-web (phones run `edgepfl device`), or drop the encoding and --dp-* options",
-            )
         return self
 
     @property

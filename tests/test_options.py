@@ -61,10 +61,10 @@ def test_every_simulate_option_is_a_flag_that_shows_the_models_default() -> None
         (["--dp-noise-multiplier", "1"], "error: --dp-noise-multiplier and --dp-clip go together"),
         (["--dp-delta", "1"], "error: --dp-delta 1.0: input should be less than 1"),
         (
-            ["--dp-noise-multiplier", "1", "--dp-clip", "1", "--strategy", "median", "--no-web"],
+            ["--dp-noise-multiplier", "1", "--dp-clip", "1", "--strategy", "median"],
             "error: differential privacy cannot run with --strategy median: the median is not a sum",
         ),
-        (["--upload-encoding", "int8"], "error: the browser device (--web) uploads fp32 bases only"),
+        (["--download-encoding", "fp16", "--share-bn-stats"], "error: --download-encoding fp16 cannot carry the"),
     ],
 )
 def test_a_bad_serve_value_is_one_line_naming_the_flag(tmp_path, args, line) -> None:
