@@ -306,5 +306,6 @@ def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path
     assert [r.round for r in again.rounds] == [1] and again.stopped == results.stopped
     bad = CliRunner().invoke(app, ["simulate", "--out", str(tmp_path / "x"), "--dp-noise-multiplier", "1",
                                    "--dp-clip", "1", "--algorithm", "pfedla"])  # fmt: skip
-    assert bad.exit_code == 2 and "differential privacy cannot run with --strategy pfedla" in bad.output
+    assert bad.exit_code == 2 and "differential privacy cannot run with --algorithm pfedla" in bad.output
+    assert "use --algorithm fedavg or fedper with DP" in bad.output
     assert bad.output.count("\n") == 1

@@ -158,7 +158,7 @@ class SimulateConfig(BaseModel):
                 "do not apply", "drop them, or choose an algorithm that aggregates",
             )
         if privacy.enabled and self.plan.strategy is not None:
-            check_dp_strategy(self.plan.strategy)
+            check_dp_strategy(self.plan.strategy, "--algorithm")
         return self
 
     def privacy(self) -> PrivacyOptions:
