@@ -329,3 +329,42 @@ def test_target_epsilon_stops_the_run_before_the_budget_is_exceeded(tmp_path, ma
     for name in DEVICES:
         again.task(name)
     assert again.store.round(3) is None and again.stopped is not None
+
+
+def test_epsilon_survives_a_kill_9_of_the_served_process(tmp_path, manifest) -> None:
+    """A real `edgepfl serve` with DP: round 1's epsilon is on /v1/status; after kill -9 the budget continues."""
+    pytest.importorskip("dp_accounting")
+    from server_helpers import DeviceClient, LiveServer, wait_status
+
+    tokens = enroll(tmp_path / "state", "e0", "e1")  # with d0..d3: 6 devices, the two that poll are sampled
+    options = ("--min-clients", "2", "--poll-interval", "0.2", "--rounds", "3", "--dp-noise-multiplier", str(SIGMA),
+               "--dp-clip", str(CLIP), "--clip-multiple", "0")  # fmt: skip
+
+    def served_round(server: LiveServer) -> dict:
+        devices = {name: DeviceClient(server.url, token) for name, token in tokens.items()}
+        for device in devices.values():
+            device.task()
+        for number, device in enumerate(devices.values()):
+            task = device.wait_for_train()
+            assert task["settings"]["clip_norm"] == CLIP
+            delta = clip_delta(random_delta(device.base(task["round"]), 1.0, number), CLIP)
+            assert device.upload(task["round"], delta_body(delta, "fp32", manifest)).status_code == 200
+        return wait_status(server.url, tokens["e0"], lambda s: s["rounds"] and s["rounds"][-1]["state"] == "closed")
+
+    server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
+    try:
+        first = served_round(server)
+    finally:
+        server.kill()  # kill -9
+    epsilon = accountant_epsilon(1, population=2, sampled=2)
+    assert first["privacy"]["epsilon"] == pytest.approx(epsilon, rel=1e-9)
+    server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
+    try:
+        status = wait_status(server.url, tokens["e0"], lambda s: True)
+        assert status["privacy"]["epsilon"] == first["privacy"]["epsilon"]
+        assert status["privacy"]["rounds_accounted"] == 1
+        second = served_round(server)
+    finally:
+        server.kill()
+    assert second["privacy"]["epsilon"] == pytest.approx(accountant_epsilon(2, population=2, sampled=2), rel=1e-9)
+    assert [row["epsilon"] for row in second["rounds"]] == [first["privacy"]["epsilon"], second["privacy"]["epsilon"]]
