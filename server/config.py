@@ -206,6 +206,12 @@ class ServerConfig(BaseModel):
             check_dp_strategy(self.strategy)
             if settings.clip_norm != self.privacy.dp_clip:
                 raise UsageError("the round settings do not carry --dp-clip", "build them with RoundOptions.settings")
+        if self.strategy == "heurpfedla" and settings.uploads_delta:
+            raise UsageError(
+                "heurpfedla changes which tensors travel each round, and an encoded upload's error-feedback "
+                "residual belongs to one set of tensors",
+                "use --upload-encoding fp32 with heurpfedla",
+            )
         if settings.download_encoding != "fp32" and settings.share_buffers:
             raise UsageError(
                 "--download-encoding fp16 cannot carry the integer BatchNorm counters of --share-bn-stats",

@@ -178,6 +178,8 @@ def test_nonsensical_combinations_are_refused_in_one_line(tmp_path, manifest) ->
         PrivacyOptions(dp_noise_multiplier=1.0)
     # the browser device speaks the encodings and the clip: the page is served with them
     assert server_config(tmp_path, upload_encoding="int8-sr", download_encoding="fp16", privacy=dp, web=True).web
+    with pytest.raises(UsageError, match="heurpfedla changes which tensors travel"):
+        server_config(tmp_path, upload_encoding="int8", strategy="heurpfedla")
     with pytest.raises(UsageError, match="share-bn-stats"):
         server_config(tmp_path, download_encoding="fp16", share_buffers=True)
     with pytest.raises(ValueError, match="unknown encoding"):
