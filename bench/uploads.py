@@ -73,7 +73,7 @@ def measure(specs: list[TensorSpec]) -> dict:
 
 
 ACCURACY_ENCODINGS = ("fp32", "fp16", "int8")
-DP_SIGMAS = (0.3, 0.5, 1.0, 2.0)
+DP_SIGMAS = (0.3, 0.5, 1.0, 2.0, 4.0)
 FIGURE = Path(__file__).parent / "figures" / "uploads-dp-mnist.png"
 
 
@@ -108,6 +108,25 @@ def accuracy_rows(args: argparse.Namespace) -> list[dict]:
                 rows.append({"dataset": dataset, "model": model, "encoding": label, "seed": seed, **row})
                 print(f"{dataset} {model} {label} seed {seed}: {row}", file=sys.stderr)
     return rows
+
+
+def accuracy_summary(rows: list[dict]) -> list[dict]:
+    """Per dataset and encoding: mean last-round accuracy over the seeds, its difference to fp32 in points, and
+    the bytes up per round as a fraction of fp32's (target: int8 within 0.5 points of fp32)."""
+    summary = []
+    for dataset in dict.fromkeys(row["dataset"] for row in rows):
+        by_encoding = {
+            label: [row for row in rows if row["dataset"] == dataset and row["encoding"] == label]
+            for label in ACCURACY_ENCODINGS
+        }
+        mean = {label: float(np.mean([r["test_accuracy"] for r in found])) for label, found in by_encoding.items()}
+        size = {label: float(np.mean([r["bytes_up_per_round"] for r in found])) for label, found in by_encoding.items()}
+        for label in ACCURACY_ENCODINGS:
+            summary.append({"dataset": dataset, "encoding": label, "seeds": len(by_encoding[label]),
+                            "mean_test_accuracy": round(mean[label], 4),
+                            "points_vs_fp32": round(100 * (mean[label] - mean["fp32"]), 2),
+                            "bytes_vs_fp32": round(size[label] / size["fp32"], 4)})  # fmt: skip
+    return summary
 
 
 def dp_rows(args: argparse.Namespace) -> list[dict]:
@@ -174,6 +193,7 @@ def main() -> None:
         result: dict = {"scale": args.scale}
         if args.accuracy:
             result["accuracy"] = accuracy_rows(args)
+            result["accuracy_summary"] = accuracy_summary(result["accuracy"])
         if args.dp:
             result["dp"] = dp_rows(args)
             result["dp_figure"] = str(plot_dp(result["dp"], FIGURE))
