@@ -7,8 +7,8 @@ FedAvg's reference is the fp32 payload of every parameter (base + personal), as 
 
 Accuracy (`--accuracy`): `edgepfl simulate` runs of FedPer (mlp, kp=1) on MNIST from --data-root, one per
 encoding (fp32, fp16, int8) and seed, through the served round engine (the server decodes every upload);
-`--cifar` adds the `cnn` on CIFAR-10. Each row: the mean test accuracy across clients after the last round and
-the bytes uploaded per round. The runs are reduced to fit a small machine (see the `scale` key of the JSON).
+`--datasets mnist cifar10` adds the `cnn` on CIFAR-10. Each row: the mean test accuracy across clients after the
+last round and the bytes uploaded per round. The runs are reduced to fit a small machine (the JSON's `scale`).
 
 DP (`--dp`): DP-FedPer on MNIST for a few noise multipliers (clip norm --dp-clip, a fraction of the clients
 sampled per round), and the same run without DP: last-round accuracy and the epsilon spent at delta 1e-5.
@@ -16,7 +16,7 @@ A PNG (accuracy vs epsilon) goes to bench/figures/uploads-dp-mnist.png.
 
 Prints JSON on stdout and tables on stderr.
 Usage: python bench/uploads.py [--manifest BUNDLE_DIR] [--kp 2] [--width 1.0]
-       python bench/uploads.py --accuracy [--cifar] [--dp] [--data-root ../shared/data] [--rounds 10]
+       python bench/uploads.py --accuracy [--datasets mnist cifar10] [--dp] [--data-root ../shared/data] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -94,12 +94,9 @@ def simulate(out: Path, **fields) -> dict:
 
 
 def accuracy_rows(args: argparse.Namespace) -> list[dict]:
-    """FedPer's last-round accuracy for each encoding and seed (MNIST mlp; CIFAR-10 cnn with --cifar)."""
-    setups = [("mnist", "mlp")]
-    if args.cifar:
-        setups.append(("cifar10", "cnn"))
+    """FedPer's last-round accuracy for each encoding and seed (MNIST mlp, CIFAR-10 cnn: --datasets)."""
     rows = []
-    for dataset, model in setups:
+    for dataset, model in (setup for setup in (("mnist", "mlp"), ("cifar10", "cnn")) if setup[0] in args.datasets):
         for seed in args.seeds:
             for label in ACCURACY_ENCODINGS:
                 fields = dict(args.scale, dataset=dataset, model=model, kp=1, algorithm="fedper", seed=seed,
@@ -142,7 +139,7 @@ def dp_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def plot_dp(rows: list[dict], path: Path) -> Path:
+def plot_dp(rows: list[dict], path: Path, setup: str = "") -> Path:
     """Accuracy vs epsilon (log scale) of the DP runs, the run without DP as a horizontal line."""
     import matplotlib
 
@@ -162,7 +159,7 @@ def plot_dp(rows: list[dict], path: Path) -> Path:
     axes.set_xscale("log")
     axes.set_xlabel("ε at δ = 1e-5 after the last round (user level)")
     axes.set_ylabel("mean test accuracy, last round (%)")
-    axes.set_title("DP-FedPer on MNIST (mlp, kp=1)")
+    axes.set_title(f"DP-FedPer on MNIST (mlp, kp=1){setup}", fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
@@ -176,7 +173,8 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--kp", type=int, default=2)
     parser.add_argument("--accuracy", action="store_true", help="FedPer accuracy per encoding (simulated runs)")
-    parser.add_argument("--cifar", action="store_true", help="with --accuracy: CIFAR-10 cnn rows too")
+    parser.add_argument("--datasets", nargs="+", choices=("mnist", "cifar10"), default=["mnist"],
+                        help="with --accuracy: MNIST (mlp) and/or CIFAR-10 (cnn) rows")
     parser.add_argument("--dp", action="store_true", help="accuracy vs epsilon of DP-FedPer on MNIST, and a PNG")
     parser.add_argument("--data-root", default="../shared/data")
     parser.add_argument("--work", default="runs/bench-uploads", help="run folders (a rerun resumes them)")
@@ -196,7 +194,9 @@ def main() -> None:
             result["accuracy_summary"] = accuracy_summary(result["accuracy"])
         if args.dp:
             result["dp"] = dp_rows(args)
-            result["dp_figure"] = str(plot_dp(result["dp"], FIGURE))
+            sampled = round(args.dp_fraction * args.dp_clients)
+            setup = f"\n{sampled} of {args.dp_clients} clients a round, C = {args.dp_clip:g}, {args.rounds} rounds"
+            result["dp_figure"] = str(plot_dp(result["dp"], FIGURE, setup))
         print(json.dumps(result, indent=2))
         return
     if args.manifest:
