@@ -75,7 +75,7 @@ def batchnorm(run: str, limit: str | None = None) -> None:
     from edgepfl.device_runtime.evaluation import evaluate, score
     from edgepfl.manifest import load_manifest
     from edgepfl.partition import make_partition
-    from edgepfl.simulate.loop import STATE_FILE, _make_client, open_sim_engine
+    from edgepfl.simulate.loop import RESIDUALS_DIR, STATE_FILE, _make_client, open_sim_engine
     from edgepfl.simulate.results import load_results
     from edgepfl.wire import decode_tensors
 
@@ -92,7 +92,10 @@ def batchnorm(run: str, limit: str | None = None) -> None:
     layers = {n.rsplit(".", 1)[0] for n in statistics}
     affine = {n for n in shared if n.rsplit(".", 1)[0] in layers}
     initial = engine.get_tensors()
-    clients = [_make_client(i, part, dataset, manifest, config.seed, initial) for i, part in enumerate(parts)]
+    residuals = out / RESIDUALS_DIR
+    clients = [
+        _make_client(i, part, dataset, manifest, config.seed, initial, residuals) for i, part in enumerate(parts)
+    ]
     own = {
         c.name: {k.removeprefix(f"{c.name}/"): v for k, v in state.items() if k.startswith(f"{c.name}/")}
         for c in clients

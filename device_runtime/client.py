@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -19,8 +20,9 @@ import httpx
 import numpy as np
 
 from edgepfl.device_runtime.options import ConnectionOptions
+from edgepfl.encoding import Encoding, decode_download, encode_round_upload
 from edgepfl.errors import EdgePFLError, WireError
-from edgepfl.protocol import API_PREFIX, EvalMetrics, Task, UploadMeta
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.wire import decode_tensors, encode_tensors
 
 # server error names that end this device's part in a round: drop the round, poll for the next one
@@ -128,13 +130,14 @@ class ServerClient:
         """`GET /v1/task`: what to do now."""
         return Task.from_json(_json_reply(self._request("GET", f"{API_PREFIX}/task")))
 
-    def fetch_tensors(self, url: str) -> dict[str, np.ndarray]:
-        """GET safetensors bytes (a round's base or result), checked against the ETag (sha256)."""
+    def fetch_tensors(self, url: str, encoding: str = "fp32") -> dict[str, np.ndarray]:
+        """GET safetensors bytes (a round's base or result), checked against the ETag (sha256), decoded as
+        `encoding` (the round's download_encoding; a base in any other encoding is a WireError)."""
         for _ in range(self.retry.attempts):
             response = self._request("GET", url)
             etag = response.headers.get("etag", "").strip('"')
             if not etag or hashlib.sha256(response.content).hexdigest() == etag:
-                return _tensors_reply(response)
+                return _tensors_reply(response, encoding)
             self._notify(f"GET {url}: body does not match its ETag, fetching again")
         raise ServerUnreachable(f"GET {url} kept returning bytes that do not match their ETag", "check the network")
 
@@ -236,8 +239,28 @@ class ServerClient:
 
 
 def encode_update(base_tensors: Mapping[str, np.ndarray], meta: UploadMeta) -> bytes:
-    """The body of an update upload: the base tensors with `UploadMeta` in the safetensors metadata."""
+    """The body of an fp32 update upload: the base tensors with `UploadMeta` in the safetensors metadata."""
     return encode_tensors(base_tensors, meta.to_metadata())
+
+
+def upload_body(
+    trained: Mapping[str, np.ndarray],
+    received: Mapping[str, np.ndarray],
+    settings: RoundSettings,
+    meta: UploadMeta,
+    residuals: str | os.PathLike,
+    round_id: int,
+    seed: int,
+) -> bytes:
+    """A round's upload as its settings ask: the trained base (fp32), or the delta trained - received, clipped to
+    the round's clip norm (DP) and encoded with error feedback from the residuals kept in the folder `residuals`."""
+    if not settings.uploads_delta:
+        return encode_update(trained, meta)
+    delta = {name: np.asarray(trained[name], np.float64) - np.asarray(received[name], np.float64) for name in trained}
+    encoding = Encoding.parse(settings.upload_encoding)
+    return encode_round_upload(residuals, round_id, delta, encoding, seed, settings.clip_norm).to_bytes(
+        meta.to_metadata()
+    )
 
 
 def _refusal(method: str, url: str, response: httpx.Response) -> ServerRefused:
@@ -262,12 +285,14 @@ def _json_reply(response: httpx.Response) -> dict[str, Any]:
     return body
 
 
-def _tensors_reply(response: httpx.Response) -> dict[str, np.ndarray]:
-    """The tensors of a 2xx safetensors reply; anything else is one ServerError line."""
+def _tensors_reply(response: httpx.Response, encoding: str = "fp32") -> dict[str, np.ndarray]:
+    """The tensors of a 2xx safetensors reply, decoded as `encoding`; anything but safetensors is one ServerError
+    line, safetensors in another encoding a WireError."""
     try:
-        return decode_tensors(response.content)
+        tensors = decode_tensors(response.content)
     except WireError:
         raise _not_the_server(response, "safetensors") from None
+    return tensors if encoding == "fp32" else decode_download(response.content, encoding)
 
 
 def _not_the_server(response: httpx.Response, expected: str) -> ServerError:

@@ -28,11 +28,12 @@ from edgepfl.device_runtime.algorithms import (
     upload_specs,
     upload_tensors,
 )
-from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, encode_update
+from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, upload_body
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
 from edgepfl.device_runtime.state import StateFolder
+from edgepfl.encoding import drop_residual
 from edgepfl.errors import BundleError, WireError
 from edgepfl.manifest import Manifest
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
@@ -142,7 +143,7 @@ def _train_round(
     assert round_id is not None
     settings = task.settings or RoundSettings()
     try:
-        base = client.fetch_tensors(task.base_url or f"{API_PREFIX}/rounds/{round_id}/base")
+        base = client.fetch_tensors(task.base_url or f"{API_PREFIX}/rounds/{round_id}/base", settings.download_encoding)
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
         return False
@@ -189,9 +190,15 @@ def train_round(
         raise _skipped(f"training diverged in round {round_id} ({why})", state)
     payload = None
     if result.uploads:
-        payload = encode_update(upload_tensors(engine, settings), result.upload_meta(manifest.base_layout_hash))
+        meta = result.upload_meta(manifest.base_layout_hash)
+        payload = upload_body(upload_tensors(engine, settings), base, settings, meta, state.residuals, round_id,
+                              options.seed)  # fmt: skip
     record = {**result.to_json(), "round": round_id, "engine": engine.name, "upload": "pending" if payload else "none"}
-    state.commit(tensors, record, round_id=round_id, upload_payload=payload)
+    try:
+        state.commit(tensors, record, round_id=round_id, upload_payload=payload)
+    except BaseException:
+        drop_residual(state.residuals, round_id)  # this round was not saved: its residual must feed no later round
+        raise
     return result, payload, record
 
 
@@ -204,6 +211,7 @@ def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEve
     try:
         client.upload(pending.round_id, payload)
     except RoundGone as gone:
+        drop_residual(state.residuals, pending.round_id)  # first: a kill in between drops it again on the retry
         state.settle_upload(pending.round_id, delivered=False)
         events.message(
             f"round {pending.round_id} closed before its update arrived ({gone.error}); "

@@ -24,6 +24,7 @@ from typing import IO, Any
 import numpy as np
 
 from edgepfl.atomic import sha256_file, write_bytes_atomic, write_text_atomic
+from edgepfl.encoding import drop_residuals_after
 from edgepfl.errors import StateError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import WireError, check_tensors, decode_tensors, encode_tensors, nonfinite_names
@@ -108,11 +109,18 @@ class StateFolder:
         self._lock_handle = _lock_folder(self.folder)
         self.state = self._read_or_new(engine_name)
         self._remove_unreferenced()
+        # a residual of a round after the last committed one was encoded, then the device died before the commit
+        drop_residuals_after(self.residuals, self.state.last_completed_round)
 
     @property
     def path(self) -> Path:
         """The state.json file."""
         return self.folder / STATE_NAME
+
+    @property
+    def residuals(self) -> Path:
+        """The folder of error-feedback residuals, one file per round (edgepfl.encoding.encode_round_upload)."""
+        return self.folder / "residuals"
 
     @property
     def kept(self) -> str:

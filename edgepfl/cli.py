@@ -203,6 +203,12 @@ def simulate(
     finetune_epochs: int | None = flag(SimulateConfig, 'finetune_epochs', unset_default=True),
     personal_epochs: int | None = flag(SimulateConfig, 'personal_epochs', unset_default=True),
     share_buffers: bool | None = flag(SimulateConfig, 'share_buffers', unset_default=True),
+    upload_encoding: str | None = flag(SimulateConfig, 'upload_encoding', unset_default=True),
+    download_encoding: str | None = flag(SimulateConfig, 'download_encoding', unset_default=True),
+    dp_noise_multiplier: float | None = flag(SimulateConfig, 'dp_noise_multiplier', unset_default=True),
+    dp_clip: float | None = flag(SimulateConfig, 'dp_clip', unset_default=True),
+    dp_delta: float | None = flag(SimulateConfig, 'dp_delta', unset_default=True),
+    dp_target_epsilon: float | None = flag(SimulateConfig, 'dp_target_epsilon', unset_default=True),
     engine: str | None = flag(SimulateConfig, 'engine', unset_default=True),
     seed: int | None = flag(SimulateConfig, 'seed', unset_default=True),
     threads: int | None = flag(SimulateConfig, 'threads', unset_default=True),
@@ -253,6 +259,8 @@ def _run_simulation(config) -> None:
 
         results = run_simulation(config, progress=on_client, status=lambda text: bar.update(task, description=text))
     console.print(results_table(results))
+    if results.stopped is not None:
+        console.print(results.stopped)
     plot = plot_runs([results], Path(config.out) / PLOT_FILE)
     console.print(f"wrote {Path(config.out) / 'results.json'} and {plot}")
 

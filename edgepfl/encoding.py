@@ -32,6 +32,10 @@ FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 _LABEL = re.compile(r"^(fp32|fp16|int8)(?:-block([1-9][0-9]*))?(-sr)?$")
 
 
+class EncodingMismatch(WireError):
+    """A payload that does not name its encoding, or names another than the one asked for."""
+
+
 @dataclass(frozen=True)
 class Encoding:
     """How tensors travel: `fp32`, `fp16`, or `int8` with a per-tensor or per-block scale.
@@ -123,9 +127,12 @@ def decode_delta(
     """Decode to float32 tensors, refusing any encoding but `expected`, stray or missing scales, bad dtypes."""
     sent = metadata.get(METADATA_KEY)
     if sent is None:
-        raise WireError(f"{what} does not name its encoding", f"send header metadata {METADATA_KEY}={expected.label}")
+        raise EncodingMismatch(
+            f"{what} does not name its encoding, and this round asked for {expected.label!r}",
+            f"encode with {expected.label} as the round settings say (header metadata {METADATA_KEY}={expected.label})",
+        )
     if sent != expected.label:
-        raise WireError(f"{what} is encoded as {sent!r}, but this round asked for {expected.label!r}",
+        raise EncodingMismatch(f"{what} is encoded as {sent!r}, but this round asked for {expected.label!r}",
                         f"encode with {expected.label} as the round settings say")
     scales = {name[: -len(SCALE_SUFFIX)] for name in tensors if name.endswith(SCALE_SUFFIX)}
     values = [name for name in tensors if not name.endswith(SCALE_SUFFIX)]
@@ -157,6 +164,20 @@ def encode_base(base: Mapping[str, np.ndarray], encoding: Encoding) -> Encoded:
     if encoding.name == "int8":
         raise UsageError("the base download cannot be int8", "use --download-encoding fp32 or fp16")
     return encode_delta(base, encoding)
+
+
+def encode_download(payload: bytes, label: str) -> bytes:
+    """A base blob (fp32 safetensors bytes) as the round says it travels: unchanged for fp32, else re-encoded."""
+    if label == "fp32":
+        return payload
+    return encode_base(decode_tensors(payload), Encoding.parse(label)).to_bytes()
+
+
+def decode_download(payload: bytes, label: str, what: str = "the round's base") -> dict[str, np.ndarray]:
+    """Received base bytes -> float32 tensors: plain safetensors for fp32, else decoded as `label` (only)."""
+    if label == "fp32":
+        return decode_tensors(payload)
+    return decode_payload(payload, Encoding.parse(label), what)
 
 
 def encode_with_feedback(
@@ -225,6 +246,17 @@ def residual_before(folder: str | os.PathLike, round_id: int) -> dict[str, np.nd
 def drop_residual(folder: str | os.PathLike, round_id: int) -> None:
     """Forget the residual of a round whose upload was refused (the next round uses the one before it)."""
     _residual_path(folder, round_id).unlink(missing_ok=True)
+
+
+def drop_residuals_after(folder: str | os.PathLike, round_id: int | None) -> None:
+    """Forget residuals of rounds after `round_id` (the last one committed): their uploads were never saved.
+
+    A device killed between encoding round r and committing it trains round r again (or a later round) from its
+    last committed state: r's residual must not feed it, so it is dropped at start.
+    """
+    for later in _residual_rounds(folder):
+        if round_id is None or later > round_id:
+            _residual_path(folder, later).unlink(missing_ok=True)
 
 
 def _quantize_int8(

@@ -53,13 +53,14 @@ class DPConfig:
         return PrivacyLedger(self.noise_multiplier, self.delta, sampling)
 
 
-def check_dp_strategy(strategy: str) -> None:
-    """Refuse, in one line that says why, a strategy DP-FedAvg's noise does not cover."""
+def check_dp_strategy(strategy: str, flag: str = "--strategy") -> None:
+    """Refuse, in one line that says why, a strategy DP-FedAvg's noise does not cover (`flag`: the option that chose
+    it, e.g. simulate's --algorithm)."""
     if strategy in DP_STRATEGIES:
         return
     reason = _REFUSED.get(strategy, f"{strategy} is not one noised average of clipped deltas")
-    raise UsageError(f"differential privacy cannot run with --strategy {strategy}: {reason}",
-                     f"use --strategy {' or '.join(DP_STRATEGIES)} with DP, or drop the --dp-* options")
+    raise UsageError(f"differential privacy cannot run with {flag} {strategy}: {reason}",
+                     f"use {flag} {' or '.join(DP_STRATEGIES)} with DP, or drop the --dp-* options")
 
 
 def delta_norm(delta: Mapping[str, np.ndarray]) -> float:

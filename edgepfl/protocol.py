@@ -15,11 +15,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from edgepfl.errors import WireError
+from edgepfl.encoding import Encoding
+from edgepfl.errors import UsageError, WireError
 from edgepfl.manifest import TensorSpec
 
 API_PREFIX = "/v1"
 ALGORITHMS = ("fedsim", "fedalt", "local")
+DOWNLOAD_ENCODINGS = ("fp32", "fp16")
 # bounds of the integer round settings a device accepts; the server must not send more (epochs and batch
 # size beyond these are a server misconfiguration or an attack on the device's battery, never a real round)
 SETTINGS_LIMITS = {
@@ -50,6 +52,23 @@ class RoundSettings:
     # shared tensors this device keeps its own value of this round (HeurpFedLA): neither in the base it gets
     # nor in the update it sends
     kept_on_device: tuple[str, ...] = ()
+    upload_encoding: str = field(
+        default="fp32",
+        metadata={
+            "help": "what a device uploads: fp32 (its trained base), or its base delta as fp16, int8, "
+            "int8-block<N>, int8[-block<N>]-sr (stochastic rounding), with error feedback"
+        },
+    )
+    download_encoding: str = field(
+        default="fp32", metadata={"help": "how a round's base travels to the devices: fp32 (exact) or fp16"}
+    )
+    # DP-FedAvg: the L2 norm a device clips its base delta to (None: no DP); the server refuses a larger one
+    clip_norm: float | None = None
+
+    @property
+    def uploads_delta(self) -> bool:
+        """Whether a device uploads its encoded base delta (a non-fp32 encoding or DP) instead of its base."""
+        return self.upload_encoding != "fp32" or self.clip_norm is not None
 
     def to_json(self) -> dict[str, Any]:
         """JSON form sent in a task."""
@@ -63,8 +82,9 @@ class RoundSettings:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         if isinstance(known.get("kept_on_device"), list):
             known["kept_on_device"] = tuple(known["kept_on_device"])
-        if isinstance(known.get("lr"), int) and not isinstance(known["lr"], bool):
-            known["lr"] = float(known["lr"])
+        for name in ("lr", "clip_norm"):
+            if isinstance(known.get(name), int) and not isinstance(known[name], bool):
+                known[name] = float(known[name])
         settings = cls(**known)
         problem = settings.problem()
         if problem is not None:
@@ -87,6 +107,15 @@ class RoundSettings:
             return f"extra {self.extra!r} is not an object"
         if not isinstance(self.kept_on_device, tuple) or not all(isinstance(n, str) for n in self.kept_on_device):
             return f"kept_on_device {self.kept_on_device!r} is not a list of tensor names"
+        try:
+            Encoding.parse(self.upload_encoding)
+        except (UsageError, AttributeError):
+            return f"upload_encoding {self.upload_encoding!r} is not fp32, fp16, int8, int8-block<N> or int8[...]-sr"
+        if self.download_encoding not in DOWNLOAD_ENCODINGS:
+            return f"download_encoding {self.download_encoding!r} is not one of {', '.join(DOWNLOAD_ENCODINGS)}"
+        clip = self.clip_norm
+        if clip is not None and (type(clip) is not float or not (math.isfinite(clip) and clip > 0.0)):
+            return f"clip_norm {clip!r} is not a positive number"
         return None
 
     def travelling(self, shared: list[TensorSpec]) -> list[TensorSpec]:

@@ -23,9 +23,11 @@ MAX_HEADER_DEPTH = 3  # {"name": {"shape": [...]}} is as deep as a valid header 
 
 
 def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Serialise named numpy arrays to safetensors bytes (C-contiguous copies where needed)."""
+    """Serialise named numpy arrays to safetensors bytes (C-contiguous copies where needed); the same tensors and
+    metadata always give the same bytes."""
     contiguous = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
-    return _st_save(contiguous, metadata=dict(metadata) if metadata else None)
+    payload = _st_save(contiguous, metadata=dict(metadata) if metadata else None)
+    return _sorted_metadata(payload) if metadata and len(metadata) > 1 else payload
 
 
 def decode_tensors(payload: bytes) -> dict[str, np.ndarray]:
@@ -167,6 +169,18 @@ def check_tensors(tensors: Mapping[str, np.ndarray], expected: Iterable[TensorSp
 def nonfinite_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an Inf, in the mapping's order."""
     return [name for name, value in tensors.items() if value.dtype.kind == "f" and not np.isfinite(value).all()]
+
+
+def _sorted_metadata(payload: bytes) -> bytes:
+    """The header's `__metadata__` in key order: the library writes it in a hash map's random order, so the
+    same upload encoded twice (a device or a simulated client retrying a round) would not be the same bytes."""
+    length = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + length])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) > length:  # never: the same entries, reordered (kept as written if it ever were)
+        return payload
+    return payload[:8] + text.ljust(length) + payload[8 + length :]
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

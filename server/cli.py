@@ -14,7 +14,15 @@ import typer
 
 from edgepfl.boundary import ErrorBoundary
 from edgepfl.options import field_help, flag, validated
-from edgepfl.server.config import HttpLimits, Listen, RoundOptions, ServerConfig, StrategyOptions, read_enroll_secret
+from edgepfl.server.config import (
+    HttpLimits,
+    Listen,
+    PrivacyOptions,
+    RoundOptions,
+    ServerConfig,
+    StrategyOptions,
+    read_enroll_secret,
+)
 
 serve_app = typer.Typer(cls=ErrorBoundary,
     help="Run the aggregation server (base tensors only) or manage device tokens.",
@@ -52,6 +60,12 @@ def serve(
     client_update: str = flag(RoundOptions, "algorithm"),
     finetune_epochs: int = flag(RoundOptions, "finetune_epochs"),
     personal_epochs: int = flag(RoundOptions, "personal_epochs"),
+    upload_encoding: str = flag(RoundOptions, "upload_encoding"),
+    download_encoding: str = flag(RoundOptions, "download_encoding"),
+    dp_noise_multiplier: float | None = flag(PrivacyOptions, "dp_noise_multiplier"),
+    dp_clip: float | None = flag(PrivacyOptions, "dp_clip"),
+    dp_delta: float = flag(PrivacyOptions, "dp_delta"),
+    dp_target_epsilon: float | None = flag(PrivacyOptions, "dp_target_epsilon"),
     trim_fraction: float = flag(StrategyOptions, "trim_fraction"),
     pfedla_clients: int = flag(StrategyOptions, "clients"),
     hn_lr: float = flag(StrategyOptions, "hn_lr"),
@@ -105,12 +119,23 @@ def serve(
             "finetune_epochs": finetune_epochs,
             "personal_epochs": personal_epochs,
             "share_buffers": share_bn_stats,
+            "upload_encoding": upload_encoding,
+            "download_encoding": download_encoding,
+        },
+    )
+    privacy = validated(
+        PrivacyOptions,
+        {
+            "dp_noise_multiplier": dp_noise_multiplier,
+            "dp_clip": dp_clip,
+            "dp_delta": dp_delta,
+            "dp_target_epsilon": dp_target_epsilon,
         },
     )
     strategy_options = validated(
         StrategyOptions,
         {
-            "settings": round_options.settings(),
+            "settings": round_options.settings(privacy),
             "trim_fraction": trim_fraction,
             "clients": pfedla_clients,
             "hn_lr": hn_lr,
@@ -143,6 +168,7 @@ def serve(
             "enroll_max_failures": enroll_max_failures,
             "enroll_window": enroll_window,
             "strategy_options": strategy_options,
+            "privacy": privacy,
             "web": web,
         },
     )
@@ -165,6 +191,12 @@ def serve(
     engine = create_engine(config)
     scheme = "https" if listen.tls else "http"
     enrollment = ", enrollment open" if config.enroll_secret is not None else ""
+    settings = strategy_options.settings
+    if settings.uploads_delta or settings.download_encoding != "fp32":
+        enrollment += f", uploads {settings.upload_encoding} deltas, downloads {settings.download_encoding}"
+    if engine.dp is not None:
+        epsilon = engine.ledger.epsilon() if engine.ledger is not None else 0.0
+        enrollment += f", DP sigma {engine.dp.noise_multiplier:g} clip {engine.dp.clip_norm:g} (epsilon {epsilon:.4g})"
     typer.echo(
         f"edgepfl serve: {config.strategy}, {config.rounds} rounds, state {config.state}, "
         f"{scheme}://{listen.host}:{listen.port}{enrollment}"

@@ -14,15 +14,25 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, InstanceOf, field_validator, model_validator
 
 from edgepfl.credentials import read_secret_file
+from edgepfl.encoding import Encoding
 from edgepfl.errors import UsageError
 from edgepfl.options import FLAG, OPTIONS, settings_field
-from edgepfl.protocol import ALGORITHMS, RoundSettings
+from edgepfl.privacy import DPConfig, check_dp_strategy
+from edgepfl.protocol import ALGORITHMS, DOWNLOAD_ENCODINGS, RoundSettings
 from edgepfl.server.strategies import STRATEGIES
 from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
 from edgepfl.server.strategies.pfedla import PFedLAOptions
 from edgepfl.server.strategies.trimmed_mean import TrimmedMeanOptions
 
 MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
+
+
+def encoding_label(value: str) -> str:
+    """An --upload-encoding value in its one spelling (Encoding.label); a pydantic ValueError for any other."""
+    try:
+        return Encoding.parse(value).label
+    except UsageError as error:
+        raise ValueError(f"{error.problem}: {error.fix}") from None
 
 
 class RoundOptions(BaseModel):
@@ -37,10 +47,60 @@ class RoundOptions(BaseModel):
     finetune_epochs: int = settings_field("finetune_epochs")
     personal_epochs: int = settings_field("personal_epochs")
     share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
+    upload_encoding: str = settings_field("upload_encoding")
+    download_encoding: Literal[DOWNLOAD_ENCODINGS] = settings_field("download_encoding")  # type: ignore[valid-type]
 
-    def settings(self) -> RoundSettings:
-        """The RoundSettings these options make (a model that extends them keeps its other fields out)."""
-        return RoundSettings(**self.model_dump(include=set(RoundOptions.model_fields)))
+    _encoding = field_validator("upload_encoding")(encoding_label)
+
+    def settings(self, privacy: PrivacyOptions | None = None) -> RoundSettings:
+        """The RoundSettings these options make (with DP, the clip norm devices clip their delta to); a model that
+        extends these options keeps its other fields out."""
+        clip = privacy.dp_clip if privacy is not None and privacy.enabled else None
+        return RoundSettings(**self.model_dump(include=set(RoundOptions.model_fields)), clip_norm=clip)
+
+
+class PrivacyOptions(BaseModel):
+    """User-level DP-FedAvg (McMahan et al. 2018): clip on the device, Gaussian noise on the server's sum."""
+
+    model_config = OPTIONS
+
+    dp_noise_multiplier: Annotated[
+        float | None,
+        Field(gt=0.0, allow_inf_nan=False, description="DP: noise sigma, in units of the clip norm; turns DP on"),
+    ] = None
+    dp_clip: Annotated[
+        float | None,
+        Field(gt=0.0, allow_inf_nan=False, description="DP: L2 norm C each device clips its base delta to"),
+    ] = None
+    dp_delta: Annotated[
+        float, Field(gt=0.0, lt=1.0, description="DP: the delta epsilon is reported at (below 1/devices)")
+    ] = 1e-5
+    dp_target_epsilon: Annotated[
+        float | None,
+        Field(gt=0.0, allow_inf_nan=False, description="DP: stop before a round would take epsilon above this"),
+    ] = None
+
+    @model_validator(mode="after")
+    def _together(self) -> PrivacyOptions:
+        if (self.dp_noise_multiplier is None) != (self.dp_clip is None):
+            raise UsageError(
+                "--dp-noise-multiplier and --dp-clip go together",
+                "pass both to turn differential privacy on, e.g. --dp-noise-multiplier 1.0 --dp-clip 1.0",
+            )
+        if self.dp_target_epsilon is not None and not self.enabled:
+            raise UsageError("--dp-target-epsilon needs DP on", "pass --dp-noise-multiplier and --dp-clip too")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether DP-FedAvg is on."""
+        return self.dp_noise_multiplier is not None
+
+    def dp_config(self) -> DPConfig | None:
+        """The privacy module's settings (None: DP off)."""
+        if self.dp_noise_multiplier is None or self.dp_clip is None:
+            return None
+        return DPConfig(self.dp_noise_multiplier, self.dp_clip, self.dp_delta, self.dp_target_epsilon)
 
 
 class StrategyOptions(TrimmedMeanOptions, PFedLAOptions, HeurPFedLAOptions):
@@ -117,6 +177,7 @@ class ServerConfig(BaseModel):
         ),
     ] = 2.0
     strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
+    privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
     web: Annotated[
         bool,
         Field(
@@ -140,6 +201,22 @@ class ServerConfig(BaseModel):
                 f"--min-clients {self.min_clients} is more than the {clients} clients of --pfedla-clients, "
                 "so no round could open",
                 f"pass --min-clients {clients} or less",
+            )
+        settings = self.strategy_options.settings
+        if self.privacy.enabled:
+            check_dp_strategy(self.strategy)
+            if settings.clip_norm != self.privacy.dp_clip:
+                raise UsageError("the round settings do not carry --dp-clip", "build them with RoundOptions.settings")
+        if self.strategy == "heurpfedla" and settings.uploads_delta:
+            raise UsageError(
+                "heurpfedla changes which tensors travel each round, and an encoded upload's error-feedback "
+                "residual belongs to one set of tensors",
+                "use --upload-encoding fp32 with heurpfedla",
+            )
+        if settings.download_encoding != "fp32" and settings.share_buffers:
+            raise UsageError(
+                "--download-encoding fp16 cannot carry the integer BatchNorm counters of --share-bn-stats",
+                "drop --share-bn-stats, or use --download-encoding fp32",
             )
         return self
 

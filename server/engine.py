@@ -39,8 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from edgepfl.encoding import encode_download
 from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
+from edgepfl.privacy import PrivacyLedger, dp_aggregate, fixed_denominator
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
 from edgepfl.server.config import ServerConfig
@@ -58,8 +60,15 @@ from edgepfl.server.store import (
 )
 from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
-from edgepfl.server.uploads import check_plan, finite_or_none, read_upload_meta, read_upload_tensors
-from edgepfl.wire import check_tensors, decode_tensors, encode_tensors, load_tensors
+from edgepfl.server.uploads import (
+    add_delta,
+    check_plan,
+    finite_or_none,
+    read_upload_delta,
+    read_upload_meta,
+    read_upload_tensors,
+)
+from edgepfl.wire import check_tensors, decode_metadata, decode_tensors, encode_tensors, load_tensors
 
 log = logging.getLogger("edgepfl.server")
 
@@ -101,6 +110,12 @@ class RoundEngine:
         self.bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
         self._delta_norms: dict[tuple[int, str], float] = {}  # (round, device) -> |upload - its base|, from acceptance
         self._bases: dict[str, Mapping[str, np.ndarray]] = {}  # decoded base blobs of the open round, by sha256
+        self._downloads: dict[tuple[str, str], tuple[bytes, str]] = {}  # (base sha, encoding) -> bytes sent, sha
+        self.dp = config.privacy.dp_config()  # DP-FedAvg settings (None: off)
+        self.ledger: PrivacyLedger | None = None  # the privacy budget spent so far (bind_state loads it)
+        # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)
+        self.noise_seed: int | None = None
+        self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
 
     # start-up
 
@@ -123,11 +138,45 @@ class RoundEngine:
             initial = self._initial_base()
             sha = self.store.put_blob(encode_tensors(initial))
             self.store.set_meta({**binding, "initial_base_sha": sha, "global_base_sha": sha})
+        self._bind_privacy()
         self._load_strategy_state()
         self._apply_history()
         removed = self.store.remove_unreferenced_blobs()
         if removed:
             log.info("removed %d unreferenced blob(s) left by an interrupted write", removed)
+
+    def _bind_privacy(self) -> None:
+        """Continue the state folder's privacy budget with the same DP settings, or start one; refuse a change."""
+        saved = self.store.get_meta("privacy_ledger")
+        if self.dp is None:
+            if saved is not None:
+                raise StateError(
+                    f"the state folder {self.config.state} ran with differential privacy, and rounds without it "
+                    "would void its guarantee",
+                    "restart with the same --dp-* options, or use a new --state folder",
+                )
+            return
+        ledger = self.dp.new_ledger(self.strategy.name, "fixed")  # server/sampling.py samples a fixed number
+        ledger.dp_event()  # refuses now, in one line, when dp-accounting is not installed
+        if saved is not None:
+            stored = PrivacyLedger.from_json(saved)
+            if (stored.noise_multiplier, stored.delta, stored.sampling) != (ledger.noise_multiplier, ledger.delta,
+                                                                           ledger.sampling):
+                raise StateError(
+                    f"the state folder {self.config.state} spent its privacy budget with --dp-noise-multiplier "
+                    f"{stored.noise_multiplier:g} --dp-delta {stored.delta:g}",
+                    "restart with those values, or use a new --state folder",
+                )
+            clip = self.store.get_meta("dp_clip")
+            if clip is not None and float(clip) != self.dp.clip_norm:
+                raise StateError(
+                    f"the state folder {self.config.state} clipped deltas to --dp-clip {clip}",
+                    "restart with that --dp-clip, or use a new --state folder",
+                )
+            ledger = stored
+        else:
+            self.store.set_meta({"privacy_ledger": ledger.to_json(), "dp_clip": repr(self.dp.clip_norm)})
+        self.ledger = ledger
 
     def _initial_base(self) -> dict[str, Any]:
         path = self.config.init or Path(self.config.bundle) / INITIAL_TENSORS
@@ -187,7 +236,17 @@ class RoundEngine:
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and fetch the base it names",
             )
-        return self.store.read_blob(sha), sha
+        encoding = self._settings_of(assignment, round_id).download_encoding
+        if encoding == "fp32":
+            return self.store.read_blob(sha), sha
+        with self._lock:
+            sent = self._downloads.get((sha, encoding))
+            if sent is None:
+                if len(self._downloads) > 64:  # per-device bases (pFedLA): bounded, encoded again when needed
+                    self._downloads.clear()
+                payload = encode_download(self.store.read_blob(sha), encoding)
+                sent = self._downloads[(sha, encoding)] = (payload, hashlib.sha256(payload).hexdigest())
+        return sent
 
     def result_of(self, round_id: int) -> tuple[bytes, str]:
         """The aggregated base (global model) a closed round produced."""
@@ -228,9 +287,13 @@ class RoundEngine:
         self.check_upload_allowed(device, round_id)
         meta = read_upload_meta(payload, self.manifest, self.config.max_samples)
         base_tensors = read_upload_tensors(payload, self.manifest, self._shared_names)
+        settings = self._settings_of(self.store.assignment(round_id, device), round_id)
+        travelling = settings.travelling(self.specs)
+        if settings.uploads_delta:  # decoded as the round asked, then every check below holds on base + delta
+            delta = read_upload_delta(base_tensors, decode_metadata(payload), settings, travelling)
+            base_tensors = add_delta(self._base_of(round_id, device), delta, travelling)
         try:
-            settings = self._settings_of(self.store.assignment(round_id, device), round_id)
-            check_tensors(base_tensors, settings.travelling(self.specs), what="upload")
+            check_tensors(base_tensors, travelling, what="upload")
         except WireError as error:
             raise Refused("bad_tensors", error.problem, error.fix) from None
         sha = hashlib.sha256(payload).hexdigest()
@@ -343,7 +406,11 @@ class RoundEngine:
         started = time.perf_counter()
         try:
             global_base = decode_tensors(self.store.read_blob(record.base_sha))
-            new_base = self.strategy.aggregate(record.round_id, self._bounded_updates(record), global_base)
+            ledger = None
+            if self.dp is not None:
+                new_base, ledger = self._dp_aggregate(record, global_base)
+            else:
+                new_base = self.strategy.aggregate(record.round_id, self._bounded_updates(record), global_base)
             check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
         except OSError:
             with self._lock:
@@ -362,6 +429,7 @@ class RoundEngine:
             strategy_state = self.strategy.state_bytes()
             state_sha = self.store.put_blob(strategy_state) if strategy_state is not None else None
             seconds = time.perf_counter() - started
+            epsilon = ledger.epsilon() if ledger is not None else None
             with self._lock:
                 self.store.finish_round(
                     record.round_id,
@@ -371,7 +439,11 @@ class RoundEngine:
                     result_sha=sha,
                     aggregate_seconds=seconds,
                     strategy_state_sha=state_sha,
+                    epsilon=epsilon,
+                    meta={"privacy_ledger": ledger.to_json()} if ledger is not None else None,
                 )
+                if ledger is not None:
+                    self.ledger = ledger
         except BaseException:
             with self._lock:
                 self._load_strategy_state()
@@ -381,12 +453,15 @@ class RoundEngine:
             self._closing = None
             self._delta_norms = {key: norm for key, norm in self._delta_norms.items() if key[0] > record.round_id}
             self._bases.clear()
+            self._downloads.clear()
             self._apply_history()  # after the commit: a failed release leaves the round closed and the blobs kept
+        spent = f"; epsilon {epsilon:.4g} at delta {self.dp.delta:g}" if epsilon is not None and self.dp else ""
         log.info(
-            "round %d closed: %d update(s) aggregated in %.3f s",
+            "round %d closed: %d update(s) aggregated in %.3f s%s",
             record.round_id,
             len(self.store.updates(record.round_id)),
             seconds,
+            spent,
         )
 
     def _apply_history(self) -> None:
@@ -429,20 +504,66 @@ class RoundEngine:
             norm = self._delta_norms.get((record.round_id, update.device))
             if norm is None:
                 try:
-                    norm = delta_norm(decode_tensors(self.store.read_blob(update.blob_sha)), bases[update.device])
+                    norm = delta_norm(self._upload_of(record.round_id, update), bases[update.device])
                 except BlobError:
                     continue  # excluded as corrupt by _accepted_updates
             norms[update.device] = norm
         counts = {u.device: u.num_samples for u in stored if u.device in norms}
         yield from bounded(self._accepted_updates(record), bases, norms, counts, self.bounds)
 
+    def _upload_of(self, round_id: int, update: UpdateRecord, lazy: bool = False) -> Mapping[str, np.ndarray]:
+        """The base tensors an accepted upload stands for: as stored, or (a delta upload) the base it was sent + delta.
+
+        `lazy`: read one tensor at a time from disk (for strategies that hold every device's copy of one tensor);
+        a delta upload is decoded whole, as it was at acceptance.
+        """
+        settings = self.settings_for(update.device, round_id)
+        if not settings.uploads_delta and lazy:
+            return self.store.blob_tensors(update.blob_sha)
+        if not settings.uploads_delta:
+            return decode_tensors(self.store.read_blob(update.blob_sha))
+        travelling = settings.travelling(self.specs)
+        return add_delta(self._base_of(round_id, update.device), self._delta_of(round_id, update), travelling)
+
+    def _delta_of(self, round_id: int, update: UpdateRecord) -> dict[str, np.ndarray]:
+        """The decoded delta of an accepted delta upload (checked again: the blob is the bytes that were accepted)."""
+        settings = self.settings_for(update.device, round_id)
+        payload = self.store.read_blob(update.blob_sha)
+        tensors = decode_tensors(payload)
+        return read_upload_delta(tensors, decode_metadata(payload), settings, settings.travelling(self.specs))
+
+    def _dp_aggregate(
+        self, record: RoundRecord, global_base: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], PrivacyLedger]:
+        """DP-FedAvg: base + (sum of clipped deltas + N(0, (sigma*C)^2)) / m, m the round's sample size (fixed).
+
+        Unweighted, and without the median bounds of bounds.py (a bound that depends on the others' deltas is not
+        covered by the noise): every delta is within the clip norm C, checked at acceptance and again here.
+        """
+        assert self.dp is not None and self.ledger is not None
+        population = record.population or len(record.sampled)
+        denominator = fixed_denominator("fixed", population, len(record.sampled))
+        dp = self.dp
+        rng = np.random.default_rng(None if self.noise_seed is None else [self.noise_seed, record.round_id])
+        average = dp_aggregate(self._dp_deltas(record), dp.clip_norm, dp.noise_multiplier, denominator, rng)
+        new_base = add_delta(global_base, average, self.specs)
+        return new_base, self.ledger.record_round(population, len(record.sampled))
+
+    def _dp_deltas(self, record: RoundRecord) -> Iterator[dict[str, np.ndarray]]:
+        """The decoded deltas of the round's accepted uploads, one at a time (a corrupt blob is excluded)."""
+        for update in self.store.updates(record.round_id):
+            try:
+                delta = self._delta_of(record.round_id, update)
+            except BlobError as error:
+                log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
+                self.store.mark_corrupt(record.round_id, update.device)
+                continue
+            yield delta
+
     def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):
             try:  # one update at a time: read it whole; all at once (median...): one tensor at a time
-                if self.strategy.streaming:
-                    tensors = decode_tensors(self.store.read_blob(update.blob_sha))
-                else:
-                    tensors = self.store.blob_tensors(update.blob_sha)
+                tensors = self._upload_of(record.round_id, update, lazy=not self.strategy.streaming)
             except BlobError as error:
                 log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
                 self.store.mark_corrupt(record.round_id, update.device)
@@ -468,6 +589,8 @@ class RoundEngine:
         self._quorum_since = None
         round_id = self.store.last_round_id() + 1
         sampled = sample_devices(self.config.seed, round_id, available, self.config.fraction, self.config.min_clients)
+        if self._budget_spent(round_id, len(available), len(sampled)):
+            return None
         base_sha = self.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
         try:
@@ -482,7 +605,9 @@ class RoundEngine:
         except BaseException:
             self._load_strategy_state()
             raise
-        record = RoundRecord(round_id, "open", base_sha, now, now + self.config.round_timeout, tuple(sampled))
+        record = RoundRecord(
+            round_id, "open", base_sha, now, now + self.config.round_timeout, tuple(sampled), population=len(available)
+        )
         try:
             self.store.create_round(record, assignments, strategy_state_sha=state_sha)
         except BaseException:
@@ -490,6 +615,19 @@ class RoundEngine:
             raise
         log.info("round %d opened: %d of %d available device(s) sampled", round_id, len(sampled), len(available))
         return record
+
+    def _budget_spent(self, round_id: int, population: int, sample_size: int) -> bool:
+        """With --dp-target-epsilon: whether one more round (N available, m sampled) would exceed it; then stop."""
+        if self.dp is None or self.dp.target_epsilon is None or self.ledger is None:
+            return False
+        if self.ledger.rounds_left(self.dp.target_epsilon, population, sample_size, limit=1) == 1:
+            return False
+        self.stopped = (
+            f"stopped before round {round_id}: it would take epsilon above --dp-target-epsilon "
+            f"{self.dp.target_epsilon:g} (spent {self.ledger.epsilon():.4g} at delta {self.dp.delta:g})"
+        )
+        log.warning("%s", self.stopped)
+        return True
 
     def _plan_round(self, round_id: int, sampled: list[str], base_sha: str) -> list[Assignment]:
         """Ask the strategy for every sampled device's settings and base; each distinct base is stored once."""
@@ -513,7 +651,7 @@ class RoundEngine:
         return record is not None and self.store.assigned_bases(round_id) <= {record.base_sha}
 
     def _done(self) -> bool:
-        return self.store.count_closed() >= self.config.rounds
+        return self.stopped is not None or self.store.count_closed() >= self.config.rounds
 
     def _done_task(self) -> Task:
         closed = [r for r in self.store.rounds() if r.state == "closed"]

@@ -32,6 +32,8 @@ STATUS: dict[str, int] = {
     "bad_metrics": 422,
     "personal_tensors": 422,
     "buffers_not_shared": 422,
+    "wrong_encoding": 422,
+    "over_clip_norm": 422,
     # 429 / 503: not now
     "too_many_attempts": 429,
     "round_not_opened": 503,

@@ -19,6 +19,15 @@ def render_page(status: dict[str, Any], web_note: str = "") -> str:
         f"{status['rounds_completed']} of {status['rounds_target']} rounds · "
         f"{status['devices_enrolled']} devices enrolled, {status['devices_available']} available"
     )
+    privacy = status.get("privacy")
+    if privacy is not None:
+        target = f" of target {privacy['target_epsilon']:g}" if privacy["target_epsilon"] is not None else ""
+        head += (
+            f"<br>differential privacy: <b>ε = {privacy['epsilon']:.4g}</b>{target} at δ = {privacy['delta']:g} "
+            f"(σ = {privacy['noise_multiplier']:g}, clip {privacy['clip_norm']:g}, user level)"
+        )
+    if status.get("stopped"):
+        head += f"<br>{html.escape(status['stopped'])}"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>edgepfl server</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse}}
@@ -29,7 +38,8 @@ td,th{{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}}th{{back
 <p id="join">{html.escape(web_note)}</p>
 <img alt="device accuracy per round" src="data:image/png;base64,{png}">
 <table><tr><th>round</th><th>state</th><th>uploads / sampled</th><th>val acc (mean)</th>
-<th>personalized acc (mean)</th><th>train loss</th><th>aggregation s</th><th>closed</th><th>note</th></tr>
+<th>personalized acc (mean)</th><th>train loss</th><th>upload bytes</th><th>ε</th><th>aggregation s</th><th>closed</th>
+<th>note</th></tr>
 {rows}
 </table></body></html>
 """
@@ -107,8 +117,10 @@ def _row(r: dict[str, Any]) -> str:
 
     seconds = f"{r['aggregate_seconds']:.3f}" if r["aggregate_seconds"] is not None else "–"
     closed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["closed"])) if r["closed"] else "–"
+    epsilon = f"{r['epsilon']:.4g}" if r.get("epsilon") is not None else "–"
     return (
         f"<tr><td>{r['round']}</td><td>{r['state']}</td><td>{r['uploads']} / {r['sampled']}</td>"
         f"<td>{mean('val_accuracy')}</td><td>{mean('eval_accuracy')}</td><td>{mean('train_loss')}</td>"
+        f"<td>{r['upload_bytes']}</td><td>{epsilon}</td>"
         f"<td>{seconds}</td><td>{closed}</td><td>{html.escape(r['note'] or '')}</td></tr>"
     )

@@ -46,8 +46,29 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "round_timeout": engine.config.round_timeout,
         "devices_enrolled": engine.store.count_devices(),
         "devices_available": available,
+        "upload_encoding": engine.config.strategy_options.settings.upload_encoding,
+        "download_encoding": engine.config.strategy_options.settings.download_encoding,
+        "privacy": privacy_status(engine, rounds),
+        "stopped": engine.stopped,
         "open_round": next((row for row in rows if row["state"] == "open"), None),
         "rounds": rows,
+    }
+
+
+def privacy_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, Any] | None:
+    """DP-FedAvg's settings and the budget spent (epsilon at delta after the last closed round); None without DP."""
+    if engine.dp is None:
+        return None
+    spent = [record.epsilon for record in rounds if record.state == "closed" and record.epsilon is not None]
+    return {
+        "mechanism": "DP-FedAvg, user level: deltas clipped on the device, Gaussian noise on the sum",
+        "sampling": "fixed-size, without replacement (replace-one neighbours)",
+        "noise_multiplier": engine.dp.noise_multiplier,
+        "clip_norm": engine.dp.clip_norm,
+        "delta": engine.dp.delta,
+        "target_epsilon": engine.dp.target_epsilon,
+        "epsilon": spent[-1] if spent else 0.0,
+        "rounds_accounted": engine.ledger.rounds if engine.ledger is not None else 0,
     }
 
 
@@ -66,6 +87,7 @@ def round_summary(store: Store, record: RoundRecord) -> dict[str, Any]:
         "aggregate_seconds": record.aggregate_seconds,
         "upload_bytes": sum(u.nbytes for u in updates),
         "note": record.note,
+        "epsilon": record.epsilon,
         "base_sha256": record.base_sha,
         "result_sha256": record.result_sha,
         "train_loss": _summary([u.train_loss for u in updates]),

@@ -58,8 +58,14 @@ def _schema_1(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE devices ADD COLUMN enroll_key_hash TEXT")
 
 
+def _schema_2(db: sqlite3.Connection) -> None:
+    """DP: each round's population (devices it sampled from) and the epsilon spent once it closed."""
+    db.execute("ALTER TABLE rounds ADD COLUMN population INTEGER")
+    db.execute("ALTER TABLE rounds ADD COLUMN epsilon REAL")
+
+
 # step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1, _schema_2)
 
 
 def hash_token(token: str) -> str:
@@ -150,6 +156,8 @@ class RoundRecord:
     result_sha: str | None = None
     aggregate_seconds: float | None = None
     note: str | None = None
+    population: int | None = None  # devices available (and admissible) when it opened: the sampler's N
+    epsilon: float | None = None  # DP: epsilon spent through this round (closed rounds of a DP run)
 
 
 @dataclass(frozen=True)
@@ -435,7 +443,8 @@ class Store:
             if strategy_state_sha is not None:
                 _write_meta(db, {"strategy_state_sha": strategy_state_sha})
             db.execute(
-                "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled, population) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.round_id,
                     record.state,
@@ -443,6 +452,7 @@ class Store:
                     record.opened,
                     record.deadline,
                     json.dumps(list(record.sampled)),
+                    record.population,
                 ),
             )
             db.executemany(
@@ -460,17 +470,20 @@ class Store:
         aggregate_seconds: float | None = None,
         note: str | None = None,
         strategy_state_sha: str | None = None,
+        epsilon: float | None = None,
+        meta: Mapping[str, str] | None = None,
     ) -> None:
-        """Close (aggregated) or abandon the open round and set the global base (and strategy state), atomically."""
+        """Close (aggregated) or abandon the open round and set the global base (and strategy state, the epsilon
+        spent and other `meta`, e.g. the privacy ledger), atomically."""
         with self.transaction() as db:
             changed = db.execute(
-                "UPDATE rounds SET state = ?, closed = ?, result_sha = ?, aggregate_seconds = ?, note = ? "
-                "WHERE round_id = ? AND state = 'open'",
-                (state, closed, result_sha, aggregate_seconds, note, round_id),
+                "UPDATE rounds SET state = ?, closed = ?, result_sha = ?, aggregate_seconds = ?, note = ?, "
+                "epsilon = ? WHERE round_id = ? AND state = 'open'",
+                (state, closed, result_sha, aggregate_seconds, note, epsilon, round_id),
             ).rowcount
             if changed != 1:
                 raise StateError(f"round {round_id} is not open", "this is a bug: report it")
-            _write_meta(db, {"global_base_sha": global_base_sha})
+            _write_meta(db, {**(meta or {}), "global_base_sha": global_base_sha})
             if strategy_state_sha is not None:
                 _write_meta(db, {"strategy_state_sha": strategy_state_sha})
 
@@ -554,7 +567,10 @@ _BLOBS_OF_ROUNDS = (
     "UNION SELECT result_sha FROM rounds WHERE result_sha IS NOT NULL AND {where} "
     "UNION SELECT base_sha FROM assignments WHERE {where} UNION SELECT blob_sha FROM updates WHERE {where}"
 )
-_ROUND_COLUMNS = "round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, aggregate_seconds, note"
+_ROUND_COLUMNS = (
+    "round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, aggregate_seconds, note, population, "
+    "epsilon"
+)
 _UPDATE_COLUMNS = (
     "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status"
 )

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from edgepfl.encoding import Encoding, EncodingMismatch, decode_delta
 from edgepfl.errors import WireError
 from edgepfl.manifest import Manifest, TensorSpec
+from edgepfl.privacy import check_delta_norm
 from edgepfl.protocol import RoundSettings, UploadMeta
 from edgepfl.server.errors import Refused
+from edgepfl.server.strategy import cast_like
 from edgepfl.wire import check_tensors, decode_metadata, decode_tensors
 
 
@@ -59,6 +63,38 @@ def read_upload_tensors(payload: bytes, manifest: Manifest, shared: set[str]) ->
             "this server keeps BatchNorm statistics on the devices (no --share-bn-stats): send the base only",
         )
     return base_tensors
+
+
+def read_upload_delta(
+    tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], settings: RoundSettings, specs: list[TensorSpec]
+) -> dict[str, np.ndarray]:
+    """A delta upload decoded as the round asked: every tensor present, float32, finite, within the DP clip norm.
+
+    An encoding other than the round's is `wrong_encoding`, a norm above the round's clip norm `over_clip_norm`.
+    """
+    try:
+        delta = decode_delta(tensors, metadata, Encoding.parse(settings.upload_encoding))
+    except EncodingMismatch as error:
+        raise Refused("wrong_encoding", error.problem, error.fix) from None
+    except WireError as error:
+        raise Refused("bad_tensors", error.problem, error.fix) from None
+    try:
+        check_tensors(delta, [replace(spec, dtype="float32") for spec in specs], what="upload delta")
+    except WireError as error:
+        raise Refused("bad_tensors", error.problem, error.fix) from None
+    if settings.clip_norm is not None:
+        try:
+            check_delta_norm(delta, settings.clip_norm)
+        except WireError as error:
+            raise Refused("over_clip_norm", error.problem, error.fix) from None
+    return delta
+
+
+def add_delta(
+    base: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], specs: list[TensorSpec]
+) -> dict[str, np.ndarray]:
+    """base + delta in float64, back in each tensor's manifest dtype: the base a delta upload stands for."""
+    return cast_like({spec.name: np.asarray(base[spec.name], np.float64) + delta[spec.name] for spec in specs}, specs)
 
 
 def check_plan(

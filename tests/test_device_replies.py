@@ -63,6 +63,11 @@ def mlp_bundle(bundle_factory) -> Path:
         ("extra", [1], "extra [1] is not an object"),
         ("kept_on_device", "hidden.weight", "kept_on_device 'hidden.weight' is not a list of tensor names"),
         ("kept_on_device", [1], "kept_on_device (1,) is not a list of tensor names"),
+        ("upload_encoding", "int4", "upload_encoding 'int4' is not fp32, fp16, int8"),
+        ("upload_encoding", 8, "upload_encoding 8 is not fp32, fp16, int8"),
+        ("download_encoding", "int8", "download_encoding 'int8' is not one of fp32, fp16"),
+        ("clip_norm", -1, "clip_norm -1.0 is not a positive number"),
+        ("clip_norm", "x", "clip_norm 'x' is not a positive number"),
     ],
 )
 def test_round_settings_are_checked_for_type_and_range(field, value, problem):
@@ -76,6 +81,7 @@ def test_settings_a_server_sends_parse_back_unchanged():
     settings = RoundSettings(
         algorithm="fedalt", epochs=3, batch_size=8, lr=0.05, finetune_epochs=1, personal_epochs=2,
         share_buffers=True, extra={"pfedla": {"slot": 2}}, kept_on_device=("hidden.weight",),
+        upload_encoding="int8-block256-sr", download_encoding="fp16", clip_norm=1.5,
     )  # fmt: skip
     assert RoundSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
     assert RoundSettings.from_json({"lr": 1}).lr == 1.0 and RoundSettings.from_json({}) == RoundSettings()

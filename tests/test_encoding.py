@@ -251,3 +251,17 @@ def test_every_clipped_upload_decodes_within_the_clip_norm(a, b, clip, label):
     encoding = Encoding.parse(label)
     encoded, _ = encode_with_feedback({"a": a, "b": b}, None, encoding, np.random.default_rng(0), clip_norm=clip)
     assert delta_norm(decode_payload(encoded.to_bytes(), encoding)) <= clip
+
+
+def test_the_same_tensors_and_metadata_are_always_the_same_bytes():
+    """safetensors writes metadata in a hash map's order: edgepfl sorts it, so a re-encoded retry is identical."""
+    from edgepfl.wire import decode_metadata, encode_tensors
+
+    tensors = {"b": np.arange(3, dtype=np.float32), "a": np.ones(2, np.int8)}
+    metadata = {f"key{i}": f"välue {i}" for i in range(12)}
+    payloads = {encode_tensors(tensors, dict(reversed(list(metadata.items())))) for _ in range(20)}
+    payloads |= {encode_tensors(tensors, metadata) for _ in range(20)}
+    assert len(payloads) == 1
+    (payload,) = payloads
+    assert decode_metadata(payload) == metadata and list(decode_metadata(payload)) == sorted(metadata)
+    assert int.from_bytes(payload[:8], "little") % 8 == 0  # the header keeps the library's 8-byte alignment

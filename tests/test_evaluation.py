@@ -21,7 +21,7 @@ def _clients_and_engine(results, out):
     from edgepfl.datasets import load_dataset
     from edgepfl.manifest import load_manifest
     from edgepfl.partition import make_partition
-    from edgepfl.simulate.loop import _make_client, open_sim_engine
+    from edgepfl.simulate.loop import RESIDUALS_DIR, _make_client, open_sim_engine
 
     config = results.config
     dataset = load_dataset(config.dataset, config.data_root)
@@ -29,7 +29,11 @@ def _clients_and_engine(results, out):
     manifest = load_manifest(out / "bundle")
     engine = open_sim_engine("torch", out / "bundle", manifest, 1)
     initial = engine.get_tensors()
-    return [_make_client(i, part, dataset, manifest, config.seed, initial) for i, part in enumerate(parts)], engine
+    residuals = out / RESIDUALS_DIR
+    clients = [
+        _make_client(i, part, dataset, manifest, config.seed, initial, residuals) for i, part in enumerate(parts)
+    ]
+    return clients, engine
 
 
 def _received(results, out, names):

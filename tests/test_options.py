@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from edgepfl.cli import app
 from edgepfl.errors import UsageError
 from edgepfl.options import flag_name, validated
-from edgepfl.server.config import HttpLimits, Listen, RoundOptions, ServerConfig, StrategyOptions
+from edgepfl.server.config import HttpLimits, Listen, PrivacyOptions, RoundOptions, ServerConfig, StrategyOptions
 from edgepfl.simulate.config import SimulateConfig
 
-NOT_FLAGS = {"bundle", "state", "enroll_secret", "strategy_options", "settings", "seed"}
+NOT_FLAGS = {"bundle", "state", "enroll_secret", "strategy_options", "settings", "seed", "privacy"}
 
 
 def _params(name: str) -> dict:
@@ -23,7 +23,7 @@ def _params(name: str) -> dict:
     return {option: param for param in subcommand.params for option in param.opts + param.secondary_opts}
 
 
-@pytest.mark.parametrize("model", [ServerConfig, RoundOptions, StrategyOptions, HttpLimits, Listen])
+@pytest.mark.parametrize("model", [ServerConfig, RoundOptions, StrategyOptions, PrivacyOptions, HttpLimits, Listen])
 def test_every_serve_option_is_a_flag_with_the_models_default_and_help(model) -> None:
     params = _params("serve")
     for name, info in model.model_fields.items():
@@ -57,6 +57,15 @@ def test_every_simulate_option_is_a_flag_that_shows_the_models_default() -> None
         (["--clip-multiple", "0.5"], "error: --clip-multiple 0.5: must be 0 (off) or at least 1"),
         (["--forwarded-allow-ips", "proxy"], "error: --forwarded-allow-ips 'proxy': 'proxy' is not an IP address"),
         (["--port", "70000"], "error: --port 70000: input should be less than or equal to 65535"),
+        (["--upload-encoding", "int4"], "error: --upload-encoding 'int4': unknown encoding 'int4'"),
+        (["--download-encoding", "int8"], "error: --download-encoding 'int8' is unknown (use one of: fp32, fp16)"),
+        (["--dp-noise-multiplier", "1"], "error: --dp-noise-multiplier and --dp-clip go together"),
+        (["--dp-delta", "1"], "error: --dp-delta 1.0: input should be less than 1"),
+        (
+            ["--dp-noise-multiplier", "1", "--dp-clip", "1", "--strategy", "median"],
+            "error: differential privacy cannot run with --strategy median: the median is not a sum",
+        ),
+        (["--download-encoding", "fp16", "--share-bn-stats"], "error: --download-encoding fp16 cannot carry the"),
     ],
 )
 def test_a_bad_serve_value_is_one_line_naming_the_flag(tmp_path, args, line) -> None:

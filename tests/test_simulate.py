@@ -122,7 +122,7 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
     assert len(sampled) == 3
     updates = []
     for number, part in enumerate(parts):
-        client = _make_client(number, part, dataset, manifest, config.seed, initial)
+        client = _make_client(number, part, dataset, manifest, config.seed, initial, tmp_path / "residuals")
         if client.name not in sampled:
             continue
         engine = TorchEngine(bundle, manifest, initial)
@@ -237,17 +237,17 @@ def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path
     """Client 0 uploads values of 1e30 claiming 10M samples every round: the server's bounds keep the others' model."""
     from edgepfl.simulate import workers
 
-    honest_encode = workers.encode_update
+    honest_encode = workers.upload_body
     uploads = []
 
-    def hostile_encode(tensors, meta):
+    def hostile_encode(tensors, received, settings, meta, *rest):
         uploads.append(meta)
         if len(uploads) % 4 == 1:  # all four clients upload each round, in name order: client-000 first
             tensors = {name: np.full_like(value, 1e30) for name, value in tensors.items()}
             meta = dataclasses.replace(meta, num_samples=10_000_000)
-        return honest_encode(tensors, meta)
+        return honest_encode(tensors, received, settings, meta, *rest)
 
-    monkeypatch.setattr(workers, "encode_update", hostile_encode)
+    monkeypatch.setattr(workers, "upload_body", hostile_encode)
     results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", rounds=3))
     honest = results.rounds[-1].test_accuracy["per_client"][1:]
     assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%
@@ -272,3 +272,61 @@ def test_the_export_runs_in_a_child_and_its_refusal_is_one_line(tiny_npz, tmp_pa
     child = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip().splitlines()[-1] == "[]", child.stdout
+
+
+def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_result(tiny_npz, tmp_path, monkeypatch):
+    """int8 deltas with stochastic rounding and error feedback: a kill mid-round re-encodes the same bytes."""
+    from edgepfl.simulate.rounds import InProcessServer
+
+    fp32 = run_simulation(tiny_config(tiny_npz, tmp_path / "fp32", rounds=1))
+    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3, upload_encoding="int8-sr"))
+    assert all(r.bytes_up <= 0.27 * fp32.rounds[0].bytes_up for r in straight.rounds)
+    assert straight.rounds[-1].test_accuracy["mean"] > 0.5  # chance is 10%
+    honest_upload = InProcessServer.upload
+    uploads = []
+
+    def killed(self, name, round_id, payload):
+        uploads.append(round_id)
+        if len(uploads) == 6:  # round 2, after client 0's upload was accepted
+            raise KeyboardInterrupt
+        honest_upload(self, name, round_id, payload)
+
+    monkeypatch.setattr(InProcessServer, "upload", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=3, upload_encoding="int8-sr"))
+    monkeypatch.undo()
+    resumed = run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=3, upload_encoding="int8-sr"))
+    for a, b in zip(straight.rounds, resumed.rounds, strict=True):
+        assert a.test_accuracy["per_client"] == b.test_accuracy["per_client"] and a.bytes_up == b.bytes_up
+    first, second = final_global_base(tmp_path / "straight"), final_global_base(tmp_path / "resumed")
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name])
+
+
+def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path):
+    pytest.importorskip("dp_accounting")
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+    from edgepfl.privacy import PrivacyLedger
+    from edgepfl.simulate.results import load_results, results_table
+
+    ledger = PrivacyLedger(1.0, 1e-5, "fixed")
+    one, two = ledger.record_round(4, 2), ledger.record_round(4, 2).record_round(4, 2)
+    target = (one.epsilon() + two.epsilon()) / 2
+    dp = dict(dp_noise_multiplier=1.0, dp_clip=1.0, fraction=0.5, rounds=3, upload_encoding="int8")
+    results = run_simulation(tiny_config(tiny_npz, tmp_path / "dp", **dp, dp_target_epsilon=target))
+    assert [r.round for r in results.rounds] == [1] and results.rounds[0].epsilon == pytest.approx(one.epsilon())
+    assert "--dp-target-epsilon" in results.stopped and "before round 2" in results.stopped
+    document = json.loads((tmp_path / "dp" / "results.json").read_text())
+    assert document["rounds"][0]["epsilon"] == results.rounds[0].epsilon and document["summary"]["stopped"]
+    assert load_results(tmp_path / "dp").stopped == results.stopped
+    table = results_table(results)
+    assert "ε" in [column.header for column in table.columns]
+    again = run_simulation(tiny_config(tiny_npz, tmp_path / "dp", **dp, dp_target_epsilon=target))
+    assert [r.round for r in again.rounds] == [1] and again.stopped == results.stopped
+    bad = CliRunner().invoke(app, ["simulate", "--out", str(tmp_path / "x"), "--dp-noise-multiplier", "1",
+                                   "--dp-clip", "1", "--algorithm", "pfedla"])  # fmt: skip
+    assert bad.exit_code == 2 and "differential privacy cannot run with --algorithm pfedla" in bad.output
+    assert "use --algorithm fedavg or fedper with DP" in bad.output
+    assert bad.output.count("\n") == 1

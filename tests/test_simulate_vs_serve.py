@@ -54,8 +54,13 @@ def rounds_of(state: Path) -> list[tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algorithm", "fraction"), [("pfedla", 0.5), ("fedper", 1.0)])
-def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path, algorithm, fraction):  # noqa: F811
+@pytest.mark.parametrize(
+    ("algorithm", "fraction", "encoding"),
+    [("pfedla", 0.5, "fp32"), ("fedper", 1.0, "fp32"), ("fedper", 1.0, "int8-block64-sr")],
+)
+def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path, algorithm, fraction, encoding):  # noqa: F811
+    """With an upload encoding too: the devices' encoded deltas (error feedback, stochastic rounding) are the
+    simulated clients' bytes, and the served acceptance path decodes them alike."""
     from edgepfl.simulate.loop import run_simulation
 
     out = tmp_path / "sim"
@@ -63,6 +68,7 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
         fraction=fraction,
         min_clients=2,
         seed=1,  # samples clients 0 and 3, then 0 and 1: client 1 first joins pFedLA in round 2
+        upload_encoding=encoding,
     )
     run_simulation(config)
     simulated = rounds_of(out / SERVER_DIR)
@@ -75,6 +81,7 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
     tokens = enroll(tmp_path / "served", *names)
     options = ["--strategy", config.plan.strategy, "--rounds", str(config.rounds), "--fraction", str(fraction)]
     options += ["--min-clients", "2", "--seed", str(config.seed), "--epochs", str(config.epochs)]
+    options += ["--upload-encoding", encoding]
     options += ["--batch-size", str(config.batch_size), "--lr", str(config.lr), "--round-timeout", "300"]
     # round 1 opens once all four have polled, or a poll interval after two did: long enough for a loaded machine
     options += ["--poll-interval", "20", "--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hn_lr)]

@@ -144,8 +144,8 @@ def open_device(run_config: str, node_config_json: str) -> Device:
     elif partition is not None and config.partition_id is not None:
         from edgepfl.simulate.loop import client_data
 
-        client = client_data(partition, engine.manifest, config.partition_id)
-        data, seed, name = client.train, client.seed, config.device_name or client.name
+        name, data, seed = client_data(partition, engine.manifest, config.partition_id)
+        name = config.device_name or name
     else:
         raise UsageError(
             "this node has no data",

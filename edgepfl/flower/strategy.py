@@ -65,6 +65,8 @@ class EdgePFLStrategy(Strategy):
         opened = self.engine.store.open_round()  # the engine opens the next round as it closes one, if devices wait
         self.round_id = opened.round_id if opened is not None else self.engine.store.last_round_id() + 1
         plans = self.server.open_round(self.round_id, sorted(self.nodes))
+        if plans is None:  # only a DP budget stops the engine early, and the Flower app does not turn DP on
+            raise StateError(f"the round engine stopped before round {self.round_id}", "see the server log")
         layout = self.engine.manifest.base_layout_hash
         return [
             Message(

@@ -15,6 +15,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from edgepfl.device_runtime.persfl import VARIANTS, DistillConfig
 from edgepfl.errors import UsageError
 from edgepfl.options import OPTIONS, comma_separated, settings_field, validated
+from edgepfl.privacy import check_dp_strategy
+from edgepfl.protocol import DOWNLOAD_ENCODINGS
+from edgepfl.server.config import PrivacyOptions, RoundOptions, encoding_label
 from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
 from edgepfl.server.strategies.pfedla import PFedLAOptions
 
@@ -93,6 +96,12 @@ class SimulateConfig(BaseModel):
     hn_lr: float = PFedLAOptions.model_fields["hn_lr"]
     retain_top_k: int = HeurPFedLAOptions.model_fields["retain_top_k"]
     share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
+    upload_encoding: str = RoundOptions.model_fields["upload_encoding"]
+    download_encoding: Literal[DOWNLOAD_ENCODINGS] = settings_field("download_encoding")  # type: ignore[valid-type]
+    dp_noise_multiplier: float | None = PrivacyOptions.model_fields["dp_noise_multiplier"]
+    dp_clip: float | None = PrivacyOptions.model_fields["dp_clip"]
+    dp_delta: float = PrivacyOptions.model_fields["dp_delta"]
+    dp_target_epsilon: float | None = PrivacyOptions.model_fields["dp_target_epsilon"]
     distill_lambdas: Annotated[
         tuple[float, ...], Field(description="persfl: the λ grid, comma-separated", examples=["0.1,0.5"])
     ] = tuple(_DISTILL_DEFAULTS.lambdas)
@@ -123,6 +132,8 @@ class SimulateConfig(BaseModel):
     def _split(cls, value: Any) -> Any:
         return split_value(value)
 
+    _encoding = field_validator("upload_encoding")(encoding_label)
+
     @field_validator(*GRID_KEYS, mode="before")
     @classmethod
     def _grid(cls, value: Any) -> Any:
@@ -135,7 +146,20 @@ class SimulateConfig(BaseModel):
         parse_model(self.model)
         if self.plan.persfl:
             self.distill_config()
+        privacy = self.privacy()
+        lossy = self.upload_encoding != "fp32" or self.download_encoding != "fp32" or privacy.enabled
+        if lossy and self.plan.strategy is None:
+            raise UsageError(
+                f"--algorithm {self.algorithm} uploads nothing: --upload-encoding, --download-encoding and --dp-* "
+                "do not apply", "drop them, or choose an algorithm that aggregates",
+            )
+        if privacy.enabled and self.plan.strategy is not None:
+            check_dp_strategy(self.plan.strategy, "--algorithm")
         return self
+
+    def privacy(self) -> PrivacyOptions:
+        """The run's DP settings, as `edgepfl serve` takes them."""
+        return PrivacyOptions(**{name: getattr(self, name) for name in PrivacyOptions.model_fields})
 
     def updated(self, **changes: Any) -> SimulateConfig:
         """This config with `changes`, validated again."""

@@ -44,6 +44,7 @@ from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, distill
+from edgepfl.encoding import drop_residuals_after
 from edgepfl.errors import DataError, EdgePFLError, StateError
 from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.protocol import RoundSettings
@@ -56,6 +57,7 @@ from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors, save_t
 STATE_FILE = "state.safetensors"  # every client's tensors (the server's state is the engine's, in OUT/server)
 BUNDLE_DIR = "bundle"
 TEACHERS_DIR = "teachers"  # persfl: one device-style state folder per client holding its TeacherStore
+RESIDUALS_DIR = "residuals"  # --upload-encoding: one folder of error-feedback residuals per client
 # per-round progress: (round, clients done, clients this round)
 RoundProgress = Callable[[int, int, int], None]
 
@@ -79,6 +81,9 @@ def round_settings(config: SimulateConfig) -> RoundSettings:
         finetune_epochs=config.finetune_epochs if plan.finetune else 0,
         personal_epochs=config.personal_epochs,
         share_buffers=config.share_buffers,
+        upload_encoding=config.upload_encoding,
+        download_encoding=config.download_encoding,
+        clip_norm=config.dp_clip if config.privacy().enabled else None,
     )
 
 
@@ -113,10 +118,12 @@ def run_simulation(
                 f"client {number} has no validation samples, on which persfl chooses its teacher",
                 "use a --split with a validation share, e.g. 0.6,0.2,0.2",
             )
-        clients.append(_make_client(number, part, dataset, manifest, config.seed, initial))
+        clients.append(_make_client(number, part, dataset, manifest, config.seed, initial, out / RESIDUALS_DIR))
     names = [client.name for client in clients]
     saved = _load_state(out / STATE_FILE, clients) if previous is not None and (out / STATE_FILE).is_file() else None
     done, pending = saved if saved is not None else (0, None)
+    for client in clients:  # residuals of a round whose client state was not saved are encoded again on resume
+        drop_residuals_after(client.residuals, done)
     server = open_server(
         out,
         config.plan.strategy,
@@ -128,6 +135,7 @@ def run_simulation(
         fraction=config.fraction,
         min_clients=config.min_clients,
         knobs={"hn_lr": config.hn_lr, "retain_top_k": config.retain_top_k},
+        privacy=config.privacy(),
         fresh=saved is None,
     )
     workers = None
@@ -153,6 +161,11 @@ def run_simulation(
             started = time.perf_counter()
             global_base = server.global_base()
             plans = server.open_round(round_id, names)
+            if plans is None:  # --dp-target-epsilon: one more round would exceed the budget
+                results.stopped = server.stopped
+                write_results(out, results)
+                status(results.stopped or "stopped")
+                break
             losses, start_val_loss = [], {}
             trained_acc = {}  # evaluation.py's *trained* score of every sampled client
             traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
@@ -217,6 +230,7 @@ def _evaluate(
         round=round_id,
         test_accuracy=accuracy_summary(test_acc),
         val_accuracy=accuracy_summary(val_acc),
+        epsilon=server.epsilon(round_id),
         **pending,
     )
 
@@ -356,7 +370,7 @@ def open_workers(
     if config.workers == 1 and config.ray_address is None:
         return Sequential(engine, manifest, clients, teachers)
     opener = partial(open_sim_engine, config.engine, bundle, manifest, config.threads)
-    data = [ClientData(c.name, c.train, c.test, c.seed) for c in clients]
+    data = [ClientData(c.name, c.train, c.test, c.seed, c.residuals) for c in clients]
     return RayWorkers(
         opener, manifest, data, teachers, config.workers, config.ray_address, config.client_cpus, config.client_gpus
     )
@@ -402,19 +416,21 @@ def load_partition(config: SimulateConfig | PartitionOptions) -> tuple[Any, list
     return dataset, parts
 
 
-def client_data(config: SimulateConfig | PartitionOptions, manifest: Manifest, number: int) -> ClientData:
-    """Client `number`'s data splits and seed exactly as `run_simulation` makes them (a Flower node's, too)."""
+def client_data(
+    config: SimulateConfig | PartitionOptions, manifest: Manifest, number: int
+) -> tuple[str, LocalData, int]:
+    """Client `number`'s name, training data and seed exactly as `run_simulation` makes them (a Flower node's)."""
     dataset, parts = load_partition(config)
     if not 0 <= number < len(parts):
         raise DataError(
             f"client {number} does not exist: the partition {config.partition!r} makes {len(parts)} clients",
             f"use a client number (partition-id) in 0..{len(parts) - 1}",
         )
-    client = _make_client(number, parts[number], dataset, manifest, config.seed, {})
-    return ClientData(client.name, client.train, client.test, client.seed)
+    client = _make_client(number, parts[number], dataset, manifest, config.seed, {}, Path(RESIDUALS_DIR))
+    return client.name, client.train, client.seed
 
 
-def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, initial: dict) -> Client:
+def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, initial: dict, residuals: Path) -> Client:
     """A client's LocalData: train+val for training (val held out), test as a second held-out view."""
     order = np.concatenate([part.train, part.val, part.test])
     images = to_model_layout(dataset.images(order), manifest.input, what=f"client {number} images")
@@ -426,7 +442,8 @@ def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, init
     train = LocalData(images, labels, train_index, val_index, manifest.input)
     test = LocalData(images, labels, train_index, test_index, manifest.input)
     client_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
-    return Client(f"client-{number:03d}", train, test, client_seed, {k: v.copy() for k, v in initial.items()})
+    name = f"client-{number:03d}"
+    return Client(name, train, test, client_seed, residuals / name, {k: v.copy() for k, v in initial.items()})
 
 
 def _save_state(path: Path, round_id: int, clients: list[Client], pending: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ class RoundRecord:
     start_val_loss: dict[str, float] | None = None
     # device_runtime/evaluation.py's *trained* score (test_accuracy is its *held* score); null for unsampled clients
     trained_test_accuracy: dict[str, Any] | None = None
+    epsilon: float | None = None  # DP: epsilon spent through this round, at the run's --dp-delta
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Results:
     persfl: dict[str, Any] | None = None  # persfl stage 2: per-client teacher and student scores, and the means
     # pfedla, heurpfedla: {tensor name: N x N mixing weights} after the last completed round (row i: client i's α)
     alpha: dict[str, list[list[float]]] | None = None
+    stopped: str | None = None  # why the run ended before --rounds (--dp-target-epsilon)
 
     def summary(self) -> dict[str, Any]:
         """Last round and best round (by mean validation accuracy) with their test accuracies."""
@@ -59,11 +61,16 @@ class Results:
         with_val = [r for r in self.rounds if r.val_accuracy.get("mean") is not None]
         best = max(with_val, key=lambda r: (r.val_accuracy["mean"], -r.round)) if with_val else last
         pick = "highest mean validation accuracy" if with_val else "no validation data: the last round"
-        return {
+        summary = {
             "rounds_completed": len(self.rounds),
             "last": {"round": last.round, "test_accuracy": _brief(last.test_accuracy)},
             "best": {"round": best.round, "chosen_by": pick, "test_accuracy": _brief(best.test_accuracy)},
         }
+        if last.epsilon is not None:
+            summary["epsilon"] = last.epsilon
+        if self.stopped is not None:
+            summary["stopped"] = self.stopped
+        return summary
 
     def to_json(self) -> dict[str, Any]:
         """The results.json document."""
@@ -74,6 +81,7 @@ class Results:
             "summary": self.summary(),
             **({"persfl": self.persfl} if self.persfl is not None else {}),
             **({"alpha": self.alpha} if self.alpha is not None else {}),
+            **({"stopped": self.stopped} if self.stopped is not None else {}),
         }
 
 
@@ -118,6 +126,7 @@ def load_results(run: str | Path) -> Results:
         info=document.get("info", {}),
         persfl=document.get("persfl"),
         alpha=document.get("alpha"),
+        stopped=document.get("stopped"),
     )
 
 
@@ -127,20 +136,28 @@ def results_table(results: Results, title: str = ""):
 
     summary = results.summary()
     table = Table(title=title or f"{results.config.algorithm} on {results.config.dataset} ({results.config.out})")
-    for column in ("", "round", "test accuracy (mean ± std)", "min", "max", "chosen by"):
+    private = any(record.epsilon is not None for record in results.rounds)
+    columns = ("", "round", "test accuracy (mean ± std)", "min", "max", *(("ε",) if private else ()), "chosen by")
+    for column in columns:
         table.add_column(column, justify="right" if column else "left")
     if not summary:
         return table
+    by_round = {record.round: record for record in results.rounds}
     for key in ("last", "best"):
         entry = summary[key]
         acc = entry["test_accuracy"]
         chosen = entry.get("chosen_by", "the final round")
-        table.add_row(key, str(entry["round"]), _pm(acc), _pct(acc["min"]), _pct(acc["max"]), chosen)
+        epsilon = (_epsilon(by_round[entry["round"]].epsilon),) if private else ()
+        table.add_row(key, str(entry["round"]), _pm(acc), _pct(acc["min"]), _pct(acc["max"]), *epsilon, chosen)
     if results.persfl is not None:
         for key, chosen in (("teacher", "each client's lowest validation loss"), ("student", "best validation (λ, T)")):
             acc = results.persfl[key]["test_accuracy"]
             table.add_row(f"persfl {key}", "-", _pm(acc), _pct(acc["min"]), _pct(acc["max"]), chosen)
     return table
+
+
+def _epsilon(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def _brief(accuracy: dict[str, Any]) -> dict[str, Any]:

@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgepfl.encoding import decode_download
 from edgepfl.errors import StateError
 from edgepfl.protocol import RoundSettings
 from edgepfl.wire import decode_tensors, save_tensors
 
 if TYPE_CHECKING:
+    from edgepfl.server.config import PrivacyOptions
     from edgepfl.server.engine import RoundEngine
     from edgepfl.server.store import Store
     from edgepfl.server.strategy import Strategy
@@ -71,8 +73,11 @@ class InProcessServer:
         """The engine's strategy (None for `local`)."""
         return self.engine.strategy if self.engine is not None else None
 
-    def open_round(self, round_id: int, names: list[str]) -> dict[str, Assignment]:
-        """Every client polls; the round opens; each sampled client gets its settings and base (in sampled order)."""
+    def open_round(self, round_id: int, names: list[str]) -> dict[str, Assignment] | None:
+        """Every client polls; the round opens; each sampled client gets its settings and base (in sampled order).
+
+        None when the engine stops the run instead (--dp-target-epsilon: one more round would exceed it).
+        """
         self.clock.now = max(float(round_id), self.clock.now + 1.0)  # one second a round, never back past a deadline
         if self.engine is None:
             from edgepfl.server.sampling import sample_devices
@@ -82,6 +87,8 @@ class InProcessServer:
         for name in names:  # availability: the last poll finds every enrolled device available and opens the round
             self.engine.task(name)
         current = self.engine.store.open_round()
+        if current is None and self.engine.stopped is not None:
+            return None
         if current is None or current.round_id != round_id:
             found = "none" if current is None else str(current.round_id)
             raise StateError(
@@ -91,8 +98,19 @@ class InProcessServer:
         plans = {}
         for name in current.sampled:  # a client that uploaded before an interruption trains again: same bytes
             payload, _ = self.engine.base_for(name, round_id)
-            plans[name] = Assignment(self.engine.settings_for(name, round_id), decode_tensors(payload), len(payload))
+            settings = self.engine.settings_for(name, round_id)
+            plans[name] = Assignment(settings, decode_download(payload, settings.download_encoding), len(payload))
         return plans
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the engine ended the run before --rounds (the DP budget), or None."""
+        return self.engine.stopped if self.engine is not None else None
+
+    def epsilon(self, round_id: int) -> float | None:
+        """DP: the epsilon spent through a closed round (None without DP)."""
+        record = self.engine.store.round(round_id) if self.engine is not None else None
+        return record.epsilon if record is not None else None
 
     def upload(self, name: str, round_id: int, payload: bytes) -> None:
         """Hand the engine a client's update bytes, as `POST /v1/rounds/N/update` would."""
@@ -159,6 +177,7 @@ def open_server(
     knobs: Mapping[str, Any] | None = None,
     bundle: Path | None = None,
     round_timeout: float | None = None,
+    privacy: PrivacyOptions | None = None,
 ) -> InProcessServer:
     """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device.
 
@@ -169,7 +188,7 @@ def open_server(
         return InProcessServer(None, settings, seed, fraction, min_clients)
     import shutil
 
-    from edgepfl.server.config import ServerConfig, StrategyOptions
+    from edgepfl.server.config import PrivacyOptions, ServerConfig, StrategyOptions
     from edgepfl.server.engine import create_engine
     from edgepfl.server.store import Store, issue_token
 
@@ -196,6 +215,8 @@ def open_server(
         history=HISTORY,
         strategy_options=options,
         **timeout,
+        privacy=privacy or PrivacyOptions(),
+        web=False,
     )
     clock = SimClock()
     store = Store(folder)
@@ -206,7 +227,9 @@ def open_server(
                 issue_token(store, name, clock())
     finally:
         store.close()
-    return InProcessServer(create_engine(config, clock), settings, seed, fraction, min_clients)
+    engine = create_engine(config, clock)
+    engine.noise_seed = seed  # a simulation is reproducible: its DP noise is drawn from --seed (serve: OS entropy)
+    return InProcessServer(engine, settings, seed, fraction, min_clients)
 
 
 def global_base_of(store: Store) -> dict[str, np.ndarray]:

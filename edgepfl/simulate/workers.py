@@ -24,7 +24,7 @@ import numpy as np
 
 from edgepfl.data import LocalData
 from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
-from edgepfl.device_runtime.client import encode_update
+from edgepfl.device_runtime.client import upload_body
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import score
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
@@ -35,12 +35,13 @@ from edgepfl.simulate.rounds import Assignment
 
 @dataclass
 class ClientData:
-    """What a worker needs of a client besides its tensors: its splits and its seed."""
+    """What a worker needs of a client besides its tensors: its splits, its seed and its residuals folder."""
 
     name: str
     train: LocalData
     test: LocalData
     seed: int
+    residuals: Path  # error-feedback residuals of its encoded uploads (under the run's --out, like a device's state)
 
 
 @dataclass
@@ -75,7 +76,9 @@ def train_client(
     trained = engine.get_tensors()
     payload = None
     if result.uploads:  # the bytes a device would upload, for the served acceptance checks
-        payload = encode_update(upload_tensors(engine, plan.settings), result.upload_meta(manifest.base_layout_hash))
+        meta = result.upload_meta(manifest.base_layout_hash)
+        trained_base = upload_tensors(engine, plan.settings)
+        payload = upload_body(trained_base, plan.base, plan.settings, meta, client.residuals, round_id, client.seed)
     return Outcome(trained, result.train_loss, score(engine, client.test).accuracy, payload, start_val_loss)
 
 

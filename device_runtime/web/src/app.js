@@ -6,6 +6,7 @@ import * as ort from './vendor/ort.wasm.min.mjs';
 import { roundUploads, runClientRound, travellingNames } from './algorithms.js';
 import { appendExamples, classCounts, classNames, DEVICE_SEED, emptyExamples, readFolder, readNpz, readPhotos, splitExamples, splitSizes } from './data.js';
 import { openEngine } from './engine.js';
+import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
 import { API_PREFIX, ApiClient, encodeUpdate, Refusal, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
 import { sha256Hex } from './sha256.js';
@@ -162,7 +163,7 @@ async function trainRound(device, task) {
     }
     throw err;
   }
-  const base = decodeSafetensors(baseBytes, `the base of round ${roundId}`).tensors;
+  const base = decodeDownload(baseBytes, settings.download_encoding, `the base of round ${roundId}`);
   const expected = travellingNames(manifest, settings);
   if (Object.keys(base).length !== expected.length || expected.some((name) => !(name in base))) {
     throw Object.assign(new Error(`the base of round ${roundId} holds other tensors than this model shares`), { fix: 'the server must run with the bundle this page loaded' });
@@ -184,10 +185,23 @@ async function trainRound(device, task) {
   const valAccuracy = after.count ? after.correct / after.count : NaN;
   const valLoss = after.count ? after.lossSum / after.count : NaN;
   let pending = null;
+  let residual;
   if (roundUploads(settings)) {
     const meta = { baseLayoutHash: device.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss };
-    const payload = encodeUpdate(engine.getTensors(travellingNames(manifest, settings)), meta);
-    pending = { round: roundId, payload, sha256: await sha256Hex(payload) };
+    const trained = engine.getTensors(travellingNames(manifest, settings));
+    let payload;
+    if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
+      const before = (await store.get(KEYS.residual)).residual;
+      const encoding = parseEncoding(settings.upload_encoding || 'fp32');
+      const rng = encoding.stochastic ? uniformRandom([DEVICE_SEED, roundId]) : null;
+      const encoded = encodeWithFeedback(baseDelta(trained, base), before, encoding, { rng, clipNorm: settings.clip_norm ?? null });
+      payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
+      residual = encoded.residual;
+      pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: before || null };
+    } else {
+      payload = encodeUpdate(trained, meta);
+      pending = { round: roundId, payload, sha256: await sha256Hex(payload) };
+    }
   }
   const record = {
     round: roundId,
@@ -200,12 +214,13 @@ async function trainRound(device, task) {
   };
   device.history = [...device.history, record];
   device.progress = { ...device.progress, lastCompletedRound: roundId, pending };
-  // one transaction: the trained tensors, the round marked done and the upload's bytes, or none of them
+  // one transaction: the trained tensors, the round marked done, the upload's bytes and its residual, or none of them
   await store.commit({
     [KEYS.tensors]: { layout: device.layout, tensors: engine.getTensors() },
     [KEYS.progress]: device.progress,
     [KEYS.history]: device.history,
     [KEYS.round]: undefined,
+    ...(residual ? { [KEYS.residual]: residual } : {}),
   });
   renderHistory(device);
   if (pending) await deliverPending(device);
@@ -231,7 +246,9 @@ async function deliverPending(device) {
   const upload = delivered ? 'delivered' : 'dropped';
   device.history = device.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
   device.progress = { ...device.progress, pending: null, lastUploadedRound: delivered ? pending.round : device.progress.lastUploadedRound };
-  await device.store.commit({ [KEYS.progress]: device.progress, [KEYS.history]: device.history });
+  // a dropped encoded upload owes nothing: the residual goes back to the one before it
+  const restored = !delivered && 'residualBefore' in pending ? { [KEYS.residual]: pending.residualBefore || undefined } : {};
+  await device.store.commit({ [KEYS.progress]: device.progress, [KEYS.history]: device.history, ...restored });
   renderHistory(device);
   if (delivered) await postMetrics(device, device.history.find((r) => r.round === pending.round));
 }

@@ -152,14 +152,18 @@ export class ApiClient {
   }
 }
 
-/** The body of an update upload: the travelling tensors with UploadMeta in `__metadata__`, as the Python device writes it. */
-export function encodeUpdate(tensors, meta) {
+/**
+ * The body of an update upload: the travelling tensors (or an encoded delta's, whose `encoding` joins `extra`)
+ * with UploadMeta in `__metadata__`, as the Python device writes it.
+ */
+export function encodeUpdate(tensors, meta, extra = {}) {
   return encodeSafetensors(tensors, {
     base_layout_hash: String(meta.baseLayoutHash),
     num_samples: String(meta.numSamples),
     train_loss: pythonFloat(meta.trainLoss),
     val_accuracy: pythonFloat(meta.valAccuracy),
     val_loss: pythonFloat(meta.valLoss),
+    ...extra,
   });
 }
 

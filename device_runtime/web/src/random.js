@@ -60,7 +60,7 @@ export function seedSequenceState(entropy, nWords) {
 }
 
 /** numpy's PCG64 seeded like numpy.random.default_rng(entropy). */
-class PCG64 {
+export class PCG64 {
   constructor(entropy) {
     const w = seedSequenceState(entropy, 8).map(BigInt);
     const u64 = (i) => (w[2 * i + 1] << 32n) | w[2 * i];

@@ -18,6 +18,9 @@ export const KEYS = Object.freeze({
   round: 'round', // {round, startedAt}: the round being trained (restarted from its base after a reload)
   history: 'history', // [{round, beforeAccuracy, accuracy, loss, trainLoss, samples, upload}] newest last
   examples: 'examples', // {pixels: Uint8Array(N*C*H*W), labels: Int32Array(N), count, shape}
+  // {name: {shape, data: Float32Array}}: what the encoded uploads owe (error feedback), committed with its round;
+  // a pending upload keeps the one before it (`residualBefore`), restored if the server drops that upload
+  residual: 'residual',
 });
 
 /** The page's IndexedDB database; resolves once it is open (and upgraded if new). */

@@ -6,6 +6,7 @@ import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'node:test';
+import { halfToNumber } from '../src/encoding.js';
 import { decodeSafetensors, encodeSafetensors } from '../src/safetensors.js';
 import { NEEDS_FIXTURES, expected, fixtureBytes } from './fixtures.mjs';
 
@@ -106,12 +107,3 @@ test('a file written in JS is read by Python safetensors and the server decoder'
     assert.deepEqual(read.tensors[name], [t.dtype, t.shape, values], name);
   }
 });
-
-function halfToNumber(bits) {
-  const exponent = (bits >> 10) & 0x1f;
-  const fraction = bits & 0x3ff;
-  const sign = bits & 0x8000 ? -1 : 1;
-  if (exponent === 0) return sign * fraction * 2 ** -24;
-  if (exponent === 31) return fraction ? NaN : sign * Infinity;
-  return sign * (1 + fraction / 1024) * 2 ** (exponent - 15);
-}
