@@ -42,9 +42,10 @@ import numpy as np
 from edgepfl.encoding import encode_download
 from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
-from edgepfl.privacy import PrivacyLedger, dp_aggregate, fixed_denominator
+from edgepfl.privacy import PrivacyLedger
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
+from edgepfl.server.budget import PrivacyBudget
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.enrollment import Enrollment
 from edgepfl.server.errors import Refused
@@ -112,7 +113,7 @@ class RoundEngine:
         self._bases: dict[str, Mapping[str, np.ndarray]] = {}  # decoded base blobs of the open round, by sha256
         self._downloads: dict[tuple[str, str], tuple[bytes, str]] = {}  # (base sha, encoding) -> bytes sent, sha
         self.dp = config.privacy.dp_config()  # DP-FedAvg settings (None: off)
-        self.ledger: PrivacyLedger | None = None  # the privacy budget spent so far (bind_state loads it)
+        self.budget: PrivacyBudget | None = None  # what a DP run has spent (bind_state loads it)
         # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)
         self.noise_seed: int | None = None
         self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
@@ -138,45 +139,17 @@ class RoundEngine:
             initial = self._initial_base()
             sha = self.store.put_blob(encode_tensors(initial))
             self.store.set_meta({**binding, "initial_base_sha": sha, "global_base_sha": sha})
-        self._bind_privacy()
+        self.budget = PrivacyBudget.bind(self.dp, self.store, self.strategy.name, self.config.state)
         self._load_strategy_state()
         self._apply_history()
         removed = self.store.remove_unreferenced_blobs()
         if removed:
             log.info("removed %d unreferenced blob(s) left by an interrupted write", removed)
 
-    def _bind_privacy(self) -> None:
-        """Continue the state folder's privacy budget with the same DP settings, or start one; refuse a change."""
-        saved = self.store.get_meta("privacy_ledger")
-        if self.dp is None:
-            if saved is not None:
-                raise StateError(
-                    f"the state folder {self.config.state} ran with differential privacy, and rounds without it "
-                    "would void its guarantee",
-                    "restart with the same --dp-* options, or use a new --state folder",
-                )
-            return
-        ledger = self.dp.new_ledger(self.strategy.name, "fixed")  # server/sampling.py samples a fixed number
-        ledger.dp_event()  # refuses now, in one line, when dp-accounting is not installed
-        if saved is not None:
-            stored = PrivacyLedger.from_json(saved)
-            if (stored.noise_multiplier, stored.delta, stored.sampling) != (ledger.noise_multiplier, ledger.delta,
-                                                                           ledger.sampling):
-                raise StateError(
-                    f"the state folder {self.config.state} spent its privacy budget with --dp-noise-multiplier "
-                    f"{stored.noise_multiplier:g} --dp-delta {stored.delta:g}",
-                    "restart with those values, or use a new --state folder",
-                )
-            clip = self.store.get_meta("dp_clip")
-            if clip is not None and float(clip) != self.dp.clip_norm:
-                raise StateError(
-                    f"the state folder {self.config.state} clipped deltas to --dp-clip {clip}",
-                    "restart with that --dp-clip, or use a new --state folder",
-                )
-            ledger = stored
-        else:
-            self.store.set_meta({"privacy_ledger": ledger.to_json(), "dp_clip": repr(self.dp.clip_norm)})
-        self.ledger = ledger
+    @property
+    def ledger(self) -> PrivacyLedger | None:
+        """The privacy budget spent so far (None without DP)."""
+        return self.budget.ledger if self.budget is not None else None
 
     def _initial_base(self) -> dict[str, Any]:
         path = self.config.init or Path(self.config.bundle) / INITIAL_TENSORS
@@ -407,8 +380,16 @@ class RoundEngine:
         try:
             global_base = decode_tensors(self.store.read_blob(record.base_sha))
             ledger = None
-            if self.dp is not None:
-                new_base, ledger = self._dp_aggregate(record, global_base)
+            if self.budget is not None:
+                new_base, ledger = self.budget.aggregate(
+                    record.round_id,
+                    self._dp_deltas(record),
+                    global_base,
+                    self.specs,
+                    record.population or len(record.sampled),
+                    len(record.sampled),
+                    self.noise_seed,
+                )
             else:
                 new_base = self.strategy.aggregate(record.round_id, self._bounded_updates(record), global_base)
             check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
@@ -442,8 +423,8 @@ class RoundEngine:
                     epsilon=epsilon,
                     meta={"privacy_ledger": ledger.to_json()} if ledger is not None else None,
                 )
-                if ledger is not None:
-                    self.ledger = ledger
+                if self.budget is not None and ledger is not None:
+                    self.budget.ledger = ledger
         except BaseException:
             with self._lock:
                 self._load_strategy_state()
@@ -532,23 +513,6 @@ class RoundEngine:
         tensors = decode_tensors(payload)
         return read_upload_delta(tensors, decode_metadata(payload), settings, settings.travelling(self.specs))
 
-    def _dp_aggregate(
-        self, record: RoundRecord, global_base: Mapping[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], PrivacyLedger]:
-        """DP-FedAvg: base + (sum of clipped deltas + N(0, (sigma*C)^2)) / m, m the round's sample size (fixed).
-
-        Unweighted, and without the median bounds of bounds.py (a bound that depends on the others' deltas is not
-        covered by the noise): every delta is within the clip norm C, checked at acceptance and again here.
-        """
-        assert self.dp is not None and self.ledger is not None
-        population = record.population or len(record.sampled)
-        denominator = fixed_denominator("fixed", population, len(record.sampled))
-        dp = self.dp
-        rng = np.random.default_rng(None if self.noise_seed is None else [self.noise_seed, record.round_id])
-        average = dp_aggregate(self._dp_deltas(record), dp.clip_norm, dp.noise_multiplier, denominator, rng)
-        new_base = add_delta(global_base, average, self.specs)
-        return new_base, self.ledger.record_round(population, len(record.sampled))
-
     def _dp_deltas(self, record: RoundRecord) -> Iterator[dict[str, np.ndarray]]:
         """The decoded deltas of the round's accepted uploads, one at a time (a corrupt blob is excluded)."""
         for update in self.store.updates(record.round_id):
@@ -589,8 +553,11 @@ class RoundEngine:
         self._quorum_since = None
         round_id = self.store.last_round_id() + 1
         sampled = sample_devices(self.config.seed, round_id, available, self.config.fraction, self.config.min_clients)
-        if self._budget_spent(round_id, len(available), len(sampled)):
-            return None
+        if self.budget is not None:
+            self.stopped = self.budget.stop_before(round_id, len(available), len(sampled))
+            if self.stopped is not None:
+                log.warning("%s", self.stopped)
+                return None
         base_sha = self.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
         try:
@@ -615,19 +582,6 @@ class RoundEngine:
             raise
         log.info("round %d opened: %d of %d available device(s) sampled", round_id, len(sampled), len(available))
         return record
-
-    def _budget_spent(self, round_id: int, population: int, sample_size: int) -> bool:
-        """With --dp-target-epsilon: whether one more round (N available, m sampled) would exceed it; then stop."""
-        if self.dp is None or self.dp.target_epsilon is None or self.ledger is None:
-            return False
-        if self.ledger.rounds_left(self.dp.target_epsilon, population, sample_size, limit=1) == 1:
-            return False
-        self.stopped = (
-            f"stopped before round {round_id}: it would take epsilon above --dp-target-epsilon "
-            f"{self.dp.target_epsilon:g} (spent {self.ledger.epsilon():.4g} at delta {self.dp.delta:g})"
-        )
-        log.warning("%s", self.stopped)
-        return True
 
     def _plan_round(self, round_id: int, sampled: list[str], base_sha: str) -> list[Assignment]:
         """Ask the strategy for every sampled device's settings and base; each distinct base is stored once."""

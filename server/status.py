@@ -57,19 +57,10 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
 
 def privacy_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, Any] | None:
     """DP-FedAvg's settings and the budget spent (epsilon at delta after the last closed round); None without DP."""
-    if engine.dp is None:
+    if engine.budget is None:
         return None
     spent = [record.epsilon for record in rounds if record.state == "closed" and record.epsilon is not None]
-    return {
-        "mechanism": "DP-FedAvg, user level: deltas clipped on the device, Gaussian noise on the sum",
-        "sampling": "fixed-size, without replacement (replace-one neighbours)",
-        "noise_multiplier": engine.dp.noise_multiplier,
-        "clip_norm": engine.dp.clip_norm,
-        "delta": engine.dp.delta,
-        "target_epsilon": engine.dp.target_epsilon,
-        "epsilon": spent[-1] if spent else 0.0,
-        "rounds_accounted": engine.ledger.rounds if engine.ledger is not None else 0,
-    }
+    return engine.budget.status(spent[-1] if spent else 0.0)
 
 
 def round_summary(store: Store, record: RoundRecord) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from edgepfl.encoding import Encoding, EncodingMismatch, decode_download, encode
 from edgepfl.errors import StateError, UsageError
 from edgepfl.privacy import clip_delta, delta_norm
 from edgepfl.protocol import UploadMeta
-from edgepfl.server import engine as engine_module
+from edgepfl.server import budget as budget_module
 from edgepfl.server.config import PrivacyOptions, RoundOptions, ServerConfig, StrategyOptions
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
@@ -244,7 +244,7 @@ def test_dp_refuses_a_delta_over_the_clip_norm(tmp_path, manifest) -> None:
 def test_dp_aggregate_is_the_noised_unweighted_sum_over_the_sample_size(tmp_path, manifest, monkeypatch) -> None:
     pytest.importorskip("dp_accounting")
     aggregated = []
-    honest = engine_module.dp_aggregate
+    honest = budget_module.dp_aggregate
 
     def recording(deltas, *args):
         def seen():
@@ -254,7 +254,7 @@ def test_dp_aggregate_is_the_noised_unweighted_sum_over_the_sample_size(tmp_path
 
         return honest(seen(), *args)
 
-    monkeypatch.setattr(engine_module, "dp_aggregate", recording)
+    monkeypatch.setattr(budget_module, "dp_aggregate", recording)
     clock = Clock()
     engine = dp_engine(tmp_path, clock)
     engine.noise_seed = 11
