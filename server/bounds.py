@@ -28,19 +28,21 @@ class UpdateBounds:
     weight_multiple: float = 2.0  # a claimed sample count above this many times the round's median is capped
 
 
-NORM_CHUNK = 1 << 16  # elements per pass of delta_norm: its float64 scratch stays in cache, O(chunk) not O(tensor)
+NORM_CHUNK = 1 << 16  # elements per pass of delta_norm: its scratch stays in cache, O(chunk) not O(tensor)
 
 
 def delta_norm(upload: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> float:
-    """L2 norm (float64) of upload - base over the float tensors the upload carries.
+    """L2 norm of upload - base over the float tensors the upload carries.
 
-    Computed in chunks through one small scratch buffer: a whole-tensor float64 difference held three float64
-    copies of the largest tensor per concurrent upload (about 100 MiB at four upload slots for MobileNet x1.0).
-    Elementwise square and sum, not np.dot: dot goes to multithreaded OpenBLAS, whose spinning threads made
-    concurrent uploads 5-80x slower on a small machine (bench/server.py --quick).
+    Computed in chunks through one small float32 scratch buffer: differences and squares in float32 (a difference
+    of two nearby float32 values is exact), each chunk's sum taken by einsum and the chunks' sums added in float64;
+    relative error ~1e-7, ample for a bound set at a multiple of the round's median. A whole-tensor float64
+    difference held three float64 copies of the largest tensor per concurrent upload (~100 MiB at four upload
+    slots for MobileNet x1.0) and took 3x longer. Not np.dot: dot goes to multithreaded OpenBLAS, whose spinning
+    threads made concurrent uploads 5-80x slower on a small machine (bench/server.py --quick).
     """
     total = 0.0
-    scratch = np.empty(NORM_CHUNK, dtype=np.float64)
+    scratch = np.empty(NORM_CHUNK, dtype=np.float32)
     for name, value in upload.items():
         array = np.asarray(value)
         if array.dtype.kind != "f":
@@ -49,8 +51,8 @@ def delta_norm(upload: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray])
         for start in range(0, uploaded.size, NORM_CHUNK):
             stop = min(start + NORM_CHUNK, uploaded.size)
             difference = scratch[: stop - start]
-            np.subtract(uploaded[start:stop], sent[start:stop], out=difference, dtype=np.float64)
-            total += float(np.multiply(difference, difference, out=difference).sum())
+            np.subtract(uploaded[start:stop], sent[start:stop], out=difference, casting="same_kind")
+            total += float(np.einsum("i,i->", difference, difference))
     return math.sqrt(total)
 
 
