@@ -119,7 +119,7 @@ def test_a_flower_simulation_ends_as_edgepfl_simulate(tiny_npz, tmp_path, algori
             np.testing.assert_array_equal(value, clients[f"{device}/{name}"], err_msg=f"{device} {name}")
 
 
-def run_round(reference, tmp_path, tamper=None, strategy_name="fedper"):
+def run_round(reference, tmp_path, tamper=None, strategy_name="fedper", run_options=None):
     """One round through EdgePFLStrategy with replies made by the ClientApp in-process; `tamper` changes one.
 
     Returns the strategy, the aggregate, the round's metrics, the devices whose update was stored, the
@@ -127,6 +127,7 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper"):
     """
     config, root = reference
     run_config = {**flower_run_config(config, root), "out": str(tmp_path), "state-root": str(tmp_path / "devices")}
+    run_config.update(run_options or {})
     server_options = server_config(run_config)
     bundle = server_options.bundle
     server = open_server(
@@ -150,6 +151,24 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper"):
         return strategy, arrays, metrics, stored, load_manifest(bundle), messages
     finally:
         server.close()
+
+
+def test_encoded_delta_replies_are_decoded_as_served_uploads(reference, tmp_path, task_identity):
+    """A node speaks the round's upload encoding: its reply carries the int8 delta, scales and header metadata."""
+    from edgepfl.server.store import Store
+    from edgepfl.simulate.rounds import SERVER_DIR
+    from edgepfl.wire import decode_metadata
+
+    _, arrays, metrics, stored, _, _ = run_round(
+        reference, tmp_path, run_options={"upload-encoding": "int8-block64"}
+    )
+    assert arrays is not None and sorted(stored) == sorted(NODES.values()) and metrics["accepted"] == len(NODES)
+    store = Store(tmp_path / SERVER_DIR)
+    try:
+        for update in store.updates(1):
+            assert decode_metadata(store.read_blob(update.blob_sha))["encoding"] == "int8-block64"
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("strategy_name", ["fedper", "median", "trimmed-mean", "pfedla", "heurpfedla"])

@@ -39,8 +39,6 @@ from edgepfl.errors import BundleError, EdgePFLError, StateError, UsageError
 from edgepfl.flower.config import node_config
 from edgepfl.flower.messages import DEVICE, reply_content, round_of, tensors_of
 from edgepfl.manifest import Manifest
-from edgepfl.protocol import UploadMeta
-from edgepfl.wire import decode_metadata, decode_tensors
 
 
 @dataclass
@@ -125,8 +123,7 @@ def train_device(device: Device, message: Message) -> RecordDict:
         state.settle_upload(round_id, delivered=True)  # handed to Flower, which carries it from here
     finally:
         state.close()
-    meta = UploadMeta.from_metadata(decode_metadata(payload))
-    return reply_content(decode_tensors(payload), meta, result)
+    return reply_content(payload, result)
 
 
 @lru_cache(maxsize=1024)  # every node a process serves (a simulation's actor serves many)

@@ -19,8 +19,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from edgepfl.device_runtime.algorithms import ClientResult
 from edgepfl.errors import WireError
-from edgepfl.protocol import RoundSettings, UploadMeta
-from edgepfl.wire import encode_tensors
+from edgepfl.protocol import RoundSettings
+from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 BASE = "base"
 ROUND = "round"
@@ -75,8 +75,9 @@ def round_of(content: RecordDict) -> tuple[int, RoundSettings, str]:
     return round_id, RoundSettings.from_json(parsed), layout
 
 
-def reply_content(base: Mapping[str, np.ndarray], meta: UploadMeta, result: ClientResult) -> RecordDict:
-    """A train reply's content: the trained base, the upload metadata and the device's metrics (finite ones)."""
+def reply_content(payload: bytes, result: ClientResult) -> RecordDict:
+    """A train reply's content: the upload body's tensors (the trained base, or its encoded delta and scales) and
+    its whole header metadata (UploadMeta, and the encoding), and the device's metrics (finite ones)."""
     metrics = {
         "num-examples": result.num_samples,
         "train-loss": result.train_loss,
@@ -86,7 +87,11 @@ def reply_content(base: Mapping[str, np.ndarray], meta: UploadMeta, result: Clie
     }
     finite = {key: value for key, value in metrics.items() if math.isfinite(value)}
     return RecordDict(
-        {BASE: tensors_record(base), UPLOAD: ConfigRecord(meta.to_metadata()), METRICS: MetricRecord(finite)}
+        {
+            BASE: tensors_record(decode_tensors(payload)),
+            UPLOAD: ConfigRecord(decode_metadata(payload)),
+            METRICS: MetricRecord(finite),
+        }
     )
 
 
