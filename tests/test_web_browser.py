@@ -155,16 +155,15 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     page.set_input_files("#photos", [str(p) for p in write_pngs(tmp_path / "photos", 2, 8, seed=8)])
     wait(page, "#classes li:text-is('2: 24')")
 
-    # round 1: trains and uploads
+    # round 1 trains and uploads; round 2 is reloaded in the middle of training and starts again from its base.
+    # The breakpoint that stops round 2 is armed while round 1 trains: round 2 can begin (and pass its third
+    # step) as soon as round 1's upload closes the round, sooner than a test waiting for round 1 could arm it.
     wait(page, "body[data-stage=training][data-round='1'][data-step]")
     page.screenshot(path=str(SHOTS / "web-training.png"))
-    wait_round(page, 1)
-
-    # round 2: reloaded in the middle of training, it starts the round again from its base
     reload_during_step(page, round_id=2, step=3)
-    wait_round(page, 2)
 
-    # round 3: the upload reaches the server, its reply never reaches the page, and the page is killed
+    # round 3: the upload reaches the server, its reply never reaches the page, and the page is killed (the route
+    # is in place before round 2 ends, for the same reason as the breakpoint)
     sent = threading.Event()
     first: dict = {}
 
@@ -177,6 +176,7 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
             route.continue_()
 
     page.route("**/v1/rounds/3/update", hold_reply)
+    wait_round(page, 2)
     for _ in range(1800):  # the route handler runs while the page is waited on
         if sent.is_set():
             break
