@@ -157,6 +157,7 @@ class ClientResult:
             train_loss=self.train_loss,
             val_accuracy=self.val_accuracy,
             val_loss=self.val_loss,
+            start_val_accuracy=self.start_val_accuracy,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -83,6 +83,28 @@ class Engine(ABC):
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
 
+    def statistics_momenta(self) -> dict[str, float]:
+        """Each BatchNorm running statistic's momentum, by tensor name (empty for a model without BatchNorm)."""
+        names = self.manifest.batchnorm_statistics()
+        momentum = self.manifest.engines.get(self.name, {}).get("bn_momentum", 0.1)
+        if isinstance(momentum, dict):  # layers with different momenta (portable graphs only)
+            return {name: float(momentum[name]) for name in names}
+        if isinstance(momentum, list):
+            raise BundleError(
+                "the bundle lists its BatchNorm momenta without their layers (an older export)",
+                "re-export the bundle with this edgepfl version",
+            )
+        return dict.fromkeys(names, float(momentum))
+
+    def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:
+        """A training-mode forward pass that moves the BatchNorm running statistics and no weight.
+
+        This default runs a step with learning rate 0 on the cheapest trainable set; the caller restores the
+        weights anyway (0 times a non-finite gradient is not 0). Engines with a cheaper forward override it.
+        """
+        sets = self.available_sets()
+        self.train_step(x, y, 0.0, trainable="personal" if "personal" in sets else sets[0])
+
     def tensors_by_role(self, role: str) -> dict[str, np.ndarray]:
         """Copies of every tensor of one manifest role: base, personal or buffer."""
         return self.get_tensors(self.manifest.names(role))

@@ -1,10 +1,12 @@
 """The one evaluation protocol of every method (issue 18): which model a round's accuracy is the accuracy of.
 
 *held* (the headline number): the model the device holds and uses after round t — its own tensors as the
-round left them (personal part, BatchNorm running statistics) with the shared part it receives after the
-round laid over them: the new global base (FedAvg, FedPer, FedAlt), its own next mix θ̄ᵢ (pFedLA; HeurpFedLA
-without the tensors it keeps), nothing (local training). On a device it is the held-out score of the
-received base before training starts (`start_val_*` of round t+1) and the final score of `edgepfl device run`.
+round left them (personal part) with the shared part it receives after the round laid over them: the new
+global base (FedAvg, FedPer, FedAlt), its own next mix θ̄ᵢ (pFedLA; HeurpFedLA without the tensors it
+keeps), nothing (local training); then, as the device does on receiving a base, its BatchNorm running
+statistics re-estimated on its own training data under that base (statistics.py; `recompute_bn`, on by
+default). On a device it is the held-out score of the received base before training starts
+(`start_val_*` of round t+1) and the final score of `edgepfl device run`.
 
 *trained* (reported beside it): the same device's model right after round t's local training, before
 anything is received; a device that did not train in round t has none.
@@ -21,11 +23,14 @@ import numpy as np
 
 from edgepfl.data import LocalData
 from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.statistics import receive
+from edgepfl.protocol import RoundSettings
 
 EVAL_BATCH_SIZE = 256
 PROTOCOL = (
-    "held: each client's model after the round (its own personal part and BatchNorm statistics as the round "
-    "left them, with the shared part it receives after the round: the new global base, or its own pFedLA mix); "
+    "held: each client's model after the round (its own personal part as the round left it, with the shared "
+    "part it receives after the round: the new global base, or its own pFedLA mix; BatchNorm statistics "
+    "re-estimated on its training data under that base unless --no-recompute-bn); "
     "trained: the sampled client's model right after the round's local training"
 )
 
@@ -35,8 +40,11 @@ def score(
     data: LocalData,
     own: Mapping[str, np.ndarray] | None = None,
     received: Mapping[str, np.ndarray] | None = None,
+    train: LocalData | None = None,
+    settings: RoundSettings | None = None,
 ) -> EvalResult:
-    """Held-out loss and accuracy of a device's model: `own` tensors (None: the engine's) with `received` over them.
+    """Held-out loss and accuracy on `data` of a device's model: `own` tensors (None: the engine's), then what it
+    `received` (statistics.receive: re-estimated BatchNorm statistics on its `train` data when `settings` ask).
 
     held: own = the device's tensors after the round, received = the shared part it gets after the round;
     trained: own = the tensors right after local training (or None while the engine still holds them), no received.
@@ -45,7 +53,9 @@ def score(
     if own is not None:
         engine.set_tensors(own)
     if received:
-        engine.set_tensors(received)
+        if train is None or settings is None:
+            raise ValueError("a held score needs the device's training data and the round's settings")
+        receive(engine, received, train, settings)
     return evaluate(engine, data)
 
 

@@ -99,16 +99,24 @@ class OrtTrainingEngine(Engine):
             np.array(lam, dtype=np.float32),
         )
 
-    def _run_step(self, key: str, lr: float, x: np.ndarray, *inputs: np.ndarray) -> float:
-        """One optimizer step of training set `key` on (x, *inputs); BatchNorm statistics are written back after it."""
+    def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:
+        """A training-mode forward (and the graph's backward) without the optimizer step, so AdamW's moments stay."""
+        sets = self.available_sets()
+        key = "personal" if "personal" in sets else sets[0]
+        self._run_step(key, None, x, np.ascontiguousarray(y, dtype=np.int64))
+
+    def _run_step(self, key: str, lr: float | None, x: np.ndarray, *inputs: np.ndarray) -> float:
+        """One optimizer step of training set `key` on (x, *inputs) (lr None: no step); BatchNorm statistics are
+        written back after it."""
         self._activate(key)
         state, module, optimizer, slots = self._sets[key]
-        if self._lr.get(key) != lr:
+        if lr is not None and self._lr.get(key) != lr:
             optimizer.set_learning_rate(float(lr))
             self._lr[key] = lr
         module.train()
         outputs = module(np.ascontiguousarray(x, dtype=np.float32), *inputs)
-        optimizer.step()
+        if lr is not None:
+            optimizer.step()
         module.lazy_reset_grad()
         self._write_back_stats(state, slots, outputs, batch=len(x))
         return float(outputs[0])

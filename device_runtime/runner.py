@@ -33,6 +33,7 @@ from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
 from edgepfl.device_runtime.state import StateFolder
+from edgepfl.device_runtime.statistics import receive
 from edgepfl.encoding import drop_residual
 from edgepfl.errors import BundleError, WireError
 from edgepfl.manifest import Manifest
@@ -177,7 +178,9 @@ def train_round(
     except TrainingDiverged as error:
         raise _skipped(error.problem, state) from None
     kept = engine.get_tensors()  # the last good model, back in place if this round's result is refused
-    engine.set_tensors(base)  # a tensor kept on the device (HeurpFedLA) keeps the value this device trained
+    # a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
+    # re-estimated under the new base (statistics.py)
+    receive(engine, base, data, settings)
     if options.persfl_teacher:
         _consider_teacher(engine, data, state, round_id, events)
     steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
@@ -252,7 +255,8 @@ def _finish(
     if task.round_id is None:
         events.message("the server says the run is over")
         return None
-    if task.base_url is not None and _take_final_base(engine, data, state, client.fetch_tensors(task.base_url), events):
+    final_base = client.fetch_tensors(task.base_url) if task.base_url is not None else None
+    if final_base is not None and _take_final_base(engine, data, state, final_base, task.settings, events):
         if options.persfl_teacher:
             # the final aggregate is the global model a round after the last one would have started from
             _consider_teacher(engine, data, state, task.round_id + 1, events)
@@ -272,13 +276,18 @@ def _finish(
 
 
 def _take_final_base(
-    engine: Engine, data: LocalData, state: StateFolder, final_base: dict[str, Any], events: DeviceEvents
+    engine: Engine,
+    data: LocalData,
+    state: StateFolder,
+    final_base: dict[str, Any],
+    settings: RoundSettings | None,
+    events: DeviceEvents,
 ) -> bool:
     """Load the final base unless it holds NaN/Inf or its held-out loss explodes (then keep the model as it is)."""
     kept = engine.get_tensors()
     try:
         check_global_model(final_base, engine.manifest, "the final base")
-        engine.set_tensors(final_base)
+        receive(engine, final_base, data, settings or RoundSettings())
         result = evaluate(engine, data)
         why = divergence([result.loss] if result.count else [], {}, engine.manifest.num_classes)
         if why is not None:

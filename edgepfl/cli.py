@@ -203,6 +203,9 @@ def simulate(
     finetune_epochs: int | None = flag(SimulateConfig, 'finetune_epochs', unset_default=True),
     personal_epochs: int | None = flag(SimulateConfig, 'personal_epochs', unset_default=True),
     share_buffers: bool | None = flag(SimulateConfig, 'share_buffers', unset_default=True),
+    recompute_bn: bool | None = flag(
+        SimulateConfig, 'recompute_bn', '--recompute-bn/--no-recompute-bn', unset_default=True
+    ),
     upload_encoding: str | None = flag(SimulateConfig, 'upload_encoding', unset_default=True),
     download_encoding: str | None = flag(SimulateConfig, 'download_encoding', unset_default=True),
     dp_noise_multiplier: float | None = flag(SimulateConfig, 'dp_noise_multiplier', unset_default=True),

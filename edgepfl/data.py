@@ -158,6 +158,14 @@ class LocalData:
         for positions in iterate_batches(self.num_train, batch_size, seed, epoch):
             yield self._batch(self.train_index[positions])
 
+    def train_batches_in_order(
+        self, batch_size: int, full_only: bool = False
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Normalised (x, y) training batches in stored order; `full_only` drops a last partial batch."""
+        end = self.num_train - self.num_train % batch_size if full_only else self.num_train
+        for start in range(0, end, batch_size):
+            yield self._batch(self.train_index[start : start + batch_size])
+
     def val_batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Normalised (x, y) held-out batches in a fixed order."""
         for start in range(0, self.num_val, batch_size):

@@ -19,6 +19,7 @@ ROLES = ("base", "personal", "buffer")
 
 TRAINABLE_SETS = ("full", "personal", "base")  # what a training step may update: all, head only, base only
 
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One named tensor of the model: its shape, dtype, role and the block it belongs to."""
@@ -104,6 +105,10 @@ class Manifest:
     def shared(self, share_buffers: bool) -> list[TensorSpec]:
         """The tensors that travel between devices and server: the base, plus base BatchNorm stats if shared."""
         return self.by_role("base") + (self.base_buffers() if share_buffers else [])
+
+    def batchnorm_statistics(self) -> list[str]:
+        """Names of the BatchNorm running statistics (running_mean and running_var buffers), in model order."""
+        return [t.name for t in self.by_role("buffer") if t.name.endswith((".running_mean", ".running_var"))]
 
     def tensor(self, name: str) -> TensorSpec:
         """The spec of one tensor by name."""

@@ -48,6 +48,13 @@ class RoundSettings:
     share_buffers: bool = field(
         default=False, metadata={"help": "BatchNorm statistics of base blocks travel with the base and are averaged"}
     )
+    recompute_bn: bool = field(
+        default=True,
+        metadata={
+            "help": "a device re-estimates its BatchNorm running statistics on its training data whenever a base "
+            "arrives (forward passes, weights unchanged): statistics kept from the old base do not fit the new one"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific knobs (pFedLA, PersFL)
     # shared tensors this device keeps its own value of this round (HeurpFedLA): neither in the base it gets
     # nor in the update it sends
@@ -101,8 +108,9 @@ class RoundSettings:
                 return f"{name} {value!r} is not an integer in {low}..{high}"
         if type(self.lr) is not float or not (math.isfinite(self.lr) and self.lr > 0.0):
             return f"lr {self.lr!r} is not a positive number"
-        if type(self.share_buffers) is not bool:
-            return f"share_buffers {self.share_buffers!r} is not true or false"
+        for name in ("share_buffers", "recompute_bn"):
+            if type(getattr(self, name)) is not bool:
+                return f"{name} {getattr(self, name)!r} is not true or false"
         if not isinstance(self.extra, dict):
             return f"extra {self.extra!r} is not an object"
         if not isinstance(self.kept_on_device, tuple) or not all(isinstance(n, str) for n in self.kept_on_device):
@@ -131,8 +139,11 @@ class UploadMeta:
     base_layout_hash: str
     num_samples: int
     train_loss: float = float("nan")
-    val_accuracy: float = float("nan")
+    val_accuracy: float = float("nan")  # held-out accuracy after the round's local training (trained)
     val_loss: float = float("nan")
+    # held-out accuracy of the model the device held when the round began: the round's base with its own part
+    # and re-estimated BatchNorm statistics, i.e. the held model of the round before (evaluation.py)
+    start_val_accuracy: float = float("nan")
 
     def to_metadata(self) -> dict[str, str]:
         """String map for safetensors `__metadata__`."""
@@ -155,13 +166,14 @@ class UploadMeta:
                 "send the number of local training samples",
             )
         floats = {}
-        for key in ("train_loss", "val_accuracy", "val_loss"):
+        for key in ("train_loss", "val_accuracy", "val_loss", "start_val_accuracy"):
             try:
                 floats[key] = float(metadata.get(key, "nan"))
             except ValueError:
                 raise WireError(f"upload metadata {key} is not a number", "send a decimal number") from None
-        if not math.isnan(floats["val_accuracy"]) and not 0.0 <= floats["val_accuracy"] <= 1.0:
-            raise WireError("upload val_accuracy is outside [0, 1]", "send accuracy as a fraction")
+        for key in ("val_accuracy", "start_val_accuracy"):
+            if not math.isnan(floats[key]) and not 0.0 <= floats[key] <= 1.0:
+                raise WireError(f"upload {key} is outside [0, 1]", "send accuracy as a fraction")
         return cls(metadata["base_layout_hash"], num_samples, **floats)
 
 

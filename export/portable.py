@@ -397,10 +397,14 @@ class MaskedModel:
                     setattr(parent, child_name, MaskedBatchNorm2d(child, self.slot))
 
     @property
-    def momentum(self) -> float | list[float]:
-        """The BatchNorm momentum (a list where layers differ; the default where there is no BatchNorm)."""
-        momenta = sorted({m.momentum for m in self.module.modules() if isinstance(m, MaskedBatchNorm2d)})
-        return momenta[0] if len(momenta) == 1 else (momenta or BN_MOMENTUM)
+    def momentum(self) -> float | dict[str, float]:
+        """The BatchNorm momentum; where layers differ, each running statistic's by name (devices re-estimating
+        statistics read it, statistics.py); the default where there is no BatchNorm."""
+        layers = {name: m.momentum for name, m in self.module.named_modules() if isinstance(m, MaskedBatchNorm2d)}
+        momenta = set(layers.values())
+        if len(momenta) > 1:
+            return {f"{name}.{stat}": m for name, m in layers.items() for stat in ("running_mean", "running_var")}
+        return momenta.pop() if momenta else BN_MOMENTUM
 
     def __call__(self, state: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Logits of `x` with the model's tensors taken from `state`; samples with w = 0 do not count."""

@@ -24,7 +24,8 @@ from edgepfl.server.config import (
     read_enroll_secret,
 )
 
-serve_app = typer.Typer(cls=ErrorBoundary,
+serve_app = typer.Typer(
+    cls=ErrorBoundary,
     help="Run the aggregation server (base tensors only) or manage device tokens.",
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -53,6 +54,7 @@ def serve(
     weight_multiple: float = flag(ServerConfig, "weight_multiple"),
     seed: int = flag(ServerConfig, "seed"),
     share_bn_stats: bool = flag(RoundOptions, "share_buffers"),
+    recompute_bn: bool = flag(RoundOptions, "recompute_bn", "--recompute-bn/--no-recompute-bn"),
     init: Path | None = flag(ServerConfig, "init"),
     epochs: int = flag(RoundOptions, "epochs"),
     batch_size: int = flag(RoundOptions, "batch_size"),
@@ -119,6 +121,7 @@ def serve(
             "finetune_epochs": finetune_epochs,
             "personal_epochs": personal_epochs,
             "share_buffers": share_bn_stats,
+            "recompute_bn": recompute_bn,
             "upload_encoding": upload_encoding,
             "download_encoding": download_encoding,
         },

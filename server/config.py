@@ -47,6 +47,7 @@ class RoundOptions(BaseModel):
     finetune_epochs: int = settings_field("finetune_epochs")
     personal_epochs: int = settings_field("personal_epochs")
     share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
+    recompute_bn: bool = settings_field("recompute_bn")
     upload_encoding: str = settings_field("upload_encoding")
     download_encoding: Literal[DOWNLOAD_ENCODINGS] = settings_field("download_encoding")  # type: ignore[valid-type]
 

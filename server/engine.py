@@ -175,7 +175,7 @@ class RoundEngine:
             now = self.clock()
             self._seen[device] = now
             if self._done():
-                return self._done_task()
+                return self._done_task(device)
             current = self.store.open_round()
             if current is None and self._closing is None:
                 current = self._maybe_open(now)
@@ -292,6 +292,7 @@ class RoundEngine:
                     finite_or_none(meta.val_accuracy),
                     finite_or_none(meta.val_loss),
                     self.clock(),
+                    start_val_accuracy=finite_or_none(meta.start_val_accuracy),
                 )
             )
             self._delta_norms[(round_id, device)] = norm
@@ -607,7 +608,7 @@ class RoundEngine:
     def _done(self) -> bool:
         return self.stopped is not None or self.store.count_closed() >= self.config.rounds
 
-    def _done_task(self) -> Task:
+    def _done_task(self, device: str) -> Task:
         closed = [r for r in self.store.rounds() if r.state == "closed"]
         last = closed[-1].round_id if closed else None
         # with a per-device base (pFedLA) the round's result is no device's model: each keeps what it trained
@@ -617,6 +618,8 @@ class RoundEngine:
             base_layout_hash=self.manifest.base_layout_hash,
             round_id=last,
             base_url=f"{API_PREFIX}/rounds/{last}/result" if shared_result else None,
+            # how the device takes the final base (recompute_bn, batch_size): its settings of the last round
+            settings=self.settings_for(device, last) if shared_result else None,
         )
 
     # checks

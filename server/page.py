@@ -37,7 +37,8 @@ td,th{{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}}th{{back
 <p>{head}</p>
 <p id="join">{html.escape(web_note)}</p>
 <img alt="device accuracy per round" src="data:image/png;base64,{png}">
-<table><tr><th>round</th><th>state</th><th>uploads / sampled</th><th>val acc (mean)</th>
+<table><tr><th>round</th><th>state</th><th>uploads / sampled</th><th>held acc at round start (mean)</th>
+<th>val acc after training (mean)</th>
 <th>personalized acc (mean)</th><th>train loss</th><th>upload bytes</th><th>ε</th><th>aggregation s</th><th>closed</th>
 <th>note</th></tr>
 {rows}
@@ -76,7 +77,11 @@ def render_plot(status: dict[str, Any]) -> bytes:
                 if r[key] is not None
             ),
         )
-        for key, label in (("val_accuracy", "validation (at upload)"), ("eval_accuracy", "personalized (after round)"))
+        for key, label in (
+            ("start_val_accuracy", "held model (round's base, before training)"),
+            ("val_accuracy", "validation (after training, at upload)"),
+            ("eval_accuracy", "personalized (after round)"),
+        )
     )
     return _plot_png(series)
 
@@ -120,7 +125,8 @@ def _row(r: dict[str, Any]) -> str:
     epsilon = f"{r['epsilon']:.4g}" if r.get("epsilon") is not None else "–"
     return (
         f"<tr><td>{r['round']}</td><td>{r['state']}</td><td>{r['uploads']} / {r['sampled']}</td>"
-        f"<td>{mean('val_accuracy')}</td><td>{mean('eval_accuracy')}</td><td>{mean('train_loss')}</td>"
+        f"<td>{mean('start_val_accuracy')}</td><td>{mean('val_accuracy')}</td><td>{mean('eval_accuracy')}</td>"
+        f"<td>{mean('train_loss')}</td>"
         f"<td>{r['upload_bytes']}</td><td>{epsilon}</td>"
         f"<td>{seconds}</td><td>{closed}</td><td>{html.escape(r['note'] or '')}</td></tr>"
     )

@@ -82,6 +82,9 @@ def round_summary(store: Store, record: RoundRecord) -> dict[str, Any]:
         "base_sha256": record.base_sha,
         "result_sha256": record.result_sha,
         "train_loss": _summary([u.train_loss for u in updates]),
+        # issue 18's protocol: the held model (the round's base with each device's own part, as the round began)
+        # and the trained one (after the round's local training), both on the devices' held-out data
+        "start_val_accuracy": _summary([u.start_val_accuracy for u in updates]),
         "val_accuracy": _summary([u.val_accuracy for u in updates]),
         "eval_accuracy": _summary([e.accuracy for e in evals]),
     }

@@ -64,8 +64,13 @@ def _schema_2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE rounds ADD COLUMN epsilon REAL")
 
 
+def _schema_3(db: sqlite3.Connection) -> None:
+    """Issue 18: each upload's held-out accuracy of the model its device held when the round began."""
+    db.execute("ALTER TABLE updates ADD COLUMN start_val_accuracy REAL")
+
+
 # step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1, _schema_2)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1, _schema_2, _schema_3)
 
 
 def hash_token(token: str) -> str:
@@ -184,6 +189,7 @@ class UpdateRecord:
     val_loss: float | None
     received: float
     status: str = "accepted"  # accepted | corrupt (its blob failed the sha256 check when read)
+    start_val_accuracy: float | None = None  # the held model of the round before, scored as the round began
 
 
 @dataclass(frozen=True)
@@ -524,7 +530,7 @@ class Store:
         """Record an accepted upload whose blob is already on disk."""
         with self.transaction() as db:
             db.execute(
-                f"INSERT INTO updates ({_UPDATE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO updates ({_UPDATE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.round_id,
                     record.device,
@@ -536,6 +542,7 @@ class Store:
                     record.val_loss,
                     record.received,
                     record.status,
+                    record.start_val_accuracy,
                 ),
             )
 
@@ -572,7 +579,8 @@ _ROUND_COLUMNS = (
     "epsilon"
 )
 _UPDATE_COLUMNS = (
-    "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status"
+    "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status, "
+    "start_val_accuracy"
 )
 
 

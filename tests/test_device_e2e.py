@@ -143,6 +143,14 @@ def test_three_devices_complete_three_rounds_and_personalize(bundle, tmp_path):
         final = history(tmp_path / name)[-1]
         assert final["final"] and final["val_accuracy"] == result["final_accuracy"]
         assert rounds[-1]["val_accuracy"] >= rounds[0]["start_val_accuracy"] + 0.3, rounds  # it learned its classes
+    store = Store(tmp_path / "server")  # the server's status quotes each device's held accuracy as it sent it
+    try:
+        for name in names:
+            sent = {h["round"]: h["start_val_accuracy"] for h in history(tmp_path / name) if not h.get("final")}
+            quoted = {r: next(u for u in store.updates(r) if u.device == name).start_val_accuracy for r in sent}
+            assert quoted == sent
+    finally:
+        store.close()
     updates = stored_updates(tmp_path / "server")
     assert sorted(updates) == [1, 2, 3]
     for by_device in updates.values():

@@ -55,13 +55,29 @@ def _received(results, out, names):
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "kp"),
-    [("fedavg", 0), ("fedper", 1), ("fedalt", 1), ("local", 1), ("pfedla", 0), ("pfedla", 1), ("heurpfedla", 0)],
+    ("algorithm", "kp", "model"),
+    [
+        ("fedavg", 0, "mlp"),
+        ("fedper", 1, "mlp"),
+        ("fedalt", 1, "mlp"),
+        ("local", 1, "mlp"),
+        ("pfedla", 0, "mlp"),
+        ("pfedla", 1, "mlp"),
+        ("heurpfedla", 0, "mlp"),
+        ("fedper", 1, "cnn"),  # BatchNorm: the held model's statistics are re-estimated under the received base
+        ("pfedla", 1, "cnn"),
+    ],
 )
-def test_every_methods_reported_accuracies_are_the_protocols(tiny_npz, tmp_path, algorithm, kp) -> None:  # noqa: F811
-    """held = own tensors after the round + the shared part received after it; trained = own tensors as trained."""
+def test_every_methods_reported_accuracies_are_the_protocols(tiny_npz, tmp_path, algorithm, kp, model) -> None:  # noqa: F811
+    """held = own tensors after the round + the shared part received after it (BatchNorm statistics re-estimated on
+    the client's training data); trained = own tensors as trained."""
+    from edgepfl.simulate.loop import round_settings
+
     out = tmp_path / algorithm
-    results = run_simulation(tiny_config(tiny_npz, out, algorithm=algorithm, kp=kp, rounds=2))
+    fields = {"model": model, "norm": "batch", "width": 0.25} if model == "cnn" else {"model": model}
+    results = run_simulation(tiny_config(tiny_npz, out, algorithm=algorithm, kp=kp, rounds=2, **fields))
+    settings = round_settings(results.config)
+    assert settings.recompute_bn
     document = json.loads((out / "results.json").read_text())
     assert document["info"]["evaluation"] == PROTOCOL
     clients, engine = _clients_and_engine(results, out)
@@ -71,7 +87,7 @@ def test_every_methods_reported_accuracies_are_the_protocols(tiny_npz, tmp_path,
     last = results.rounds[-1]
     for number, client in enumerate(clients):
         own = {k.removeprefix(f"{client.name}/"): v for k, v in state.items() if k.startswith(f"{client.name}/")}
-        held = score(engine, client.test, own, received[client.name]).accuracy
+        held = score(engine, client.test, own, received[client.name], client.train, settings).accuracy
         trained = score(engine, client.test, own).accuracy  # the saved tensors are those local training left
         assert last.test_accuracy["per_client"][number] == pytest.approx(held, abs=1e-6)
         assert last.trained_test_accuracy["per_client"][number] == pytest.approx(trained, abs=1e-6)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from server_helpers import enroll, initial_tensors, make_bundle, upload_body, weighted_mean
 
-from edgepfl.errors import BundleError, StateError, UsageError
-from edgepfl.protocol import EvalMetrics, RoundSettings, Task
+from edgepfl.errors import BundleError, StateError, UsageError, WireError
+from edgepfl.protocol import EvalMetrics, RoundSettings, Task, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
@@ -448,3 +448,24 @@ def sharing_bn_stats(config: ServerConfig) -> ServerConfig:
     settings = dataclasses.replace(config.strategy_options.settings, share_buffers=True)
     options = config.strategy_options.model_copy(update=dict(settings=settings))
     return config.model_copy(update=dict(strategy_options=options))
+
+
+def test_status_reports_the_held_and_the_trained_accuracy_and_done_carries_the_settings(setup) -> None:
+    """Issue 18's protocol on the server: each upload quotes the held model's accuracy as its round began
+    (`start_val_accuracy`) beside the trained one; the final task tells devices how to take the final base."""
+    manifest, config, clock = setup
+    engine = create_engine(config.model_copy(update=dict(rounds=1)), clock)
+    _open(engine, clock, "d0", "d1")
+    for device, start in (("d0", 0.25), ("d1", 0.75)):
+        base, _ = engine.base_for(device, 1)
+        engine.accept_update(device, 1, upload_body(decode_tensors(base), manifest, start_val_accuracy=start))
+    engine.tick()
+    row = engine.status()["rounds"][0]
+    assert row["start_val_accuracy"] == {"mean": 0.5, "min": 0.25, "max": 0.75, "count": 2}
+    assert row["val_accuracy"]["mean"] == pytest.approx(0.8)
+    assert "held acc at round start" in render_page(engine.status())
+    done = engine.task("d0")
+    assert done.action == "done" and done.settings is not None and done.settings.recompute_bn is True
+    assert Task.from_json(done.to_json()) == done
+    with pytest.raises(WireError, match="start_val_accuracy is outside"):
+        UploadMeta.from_metadata({"base_layout_hash": "x", "num_samples": "3", "start_val_accuracy": "1.5"})

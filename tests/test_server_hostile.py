@@ -199,7 +199,11 @@ def test_a_full_database_is_507_and_keeps_what_it_holds(round_app) -> None:
         with contextlib.suppress(sqlite3.OperationalError):
             while True:
                 device = f"{next(filler):08d}".ljust(size, "x")
-                store._db.execute("INSERT INTO updates VALUES (0, ?, '', 0, 0, 0, 0, 0, 0, 'filler')", (device,))
+                store._db.execute(
+                    "INSERT INTO updates (round_id, device, blob_sha, nbytes, num_samples, received, status) "
+                    "VALUES (0, ?, '', 0, 0, 0, 'filler')",
+                    (device,),
+                )
     other = upload_body(
         {name: value * 2 for name, value in decode_tensors(ctx["engine"].base_for("d1", 1)[0]).items()},
         ctx["manifest"],

@@ -83,6 +83,7 @@ def reply_content(payload: bytes, result: ClientResult) -> RecordDict:
         "train-loss": result.train_loss,
         "val-loss": result.val_loss,
         "val-accuracy": result.val_accuracy,
+        "start-val-accuracy": result.start_val_accuracy,
         "val-samples": result.val_samples,
     }
     finite = {key: value for key, value in metrics.items() if math.isfinite(value)}

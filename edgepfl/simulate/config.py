@@ -96,6 +96,7 @@ class SimulateConfig(BaseModel):
     hn_lr: float = PFedLAOptions.model_fields["hn_lr"]
     retain_top_k: int = HeurPFedLAOptions.model_fields["retain_top_k"]
     share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
+    recompute_bn: bool = settings_field("recompute_bn")
     upload_encoding: str = RoundOptions.model_fields["upload_encoding"]
     download_encoding: Literal[DOWNLOAD_ENCODINGS] = settings_field("download_encoding")  # type: ignore[valid-type]
     dp_noise_multiplier: float | None = PrivacyOptions.model_fields["dp_noise_multiplier"]
@@ -151,7 +152,8 @@ class SimulateConfig(BaseModel):
         if lossy and self.plan.strategy is None:
             raise UsageError(
                 f"--algorithm {self.algorithm} uploads nothing: --upload-encoding, --download-encoding and --dp-* "
-                "do not apply", "drop them, or choose an algorithm that aggregates",
+                "do not apply",
+                "drop them, or choose an algorithm that aggregates",
             )
         if privacy.enabled and self.plan.strategy is not None:
             check_dp_strategy(self.plan.strategy, "--algorithm")

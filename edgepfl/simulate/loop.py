@@ -81,6 +81,7 @@ def round_settings(config: SimulateConfig) -> RoundSettings:
         finetune_epochs=config.finetune_epochs if plan.finetune else 0,
         personal_epochs=config.personal_epochs,
         share_buffers=config.share_buffers,
+        recompute_bn=config.recompute_bn,
         upload_encoding=config.upload_encoding,
         download_encoding=config.download_encoding,
         clip_norm=config.dp_clip if config.privacy().enabled else None,
@@ -196,7 +197,7 @@ def run_simulation(
             }
             _save_state(out / STATE_FILE, round_id, clients, pending)  # before the close: a resume can finish it
             global_base = server.close_round(round_id)
-            records.append(_evaluate(engine, clients, server, global_base, round_id, pending))
+            records.append(_evaluate(engine, clients, server, global_base, round_id, pending, settings))
             if hasattr(server.strategy, "alpha_matrix"):  # pfedla: what the hypernetworks learnt (the paper's Fig. 6)
                 results.alpha = {n: server.strategy.alpha_matrix(n).round(6).tolist() for n in server.strategy.mixed}
             write_results(out, results)
@@ -218,12 +219,13 @@ def _evaluate(
     global_base: dict[str, np.ndarray],
     round_id: int,
     pending: dict[str, Any],
+    settings: RoundSettings,
 ) -> RoundRecord:
     """A round's record: every client's *held* score (evaluation.py), its own tensors with what it receives."""
     test_acc, val_acc = [], []
     for client in clients:
         received = server.evaluation_base(client.name, global_base)
-        test_acc.append(score(engine, client.test, client.tensors, received).accuracy)
+        test_acc.append(score(engine, client.test, client.tensors, received, client.train, settings).accuracy)
         val_result = score(engine, client.train)
         val_acc.append(val_result.accuracy if val_result.count else math.nan)
     return RoundRecord(
@@ -301,8 +303,12 @@ def ensure_bundle(
     otherwise stay resident in the driver for the whole run (bench/simulate.py, MNIST mlp). Its one-line
     errors come back as they were raised.
     """
-    job = {"config": config.model_dump(mode="json"), "folder": str(folder), "sample_shape": list(sample_shape),
-           "num_classes": num_classes}
+    job = {
+        "config": config.model_dump(mode="json"),
+        "folder": str(folder),
+        "sample_shape": list(sample_shape),
+        "num_classes": num_classes,
+    }
     code = "from edgepfl.simulate.loop import export_job; export_job()"
     child = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True)
     if child.returncode != 0:

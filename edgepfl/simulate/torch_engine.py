@@ -102,6 +102,22 @@ class TorchEngine(Engine):
 
         return self._sgd_step(x, lr, trainable, loss_of)
 
+    def statistics_momenta(self) -> dict[str, float]:
+        """Each BatchNorm running statistic's momentum, read off the model's layers."""
+        batchnorm = self._torch.nn.modules.batchnorm._BatchNorm
+        return {
+            f"{name}.{stat}": float(module.momentum)
+            for name, module in self.model.named_modules()
+            if isinstance(module, batchnorm) and module.track_running_stats
+            for stat in ("running_mean", "running_var")
+        }
+
+    def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:
+        """A training-mode forward without gradients: the running statistics move, no weight does."""
+        self.model.train()
+        with self._torch.no_grad():
+            self.model(self._torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32."""
         torch = self._torch

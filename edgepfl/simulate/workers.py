@@ -28,6 +28,7 @@ from edgepfl.device_runtime.client import upload_body
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import score
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
+from edgepfl.device_runtime.statistics import receive
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.simulate.rounds import Assignment
@@ -66,12 +67,12 @@ def train_client(
 ) -> Outcome:
     """One client's round on `engine`, exactly as a device runs it (teachers: persfl's store folder, or None)."""
     engine.set_tensors(tensors)
+    receive(engine, plan.base, client.train, plan.settings)
     start_val_loss = None
     if teachers is not None:  # persfl stage 1: the device's own teacher choice, before local training
         store = TeacherStore(teachers / client.name, manifest)
-        _, scores = consider_global_model(engine, store, round_id, plan.base, client.train)
+        _, scores = consider_global_model(engine, store, round_id, engine.get_tensors(), client.train)
         start_val_loss = scores.loss
-    engine.set_tensors(plan.base)
     result = run_client_round(engine, plan.settings, client.train, client.seed, round_id)
     trained = engine.get_tensors()
     payload = None
@@ -94,8 +95,11 @@ class Sequential:
     ) -> Iterator[tuple[str, Outcome]]:
         """Each sampled client's outcome, in plan order."""
         for name, plan in plans.items():
-            yield name, train_client(
-                self.engine, self.manifest, self.clients[name], tensors[name], plan, round_id, self.teachers
+            yield (
+                name,
+                train_client(
+                    self.engine, self.manifest, self.clients[name], tensors[name], plan, round_id, self.teachers
+                ),
             )
 
     def close(self) -> None:
@@ -212,4 +216,3 @@ def peak_rss() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
-

@@ -11,7 +11,7 @@ const ALGORITHMS = {
   fedalt: { uploads: true, phases: (s) => [['personal', 'personal', s.personal_epochs], ['base', 'base', s.epochs]] },
   local: { uploads: false, phases: (s) => [['personal', 'personal', s.epochs]] },
 };
-const DEFAULTS = { algorithm: 'fedsim', epochs: 1, batch_size: 32, lr: 0.01, finetune_epochs: 0, personal_epochs: 1, share_buffers: false, kept_on_device: [] };
+const DEFAULTS = { algorithm: 'fedsim', epochs: 1, batch_size: 32, lr: 0.01, finetune_epochs: 0, personal_epochs: 1, share_buffers: false, recompute_bn: true, kept_on_device: [] };
 
 /** RoundSettings JSON with Python's defaults filled in; an unknown algorithm throws. */
 export function roundSettings(json) {
@@ -118,6 +118,50 @@ export async function runClientRound(engine, train, settingsJson, { seed, roundI
     uploads: ALGORITHMS[settings.algorithm].uploads,
     phases: logs,
   };
+}
+
+/**
+ * Replace every BatchNorm running statistic by its estimate under the current weights (statistics.py
+ * recompute_statistics): one pass over the training examples in stored order, full batches only where there
+ * is one, each batch's statistics read back from zero and weighted by its count. Returns the samples used.
+ */
+export async function recomputeStatistics(engine, train, batchSize) {
+  const momenta = engine.statisticsMomenta();
+  const names = Object.keys(momenta);
+  if (!names.length || !train.count) return 0;
+  const zeros = Object.fromEntries(names.map((name) => {
+    const { shape } = engine.specs.get(name);
+    return [name, { dtype: 'float32', shape: shape.slice(), data: new Float32Array(shape.reduce((a, b) => a * b, 1)) }];
+  }));
+  const sums = Object.fromEntries(names.map((name) => [name, new Float64Array(zeros[name].data.length)]));
+  const sample = engine.sampleSize;
+  const end = train.count >= batchSize ? train.count - (train.count % batchSize) : train.count;
+  let count = 0;
+  for (let start = 0; start < end; start += batchSize) {
+    const size = Math.min(batchSize, end - start);
+    const y = new Int32Array(size);
+    for (let i = 0; i < size; i++) y[i] = Number(train.y[start + i]);
+    engine.setTensors(zeros);
+    await engine.statisticsStep(train.x.subarray(start * sample, (start + size) * sample), y, size);
+    const got = engine.getTensors(names);
+    for (const name of names) {
+      const scale = size / momenta[name];
+      const sum = sums[name];
+      got[name].data.forEach((v, i) => { sum[i] += v * scale; });
+    }
+    count += size;
+  }
+  const estimates = {};
+  for (const name of names) estimates[name] = { ...zeros[name], data: Float32Array.from(sums[name], (v) => v / count) };
+  engine.setTensors(estimates);
+  return count;
+}
+
+/** Lay a received shared part over the device's tensors, then re-estimate BatchNorm statistics (statistics.py receive). */
+export async function receive(engine, tensors, train, settingsJson) {
+  const settings = roundSettings(settingsJson);
+  engine.setTensors(tensors);
+  if (Object.keys(tensors).length && settings.recompute_bn) await recomputeStatistics(engine, train, settings.batch_size);
 }
 
 function mean(values) {

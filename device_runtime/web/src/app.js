@@ -3,7 +3,7 @@
 // upload in one transaction, upload those saved bytes (again after a reload), report metrics.
 
 import * as ort from './vendor/ort.wasm.min.mjs';
-import { roundUploads, runClientRound, travellingNames } from './algorithms.js';
+import { receive, roundUploads, runClientRound, travellingNames } from './algorithms.js';
 import { appendExamples, classCounts, classNames, DEVICE_SEED, emptyExamples, readFolder, readNpz, readPhotos, splitExamples, splitSizes } from './data.js';
 import { openEngine } from './engine.js';
 import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
@@ -168,8 +168,10 @@ async function trainRound(device, task) {
   if (Object.keys(base).length !== expected.length || expected.some((name) => !(name in base))) {
     throw Object.assign(new Error(`the base of round ${roundId} holds other tensors than this model shares`), { fix: 'the server must run with the bundle this page loaded' });
   }
-  engine.setTensors(base); // a tensor kept on the device (HeurpFedLA) keeps the value this device trained
   const { train, val } = splitExamples(device.examples, manifest.input);
+  // a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
+  // re-estimated under the new base
+  await receive(engine, base, train, settings);
   const before = await evaluate(engine, val);
   const yielding = Object.create(engine);
   yielding.trainStep = async (...args) => {
@@ -187,7 +189,8 @@ async function trainRound(device, task) {
   let pending = null;
   let residual;
   if (roundUploads(settings)) {
-    const meta = { baseLayoutHash: device.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss };
+    const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
+    const meta = { baseLayoutHash: device.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss, startValAccuracy };
     const trained = engine.getTensors(travellingNames(manifest, settings));
     let payload;
     if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
@@ -267,12 +270,12 @@ async function postMetrics(device, record) {
 /** The run is over: take the final base (if any) and show the personalised model's held-out accuracy. */
 async function finish(device, task) {
   const { engine, manifest } = device;
+  const { train, val } = device.examples.count ? splitExamples(device.examples, manifest.input) : { train: { count: 0 }, val: { count: 0 } };
   if (task.base_url) {
     const final = decodeSafetensors(await device.client.bytes(task.base_url), 'the final base').tensors;
-    engine.setTensors(final);
+    await receive(engine, final, train, task.settings || {});
     await device.store.commit({ [KEYS.tensors]: { layout: device.layout, tensors: engine.getTensors() } });
   }
-  const { val } = device.examples.count ? splitExamples(device.examples, manifest.input) : { val: { count: 0 } };
   const result = val.count ? await evaluate(engine, val) : { count: 0 };
   const shown = result.count ? `${pct(result.correct / result.count)} on ${result.count} held-out examples` : 'not measured (no held-out examples)';
   stage('done', `The run is over after round ${task.round ?? '–'}. Personalised accuracy: ${shown}.`);

@@ -115,9 +115,31 @@ class Engine {
 
   /** One SGD step on `count` <= batchSize samples of x (float32 NCHW) and y; a short batch is padded and masked. */
   async trainStep(x, y, count, lr, trainable = 'full') {
+    if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
+    const results = await this.runStep(x, y, count, lr, trainable);
+    this.stateNames.forEach((name, i) => this.state.set(name, results.state[i]));
+    return results.loss;
+  }
+
+  /** A training-mode pass that moves the BatchNorm running statistics and no weight (engine.py statistics_step). */
+  async statisticsStep(x, y, count) {
+    const sets = this.trainableSets();
+    const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
+    const params = this.entry.params.length;
+    this.entry.buffers.forEach((name, i) => this.state.set(name, results.state[params + i]));
+  }
+
+  /** Each BatchNorm running statistic's momentum by tensor name (engine.py statistics_momenta). */
+  statisticsMomenta() {
+    const names = this.manifest.tensors.filter((t) => t.role === 'buffer' && /\.running_(mean|var)$/.test(t.name)).map((t) => t.name);
+    const momentum = this.entry.bn_momentum ?? 0.1;
+    if (Array.isArray(momentum)) throw new EngineError('the bundle lists its BatchNorm momenta without their layers (an older export)', 're-export the bundle with this edgepfl version');
+    return Object.fromEntries(names.map((name) => [name, Number(typeof momentum === 'object' ? momentum[name] : momentum)]));
+  }
+
+  async runStep(x, y, count, lr, trainable) {
     this.checkSet(trainable);
     this.checkBatch(x, y, count);
-    if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     if (count > this.batchSize) {
       throw new EngineError(`a batch of ${count} samples exceeds the portable graphs' batch size ${this.batchSize}`, `train with batches of at most ${this.batchSize}`);
     }
@@ -126,9 +148,7 @@ class Engine {
     feeds[graph.inputs[this.stateNames.length + 3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
     const session = await this.session(`step_${trainable}`, graph.model);
     const results = await session.run(feeds);
-    const loss = results[graph.outputs[0]].data[0];
-    this.stateNames.forEach((name, i) => this.state.set(name, results[graph.outputs[i + 1]]));
-    return loss;
+    return { loss: results[graph.outputs[0]].data[0], state: this.stateNames.map((_, i) => results[graph.outputs[i + 1]]) };
   }
 
   /** Summed loss and correct count of the current model over any number of samples (run in graph-sized chunks). */

@@ -163,6 +163,7 @@ export function encodeUpdate(tensors, meta, extra = {}) {
     train_loss: pythonFloat(meta.trainLoss),
     val_accuracy: pythonFloat(meta.valAccuracy),
     val_loss: pythonFloat(meta.valLoss),
+    start_val_accuracy: pythonFloat(meta.startValAccuracy ?? NaN),
     ...extra,
   });
 }

@@ -4,7 +4,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
 import { openEngine } from '../src/engine.js';
-import { batchOrder, roundPhases, roundSeed, runClientRound, splitTrainVal, travellingNames } from '../src/algorithms.js';
+import { batchOrder, receive, recomputeStatistics, roundPhases, roundSeed, runClientRound, splitTrainVal, travellingNames } from '../src/algorithms.js';
 import { permutation } from '../src/random.js';
 import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureTensors, maxAbsDiff } from './fixtures.mjs';
 
@@ -80,4 +80,36 @@ test("split and a whole fedalt round equal the Python device's", { skip: NEEDS_F
     assert.ok(diff <= 1e-3, `${name} differs from the Python round by ${diff}`);
   }
   await assert.rejects(runClientRound(engine, train, { batch_size: engine.batchSize + 1 }, { seed: 0 }), /exceeds the portable graphs' batch size/);
+});
+
+test("recomputed BatchNorm statistics equal the Python device's, and no weight moves", { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  const data = fixtureTensors('round_data.safetensors');
+  const engine = await openEngine(ort, manifest, files);
+  engine.setTensors(fixtureTensors('round_after.safetensors'));
+  const before = engine.getTensors();
+  const train = { x: data.x_train.data, y: Int32Array.from(data.y_train.data, Number), count: data.y_train.shape[0] };
+  const used = await recomputeStatistics(engine, train, expected().round_settings.batch_size);
+  assert.equal(used, train.count - (train.count % expected().round_settings.batch_size));
+  const want = fixtureTensors('recomputed.safetensors');
+  const got = engine.getTensors();
+  const stats = Object.keys(engine.statisticsMomenta());
+  assert.ok(stats.length > 0);
+  for (const name of Object.keys(want)) {
+    if (stats.includes(name)) {
+      const scale = Math.max(1, ...Array.from(want[name].data, Math.abs));
+      const diff = maxAbsDiff(got[name].data, want[name].data);
+      assert.ok(diff <= 1e-5 * scale, `${name} differs from the Python estimate by ${diff}`);
+      assert.ok(maxAbsDiff(got[name].data, before[name].data) > 1e-4, `${name} did not change`);
+    } else {
+      assert.deepEqual(got[name].data, before[name].data, `${name} moved`);
+    }
+  }
+  // receive: the base laid over, then the statistics; with recompute_bn off only the base changes
+  const base = Object.fromEntries(travellingNames(manifest, {}).map((name) => [name, before[name]]));
+  engine.setTensors(before);
+  await receive(engine, base, train, { batch_size: 8, recompute_bn: false });
+  for (const name of stats) assert.deepEqual(engine.getTensors([name])[name].data, before[name].data);
+  await receive(engine, base, train, { batch_size: 8 });
+  for (const name of stats) assert.ok(maxAbsDiff(engine.getTensors([name])[name].data, want[name].data) <= 1e-5 * Math.max(1, ...Array.from(want[name].data, Math.abs)));
 });

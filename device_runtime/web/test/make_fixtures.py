@@ -24,6 +24,7 @@ from edgepfl.data import make_local_data, normalize  # noqa: E402
 from edgepfl.device_runtime.algorithms import run_client_round  # noqa: E402
 from edgepfl.device_runtime.data import read_image_folder, resize_image  # noqa: E402
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
+from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
 from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
@@ -86,6 +87,8 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
     engine = PortableEngine(bundle, manifest)
     result = run_client_round(engine, RoundSettings(**ROUND), data, seed=3, round_id=2)
     save_file(engine.get_tensors(), out / "round_after.safetensors")
+    recompute_statistics(engine, data, ROUND["batch_size"])  # what a device does when the next base arrives
+    save_file(engine.get_tensors(), out / "recomputed.safetensors")
     results["round"] = {
         "seed": 3,
         "round_id": 2,

@@ -95,6 +95,9 @@ test('upload metadata is UploadMeta.to_metadata(): Python\'s str() of every numb
   const cases = [[0.1, '0.1'], [1, '1.0'], [1e-5, '1e-05'], [0.0001, '0.0001'], [1e16, '1e+16'], [123456.789, '123456.789'], [NaN, 'nan'], [-Infinity, '-inf'], [0.6931471805599453, '0.6931471805599453']];
   for (const [value, python] of cases) assert.equal(pythonFloat(value), python, String(value));
   const tensors = { 'w': { dtype: 'float32', shape: [2], data: Float32Array.of(1, 2) } };
-  const body = encodeUpdate(tensors, { baseLayoutHash: 'abc', numSamples: 58, trainLoss: 0.25, valAccuracy: 1, valLoss: NaN });
-  assert.deepEqual(decodeSafetensors(body).metadata, { base_layout_hash: 'abc', num_samples: '58', train_loss: '0.25', val_accuracy: '1.0', val_loss: 'nan' });
+  const body = encodeUpdate(tensors, { baseLayoutHash: 'abc', numSamples: 58, trainLoss: 0.25, valAccuracy: 1, valLoss: NaN, startValAccuracy: 0.5 });
+  assert.deepEqual(decodeSafetensors(body).metadata, { base_layout_hash: 'abc', num_samples: '58', train_loss: '0.25', val_accuracy: '1.0', val_loss: 'nan', start_val_accuracy: '0.5' });
+  // without held-out examples the held accuracy is unknown: nan, as Python writes it
+  const unknown = encodeUpdate(tensors, { baseLayoutHash: 'abc', numSamples: 58, trainLoss: 0.25, valAccuracy: NaN, valLoss: NaN });
+  assert.equal(decodeSafetensors(unknown).metadata.start_val_accuracy, 'nan');
 });
