@@ -4,7 +4,8 @@ Settings (issue 6):
   persfl-mnist   PersFL Tables 2-3 on MNIST: 10 users, 60/20/20, DS-1 (classes:4) / DS-2 (dirichlet:0.9) / DS-3,
                  `mlp`, FedAvg vs FedPer vs Local
   persfl-cifar   the same on CIFAR-10 with `cnn`
-  fedper-k       FedPer's CIFAR-10 setting with `mobilenet`: FedAvg vs FedPer for classes:k, k in {4, 8, 10}
+  fedper-k       FedPer's CIFAR-10 setting with `mobilenet`: FedAvg vs FedPer for classes:k, k in {4, 8, 10}, and
+                 Local at k = 4 (issue 18)
   fedper-kp      FedPer with K_P in {1, 2, 3, 4} at classes:4
   fedalt         FedAlt vs FedSim (= fedper) on the fedper-k setting at classes:4
   pfedla         pFedLA Table 1 (issue 7): CIFAR-10, 10 clients, classes:4, `cnn` with BatchNorm: FedAvg, Local,
@@ -17,6 +18,7 @@ The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, 
 Every run is a folder under --out holding results.json; rerunning resumes. `--report` reads every
 results.json under --out and writes the markdown (our numbers only come from those files).
 Usage: python bench/reproduce.py persfl-mnist --data-root ../shared/data --rounds 20 --out bench/results
+       python bench/reproduce.py fedper-k --only k4/ --seeds 1 ...   (a subset of a setting's runs)
        python bench/reproduce.py --report --out bench/results --figures bench/figures > RESULTS.md
 bench/results keeps only the results.json files under git, so RESULTS.md can be rebuilt from what is committed.
 """
@@ -27,7 +29,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -69,16 +70,12 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
                 runs.append((f"{setting}/{name}/{algorithm}", config))
     elif setting == "fedper-k":
         for k in (4, 8, 10):
-            for algorithm in ("fedavg", "fedper"):
-                config = replace(
-                    base, model=base.model, dataset="cifar10", partition=f"classes:{k}", algorithm=algorithm
-                )
+            for algorithm in ("fedavg", "fedper", "local") if k == 4 else ("fedavg", "fedper"):
+                config = base.updated(dataset="cifar10", partition=f"classes:{k}", algorithm=algorithm)
                 runs.append((f"{setting}/k{k}/{algorithm}", config))
     elif setting == "fedper-kp":
         for kp in (1, 2, 3, 4):
-            config = replace(
-                base, model=base.model, dataset="cifar10", partition="classes:4", algorithm="fedper", kp=kp
-            )
+            config = base.updated(dataset="cifar10", partition="classes:4", algorithm="fedper", kp=kp)
             runs.append((f"{setting}/kp{kp}/fedper", config))
     elif setting == "fedalt":
         for algorithm in ("fedalt", "fedper"):
@@ -124,6 +121,8 @@ def run(args: argparse.Namespace) -> None:
     )
     for seed in args.seeds:
         for label, config in plan(args.setting, base.updated(seed=seed)):
+            if args.only and not any(part in label for part in args.only):
+                continue
             out = Path(args.out) / SAME_RUN.get(label, label) / f"seed{seed}"
             started = time.perf_counter()
             results = run_simulation(config.updated(out=str(out)))
@@ -139,25 +138,32 @@ def report(out: Path, figures: Path | None = None) -> str:
     and linked from the markdown, and for pFedLA the mixing-weight heat map.
     """
     groups: dict[str, list] = {}
+    stale: set[str] = set()  # runs with BatchNorm scored before issue 18's re-estimated statistics
     for path in sorted(out.rglob("results.json")):
         results = load_results(path)
         if not results.rounds:
             continue  # started, no round completed yet
         label = str(path.parent.parent.relative_to(out))
         groups.setdefault(label, []).append(results)
+        if _has_batchnorm(results.config) and "recompute_bn" not in json.loads(path.read_text())["config"]:
+            stale.add(label)
     for label, same in SAME_RUN.items():  # a row of one setting that is another setting's run
         if same in groups and label.split("/")[0] in {k.split("/")[0] for k in groups}:
             groups[label] = groups[same]
+            if same in stale:
+                stale.add(label)
     lines = [
         "# Reproduction results",
         "",
         "Written by `bench/reproduce.py --report` from the results.json files under `bench/results/`; no number",
         "is typed by hand. Accuracy: every method is scored by one protocol (`device_runtime/evaluation.py`, issue",
         "18), on each client's own test split. The headline number is the model each device holds and uses after",
-        "the round: its own personal part and BatchNorm statistics as the round left them, with the shared part",
-        "it receives after the round (the new global base; for pFedLA its own mix θ̄ᵢ for the next round; nothing",
-        "for local training). *After local training* is the same device's model right after the round's local",
-        "training, before it receives anything (written by runs made since issue 18; '-' where a run predates it).",
+        "the round: its own personal part as the round left it, with the shared part it receives after the round",
+        "(the new global base; for pFedLA its own mix θ̄ᵢ for the next round; nothing for local training) and its",
+        "BatchNorm statistics re-estimated on its training data under that base, as a device does when a base",
+        "arrives (runs marked † predate that). *After local training* is the same device's model right after the",
+        "round's local training, before it receives anything (written by runs made since issue 18; '-' where a run",
+        "predates it).",
         "Mean ± std across clients and seeds. *Best* is the round with the highest mean",
         "validation accuracy (never chosen on the test split); *mean per seed* gives each seed's mean over its",
         "clients, in seed order. For PersFL the accuracy is the distilled student's",
@@ -192,6 +198,7 @@ def report(out: Path, figures: Path | None = None) -> str:
             kp = "all" if runs[0].config.algorithm == "local" else runs[0].info.get("kp", runs[0].config.kp)
             done = ",".join(str(len(r.rounds)) for r in runs)
             same = f" (= {SAME_RUN[label]})" if label in SAME_RUN else ""
+            same += " †" if label in stale else ""
             if runs[0].persfl is not None:  # the student is the result; the teacher is the chosen global model
                 clients = [r.persfl["clients"] for r in runs if r.persfl is not None]  # None: stage 2 not done
                 students = [[c["student"]["test_accuracy"] for c in run if "student" in c] for run in clients]
@@ -217,6 +224,13 @@ def report(out: Path, figures: Path | None = None) -> str:
                 f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | {after} | "
                 f"{_pm(best)} | {'' if paper is None else paper} |"
             )
+        if any(label in stale for label in labels):
+            lines += [
+                "",
+                "† made before issue 18's BatchNorm fix: the held score kept the statistics the device had "
+                "computed under the old base (the fix re-estimates them under each received base), so these rows "
+                "understate every method that receives a base; not rerun.",
+            ]
         kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
         for r in kept:
             moved = r.rounds[-1].bytes_up + r.rounds[-1].bytes_down
@@ -305,6 +319,11 @@ def plot_alpha(results, path: Path) -> list[str]:
     return shown
 
 
+def _has_batchnorm(config: SimulateConfig) -> bool:
+    """Whether a run's model has BatchNorm layers (the zoo's mobilenet always; cnn and others with norm batch)."""
+    return config.norm == "batch" or (config.model == "mobilenet" and config.norm is None)
+
+
 def _pm(values: list[float]) -> str:
     array = 100 * np.asarray(values, dtype=np.float64)
     return f"{array.mean():.1f} ± {array.std():.1f}" if len(array) else "-"
@@ -332,6 +351,7 @@ def main() -> None:
     parser.add_argument("--model", default="mobilenet", help="fedper-k, fedper-kp, fedalt: the model (reduced: cnn)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--only", nargs="+", help="run only the runs whose label contains one of these, e.g. k4/")
     parser.add_argument("--report", action="store_true", help="print RESULTS.md from the runs under --out")
     parser.add_argument("--figures", default=None, help="with --report: folder for the accuracy plots")
     args = parser.parse_args()
