@@ -26,10 +26,11 @@ from edgepfl.protocol import RoundSettings
 def recompute_statistics(engine: Engine, data: LocalData, batch_size: int) -> int:
     """Replace every BatchNorm running statistic by its estimate under the current weights; returns the samples used.
 
-    Weights are left bit-identical; a model without BatchNorm, or a device without training data, is untouched.
+    Weights are left bit-identical; a model without BatchNorm, or a device with fewer than 2 training samples,
+    is untouched.
     """
     momenta = engine.statistics_momenta()
-    if not momenta or data.num_train == 0:
+    if not momenta or data.num_train < 2:  # one sample has no variance on a 1x1 map: the statistics stay
         return 0
     weights = engine.get_tensors(engine.manifest.trainable("full"))
     zeros = {name: np.zeros(engine.manifest.tensor(name).shape, dtype=np.float32) for name in momenta}

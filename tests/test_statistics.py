@@ -152,6 +152,11 @@ def test_fewer_samples_than_a_batch_are_one_batch(bundle_factory) -> None:
     engine = _open("torch", bundle_factory("cnn", 1, engines=("ort-training", "portable"), norm="batch", width=0.25))
     data = _data(engine.manifest, count=6)
     assert recompute_statistics(engine, data, BATCH) == data.num_train < BATCH
+    one = _data(engine.manifest, count=2)  # one training sample: no variance to estimate, the statistics stay
+    assert one.num_train == 1
+    before = engine.get_tensors()
+    assert recompute_statistics(engine, one, BATCH) == 0
+    assert all(np.array_equal(v, before[n]) for n, v in engine.get_tensors().items())
 
 
 def test_layers_with_different_momenta_are_read_by_name(tmp_path) -> None:

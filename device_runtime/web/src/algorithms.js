@@ -128,7 +128,7 @@ export async function runClientRound(engine, train, settingsJson, { seed, roundI
 export async function recomputeStatistics(engine, train, batchSize) {
   const momenta = engine.statisticsMomenta();
   const names = Object.keys(momenta);
-  if (!names.length || !train.count) return 0;
+  if (!names.length || train.count < 2) return 0; // one sample has no variance on a 1x1 map
   const zeros = Object.fromEntries(names.map((name) => {
     const { shape } = engine.specs.get(name);
     return [name, { dtype: 'float32', shape: shape.slice(), data: new Float32Array(shape.reduce((a, b) => a * b, 1)) }];
