@@ -7,6 +7,8 @@ Settings (issue 6):
   fedper-k       FedPer's CIFAR-10 setting with `mobilenet`: FedAvg vs FedPer for classes:k, k in {4, 8, 10}, and
                  Local at k = 4 (issue 18)
   fedper-kp      FedPer with K_P in {1, 2, 3, 4} at classes:4
+  fedper-budget  FedPer vs Local of fedper-k at classes:4, run for more rounds (--rounds; issue 18: the budget at
+                 which FedPer reaches Local); copying fedper-k/k4/{fedper,local} here first resumes them
   fedalt         FedAlt vs FedSim (= fedper) on the fedper-k setting at classes:4
   pfedla         pFedLA Table 1 (issue 7): CIFAR-10, 10 clients, classes:4, `cnn` with BatchNorm: FedAvg, Local,
                  FedRep (= fedalt with K_P 1: the head first, then the body), pFedLA, HeurpFedLA; writes the
@@ -77,6 +79,10 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         for kp in (1, 2, 3, 4):
             config = base.updated(dataset="cifar10", partition="classes:4", algorithm="fedper", kp=kp)
             runs.append((f"{setting}/kp{kp}/fedper", config))
+    elif setting == "fedper-budget":
+        for algorithm in ("fedper", "local"):
+            config = base.updated(dataset="cifar10", partition="classes:4", algorithm=algorithm)
+            runs.append((f"{setting}/k4/{algorithm}", config))
     elif setting == "fedalt":
         for algorithm in ("fedalt", "fedper"):
             config = base.updated(model=base.model, dataset="cifar10", partition="classes:4", algorithm=algorithm)
@@ -339,7 +345,9 @@ def main() -> None:
     parser.add_argument(
         "setting",
         nargs="?",
-        choices=["persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedalt", "pfedla", "pfedla-mnist"],
+        choices=[
+            "persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedper-budget", "fedalt", "pfedla", "pfedla-mnist"
+        ],
     )
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--data-root", default="../shared/data")
