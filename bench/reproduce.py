@@ -151,7 +151,8 @@ def report(out: Path, figures: Path | None = None) -> str:
             continue  # started, no round completed yet
         label = str(path.parent.parent.relative_to(out))
         groups.setdefault(label, []).append(results)
-        if _has_batchnorm(results.config) and "recompute_bn" not in json.loads(path.read_text())["config"]:
+        receives = results.config.algorithm != "local"  # local training receives no base: nothing to re-estimate
+        if receives and _has_batchnorm(results.config) and "recompute_bn" not in json.loads(path.read_text())["config"]:
             stale.add(label)
     for label, same in SAME_RUN.items():  # a row of one setting that is another setting's run
         if same in groups and label.split("/")[0] in {k.split("/")[0] for k in groups}:
