@@ -159,6 +159,15 @@ def test_resume_continues_from_the_last_completed_round(tiny_npz, tmp_path):
         np.testing.assert_allclose(first[name], second[name], rtol=1e-6, atol=1e-7)
 
 
+def test_a_finished_local_run_resumes_to_more_rounds(tiny_npz, tmp_path):
+    """`local` keeps no server state: resuming it was refused ("its server is elsewhere")."""
+    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", algorithm="local", rounds=2))
+    run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", algorithm="local", rounds=1))
+    resumed = run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", algorithm="local", rounds=2))
+    assert [r.round for r in resumed.rounds] == [1, 2]
+    assert resumed.rounds[-1].test_accuracy["per_client"] == straight.rounds[-1].test_accuracy["per_client"]
+
+
 def test_a_different_experiment_in_the_same_folder_is_refused(tiny_npz, tmp_path):
     from edgepfl.errors import StateError
 

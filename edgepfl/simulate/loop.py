@@ -146,7 +146,7 @@ def run_simulation(
         records = [r for r in previous.rounds if r.round <= done] if previous is not None else []
         if server.closed_rounds() == done - 1:  # interrupted after the round's uploads, before its close
             server.tick()
-        if server.closed_rounds() != done:
+        if server.strategy is not None and server.closed_rounds() != done:  # local keeps no server state
             raise StateError(f"{out} has client state for round {done} but its server is elsewhere", "use a new --out")
         if len(records) == done - 1 and pending is not None:  # interrupted before the round was evaluated
             records.append(_evaluate(engine, clients, server, server.global_base(), done, pending))
