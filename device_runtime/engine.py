@@ -99,11 +99,15 @@ class Engine(ABC):
     def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:
         """A training-mode forward pass that moves the BatchNorm running statistics and no weight.
 
-        This default runs a step with learning rate 0 on the cheapest trainable set; the caller restores the
-        weights anyway (0 times a non-finite gradient is not 0). Engines with a cheaper forward override it.
+        This default runs a step with learning rate 0 on `statistics_set`; the caller restores the weights anyway
+        (0 times a non-finite gradient is not 0). Engines with a cheaper forward override it.
         """
+        self.train_step(x, y, 0.0, trainable=self.statistics_set())
+
+    def statistics_set(self) -> str:
+        """The cheapest trainable set whose step runs the whole forward: personal where there is one."""
         sets = self.available_sets()
-        self.train_step(x, y, 0.0, trainable="personal" if "personal" in sets else sets[0])
+        return "personal" if "personal" in sets else sets[0]
 
     def tensors_by_role(self, role: str) -> dict[str, np.ndarray]:
         """Copies of every tensor of one manifest role: base, personal or buffer."""

@@ -101,9 +101,7 @@ class OrtTrainingEngine(Engine):
 
     def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:
         """A training-mode forward (and the graph's backward) without the optimizer step, so AdamW's moments stay."""
-        sets = self.available_sets()
-        key = "personal" if "personal" in sets else sets[0]
-        self._run_step(key, None, x, np.ascontiguousarray(y, dtype=np.int64))
+        self._run_step(self.statistics_set(), None, x, np.ascontiguousarray(y, dtype=np.int64))
 
     def _run_step(self, key: str, lr: float | None, x: np.ndarray, *inputs: np.ndarray) -> float:
         """One optimizer step of training set `key` on (x, *inputs) (lr None: no step); BatchNorm statistics are

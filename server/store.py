@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 from edgepfl.atomic import write_bytes_atomic
@@ -530,20 +530,8 @@ class Store:
         """Record an accepted upload whose blob is already on disk."""
         with self.transaction() as db:
             db.execute(
-                f"INSERT INTO updates ({_UPDATE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.round_id,
-                    record.device,
-                    record.blob_sha,
-                    record.nbytes,
-                    record.num_samples,
-                    record.train_loss,
-                    record.val_accuracy,
-                    record.val_loss,
-                    record.received,
-                    record.status,
-                    record.start_val_accuracy,
-                ),
+                f"INSERT INTO updates ({_UPDATE_COLUMNS}) VALUES ({', '.join('?' * len(fields(UpdateRecord)))})",
+                astuple(record),
             )
 
     def mark_corrupt(self, round_id: int, device: str) -> None:
@@ -578,10 +566,8 @@ _ROUND_COLUMNS = (
     "round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, aggregate_seconds, note, population, "
     "epsilon"
 )
-_UPDATE_COLUMNS = (
-    "round_id, device, blob_sha, nbytes, num_samples, train_loss, val_accuracy, val_loss, received, status, "
-    "start_val_accuracy"
-)
+# the updates table's columns are UpdateRecord's fields, in order: a row reads back as UpdateRecord(*row)
+_UPDATE_COLUMNS = ", ".join(field.name for field in fields(UpdateRecord))
 
 
 def _write_meta(db: sqlite3.Connection, values: Mapping[str, str]) -> None:

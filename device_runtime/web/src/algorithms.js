@@ -4,6 +4,7 @@
 
 import { EngineError } from './engine.js';
 import { permutation, seedSequenceState } from './random.js';
+import { numel } from './safetensors.js';
 
 // algorithm -> its phases [name, trainable set, epochs] for the round settings (Python's ClientAlgorithm.phases)
 const ALGORITHMS = {
@@ -131,7 +132,7 @@ export async function recomputeStatistics(engine, train, batchSize) {
   if (!names.length || train.count < 2) return 0; // one sample has no variance on a 1x1 map
   const zeros = Object.fromEntries(names.map((name) => {
     const { shape } = engine.specs.get(name);
-    return [name, { dtype: 'float32', shape: shape.slice(), data: new Float32Array(shape.reduce((a, b) => a * b, 1)) }];
+    return [name, { dtype: 'float32', shape: shape.slice(), data: new Float32Array(numel(shape)) }];
   }));
   const sums = Object.fromEntries(names.map((name) => [name, new Float64Array(zeros[name].data.length)]));
   const sample = engine.sampleSize;

@@ -123,7 +123,7 @@ class Engine {
 
   /** A training-mode pass that moves the BatchNorm running statistics and no weight (engine.py statistics_step). */
   async statisticsStep(x, y, count) {
-    const sets = this.trainableSets();
+    const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
     const params = this.entry.params.length;
     this.entry.buffers.forEach((name, i) => this.state.set(name, results.state[params + i]));
