@@ -5,14 +5,20 @@ resnet18 (10-class head) at 32x32 and 96x96; batch 32, 2 threads; full steps and
 Each engine runs in its own process (ORT's spinning threads and torch's OpenMP threads slow each other
 when they share one); the median of the timed steps after warm-up is reported.
 Prints JSON on stdout and a table on stderr, and writes bench/out/engines.png.
-Usage: python bench/engines.py [--steps 15] [--warmup 3] [--rounds 1] [--models LIST] [--bundles DIR]
+The JSON names the host (CPU model, vector extensions, library versions): torch's convolution backward
+runs several times slower on an AVX2-only host than on an AVX-512 one, so ratios to torch compare only within
+one host.
+Usage: python bench/engines.py [--steps 15] [--warmup 3] [--rounds 1] [--models LIST] [--bundles DIR] [--engines LIST]
   --models: comma list of mobilenet-xW (zoo) and torchvision:NAME@SIZE, e.g. mobilenet-x0.25,torchvision:resnet18@32
+  --engines: comma list of torch, ort-training, portable (default all), e.g. portable alone to time another
+    version's bundles (an A/B of the exporter: its graphs in --bundles, today's runtime)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -119,6 +125,34 @@ def run_worker(engine: str, bundle: Path, trainable: str, steps: int, warmup: in
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def host() -> dict:
+    """The machine the numbers belong to: CPU model, widest vector extension, cores and library versions."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    libraries = {}
+    for package in ("torch", "onnxruntime", "onnxruntime-training-cpu"):
+        try:
+            libraries[package] = version(package)
+        except PackageNotFoundError:
+            continue
+    return {
+        "cpu": cpu,
+        "vector": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine(),
+        "cores": os.cpu_count(),
+        **libraries,
+    }
+
+
 def summarize(seconds: list[float], rounds: int) -> dict:
     """The row's numbers: median over every timed step of every round."""
     median = statistics.median(seconds)
@@ -139,8 +173,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
     groups = sorted({(r["model"], r["trainable"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(8, len(groups) * 0.9), 4))
-    bar = 0.8 / len(ENGINES)
-    for offset, engine in enumerate(ENGINES):
+    engines = [e for e in ENGINES if any(r["engine"] == e for r in rows)]
+    bar = 0.8 / len(engines)
+    for offset, engine in enumerate(engines):
         values = [
             next(
                 (r.get("images_per_s", 0) for r in rows if (r["model"], r["trainable"], r["engine"]) == (*g, engine)), 0
@@ -164,6 +199,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved (noisy hosts)")
     parser.add_argument("--models", default=MODELS)
     parser.add_argument("--bundles", type=Path, help="folder to keep the exported bundles in (reused)")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma list of the engines to time")
     parser.add_argument(
         "--worker", nargs=5, metavar=("ENGINE", "BUNDLE", "SET", "STEPS", "WARMUP"), help=argparse.SUPPRESS
     )
@@ -173,9 +209,12 @@ def main() -> None:
         print(json.dumps(time_steps(engine, Path(bundle), trainable, int(steps), int(warmup))))
         return
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := sorted(set(engines) - set(ENGINES)):
+        parser.error(f"--engines {','.join(unknown)}: not an engine (choose from {', '.join(ENGINES)})")
     with tempfile.TemporaryDirectory() as scratch:
         bundles = export_bundles(models, args.bundles or Path(scratch))
-        cases = [(m, t, e) for m in models for t in SETS for e in ENGINES]
+        cases = [(m, t, e) for m in models for t in SETS for e in engines]
         times: dict[tuple, list[float]] = {case: [] for case in cases}
         errors: dict[tuple, str] = {}
         # rounds interleave the engines, so that load from other processes falls on all of them alike
@@ -205,6 +244,7 @@ def main() -> None:
                 ratios[f"{model} {trainable}"] = round(speed["portable"] / speed["torch"], 2)
     plot(rows, OUT / "engines.png")
     result = {
+        "host": host(),
         "batch": BATCH,
         "threads": THREADS,
         "kp": KP,

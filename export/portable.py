@@ -24,6 +24,7 @@ from torch import nn
 
 from edgepfl.errors import UsageError
 from edgepfl.export import activations
+from edgepfl.export.smallmaps import SMALL_MAP, DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise, tap
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
 
@@ -182,6 +183,7 @@ def trace(
     table[aten.convolution.default] = _convolution
     table[aten.convolution_backward.default] = _convolution_backward
     table[aten.threshold_backward.default] = _threshold_backward
+    table[aten.sum.dim_IntList] = _sum
     table[aten.hardswish_backward.default] = activations.hardswish_backward
     table[aten.hardsigmoid_backward.default] = activations.hardsigmoid_backward
     table[aten.empty_like.default] = activations.empty_like
@@ -354,9 +356,6 @@ class MaskedBatchNorm2d(nn.Module):
         return centred * _per_channel(scale, x) + _per_channel(self.bias, x)
 
 
-SMALL_MAP = 64  # feature maps of at most this many pixels get the small-map forms below
-
-
 def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A per-channel vector shaped to broadcast over activations `x` (N, C, H, W).
 
@@ -458,7 +457,7 @@ def _to_onnx(
     onnx_program = torch.onnx.export(program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False)
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
-    # one copy of each identical constant (e.g. _DepthwiseMaps' tap matrices, made again for every layer
+    # one copy of each identical constant (e.g. DepthwiseMaps' tap matrices, made again for every layer
     # of the same map size and again for its backward), so that CSE also merges the products they feed
     onnx_ir.passes.common.DeduplicateInitializersPass(size_limit=1 << 20)(ir_model)
     onnxscript.ir.passes.common.RemoveUnusedNodesPass()(ir_model)
@@ -501,6 +500,20 @@ def _threshold_backward(grad_out: torch.Tensor, x: torch.Tensor, threshold: floa
     return grad_out * (x > threshold).to(grad_out.dtype)
 
 
+def _sum(
+    x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """aten.sum over the batch axis alone (autograd's gradient of an operand broadcast over the batch) as a
+    (1, N) @ (N, rest) product: onnxruntime's ReduceSum over the leading axis is 10-40x slower."""
+    if dtype is not None or not x.dtype.is_floating_point or x.dim() < 2 or not dims:
+        return NotImplemented
+    if sorted(d % x.dim() for d in dims) != [0]:
+        return NotImplemented
+    n = x.shape[0]
+    total = torch.ones(1, n, dtype=x.dtype) @ x.reshape(n, -1)
+    return total.reshape(1, *x.shape[1:]) if keepdim else total.reshape(x.shape[1:])
+
+
 def _convolution(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -512,11 +525,15 @@ def _convolution(
     output_padding: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
-    """aten.convolution: small depthwise maps as matrix products, everything else unchanged."""
-    if transposed or not _small_depthwise(x, weight, groups, dilation):
+    """aten.convolution: convolutions on small maps as whole-batch matrix products, everything else unchanged."""
+    if transposed:
         return NotImplemented
-    maps = _DepthwiseMaps(x, weight, stride, padding)
-    y = maps.forward(x, weight)
+    if is_small_depthwise(x, weight, groups, dilation):
+        y = DepthwiseMaps(x, weight, stride, padding).forward(x, weight)
+    elif is_small_dense(x, weight, stride, padding, groups, dilation):
+        y = DenseColumns(x.shape, weight.shape, stride, padding, x.dtype).forward(x, weight)
+    else:
+        return NotImplemented
     return y if bias is None else y + bias.reshape(1, -1, 1, 1)
 
 
@@ -539,10 +556,14 @@ def _convolution_backward(
             "the portable step supports 2-D, non-transposed, non-dilated convolutions only",
             "use a zoo model or export with --engines ort-training",
         )
-    if _small_depthwise(x, weight, groups, dilation):
-        maps = _DepthwiseMaps(x, weight, stride, padding)
+    if is_small_depthwise(x, weight, groups, dilation):
+        maps = DepthwiseMaps(x, weight, stride, padding)
         grad_input = maps.grad_input(grad_out, weight) if output_mask[0] else None
         grad_weight = maps.grad_weight(grad_out, x) if output_mask[1] else None
+    elif is_small_dense(x, weight, stride, padding, groups, dilation):
+        columns = DenseColumns(x.shape, weight.shape, stride, padding, x.dtype)
+        grad_input = columns.grad_input(grad_out, weight) if output_mask[0] else None
+        grad_weight = columns.grad_weight(grad_out, x) if output_mask[1] else None
     else:
         grad_input = _conv_grad_input(grad_out, x, weight, stride, padding, groups) if output_mask[0] else None
         grad_weight = _conv_grad_weight(grad_out, x, weight, stride, padding, groups) if output_mask[1] else None
@@ -576,7 +597,7 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
         # depthwise: one multiply-and-sum per kernel tap over strided views of the padded input
         padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
         taps = [
-            (_tap(padded, i, j, stride, out_h, out_w) * grad_out).sum((0, 2, 3)) for i in range(kh) for j in range(kw)
+            (tap(padded, i, j, stride, out_h, out_w) * grad_out).sum((0, 2, 3)) for i in range(kh) for j in range(kw)
         ]
         return torch.stack(taps, 1).reshape(cout, 1, kh, kw)
     if groups != 1:
@@ -584,87 +605,15 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
             "the portable step supports dense and depthwise convolutions only",
             "use a zoo model or export with --engines ort-training",
         )
+    if cout * cin * kh * kw > out_h * out_w * (cout + cin * kh * kw):
+        # the kernel outgrows the activations: one matrix product over all samples beats n products summed,
+        # whose (n, cout, cin) intermediate outgrows the inputs it would save transposing
+        return DenseColumns(x.shape, weight.shape, stride, padding, x.dtype).grad_weight(grad_out, x)
     grad_rows = grad_out.reshape(n, cout, out_h * out_w)
     if kh == kw == 1 and list(stride) == [1, 1] and list(padding) == [0, 0]:
         patches = x.reshape(n, cin, out_h * out_w)
     else:
         padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-        taps = [_tap(padded, i, j, stride, out_h, out_w) for i in range(kh) for j in range(kw)]
+        taps = [tap(padded, i, j, stride, out_h, out_w) for i in range(kh) for j in range(kw)]
         patches = torch.stack(taps, 2).reshape(n, cin * kh * kw, out_h * out_w)
-    if cout * cin * kh * kw > out_h * out_w * (cout + cin * kh * kw):
-        # small feature maps (late layers): one matrix product over all samples beats n products summed,
-        # whose (n, cout, cin) intermediate outgrows the inputs it would save transposing
-        columns = patches.transpose(0, 1).reshape(cin * kh * kw, n * out_h * out_w)
-        rows = grad_rows.transpose(0, 1).reshape(cout, n * out_h * out_w)
-        return (rows @ columns.transpose(0, 1)).reshape(cout, cin, kh, kw)
     return torch.bmm(grad_rows, patches.transpose(1, 2)).sum(0).reshape(cout, cin, kh, kw)
-
-
-def _tap(padded: torch.Tensor, i: int, j: int, stride: Sequence[int], out_h: int, out_w: int) -> torch.Tensor:
-    """The input values that kernel tap (i, j) multiplies, one per output position."""
-    return padded[
-        :, :, i : i + stride[0] * (out_h - 1) + 1 : stride[0], j : j + stride[1] * (out_w - 1) + 1 : stride[1]
-    ]
-
-
-def _small_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int, dilation: Sequence[int]) -> bool:
-    channels = x.shape[1]
-    return (
-        x.dim() == 4
-        and groups == channels == weight.shape[0]
-        and weight.shape[1] == 1
-        and all(d == 1 for d in dilation)
-        and x.shape[2] * x.shape[3] <= SMALL_MAP
-    )
-
-
-class _DepthwiseMaps:
-    """A depthwise convolution on a small map as one (in pixels x out pixels) matrix per channel.
-
-    onnxruntime runs a depthwise Conv as one tiny product per sample and channel (8,192 of them on a
-    2x2 map with 256 channels), and the kernel-tap weight gradient as 9 slices, products and sums.
-    Here each channel's kernel becomes a matrix M_c = sum_k w_c[k] * S_k, where the constant 0/1
-    S_k says which input pixel tap k of each output pixel reads (padding is where S_k has no 1), so
-    forward, input gradient and weight gradient are each one batched matrix product over channels.
-    """
-
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int]):
-        import numpy as np
-
-        self.n, self.channels, in_h, in_w = x.shape
-        kh, kw = weight.shape[2:]
-        self.out_h = (in_h + 2 * padding[0] - kh) // stride[0] + 1
-        self.out_w = (in_w + 2 * padding[1] - kw) // stride[1] + 1
-        self.in_hw = (in_h, in_w)
-        self.in_pixels, self.out_pixels = in_h * in_w, self.out_h * self.out_w
-        self.kernel_shape = (kh, kw)
-        taps = np.zeros((kh, kw, in_h, in_w, self.out_h, self.out_w), dtype=np.float64)
-        for i in range(kh):
-            for j in range(kw):
-                for oy in range(self.out_h):
-                    for ox in range(self.out_w):
-                        iy, ix = oy * stride[0] + i - padding[0], ox * stride[1] + j - padding[1]
-                        if 0 <= iy < in_h and 0 <= ix < in_w:
-                            taps[i, j, iy, ix, oy, ox] = 1.0
-        self.taps = torch.tensor(taps.reshape(kh * kw, -1), dtype=x.dtype)
-
-    def matrices(self, weight: torch.Tensor) -> torch.Tensor:
-        """(channels, in pixels, out pixels): each channel's convolution as a matrix."""
-        flat = weight.reshape(self.channels, -1) @ self.taps
-        return flat.reshape(self.channels, self.in_pixels, self.out_pixels)
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(self.n, self.channels, self.in_pixels).transpose(0, 1)
-        y = torch.bmm(rows, self.matrices(weight))
-        return y.transpose(0, 1).reshape(self.n, self.channels, self.out_h, self.out_w)
-
-    def grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = grad_out.reshape(self.n, self.channels, self.out_pixels).transpose(0, 1)
-        grad = torch.bmm(rows, self.matrices(weight).transpose(1, 2))
-        return grad.transpose(0, 1).reshape(self.n, self.channels, *self.in_hw)
-
-    def grad_weight(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(self.n, self.channels, self.in_pixels).permute(1, 2, 0)
-        grad_rows = grad_out.reshape(self.n, self.channels, self.out_pixels).transpose(0, 1)
-        per_pixel = torch.bmm(rows, grad_rows).reshape(self.channels, -1)
-        return (per_pixel @ self.taps.transpose(0, 1)).reshape(self.channels, 1, *self.kernel_shape)

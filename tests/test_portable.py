@@ -406,7 +406,7 @@ def test_small_map_depthwise_convolution_matches_pytorch_autograd(height, width,
     """Depthwise convolutions on small maps run as per-channel matrices: forward and both gradients exact."""
     import torch
 
-    from edgepfl.export.portable import _DepthwiseMaps
+    from edgepfl.export.smallmaps import DepthwiseMaps
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, 6, height, width, dtype=torch.float64, generator=generator, requires_grad=True)
@@ -414,11 +414,54 @@ def test_small_map_depthwise_convolution_matches_pytorch_autograd(height, width,
     y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding, groups=6)
     grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
     grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_out)
-    maps = _DepthwiseMaps(x, weight, (stride, stride), (padding, padding))
+    maps = DepthwiseMaps(x, weight, (stride, stride), (padding, padding))
     with torch.no_grad():
         torch.testing.assert_close(maps.forward(x, weight), y, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(maps.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(maps.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize(
+    ("height", "width", "kernel", "stride", "padding"),
+    [
+        (1, 1, 3, 1, 1),  # 8 of 9 taps read only padding
+        (2, 2, 3, 1, 1),
+        (2, 2, 3, 2, 1),  # a 2x2 block of taps is read
+        (4, 4, 3, 2, 1),
+        (5, 3, 3, 2, 0),
+        (3, 4, 1, 1, 0),
+        (4, 4, 1, 2, 0),  # ResNet's 1x1 stride-2 shortcut
+        (7, 7, 5, 3, 2),
+        (2, 3, 7, 1, 3),
+    ],
+)
+def test_small_map_dense_convolution_matches_pytorch_autograd(height, width, kernel, stride, padding):
+    """Ungrouped convolutions on small maps run as whole-batch column products: forward and both gradients exact."""
+    import torch
+
+    from edgepfl.export.smallmaps import DenseColumns
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, height, width, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(4, 6, kernel, kernel, dtype=torch.float64, generator=generator, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding)
+    grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
+    grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_out)
+    columns = DenseColumns(x.shape, weight.shape, (stride, stride), (padding, padding), torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(columns.forward(x, weight), y, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(columns.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(columns.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
+
+
+def test_a_kernel_on_a_one_pixel_map_keeps_only_the_taps_that_read_it():
+    """A 3x3 kernel on a 1x1 map reads one input value per output: one tap, not nine, goes into the product."""
+    from edgepfl.export.smallmaps import DenseColumns
+
+    assert DenseColumns((32, 512, 1, 1), (512, 512, 3, 3), (1, 1), (1, 1)).taps == 1
+    assert DenseColumns((32, 256, 2, 2), (512, 256, 3, 3), (2, 2), (1, 1)).taps == 4
+    assert DenseColumns((32, 64, 8, 8), (64, 64, 3, 3), (1, 1), (1, 1)).taps == 9
 
 
 def test_mobilenet_step_graph_is_default_domain_only(mobilenet_step):
