@@ -12,10 +12,16 @@ import torch
 
 
 def hardswish_backward(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """d/dx x·relu6(x+3)/6: 0 below -3, x/3 + 1/2 on [-3, 3], 1 above (PyTorch's boundaries)."""
-    middle = ((x >= -3) & (x <= 3)).to(grad_out.dtype)
-    above = (x > 3).to(grad_out.dtype)
+    """d/dx x·relu6(x+3)/6: 0 up to -3, x/3 + 1/2 strictly inside (-3, 3), 1 from 3 on (PyTorch's boundaries)."""
+    middle = ((x > -3) & (x < 3)).to(grad_out.dtype)
+    above = (x >= 3).to(grad_out.dtype)
     return grad_out * (middle * (x / 3 + 0.5) + above)
+
+
+def hardtanh_backward(grad_out: torch.Tensor, x: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
+    """d/dx clamp(x, min, max) (ReLU6 in the MobileNets): 1 strictly inside (min, max), else 0 (PyTorch's
+    boundaries); the core decomposition's Where with a scalar branch cost MobileNetV2 at 96 px 13% of its step."""
+    return grad_out * ((x > min_val) & (x < max_val)).to(grad_out.dtype)
 
 
 def hardsigmoid_backward(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

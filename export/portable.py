@@ -186,6 +186,7 @@ def trace(
     table[aten.sum.dim_IntList] = _sum
     table[aten.hardswish_backward.default] = activations.hardswish_backward
     table[aten.hardsigmoid_backward.default] = activations.hardsigmoid_backward
+    table[aten.hardtanh_backward.default] = activations.hardtanh_backward
     table[aten.empty_like.default] = activations.empty_like
     table[aten.slice_copy.Tensor] = activations.slice_copy
     table[aten.split_copy.Tensor] = activations.split_copy
@@ -594,12 +595,13 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
     n, cin = x.shape[:2]
     out_h, out_w = grad_out.shape[2:]
     if groups == cin and cin_group == 1 and cout == cin:
-        # depthwise: one multiply-and-sum per kernel tap over strided views of the padded input
-        padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-        taps = [
-            (tap(padded, i, j, stride, out_h, out_w) * grad_out).sum((0, 2, 3)) for i in range(kh) for j in range(kw)
-        ]
-        return torch.stack(taps, 1).reshape(cout, 1, kh, kw)
+        # depthwise: the weight gradient is itself a grouped convolution of the input (the batch as each
+        # group's channels) with the output gradient as kernel, spaced by the stride; onnxruntime's Conv
+        # gathers the taps several times faster than one strided Slice per tap (MobileNetV2 at 96 px)
+        rows = x.transpose(0, 1).reshape(1, cin * n, *x.shape[2:])
+        kernel = grad_out.transpose(0, 1)  # (cin, n, out_h, out_w)
+        grad = aten.convolution(rows, kernel, None, [1, 1], list(padding), list(stride), False, [0, 0], cin)
+        return grad[:, :, :kh, :kw].reshape(cout, 1, kh, kw)
     if groups != 1:
         raise UsageError(
             "the portable step supports dense and depthwise convolutions only",

@@ -455,6 +455,50 @@ def test_small_map_dense_convolution_matches_pytorch_autograd(height, width, ker
         torch.testing.assert_close(columns.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("name", ["relu6", "hardtanh", "hardswish", "hardsigmoid"])
+def test_mask_backward_of_the_mobile_activations_equals_pytorch_autograd(name):
+    """The masked-product backward forms give PyTorch's gradients, boundaries (0, 6, -3, 3, -1, 1) included."""
+    import torch
+
+    from edgepfl.export import activations
+
+    forward, backward = {
+        "relu6": (torch.nn.functional.relu6, lambda g, x: activations.hardtanh_backward(g, x, 0.0, 6.0)),
+        "hardtanh": (torch.nn.functional.hardtanh, lambda g, x: activations.hardtanh_backward(g, x, -1.0, 1.0)),
+        "hardswish": (torch.nn.functional.hardswish, activations.hardswish_backward),
+        "hardsigmoid": (torch.nn.functional.hardsigmoid, activations.hardsigmoid_backward),
+    }[name]
+    edges = torch.tensor([-6.0, -3.0, -1.0, 0.0, 1.0, 3.0, 6.0], dtype=torch.float64)
+    x = torch.cat([edges, torch.randn(200, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 4])
+    x.requires_grad_(True)
+    grad_out = torch.linspace(0.5, 2.0, x.numel(), dtype=torch.float64)
+    (expected,) = torch.autograd.grad(forward(x), x, grad_out)
+    # PyTorch multiplies by a float32 1/6 in hardsigmoid's backward, hence the float32-sized rtol
+    torch.testing.assert_close(backward(grad_out, x.detach()), expected, rtol=1e-7, atol=0)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize(
+    ("height", "width", "kernel", "stride", "padding"),
+    [(16, 16, 3, 1, 1), (16, 16, 3, 2, 1), (15, 9, 3, 2, 1), (12, 12, 5, 2, 2), (10, 10, 3, 1, 0), (9, 9, 3, 3, 1)],
+)
+def test_large_map_depthwise_weight_gradient_matches_pytorch_autograd(height, width, kernel, stride, padding):
+    """A depthwise weight gradient on a large map runs as one grouped convolution with the output gradient as kernel."""
+    import torch
+
+    from edgepfl.export.portable import _conv_grad_weight
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, height, width, dtype=torch.float64, generator=generator)
+    weight = torch.randn(6, 1, kernel, kernel, dtype=torch.float64, generator=generator, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding, groups=6)
+    grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
+    (expected,) = torch.autograd.grad(y, (weight,), grad_out)
+    ours = _conv_grad_weight(grad_out, x, weight.detach(), (stride, stride), (padding, padding), 6)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_a_kernel_on_a_one_pixel_map_keeps_only_the_taps_that_read_it():
     """A 3x3 kernel on a 1x1 map reads one input value per output: one tap, not nine, goes into the product."""
     from edgepfl.export.smallmaps import DenseColumns
