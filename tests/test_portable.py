@@ -408,17 +408,11 @@ def test_small_map_depthwise_convolution_matches_pytorch_autograd(height, width,
 
     from edgepfl.export.smallmaps import DepthwiseMaps
 
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 6, height, width, dtype=torch.float64, generator=generator, requires_grad=True)
-    weight = torch.randn(6, 1, kernel, kernel, dtype=torch.float64, generator=generator, requires_grad=True)
-    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding, groups=6)
-    grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
-    grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_out)
+    x, weight, y, grad_out, grad_x, grad_weight = _convolution_case(6, 6, height, width, kernel, stride, padding)
     maps = DepthwiseMaps(x, weight, (stride, stride), (padding, padding))
-    with torch.no_grad():
-        torch.testing.assert_close(maps.forward(x, weight), y, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(maps.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(maps.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(maps.forward(x, weight), y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(maps.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(maps.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
@@ -442,17 +436,11 @@ def test_small_map_dense_convolution_matches_pytorch_autograd(height, width, ker
 
     from edgepfl.export.smallmaps import DenseColumns
 
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 6, height, width, dtype=torch.float64, generator=generator, requires_grad=True)
-    weight = torch.randn(4, 6, kernel, kernel, dtype=torch.float64, generator=generator, requires_grad=True)
-    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding)
-    grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
-    grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_out)
+    x, weight, y, grad_out, grad_x, grad_weight = _convolution_case(1, 4, height, width, kernel, stride, padding)
     columns = DenseColumns(x.shape, weight.shape, (stride, stride), (padding, padding), torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(columns.forward(x, weight), y, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(columns.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(columns.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(columns.forward(x, weight), y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(columns.grad_input(grad_out, weight), grad_x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(columns.grad_weight(grad_out, x), grad_weight, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
@@ -489,14 +477,24 @@ def test_large_map_depthwise_weight_gradient_matches_pytorch_autograd(height, wi
 
     from edgepfl.export.portable import _conv_grad_weight
 
+    x, weight, _, grad_out, _, grad_weight = _convolution_case(6, 6, height, width, kernel, stride, padding)
+    ours = _conv_grad_weight(grad_out, x, weight, (stride, stride), (padding, padding), 6)
+    torch.testing.assert_close(ours, grad_weight, rtol=1e-12, atol=1e-12)
+
+
+def _convolution_case(groups: int, cout: int, height: int, width: int, kernel: int, stride: int, padding: int):
+    """A float64 convolution of 5 samples with 6 channels, and PyTorch's gradients for a random output gradient:
+    (x, weight, y, grad_out, grad_x, grad_weight), all detached."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 6, height, width, dtype=torch.float64, generator=generator)
-    weight = torch.randn(6, 1, kernel, kernel, dtype=torch.float64, generator=generator, requires_grad=True)
-    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding, groups=6)
+    x = torch.randn(5, 6, height, width, dtype=torch.float64, generator=generator, requires_grad=True)
+    shape = (cout, 6 // groups, kernel, kernel)
+    weight = torch.randn(shape, dtype=torch.float64, generator=generator, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, weight, stride=stride, padding=padding, groups=groups)
     grad_out = torch.randn(y.shape, dtype=torch.float64, generator=generator)
-    (expected,) = torch.autograd.grad(y, (weight,), grad_out)
-    ours = _conv_grad_weight(grad_out, x, weight.detach(), (stride, stride), (padding, padding), 6)
-    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_out)
+    return x.detach(), weight.detach(), y.detach(), grad_out, grad_x, grad_weight
 
 
 def test_a_kernel_on_a_one_pixel_map_keeps_only_the_taps_that_read_it():
