@@ -15,6 +15,12 @@ import numpy as np
 import torch
 
 SMALL_MAP = 64  # feature maps of at most this many pixels get the small-map forms
+# Ungrouped convolutions switch later: onnxruntime's per-image product is as fast from 6x6 output maps on
+# for a 3x3 kernel and from 4x4 on for a 1x1 kernel (interleaved timings of forward and both gradients,
+# batch 32, 2 threads: 3x3 on 4x4 maps 7.0 ms as columns vs 11.4 ms as Conv, on 6x6 46.0 vs 45.2, on 8x8
+# 8.6 vs 7.7; a 1x1 kernel's forward on a 1x1 map 0.28 vs 0.83 ms, on 2x2 0.82 vs 0.92, on 4x4 0.54 vs 0.29)
+SMALL_DENSE_MAP = 16
+SMALL_POINTWISE_MAP = 4
 
 
 def tap(padded: torch.Tensor, i: int, j: int, stride: Sequence[int], out_h: int, out_w: int) -> torch.Tensor:
@@ -44,12 +50,13 @@ def is_small_dense(
     groups: int,
     dilation: Sequence[int],
 ) -> bool:
-    """An ungrouped 2-D convolution whose output map has at most SMALL_MAP pixels."""
+    """An ungrouped 2-D convolution on an output map small enough for the whole-batch columns (see above)."""
     if x.dim() != 4 or groups != 1 or any(d != 1 for d in dilation):
         return False
     out_h = (x.shape[2] + 2 * padding[0] - weight.shape[2]) // stride[0] + 1
     out_w = (x.shape[3] + 2 * padding[1] - weight.shape[3]) // stride[1] + 1
-    return out_h * out_w <= SMALL_MAP
+    pointwise = weight.shape[2] == weight.shape[3] == 1
+    return out_h * out_w <= (SMALL_POINTWISE_MAP if pointwise else SMALL_DENSE_MAP)
 
 
 class DenseColumns:
@@ -81,13 +88,17 @@ class DenseColumns:
         kept = [t for t in range(kh * kw) if reads[t].any()]
         self.taps = len(kept)
         # (in pixels, kept taps * out pixels): column (tap, p) has a 1 at the input pixel that tap reads for p
-        self.reads = torch.tensor(reads[kept].transpose(1, 0, 2).reshape(self.in_pixels, -1), dtype=dtype)
+        matrix = reads[kept].transpose(1, 0, 2).reshape(self.in_pixels, -1)
+        identity = matrix.shape[0] == matrix.shape[1] and np.array_equal(matrix, np.eye(len(matrix)))
+        self.reads = None if identity else torch.tensor(matrix, dtype=dtype)  # None: a 1x1 kernel, stride 1
         # (kernel taps, kept taps): picks the kept taps out of a flattened kernel; None when all are kept
         self.pick = None if self.taps == kh * kw else torch.tensor(np.eye(kh * kw)[:, kept], dtype=dtype)
 
     def columns(self, x: torch.Tensor) -> torch.Tensor:
         """(cin * taps, n * out pixels): the inputs each kept kernel tap multiplies, for the whole batch."""
-        per_tap = x.reshape(self.n * self.cin, self.in_pixels) @ self.reads
+        per_tap = x.reshape(self.n * self.cin, self.in_pixels)
+        if self.reads is not None:
+            per_tap = per_tap @ self.reads
         per_tap = per_tap.reshape(self.n, self.cin * self.taps, self.out_pixels)
         return per_tap.transpose(0, 1).reshape(self.cin * self.taps, self.n * self.out_pixels)
 
@@ -116,7 +127,7 @@ class DenseColumns:
         grad_columns = self.kernel(weight).transpose(0, 1) @ self.grad_rows(grad_out)  # (cin*taps, n*out pixels)
         per_sample = grad_columns.reshape(self.cin, self.taps, self.n, self.out_pixels).transpose(1, 2)
         per_sample = per_sample.reshape(self.cin * self.n, self.taps * self.out_pixels)
-        grad = per_sample @ self.reads.transpose(0, 1)  # (cin*n, in pixels)
+        grad = per_sample if self.reads is None else per_sample @ self.reads.transpose(0, 1)  # (cin*n, in pixels)
         return grad.reshape(self.cin, self.n, *self.in_hw).transpose(0, 1)
 
 
