@@ -497,6 +497,7 @@ def _convolution_case(groups: int, cout: int, height: int, width: int, kernel: i
     return x.detach(), weight.detach(), y.detach(), grad_out, grad_x, grad_weight
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_a_kernel_on_a_one_pixel_map_keeps_only_the_taps_that_read_it():
     """A 3x3 kernel on a 1x1 map reads one input value per output: one tap, not nine, goes into the product."""
     from edgepfl.export.smallmaps import DenseColumns
