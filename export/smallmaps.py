@@ -53,8 +53,7 @@ def is_small_dense(
     """An ungrouped 2-D convolution on an output map small enough for the whole-batch columns (see above)."""
     if x.dim() != 4 or groups != 1 or any(d != 1 for d in dilation):
         return False
-    out_h = (x.shape[2] + 2 * padding[0] - weight.shape[2]) // stride[0] + 1
-    out_w = (x.shape[3] + 2 * padding[1] - weight.shape[3]) // stride[1] + 1
+    out_h, out_w = output_size(x.shape[2:], weight.shape[2:], stride, padding)
     pointwise = weight.shape[2] == weight.shape[3] == 1
     return out_h * out_w <= (SMALL_POINTWISE_MAP if pointwise else SMALL_DENSE_MAP)
 
@@ -131,13 +130,19 @@ class DenseColumns:
         return grad.reshape(self.cin, self.n, *self.in_hw).transpose(0, 1)
 
 
+def output_size(
+    in_hw: Sequence[int], kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int]
+) -> tuple[int, int]:
+    """(out_h, out_w) of an undilated convolution."""
+    return tuple((size + 2 * pad - k) // step + 1 for size, k, step, pad in zip(in_hw, kernel, stride, padding))
+
+
 def tap_reads(kernel: Sequence[int], in_hw: Sequence[int], stride: Sequence[int], padding: Sequence[int]) -> np.ndarray:
     """(kh, kw, in_h, in_w, out_h, out_w), 1 where kernel tap (i, j) of output pixel (oy, ox) reads input pixel
     (iy, ix); a tap over padding reads nothing."""
     kh, kw = kernel
     in_h, in_w = in_hw
-    out_h = (in_h + 2 * padding[0] - kh) // stride[0] + 1
-    out_w = (in_w + 2 * padding[1] - kw) // stride[1] + 1
+    out_h, out_w = output_size(in_hw, kernel, stride, padding)
     reads = np.zeros((kh, kw, in_h, in_w, out_h, out_w), dtype=np.float64)
     for i in range(kh):
         for j in range(kw):
