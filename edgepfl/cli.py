@@ -215,6 +215,7 @@ def simulate(
     engine: str | None = flag(SimulateConfig, 'engine', unset_default=True),
     seed: int | None = flag(SimulateConfig, 'seed', unset_default=True),
     threads: int | None = flag(SimulateConfig, 'threads', unset_default=True),
+    device: str | None = flag(SimulateConfig, 'device', unset_default=True),
     workers: int | None = flag(SimulateConfig, 'workers', unset_default=True),
     ray_address: str | None = flag(SimulateConfig, 'ray_address', unset_default=True),
     client_cpus: float | None = flag(SimulateConfig, 'client_cpus', unset_default=True),

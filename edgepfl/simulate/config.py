@@ -119,6 +119,13 @@ class SimulateConfig(BaseModel):
     engine: Literal[SIM_ENGINES] = Field("torch", description="the clients' training engine")  # type: ignore[valid-type]
     seed: Annotated[int, Field(description="seed of partition, init, sampling and shuffling")] = 0
     threads: Annotated[int | None, Field(ge=1, description="CPU threads of the engine (default: its choice)")] = None
+    device: Annotated[
+        str,
+        Field(
+            pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+            description="--engine torch: where it computes (cpu, cuda, cuda:N); the ONNX engines run on the CPU",
+        ),
+    ] = "cpu"
     workers: Annotated[
         int, Field(ge=1, description="train a round's clients in this many Ray actors (1: in this process, no Ray)")
     ] = 1
@@ -157,6 +164,11 @@ class SimulateConfig(BaseModel):
             )
         if privacy.enabled and self.plan.strategy is not None:
             check_dp_strategy(self.plan.strategy, "--algorithm")
+        if self.device != "cpu" and self.engine != "torch":
+            raise UsageError(
+                f"--device {self.device} applies to --engine torch; the {self.engine} engine runs on the CPU",
+                "use --engine torch, or drop --device",
+            )
         return self
 
     def privacy(self) -> PrivacyOptions:
@@ -190,7 +202,7 @@ class SimulateConfig(BaseModel):
 
     def same_experiment(self, other: SimulateConfig) -> list[str]:
         """Fields that differ in a way that makes `other` a different experiment (rounds, threads, workers may)."""
-        free = {"rounds", "threads", "out", "workers", "ray_address", "client_cpus", "client_gpus"}
+        free = {"rounds", "threads", "device", "out", "workers", "ray_address", "client_cpus", "client_gpus"}
         names = [name for name in SimulateConfig.model_fields if name not in free]
         return [name for name in names if getattr(self, name) != getattr(other, name)]
 

@@ -107,7 +107,7 @@ def run_simulation(
     dataset, parts = load_partition(config)
     status("exporting the model")
     manifest = ensure_bundle(config, out / BUNDLE_DIR, dataset.sample_shape, dataset.num_classes)
-    engine = open_sim_engine(config.engine, out / BUNDLE_DIR, manifest, config.threads)
+    engine = open_sim_engine(config.engine, out / BUNDLE_DIR, manifest, config.threads, config.device)
     settings = round_settings(config)
     initial = engine.get_tensors()
     clients = []
@@ -335,7 +335,7 @@ def export_job() -> None:
         _export_run_bundle(
             SimulateConfig.model_validate(job["config"]), folder, tuple(job["sample_shape"]), job["num_classes"]
         )
-        if not (folder / "portable").is_dir():
+        if not (folder / "portable").is_dir() and not initial_file(folder).is_file():  # kept from an earlier run
             from edgepfl.device_runtime.engine import open_engine
 
             save_tensors(initial_file(folder), open_engine(folder, "ort-training").get_tensors())
@@ -375,22 +375,24 @@ def open_workers(
     """Where the clients train: the driver's engine (`--workers 1`) or Ray actors with an engine each."""
     if config.workers == 1 and config.ray_address is None:
         return Sequential(engine, manifest, clients, teachers)
-    opener = partial(open_sim_engine, config.engine, bundle, manifest, config.threads)
+    opener = partial(open_sim_engine, config.engine, bundle, manifest, config.threads, config.device)
     data = [ClientData(c.name, c.train, c.test, c.seed, c.residuals) for c in clients]
     return RayWorkers(
         opener, manifest, data, teachers, config.workers, config.ray_address, config.client_cpus, config.client_gpus
     )
 
 
-def open_sim_engine(name: str, bundle: Path, manifest: Manifest, threads: int | None = None) -> Engine:
-    """torch (eager, reads the bundle's initial tensors), portable or ort-training (the device engines)."""
+def open_sim_engine(
+    name: str, bundle: Path, manifest: Manifest, threads: int | None = None, device: str = "cpu"
+) -> Engine:
+    """torch (eager, reads the bundle's initial tensors; on `device`), portable or ort-training (the device engines)."""
     from edgepfl.device_runtime.engine import open_engine
 
     if name != "torch":
         return open_engine(bundle, name, threads=threads)
     from edgepfl.simulate.torch_engine import TorchEngine
 
-    return TorchEngine(bundle, manifest, initial_tensors(bundle), threads=threads)
+    return TorchEngine(bundle, manifest, initial_tensors(bundle), threads=threads, device=device)
 
 
 def initial_tensors(bundle: Path) -> dict[str, np.ndarray]:

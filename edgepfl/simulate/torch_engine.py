@@ -6,6 +6,10 @@ tolerance): plain SGD on the mean cross-entropy of the batch; only the tensors o
 a step (batch statistics) and updates its running statistics with momentum 0.1 and the unbiased
 variance; evaluation uses the running statistics. PersFL's `distill_step` uses the exported graphs'
 own loss (`export.portable.distillation_loss`), so it matches both ONNX engines.
+
+`device` (`edgepfl simulate --device cuda`) moves the model to a GPU: batches go there step by step and
+tensors come back as numpy arrays, so the rest of the simulator does not change. cuDNN's kernels are not
+bit-reproducible from run to run, so a GPU run matches a CPU run within float tolerance, not bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
-from edgepfl.errors import BundleError
+from edgepfl.errors import BundleError, UsageError
 from edgepfl.manifest import TRAINABLE_SETS, Manifest
 
 
@@ -31,6 +35,7 @@ class TorchEngine(Engine):
         manifest: Manifest,
         initial: Mapping[str, np.ndarray],
         threads: int | None = None,
+        device: str = "cpu",
     ):
         super().__init__(bundle_dir, manifest)
         import torch
@@ -40,7 +45,8 @@ class TorchEngine(Engine):
         self._torch = torch
         if threads:
             torch.set_num_threads(threads)
-        self.model = rebuild_module(manifest.model)
+        self.device = torch_device(device)
+        self.model = rebuild_module(manifest.model).to(self.device)
         self._params = dict(self.model.named_parameters())
         self._buffers = {n: b for n, b in self.model.named_buffers() if not n.endswith("num_batches_tracked")}
         known = set(self._params) | set(self._buffers)
@@ -60,7 +66,7 @@ class TorchEngine(Engine):
     def get_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Copies of named params/buffers (all when `names` is None)."""
         wanted = [*self._params, *self._buffers] if names is None else list(names)
-        return {name: self._tensor(name).detach().numpy().copy() for name in wanted}
+        return {name: self._tensor(name).detach().cpu().numpy().copy() for name in wanted}
 
     def set_tensors(self, tensors: Mapping[str, np.ndarray]) -> None:
         """Overwrite named params/buffers in place."""
@@ -72,9 +78,8 @@ class TorchEngine(Engine):
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One SGD step on the set's tensors; BatchNorm statistics update in every block."""
-        torch = self._torch
-        labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
-        return self._sgd_step(x, lr, trainable, lambda logits: torch.nn.functional.cross_entropy(logits, labels))
+        labels = self._input(y, np.int64)
+        return self._sgd_step(x, lr, trainable, lambda logits: self._torch.nn.functional.cross_entropy(logits, labels))
 
     def distill_step(
         self,
@@ -92,10 +97,10 @@ class TorchEngine(Engine):
 
         torch = self._torch
         check_distill_inputs(self.manifest, len(y), np.asarray(teacher_logits), temperature, lam)
-        labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
-        teacher = torch.from_numpy(np.ascontiguousarray(teacher_logits, dtype=np.float32))
-        weights = torch.ones(len(y), dtype=torch.float32)
-        temperature_t, lam_t = torch.tensor(float(temperature)), torch.tensor(float(lam))
+        labels, teacher = self._input(y, np.int64), self._input(teacher_logits, np.float32)
+        weights = torch.ones(len(y), dtype=torch.float32, device=self.device)
+        temperature_t = torch.tensor(float(temperature), device=self.device)
+        lam_t = torch.tensor(float(lam), device=self.device)
 
         def loss_of(logits):
             return distillation_loss(logits, teacher, labels, weights, temperature_t, lam_t, variant)
@@ -116,22 +121,22 @@ class TorchEngine(Engine):
         """A training-mode forward without gradients: the running statistics move, no weight does."""
         self.model.train()
         with self._torch.no_grad():
-            self.model(self._torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+            self.model(self._input(x, np.float32))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32."""
         torch = self._torch
         self.model.eval()
         with torch.no_grad():
-            return self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy().copy()
+            return self.model(self._input(x, np.float32)).cpu().numpy().copy()
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Summed loss and correct count in inference mode (running BatchNorm statistics)."""
         torch = self._torch
         self.model.eval()
         with torch.no_grad():
-            logits = self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
-            labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
+            logits = self.model(self._input(x, np.float32))
+            labels = self._input(y, np.int64)
             loss_sum = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
             correct = int((logits.argmax(dim=1) == labels).sum())
         return EvalResult(loss_sum=float(loss_sum), correct=correct, count=len(y))
@@ -145,7 +150,7 @@ class TorchEngine(Engine):
         for name, param in self._params.items():
             param.requires_grad_(name in chosen)
             param.grad = None
-        loss = loss_of(self.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))))
+        loss = loss_of(self.model(self._input(x, np.float32)))
         loss.backward()
         with torch.no_grad():
             for name in chosen:
@@ -155,9 +160,35 @@ class TorchEngine(Engine):
                     param.grad = None
         return float(loss.detach())
 
+    def _input(self, array: np.ndarray, dtype: type) -> object:
+        """A batch (inputs, labels, teacher logits) as a tensor on the engine's device."""
+        return self._torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
+
     def _tensor(self, name: str):
         if name in self._params:
             return self._params[name]
         if name in self._buffers:
             return self._buffers[name]
         raise BundleError(f"tensor {name!r} is not in this bundle", "use names from manifest.json")
+
+
+def torch_device(name: str):
+    """`cpu`, `cuda` or `cuda:N` as a torch device this process can use; one line when it cannot."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise UsageError(f"--device {name!r} is not a torch device ({exc})", "use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name!r}: the torch engine runs on cpu or cuda only", "use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(
+                f"--device {name}: this torch sees no CUDA GPU (torch {torch.__version__})",
+                "drop --device (cpu), or run on a machine with a GPU and a CUDA build of torch",
+            )
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"--device {name}: this machine has {count} CUDA GPU(s)", f"use cuda:0..cuda:{count - 1}")
+    return device
