@@ -308,6 +308,16 @@ class RoundEngine:
             "sampled": sampled,
         }
 
+    def withdraw_uploads(self, round_id: int) -> int:
+        """Forget an open round's uploads, so that its devices upload again; returns how many were forgotten.
+
+        For in-process drivers only (no HTTP route): a simulated run resumed after an interruption trains the
+        round again, and a GPU's training does not repeat its bytes, which the one-upload-per-round rule refuses.
+        """
+        with self._lock:
+            self._delta_norms = {key: norm for key, norm in self._delta_norms.items() if key[0] != round_id}
+            return self.store.withdraw_updates(round_id)
+
     def accept_metrics(self, device: str, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
         """Store a device's evaluation of its personalized model after a round."""
         try:

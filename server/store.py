@@ -534,6 +534,14 @@ class Store:
                 astuple(record),
             )
 
+    def withdraw_updates(self, round_id: int) -> int:
+        """Forget every upload of an open round; returns how many. Their blobs become unreferenced."""
+        with self.transaction() as db:
+            row = db.execute("SELECT state FROM rounds WHERE round_id = ?", (round_id,)).fetchone()
+            if row is None or row[0] != "open":
+                raise StateError(f"round {round_id} is not open: its uploads stay", "withdraw an open round's only")
+            return db.execute("DELETE FROM updates WHERE round_id = ?", (round_id,)).rowcount
+
     def mark_corrupt(self, round_id: int, device: str) -> None:
         """Exclude an upload whose blob failed its sha256 check."""
         with self.transaction() as db:

@@ -312,6 +312,40 @@ def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_
         np.testing.assert_array_equal(first[name], second[name])
 
 
+def test_a_run_killed_mid_round_resumes_when_training_does_not_repeat_its_bytes(tiny_npz, tmp_path, monkeypatch):
+    """A GPU's training is not bit-reproducible: resumed, the interrupted round's clients upload different bytes.
+
+    The uploads the killed run left in the open round are withdrawn and the round is trained again; before this
+    the engine refused client 0's second upload as a different update for the same round.
+    """
+    from edgepfl.simulate.rounds import InProcessServer
+    from edgepfl.simulate.torch_engine import TorchEngine
+
+    honest_upload, honest_step = InProcessServer.upload, TorchEngine.train_step
+    uploads = []
+
+    def killed(self, name, round_id, payload):
+        uploads.append(round_id)
+        if len(uploads) == 6:  # round 2, after client 0's upload was accepted
+            raise KeyboardInterrupt
+        honest_upload(self, name, round_id, payload)
+
+    monkeypatch.setattr(InProcessServer, "upload", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(tiny_config(tiny_npz, tmp_path / "run", rounds=3))
+    monkeypatch.undo()
+    assert uploads[-1] == 2
+
+    # other bytes from the same state, as a GPU gives: the learning rate moves by one part in a thousand
+    def other_bytes(self, x, y, lr, **kw):
+        return honest_step(self, x, y, lr * 1.001, **kw)
+
+    monkeypatch.setattr(TorchEngine, "train_step", other_bytes)
+    resumed = run_simulation(tiny_config(tiny_npz, tmp_path / "run", rounds=3))
+    assert [r.round for r in resumed.rounds] == [1, 2, 3] and all(r.sampled == 4 for r in resumed.rounds)
+    assert resumed.rounds[-1].test_accuracy["mean"] > 0.5  # chance is 10%
+
+
 def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path):
     pytest.importorskip("dp_accounting")
     from typer.testing import CliRunner
@@ -339,3 +373,37 @@ def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path
     assert bad.exit_code == 2 and "differential privacy cannot run with --algorithm pfedla" in bad.output
     assert "use --algorithm fedavg or fedper with DP" in bad.output
     assert bad.output.count("\n") == 1
+
+
+def test_a_device_the_machine_lacks_or_an_onnx_engine_on_a_gpu_is_one_line(tiny_npz, tmp_path):
+    """--device: cuda without a visible GPU, cuda with an ONNX engine and a non-device are refused in one line."""
+    import torch
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+
+    runner = CliRunner()
+    base = ["simulate", "--out", str(tmp_path / "gpu"), "--model", "mlp", "--dataset", str(tiny_npz)]
+    base += ["--data-root", str(tiny_npz.parent), "--clients", "4", "--rounds", "1", "--partition", "classes:2"]
+    onnx = runner.invoke(app, [*base, "--engine", "portable", "--device", "cuda"])
+    assert onnx.exit_code == 2 and "--device cuda applies to --engine torch" in onnx.output
+    assert "Traceback" not in onnx.output
+    bad = runner.invoke(app, [*base, "--device", "tpu"])
+    assert bad.exit_code == 2 and "--device" in bad.output and "Traceback" not in bad.output
+    if not torch.cuda.is_available():
+        missing = runner.invoke(app, [*base, "--device", "cuda"])
+        assert missing.exit_code == 2 and "this torch sees no CUDA GPU" in missing.output, missing.output
+        assert "Traceback" not in missing.output and not (tmp_path / "gpu" / "state.safetensors").exists()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (never in CI)")
+def test_a_gpu_run_matches_the_cpu_run(tiny_npz, tmp_path):
+    """--device cuda trains the same model as the CPU within float tolerance (cuDNN is not bit-reproducible)."""
+    runs = {}
+    for device in ("cpu", "cuda"):
+        config = tiny_config(tiny_npz, tmp_path / device, model="cnn", norm="batch", device=device)
+        runs[device] = run_simulation(config)
+    np.testing.assert_allclose(_per_client_losses(runs["cpu"]), _per_client_losses(runs["cuda"]), rtol=2e-3)
+    cpu_state, gpu_state = state_of(tmp_path / "cpu"), state_of(tmp_path / "cuda")
+    for name, value in cpu_state.items():
+        np.testing.assert_allclose(value, gpu_state[name], rtol=1e-2, atol=2e-3, err_msg=name)

@@ -95,8 +95,10 @@ class InProcessServer:
                 f"the simulated server opened round {found} where round {round_id} was due",
                 "the run folder's server state does not match its results: use a new --out",
             )
+        if self.engine.store.updates(round_id, status=None):  # left by an interrupted run: every client trains again
+            self.engine.withdraw_uploads(round_id)  # and a GPU's (or any nondeterministic) training sends new bytes
         plans = {}
-        for name in current.sampled:  # a client that uploaded before an interruption trains again: same bytes
+        for name in current.sampled:
             payload, _ = self.engine.base_for(name, round_id)
             settings = self.engine.settings_for(name, round_id)
             plans[name] = Assignment(settings, decode_download(payload, settings.download_encoding), len(payload))
