@@ -9,6 +9,10 @@ Settings (issue 6):
   fedper-kp      FedPer with K_P in {1, 2, 3, 4} at classes:4
   fedper-budget  FedPer vs Local of fedper-k at classes:4, run for more rounds (--rounds; issue 18: the budget at
                  which FedPer reaches Local); copying fedper-k/k4/{fedper,local} here first resumes them
+  fedper-paper   FedPer's CIFAR-10 MobileNet setting at the paper's per-round budget (issue 18): width 1.0, 4 local
+                 epochs, batch 128, lr 0.01 (--rounds: the paper's 100): k=4 FedAvg vs FedPer vs Local, then k=10
+                 FedAvg vs FedPer, then K_P in {1, 3, 4} at k=4 (K_P 2 is the k=4 FedPer run); meant for a GPU
+                 (--device cuda)
   fedalt         FedAlt vs FedSim (= fedper) on the fedper-k setting at classes:4
   pfedla         pFedLA Table 1 (issue 7): CIFAR-10, 10 clients, classes:4, `cnn` with BatchNorm: FedAvg, Local,
                  FedRep (= fedalt with K_P 1: the head first, then the body), pFedLA, HeurpFedLA; writes the
@@ -58,7 +62,13 @@ PAPER = {
 NOTES_FILE = "NOTES.md"  # under --out: appended to the report
 PAPER_SOURCE = {"persfl-cifar": "PersFL", "persfl-mnist": "PersFL", "pfedla": "pFedLA"}
 # rows whose config is identical to another setting's run: read from (and run into) that run's folder
-SAME_RUN = {"fedper-kp/kp2/fedper": "fedper-k/k4/fedper", "fedalt/k4/fedper": "fedper-k/k4/fedper"}
+SAME_RUN = {
+    "fedper-kp/kp2/fedper": "fedper-k/k4/fedper",
+    "fedalt/k4/fedper": "fedper-k/k4/fedper",
+    "fedper-paper/kp2/fedper": "fedper-paper/k4/fedper",
+}
+# FedPer's paper budget per round (issue 18): MobileNet width 1.0, 4 local epochs, batch 128, lr 0.01
+FEDPER_PAPER = {"width": 1.0, "epochs": 4, "batch_size": 128, "lr": 0.01}
 
 
 def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]:
@@ -83,6 +93,19 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         for algorithm in ("fedper", "local"):
             config = base.updated(dataset="cifar10", partition="classes:4", algorithm=algorithm)
             runs.append((f"{setting}/k4/{algorithm}", config))
+    elif setting == "fedper-paper":
+        paper = base.updated(model="mobilenet", dataset="cifar10", **FEDPER_PAPER)
+        for label, algorithm, k, kp in (
+            ("k4/fedavg", "fedavg", 4, 2),
+            ("k4/fedper", "fedper", 4, 2),
+            ("k4/local", "local", 4, 2),
+            ("k10/fedavg", "fedavg", 10, 2),
+            ("k10/fedper", "fedper", 10, 2),
+            ("kp1/fedper", "fedper", 4, 1),
+            ("kp3/fedper", "fedper", 4, 3),
+            ("kp4/fedper", "fedper", 4, 4),
+        ):
+            runs.append((f"{setting}/{label}", paper.updated(partition=f"classes:{k}", algorithm=algorithm, kp=kp)))
     elif setting == "fedalt":
         for algorithm in ("fedalt", "fedper"):
             config = base.updated(model=base.model, dataset="cifar10", partition="classes:4", algorithm=algorithm)
@@ -124,6 +147,7 @@ def run(args: argparse.Namespace) -> None:
         model=args.model,
         engine="torch",
         threads=args.threads,
+        device=args.device,
     )
     for seed in args.seeds:
         for label, config in plan(args.setting, base.updated(seed=seed)):
@@ -154,8 +178,11 @@ def report(out: Path, figures: Path | None = None) -> str:
         receives = results.config.algorithm != "local"  # local training receives no base: nothing to re-estimate
         if receives and _has_batchnorm(results.config) and "recompute_bn" not in json.loads(path.read_text())["config"]:
             stale.add(label)
-    for label, same in SAME_RUN.items():  # a row of one setting that is another setting's run
-        if same in groups and label.split("/")[0] in {k.split("/")[0] for k in groups}:
+    for label, same in SAME_RUN.items():  # a row of a series (kp1, kp3, ...) that is another row's run
+        setting, part = label.split("/")[:2]
+        kind = part.rstrip("0123456789")
+        series = {k for k in groups if k.split("/")[0] == setting and k.split("/")[1].rstrip("0123456789") == kind}
+        if same in groups and series:
             groups[label] = groups[same]
             if same in stale:
                 stale.add(label)
@@ -238,6 +265,7 @@ def report(out: Path, figures: Path | None = None) -> str:
                 "computed under the old base (the fix re-estimates them under each received base), so these rows "
                 "understate every method that receives a base; not rerun.",
             ]
+        lines += _at_common_round(groups, labels)
         kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
         for r in kept:
             moved = r.rounds[-1].bytes_up + r.rounds[-1].bytes_down
@@ -289,6 +317,20 @@ def report(out: Path, figures: Path | None = None) -> str:
     if notes.is_file():  # how the runs were made and what was reduced: prose kept beside the results, no numbers
         lines += [notes.read_text(encoding="utf-8").rstrip(), ""]
     return "\n".join(lines)
+
+
+def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
+    """Where a setting's runs stopped at different rounds: every run's held score at the last round all reached."""
+    plain = [label for label in labels if not groups[label][0].persfl]
+    common = min((len(r.rounds) for label in plain for r in groups[label]), default=0)
+    if not common or all(len(r.rounds) == common for label in plain for r in groups[label]):
+        return []
+    lines = ["", f"The runs stopped at different rounds. At round {common}, which all of them reached (mean per seed):"]
+    for label in plain:
+        scores = [r.rounds[common - 1].test_accuracy["per_client"] for r in groups[label]]
+        per_run = [[v for v in run if v is not None] for run in scores]
+        lines.append(f"- {label}: {_per_seed(per_run)}")
+    return lines
 
 
 def initial_alpha(results) -> dict[str, np.ndarray]:
@@ -347,7 +389,15 @@ def main() -> None:
         "setting",
         nargs="?",
         choices=[
-            "persfl-mnist", "persfl-cifar", "fedper-k", "fedper-kp", "fedper-budget", "fedalt", "pfedla", "pfedla-mnist"
+            "persfl-mnist",
+            "persfl-cifar",
+            "fedper-k",
+            "fedper-kp",
+            "fedper-budget",
+            "fedper-paper",
+            "fedalt",
+            "pfedla",
+            "pfedla-mnist",
         ],
     )
     parser.add_argument("--out", default="bench/results")
@@ -359,6 +409,7 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=0.25)
     parser.add_argument("--model", default="mobilenet", help="fedper-k, fedper-kp, fedalt: the model (reduced: cnn)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="where the torch engine computes: cpu, cuda, cuda:N")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--only", nargs="+", help="run only the runs whose label contains one of these, e.g. k4/")
     parser.add_argument("--report", action="store_true", help="print RESULTS.md from the runs under --out")
