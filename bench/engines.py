@@ -12,6 +12,9 @@ Usage: python bench/engines.py [--steps 15] [--warmup 3] [--rounds 1] [--models 
   --models: comma list of mobilenet-xW (zoo) and torchvision:NAME@SIZE, e.g. mobilenet-x0.25,torchvision:resnet18@32
   --engines: comma list of torch, ort-training, portable (default all), e.g. portable alone to time another
     version's bundles (an A/B of the exporter: its graphs in --bundles, today's runtime)
+  --ab DIR: bundles another edgepfl version exported (its own `bench/engines.py --bundles DIR`); their portable
+    graphs are timed as engine `portable-ab`, in the same rounds as the others: an A/B of two exporters that
+    host noise between runs does not bias (with --rounds 5 or more; the rows give the quartiles)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 OUT = Path(__file__).resolve().parent / "out"
 ENGINES = ("torch", "ort-training", "portable")
+AB = "portable-ab"  # --ab: another exporter version's portable graphs
 SETS = ("full", "personal")
 BATCH = 32
 THREADS = 2
@@ -51,7 +55,7 @@ def export_bundles(models: list[str], folder: Path) -> dict[str, Path]:
     options = ExportOptions(engines=("ort-training", "portable"), portable_batch=BATCH, force=True)
     bundles = {}
     for label in models:
-        target = folder / label.replace(":", "-").replace("@", "-")
+        target = folder / bundle_name(label)
         if not (target / "manifest.json").is_file():
             print(f"exporting {label} ...", file=sys.stderr)
             if label.startswith("mobilenet-x"):
@@ -90,6 +94,11 @@ def _onnx_step(engine: str, bundle: Path, x: np.ndarray, y: np.ndarray):
 
     runtime = open_engine(bundle, engine, threads=THREADS)
     return lambda trainable: runtime.train_step(x, y, lr=0.01, trainable=trainable)
+
+
+def bundle_name(label: str) -> str:
+    """The folder of a model's bundle under --bundles (and --ab)."""
+    return label.replace(":", "-").replace("@", "-")
 
 
 def _torch_step(bundle: Path, manifest, trainable: str, x: np.ndarray, y: np.ndarray):
@@ -154,11 +163,14 @@ def host() -> dict:
 
 
 def summarize(seconds: list[float], rounds: int) -> dict:
-    """The row's numbers: median over every timed step of every round."""
+    """The row's numbers: median over every timed step of every round, and the quartiles (a slow step is a
+    low images/s, so the 75th percentile of the step time gives the lower quartile of images/s)."""
     median = statistics.median(seconds)
+    low, _, high = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else (median, median, median)
     return {
         "median_step_s": round(median, 5),
         "images_per_s": round(BATCH / median, 1),
+        "images_per_s_quartiles": [round(BATCH / high, 1), round(BATCH / low, 1)],
         "steps": len(seconds),
         "rounds": rounds,
     }
@@ -173,17 +185,19 @@ def plot(rows: list[dict], path: Path) -> None:
 
     groups = sorted({(r["model"], r["trainable"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(8, len(groups) * 0.9), 4))
-    engines = [e for e in ENGINES if any(r["engine"] == e for r in rows)]
+    engines = [e for e in (*ENGINES, AB) if any(r["engine"] == e for r in rows)]
     bar = 0.8 / len(engines)
     for offset, engine in enumerate(engines):
-        values = [
-            next(
-                (r.get("images_per_s", 0) for r in rows if (r["model"], r["trainable"], r["engine"]) == (*g, engine)), 0
-            )
-            for g in groups
+        found = [
+            next((r for r in rows if (r["model"], r["trainable"], r["engine"]) == (*g, engine)), {}) for g in groups
         ]
-        ax.bar([i + offset * bar for i in range(len(groups))], values, bar, label=engine)
-    ax.set_xticks([i + bar for i in range(len(groups))], [f"{m}\n{t}" for m, t in groups], fontsize=6)
+        values = [r.get("images_per_s", 0) for r in found]
+        quartiles = [r.get("images_per_s_quartiles", [v, v]) for r, v in zip(found, values)]
+        spread = [[v - q[0] for v, q in zip(values, quartiles)], [q[1] - v for v, q in zip(values, quartiles)]]
+        ax.bar([i + offset * bar for i in range(len(groups))], values, bar, yerr=spread, capsize=2, label=engine)
+    middle = (len(engines) - 1) * bar / 2
+    names = [f"{m.removeprefix('torchvision:')}\n{t}" for m, t in groups]
+    ax.set_xticks([i + middle for i in range(len(groups))], names, fontsize=6)
     ax.set_ylabel("images / s (batch 32, 2 threads)")
     ax.set_title("training step, batch 32")
     ax.legend()
@@ -200,6 +214,7 @@ def main() -> None:
     parser.add_argument("--models", default=MODELS)
     parser.add_argument("--bundles", type=Path, help="folder to keep the exported bundles in (reused)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma list of the engines to time")
+    parser.add_argument("--ab", type=Path, help="another version's bundles: their portable graphs as `portable-ab`")
     parser.add_argument(
         "--worker", nargs=5, metavar=("ENGINE", "BUNDLE", "SET", "STEPS", "WARMUP"), help=argparse.SUPPRESS
     )
@@ -214,13 +229,21 @@ def main() -> None:
         parser.error(f"--engines {','.join(unknown)}: not an engine (choose from {', '.join(ENGINES)})")
     with tempfile.TemporaryDirectory() as scratch:
         bundles = export_bundles(models, args.bundles or Path(scratch))
+        if args.ab is not None:
+            missing = [m for m in models if not (args.ab / bundle_name(m) / "manifest.json").is_file()]
+            if missing:
+                parser.error(f"--ab {args.ab} has no bundle of {', '.join(missing)}: export them with that version")
+            engines.append(AB)
         cases = [(m, t, e) for m in models for t in SETS for e in engines]
         times: dict[tuple, list[float]] = {case: [] for case in cases}
         errors: dict[tuple, str] = {}
         # rounds interleave the engines, so that load from other processes falls on all of them alike
         for _ in range(args.rounds):
             for model, trainable, engine in cases:
-                seconds = run_worker(engine, bundles[model], trainable, args.steps, args.warmup)
+                if engine == AB:
+                    seconds = run_worker("portable", args.ab / bundle_name(model), trainable, args.steps, args.warmup)
+                else:
+                    seconds = run_worker(engine, bundles[model], trainable, args.steps, args.warmup)
                 if isinstance(seconds, str):
                     errors[(model, trainable, engine)] = seconds
                 else:
@@ -234,7 +257,7 @@ def main() -> None:
             else:
                 row["error"] = errors.get((model, trainable, engine), "no steps timed")
             rows.append(row)
-    ratios = {}
+    ratios, versus_ab = {}, {}
     for model in models:
         for trainable in SETS:
             speed = {
@@ -242,6 +265,8 @@ def main() -> None:
             }
             if speed.get("torch") and speed.get("portable"):
                 ratios[f"{model} {trainable}"] = round(speed["portable"] / speed["torch"], 2)
+            if speed.get(AB) and speed.get("portable"):
+                versus_ab[f"{model} {trainable}"] = round(speed["portable"] / speed[AB], 2)
     plot(rows, OUT / "engines.png")
     result = {
         "host": host(),
@@ -250,6 +275,7 @@ def main() -> None:
         "kp": KP,
         "rows": rows,
         "portable_vs_torch": ratios,
+        **({"ab_bundles": str(args.ab), "portable_vs_ab": versus_ab} if args.ab is not None else {}),
         "targets": {"full": 0.8, "personal": 1.0, "mobilenet-x1.0 full": 1.0},
     }
     print(json.dumps(result, indent=1))
