@@ -75,7 +75,8 @@ def batchnorm(run: str, limit: str | None = None) -> None:
     from edgepfl.device_runtime.evaluation import evaluate, score
     from edgepfl.manifest import load_manifest
     from edgepfl.partition import make_partition
-    from edgepfl.simulate.loop import RESIDUALS_DIR, STATE_FILE, _make_client, open_sim_engine
+    from edgepfl.simulate.bundle import open_sim_engine
+    from edgepfl.simulate.loop import RESIDUALS_DIR, STATE_FILE, _make_client
     from edgepfl.simulate.results import load_results
     from edgepfl.wire import decode_tensors
 

@@ -87,8 +87,9 @@ def run_flower(changes: dict, workers: int, data_root: str, out: str) -> dict:
     from edgepfl.flower.client_app import make_client_app
     from edgepfl.flower.config import server_config
     from edgepfl.flower.server_app import run_federation
+    from edgepfl.simulate.bundle import ensure_bundle
     from edgepfl.simulate.config import SimulateConfig
-    from edgepfl.simulate.loop import ensure_bundle, load_partition
+    from edgepfl.simulate.loop import load_partition
     from edgepfl.simulate.workers import peak_rss
 
     config = SimulateConfig(

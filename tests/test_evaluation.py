@@ -21,7 +21,8 @@ def _clients_and_engine(results, out):
     from edgepfl.datasets import load_dataset
     from edgepfl.manifest import load_manifest
     from edgepfl.partition import make_partition
-    from edgepfl.simulate.loop import RESIDUALS_DIR, _make_client, open_sim_engine
+    from edgepfl.simulate.bundle import open_sim_engine
+    from edgepfl.simulate.loop import RESIDUALS_DIR, _make_client
 
     config = results.config
     dataset = load_dataset(config.dataset, config.data_root)

@@ -35,7 +35,8 @@ from edgepfl.flower.config import node_config, server_config  # noqa: E402
 from edgepfl.flower.messages import BASE, UPLOAD  # noqa: E402
 from edgepfl.flower.strategy import EdgePFLStrategy  # noqa: E402
 from edgepfl.manifest import load_manifest  # noqa: E402
-from edgepfl.simulate.loop import initial_tensors, run_simulation  # noqa: E402
+from edgepfl.simulate.bundle import initial_tensors  # noqa: E402
+from edgepfl.simulate.loop import run_simulation  # noqa: E402
 from edgepfl.simulate.rounds import final_global_base, open_server  # noqa: E402
 
 NODES = {11: "client-000", 12: "client-001", 13: "client-002"}
@@ -401,7 +402,7 @@ from flwr.app import Context, Message, RecordDict
 from edgepfl.flower.client_app import app
 from edgepfl.flower.messages import BASE, DEVICE, DEVICE_QUERY, train_content
 from edgepfl.protocol import RoundSettings
-from edgepfl.simulate.loop import initial_tensors
+from edgepfl.simulate.bundle import initial_tensors
 run_config = json.loads({json.dumps(json.dumps(run_config))})
 context = Context(1, 7, {{"partition-id": 2}}, RecordDict(), run_config)
 hello = app(Message(RecordDict(), dst_node_id=7, message_type=DEVICE_QUERY), context)

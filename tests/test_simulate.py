@@ -105,7 +105,8 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
     from edgepfl.server.config import StrategyOptions
     from edgepfl.server.strategies import make_strategy
     from edgepfl.server.strategy import AcceptedUpdate
-    from edgepfl.simulate.loop import _make_client, initial_tensors, round_settings
+    from edgepfl.simulate.bundle import initial_tensors
+    from edgepfl.simulate.loop import _make_client, round_settings
     from edgepfl.simulate.torch_engine import TorchEngine
 
     config = tiny_config(tiny_npz, tmp_path / "run", rounds=1, fraction=0.75)
@@ -281,6 +282,17 @@ def test_the_export_runs_in_a_child_and_its_refusal_is_one_line(tiny_npz, tmp_pa
     child = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip().splitlines()[-1] == "[]", child.stdout
+
+
+def test_the_export_child_imports_this_edgepfl_not_one_in_the_working_folder(tiny_npz, tmp_path, monkeypatch):
+    """From a folder that holds another `edgepfl` (a source checkout run against an installed wheel, as on the
+    GPU machine) the export child imported that one and failed; it must import the package the driver runs."""
+    decoy = tmp_path / "checkout" / "edgepfl"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy edgepfl in the working folder was imported')\n")
+    monkeypatch.chdir(decoy.parent)
+    results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", rounds=1))
+    assert len(results.rounds) == 1
 
 
 def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_result(tiny_npz, tmp_path, monkeypatch):

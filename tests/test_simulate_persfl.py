@@ -14,8 +14,9 @@ from test_simulate import tiny_config  # noqa: E402
 from edgepfl.device_runtime.persfl import TeacherStore  # noqa: E402
 from edgepfl.errors import DataError, UsageError  # noqa: E402
 from edgepfl.manifest import load_manifest  # noqa: E402
+from edgepfl.simulate.bundle import open_sim_engine  # noqa: E402
 from edgepfl.simulate.config import config_from_json  # noqa: E402
-from edgepfl.simulate.loop import BUNDLE_DIR, TEACHERS_DIR, open_sim_engine, run_simulation  # noqa: E402
+from edgepfl.simulate.loop import BUNDLE_DIR, TEACHERS_DIR, run_simulation  # noqa: E402
 from edgepfl.simulate.results import load_results  # noqa: E402
 
 

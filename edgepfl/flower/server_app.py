@@ -47,7 +47,7 @@ app = make_server_app()  # `serverapp = "edgepfl.flower.server_app:app"`
 
 def run_federation(grid: Grid, config: ServerRunConfig) -> Result:
     """Enrol the nodes, then run `config.rounds` rounds through edgepfl's round engine; Flower's result."""
-    from edgepfl.simulate.loop import initial_tensors
+    from edgepfl.simulate.bundle import initial_tensors
     from edgepfl.simulate.rounds import open_server
 
     manifest = load_manifest(config.bundle)

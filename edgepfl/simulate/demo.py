@@ -114,7 +114,7 @@ def _export(folder: Path, kp: int) -> Path:
     from edgepfl.device_runtime.engine import training_build_installed
     from edgepfl.export.bundle import ExportOptions, export_bundle
     from edgepfl.export.models import ModelSpec
-    from edgepfl.simulate.loop import initial_tensors
+    from edgepfl.simulate.bundle import initial_file, initial_tensors
     from edgepfl.wire import save_tensors
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -123,7 +123,7 @@ def _export(folder: Path, kp: int) -> Path:
     # statistics lag the fast-moving weights of a few short rounds and evaluation collapses to one class
     spec = ModelSpec(name="mobilenet", width=0.25, input_size=28, in_channels=1, num_classes=10, norm="group")
     export_bundle(spec, kp, folder, ExportOptions(engines=engines, seed=0, force=True))
-    save_tensors(folder.parent / f"{folder.name}-initial.safetensors", initial_tensors(folder))
+    save_tensors(initial_file(folder), initial_tensors(folder))
     return folder
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -38,21 +36,21 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl import errors
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, distill
 from edgepfl.encoding import drop_residuals_after
-from edgepfl.errors import DataError, EdgePFLError, StateError
-from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.errors import DataError, StateError
+from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
+from edgepfl.simulate.bundle import ensure_bundle, open_sim_engine
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
 from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
 from edgepfl.simulate.rounds import InProcessServer, open_server
 from edgepfl.simulate.workers import ClientData, RayWorkers, Sequential
-from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors, save_tensors
+from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 STATE_FILE = "state.safetensors"  # every client's tensors (the server's state is the engine's, in OUT/server)
 BUNDLE_DIR = "bundle"
@@ -294,81 +292,6 @@ def _teacher_stores(folder: Path, clients: list[Client], manifest: Manifest, fre
     return {client.name: TeacherStore(folder / client.name, manifest) for client in clients}
 
 
-def ensure_bundle(
-    config: SimulateConfig, folder: Path, sample_shape: tuple[int, int, int], num_classes: int
-) -> Manifest:
-    """Export the run's bundle once (reused on resume); its input and classes follow the dataset.
-
-    The export runs in a child Python: tracing the model and the ONNX libraries take ~300 MB that would
-    otherwise stay resident in the driver for the whole run (bench/simulate.py, MNIST mlp). Its one-line
-    errors come back as they were raised.
-    """
-    job = {
-        "config": config.model_dump(mode="json"),
-        "folder": str(folder),
-        "sample_shape": list(sample_shape),
-        "num_classes": num_classes,
-    }
-    code = "from edgepfl.simulate.loop import export_job; export_job()"
-    child = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True)
-    if child.returncode != 0:
-        lines = child.stdout.strip().splitlines()
-        try:
-            refusal = json.loads(lines[-1]) if lines else {}
-        except ValueError:
-            refusal = {}
-        if "problem" in refusal:
-            kind = getattr(errors, refusal.get("error", ""), None)
-            if not (isinstance(kind, type) and issubclass(kind, EdgePFLError)):
-                kind = EdgePFLError
-            raise kind(refusal["problem"], refusal.get("fix", ""))
-        detail = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EdgePFLError(f"exporting the model failed: {detail}", "report it to the edgepfl developers")
-    return load_manifest(folder)
-
-
-def export_job() -> None:
-    """The child side of ensure_bundle: the job as JSON on stdin; an EdgePFLError as one JSON line, exit 2."""
-    job = json.loads(sys.stdin.read())
-    folder = Path(job["folder"])
-    try:
-        _export_run_bundle(
-            SimulateConfig.model_validate(job["config"]), folder, tuple(job["sample_shape"]), job["num_classes"]
-        )
-        if not (folder / "portable").is_dir() and not initial_file(folder).is_file():  # kept from an earlier run
-            from edgepfl.device_runtime.engine import open_engine
-
-            save_tensors(initial_file(folder), open_engine(folder, "ort-training").get_tensors())
-    except EdgePFLError as error:
-        print(json.dumps({"error": type(error).__name__, "problem": error.problem, "fix": error.fix}))
-        sys.exit(2)
-
-
-def _export_run_bundle(
-    config: SimulateConfig, folder: Path, sample_shape: tuple[int, int, int], num_classes: int
-) -> Manifest:
-    from edgepfl.export.bundle import simulation_target
-
-    target = simulation_target(config.model, sample_shape, num_classes, config.seed, config.width, config.norm)
-    kp = {"zero": 0, "all": len(target.blocks), "given": config.kp}[config.plan.kp]
-    if (folder / "manifest.json").is_file():
-        manifest = load_manifest(folder)
-        if manifest.model == target.description and manifest.kp == kp:
-            return manifest
-        raise StateError(f"{folder} holds a different model or kp", "use a new --out")
-    from edgepfl.device_runtime.engine import training_build_installed
-    from edgepfl.export.bundle import ExportOptions, export_target
-
-    if config.engine == "portable" or not training_build_installed():
-        engines: tuple[str, ...] = ("portable",)
-    else:
-        engines = ("ort-training",)  # fast to export; the torch engine takes its initial tensors from it
-    options = ExportOptions(
-        engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size, distill=config.plan.persfl
-    )
-    return export_target(target, kp, folder, options)
-
-
 def open_workers(
     config: SimulateConfig, bundle: Path, manifest: Manifest, engine: Engine, clients: list[Client], teachers
 ) -> Sequential | RayWorkers:
@@ -380,37 +303,6 @@ def open_workers(
     return RayWorkers(
         opener, manifest, data, teachers, config.workers, config.ray_address, config.client_cpus, config.client_gpus
     )
-
-
-def open_sim_engine(
-    name: str, bundle: Path, manifest: Manifest, threads: int | None = None, device: str = "cpu"
-) -> Engine:
-    """torch (eager, reads the bundle's initial tensors; on `device`), portable or ort-training (the device engines)."""
-    from edgepfl.device_runtime.engine import open_engine
-
-    if name != "torch":
-        return open_engine(bundle, name, threads=threads)
-    from edgepfl.simulate.torch_engine import TorchEngine
-
-    return TorchEngine(bundle, manifest, initial_tensors(bundle), threads=threads, device=device)
-
-
-def initial_tensors(bundle: Path) -> dict[str, np.ndarray]:
-    """The bundle's initial tensors: portable/initial.safetensors, else the ORT training checkpoint's (read by the
-    export job into `initial_file`, so that the driver opens no ORT session for them)."""
-    from edgepfl.wire import load_tensors
-
-    for path in (Path(bundle) / "portable" / "initial.safetensors", initial_file(bundle)):
-        if path.is_file():
-            return load_tensors(path)
-    from edgepfl.device_runtime.engine import open_engine
-
-    return open_engine(bundle, "ort-training").get_tensors()
-
-
-def initial_file(bundle: Path) -> Path:
-    """Where the export job keeps a bundle's initial tensors when it has no portable engine."""
-    return Path(bundle).parent / f"{Path(bundle).name}-initial.safetensors"
 
 
 def load_partition(config: SimulateConfig | PartitionOptions) -> tuple[Any, list[Any]]:
