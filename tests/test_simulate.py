@@ -295,14 +295,10 @@ def test_the_export_child_imports_this_edgepfl_not_one_in_the_working_folder(tin
     assert len(results.rounds) == 1
 
 
-def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_result(tiny_npz, tmp_path, monkeypatch):
-    """int8 deltas with stochastic rounding and error feedback: a kill mid-round re-encodes the same bytes."""
+def run_killed_in_round_two(monkeypatch, config: SimulateConfig) -> None:
+    """Run a 4-client `config` until round 2's first upload is accepted, then stop it as a kill would."""
     from edgepfl.simulate.rounds import InProcessServer
 
-    fp32 = run_simulation(tiny_config(tiny_npz, tmp_path / "fp32", rounds=1))
-    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3, upload_encoding="int8-sr"))
-    assert all(r.bytes_up <= 0.27 * fp32.rounds[0].bytes_up for r in straight.rounds)
-    assert straight.rounds[-1].test_accuracy["mean"] > 0.5  # chance is 10%
     honest_upload = InProcessServer.upload
     uploads = []
 
@@ -314,9 +310,20 @@ def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_
 
     monkeypatch.setattr(InProcessServer, "upload", killed)
     with pytest.raises(KeyboardInterrupt):
-        run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=3, upload_encoding="int8-sr"))
+        run_simulation(config)
     monkeypatch.undo()
-    resumed = run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=3, upload_encoding="int8-sr"))
+    assert uploads[-1] == 2
+
+
+def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_result(tiny_npz, tmp_path, monkeypatch):
+    """int8 deltas with stochastic rounding and error feedback: a kill mid-round re-encodes the same bytes."""
+    fp32 = run_simulation(tiny_config(tiny_npz, tmp_path / "fp32", rounds=1))
+    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3, upload_encoding="int8-sr"))
+    assert all(r.bytes_up <= 0.27 * fp32.rounds[0].bytes_up for r in straight.rounds)
+    assert straight.rounds[-1].test_accuracy["mean"] > 0.5  # chance is 10%
+    config = tiny_config(tiny_npz, tmp_path / "resumed", rounds=3, upload_encoding="int8-sr")
+    run_killed_in_round_two(monkeypatch, config)
+    resumed = run_simulation(config)
     for a, b in zip(straight.rounds, resumed.rounds, strict=True):
         assert a.test_accuracy["per_client"] == b.test_accuracy["per_client"] and a.bytes_up == b.bytes_up
     first, second = final_global_base(tmp_path / "straight"), final_global_base(tmp_path / "resumed")
@@ -330,23 +337,10 @@ def test_a_run_killed_mid_round_resumes_when_training_does_not_repeat_its_bytes(
     The uploads the killed run left in the open round are withdrawn and the round is trained again; before this
     the engine refused client 0's second upload as a different update for the same round.
     """
-    from edgepfl.simulate.rounds import InProcessServer
     from edgepfl.simulate.torch_engine import TorchEngine
 
-    honest_upload, honest_step = InProcessServer.upload, TorchEngine.train_step
-    uploads = []
-
-    def killed(self, name, round_id, payload):
-        uploads.append(round_id)
-        if len(uploads) == 6:  # round 2, after client 0's upload was accepted
-            raise KeyboardInterrupt
-        honest_upload(self, name, round_id, payload)
-
-    monkeypatch.setattr(InProcessServer, "upload", killed)
-    with pytest.raises(KeyboardInterrupt):
-        run_simulation(tiny_config(tiny_npz, tmp_path / "run", rounds=3))
-    monkeypatch.undo()
-    assert uploads[-1] == 2
+    honest_step = TorchEngine.train_step
+    run_killed_in_round_two(monkeypatch, tiny_config(tiny_npz, tmp_path / "run", rounds=3))
 
     # other bytes from the same state, as a GPU gives: the learning rate moves by one part in a thousand
     def other_bytes(self, x, y, lr, **kw):
