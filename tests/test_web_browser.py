@@ -142,6 +142,24 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     phone = browser.new_context(**PHONE)
     requests: list = []
     phone.on("request", lambda request: requests.append(request))
+    # round 3: the upload reaches the server, its reply never reaches the page, and the page is killed. The route
+    # is the context's, in place before the page opens (a page's route added after round 2's reload once missed
+    # round 3's upload on CI, which then went through)
+    sent = threading.Event()
+    first: dict = {}
+
+    def hold_reply(route) -> None:
+        if first:
+            route.continue_()
+            return
+        first["body"] = route.request.post_data_buffer
+        try:
+            first["reply"] = route.fetch(timeout=120_000).json()  # the server stores it; the page never hears back
+        except Exception as error:  # raised in a route handler it would stall Playwright's dispatch: report it
+            first["error"] = f"{type(error).__name__}: {error}"
+        sent.set()
+
+    phone.route("**/v1/rounds/3/update", hold_reply)
     page = open_page(phone)
     page.goto(link)
     wait(page, "body[data-stage=examples]")
@@ -162,26 +180,14 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     page.screenshot(path=str(SHOTS / "web-training.png"))
     reload_during_step(page, round_id=2, step=3)
 
-    # round 3: the upload reaches the server, its reply never reaches the page, and the page is killed (the route
-    # is in place before round 2 ends, for the same reason as the breakpoint)
-    sent = threading.Event()
-    first: dict = {}
-
-    def hold_reply(route) -> None:
-        if not first:
-            first["body"] = route.request.post_data_buffer
-            first["reply"] = route.fetch().json()  # the server stores it; the page never hears back
-            sent.set()
-        else:
-            route.continue_()
-
-    page.route("**/v1/rounds/3/update", hold_reply)
     wait_round(page, 2)
     for _ in range(1800):  # the route handler runs while the page is waited on
         if sent.is_set():
             break
         page.wait_for_timeout(100)
-    assert sent.is_set(), f"round 3 was never uploaded; the page says {said(page)}"
+    uploads = [r.url for r in requests if r.url.endswith("/v1/rounds/3/update")]
+    assert sent.is_set(), f"round 3 was never routed ({len(uploads)} upload(s) seen); the page says {said(page)}"
+    assert "error" not in first, f"round 3's upload did not reach the server through the route: {first['error']}"
     page.close()  # the tab is killed before the reply
     page = open_page(phone)
     with page.expect_response("**/v1/rounds/3/update", timeout=120_000) as resent:
