@@ -1,8 +1,9 @@
 """The round engine: deadlines, opening and closing rounds, and what is stored when.
 
 The other concerns live in files of their own: `sampling.py` (who a round samples), `uploads.py` (what
-an upload must be), `bounds.py` (what one device can move), `enrollment.py` (tokens, the shared secret),
-`status.py` (status and history), `store.py` (SQLite and blobs), `http_errors.py` (refusal -> status).
+an upload must be), `bounds.py` (what one device can move), `round_uploads.py` (a round's uploads read back for
+aggregation), `enrollment.py` (tokens, the shared secret), `status.py` (status and history), `store.py` (SQLite
+and blobs), `http_errors.py` (refusal -> status).
 
 One engine per state folder and per process. Rounds follow one life:
 
@@ -33,34 +34,32 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from edgepfl.encoding import encode_download
 from edgepfl.errors import BundleError, EdgePFLError, StateError, WireError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.privacy import PrivacyLedger
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
-from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
+from edgepfl.server.bounds import UpdateBounds, delta_norm
 from edgepfl.server.budget import PrivacyBudget
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.enrollment import Enrollment
 from edgepfl.server.errors import Refused
+from edgepfl.server.round_uploads import RoundUploads
 from edgepfl.server.sampling import sample_devices
 from edgepfl.server.status import history, server_status
 from edgepfl.server.store import (
     Assignment,
-    BlobError,
     EvalRecord,
     RoundRecord,
     Store,
     UpdateRecord,
 )
 from edgepfl.server.strategies import make_strategy
-from edgepfl.server.strategy import AcceptedUpdate, Strategy
+from edgepfl.server.strategy import Strategy
 from edgepfl.server.uploads import (
     add_delta,
     check_plan,
@@ -108,9 +107,8 @@ class RoundEngine:
         self._closing: int | None = None  # round being aggregated outside the lock
         self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
         self.enrollment = Enrollment(config, store, clock)
-        self.bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
-        self._delta_norms: dict[tuple[int, str], float] = {}  # (round, device) -> |upload - its base|, from acceptance
-        self._bases: dict[str, Mapping[str, np.ndarray]] = {}  # decoded base blobs of the open round, by sha256
+        bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
+        self.uploads = RoundUploads(store, self.specs, bounds, self.settings_for)
         self._downloads: dict[tuple[str, str], tuple[bytes, str]] = {}  # (base sha, encoding) -> bytes sent, sha
         self.dp = config.privacy.dp_config()  # DP-FedAvg settings (None: off)
         self.budget: PrivacyBudget | None = None  # what a DP run has spent (bind_state loads it)
@@ -264,7 +262,7 @@ class RoundEngine:
         travelling = settings.travelling(self.specs)
         if settings.uploads_delta:  # decoded as the round asked, then every check below holds on base + delta
             delta = read_upload_delta(base_tensors, decode_metadata(payload), settings, travelling)
-            base_tensors = add_delta(self._base_of(round_id, device), delta, travelling)
+            base_tensors = add_delta(self.uploads.base_of(round_id, device), delta, travelling)
         try:
             check_tensors(base_tensors, travelling, what="upload")
         except WireError as error:
@@ -273,7 +271,7 @@ class RoundEngine:
         previous = self.store.update(round_id, device)
         if previous is not None:
             return self._retry_receipt(previous, sha)
-        norm = delta_norm(base_tensors, self._base_of(round_id, device))
+        norm = delta_norm(base_tensors, self.uploads.base_of(round_id, device))
         self.store.put_blob(payload, sha)  # on disk (fsynced) before the row that names it is committed
         with self._lock:
             previous = self.store.update(round_id, device)
@@ -295,7 +293,7 @@ class RoundEngine:
                     start_val_accuracy=finite_or_none(meta.start_val_accuracy),
                 )
             )
-            self._delta_norms[(round_id, device)] = norm
+            self.uploads.remember_norm(round_id, device, norm)
             uploads = len(self.store.updates(round_id))
             sampled = len(self._round_or_404(round_id).sampled)
         self._wake.set()
@@ -315,7 +313,7 @@ class RoundEngine:
         round again, and a GPU's training does not repeat its bytes, which the one-upload-per-round rule refuses.
         """
         with self._lock:
-            self._delta_norms = {key: norm for key, norm in self._delta_norms.items() if key[0] != round_id}
+            self.uploads.forget(round_id)
             return self.store.withdraw_updates(round_id)
 
     def accept_metrics(self, device: str, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
@@ -394,7 +392,7 @@ class RoundEngine:
             if self.budget is not None:
                 new_base, ledger = self.budget.aggregate(
                     record.round_id,
-                    self._dp_deltas(record),
+                    self.uploads.deltas(record),
                     global_base,
                     self.specs,
                     record.population or len(record.sampled),
@@ -402,7 +400,8 @@ class RoundEngine:
                     self.noise_seed,
                 )
             else:
-                new_base = self.strategy.aggregate(record.round_id, self._bounded_updates(record), global_base)
+                updates = self.uploads.bounded_updates(record, self.strategy.streaming)
+                new_base = self.strategy.aggregate(record.round_id, updates, global_base)
             check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
         except OSError:
             with self._lock:
@@ -443,8 +442,7 @@ class RoundEngine:
             raise
         with self._lock:
             self._closing = None
-            self._delta_norms = {key: norm for key, norm in self._delta_norms.items() if key[0] > record.round_id}
-            self._bases.clear()
+            self.uploads.closed(record.round_id)
             self._downloads.clear()
             self._apply_history()  # after the commit: a failed release leaves the round closed and the blobs kept
         spent = f"; epsilon {epsilon:.4g} at delta {self.dp.delta:g}" if epsilon is not None and self.dp else ""
@@ -475,75 +473,6 @@ class RoundEngine:
             self.strategy.load_state(self.store.read_blob(sha))
         elif self.strategy.state_bytes() is not None:  # nothing saved yet: back to a fresh strategy
             self.strategy = type(self.strategy)(self.specs, self.strategy.options)
-
-    def _base_of(self, round_id: int, device: str) -> Mapping[str, np.ndarray]:
-        """The base tensors a sampled device was sent in a round (decoded once per blob while its round is open)."""
-        assignment = self.store.assignment(round_id, device)
-        assert assignment is not None, "uploads are accepted from sampled devices only"
-        base = self._bases.get(assignment.base_sha)
-        if base is None:
-            if len(self._bases) > 64:  # per-device bases (pFedLA): bounded, re-read when needed
-                self._bases.clear()
-            base = self._bases[assignment.base_sha] = decode_tensors(self.store.read_blob(assignment.base_sha))
-        return base
-
-    def _bounded_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
-        """The round's accepted updates with what one device can move bounded (see bounds.py)."""
-        stored = self.store.updates(record.round_id)
-        bases = {u.device: self._base_of(record.round_id, u.device) for u in stored}
-        norms = {}
-        for update in stored:  # norms are measured at acceptance; after a restart they are measured again here
-            norm = self._delta_norms.get((record.round_id, update.device))
-            if norm is None:
-                try:
-                    norm = delta_norm(self._upload_of(record.round_id, update), bases[update.device])
-                except BlobError:
-                    continue  # excluded as corrupt by _accepted_updates
-            norms[update.device] = norm
-        counts = {u.device: u.num_samples for u in stored if u.device in norms}
-        yield from bounded(self._accepted_updates(record), bases, norms, counts, self.bounds)
-
-    def _upload_of(self, round_id: int, update: UpdateRecord, lazy: bool = False) -> Mapping[str, np.ndarray]:
-        """The base tensors an accepted upload stands for: as stored, or (a delta upload) the base it was sent + delta.
-
-        `lazy`: read one tensor at a time from disk (for strategies that hold every device's copy of one tensor);
-        a delta upload is decoded whole, as it was at acceptance.
-        """
-        settings = self.settings_for(update.device, round_id)
-        if not settings.uploads_delta and lazy:
-            return self.store.blob_tensors(update.blob_sha)
-        if not settings.uploads_delta:
-            return decode_tensors(self.store.read_blob(update.blob_sha))
-        travelling = settings.travelling(self.specs)
-        return add_delta(self._base_of(round_id, update.device), self._delta_of(round_id, update), travelling)
-
-    def _delta_of(self, round_id: int, update: UpdateRecord) -> dict[str, np.ndarray]:
-        """The decoded delta of an accepted delta upload (checked again: the blob is the bytes that were accepted)."""
-        settings = self.settings_for(update.device, round_id)
-        payload = self.store.read_blob(update.blob_sha)
-        tensors = decode_tensors(payload)
-        return read_upload_delta(tensors, decode_metadata(payload), settings, settings.travelling(self.specs))
-
-    def _dp_deltas(self, record: RoundRecord) -> Iterator[dict[str, np.ndarray]]:
-        """The decoded deltas of the round's accepted uploads, one at a time (a corrupt blob is excluded)."""
-        for update in self.store.updates(record.round_id):
-            try:
-                delta = self._delta_of(record.round_id, update)
-            except BlobError as error:
-                log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
-                self.store.mark_corrupt(record.round_id, update.device)
-                continue
-            yield delta
-
-    def _accepted_updates(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
-        for update in self.store.updates(record.round_id):
-            try:  # one update at a time: read it whole; all at once (median...): one tensor at a time
-                tensors = self._upload_of(record.round_id, update, lazy=not self.strategy.streaming)
-            except BlobError as error:
-                log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
-                self.store.mark_corrupt(record.round_id, update.device)
-                continue
-            yield AcceptedUpdate(update.device, update.num_samples, tensors, update.train_loss, update.val_accuracy)
 
     def _abandon(self, record: RoundRecord, now: float, why: str) -> None:
         global_base = self.store.get_meta("global_base_sha") or record.base_sha
