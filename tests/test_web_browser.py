@@ -143,8 +143,8 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     requests: list = []
     phone.on("request", lambda request: requests.append(request))
     # round 3: the upload reaches the server, its reply never reaches the page, and the page is killed. The route
-    # is the context's, in place before the page opens (a page's route added after round 2's reload once missed
-    # round 3's upload on CI, which then went through)
+    # is the context's, in place before the page opens: in the one CI run where round 3's upload went through
+    # unrouted, the route was the page's, added just after round 2's reload (the likely race; not proven)
     sent = threading.Event()
     first: dict = {}
 
