@@ -352,6 +352,42 @@ def test_a_run_killed_mid_round_resumes_when_training_does_not_repeat_its_bytes(
     assert resumed.rounds[-1].test_accuracy["mean"] > 0.5  # chance is 10%
 
 
+@pytest.mark.parametrize("kill_point", ["before_close", "before_evaluation"])
+def test_a_run_killed_between_its_uploads_and_its_record_resumes_to_the_same_result(
+    tiny_npz, tmp_path, monkeypatch, kill_point
+):
+    """Killed after round 2's uploads: before the server closed the round, or after it closed it and before the
+    round was scored. The second resumed through `_evaluate` without the round's settings (a TypeError, seen on
+    a GPU run stopped by its time limit)."""
+    from edgepfl.simulate import loop
+    from edgepfl.simulate.rounds import InProcessServer
+
+    straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3))
+    honest_close, honest_evaluate = InProcessServer.close_round, loop._evaluate
+
+    def close_round(self, round_id):
+        if round_id == 2 and kill_point == "before_close":
+            raise KeyboardInterrupt
+        return honest_close(self, round_id)
+
+    def evaluate(engine, clients, server, global_base, round_id, *rest):
+        if round_id == 2 and kill_point == "before_evaluation":
+            raise KeyboardInterrupt
+        return honest_evaluate(engine, clients, server, global_base, round_id, *rest)
+
+    monkeypatch.setattr(InProcessServer, "close_round", close_round)
+    monkeypatch.setattr(loop, "_evaluate", evaluate)
+    config = tiny_config(tiny_npz, tmp_path / "resumed", rounds=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(config)
+    monkeypatch.undo()
+    resumed = run_simulation(config)
+    assert [r.round for r in resumed.rounds] == [1, 2, 3]
+    for a, b in zip(straight.rounds, resumed.rounds, strict=True):
+        assert a.test_accuracy["per_client"] == b.test_accuracy["per_client"]
+        assert a.trained_test_accuracy["per_client"] == b.trained_test_accuracy["per_client"]
+
+
 def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path):
     pytest.importorskip("dp_accounting")
     from typer.testing import CliRunner

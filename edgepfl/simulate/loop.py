@@ -147,7 +147,7 @@ def run_simulation(
         if server.strategy is not None and server.closed_rounds() != done:  # local keeps no server state
             raise StateError(f"{out} has client state for round {done} but its server is elsewhere", "use a new --out")
         if len(records) == done - 1 and pending is not None:  # interrupted before the round was evaluated
-            records.append(_evaluate(engine, clients, server, server.global_base(), done, pending))
+            records.append(_evaluate(engine, clients, server, server.global_base(), done, pending, settings))
         if len(records) != done:
             raise StateError(f"{out} has state for round {done} but results for {len(records)}", "use a new --out")
         stores = _teacher_stores(out / TEACHERS_DIR, clients, manifest, fresh=done == 0) if config.plan.persfl else None
