@@ -46,6 +46,8 @@ class TorchEngine(Engine):
         if threads:
             torch.set_num_threads(threads)
         self.device = torch_device(device)
+        if self.device.type == "cuda":  # fixed batch shapes: let cuDNN time its kernels once per shape
+            torch.backends.cudnn.benchmark = True
         self.model = rebuild_module(manifest.model).to(self.device)
         self._params = dict(self.model.named_parameters())
         self._buffers = {n: b for n, b in self.model.named_buffers() if not n.endswith("num_batches_tracked")}
