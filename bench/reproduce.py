@@ -320,15 +320,26 @@ def report(out: Path, figures: Path | None = None) -> str:
 
 
 def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
-    """Where a setting's runs stopped at different rounds: every run's held score at the last round all reached."""
+    """Where a setting's runs stopped at different rounds: every run's held score at the last round that every
+    run of its seed reached (each seed compared within itself, so a short run of one seed does not cut the other)."""
     plain = [label for label in labels if not groups[label][0].persfl]
-    common = min((len(r.rounds) for label in plain for r in groups[label]), default=0)
-    if not common or all(len(r.rounds) == common for label in plain for r in groups[label]):
-        return []
-    lines = ["", f"The runs stopped at different rounds. At round {common}, which all of them reached (mean per seed):"]
+    common: dict[int, int] = {}
     for label in plain:
-        scores = [r.rounds[common - 1].test_accuracy["per_client"] for r in groups[label]]
-        per_run = [[v for v in run if v is not None] for run in scores]
+        for run in groups[label]:
+            seed = run.config.seed
+            common[seed] = min(common.get(seed, len(run.rounds)), len(run.rounds))
+    if not common or all(len(r.rounds) == common[r.config.seed] for label in plain for r in groups[label]):
+        return []
+    where = ", ".join(f"seed {seed}: round {round_id}" for seed, round_id in sorted(common.items()))
+    lines = ["", f"The runs stopped at different rounds. At the last round every run of a seed reached ({where}),"]
+    lines[-1] += " mean per seed:"
+    for label in plain:
+        runs = sorted(groups[label], key=lambda r: r.config.seed)
+        per_run = [
+            [v for v in r.rounds[common[r.config.seed] - 1].test_accuracy["per_client"] if v is not None]
+            for r in runs
+            if common[r.config.seed]
+        ]
         lines.append(f"- {label}: {_per_seed(per_run)}")
     return lines
 
