@@ -19,7 +19,9 @@ class PortableEngine(Engine):
 
     name = "portable"
 
-    def __init__(self, bundle_dir: str | os.PathLike, manifest: Manifest, threads: int | None = None):
+    def __init__(
+        self, bundle_dir: str | os.PathLike, manifest: Manifest, threads: int | None = None, bake_frozen: bool = True
+    ):
         super().__init__(bundle_dir, manifest)
         entry = manifest.engines.get("portable")
         if not entry:
@@ -31,6 +33,11 @@ class PortableEngine(Engine):
         self._state_names = list(entry["params"]) + list(entry["buffers"])
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._state: dict[str, ort.OrtValue] = {}
+        # a step's frozen variant (export/frozen.py): its session with the frozen tensors it was built on, and the
+        # frozen tensors of the step before (a variant is built on the second step with the same frozen tensors)
+        self.bake_frozen = bake_frozen and hasattr(ort.SessionOptions, "add_external_initializers")
+        self._baked: dict[str, tuple[ort.InferenceSession, tuple[ort.OrtValue, ...], list[ort.OrtValue]]] = {}
+        self._frozen_before: dict[str, tuple[ort.OrtValue, ...]] = {}
         initial = load_tensors(self.bundle_dir / entry["initial"])
         check_tensors(initial, [manifest.tensor(n) for n in self._state_names], "portable/initial.safetensors")
         self.set_tensors(initial)
@@ -94,17 +101,55 @@ class PortableEngine(Engine):
         return count
 
     def _run_step(self, key: str, graph: dict, batch: tuple[np.ndarray, ...]) -> float:
-        """Run one step graph on the current state plus `batch`; keep the new state, return the loss."""
-        session = self._session(key, graph["model"])
-        binding = self._bind_state(session, graph["inputs"])
-        for name, value in zip(graph["inputs"][len(self._state_names) :], batch):
+        """Run one step graph on the current state plus `batch`; keep the new state, return the loss.
+
+        A step with a frozen variant leaves its frozen tensors' OrtValues as they are (their outputs are
+        copies), so that the next step can tell they did not change and run the variant instead."""
+        count = len(self._state_names)
+        by_input = dict(zip(graph["inputs"][:count], self._state_names))
+        by_output = dict(zip(graph["outputs"][1 : count + 1], self._state_names))
+        frozen = graph.get("frozen")
+        kept = set(by_input[name] for name in frozen["initializers"]) if frozen else set()
+        baked = self._baked_session(key, frozen, by_input) if frozen and self.bake_frozen else None
+        session, inputs, outputs = (
+            (baked, frozen["inputs"], frozen["outputs"])
+            if baked
+            else (self._session(key, graph["model"]), graph["inputs"], graph["outputs"])
+        )
+        binding = session.io_binding()
+        state_inputs = [name for name in inputs if name in by_input]
+        for name in state_inputs:
+            binding.bind_ortvalue_input(name, self._state[by_input[name]])
+        for name, value in zip(inputs[len(state_inputs) :], batch):
             binding.bind_cpu_input(name, value)
-        for name in graph["outputs"]:
+        for name in outputs:
             binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         loss, *state = binding.get_outputs()
-        self._state.update(zip(self._state_names, state))
+        new = {by_output[name]: value for name, value in zip(outputs[1:], state)}
+        self._state.update((name, value) for name, value in new.items() if name not in kept)
         return float(loss.numpy())
+
+    def _baked_session(self, key: str, frozen: dict, by_input: dict[str, str]) -> ort.InferenceSession | None:
+        """The step's frozen variant built on the current frozen tensors, or None for the first step on them.
+
+        Building costs about as much as opening the plain graph (0.4 s for mobilenet_v2 at 96 px), so a
+        variant is built only once the frozen tensors held still for a step: a caller that alternates the
+        trainable sets every step keeps the plain graphs and never rebuilds."""
+        values = tuple(self._state[by_input[name]] for name in frozen["initializers"])
+        built = self._baked.get(key)
+        if built is not None and _same(built[1], values):
+            return built[0]
+        before, self._frozen_before[key] = self._frozen_before.get(key), values
+        if before is None or not _same(before, values):
+            return None
+        # onnxruntime reads an external initializer from memory the caller owns: a step's outputs are its own
+        owned = [ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True)) for value in values]
+        options = self._options()
+        options.add_external_initializers(list(frozen["initializers"]), owned)
+        session = ort.InferenceSession(str(self._path(frozen["model"])), options, providers=["CPUExecutionProvider"])
+        self._baked[key] = (session, values, owned)  # the session reads `owned` for as long as it lives
+        return session
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
@@ -150,15 +195,22 @@ class PortableEngine(Engine):
 
     def _session(self, key: str, relative_path: str) -> ort.InferenceSession:
         if key not in self._sessions:
-            path = self.bundle_dir / relative_path
-            if not path.is_file():
-                raise BundleError(f"bundle file {relative_path} is missing", "re-export or re-copy the whole bundle")
-            options = ort.SessionOptions()
-            if self.threads:
-                options.intra_op_num_threads = self.threads
-                options.inter_op_num_threads = 1
-            self._sessions[key] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            path = str(self._path(relative_path))
+            self._sessions[key] = ort.InferenceSession(path, self._options(), providers=["CPUExecutionProvider"])
         return self._sessions[key]
+
+    def _path(self, relative_path: str) -> os.PathLike:
+        path = self.bundle_dir / relative_path
+        if not path.is_file():
+            raise BundleError(f"bundle file {relative_path} is missing", "re-export or re-copy the whole bundle")
+        return path
+
+    def _options(self) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        if self.threads:
+            options.intra_op_num_threads = self.threads
+            options.inter_op_num_threads = 1
+        return options
 
     def _check_batch(self, x: np.ndarray, y: np.ndarray) -> int:
         sample_shape = tuple(self.manifest.input.shape)
@@ -187,3 +239,9 @@ class PortableEngine(Engine):
         weights = np.zeros(size, dtype=np.float32)
         weights[:count] = 1.0
         return batch_x, batch_y, weights
+
+
+def _same(held: tuple[ort.OrtValue, ...], current: tuple[ort.OrtValue, ...]) -> bool:
+    """Whether the engine still holds the very OrtValues a variant was built on (state is replaced, never
+    written in place, so the same objects mean the same values)."""
+    return len(held) == len(current) and all(a is b for a, b in zip(held, current))

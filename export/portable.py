@@ -24,6 +24,7 @@ from torch import nn
 
 from edgepfl.errors import UsageError
 from edgepfl.export import activations
+from edgepfl.export.frozen import frozen_variant
 from edgepfl.export.smallmaps import SMALL_MAP, DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise, tap
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
@@ -72,6 +73,15 @@ def export_portable(
             "inputs": [i.name for i in proto.graph.input],
             "outputs": [o.name for o in proto.graph.output],
         }
+        variant, frozen = frozen_variant(proto, len(params) + len(buffers))
+        if frozen:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
+            onnx.save(variant, str(folder / f"step_{set_name}_frozen.onnx"))
+            steps[set_name]["frozen"] = {
+                "model": f"{prefix}/step_{set_name}_frozen.onnx",
+                "initializers": frozen,
+                "inputs": [i.name for i in variant.graph.input],
+                "outputs": [o.name for o in variant.graph.output],
+            }
     distill_steps: dict = {}
     for variant in DISTILL_VARIANTS if distill else ():
         for set_name in DISTILL_SETS:

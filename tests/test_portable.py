@@ -193,6 +193,51 @@ def test_frozen_tensors_stay_bit_identical(portable_case, trainable, frozen_role
     assert any(not np.array_equal(trained_before[n], trained_after[n]) for n in trained_before)
 
 
+def test_frozen_variants_hold_exactly_the_tensors_a_step_passes_through(portable_case):
+    """step_personal's variant has the base's parameters as initializers and step_base's the personal part's;
+    the full step passes nothing through and has none."""
+    bundle, _, _ = portable_case
+    entry = json.loads((bundle / "manifest.json").read_text())["engines"]["portable"]
+    state = list(entry["params"]) + list(entry["buffers"])
+    assert "frozen" not in entry["steps"]["full"]
+    for set_name in ("personal", "base"):
+        step = entry["steps"][set_name]
+        by_input = dict(zip(step["inputs"], state))
+        frozen = {by_input[name] for name in step["frozen"]["initializers"]}
+        assert frozen == set(entry["params"]) - set(step["trainable"]), set_name
+        assert not set(step["frozen"]["initializers"]) & set(step["frozen"]["inputs"])
+        assert len(step["frozen"]["outputs"]) == len(step["outputs"]) - len(frozen)
+
+
+def test_frozen_variant_steps_agree_with_the_plain_graphs_through_base_changes(portable_case):
+    """The same steps with and without the variants: personal and base runs, a base that arrives mid-way
+    (set_tensors) and a full step. The variant is built on the second step with unchanged frozen tensors and
+    rebuilt after they change; a stale variant would train on the old base and disagree."""
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.manifest import load_manifest
+
+    bundle, reference, _ = portable_case
+    manifest = load_manifest(bundle)
+    baked = PortableEngine(bundle, manifest, threads=1)
+    plain = PortableEngine(bundle, manifest, threads=1, bake_frozen=False)
+    rng = np.random.default_rng(5)
+    arrived = {n: v + rng.normal(0, 0.05, v.shape).astype(v.dtype) for n, v in baked.tensors_by_role("base").items()}
+    plan = ["personal"] * 3 + ["base"] * 2 + ["personal"] * 2 + ["arrive"] + ["personal"] * 3 + ["full", "personal"]
+    batches = iter(range(len(plan)))
+    for action in plan:
+        if action == "arrive":
+            baked.set_tensors(arrived)
+            plain.set_tensors(arrived)
+            continue
+        i = next(batches) % len(reference["xs"])
+        x, y = reference["xs"][i], reference["ys"][i]
+        losses = [engine.train_step(x, y, lr=0.1, trainable=action) for engine in (baked, plain)]
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+        assert_close(baked.get_tensors(), plain.get_tensors())
+    if baked.bake_frozen:  # onnxruntime without add_external_initializers keeps the plain graphs
+        assert set(baked._baked) == {"step_personal", "step_base"} and not plain._baked
+
+
 def test_engine_refuses_bad_input_with_one_line_errors(portable_case):
     from edgepfl.errors import DataError, UsageError
 
@@ -216,12 +261,23 @@ def test_every_written_graph_is_default_domain_only(case_bundle):
 
     graphs = sorted((case_bundle / "portable").glob("*.onnx"))
     steps = {"step_full.onnx", "step_personal.onnx", "step_base.onnx", "eval.onnx"}
+    steps |= {"step_personal_frozen.onnx", "step_base_frozen.onnx"}  # their frozen tensors' data is the engine's
     distill = {f"distill_{v}_{s}.onnx" for v in ("kd", "gd") for s in ("full", "personal")}  # PersFL stage 2
     assert {g.name for g in graphs} == steps | distill
     for path in graphs:
-        proto = onnx.load(str(path))
+        proto = onnx.load(str(path), load_external_data=False)
         assert default_domain_violations(proto) == [], path.name
         assert proto.ir_version <= PORTABLE_IR, path.name
+        if path.name.endswith("_frozen.onnx"):  # its initializers' data laid end to end, none of it in the file
+            offset = 0
+            for tensor in proto.graph.initializer:
+                if tensor.data_location != onnx.TensorProto.EXTERNAL:  # the graph's own constants
+                    continue
+                external = {entry.key: entry.value for entry in tensor.external_data}
+                size = int(np.prod(tensor.dims)) * 4
+                assert not tensor.raw_data and external["offset"] == str(offset) and external["length"] == str(size)
+                offset += size
+            assert offset > 0
     # the checker itself must see a com.microsoft node
     proto.graph.node.append(onnx.helper.make_node("FusedMatMul", ["a", "b"], ["c"], domain="com.microsoft"))
     assert default_domain_violations(proto)
