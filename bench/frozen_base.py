@@ -1,10 +1,11 @@
-"""Images per second of a portable step graph with its frozen tensors as graph inputs vs baked in as initializers.
+"""Images per second of the portable engine's personal-only (or base-only) step with and without its frozen variant.
 
-A personal-only step passes the base through unchanged (an Identity from input to output). Baked into the graph
-as initializers, the base's convolutions become constant-weight ones, which onnxruntime runs with faster kernels
-(bench/depthwise.py, conv-const). This measures what that would give one step graph of a bundle: both sessions
-are built from the same file, checked to agree, then alternated. Not what the engine does today (issue 15).
-Prints JSON.
+A personal-only step passes the base through unchanged. The exporter writes a variant of the step graph in which
+those tensors are initializers (export/frozen.py); the portable engine builds it on the second step with the same
+frozen tensors, handing onnxruntime their values, so the base's convolutions get onnxruntime's constant-weight
+kernels (bench/depthwise.py, conv-const). This times what that gives: two engines on one bundle, one with the
+variants (`bake_frozen=True`, the default) and one without, fed the same batches, checked to agree, alternated.
+The variant's first build is timed on its own (it happens once per received base). Prints JSON.
 Usage: python bench/frozen_base.py BUNDLE [--step personal] [--repeats 30] [--threads 2]
   BUNDLE: a bundle with portable graphs, e.g. from
     edgepfl export torchvision:mobilenet_v2 --input-shape 3,96,96 --num-classes 10 --kp 2 --engines portable --out B
@@ -18,81 +19,61 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 from engines import host
-from onnx import numpy_helper
-from safetensors.numpy import load_file
 
-
-def frozen_inputs(graph: onnx.GraphProto, inputs: list[str], outputs: list[str]) -> list[str]:
-    """The state inputs a step passes through unchanged (its output is an Identity of the input)."""
-    producer = {output: node for node in graph.node for output in node.output}
-    return [
-        name
-        for name, output in zip(inputs, outputs)
-        if output in producer and producer[output].op_type == "Identity" and producer[output].input[0] == name
-    ]
-
-
-def session(model: str | bytes, threads: int) -> tuple[ort.InferenceSession, float]:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    started = time.perf_counter()
-    built = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    return built, time.perf_counter() - started
+from edgepfl.device_runtime.portable_engine import PortableEngine
+from edgepfl.errors import BundleError
+from edgepfl.manifest import load_manifest
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bundle", type=Path)
-    parser.add_argument("--step", default="personal")
+    parser.add_argument("--step", default="personal", choices=["personal", "base"])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    manifest = json.loads((args.bundle / "manifest.json").read_text())
-    entry = manifest["engines"]["portable"]
-    step = entry["steps"][args.step]
-    state = list(entry["params"]) + list(entry["buffers"])
-    tensors = load_file(args.bundle / entry["initial"])
-    by_input = dict(zip(step["inputs"], state))  # graph input name -> state tensor name
-    model = onnx.load(args.bundle / step["model"])
-    frozen = frozen_inputs(model.graph, step["inputs"][: len(state)], step["outputs"][1:])
-    kept = [spec for spec in model.graph.input if spec.name not in frozen]
-    del model.graph.input[:]
-    model.graph.input.extend(kept)
-    model.graph.initializer.extend(numpy_helper.from_array(tensors[by_input[name]], name) for name in frozen)
-    plain, plain_build = session(str(args.bundle / step["model"]), args.threads)
-    baked, baked_build = session(model.SerializeToString(), args.threads)
-
+    manifest = load_manifest(args.bundle)
+    engines = {
+        "inputs": PortableEngine(args.bundle, manifest, threads=args.threads, bake_frozen=False),
+        "initializers": PortableEngine(args.bundle, manifest, threads=args.threads),
+    }
+    step = engines["initializers"].entry["steps"][args.step]
+    if "frozen" not in step or not engines["initializers"].bake_frozen:
+        raise BundleError(f"{args.bundle}'s {args.step} step has no frozen variant", "re-export with this edgepfl")
     rng = np.random.default_rng(0)
-    batch = entry["batch_size"]
-    x = rng.standard_normal((batch, *manifest["input"]["shape"])).astype(np.float32)
-    y = (np.arange(batch) % manifest["num_classes"]).astype(np.int64)
-    x_name, y_name, w_name, lr_name = step["inputs"][len(state) : len(state) + 4]
-    feeds = {name: tensors[by_input[name]] for name in step["inputs"][: len(state)]}
-    feeds |= {x_name: x, y_name: y, w_name: np.ones(batch, np.float32), lr_name: np.array(0.01, np.float32)}
-    baked_feeds = {name: value for name, value in feeds.items() if name not in frozen}
-    difference = max(float(np.abs(a - b).max()) for a, b in zip(plain.run(None, feeds), baked.run(None, baked_feeds)))
-    seconds: dict[str, list[float]] = {"inputs": [], "initializers": []}
-    runs = (("inputs", plain, feeds), ("initializers", baked, baked_feeds))
+    batch = engines["inputs"].batch_size
+    x = rng.standard_normal((batch, *manifest.input.shape)).astype(np.float32)
+    y = (np.arange(batch) % manifest.num_classes).astype(np.int64)
+
+    def step_of(label: str) -> float:
+        started = time.perf_counter()
+        engines[label].train_step(x, y, lr=0.01, trainable=args.step)
+        return time.perf_counter() - started
+
+    first = {label: [step_of(label), step_of(label)] for label in engines}  # the variant is built in the second
+    before = {label: engine.get_tensors() for label, engine in engines.items()}
+    difference = max(float(np.abs(before["inputs"][n] - before["initializers"][n]).max()) for n in before["inputs"])
+    seconds: dict[str, list[float]] = {label: [] for label in engines}
     for repeat in range(args.repeats + 3):
-        for label, runner, given in runs if repeat % 2 else runs[::-1]:  # alternated, each first half the time
-            started = time.perf_counter()
-            runner.run(None, given)
+        for label in list(engines) if repeat % 2 else list(engines)[::-1]:  # alternated, each first half the time
+            elapsed = step_of(label)
             if repeat >= 3:
-                seconds[label].append(time.perf_counter() - started)
+                seconds[label].append(elapsed)
     result = {
         "host": host(),
         "bundle": str(args.bundle),
         "step": args.step,
         "threads": args.threads,
-        "frozen_inputs": len(frozen),
-        "state_tensors": len(state),
-        "max_abs_difference": difference,
-        "session_build_s": {"inputs": round(plain_build, 3), "initializers": round(baked_build, 3)},
+        "frozen_inputs": len(step["frozen"]["initializers"]),
+        "state_tensors": len(engines["inputs"].entry["params"]) + len(engines["inputs"].entry["buffers"]),
+        "max_abs_difference_after_two_steps": difference,
+        "second_step_s": {label: round(values[1], 3) for label, values in first.items()},
         "images_per_s": {label: round(batch / float(np.median(values)), 1) for label, values in seconds.items()},
     }
+    # the variant's build: its engine's second step less what one of its steps takes once built
+    built_step = float(np.median(seconds["initializers"]))
+    result["variant_build_s"] = round(result["second_step_s"]["initializers"] - built_step, 3)
     result["speedup"] = round(result["images_per_s"]["initializers"] / result["images_per_s"]["inputs"], 3)
     print(json.dumps(result, indent=1))
 

@@ -7,9 +7,10 @@ frozen weight runs the generic kernel. The variant declares them as initializers
 builds the session (`SessionOptions.add_external_initializers`), and onnxruntime then pre-packs the constant
 weights (its blocked NCHWc kernels on x86). The variant has no outputs for them: they do not change.
 
-`bench/frozen_base.py` measured mobilenet_v2's 96 px personal-only step 1.41x faster this way. The graph
-holds no weights, so a bundle grows by the graph's structure alone; a tool that loads it with its external
-data (`onnx.load` by default) finds no data file: load it with `load_external_data=False`.
+On an AVX2 host mobilenet_v2's 96 px personal-only step ran 1.3-1.5x faster this way (`bench/frozen_base.py`,
+`bench/engines.py`; docs/own-model.md). The graph holds no weights, so a bundle grows by the graph's
+structure alone; a tool that loads it with its external data (`onnx.load` by default) finds no data file:
+load it with `load_external_data=False`.
 """
 
 from __future__ import annotations
