@@ -1,11 +1,12 @@
 """Images per second of the portable engine's personal-only (or base-only) step with and without its frozen variant.
 
 A personal-only step passes the base through unchanged. The exporter writes a variant of the step graph in which
-those tensors are initializers (export/frozen.py); the portable engine builds it on the second step with the same
-frozen tensors, handing onnxruntime their values, so the base's convolutions get onnxruntime's constant-weight
-kernels (bench/depthwise.py, conv-const). This times what that gives: two engines on one bundle, one with the
-variants (`bake_frozen=True`, the default) and one without, fed the same batches, checked to agree, alternated.
-The variant's first build is timed on its own (it happens once per received base). Prints JSON.
+those tensors are initializers (export/frozen.py); the portable engine builds it once the plain graph has spent
+as long on the same frozen tensors as building would take (here: on the second step), handing onnxruntime their
+values, so the base's convolutions get onnxruntime's constant-weight kernels (bench/depthwise.py, conv-const).
+This times what that gives: two engines on one bundle, one with the variants (`bake_frozen=True`, the default)
+and one without, fed the same batches, checked to agree, alternated. The variant's first build is timed on its
+own (it happens once per received base). Prints JSON.
 Usage: python bench/frozen_base.py BUNDLE [--step personal] [--repeats 30] [--threads 2]
   BUNDLE: a bundle with portable graphs, e.g. from
     edgepfl export torchvision:mobilenet_v2 --input-shape 3,96,96 --num-classes 10 --kp 2 --engines portable --out B
@@ -38,6 +39,7 @@ def main() -> None:
         "inputs": PortableEngine(args.bundle, manifest, threads=args.threads, bake_frozen=False),
         "initializers": PortableEngine(args.bundle, manifest, threads=args.threads),
     }
+    engines["initializers"].bake_after = 0.0  # build on the second step, to time the build (by default: later)
     step = engines["initializers"].entry["steps"][args.step]
     if "frozen" not in step or not engines["initializers"].bake_frozen:
         raise BundleError(f"{args.bundle}'s {args.step} step has no frozen variant", "re-export with this edgepfl")

@@ -219,6 +219,7 @@ def test_frozen_variant_steps_agree_with_the_plain_graphs_through_base_changes(p
     bundle, reference, _ = portable_case
     manifest = load_manifest(bundle)
     baked = PortableEngine(bundle, manifest, threads=1)
+    baked.bake_after = 0.0  # a variant on the second step with the same frozen tensors (by default: later)
     plain = PortableEngine(bundle, manifest, threads=1, bake_frozen=False)
     rng = np.random.default_rng(5)
     arrived = {n: v + rng.normal(0, 0.05, v.shape).astype(v.dtype) for n, v in baked.tensors_by_role("base").items()}
@@ -236,6 +237,21 @@ def test_frozen_variant_steps_agree_with_the_plain_graphs_through_base_changes(p
         assert_close(baked.get_tensors(), plain.get_tensors())
     if baked.bake_frozen:  # onnxruntime without add_external_initializers keeps the plain graphs
         assert set(baked._baked) == {"step_personal", "step_base"} and not plain._baked
+
+
+def test_alternating_sets_never_build_a_variant(portable_case):
+    """Each set's step changes the other set's frozen tensors: the plain graphs run and nothing is rebuilt."""
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.manifest import load_manifest
+
+    bundle, reference, _ = portable_case
+    engine = PortableEngine(bundle, load_manifest(bundle), threads=1)
+    engine.bake_after = 0.0
+    for i, trainable in enumerate(["personal", "base"] * 3):
+        engine.train_step(reference["xs"][i], reference["ys"][i], lr=0.1, trainable=trainable)
+    assert not engine._baked
+    engine.train_step(reference["xs"][0], reference["ys"][0], lr=0.1, trainable="base")  # base twice in a row
+    assert set(engine._baked) == ({"step_base"} if engine.bake_frozen else set())
 
 
 def test_engine_refuses_bad_input_with_one_line_errors(portable_case):
