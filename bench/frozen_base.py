@@ -1,8 +1,8 @@
 """Images per second of the portable engine's personal-only (or base-only) step with and without its frozen variant.
 
 A personal-only step passes the base through unchanged. The exporter writes a variant of the step graph in which
-those tensors are initializers (export/frozen.py); the portable engine builds it once the plain graph has spent
-as long on the same frozen tensors as building would take (here: on the second step), handing onnxruntime their
+those tensors are initializers (export/frozen.py); the portable engine builds it after two plain steps on the
+same frozen tensors (here: after one, to time the build), handing onnxruntime their
 values, so the base's convolutions get onnxruntime's constant-weight kernels (bench/depthwise.py, conv-const).
 This times what that gives: two engines on one bundle, one with the variants (`bake_frozen=True`, the default)
 and one without, fed the same batches, checked to agree, alternated. The variant's first build is timed on its
@@ -39,7 +39,7 @@ def main() -> None:
         "inputs": PortableEngine(args.bundle, manifest, threads=args.threads, bake_frozen=False),
         "initializers": PortableEngine(args.bundle, manifest, threads=args.threads),
     }
-    engines["initializers"].bake_after = 0.0  # build on the second step, to time the build (by default: later)
+    engines["initializers"].bake_after = 1  # build on the second step, to time the build (by default the third)
     step = engines["initializers"].entry["steps"][args.step]
     if "frozen" not in step or not engines["initializers"].bake_frozen:
         raise BundleError(f"{args.bundle}'s {args.step} step has no frozen variant", "re-export with this edgepfl")

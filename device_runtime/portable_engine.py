@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -13,6 +12,8 @@ from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inpu
 from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import check_tensors, load_tensors
+
+BAKE_AFTER_STEPS = 2  # a step's frozen variant runs from the third step on the same frozen tensors
 
 
 class PortableEngine(Engine):
@@ -37,10 +38,9 @@ class PortableEngine(Engine):
         # a step's frozen variant (export/frozen.py): its session with the frozen tensors it was built on, and the
         # seconds the plain graph has run on the current frozen tensors (see _baked_session)
         self.bake_frozen = bake_frozen and hasattr(ort.SessionOptions, "add_external_initializers")
-        self.bake_after: float | None = None  # seconds of plain steps first; None: the plain graph's build time
+        self.bake_after = BAKE_AFTER_STEPS  # plain steps on the same frozen tensors before a variant is built
         self._baked: dict[str, tuple[ort.InferenceSession, tuple[ort.OrtValue, ...], list[ort.OrtValue]]] = {}
-        self._plain_on: dict[str, tuple[tuple[ort.OrtValue, ...], float]] = {}
-        self._build_seconds: dict[str, float] = {}
+        self._plain_on: dict[str, tuple[tuple[ort.OrtValue, ...], int]] = {}
         initial = load_tensors(self.bundle_dir / entry["initial"])
         check_tensors(initial, [manifest.tensor(n) for n in self._state_names], "portable/initial.safetensors")
         self.set_tensors(initial)
@@ -115,7 +115,6 @@ class PortableEngine(Engine):
         kept = set(by_input[name] for name in frozen["initializers"]) if frozen else set()
         values = tuple(self._state[by_input[name]] for name in frozen["initializers"]) if frozen else ()
         baked = self._baked_session(key, frozen, values) if frozen and self.bake_frozen else None
-        started = time.perf_counter()
         session, inputs, outputs = (
             (baked, frozen["inputs"], frozen["outputs"])
             if baked
@@ -132,27 +131,26 @@ class PortableEngine(Engine):
         session.run_with_iobinding(binding)
         if frozen and not baked:
             held = self._plain_on.get(key)
-            spent = held[1] if held is not None and _same(held[0], values) else 0.0
-            self._plain_on[key] = (values, spent + time.perf_counter() - started)
+            steps = held[1] if held is not None and _same(held[0], values) else 0
+            self._plain_on[key] = (values, steps + 1)
         loss, *state = binding.get_outputs()
         new = {by_output[name]: value for name, value in zip(outputs[1:], state)}
         self._state.update((name, value) for name, value in new.items() if name not in kept)
         return float(loss.numpy())
 
     def _baked_session(self, key: str, frozen: dict, values: tuple[ort.OrtValue, ...]) -> ort.InferenceSession | None:
-        """The step's frozen variant built on the frozen tensors `values`, or None while the plain graph is cheaper.
+        """The step's frozen variant built on the frozen tensors `values`, or None for the plain graph.
 
         Building a variant costs about as much as opening the plain graph (0.35 s for mobilenet_v2's personal
-        step at 96 px) and saves a share of every later step on the same frozen tensors. It is built once the
-        plain graph has spent that long on them (`bake_after`, by default that build time): a caller that
-        changes the frozen tensors every step, or trains a set for a step or two, never pays for a variant,
-        and one that trains on for longer pays at most the build time extra."""
+        step at 96 px, about two of its steps) and saves a share of every later step on the same frozen
+        tensors. It is built after `bake_after` plain steps on them: a caller that changes the frozen tensors
+        every step, or trains a set for a step or two, never pays for one. The rule counts steps, not seconds,
+        so a seeded run takes the same graphs, and gives the same numbers, every time."""
         built = self._baked.get(key)
         if built is not None and _same(built[1], values):
             return built[0]
         held = self._plain_on.get(key)
-        threshold = self.bake_after if self.bake_after is not None else self._build_seconds.get(key, 0.0)
-        if held is None or not _same(held[0], values) or held[1] < threshold:
+        if held is None or not _same(held[0], values) or held[1] < self.bake_after:
             return None
         # onnxruntime reads an external initializer from memory the caller owns: a step's outputs are its own
         owned = [ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True)) for value in values]
@@ -207,9 +205,7 @@ class PortableEngine(Engine):
     def _session(self, key: str, relative_path: str) -> ort.InferenceSession:
         if key not in self._sessions:
             path = str(self._path(relative_path))
-            started = time.perf_counter()
             self._sessions[key] = ort.InferenceSession(path, self._options(), providers=["CPUExecutionProvider"])
-            self._build_seconds[key] = time.perf_counter() - started
         return self._sessions[key]
 
     def _path(self, relative_path: str) -> os.PathLike:

@@ -219,7 +219,7 @@ def test_frozen_variant_steps_agree_with_the_plain_graphs_through_base_changes(p
     bundle, reference, _ = portable_case
     manifest = load_manifest(bundle)
     baked = PortableEngine(bundle, manifest, threads=1)
-    baked.bake_after = 0.0  # a variant on the second step with the same frozen tensors (by default: later)
+    baked.bake_after = 1  # a variant from the second step on the same frozen tensors (by default the third)
     plain = PortableEngine(bundle, manifest, threads=1, bake_frozen=False)
     rng = np.random.default_rng(5)
     arrived = {n: v + rng.normal(0, 0.05, v.shape).astype(v.dtype) for n, v in baked.tensors_by_role("base").items()}
@@ -246,7 +246,7 @@ def test_alternating_sets_never_build_a_variant(portable_case):
 
     bundle, reference, _ = portable_case
     engine = PortableEngine(bundle, load_manifest(bundle), threads=1)
-    engine.bake_after = 0.0
+    engine.bake_after = 1
     for i, trainable in enumerate(["personal", "base"] * 3):
         engine.train_step(reference["xs"][i], reference["ys"][i], lr=0.1, trainable=trainable)
     assert not engine._baked

@@ -4,7 +4,8 @@ Usage: python device_runtime/web/test/make_fixtures.py OUT_DIR  (needs the expor
 
 Writes a tiny BatchNorm cnn bundle (portable graphs), feeds and the Python portable engine's tensors after
 full and personal steps and after one fedalt round, files written by Python's `safetensors`, and PNGs with
-the Python loader's arrays of them. The Node tests (test/*.test.mjs) compare the JavaScript side to these.
+the Python loader's arrays of them. The Python engine runs the plain step graphs, as the page does (no frozen
+variants, export/frozen.py). The Node tests (test/*.test.mjs) compare the JavaScript side to these.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main(out: Path) -> None:
     save_file(feeds, out / "feeds.safetensors")
     results: dict = {"lr": LR, "round_settings": ROUND}
 
-    engine = PortableEngine(bundle, manifest)
+    engine = PortableEngine(bundle, manifest, bake_frozen=False)
     results["eval_initial"] = vars(engine.eval_batch(feeds["xe"], feeds["ye"]))
     results["full_losses"] = [
         engine.train_step(feeds["x1"], feeds["y1"], LR, "full"),
@@ -62,7 +63,7 @@ def main(out: Path) -> None:
     save_file(engine.get_tensors(), out / "full_after.safetensors")
     results["eval_after_full"] = vars(engine.eval_batch(feeds["xe"], feeds["ye"]))
 
-    engine = PortableEngine(bundle, manifest)
+    engine = PortableEngine(bundle, manifest, bake_frozen=False)
     results["personal_loss"] = engine.train_step(feeds["x1"], feeds["y1"], LR, "personal")
     save_file(engine.get_tensors(), out / "personal_after.safetensors")
 
@@ -84,7 +85,7 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
         {"x_train": x_train, "y_train": labels[data.train_index], "images": images, "labels": labels},
         out / "round_data.safetensors",
     )
-    engine = PortableEngine(bundle, manifest)
+    engine = PortableEngine(bundle, manifest, bake_frozen=False)
     result = run_client_round(engine, RoundSettings(**ROUND), data, seed=3, round_id=2)
     save_file(engine.get_tensors(), out / "round_after.safetensors")
     recompute_statistics(engine, data, ROUND["batch_size"])  # what a device does when the next base arrives
