@@ -68,6 +68,7 @@ def export(
     seed: int = flag(ExportOptions, "seed"),
     force: bool = flag(ExportOptions, "force"),
     distill: bool = flag(ExportOptions, "distill"),
+    frozen_variants: bool = flag(ExportOptions, "frozen_variants", "--frozen-variants/--no-frozen-variants"),
 ) -> None:
     """Export a model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
@@ -79,6 +80,7 @@ def export(
     from edgepfl.errors import UsageError
 
     chosen = {"optimizer": optimizer, "seed": seed, "force": force, "distill": distill}
+    chosen["frozen_variants"] = frozen_variants
     if engines is not None:
         chosen["engines"] = tuple(name.strip() for name in engines.split(",") if name.strip())
     options = validated(ExportOptions, chosen)

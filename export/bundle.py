@@ -25,6 +25,7 @@ from edgepfl.manifest import InputSpec, Manifest, split_roles
 
 INFERENCE_OPSET = 17
 
+
 @dataclass
 class ExportTarget:
     """A model ready to export: the module, its blocks and what the manifest records about it."""
@@ -235,7 +236,12 @@ def _write_bundle(
 
         try:
             engines["portable"] = portable.export_portable(
-                trainer, manifest, folder / "portable", options.portable_batch, distill=options.distill
+                trainer,
+                manifest,
+                folder / "portable",
+                options.portable_batch,
+                distill=options.distill,
+                frozen_variants=options.frozen_variants,
             )
         except EdgePFLError:
             raise

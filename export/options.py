@@ -39,3 +39,10 @@ class ExportOptions(BaseModel):
     distill: Annotated[
         bool, Field(description="also write PersFL distillation graphs for `device distill` (doubles export time)")
     ] = False
+    frozen_variants: Annotated[
+        bool,
+        Field(
+            description="also write each personal-only and base-only step with its frozen tensors as initializers "
+            "(the portable engine's faster long phases; the bundle grows by the graphs' size, not the weights')"
+        ),
+    ] = True

@@ -48,9 +48,15 @@ aten = torch.ops.aten
 
 
 def export_portable(
-    model: nn.Module, manifest: Manifest, folder: Path, batch_size: int = DEFAULT_BATCH, distill: bool = True
+    model: nn.Module,
+    manifest: Manifest,
+    folder: Path,
+    batch_size: int = DEFAULT_BATCH,
+    distill: bool = True,
+    frozen_variants: bool = True,
 ) -> dict:
-    """Write step, distillation (optional) and eval graphs and the initial tensors; returns the manifest entry."""
+    """Write step, distillation (optional) and eval graphs and the initial tensors; returns the manifest entry.
+    With `frozen_variants` each step that passes tensors through also gets its frozen variant (export/frozen.py)."""
     if batch_size < 1:
         raise UsageError(f"portable batch size {batch_size} must be positive", "use 32, or at least 1")
     folder = Path(folder)
@@ -73,7 +79,7 @@ def export_portable(
             "inputs": [i.name for i in proto.graph.input],
             "outputs": [o.name for o in proto.graph.output],
         }
-        variant, frozen = frozen_variant(proto, len(params) + len(buffers))
+        variant, frozen = frozen_variant(proto, len(params) + len(buffers)) if frozen_variants else (None, [])
         if frozen:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
             onnx.save(variant, str(folder / f"step_{set_name}_frozen.onnx"))
             steps[set_name]["frozen"] = {

@@ -184,3 +184,25 @@ def test_cli_export_prints_the_split(tmp_path):
     assert "personal" in result.stdout and "one round uploads" in result.stdout
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["schema_version"] == 1 and manifest["kp"] == 1
+
+
+def test_cli_export_without_frozen_variants_writes_the_plain_steps_only(tmp_path):
+    """--no-frozen-variants: no step_*_frozen.onnx and no `frozen` entry; the portable engine trains on the plain
+    graphs (by default a personal-only step has its variant)."""
+    args = ("export", "cnn", "--kp", "1", "--engines", "portable")
+    result = run_cli(*args, "--out", str(tmp_path / "plain"), "--no-frozen-variants")
+    assert result.returncode == 0, result.stderr
+    bundle = tmp_path / "plain"
+    steps = json.loads((bundle / "manifest.json").read_text())["engines"]["portable"]["steps"]
+    assert not [p.name for p in (bundle / "portable").glob("*_frozen.onnx")]
+    assert not [name for name, step in steps.items() if "frozen" in step]
+    engine = open_engine(bundle, "portable")
+    engine.bake_after = 0
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, *engine.manifest.input.shape)).astype(np.float32)
+    losses = [engine.train_step(x, np.arange(4) % 10, lr=0.1, trainable="personal") for _ in range(3)]
+    assert losses[-1] < losses[0] and not engine._baked
+    result = run_cli(*args, "--out", str(tmp_path / "default"))
+    assert result.returncode == 0, result.stderr
+    steps = json.loads((tmp_path / "default" / "manifest.json").read_text())["engines"]["portable"]["steps"]
+    assert "frozen" in steps["personal"] and "frozen" not in steps["full"]
