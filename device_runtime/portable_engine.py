@@ -36,7 +36,7 @@ class PortableEngine(Engine):
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._state: dict[str, ort.OrtValue] = {}
         # a step's frozen variant (export/frozen.py): its session with the frozen tensors it was built on, and the
-        # seconds the plain graph has run on the current frozen tensors (see _baked_session)
+        # number of plain steps run on the current frozen tensors (see _baked_session)
         self.bake_frozen = bake_frozen and hasattr(ort.SessionOptions, "add_external_initializers")
         self.bake_after = BAKE_AFTER_STEPS  # plain steps on the same frozen tensors before a variant is built
         self._baked: dict[str, tuple[ort.InferenceSession, tuple[ort.OrtValue, ...], list[ort.OrtValue]]] = {}
@@ -156,7 +156,14 @@ class PortableEngine(Engine):
         owned = [ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True)) for value in values]
         options = self._options()
         options.add_external_initializers(list(frozen["initializers"]), owned)
-        session = ort.InferenceSession(str(self._path(frozen["model"])), options, providers=["CPUExecutionProvider"])
+        path = str(self._path(frozen["model"]))
+        try:
+            session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's own errors have no common type: one line, not its traceback
+            raise BundleError(
+                f"the frozen variant {frozen['model']} does not load ({str(exc).splitlines()[0][:200]})",
+                "re-export the bundle, or export it with --no-frozen-variants",
+            ) from None
         self._baked[key] = (session, values, owned)  # the session reads `owned` for as long as it lives
         return session
 

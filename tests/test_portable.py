@@ -254,6 +254,26 @@ def test_alternating_sets_never_build_a_variant(portable_case):
     assert set(engine._baked) == ({"step_base"} if engine.bake_frozen else set())
 
 
+def test_a_frozen_variant_that_does_not_load_is_one_line(portable_case, tmp_path):
+    import shutil
+
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.errors import BundleError
+    from edgepfl.manifest import load_manifest
+
+    source, reference, _ = portable_case
+    bundle = tmp_path / "bundle"
+    shutil.copytree(source, bundle)
+    (bundle / "portable" / "step_personal_frozen.onnx").write_bytes(b"<html>not a graph</html>")
+    engine = PortableEngine(bundle, load_manifest(bundle), threads=1)  # unverified: open_engine checks hashes
+    engine.bake_after = 1
+    engine.train_step(reference["xs"][0], reference["ys"][0], lr=0.1, trainable="personal")
+    with pytest.raises(BundleError) as error:
+        engine.train_step(reference["xs"][1], reference["ys"][1], lr=0.1, trainable="personal")
+    assert "step_personal_frozen.onnx does not load" in str(error.value) and "\n" not in str(error.value)
+    assert "--no-frozen-variants" in error.value.fix
+
+
 def test_engine_refuses_bad_input_with_one_line_errors(portable_case):
     from edgepfl.errors import DataError, UsageError
 
