@@ -133,7 +133,6 @@ def test_an_upload_naming_a_tensor_twice_is_400_naming_it(round_app) -> None:
     assert round_app["engine"].store.updates(1) == []
 
 
-
 def test_an_upload_after_the_deadline_is_409_and_a_short_round_is_abandoned(round_app) -> None:
     ctx = round_app
     http, engine, clock = ctx["http"], ctx["engine"], ctx["clock"]
@@ -292,6 +291,30 @@ def _raw_request_head(ctx: dict[str, Any], device: str, length: int) -> bytes:
     ).encode()
 
 
+def _read_reply(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """An HTTP reply read whole: its head, then the body Content-Length announces, or what came before the server
+    closed. One recv can end between the head and the body (it did once in CI: the body was not yet there)."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        head, separator, rest = data.partition(b"\r\n\r\n")
+        if separator:
+            lengths = [
+                line.split(b":", 1)[1]
+                for line in head.split(b"\r\n")[1:]
+                if line.lower().startswith(b"content-length:")
+            ]
+            if lengths and len(rest) >= int(lengths[0]):
+                return data
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
 def test_a_trickling_upload_loses_its_slot_and_the_others_upload(tmp_path: Path) -> None:
     ctx = _open_live_round(tmp_path, "--upload-slots", "1", "--read-timeout", "1", "--min-upload-rate", "1")
     try:
@@ -314,11 +337,12 @@ def test_a_trickling_upload_loses_its_slot_and_the_others_upload(tmp_path: Path)
             try:
                 slow.sendall(body[sent : sent + 1])
             except OSError:
-                break  # the server closed the connection
+                reply = _read_reply(slow)  # the server closed the connection, its reply may be waiting
+                break
             sent += 1
             readable, _, _ = select.select([slow], [], [], 0.1)
             if readable:
-                reply = slow.recv(65536)
+                reply = _read_reply(slow)
                 break
         slow.close()
         other.join(timeout=30)
