@@ -1,5 +1,5 @@
 """Here: export fedper-paper's k=4 bundles (seed 0) and keep what the torch engine reads (manifest.json and the
-initial tensors) under OUT/LABEL/ and OUT/initial-seed0.safetensors, for setup.py on the device machine.
+initial tensors) under OUT/LABEL/ and OUT/initial-seed0.safetensors, for seeds.py on the device machine.
 Usage: python bench/gpu/prep.py DATA_ROOT OUT
 """
 

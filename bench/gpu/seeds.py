@@ -2,7 +2,7 @@
 
 Seed 1's initial tensors are built there by the same seeded code; they are used only if that machine's torch
 rebuilds seed 0's bit for bit as the carried file (exported here).
-Usage: python bench/gpu/setup.py BUNDLES RUNS
+Usage: python bench/gpu/seeds.py BUNDLES RUNS
 """
 
 from __future__ import annotations
