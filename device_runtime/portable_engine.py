@@ -114,22 +114,21 @@ class PortableEngine(Engine):
         frozen = graph.get("frozen")
         kept = set(by_input[name] for name in frozen["initializers"]) if frozen else set()
         values = tuple(self._state[by_input[name]] for name in frozen["initializers"]) if frozen else ()
-        baked = self._baked_session(key, frozen, values) if frozen and self.bake_frozen else None
+        counted = frozen and self.bake_frozen  # the plain steps on the same frozen tensors, see _baked_session
+        baked = self._baked_session(key, frozen, values) if counted else None
         session, inputs, outputs = (
             (baked, frozen["inputs"], frozen["outputs"])
             if baked
             else (self._session(key, graph["model"]), graph["inputs"], graph["outputs"])
         )
-        binding = session.io_binding()
         state_inputs = [name for name in inputs if name in by_input]
-        for name in state_inputs:
-            binding.bind_ortvalue_input(name, self._state[by_input[name]])
+        binding = self._bind_state(session, ((name, by_input[name]) for name in state_inputs))
         for name, value in zip(inputs[len(state_inputs) :], batch):
             binding.bind_cpu_input(name, value)
         for name in outputs:
             binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
-        if frozen and not baked:
+        if counted and not baked:
             held = self._plain_on.get(key)
             steps = held[1] if held is not None and _same(held[0], values) else 0
             self._plain_on[key] = (values, steps + 1)
@@ -175,7 +174,7 @@ class PortableEngine(Engine):
         rows = []
         for start in range(0, count, self.batch_size):
             chunk = min(self.batch_size, count - start)
-            binding = self._bind_state(session, graph["inputs"])
+            binding = self._bind_state(session, zip(graph["inputs"], self._state_names))
             padded = self._padded(x, np.zeros(count, dtype=np.int64), start, chunk)
             for name, value in zip(graph["inputs"][len(self._state_names) :], padded):
                 binding.bind_cpu_input(name, value)
@@ -192,7 +191,7 @@ class PortableEngine(Engine):
         loss_sum, correct = 0.0, 0
         for start in range(0, count, self.batch_size):
             chunk = min(self.batch_size, count - start)
-            binding = self._bind_state(session, graph["inputs"])
+            binding = self._bind_state(session, zip(graph["inputs"], self._state_names))
             for name, value in zip(graph["inputs"][len(self._state_names) :], self._padded(x, y, start, chunk)):
                 binding.bind_cpu_input(name, value)
             for name in graph["outputs"][1:]:  # loss and correct; the logits stay unfetched
@@ -203,9 +202,10 @@ class PortableEngine(Engine):
             correct += int(hits)
         return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
 
-    def _bind_state(self, session: ort.InferenceSession, input_names: list[str]) -> ort.IOBinding:
+    def _bind_state(self, session: ort.InferenceSession, inputs: Iterable[tuple[str, str]]) -> ort.IOBinding:
+        """A binding with each (graph input, state tensor) pair's OrtValue bound, as held: no copy."""
         binding = session.io_binding()
-        for input_name, tensor_name in zip(input_names, self._state_names):
+        for input_name, tensor_name in inputs:
             binding.bind_ortvalue_input(input_name, self._state[tensor_name])
         return binding
 

@@ -33,34 +33,27 @@ def frozen_inputs(graph: onnx.GraphProto, inputs: list[str], outputs: list[str])
     ]
 
 
-def frozen_variant(proto: onnx.ModelProto, state_count: int) -> tuple[onnx.ModelProto, list[str]]:
+def frozen_variant(proto: onnx.ModelProto, state_count: int) -> tuple[onnx.ModelProto | None, list[str]]:
     """(the variant, its frozen input names) of a step graph whose first `state_count` inputs are the state
-    and whose outputs are the loss followed by the new state in the same order. No frozen input: ([] and a copy)."""
+    and whose outputs are the loss followed by the new state in the same order; (None, []) if none is frozen."""
     graph = proto.graph
     inputs = [spec.name for spec in graph.input[:state_count]]
     outputs = [spec.name for spec in graph.output[1 : state_count + 1]]
     frozen = frozen_inputs(graph, inputs, outputs)
+    if not frozen:
+        return None, []
     variant = onnx.ModelProto()
     variant.CopyFrom(proto)
-    if not frozen:
-        return variant, []
     frozen_set = set(frozen)
     dropped = {output for name, output in zip(inputs, outputs) if name in frozen_set}
     specs = {spec.name: spec for spec in graph.input}
     consumed = {name for node in graph.node for name in node.input}
-    kept_nodes = [
-        node
-        for node in variant.graph.node
-        if not (node.op_type == "Identity" and node.output[0] in dropped and node.output[0] not in consumed)
-    ]
-    del variant.graph.node[:]
-    variant.graph.node.extend(kept_nodes)
-    kept_outputs = [spec for spec in variant.graph.output if spec.name not in dropped]
-    del variant.graph.output[:]
-    variant.graph.output.extend(kept_outputs)
-    kept_inputs = [spec for spec in variant.graph.input if spec.name not in frozen_set]
-    del variant.graph.input[:]
-    variant.graph.input.extend(kept_inputs)
+    _retain(
+        variant.graph.node,
+        lambda node: not (node.op_type == "Identity" and node.output[0] in dropped and node.output[0] not in consumed),
+    )
+    _retain(variant.graph.output, lambda spec: spec.name not in dropped)
+    _retain(variant.graph.input, lambda spec: spec.name not in frozen_set)
     offset = 0
     for name in frozen:
         tensor_type = specs[name].type.tensor_type
@@ -78,3 +71,10 @@ def frozen_variant(proto: onnx.ModelProto, state_count: int) -> tuple[onnx.Model
         variant.graph.initializer.append(initializer)
         offset += size
     return variant, frozen
+
+
+def _retain(field, keep) -> None:
+    """Keep the items of a repeated protobuf field for which `keep` is true, in order."""
+    kept = [item for item in field if keep(item)]
+    del field[:]
+    field.extend(kept)

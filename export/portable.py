@@ -80,7 +80,7 @@ def export_portable(
             "outputs": [o.name for o in proto.graph.output],
         }
         variant, frozen = frozen_variant(proto, len(params) + len(buffers)) if frozen_variants else (None, [])
-        if frozen:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
+        if variant is not None:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
             onnx.save(variant, str(folder / f"step_{set_name}_frozen.onnx"))
             steps[set_name]["frozen"] = {
                 "model": f"{prefix}/step_{set_name}_frozen.onnx",
