@@ -5,10 +5,11 @@ build and the bundle from a static server on 127.0.0.1, and drives Debian's chro
 one run at 1 thread without cross-origin isolation, one with COOP/COEP and `--threads` wasm threads. The
 Python portable engine runs the same steps at 1 thread in this process, before and after the browser runs
 (their mean is the native figure; the load average is reported, since a shared machine drifts).
-First load counts what a device downloads before it can train: the runtime (ort.wasm.min.mjs, its worker
-.mjs and .wasm), the engine's modules, manifest.json, the portable graphs and initial tensors; raw and
-gzip (level 6). The renderer's peak memory is the highest VmHWM among the browser's renderer processes.
-Prints JSON and writes bench/figures/web.png.
+A third run at 1 thread keeps to the plain step graphs (no frozen variants; the A/B of export/frozen.py in the
+browser). First load counts what a device downloads before it can train: the runtime (ort.wasm.min.mjs, its
+worker .mjs and .wasm), the engine's modules, manifest.json, the portable graphs, their frozen variants and the
+initial tensors; raw and gzip (level 6). The renderer's peak memory is the highest VmHWM among the browser's
+renderer processes. Prints JSON and writes bench/figures/web.png.
 
 Usage: python bench/web.py [--bundle DIR] [--steps 10] [--warmup 5] [--threads 2]   (needs chromium, playwright, npm ci)
 """
@@ -86,14 +87,17 @@ def serve(bundle: Path, isolated: bool) -> ThreadingHTTPServer:
 
 def first_load_bytes(bundle: Path) -> dict:
     """Bytes a device downloads before its first step, per part, raw and gzip-compressed."""
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    entry = manifest["engines"]["portable"]
-    graphs = [entry["eval"]["model"], *(step["model"] for step in entry["steps"].values())]
+    from edgepfl.manifest import load_manifest
+
+    manifest = load_manifest(bundle)
+    required, variants = manifest.portable_files()
+    initial = manifest.engines["portable"]["initial"]
     parts = {
         "runtime": [DIST / name for name in RUNTIME],
         "engine_modules": [WEB / "src" / name for name in ENGINE_MODULES],
-        "graphs": [bundle / "manifest.json", *(bundle / path for path in graphs)],
-        "initial_tensors": [bundle / entry["initial"]],
+        "graphs": [bundle / "manifest.json", *(bundle / path for path in required if path != initial)],
+        "frozen_variants": [bundle / path for path in variants],
+        "initial_tensors": [bundle / initial],
     }
     out = {}
     for part, files in parts.items():
@@ -134,8 +138,9 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: int) -> dict:
-    """One bench page in a fresh headless chromium; returns its timings and the renderer's peak memory."""
+def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: int, bake: bool = True) -> dict:
+    """One bench page in a fresh headless chromium; returns its timings and the renderer's peak memory.
+    `bake`: the engine runs the steps' frozen variants (from the third step on the same frozen tensors)."""
     from playwright.sync_api import sync_playwright
 
     server = serve(bundle, isolated)
@@ -147,7 +152,8 @@ def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: 
                 errors: list[str] = []
                 page.on("pageerror", lambda exc: errors.append(str(exc)))
                 port = server.server_address[1]
-                page.goto(f"http://127.0.0.1:{port}/bench/index.html?threads={threads}&steps={steps}&warmup={warmup}")
+                query = f"threads={threads}&steps={steps}&warmup={warmup}&bake={int(bake)}"
+                page.goto(f"http://127.0.0.1:{port}/bench/index.html?{query}")
                 page.wait_for_function("window.benchResult !== undefined", timeout=600_000, polling=500)
                 result = page.evaluate("window.benchResult")
                 if "error" in result or errors:
@@ -236,6 +242,9 @@ def main() -> None:
         # native before and after the browser runs: on a shared machine the load drifts between them
         native_before = native_run(bundle, args.steps, args.warmup)
         runs = {"browser 1 thread": browser_run(bundle, 1, isolated=False, steps=args.steps, warmup=args.warmup)}
+        runs["browser 1 thread, plain graphs"] = browser_run(
+            bundle, 1, isolated=False, steps=args.steps, warmup=args.warmup, bake=False
+        )
         runs[f"browser {args.threads} threads (isolated)"] = browser_run(
             bundle, args.threads, isolated=True, steps=args.steps, warmup=args.warmup
         )
@@ -260,6 +269,9 @@ def main() -> None:
         "browser_vs_native_met": ratio >= TARGET_SPEED,
         "first_load_gzip_mb": round(gzip_mb, 2),
         "first_load_met": gzip_mb <= TARGET_MB,
+        "personal_frozen_variant_vs_plain_1_thread": round(
+            browser["personalImagesPerSecond"] / runs["browser 1 thread, plain graphs"]["personalImagesPerSecond"], 3
+        ),
     }
     print(json.dumps(report, indent=1))
     plot(report, ROOT / "bench" / "figures" / "web.png")

@@ -24,7 +24,7 @@ from torch import nn
 
 from edgepfl.errors import UsageError
 from edgepfl.export import activations
-from edgepfl.export.frozen import frozen_variant
+from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
 from edgepfl.export.smallmaps import SMALL_MAP, DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise, tap
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
@@ -85,6 +85,7 @@ def export_portable(
             steps[set_name]["frozen"] = {
                 "model": f"{prefix}/step_{set_name}_frozen.onnx",
                 "initializers": frozen,
+                "data_location": FROZEN_LOCATION,  # where the variant says their bytes are, laid end to end
                 "inputs": [i.name for i in variant.graph.input],
                 "outputs": [o.name for o in variant.graph.output],
             }

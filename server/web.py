@@ -170,16 +170,11 @@ def vendor_files(runtime: WebRuntime) -> dict[str, StaticFile]:
 
 
 def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
-    """manifest.json and the files its `engines.portable` entry names (graphs and initial tensors) only."""
-    portable = engine.manifest.engines.get("portable") or {}
-    names = [step["model"] for step in (portable.get("steps") or {}).values()]
-    if "eval" in portable:
-        names.append(portable["eval"]["model"])
-    if "initial" in portable:
-        names.append(portable["initial"])
+    """manifest.json and the portable engine's files (graphs, frozen variants, initial tensors) only."""
+    required, optional = engine.manifest.portable_files()
     folder = engine.config.bundle
     files = {MANIFEST_NAME: StaticFile(folder / MANIFEST_NAME, MEDIA_TYPES[".json"])}
-    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in names})
+    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in [*required, *optional]})
     return files
 
 

@@ -24,7 +24,13 @@ from edgepfl.server.engine import create_engine
 
 SECRET = "join-secret-0123456789abcdef/+?&#"  # characters a URL fragment must escape
 PORTABLE = {
-    "steps": {"full": {"model": "portable/step_full.onnx"}, "personal": {"model": "portable/step_personal.onnx"}},
+    "steps": {
+        "full": {"model": "portable/step_full.onnx"},
+        "personal": {
+            "model": "portable/step_personal.onnx",
+            "frozen": {"model": "portable/step_personal_frozen.onnx", "data_location": "frozen.bin"},
+        },
+    },
     "eval": {"model": "portable/eval.onnx"},
     "initial": "portable/initial.safetensors",
 }
@@ -36,7 +42,8 @@ runtime_needed = pytest.mark.skipif(
 def portable_bundle(folder: Path) -> Manifest:
     """The tiny server bundle with an `engines.portable` entry, its files, and two files it does not list."""
     manifest = make_bundle(folder)
-    for name in ("step_full.onnx", "step_personal.onnx", "eval.onnx", "distill_kd_full.onnx"):
+    graphs = ("step_full.onnx", "step_personal.onnx", "step_personal_frozen.onnx", "eval.onnx", "distill_kd_full.onnx")
+    for name in graphs:
         (folder / "portable" / name).write_bytes(f"graph {name}".encode())
     (folder / "model.onnx").write_bytes(b"inference model")
     manifest = Manifest(**{**vars(manifest), "engines": {"portable": PORTABLE}})
@@ -133,7 +140,7 @@ def test_bundle_files_are_the_portable_ones_and_need_a_token(tmp_path: Path) -> 
     assert http.get("/device/bundle/manifest.json").status_code == 401
     manifest = http.get("/device/bundle/manifest.json", headers=auth)
     assert manifest.status_code == 200 and manifest.json()["engines"]["portable"] == PORTABLE
-    listed = ["portable/step_full.onnx", "portable/step_personal.onnx", "portable/eval.onnx"]
+    listed = [f"portable/{name}.onnx" for name in ("step_full", "step_personal", "step_personal_frozen", "eval")]
     for name in [*listed, "portable/initial.safetensors"]:
         reply = http.get(f"/device/bundle/{name}", headers=auth)
         assert reply.status_code == 200 and reply.content == (tmp_path / "bundle" / name).read_bytes(), name

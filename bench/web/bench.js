@@ -1,12 +1,13 @@
 // Times the browser engine's full and personal-only steps; bench/web.py serves this page and reads window.benchResult.
 
 import * as ort from '/vendor/ort.wasm.min.mjs';
-import { openEngine } from '/src/engine.js';
+import { openEngine, portableFiles } from '/src/engine.js';
 
 const params = new URLSearchParams(location.search);
 const threads = Number(params.get('threads') || 1);
 const steps = Number(params.get('steps') || 10);
 const warmup = Number(params.get('warmup') || 5);
+const bakeFrozen = params.get('bake') !== '0';
 
 async function fetchBytes(path) {
   const response = await fetch(path);
@@ -17,12 +18,12 @@ async function fetchBytes(path) {
 async function run() {
   ort.env.wasm.wasmPaths = '/vendor/';
   const manifest = JSON.parse(new TextDecoder().decode(await fetchBytes('/bundle/manifest.json')));
-  const entry = manifest.engines.portable;
-  const paths = [entry.initial, entry.eval.model, ...Object.values(entry.steps).map((s) => s.model)];
+  const { required, variants } = portableFiles(manifest);
+  const paths = [...required, ...(bakeFrozen ? variants : [])];
   const files = new Map();
   for (const path of paths) files.set(path, await fetchBytes(`/bundle/${path}`));
   const opened = performance.now();
-  const engine = await openEngine(ort, manifest, files, { threads });
+  const engine = await openEngine(ort, manifest, files, { threads, bakeFrozen });
   const openSeconds = (performance.now() - opened) / 1000;
   const size = engine.batchSize;
   // seeded inputs (a fixed LCG): the timings do not depend on the values, the run must not depend on Math.random
@@ -30,7 +31,7 @@ async function run() {
   const next = () => ((state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32);
   const x = Float32Array.from({ length: size * engine.sampleSize }, () => next() * 2 - 1);
   const y = Int32Array.from({ length: size }, () => Math.floor(next() * manifest.num_classes));
-  const result = { threads, steps, warmup, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
+  const result = { threads, steps, warmup, bakeFrozen, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
   for (const set of ['full', 'personal']) {
     const first = performance.now();
     await engine.trainStep(x, y, size, 0.01, set);
@@ -40,6 +41,7 @@ async function run() {
     for (let i = 0; i < steps; i++) await engine.trainStep(x, y, size, 0.01, set);
     const seconds = (performance.now() - started) / 1000;
     result[`${set}ImagesPerSecond`] = (steps * size) / seconds;
+    result[`${set}VariantSteps`] = engine.variantSteps;
   }
   return result;
 }

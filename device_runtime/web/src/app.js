@@ -5,7 +5,7 @@
 import * as ort from './vendor/ort.wasm.min.mjs';
 import { receive, roundUploads, runClientRound, travellingNames } from './algorithms.js';
 import { appendExamples, classCounts, classNames, DEVICE_SEED, emptyExamples, readFolder, readNpz, readPhotos, splitExamples, splitSizes } from './data.js';
-import { openEngine } from './engine.js';
+import { openEngine, portableFiles } from './engine.js';
 import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
 import { API_PREFIX, ApiClient, encodeUpdate, Refusal, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
@@ -94,11 +94,10 @@ async function credentials(store) {
   return creds;
 }
 
-/** The manifest's portable files (graphs, initial tensors), from the browser's cache or the server, sha256-checked. */
+/** The manifest's portable files (graphs, frozen variants, initial tensors), from the browser's cache or the server, sha256-checked. */
 async function bundleFiles(store, client, manifest) {
-  const entry = manifest.engines && manifest.engines.portable;
-  if (!entry) throw Object.assign(new Error('the bundle has no portable graphs'), { fix: 'ask the operator to export it with --engines portable' });
-  const paths = [...Object.values(entry.steps).map((step) => step.model), entry.eval.model, entry.initial];
+  const { required, variants } = portableFiles(manifest);
+  const paths = [...required, ...variants];
   const keep = new Set(paths.map((path) => manifest.files[path]));
   const files = new Map();
   for (const [i, path] of paths.entries()) {
@@ -399,7 +398,7 @@ function clearProblem() {
 }
 
 function fatal(err) {
-  stage('problem', problem(err && err.message ? err.message : String(err), (err && err.fix) || 'reload the page'));
+  stage('problem', problem((err && (err.problem || err.message)) || String(err), (err && err.fix) || 'reload the page'));
 }
 
 function pct(value) {

@@ -6,44 +6,68 @@ import { decodeSafetensors, numel, typedArrayOf } from './safetensors.js';
 import { checkSha256 } from './sha256.js';
 
 const ROLES = ['base', 'personal', 'buffer'];
+const SESSION_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
 
 /** An Error whose message names the problem and whose `fix` says what to do about it. */
 export class EngineError extends Error {
   constructor(message, fix) {
     super(`${message} — ${fix}`);
     this.name = 'EngineError';
+    this.problem = message;
     this.fix = fix;
   }
+}
+
+/** Plain steps on the same frozen tensors before a step's frozen variant is built (portable_engine.py BAKE_AFTER_STEPS). */
+export const BAKE_AFTER_STEPS = 2;
+
+/**
+ * The bundle paths of the portable engine (Manifest.portable_files): `required`, its initial tensors, eval and step
+ * graphs; `variants`, the steps' frozen variants (export/frozen.py), which an engine uses where it has them.
+ */
+export function portableFiles(manifest) {
+  const entry = manifest.engines && manifest.engines.portable;
+  if (!entry) throw new EngineError('the bundle has no portable graphs', 'ask the operator to export it with --engines portable');
+  const steps = Object.values(entry.steps);
+  return {
+    required: [entry.initial, entry.eval.model, ...steps.map((step) => step.model)],
+    variants: steps.filter((step) => step.frozen && step.frozen.data_location).map((step) => step.frozen.model),
+  };
 }
 
 /**
  * Open the portable graphs of a bundle. `files` maps bundle-relative paths to bytes and holds at least the
  * portable entry's graphs and `initial` tensors; each file the manifest lists a sha256 for is checked.
+ * The steps' frozen variants in `files` are used unless `bakeFrozen` is false (see Engine.bakedSession).
  * `threads` > 1 needs a cross-origin isolated page (SharedArrayBuffer); it applies to the first engine
  * opened in a page, because onnxruntime-web starts its wasm runtime once.
  */
-export async function openEngine(ort, manifest, files, { threads = 1 } = {}) {
-  const entry = manifest.engines && manifest.engines.portable;
-  if (!entry) throw new EngineError('the bundle has no portable graphs', 're-export it with --engines portable');
-  const required = [entry.initial, entry.eval.model, ...Object.values(entry.steps).map((s) => s.model)];
-  for (const path of required) {
+export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true } = {}) {
+  const { required, variants } = portableFiles(manifest);
+  const present = bakeFrozen ? variants.filter((path) => files.has(path)) : [];
+  for (const path of [...required, ...present]) {
     if (!files.has(path)) throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
     const expected = manifest.files && manifest.files[path];
     if (expected) await checkSha256(files.get(path), expected, `bundle file ${path}`);
   }
   ort.env.wasm.numThreads = Math.max(1, Math.floor(threads));
+  const entry = manifest.engines.portable;
   const graphs = new Map(required.slice(1).map((path) => [path, files.get(path)]));
-  const engine = new Engine(ort, manifest, entry, graphs);
+  const engine = new Engine(ort, manifest, entry, graphs, new Map(present.map((path) => [path, files.get(path)])));
   engine.setTensors(decodeSafetensors(files.get(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }
 
 class Engine {
-  constructor(ort, manifest, entry, graphs) {
+  constructor(ort, manifest, entry, graphs, variants) {
     this.ort = ort;
     this.manifest = manifest;
     this.entry = entry;
     this.graphs = graphs; // bytes of graphs without a session yet; dropped once their session exists
+    this.variants = variants; // bytes of the frozen variants, kept: one is rebuilt whenever its frozen tensors change
+    this.plainOn = new Map(); // step key -> {values, steps}: plain steps run on these frozen tensors
+    this.baked = new Map(); // step key -> {session, values}: the variant built on these frozen tensors
+    this.variantSteps = 0; // steps run on a frozen variant, for tests and benchmarks
     this.batchSize = Number(entry.batch_size);
     const [channels, height, width] = manifest.input.shape;
     this.sampleSize = channels * height * width;
@@ -117,7 +141,7 @@ class Engine {
   async trainStep(x, y, count, lr, trainable = 'full') {
     if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     const results = await this.runStep(x, y, count, lr, trainable);
-    this.stateNames.forEach((name, i) => this.state.set(name, results.state[i]));
+    for (const [name, tensor] of results.state) this.state.set(name, tensor);
     return results.loss;
   }
 
@@ -125,8 +149,7 @@ class Engine {
   async statisticsStep(x, y, count) {
     const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
-    const params = this.entry.params.length;
-    this.entry.buffers.forEach((name, i) => this.state.set(name, results.state[params + i]));
+    for (const name of this.entry.buffers) if (results.state.has(name)) this.state.set(name, results.state.get(name));
   }
 
   /** Each BatchNorm running statistic's momentum by tensor name (engine.py statistics_momenta). */
@@ -137,18 +160,75 @@ class Engine {
     return Object.fromEntries(names.map((name) => [name, Number(typeof momentum === 'object' ? momentum[name] : momentum)]));
   }
 
+  /**
+   * Run one step graph on the current state; returns the loss and the new state by tensor name. A step with a
+   * frozen variant leaves out its frozen tensors (they pass through unchanged), so that the state keeps the very
+   * same tensor objects and the next step can tell they did not change (portable_engine.py _run_step).
+   */
   async runStep(x, y, count, lr, trainable) {
     this.checkSet(trainable);
     this.checkBatch(x, y, count);
     if (count > this.batchSize) {
       throw new EngineError(`a batch of ${count} samples exceeds the portable graphs' batch size ${this.batchSize}`, `train with batches of at most ${this.batchSize}`);
     }
+    const key = `step_${trainable}`;
     const graph = this.entry.steps[trainable];
-    const feeds = this.feeds(graph.inputs, x, y, 0, count);
-    feeds[graph.inputs[this.stateNames.length + 3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
-    const session = await this.session(`step_${trainable}`, graph.model);
+    const n = this.stateNames.length;
+    const byInput = new Map(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]));
+    const byOutput = new Map(graph.outputs.slice(1, n + 1).map((output, i) => [output, this.stateNames[i]]));
+    const frozen = graph.frozen && this.variants.has(graph.frozen.model) ? graph.frozen : null;
+    const kept = new Set(frozen ? frozen.initializers.map((input) => byInput.get(input)) : []);
+    const values = [...kept].map((name) => this.state.get(name));
+    const baked = frozen && (await this.bakedSession(key, frozen, values));
+    const [session, inputs, outputs] = baked ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph.model), graph.inputs, graph.outputs];
+    const stateInputs = inputs.filter((input) => byInput.has(input));
+    const batchInputs = inputs.slice(stateInputs.length);
+    const feeds = this.feeds(stateInputs.map((input) => [input, byInput.get(input)]), batchInputs, x, y, 0, count);
+    feeds[batchInputs[3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
     const results = await session.run(feeds);
-    return { loss: results[graph.outputs[0]].data[0], state: this.stateNames.map((_, i) => results[graph.outputs[i + 1]]) };
+    if (baked) this.variantSteps += 1;
+    else if (frozen) {
+      const held = this.plainOn.get(key);
+      this.plainOn.set(key, { values, steps: held && sameTensors(held.values, values) ? held.steps + 1 : 1 });
+    }
+    const state = new Map();
+    for (const output of outputs.slice(1)) if (!kept.has(byOutput.get(output))) state.set(byOutput.get(output), results[output]);
+    return { loss: results[outputs[0]].data[0], state };
+  }
+
+  /**
+   * The step's frozen variant built on the frozen tensors `values`, or null for the plain graph. It is built
+   * after BAKE_AFTER_STEPS plain steps on them, so a caller that changes them every step (or trains a set for a
+   * step or two) never pays for a build, and a seeded run takes the same graphs every time
+   * (portable_engine.py _baked_session). onnxruntime-web takes the frozen tensors as the variant's one external
+   * data file: their bytes laid end to end in the variant's order (export/frozen.py).
+   */
+  async bakedSession(key, frozen, values) {
+    const built = this.baked.get(key);
+    if (built && sameTensors(built.values, values)) return built.session;
+    if (built) {
+      this.baked.delete(key); // its frozen tensors changed: free its wasm memory before building another
+      await built.session.release();
+    }
+    const held = this.plainOn.get(key);
+    if (!held || !sameTensors(held.values, values) || held.steps < BAKE_AFTER_STEPS) return null;
+    const data = new Uint8Array(values.reduce((sum, t) => sum + t.data.byteLength, 0));
+    let offset = 0;
+    for (const t of values) {
+      data.set(new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength), offset);
+      offset += t.data.byteLength;
+    }
+    let session;
+    try {
+      session = await this.ort.InferenceSession.create(this.variants.get(frozen.model), {
+        ...SESSION_OPTIONS,
+        externalData: [{ path: frozen.data_location, data }],
+      });
+    } catch (err) {
+      throw new EngineError(`the frozen variant ${frozen.model} does not load (${String(err.message).split('\n')[0].slice(0, 200)})`, 're-export the bundle, or export it with --no-frozen-variants');
+    }
+    this.baked.set(key, { session, values });
+    return session;
   }
 
   /** Summed loss and correct count of the current model over any number of samples (run in graph-sized chunks). */
@@ -156,11 +236,13 @@ class Engine {
     this.checkBatch(x, y, count);
     const graph = this.entry.eval;
     const session = await this.session('eval', graph.model);
+    const n = this.stateNames.length;
     let lossSum = 0;
     let correct = 0;
     for (let start = 0; start < count; start += this.batchSize) {
       const chunk = Math.min(this.batchSize, count - start);
-      const results = await session.run(this.feeds(graph.inputs, x, y, start, chunk), graph.outputs.slice(1));
+      const feeds = this.feeds(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
+      const results = await session.run(feeds, graph.outputs.slice(1));
       lossSum += results[graph.outputs[1]].data[0] * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
     }
@@ -170,7 +252,9 @@ class Engine {
   /** Free the sessions' wasm memory; the engine cannot be used afterwards. */
   async release() {
     for (const session of this.sessions.values()) await (await session).release();
+    for (const { session } of this.baked.values()) await session.release();
     this.sessions.clear();
+    this.baked.clear();
   }
 
   checkSet(trainable) {
@@ -194,12 +278,11 @@ class Engine {
     }
   }
 
-  /** State tensors plus x, y, w of one graph batch: `count` real samples from `start`, zero-padded and masked. */
-  feeds(inputNames, x, y, start, count) {
+  /** Feeds of one graph batch: the state tensors by [input, name] pairs, and x, y, w (the first three of
+   * `batchInputs`) holding `count` real samples from `start`, zero-padded and masked. */
+  feeds(stateInputs, batchInputs, x, y, start, count) {
     const feeds = {};
-    this.stateNames.forEach((name, i) => {
-      feeds[inputNames[i]] = this.state.get(name);
-    });
+    for (const [input, name] of stateInputs) feeds[input] = this.state.get(name);
     const size = this.batchSize;
     const bx = new Float32Array(size * this.sampleSize);
     bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
@@ -209,17 +292,15 @@ class Engine {
       by[i] = BigInt(y[start + i]);
       bw[i] = 1;
     }
-    const n = this.stateNames.length;
-    feeds[inputNames[n]] = new this.ort.Tensor('float32', bx, [size, ...this.sampleShape]);
-    feeds[inputNames[n + 1]] = new this.ort.Tensor('int64', by, [size]);
-    feeds[inputNames[n + 2]] = new this.ort.Tensor('float32', bw, [size]);
+    feeds[batchInputs[0]] = new this.ort.Tensor('float32', bx, [size, ...this.sampleShape]);
+    feeds[batchInputs[1]] = new this.ort.Tensor('int64', by, [size]);
+    feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
     return feeds;
   }
 
   session(key, path) {
     if (!this.sessions.has(key)) {
-      const options = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
-      const created = this.ort.InferenceSession.create(this.graphs.get(path), options).then(
+      const created = this.ort.InferenceSession.create(this.graphs.get(path), SESSION_OPTIONS).then(
         (session) => {
           this.graphs.delete(path);
           return session;
@@ -233,4 +314,9 @@ class Engine {
     }
     return this.sessions.get(key);
   }
+}
+
+/** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */
+function sameTensors(held, current) {
+  return held.length === current.length && held.every((t, i) => t === current[i]);
 }

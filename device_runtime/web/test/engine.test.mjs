@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
-import { openEngine } from '../src/engine.js';
+import { openEngine, portableFiles } from '../src/engine.js';
 import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureTensors, maxAbsDiff } from './fixtures.mjs';
 
 const TOLERANCE = 1e-5;
@@ -56,6 +56,72 @@ test('a personal step equals Python and leaves the base bit-identical', { skip: 
   const initial = fixtureTensors('bundle/portable/initial.safetensors');
   for (const name of engine.namesByRole('base')) assert.deepEqual(got[name].data, initial[name].data, `${name} frozen`);
   for (const name of engine.namesByRole('personal')) assert.ok(maxAbsDiff(got[name].data, initial[name].data) > 0, `${name} trained`);
+});
+
+async function personalSteps(engine, feeds, lr, order) {
+  const losses = [];
+  for (const i of order) losses.push(await engine.trainStep(feeds[`x${i}`].data, feeds[`y${i}`].data, feeds[`y${i}`].shape[0], lr, 'personal'));
+  return losses;
+}
+
+test('from the third step on the same base the personal step runs its frozen variant, equal to Python and the base bit-identical', { skip: NEEDS_FIXTURES }, async () => {
+  const { engine } = await freshEngine();
+  const feeds = fixtureTensors('feeds.safetensors');
+  const want = expected();
+  const losses = await personalSteps(engine, feeds, want.lr, [1, 2, 1, 2]);
+  assert.equal(engine.variantSteps, 2, 'steps 3 and 4 ran the variant');
+  assert.ok(maxAbsDiff(losses, [want.personal_loss, ...want.personal_more_losses]) <= TOLERANCE, `losses ${losses}`);
+  const got = engine.getTensors();
+  assertTensorsClose(got, fixtureTensors('personal_baked_after.safetensors'), 'personal, baked');
+  const initial = fixtureTensors('bundle/portable/initial.safetensors');
+  for (const name of engine.namesByRole('base')) assert.deepEqual(got[name].data, initial[name].data, `${name} frozen`);
+
+  // a new base (as a round delivers) is not the one the variant was built on: two plain steps, then a new variant
+  const base = engine.getTensors(engine.namesByRole('base'));
+  for (const t of Object.values(base)) t.data.forEach((v, i) => { t.data[i] = v * 0.5; });
+  engine.setTensors(base);
+  await personalSteps(engine, feeds, want.lr, [1, 2]);
+  assert.equal(engine.variantSteps, 2, 'no variant on a changed base before two plain steps');
+  await personalSteps(engine, feeds, want.lr, [1]);
+  assert.equal(engine.variantSteps, 3, 'rebuilt on the new base');
+  const after = engine.getTensors(engine.namesByRole('base'));
+  for (const name of Object.keys(base)) assert.deepEqual(after[name].data, base[name].data, `${name} is the received base`);
+  await engine.release();
+});
+
+test('without its frozen variants (not downloaded, or bakeFrozen false) the engine gives the same numbers on the plain graphs', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  const feeds = fixtureTensors('feeds.safetensors');
+  const want = expected();
+  const { variants } = portableFiles(manifest);
+  assert.deepEqual(variants.sort(), ['portable/step_base_frozen.onnx', 'portable/step_personal_frozen.onnx']);
+  const off = await openEngine(ort, manifest, files, { bakeFrozen: false });
+  for (const path of variants) files.delete(path);
+  const absent = await openEngine(ort, manifest, files);
+  for (const engine of [off, absent]) {
+    const losses = await personalSteps(engine, feeds, want.lr, [1, 2, 1, 2]);
+    assert.equal(engine.variantSteps, 0);
+    assert.ok(maxAbsDiff(losses, [want.personal_loss, ...want.personal_more_losses]) <= TOLERANCE, `losses ${losses}`);
+    assertTensorsClose(engine.getTensors(), fixtureTensors('personal_baked_after.safetensors'), 'personal, plain');
+  }
+});
+
+test('a frozen variant that does not load is one EngineError naming it and the fix', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  const feeds = fixtureTensors('feeds.safetensors');
+  const path = manifest.engines.portable.steps.personal.frozen.model;
+  const broken = files.get(path).slice(0, 100);
+  files.set(path, broken);
+  await assert.rejects(openEngine(ort, manifest, files), new RegExp(`bundle file ${path} has sha256`));
+  delete manifest.files[path]; // a bundle without checksums: the bytes reach onnxruntime-web
+  const engine = await openEngine(ort, manifest, files);
+  await personalSteps(engine, feeds, 0.01, [1, 2]);
+  await assert.rejects(personalSteps(engine, feeds, 0.01, [1]), (err) => {
+    assert.equal(err.name, 'EngineError');
+    assert.match(err.message, new RegExp(`the frozen variant ${path} does not load .* — re-export the bundle, or export it with --no-frozen-variants`));
+    assert.ok(!err.message.includes('\n'), 'one line');
+    return true;
+  });
 });
 
 test('evaluate of the initial model equals Python eval over two chunks', { skip: NEEDS_FIXTURES }, async () => {

@@ -4,8 +4,9 @@ Usage: python device_runtime/web/test/make_fixtures.py OUT_DIR  (needs the expor
 
 Writes a tiny BatchNorm cnn bundle (portable graphs), feeds and the Python portable engine's tensors after
 full and personal steps and after one fedalt round, files written by Python's `safetensors`, and PNGs with
-the Python loader's arrays of them. The Python engine runs the plain step graphs, as the page does (no frozen
-variants, export/frozen.py). The Node tests (test/*.test.mjs) compare the JavaScript side to these.
+the Python loader's arrays of them. Both engines build a step's frozen variant (export/frozen.py) after the
+same number of plain steps, so the later personal steps and the round's run on variants on both sides. The Node
+tests (test/*.test.mjs) compare the JavaScript side to these.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(out: Path) -> None:
     save_file(feeds, out / "feeds.safetensors")
     results: dict = {"lr": LR, "round_settings": ROUND}
 
-    engine = PortableEngine(bundle, manifest, bake_frozen=False)
+    engine = PortableEngine(bundle, manifest)
     results["eval_initial"] = vars(engine.eval_batch(feeds["xe"], feeds["ye"]))
     results["full_losses"] = [
         engine.train_step(feeds["x1"], feeds["y1"], LR, "full"),
@@ -63,9 +64,14 @@ def main(out: Path) -> None:
     save_file(engine.get_tensors(), out / "full_after.safetensors")
     results["eval_after_full"] = vars(engine.eval_batch(feeds["xe"], feeds["ye"]))
 
-    engine = PortableEngine(bundle, manifest, bake_frozen=False)
+    engine = PortableEngine(bundle, manifest)
     results["personal_loss"] = engine.train_step(feeds["x1"], feeds["y1"], LR, "personal")
     save_file(engine.get_tensors(), out / "personal_after.safetensors")
+    # steps 2 and 3 on the same base: the third runs the frozen variant, and so does the fourth
+    results["personal_more_losses"] = [
+        engine.train_step(feeds[f"x{i}"], feeds[f"y{i}"], LR, "personal") for i in (2, 1, 2)
+    ]
+    save_file(engine.get_tensors(), out / "personal_baked_after.safetensors")
 
     write_round(out, bundle, manifest, results)
     write_safetensors(out, results)
@@ -85,7 +91,7 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
         {"x_train": x_train, "y_train": labels[data.train_index], "images": images, "labels": labels},
         out / "round_data.safetensors",
     )
-    engine = PortableEngine(bundle, manifest, bake_frozen=False)
+    engine = PortableEngine(bundle, manifest)
     result = run_client_round(engine, RoundSettings(**ROUND), data, seed=3, round_id=2)
     save_file(engine.get_tensors(), out / "round_after.safetensors")
     recompute_statistics(engine, data, ROUND["batch_size"])  # what a device does when the next base arrives
