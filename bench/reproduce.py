@@ -17,6 +17,8 @@ Settings (issue 6):
   pfedla         pFedLA Table 1 (issue 7): CIFAR-10, 10 clients, classes:4, `cnn` with BatchNorm: FedAvg, Local,
                  FedRep (= fedalt with K_P 1: the head first, then the body), pFedLA, HeurpFedLA; writes the
                  alpha heat map of the paper's Fig. 6
+  pfedla-hn      the pfedla table's pFedLA and HeurpFedLA at larger hypernetwork learning rates (issue 18: their
+                 mixing weights hardly move at the default 5e-3 in 30 rounds), beside its FedAvg, Local and FedRep
   pfedla-mnist   issue 18's MNIST setting: 10 clients, classes:2, 75/25 train/test, `mlp`: FedAvg, Local, FedPer
                  (K_P 1), pFedLA, HeurpFedLA (K_P 0)
 The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
@@ -66,7 +68,10 @@ SAME_RUN = {
     "fedper-kp/kp2/fedper": "fedper-k/k4/fedper",
     "fedalt/k4/fedper": "fedper-k/k4/fedper",
     "fedper-paper/kp2/fedper": "fedper-paper/k4/fedper",
+    **{f"pfedla-hn/k4/{label}": f"pfedla/k4/{label}" for label in ("fedavg", "local", "fedrep", "pfedla")},
 }
+# pfedla-hn's hypernetwork learning rates (the default, 5e-3, is the pfedla table's)
+PFEDLA_HN_RATES = (0.05, 0.5)
 # FedPer's paper budget per round (issue 18): MobileNet width 1.0, 4 local epochs, batch 128, lr 0.01
 FEDPER_PAPER = {"width": 1.0, "epochs": 4, "batch_size": 128, "lr": 0.01}
 
@@ -120,6 +125,14 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             ("heurpfedla", "heurpfedla", 0),
         ):
             runs.append((f"{setting}/k4/{label}", cnn.updated(algorithm=algorithm, kp=kp)))
+    elif setting == "pfedla-hn":
+        table = dict(plan("pfedla", base))
+        for label in ("fedavg", "local", "fedrep", "pfedla"):
+            runs.append((f"{setting}/k4/{label}", table[f"pfedla/k4/{label}"]))
+        for hn_lr in PFEDLA_HN_RATES:
+            for algorithm in ("pfedla", "heurpfedla"):
+                config = table[f"pfedla/k4/{algorithm}"].updated(hn_lr=hn_lr)
+                runs.append((f"{setting}/k4/{algorithm}-hn{hn_lr:g}", config))
     elif setting == "pfedla-mnist":
         mlp = base.updated(model="mlp", dataset="mnist", partition="classes:2", split=(0.75, 0.0, 0.25))
         for label, algorithm, kp in (
@@ -408,6 +421,7 @@ def main() -> None:
             "fedper-paper",
             "fedalt",
             "pfedla",
+            "pfedla-hn",
             "pfedla-mnist",
         ],
     )
