@@ -567,7 +567,7 @@ def test_large_map_depthwise_weight_gradient_matches_pytorch_autograd(height, wi
     """A depthwise weight gradient on a large map runs as one grouped convolution with the output gradient as kernel."""
     import torch
 
-    from edgepfl.export.portable import _conv_grad_weight
+    from edgepfl.export.decompositions import _conv_grad_weight
 
     x, weight, _, grad_out, _, grad_weight = _convolution_case(6, 6, height, width, kernel, stride, padding)
     ours = _conv_grad_weight(grad_out, x, weight, (stride, stride), (padding, padding), 6)

@@ -1,0 +1,161 @@
+"""The decompositions the portable exporter traces with: PyTorch's core ATen table, plus forms of the ops
+whose default decomposition onnxruntime runs slowly or ONNX cannot express (a convolution's backward, ReLU's
+and the hard activations' backward, a sum over the batch axis, small-map convolutions as matrix products).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from edgepfl.errors import UsageError
+from edgepfl.export import activations
+from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise, tap
+
+aten = torch.ops.aten
+
+
+def decomposition_table() -> dict:
+    """The ATen decomposition table `portable.trace` hands to make_fx."""
+    from torch._decomp import core_aten_decompositions
+
+    table = dict(core_aten_decompositions())
+    table[aten.convolution.default] = _convolution
+    table[aten.convolution_backward.default] = _convolution_backward
+    table[aten.threshold_backward.default] = _threshold_backward
+    table[aten.sum.dim_IntList] = _sum
+    table[aten.hardswish_backward.default] = activations.hardswish_backward
+    table[aten.hardsigmoid_backward.default] = activations.hardsigmoid_backward
+    table[aten.hardtanh_backward.default] = activations.hardtanh_backward
+    table[aten.empty_like.default] = activations.empty_like
+    table[aten.slice_copy.Tensor] = activations.slice_copy
+    table[aten.split_copy.Tensor] = activations.split_copy
+    table[aten.split_with_sizes_copy.default] = activations.split_with_sizes_copy
+    return table
+
+
+def _threshold_backward(grad_out: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """ReLU's backward as a product with a 0/1 mask: onnxruntime's Where with a scalar branch is a slow loop."""
+    return grad_out * (x > threshold).to(grad_out.dtype)
+
+
+def _sum(
+    x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """aten.sum over the batch axis alone (autograd's gradient of an operand broadcast over the batch) as a
+    (1, N) @ (N, rest) product: onnxruntime's ReduceSum over the leading axis is 10-40x slower."""
+    if dtype is not None or not x.dtype.is_floating_point or x.dim() < 2 or not dims:
+        return NotImplemented
+    if sorted(d % x.dim() for d in dims) != [0]:
+        return NotImplemented
+    n = x.shape[0]
+    total = torch.ones(1, n, dtype=x.dtype) @ x.reshape(n, -1)
+    return total.reshape(1, *x.shape[1:]) if keepdim else total.reshape(x.shape[1:])
+
+
+def _convolution(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """aten.convolution: convolutions on small maps as whole-batch matrix products, everything else unchanged."""
+    if transposed:
+        return NotImplemented
+    if is_small_depthwise(x, weight, groups, dilation):
+        y = DepthwiseMaps(x, weight, stride, padding).forward(x, weight)
+    elif is_small_dense(x, weight, stride, padding, groups, dilation):
+        y = DenseColumns(x.shape, weight.shape, stride, padding, x.dtype).forward(x, weight)
+    else:
+        return NotImplemented
+    return y if bias is None else y + bias.reshape(1, -1, 1, 1)
+
+
+def _convolution_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """aten.convolution_backward of a 2-D convolution, written with forward ops ONNX has."""
+    if transposed or x.dim() != 4 or any(d != 1 for d in dilation):
+        raise UsageError(
+            "the portable step supports 2-D, non-transposed, non-dilated convolutions only",
+            "use a zoo model or export with --engines ort-training",
+        )
+    if is_small_depthwise(x, weight, groups, dilation):
+        maps = DepthwiseMaps(x, weight, stride, padding)
+        grad_input = maps.grad_input(grad_out, weight) if output_mask[0] else None
+        grad_weight = maps.grad_weight(grad_out, x) if output_mask[1] else None
+    elif is_small_dense(x, weight, stride, padding, groups, dilation):
+        columns = DenseColumns(x.shape, weight.shape, stride, padding, x.dtype)
+        grad_input = columns.grad_input(grad_out, weight) if output_mask[0] else None
+        grad_weight = columns.grad_weight(grad_out, x) if output_mask[1] else None
+    else:
+        grad_input = _conv_grad_input(grad_out, x, weight, stride, padding, groups) if output_mask[0] else None
+        grad_weight = _conv_grad_weight(grad_out, x, weight, stride, padding, groups) if output_mask[1] else None
+    grad_bias = grad_out.sum((0, 2, 3)) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _conv_grad_input(grad_out, x, weight, stride, padding, groups) -> torch.Tensor:
+    cout, cin_group, kh, kw = weight.shape
+    if list(stride) == [1, 1]:
+        # a stride-1 convolution's input gradient is a plain convolution with the flipped, transposed kernel
+        flipped = weight.reshape(groups, cout // groups, cin_group, kh, kw).transpose(1, 2)
+        flipped = flipped.reshape(groups * cin_group, cout // groups, kh, kw)
+        if kh > 1 or kw > 1:  # flipping a 1x1 kernel changes nothing but would still cost a copy
+            flipped = flipped.flip((2, 3))
+        pad = [kh - 1 - padding[0], kw - 1 - padding[1]]
+        return aten.convolution(grad_out, flipped, None, [1, 1], pad, [1, 1], False, [0, 0], groups)
+    out_h, out_w = grad_out.shape[2:]
+    extra = [
+        x.shape[2] - ((out_h - 1) * stride[0] - 2 * padding[0] + kh),
+        x.shape[3] - ((out_w - 1) * stride[1] - 2 * padding[1] + kw),
+    ]
+    return aten.convolution(grad_out, weight, None, list(stride), list(padding), [1, 1], True, extra, groups)
+
+
+def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Tensor:
+    cout, cin_group, kh, kw = weight.shape
+    n, cin = x.shape[:2]
+    out_h, out_w = grad_out.shape[2:]
+    if groups == cin and cin_group == 1 and cout == cin:
+        # depthwise: the weight gradient is itself a grouped convolution of the input (the batch as each
+        # group's channels) with the output gradient as kernel, spaced by the stride; onnxruntime's Conv
+        # gathers the taps several times faster than one strided Slice per tap (MobileNetV2 at 96 px)
+        rows = x.transpose(0, 1).reshape(1, cin * n, *x.shape[2:])
+        kernel = grad_out.transpose(0, 1)  # (cin, n, out_h, out_w)
+        grad = aten.convolution(rows, kernel, None, [1, 1], list(padding), list(stride), False, [0, 0], cin)
+        return grad[:, :, :kh, :kw].reshape(cout, 1, kh, kw)
+    if groups != 1:
+        raise UsageError(
+            "the portable step supports dense and depthwise convolutions only",
+            "use a zoo model or export with --engines ort-training",
+        )
+    if cout * cin * kh * kw > out_h * out_w * (cout + cin * kh * kw):
+        # the kernel outgrows the activations: one matrix product over all samples beats n products summed,
+        # whose (n, cout, cin) intermediate outgrows the inputs it would save transposing
+        return DenseColumns(x.shape, weight.shape, stride, padding, x.dtype).grad_weight(grad_out, x)
+    grad_rows = grad_out.reshape(n, cout, out_h * out_w)
+    if kh == kw == 1 and list(stride) == [1, 1] and list(padding) == [0, 0]:
+        patches = x.reshape(n, cin, out_h * out_w)
+    else:
+        padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+        taps = [tap(padded, i, j, stride, out_h, out_w) for i in range(kh) for j in range(kw)]
+        patches = torch.stack(taps, 2).reshape(n, cin * kh * kw, out_h * out_w)
+    return torch.bmm(grad_rows, patches.transpose(1, 2)).sum(0).reshape(cout, cin, kh, kw)
