@@ -106,8 +106,9 @@ class PortableEngine(Engine):
     def _run_step(self, key: str, graph: dict, batch: tuple[np.ndarray, ...]) -> float:
         """Run one step graph on the current state plus `batch`; keep the new state, return the loss.
 
-        A step with a frozen variant leaves its frozen tensors' OrtValues as they are (their outputs are
-        copies), so that the next step can tell they did not change and run the variant instead."""
+        A step with a frozen variant leaves its frozen tensors' OrtValues as they are (the plain graph's
+        outputs for them, copies, are not fetched), so that the next step can tell they did not change and
+        run the variant instead."""
         count = len(self._state_names)
         by_input = dict(zip(graph["inputs"][:count], self._state_names))
         by_output = dict(zip(graph["outputs"][1 : count + 1], self._state_names))
@@ -125,7 +126,8 @@ class PortableEngine(Engine):
         binding = self._bind_state(session, ((name, by_input[name]) for name in state_inputs))
         for name, value in zip(inputs[len(state_inputs) :], batch):
             binding.bind_cpu_input(name, value)
-        for name in outputs:
+        fetched = [outputs[0], *(name for name in outputs[1:] if by_output[name] not in kept)]
+        for name in fetched:  # a plain graph's copies of the frozen tensors are not fetched
             binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         if counted and not baked:
@@ -133,8 +135,7 @@ class PortableEngine(Engine):
             steps = held[1] if held is not None and _same(held[0], values) else 0
             self._plain_on[key] = (values, steps + 1)
         loss, *state = binding.get_outputs()
-        new = {by_output[name]: value for name, value in zip(outputs[1:], state)}
-        self._state.update((name, value) for name, value in new.items() if name not in kept)
+        self._state.update((by_output[name], value) for name, value in zip(fetched[1:], state))
         return float(loss.numpy())
 
     def _baked_session(self, key: str, frozen: dict, values: tuple[ort.OrtValue, ...]) -> ort.InferenceSession | None:

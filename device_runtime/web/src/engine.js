@@ -176,24 +176,24 @@ class Engine {
     const n = this.stateNames.length;
     const byInput = new Map(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]));
     const byOutput = new Map(graph.outputs.slice(1, n + 1).map((output, i) => [output, this.stateNames[i]]));
+    // the frozen tensors stay as they are (a plain graph's copies of them are not fetched), with or without a variant
+    const kept = new Set(graph.frozen ? graph.frozen.initializers.map((input) => byInput.get(input)) : []);
     const frozen = graph.frozen && this.variants.has(graph.frozen.model) ? graph.frozen : null;
-    const kept = new Set(frozen ? frozen.initializers.map((input) => byInput.get(input)) : []);
-    const values = [...kept].map((name) => this.state.get(name));
+    const values = frozen ? [...kept].map((name) => this.state.get(name)) : [];
     const baked = frozen && (await this.bakedSession(key, frozen, values));
     const [session, inputs, outputs] = baked ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph.model), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
     const feeds = this.feeds(stateInputs.map((input) => [input, byInput.get(input)]), batchInputs, x, y, 0, count);
     feeds[batchInputs[3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
-    const results = await session.run(feeds);
+    const fetched = outputs.filter((output, i) => i === 0 || !kept.has(byOutput.get(output)));
+    const results = await session.run(feeds, fetched);
     if (baked) this.variantSteps += 1;
     else if (frozen) {
       const held = this.plainOn.get(key);
       this.plainOn.set(key, { values, steps: held && sameTensors(held.values, values) ? held.steps + 1 : 1 });
     }
-    const state = new Map();
-    for (const output of outputs.slice(1)) if (!kept.has(byOutput.get(output))) state.set(byOutput.get(output), results[output]);
-    return { loss: results[outputs[0]].data[0], state };
+    return { loss: results[outputs[0]].data[0], state: new Map(fetched.slice(1).map((output) => [byOutput.get(output), results[output]])) };
   }
 
   /**
