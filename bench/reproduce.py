@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -221,7 +222,7 @@ def report(out: Path, figures: Path | None = None) -> str:
     settings = sorted({label.split("/")[0] for label in groups})
     for setting in settings:
         lines += [f"## {setting}", ""]
-        labels = sorted(k for k in groups if k.startswith(setting + "/"))
+        labels = sorted((k for k in groups if k.startswith(setting + "/")), key=_natural)
         config = groups[labels[0]][0].config
         info = groups[labels[0]][0].info
         norm = f", norm {config.norm}" if config.norm else ""
@@ -293,7 +294,7 @@ def report(out: Path, figures: Path | None = None) -> str:
             from edgepfl.simulate.plots import plot_runs
 
             plotted = [k for k in labels if not groups[k][0].persfl]  # a PersFL run's curve is its teacher's
-            parts = sorted({label.split("/")[1] for label in plotted})
+            parts = sorted({label.split("/")[1] for label in plotted}, key=_natural)
             if all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in parts):  # one run a part: one plot
                 path = figures / f"{setting}.png"
                 plot_runs([groups[k][0] for k in plotted], path, labels=[k.split("/")[1] for k in plotted])
@@ -334,27 +335,39 @@ def report(out: Path, figures: Path | None = None) -> str:
 
 def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
     """Where a setting's runs stopped at different rounds: every run's held score at the last round that every
-    run of its seed reached (each seed compared within itself, so a short run of one seed does not cut the other)."""
+    run of its seed on the same partition reached (each seed and each partition compared within itself, so a
+    short run of one seed, or of another partition, does not cut the others)."""
     plain = [label for label in labels if not groups[label][0].persfl]
-    common: dict[int, int] = {}
+    partitions: dict[str, list[str]] = {}
     for label in plain:
-        for run in groups[label]:
-            seed = run.config.seed
-            common[seed] = min(common.get(seed, len(run.rounds)), len(run.rounds))
-    if not common or all(len(r.rounds) == common[r.config.seed] for label in plain for r in groups[label]):
-        return []
-    where = ", ".join(f"seed {seed}: round {round_id}" for seed, round_id in sorted(common.items()))
-    lines = ["", f"The runs stopped at different rounds. At the last round every run of a seed reached ({where}),"]
-    lines[-1] += " mean per seed:"
-    for label in plain:
-        runs = sorted(groups[label], key=lambda r: r.config.seed)
-        per_run = [
-            [v for v in r.rounds[common[r.config.seed] - 1].test_accuracy["per_client"] if v is not None]
-            for r in runs
-            if common[r.config.seed]
-        ]
-        lines.append(f"- {label}: {_per_seed(per_run)}")
+        partitions.setdefault(groups[label][0].config.partition, []).append(label)
+    lines = []
+    for partition, in_partition in partitions.items():
+        common: dict[int, int] = {}
+        for label in in_partition:
+            for run in groups[label]:
+                seed = run.config.seed
+                common[seed] = min(common.get(seed, len(run.rounds)), len(run.rounds))
+        if all(len(r.rounds) == common[r.config.seed] for label in in_partition for r in groups[label]):
+            continue
+        where = ", ".join(f"seed {seed}: round {round_id}" for seed, round_id in sorted(common.items()))
+        on = f" on {partition}" if len(partitions) > 1 else ""
+        lines += ["", f"The runs{on} stopped at different rounds. At the last round every run of a seed reached "]
+        lines[-1] += f"({where}), mean per seed:"
+        for label in in_partition:
+            runs = sorted(groups[label], key=lambda r: r.config.seed)
+            per_run = [
+                [v for v in r.rounds[common[r.config.seed] - 1].test_accuracy["per_client"] if v is not None]
+                for r in runs
+                if common[r.config.seed]
+            ]
+            lines.append(f"- {label}: {_per_seed(per_run)}")
     return lines
+
+
+def _natural(label: str) -> list:
+    """Sort key reading the numbers in a label as numbers: k4 before k10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
 
 
 def initial_alpha(results) -> dict[str, np.ndarray]:

@@ -1,6 +1,8 @@
-"""Here: export fedper-paper's k=4 bundles (seed 0) and keep what the torch engine reads (manifest.json and the
+"""Here: export fedper-paper's bundles (seed 0) and keep what the torch engine reads (manifest.json and the
 initial tensors) under OUT/LABEL/ and OUT/initial-seed0.safetensors, for seeds.py on the device machine.
-Usage: python bench/gpu/prep.py DATA_ROOT OUT
+Only the runs whose label (after "fedper-paper/") starts with one of the PREFIXes (default k4/); every run
+must start from the same weights.
+Usage: python bench/gpu/prep.py DATA_ROOT OUT [PREFIX ...]
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from edgepfl.simulate.config import SimulateConfig  # noqa: E402
 
 def main() -> None:
     data_root, out = sys.argv[1], Path(sys.argv[2])
+    prefixes = tuple(sys.argv[3:]) or ("k4/",)
     base = SimulateConfig(data_root=data_root, clients=10, rounds=100, engine="torch", seed=0)
     scratch = Path(tempfile.mkdtemp())
     for label, config in plan("fedper-paper", base):
-        if not label.split("/", 1)[1].startswith("k4/"):
+        if not label.split("/", 1)[1].startswith(prefixes):
             continue
         folder = scratch / label / "seed0" / "bundle"
         manifest = ensure_bundle(config, folder, (3, 32, 32), 10)
@@ -35,7 +38,7 @@ def main() -> None:
         kept = out / "initial-seed0.safetensors"
         if not kept.is_file():
             shutil.copy(initial_file(folder), kept)
-        assert hashlib.sha256(kept.read_bytes()).hexdigest() == digest, "the k4 runs start from different weights"
+        assert hashlib.sha256(kept.read_bytes()).hexdigest() == digest, "the runs start from different weights"
 
 
 if __name__ == "__main__":
