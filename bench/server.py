@@ -28,7 +28,8 @@ from edgepfl.device_runtime.client import KEEPALIVE_SECONDS
 from edgepfl.manifest import InputSpec, Manifest, split_roles
 from edgepfl.protocol import UploadMeta
 from edgepfl.server.launch import LocalServer
-from edgepfl.server.store import Store, hash_token
+from edgepfl.server.store import Store
+from edgepfl.server.tokens import hash_token
 from edgepfl.wire import decode_tensors, encode_tensors, save_tensors
 
 OUT = Path(__file__).resolve().parent / "out"

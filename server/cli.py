@@ -215,7 +215,8 @@ def tokens_add(
     replace: Annotated[bool, typer.Option("--replace", help="issue a new token for an enrolled device")] = False,
 ) -> None:
     """Enroll a device and print its bearer token once (only a hash of it is stored)."""
-    from edgepfl.server.store import Store, check_device_name, issue_token
+    from edgepfl.server.store import Store
+    from edgepfl.server.tokens import check_device_name, issue_token
 
     check_device_name(name)  # before Store(): a refused name leaves no state folder behind
     store = Store(state)

@@ -48,16 +48,11 @@ from edgepfl.server.budget import PrivacyBudget
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.enrollment import Enrollment
 from edgepfl.server.errors import Refused
+from edgepfl.server.records import Assignment, EvalRecord, RoundRecord, UpdateRecord
 from edgepfl.server.round_uploads import RoundUploads
 from edgepfl.server.sampling import sample_devices
 from edgepfl.server.status import history, server_status
-from edgepfl.server.store import (
-    Assignment,
-    EvalRecord,
-    RoundRecord,
-    Store,
-    UpdateRecord,
-)
+from edgepfl.server.store import Store
 from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import Strategy
 from edgepfl.server.uploads import (

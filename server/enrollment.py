@@ -9,7 +9,8 @@ from collections.abc import Callable
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.errors import Refused
 from edgepfl.server.ratelimit import FailureLimiter
-from edgepfl.server.store import AlreadyEnrolled, DeviceNameError, EnrollKeyError, Store, hash_token, issue_token
+from edgepfl.server.store import AlreadyEnrolled, Store
+from edgepfl.server.tokens import DeviceNameError, EnrollKeyError, hash_token, issue_token
 
 log = logging.getLogger("edgepfl.server")
 

@@ -14,7 +14,8 @@ import numpy as np
 from edgepfl.manifest import TensorSpec
 from edgepfl.protocol import RoundSettings
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
-from edgepfl.server.store import BlobError, RoundRecord, Store, UpdateRecord
+from edgepfl.server.records import RoundRecord, UpdateRecord
+from edgepfl.server.store import BlobError, Store
 from edgepfl.server.strategy import AcceptedUpdate
 from edgepfl.server.uploads import add_delta, read_upload_delta
 from edgepfl.wire import decode_metadata, decode_tensors

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from edgepfl.protocol import API_PREFIX
-from edgepfl.server.store import RoundRecord, Store
+from edgepfl.server.records import RoundRecord
+from edgepfl.server.store import Store
 
 if TYPE_CHECKING:
     from edgepfl.server.engine import RoundEngine

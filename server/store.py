@@ -11,22 +11,19 @@ import errno
 import hashlib
 import hmac
 import json
-import re
-import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, fields
 from pathlib import Path
 
 from edgepfl.atomic import write_bytes_atomic
-from edgepfl.errors import StateError, UsageError, WireError
+from edgepfl.errors import StateError, WireError
+from edgepfl.server.records import Assignment, DeviceRecord, EvalRecord, RoundRecord, UpdateRecord
 from edgepfl.wire import StoredTensors
 
 DB_NAME = "edgepfl-server.sqlite3"
-DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-ENROLL_KEY = re.compile(r"[!-~]{16,200}")  # printable ASCII: a device's random key for retrying its enrollment
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -73,49 +70,6 @@ def _schema_3(db: sqlite3.Connection) -> None:
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1, _schema_2, _schema_3)
 
 
-def hash_token(token: str) -> str:
-    """What the store keeps of a device token (or enrollment key): its sha256, never the token."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
-
-
-def check_device_name(name: str) -> None:
-    """Refuse a device name outside the one rule every enrollment path follows (raises DeviceNameError)."""
-    if not DEVICE_NAME.fullmatch(name):
-        raise DeviceNameError(f"device name {name[:80]!r} is not allowed", "use 1-64 letters, digits, '.', '_' or '-'")
-
-
-def check_enroll_key(key: str) -> None:
-    """Refuse an enrollment key outside 16-200 printable ASCII characters (raises EnrollKeyError)."""
-    if not ENROLL_KEY.fullmatch(key):
-        raise EnrollKeyError(
-            "the enrollment key is not 16-200 printable ASCII characters",
-            "send a random key, e.g. secrets.token_urlsafe(32), or none",
-        )
-
-
-def issue_token(store: Store, name: str, created: float, replace: bool = False, enroll_key: str | None = None) -> str:
-    """Enroll `name` with a new random bearer token and return it; only its hash is stored.
-
-    With `enroll_key`, its hash is kept too, and enrolling the enrolled name again with the same key
-    issues a new token in place of the old one: a device whose reply was lost retries safely.
-    """
-    check_device_name(name)
-    if enroll_key is not None:
-        check_enroll_key(enroll_key)
-    token = secrets.token_urlsafe(32)
-    key_hash = hash_token(enroll_key) if enroll_key is not None else None
-    store.add_device(name, hash_token(token), created, replace=replace, enroll_key_hash=key_hash)
-    return token
-
-
-class DeviceNameError(UsageError):
-    """A device name that the enrollment rule refuses."""
-
-
-class EnrollKeyError(UsageError):
-    """An enrollment key that is not a short printable string."""
-
-
 class AlreadyEnrolled(StateError):
     """A device name that is enrolled already (and neither `replace` nor its enrollment key was given)."""
 
@@ -145,71 +99,6 @@ class StorageError(StateError):
         full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
         fix = "free space on the disk of the server's --state folder" if full else "check the server's --state folder"
         return cls(f"the server could not write its database: {exc}", fix, full)
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """One round as stored: open, closed (aggregated) or abandoned (too few uploads by the deadline)."""
-
-    round_id: int
-    state: str
-    base_sha: str
-    opened: float
-    deadline: float
-    sampled: tuple[str, ...]
-    closed: float | None = None
-    result_sha: str | None = None
-    aggregate_seconds: float | None = None
-    note: str | None = None
-    population: int | None = None  # devices available (and admissible) when it opened: the sampler's N
-    epsilon: float | None = None  # DP: epsilon spent through this round (closed rounds of a DP run)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """What one sampled device was given in a round: its base blob and its settings (JSON)."""
-
-    round_id: int
-    device: str
-    base_sha: str
-    settings: str
-
-
-@dataclass(frozen=True)
-class UpdateRecord:
-    """Metadata of one accepted upload; the tensors are in the blob `blob_sha`."""
-
-    round_id: int
-    device: str
-    blob_sha: str
-    nbytes: int
-    num_samples: int
-    train_loss: float | None
-    val_accuracy: float | None
-    val_loss: float | None
-    received: float
-    status: str = "accepted"  # accepted | corrupt (its blob failed the sha256 check when read)
-    start_val_accuracy: float | None = None  # the held model of the round before, scored as the round began
-
-
-@dataclass(frozen=True)
-class EvalRecord:
-    """One device's evaluation of its personalized model after a round."""
-
-    round_id: int
-    device: str
-    accuracy: float
-    loss: float | None
-    num_samples: int
-    received: float
-
-
-@dataclass(frozen=True)
-class DeviceRecord:
-    """An enrolled device (only a hash of its token is kept)."""
-
-    name: str
-    created: float
 
 
 class Store:

@@ -15,7 +15,8 @@ import numpy as np
 from edgepfl.manifest import InputSpec, Manifest, TensorSpec
 from edgepfl.protocol import UploadMeta
 from edgepfl.server.launch import LocalServer, free_port  # noqa: F401 - free_port is for the tests
-from edgepfl.server.store import Store, hash_token
+from edgepfl.server.store import Store
+from edgepfl.server.tokens import hash_token
 from edgepfl.wire import decode_tensors, encode_tensors, save_tensors
 
 # blocks: 0 "stem" and 1 "mid" are base, 2 "head" is personal (kp=1); stem has BatchNorm statistics

@@ -26,7 +26,8 @@ from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import create_engine
 from edgepfl.server.ratelimit import FailureLimiter
-from edgepfl.server.store import DB_NAME, Store, hash_token
+from edgepfl.server.store import DB_NAME, Store
+from edgepfl.server.tokens import hash_token
 
 SECRET = "shared-secret-of-the-fleet-0123456789"
 BAD_NAMES = ("", "-dash-first", "a" * 65, "with space", "slash/name", "ünïcode", "a\nb")

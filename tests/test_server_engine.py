@@ -376,7 +376,8 @@ CREATE TABLE rounds (
 def test_a_state_folder_of_the_old_schema_is_migrated_and_keeps_everything(tmp_path: Path) -> None:
     import sqlite3
 
-    from edgepfl.server.store import DB_NAME, MIGRATIONS, hash_token
+    from edgepfl.server.store import DB_NAME, MIGRATIONS
+    from edgepfl.server.tokens import hash_token
 
     folder = tmp_path / "old-state"
     folder.mkdir()

@@ -148,7 +148,7 @@ def open_device(run_config: str, node_config_json: str) -> Device:
             "this node has no data",
             "set --node-config 'device-name=NAME data=FOLDER', or partition-id=N with a dataset in the run config",
         )
-    from edgepfl.server.store import check_device_name
+    from edgepfl.server.tokens import check_device_name
 
     check_device_name(name)
     state = config.state or config.state_root / name

@@ -192,7 +192,8 @@ def open_server(
 
     from edgepfl.server.config import PrivacyOptions, ServerConfig, StrategyOptions
     from edgepfl.server.engine import create_engine
-    from edgepfl.server.store import Store, issue_token
+    from edgepfl.server.store import Store
+    from edgepfl.server.tokens import issue_token
 
     folder = out / SERVER_DIR
     if fresh:
