@@ -182,7 +182,7 @@ def report(out: Path, figures: Path | None = None) -> str:
     and linked from the markdown, and for pFedLA the mixing-weight heat map.
     """
     groups: dict[str, list] = {}
-    stale: set[str] = set()  # runs with BatchNorm scored before issue 18's re-estimated statistics
+    stale: dict[str, set[int]] = {}  # label: seeds whose run scored BatchNorm before issue 18's re-estimation
     for path in sorted(out.rglob("results.json")):
         results = load_results(path)
         if not results.rounds:
@@ -191,7 +191,7 @@ def report(out: Path, figures: Path | None = None) -> str:
         groups.setdefault(label, []).append(results)
         receives = results.config.algorithm != "local"  # local training receives no base: nothing to re-estimate
         if receives and _has_batchnorm(results.config) and "recompute_bn" not in json.loads(path.read_text())["config"]:
-            stale.add(label)
+            stale.setdefault(label, set()).add(results.config.seed)
     for label, same in SAME_RUN.items():  # a row of a series (kp1, kp3, ...) that is another row's run
         setting, part = label.split("/")[:2]
         kind = part.rstrip("0123456789")
@@ -199,7 +199,7 @@ def report(out: Path, figures: Path | None = None) -> str:
         if same in groups and series:
             groups[label] = groups[same]
             if same in stale:
-                stale.add(label)
+                stale[label] = stale[same]
     lines = [
         "# Reproduction results",
         "",
@@ -246,7 +246,7 @@ def report(out: Path, figures: Path | None = None) -> str:
             kp = "all" if runs[0].config.algorithm == "local" else runs[0].info.get("kp", runs[0].config.kp)
             done = ",".join(str(len(r.rounds)) for r in runs)
             same = f" (= {SAME_RUN[label]})" if label in SAME_RUN else ""
-            same += " †" if label in stale else ""
+            same += _dagger(stale.get(label, set()), {r.config.seed for r in runs})
             if runs[0].persfl is not None:  # the student is the result; the teacher is the chosen global model
                 clients = [r.persfl["clients"] for r in runs if r.persfl is not None]  # None: stage 2 not done
                 students = [[c["student"]["test_accuracy"] for c in run if "student" in c] for run in clients]
@@ -277,7 +277,8 @@ def report(out: Path, figures: Path | None = None) -> str:
                 "",
                 "† made before issue 18's BatchNorm fix: the held score kept the statistics the device had "
                 "computed under the old base (the fix re-estimates them under each received base), so these rows "
-                "understate every method that receives a base; not rerun.",
+                "understate every method that receives a base; not rerun (only for the seeds named, where a row "
+                "names them).",
             ]
         lines += _at_common_round(groups, labels)
         kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
@@ -363,6 +364,15 @@ def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
             ]
             lines.append(f"- {label}: {_per_seed(per_run)}")
     return lines
+
+
+def _dagger(stale_seeds: set[int], seeds: set[int]) -> str:
+    """The † of a row made (wholly, or for the seeds it names) before issue 18's BatchNorm fix."""
+    if not stale_seeds:
+        return ""
+    if stale_seeds == seeds:
+        return " †"
+    return " † (seed " + ", ".join(str(seed) for seed in sorted(stale_seeds)) + ")"
 
 
 def _natural(label: str) -> list:
