@@ -193,9 +193,8 @@ def report(out: Path, figures: Path | None = None) -> str:
         if receives and _has_batchnorm(results.config) and "recompute_bn" not in json.loads(path.read_text())["config"]:
             stale.setdefault(label, set()).add(results.config.seed)
     for label, same in SAME_RUN.items():  # a row of a series (kp1, kp3, ...) that is another row's run
-        setting, part = label.split("/")[:2]
-        kind = part.rstrip("0123456789")
-        series = {k for k in groups if k.split("/")[0] == setting and k.split("/")[1].rstrip("0123456789") == kind}
+        setting = label.split("/")[0]
+        series = {k for k in groups if k.split("/")[0] == setting and _series(k) == _series(label)}
         if same in groups and series:
             groups[label] = groups[same]
             if same in stale:
@@ -296,16 +295,23 @@ def report(out: Path, figures: Path | None = None) -> str:
 
             plotted = [k for k in labels if not groups[k][0].persfl]  # a PersFL run's curve is its teacher's
             parts = sorted({label.split("/")[1] for label in plotted}, key=_natural)
-            if all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in parts):  # one run a part: one plot
-                path = figures / f"{setting}.png"
-                plot_runs([groups[k][0] for k in plotted], path, labels=[k.split("/")[1] for k in plotted])
-                lines += [f"![{setting}]({path.as_posix()})", ""]
-                parts = []
-            for part in parts:
-                in_part = [k for k in plotted if k.startswith(f"{setting}/{part}/")]
-                path = figures / f"{setting}-{part}.png"
-                plot_runs([groups[k][0] for k in in_part], path, labels=[k.split("/")[2] for k in in_part])
-                lines += [f"![{setting} {part}]({path.as_posix()})", ""]
+            one_each = all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in parts)
+            for series in dict.fromkeys(_series(f"{setting}/{part}") for part in parts):
+                in_series = [part for part in parts if _series(f"{setting}/{part}") == series]
+                if all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in in_series):
+                    # every part of the series is one run (kp1, kp2, ...): one plot for the series
+                    name = setting if one_each else f"{setting}-{series}"
+                    shown = [k for k in plotted if k.split("/")[1] in in_series]
+                    path = figures / f"{name}.png"
+                    plot_runs([groups[k][0] for k in shown], path, labels=[k.split("/")[1] for k in shown])
+                    alt = setting if one_each else f"{setting} {series}"
+                    lines += [f"![{alt}]({path.as_posix()})", ""]
+                    continue
+                for part in in_series:
+                    in_part = [k for k in plotted if k.startswith(f"{setting}/{part}/")]
+                    path = figures / f"{setting}-{part}.png"
+                    plot_runs([groups[k][0] for k in in_part], path, labels=[k.split("/")[2] for k in in_part])
+                    lines += [f"![{setting} {part}]({path.as_posix()})", ""]
             for label in labels:
                 if groups[label][0].alpha:
                     path = figures / f"{label.replace('/', '-')}-alpha.png"
@@ -336,14 +342,15 @@ def report(out: Path, figures: Path | None = None) -> str:
 
 def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
     """Where a setting's runs stopped at different rounds: every run's held score at the last round that every
-    run of its seed on the same partition reached (each seed and each partition compared within itself, so a
-    short run of one seed, or of another partition, does not cut the others)."""
+    run of its seed in the same series on the same partition reached (each seed, series and partition compared
+    within itself, so a short run of one seed, of another partition, or of the k series beside the kp series,
+    does not cut the others)."""
     plain = [label for label in labels if not groups[label][0].persfl]
-    partitions: dict[str, list[str]] = {}
+    partitions: dict[tuple[str, str], list[str]] = {}
     for label in plain:
-        partitions.setdefault(groups[label][0].config.partition, []).append(label)
+        partitions.setdefault((groups[label][0].config.partition, _series(label)), []).append(label)
     lines = []
-    for partition, in_partition in partitions.items():
+    for (partition, _), in_partition in partitions.items():
         common: dict[int, int] = {}
         for label in in_partition:
             for run in groups[label]:
@@ -352,7 +359,9 @@ def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
         if all(len(r.rounds) == common[r.config.seed] for label in in_partition for r in groups[label]):
             continue
         where = ", ".join(f"seed {seed}: round {round_id}" for seed, round_id in sorted(common.items()))
-        on = f" on {partition}" if len(partitions) > 1 else ""
+        on = f" on {partition}" if len({key[0] for key in partitions}) > 1 else ""
+        if len({key[1] for key in partitions if key[0] == partition}) > 1:
+            on += " (" + ", ".join(dict.fromkeys(label.split("/")[1] for label in in_partition)) + ")"
         lines += ["", f"The runs{on} stopped at different rounds. At the last round every run of a seed reached "]
         lines[-1] += f"({where}), mean per seed:"
         for label in in_partition:
@@ -373,6 +382,11 @@ def _dagger(stale_seeds: set[int], seeds: set[int]) -> str:
     if stale_seeds == seeds:
         return " †"
     return " † (seed " + ", ".join(str(seed) for seed in sorted(stale_seeds)) + ")"
+
+
+def _series(label: str) -> str:
+    """The series a run label's part belongs to, its letters: "kp" for fedper-paper/kp3/fedper, "k" for k10."""
+    return label.split("/")[1].rstrip("0123456789")
 
 
 def _natural(label: str) -> list:
