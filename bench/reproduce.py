@@ -280,14 +280,14 @@ def report(out: Path, figures: Path | None = None) -> str:
                 "names them).",
             ]
         lines += _at_common_round(groups, labels)
-        kept = [r for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
-        for r in kept:
+        kept = [(label, r) for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
+        for label, r in kept:
             moved = r.rounds[-1].bytes_up + r.rounds[-1].bytes_down
             share = r.rounds[-1].bytes_kept / (moved + r.rounds[-1].bytes_kept)
             lines += [
                 "",
                 f"HeurpFedLA kept {100 * share:.1f}% of the round's bytes on the clients "
-                f"(seed {r.config.seed}, last round).",
+                f"({label}, seed {r.config.seed}, last round).",
             ]
         lines.append("")
         if figures is not None:

@@ -394,6 +394,20 @@ def test_simulate_pfedla_resumes_with_its_hypernetworks(tiny_npz, tmp_path: Path
     for a, b in zip(straight.rounds, resumed.rounds):
         np.testing.assert_allclose(a.test_accuracy["per_client"], b.test_accuracy["per_client"], atol=1e-6)
         assert a.train_loss == pytest.approx(b.train_loss, rel=1e-6)
+    assert resumed.alpha == straight.alpha
+
+
+def test_rerunning_a_finished_pfedla_run_keeps_its_mixing_weights(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
+    """A finished run started again (bench/reproduce.py resumes every run) rewrote results.json without alpha."""
+    from edgepfl.simulate.loop import run_simulation
+    from edgepfl.simulate.results import load_results
+
+    config = tiny_config(tiny_npz, tmp_path / "run", rounds=2, algorithm="heurpfedla", hn_lr=0.05)
+    finished = run_simulation(config)
+    assert finished.alpha
+    again = run_simulation(config)
+    assert again.alpha == finished.alpha
+    assert load_results(tmp_path / "run").alpha == finished.alpha
 
 
 # HeurpFedLA

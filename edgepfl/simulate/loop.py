@@ -152,6 +152,8 @@ def run_simulation(
             raise StateError(f"{out} has state for round {done} but results for {len(records)}", "use a new --out")
         stores = _teacher_stores(out / TEACHERS_DIR, clients, manifest, fresh=done == 0) if config.plan.persfl else None
         results = Results(config=config, rounds=records, info=_run_info(config, dataset, manifest, engine, parts))
+        if records:  # resumed: the restored strategy's weights, also when no round is left to run
+            results.alpha = _mixing_weights(server)
         write_results(out, results)
         by_name = {client.name: client for client in clients}
         teachers = out / TEACHERS_DIR if stores is not None else None
@@ -196,8 +198,7 @@ def run_simulation(
             _save_state(out / STATE_FILE, round_id, clients, pending)  # before the close: a resume can finish it
             global_base = server.close_round(round_id)
             records.append(_evaluate(engine, clients, server, global_base, round_id, pending, settings))
-            if hasattr(server.strategy, "alpha_matrix"):  # pfedla: what the hypernetworks learnt (the paper's Fig. 6)
-                results.alpha = {n: server.strategy.alpha_matrix(n).round(6).tolist() for n in server.strategy.mixed}
+            results.alpha = _mixing_weights(server)
             write_results(out, results)
     finally:
         if workers is not None:
@@ -344,6 +345,13 @@ def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, init
     client_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
     name = f"client-{number:03d}"
     return Client(name, train, test, client_seed, residuals / name, {k: v.copy() for k, v in initial.items()})
+
+
+def _mixing_weights(server) -> dict[str, list[list[float]]] | None:
+    """pFedLA's mixing weights as its hypernetworks now give them (the paper's Fig. 6); None for other strategies."""
+    if not hasattr(server.strategy, "alpha_matrix"):
+        return None
+    return {name: server.strategy.alpha_matrix(name).round(6).tolist() for name in server.strategy.mixed}
 
 
 def _save_state(path: Path, round_id: int, clients: list[Client], pending: dict[str, Any]) -> None:
