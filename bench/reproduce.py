@@ -38,6 +38,7 @@ import json
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -295,10 +296,11 @@ def report(out: Path, figures: Path | None = None) -> str:
 
             plotted = [k for k in labels if not groups[k][0].persfl]  # a PersFL run's curve is its teacher's
             parts = sorted({label.split("/")[1] for label in plotted}, key=_natural)
-            one_each = all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in parts)
+            runs_in = Counter(k.split("/")[1] for k in plotted)  # runs per part
+            one_each = all(runs_in[part] == 1 for part in parts)
             for series in dict.fromkeys(_series(f"{setting}/{part}") for part in parts):
                 in_series = [part for part in parts if _series(f"{setting}/{part}") == series]
-                if all(sum(k.split("/")[1] == part for k in plotted) == 1 for part in in_series):
+                if all(runs_in[part] == 1 for part in in_series):
                     # every part of the series is one run (kp1, kp2, ...): one plot for the series
                     name = setting if one_each else f"{setting}-{series}"
                     shown = [k for k in plotted if k.split("/")[1] in in_series]
