@@ -82,8 +82,9 @@ def batchnorm(run: str, limit: str | None = None) -> None:
 
     out = Path(run)
     config = load_results(out).config
-    dataset = load_dataset(config.dataset, config.data_root)
-    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, config.clients, config.seed, config.split)
+    data = config.data
+    dataset = load_dataset(data.dataset, data.data_root)
+    parts = make_partition(data.partition, dataset.y_train, dataset.y_test, data.clients, config.seed, data.split)
     manifest = load_manifest(out / "bundle")
     engine = open_sim_engine("torch", out / "bundle", manifest, 2)
     payload = (out / STATE_FILE).read_bytes()
@@ -119,7 +120,7 @@ def batchnorm(run: str, limit: str | None = None) -> None:
             module.momentum = None  # a plain average over one pass of the client's training data
         engine.model.train()
         with torch.no_grad():
-            for x, _ in client.train.train_batches(config.batch_size, 0, 0):
+            for x, _ in client.train.train_batches(config.round.batch_size, 0, 0):
                 engine.model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
         for module in norms:
             module.momentum = 0.1

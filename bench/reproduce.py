@@ -228,9 +228,10 @@ def report(out: Path, figures: Path | None = None) -> str:
         norm = f", norm {config.norm}" if config.norm else ""
         lines.append(
             f"Config: `{config.model}`{f' width {config.width}' if config.model == 'mobilenet' else ''}{norm} on "
-            f"{info.get('dataset', config.dataset)}, {info.get('clients')} clients, split "
-            f"{'/'.join(str(int(100 * s)) for s in config.split)}, {config.rounds} rounds x {config.epochs} local "
-            f"epoch(s), batch {config.batch_size}, lr {config.lr}, fraction {config.fraction}, engine {config.engine}."
+            f"{info.get('dataset', config.data.dataset)}, {info.get('clients')} clients, split "
+            f"{'/'.join(str(int(100 * s)) for s in config.data.split)}, {config.rounds} rounds x "
+            f"{config.round.epochs} local epoch(s), batch {config.round.batch_size}, lr {config.round.lr}, fraction "
+            f"{config.fraction}, engine {config.engine}."
         )
         source = f" ({PAPER_SOURCE[setting]})" if setting in PAPER_SOURCE else ""
         lines += [
@@ -350,7 +351,7 @@ def _at_common_round(groups: dict[str, list], labels: list[str]) -> list[str]:
     plain = [label for label in labels if not groups[label][0].persfl]
     partitions: dict[tuple[str, str], list[str]] = {}
     for label in plain:
-        partitions.setdefault((groups[label][0].config.partition, _series(label)), []).append(label)
+        partitions.setdefault((groups[label][0].config.data.partition, _series(label)), []).append(label)
     lines = []
     for (partition, _), in_partition in partitions.items():
         common: dict[int, int] = {}
@@ -399,11 +400,12 @@ def _natural(label: str) -> list:
 def initial_alpha(results) -> dict[str, np.ndarray]:
     """The run's mixing weights before its first round: its strategy's hypernetworks as initialised (same seed)."""
     from edgepfl.manifest import TensorSpec
-    from edgepfl.server.config import StrategyOptions
-    from edgepfl.server.strategies.pfedla import PFedLA
+    from edgepfl.protocol import RoundSettings
+    from edgepfl.server.strategies.pfedla import PFedLA, PFedLAOptions
 
     specs = [TensorSpec(name, (1,), "float32", "base", 0) for name in results.alpha]  # α needs names only
-    fresh = PFedLA(specs, StrategyOptions(clients=len(next(iter(results.alpha.values()))), seed=results.config.seed))
+    options = PFedLAOptions(pfedla_clients=len(next(iter(results.alpha.values()))))
+    fresh = PFedLA(specs, options, RoundSettings(), results.config.seed)
     return {name: fresh.alpha_matrix(name) for name in results.alpha}
 
 

@@ -7,19 +7,23 @@ import json
 import math
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from edgepfl.boundary import ErrorBoundary
+from edgepfl.commands import command
 from edgepfl.device_runtime.options import (
-    ConnectionOptions,
-    DeviceOptions,
-    DistillOptions,
+    DeviceFiles,
+    DistillCommand,
+    EnrollCommand,
+    EvalCommand,
     LocalOptions,
-    TrainOptions,
+    RunCommand,
+    ServerAccess,
+    TeacherCommand,
+    TrainCommand,
 )
-from edgepfl.options import flag, validated
 
 if TYPE_CHECKING:
     from edgepfl.data import LocalData
@@ -33,30 +37,9 @@ device_app = typer.Typer(cls=ErrorBoundary,
     pretty_exceptions_enable=False,
 )
 
-Bundle = Annotated[Path, typer.Option(help="bundle folder written by `edgepfl export`")]
-Data = Annotated[Path, typer.Option(help=".npz with x and y, or an image folder with one sub-folder per class")]
-State = Annotated[Path, typer.Option(help="device state folder (personal tensors, last round); reuse it to resume")]
-AsJson = Annotated[bool, typer.Option("--json", help="print the result as JSON only")]
-Server = Annotated[str, typer.Option(help="server URL, e.g. http://192.168.1.10:8080")]
-Token = Annotated[
-    str | None,
-    typer.Option(help="device token from `edgepfl serve tokens add` (or use --token-file)", envvar="EDGEPFL_TOKEN"),
-]
-TokenFile = Annotated[
-    Path | None, typer.Option(help="file holding the device token, e.g. written by `edgepfl device enroll`")
-]
-
-
 @device_app.command()
-def enroll(
-    server: Server,
-    name: Annotated[str, typer.Option(help="this device's name (1-64 letters, digits, . _ -)")],
-    secret_file: Annotated[Path, typer.Option(help="file holding the server's shared enrollment secret")],
-    token_file: Annotated[
-        Path | None, typer.Option(help="write the token to this new file (0600) instead of printing it")
-    ] = None,
-    timeout: float = flag(ConnectionOptions, "timeout"),
-) -> None:
+@command(EnrollCommand)
+def enroll(options: EnrollCommand) -> None:
     """Enroll this device with the server's shared secret and print its token once (or write it to --token-file).
 
     A random enrollment key goes with the request; with --token-file it is kept in TOKEN_FILE.enroll-key
@@ -64,7 +47,7 @@ def enroll(
     """
     from edgepfl.credentials import read_secret_file, refuse_existing, write_secret_file
 
-    connection = validated(ConnectionOptions, {"timeout": timeout})
+    server, name, secret_file, token_file = options.server, options.name, options.secret_file, options.token_file
     if token_file is not None:
         refuse_existing(token_file, "--token-file")  # before the name is spent on the server
     secret = read_secret_file(secret_file, "--secret-file")
@@ -72,7 +55,7 @@ def enroll(
     key = _enroll_key(key_file)
     from edgepfl.device_runtime.client import ServerClient
 
-    client = ServerClient(server, None, timeout=connection.timeout)
+    client = ServerClient(server, None, timeout=options.connection.timeout)
     try:
         token = client.enroll(name, secret, key)
     finally:
@@ -87,50 +70,24 @@ def enroll(
 
 
 @device_app.command()
-def run(
-    bundle: Bundle,
-    data: Data,
-    server: Server,
-    state: State,
-    token: Token = None,
-    token_file: TokenFile = None,
-    engine: str = flag(LocalOptions, "engine"),
-    rounds: int | None = flag(DeviceOptions, "max_rounds"),
-    val_fraction: float = flag(LocalOptions, "val_fraction"),
-    seed: int = flag(LocalOptions, "seed"),
-    threads: int | None = flag(LocalOptions, "threads"),
-    retries: int = flag(ConnectionOptions, "retries"),
-    timeout: float = flag(ConnectionOptions, "timeout"),
-    poll_interval: float = flag(DeviceOptions, "poll_interval"),
-    persfl_teacher: bool = flag(DeviceOptions, "persfl_teacher"),
-    as_json: AsJson = False,
-) -> None:
+@command(RunCommand)
+def run(options: RunCommand) -> None:
     """Take part in rounds until the server says the run is over: base in, base out, personal part kept."""
-    options = validated(
-        DeviceOptions,
-        {"seed": seed, "max_rounds": rounds, "poll_interval": poll_interval, "persfl_teacher": persfl_teacher},
-    )
-    connection = validated(ConnectionOptions, {"retries": retries, "timeout": timeout})
-    device_token = _device_token(token, token_file)
+    device_token = _device_token(options.access)
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient
     from edgepfl.device_runtime.progress import RichEvents
     from edgepfl.device_runtime.runner import run_device
 
-    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
+    device_engine, local_data, device_state = _open(options.files, options.local)
+    connection, as_json = options.connection, options.output.as_json
+    device = options.device.model_copy(update={"seed": options.local.seed})
     with RichEvents(quiet=as_json) as events:
         client = ServerClient(
-            server, device_token, RetryPolicy(attempts=connection.retries), timeout=connection.timeout,
-            on_retry=events.message,
-        )
+            options.access.server, device_token, RetryPolicy(attempts=connection.retries),
+            timeout=connection.timeout, on_retry=events.message,
+        )  # fmt: skip
         try:
-            summary = run_device(
-                device_engine,
-                local_data,
-                device_state,
-                client,
-                options,
-                events,
-            )
+            summary = run_device(device_engine, local_data, device_state, client, device, events)
         finally:
             client.close()
     _print_result(
@@ -142,7 +99,7 @@ def run(
             "bytes_sent": summary.bytes_sent,
             "bytes_received": summary.bytes_received,
             "engine": device_engine.name,
-            "state": str(state),
+            "state": str(options.files.state),
         },
         as_json,
         "device run",
@@ -150,27 +107,15 @@ def run(
 
 
 @device_app.command()
-def train(
-    bundle: Bundle,
-    data: Data,
-    state: State,
-    epochs: int = flag(TrainOptions, "epochs"),
-    trainable: str = flag(TrainOptions, "trainable"),
-    lr: float = flag(TrainOptions, "lr"),
-    batch_size: int = flag(TrainOptions, "batch_size"),
-    engine: str = flag(LocalOptions, "engine"),
-    val_fraction: float = flag(LocalOptions, "val_fraction"),
-    seed: int = flag(LocalOptions, "seed"),
-    threads: int | None = flag(LocalOptions, "threads"),
-    as_json: AsJson = False,
-) -> None:
+@command(TrainCommand)
+def train(command_options: TrainCommand) -> None:
     """Train locally without a server (e.g. personal fine-tuning) and save the result in --state."""
-    options = validated(TrainOptions, {"epochs": epochs, "trainable": trainable, "lr": lr, "batch_size": batch_size})
+    options, as_json, seed = command_options.train, command_options.output.as_json, command_options.local.seed
     epochs, trainable, lr, batch_size = options.epochs, options.trainable, options.lr, options.batch_size
     from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
     from edgepfl.device_runtime.progress import RichEvents
 
-    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
+    device_engine, local_data, device_state = _open(command_options.files, command_options.local)
     device_engine.check_set(trainable)
     before = evaluate(device_engine, local_data)
     with RichEvents(quiet=as_json) as events:
@@ -212,21 +157,8 @@ def train(
 
 
 @device_app.command()
-def teacher(
-    bundle: Bundle,
-    data: Data,
-    state: State,
-    server: Server,
-    token: Token = None,
-    token_file: TokenFile = None,
-    engine: str = flag(LocalOptions, "engine"),
-    val_fraction: float = flag(LocalOptions, "val_fraction"),
-    seed: int = flag(LocalOptions, "seed"),
-    threads: int | None = flag(LocalOptions, "threads"),
-    retries: int = flag(ConnectionOptions, "retries"),
-    timeout: float = flag(ConnectionOptions, "timeout"),
-    as_json: AsJson = False,
-) -> None:
+@command(TeacherCommand)
+def teacher(options: TeacherCommand) -> None:
     """PersFL for a new participant: score every global model the server keeps; keep the best as the teacher.
 
     Each round's global model (`GET /v1/history`) is scored on the held-out data exactly as in
@@ -234,23 +166,23 @@ def teacher(
     """
     from edgepfl.errors import StateError
 
-    connection = validated(ConnectionOptions, {"retries": retries, "timeout": timeout})
-    device_token = _device_token(token, token_file)
+    connection, as_json = options.connection, options.output.as_json
+    device_token = _device_token(options.access)
     from edgepfl.device_runtime.algorithms import TrainingDiverged
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
     from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
     from edgepfl.device_runtime.progress import RichEvents
-    from edgepfl.device_runtime.runner import check_global_model
+    from edgepfl.device_runtime.round import check_global_model
 
-    device_engine, local_data, _ = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
+    device_engine, local_data, _ = _open(options.files, options.local)
     manifest = device_engine.manifest
-    store = TeacherStore(state, manifest)
+    store = TeacherStore(options.files.state, manifest)
     losses: dict[str, float] = {}
     with RichEvents(quiet=as_json) as events:
         client = ServerClient(
-            server, device_token, RetryPolicy(attempts=connection.retries), timeout=connection.timeout,
-            on_retry=events.message,
-        )
+            options.access.server, device_token, RetryPolicy(attempts=connection.retries),
+            timeout=connection.timeout, on_retry=events.message,
+        )  # fmt: skip
         try:
             entries = client.history()
             if not entries:
@@ -297,23 +229,8 @@ def teacher(
 
 
 @device_app.command()
-def distill(
-    bundle: Bundle,
-    data: Data,
-    state: State,
-    lambdas: str | None = flag(DistillOptions, "lambdas", unset_default=True),
-    temperatures: str | None = flag(DistillOptions, "temperatures", unset_default=True),
-    variant: str = flag(DistillOptions, "variant"),
-    epochs: int = flag(DistillOptions, "epochs"),
-    lr: float = flag(DistillOptions, "lr"),
-    batch_size: int | None = flag(DistillOptions, "batch_size"),
-    trainable: str = flag(DistillOptions, "trainable"),
-    engine: str = flag(LocalOptions, "engine"),
-    val_fraction: float = flag(LocalOptions, "val_fraction"),
-    seed: int = flag(LocalOptions, "seed"),
-    threads: int | None = flag(LocalOptions, "threads"),
-    as_json: AsJson = False,
-) -> None:
+@command(DistillCommand)
+def distill(options: DistillCommand) -> None:
     """PersFL stage 2: distil a student from the kept teacher over a (λ, T) grid; pick by validation accuracy.
 
     The held-out data is cut in halves: validation (choosing λ and T) and test (the reported accuracy).
@@ -323,13 +240,12 @@ def distill(
     from edgepfl.device_runtime.persfl import distill as run_distill
     from edgepfl.device_runtime.progress import RichEvents
 
-    chosen = {"variant": variant, "epochs": epochs, "lr": lr, "batch_size": batch_size, "trainable": trainable}
-    grids = {"lambdas": lambdas, "temperatures": temperatures}
-    config = validated(DistillOptions, {**chosen, **{k: v for k, v in grids.items() if v is not None}}).config(seed)
+    seed, as_json = options.local.seed, options.output.as_json
+    config = options.distill.config(seed)
     variant, trainable = config.variant, config.trainable
-    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
+    device_engine, local_data, device_state = _open(options.files, options.local)
     device_engine.check_set(trainable)
-    store = TeacherStore(state, device_engine.manifest)
+    store = TeacherStore(options.files.state, device_engine.manifest)
     teacher = store.load()
     train_split, val_split, test_split = local_splits(local_data, seed)
     steps = distill_steps(len(train_split[1]), distill_batch_size(device_engine, config), config)
@@ -359,23 +275,17 @@ def distill(
 
 
 @device_app.command("eval")
-def evaluate_command(
-    bundle: Bundle,
-    data: Data,
-    state: State,
-    engine: str = flag(LocalOptions, "engine"),
-    val_fraction: float = flag(LocalOptions, "val_fraction"),
-    seed: int = flag(LocalOptions, "seed"),
-    threads: int | None = flag(LocalOptions, "threads"),
-    as_json: AsJson = False,
-) -> None:
+@command(EvalCommand)
+def evaluate_command(options: EvalCommand) -> None:
     """Accuracy and loss of this device's personalized model on its held-out data."""
     from edgepfl.device_runtime.algorithms import evaluate
     from edgepfl.errors import StateError
 
-    device_engine, local_data, device_state = _open(bundle, data, state, _local(engine, val_fraction, seed, threads))
+    device_engine, local_data, device_state = _open(options.files, options.local)
     if device_state.state.tensors_file is None:
-        raise StateError(f"{state} holds no trained model yet", "run `edgepfl device run` or `device train` first")
+        raise StateError(
+            f"{options.files.state} holds no trained model yet", "run `edgepfl device run` or `device train` first"
+        )
     result = evaluate(device_engine, local_data)
     if not result.count:
         raise StateError("no held-out samples to evaluate", "pass --val-fraction above 0 and more data")
@@ -387,37 +297,31 @@ def evaluate_command(
             "last_completed_round": device_state.state.last_completed_round,
             "engine": device_engine.name,
         },
-        as_json,
+        options.output.as_json,
         "device eval",
     )
 
 
-def _local(engine: str, val_fraction: float, seed: int, threads: int | None) -> LocalOptions:
-    """The engine, held-out split and threads the command line chose, checked."""
-    return validated(
-        LocalOptions, {"engine": engine, "val_fraction": val_fraction, "seed": seed, "threads": threads}
-    )
-
-
-def _open(bundle: Path, data: Path, state: Path, local: LocalOptions) -> tuple[Engine, LocalData, StateFolder]:
+def _open(files: DeviceFiles, local: LocalOptions) -> tuple[Engine, LocalData, StateFolder]:
     """Bundle, data and state, all checked before any training: an engine holding the saved tensors."""
     from edgepfl.device_runtime.data import load_device_data
     from edgepfl.device_runtime.engine import open_engine
     from edgepfl.device_runtime.runner import restore
     from edgepfl.device_runtime.state import StateFolder
 
-    device_engine = open_engine(bundle, local.engine, threads=local.threads)
-    local_data = load_device_data(data, device_engine.manifest, local.val_fraction, local.seed)
-    device_state = StateFolder(state, device_engine.manifest, device_engine.name)
+    device_engine = open_engine(files.bundle, local.engine, threads=local.threads)
+    local_data = load_device_data(files.data, device_engine.manifest, local.val_fraction, local.seed)
+    device_state = StateFolder(files.state, device_engine.manifest, device_engine.name)
     restore(device_engine, device_state)
     return device_engine, local_data, device_state
 
 
-def _device_token(token: str | None, token_file: Path | None) -> str:
+def _device_token(access: ServerAccess) -> str:
     """The device token from exactly one of --token (or EDGEPFL_TOKEN) and --token-file."""
     from edgepfl.credentials import read_secret_file
     from edgepfl.errors import UsageError
 
+    token, token_file = access.token, access.token_file
     if token_file is None and token is None:
         raise UsageError("no device token", "pass --token-file FILE (from `edgepfl device enroll`) or --token TOKEN")
     if token_file is not None and token is not None:

@@ -7,6 +7,7 @@ models through `validated`, so a bad value is one line naming the flag. Library 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -14,7 +15,7 @@ from pydantic import BaseModel, Field, field_validator
 from edgepfl.device_runtime.engine import ENGINE_NAMES
 from edgepfl.device_runtime.persfl import VARIANTS, DistillConfig
 from edgepfl.manifest import TRAINABLE_SETS
-from edgepfl.options import FLAG, OPTIONS, comma_separated
+from edgepfl.options import FLAG, GROUP, OPTIONS, Composed, comma_separated, titled
 
 POSITIVE = {"gt": 0.0, "allow_inf_nan": False}
 _DISTILL = {item.name: item.default for item in dataclasses.fields(DistillConfig)}
@@ -23,7 +24,7 @@ _DISTILL = {item.name: item.default for item in dataclasses.fields(DistillConfig
 class LocalOptions(BaseModel):
     """Which engine trains, how the device's data is split into train and held-out, and how many threads."""
 
-    model_config = OPTIONS
+    model_config = titled("Engine and data")
 
     engine: Annotated[
         Literal[("auto", *ENGINE_NAMES)],  # type: ignore[valid-type]
@@ -39,7 +40,7 @@ class LocalOptions(BaseModel):
 class ConnectionOptions(BaseModel):
     """How patiently the device talks to the server."""
 
-    model_config = OPTIONS
+    model_config = titled("Connection")
 
     retries: Annotated[int, Field(ge=1, le=100, description="tries per request on connection errors and 5xx")] = 8
     timeout: Annotated[float, Field(le=3600.0, description="seconds per request", **POSITIVE)] = 60.0
@@ -48,7 +49,7 @@ class ConnectionOptions(BaseModel):
 class DeviceOptions(BaseModel):
     """How `edgepfl device run` takes part in rounds; made at the CLI edge."""
 
-    model_config = OPTIONS
+    model_config = titled("Rounds")
 
     seed: Annotated[int, Field(ge=0, description="shuffling seed (the held-out split has its own, in LocalData)")] = 0
     max_rounds: Annotated[
@@ -66,7 +67,7 @@ class DeviceOptions(BaseModel):
 class TrainOptions(BaseModel):
     """`edgepfl device train`: local training without a server."""
 
-    model_config = OPTIONS
+    model_config = titled("Training")
 
     epochs: Annotated[int, Field(ge=1, le=10_000, description="local epochs")] = 1
     trainable: Annotated[
@@ -80,7 +81,7 @@ class TrainOptions(BaseModel):
 class DistillOptions(BaseModel):
     """`edgepfl device distill`: PersFL stage 2's grid and training, defaults from DistillConfig."""
 
-    model_config = OPTIONS
+    model_config = titled("PersFL stage 2")
 
     lambdas: Annotated[
         tuple[float, ...],
@@ -107,3 +108,126 @@ class DistillOptions(BaseModel):
     def config(self, seed: int) -> DistillConfig:
         """The DistillConfig these options and `seed` describe (it checks the grid's values)."""
         return DistillConfig(**self.model_dump(), seed=seed)
+
+
+# what the device commands are told: each is a tree of the models above and these (edgepfl.commands makes the flags)
+
+ENVVAR = "envvar"  # json_schema_extra key: an environment variable that gives the flag's value
+
+
+class DeviceFiles(BaseModel):
+    """The device's bundle, data and state folder."""
+
+    model_config = titled("Files")
+
+    bundle: Annotated[Path, Field(description="bundle folder written by `edgepfl export`", examples=["DIR"])]
+    data: Annotated[
+        Path, Field(description=".npz with x and y, or an image folder with one sub-folder per class", examples=["DIR"])
+    ]
+    state: Annotated[
+        Path,
+        Field(description="device state folder (personal tensors, last round); reuse it to resume", examples=["DIR"]),
+    ]
+
+
+class ServerAccess(BaseModel):
+    """The server and this device's token."""
+
+    model_config = titled("Server")
+
+    server: Annotated[str, Field(description="server URL, e.g. http://192.168.1.10:8080", examples=["URL"])]
+    token: Annotated[
+        str | None,
+        Field(
+            description="device token from `edgepfl serve tokens add` (or use --token-file)",
+            json_schema_extra={ENVVAR: "EDGEPFL_TOKEN"},
+            repr=False,
+        ),
+    ] = None
+    token_file: Annotated[
+        Path | None, Field(description="file holding the device token, e.g. written by `edgepfl device enroll`")
+    ] = None
+
+
+class Output(BaseModel):
+    """How the result is printed."""
+
+    model_config = titled("Output")
+
+    as_json: Annotated[bool, Field(description="print the result as JSON only", json_schema_extra={FLAG: "--json"})] = (
+        False
+    )
+
+
+class EnrollCommand(Composed):
+    """`edgepfl device enroll`."""
+
+    model_config = titled("Enrollment")
+
+    server: str = ServerAccess.model_fields["server"]
+    name: Annotated[str, Field(description="this device's name (1-64 letters, digits, . _ -)", examples=["phone-1"])]
+    secret_file: Annotated[Path, Field(description="file holding the server's shared enrollment secret")]
+    token_file: Annotated[
+        Path | None, Field(description="write the token to this new file (0600) instead of printing it")
+    ] = None
+    connection: Annotated[ConnectionOptions, Field(json_schema_extra={GROUP: {"exclude": ["retries"]}})] = (
+        ConnectionOptions()
+    )
+
+
+class RunCommand(Composed):
+    """`edgepfl device run`."""
+
+    model_config = OPTIONS
+
+    files: DeviceFiles
+    access: ServerAccess
+    local: LocalOptions = LocalOptions()
+    connection: ConnectionOptions = ConnectionOptions()
+    # its shuffling seed is --seed, the data split's (LocalOptions)
+    device: Annotated[DeviceOptions, Field(json_schema_extra={GROUP: {"exclude": ["seed"]}})] = DeviceOptions()
+    output: Output = Output()
+
+
+class TrainCommand(Composed):
+    """`edgepfl device train`."""
+
+    model_config = OPTIONS
+
+    files: DeviceFiles
+    train: TrainOptions = TrainOptions()
+    local: LocalOptions = LocalOptions()
+    output: Output = Output()
+
+
+class TeacherCommand(Composed):
+    """`edgepfl device teacher`."""
+
+    model_config = OPTIONS
+
+    files: DeviceFiles
+    access: ServerAccess
+    local: LocalOptions = LocalOptions()
+    connection: ConnectionOptions = ConnectionOptions()
+    output: Output = Output()
+
+
+class DistillCommand(Composed):
+    """`edgepfl device distill`."""
+
+    model_config = OPTIONS
+
+    files: DeviceFiles
+    distill: DistillOptions = DistillOptions()
+    local: LocalOptions = LocalOptions()
+    output: Output = Output()
+
+
+class EvalCommand(Composed):
+    """`edgepfl device eval`."""
+
+    model_config = OPTIONS
+
+    files: DeviceFiles
+    local: LocalOptions = LocalOptions()
+    output: Output = Output()

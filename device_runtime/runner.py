@@ -1,11 +1,11 @@
 """The device's round loop: poll the task, train once per round, save, upload; resume safely after any crash.
 
-One round: poll task -> train for round r > last completed -> fetch base (ETag-checked) -> set base ->
-run the client algorithm -> commit state with the upload body saved as pending -> upload -> mark
-delivered. After a `kill -9`, a pending upload is sent again (an identical body is idempotent on the
-server) or dropped when its round is gone; a round is never trained twice. A base holding NaN/Inf, or a
-round whose training diverges, is refused: the last good model stays, nothing is saved or sent, and the
-device waits for the next round.
+One round: poll task -> train for round r > last completed -> fetch base (ETag-checked) -> the one device round
+(`round.train_round`: check, receive, train, refuse a diverged result, commit state with the upload body saved
+as pending) -> upload -> mark delivered. After a `kill -9`, a pending upload is sent again (an identical body is
+idempotent on the server) or dropped when its round is gone; a round is never trained twice. A base holding
+NaN/Inf, or a round whose training diverges, is refused: the last good model stays, nothing is saved or sent,
+and the device waits for the next round.
 """
 
 from __future__ import annotations
@@ -16,29 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from edgepfl.data import LocalData, num_batches
-from edgepfl.device_runtime.algorithms import (
-    ClientResult,
-    TrainingDiverged,
-    divergence,
-    evaluate,
-    round_losses,
-    round_phases,
-    run_client_round,
-    upload_specs,
-    upload_tensors,
-)
-from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, upload_body
+from edgepfl.data import LocalData
+from edgepfl.device_runtime.algorithms import ClientResult, TrainingDiverged, divergence, evaluate
+from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
-from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
+from edgepfl.device_runtime.round import check_global_model, offer_teacher, train_round
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.device_runtime.statistics import receive
 from edgepfl.encoding import drop_residual
-from edgepfl.errors import BundleError, WireError
-from edgepfl.manifest import Manifest
+from edgepfl.errors import BundleError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
-from edgepfl.wire import check_tensors, nonfinite_names
 
 MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
 
@@ -148,61 +136,12 @@ def _train_round(
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
         return False
-    result, payload, record = train_round(engine, data, state, round_id, settings, base, options, events)
-    upload = _deliver_pending(state, client, events) if payload is not None else "none"
-    if payload is None:
-        _post_metrics(client, round_id, record, events)
-    events.round_finished(round_id, result, upload)
+    outcome = train_round(engine, data, state, round_id, settings, base, options, events)
+    upload = _deliver_pending(state, client, events) if outcome.payload is not None else "none"
+    if outcome.payload is None:
+        _post_metrics(client, round_id, outcome.record, events)
+    events.round_finished(round_id, outcome.result, upload)
     return True
-
-
-def train_round(
-    engine: Engine,
-    data: LocalData,
-    state: StateFolder,
-    round_id: int,
-    settings: RoundSettings,
-    base: dict[str, Any],
-    options: DeviceOptions,
-    events: DeviceEvents,
-) -> tuple[ClientResult, bytes | None, dict[str, Any]]:
-    """Train one round from a received base and commit it, its upload body saved as pending (however it travels).
-
-    Returns the result, the upload body (None when the algorithm uploads nothing) and the round's saved record.
-    A base holding NaN/Inf, or a result whose loss or tensors blow up, raises TrainingDiverged with the
-    engine back at the last good model and nothing saved or sent.
-    """
-    manifest = engine.manifest
-    try:
-        _check_base(base, manifest, settings, f"the base of round {round_id}")
-    except TrainingDiverged as error:
-        raise _skipped(error.problem, state) from None
-    kept = engine.get_tensors()  # the last good model, back in place if this round's result is refused
-    # a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
-    # re-estimated under the new base (statistics.py)
-    receive(engine, base, data, settings)
-    if options.persfl_teacher:
-        _consider_teacher(engine, data, state, round_id, events)
-    steps = sum(p.epochs for p in round_phases(settings, engine.available_sets()))
-    events.round_started(round_id, settings, steps * num_batches(data.num_train, settings.batch_size))
-    result = run_client_round(engine, settings, data, options.seed, round_id, progress=events.step)
-    tensors = engine.get_tensors()
-    why = divergence(round_losses(result), tensors, manifest.num_classes)
-    if why is not None:
-        engine.set_tensors(kept)
-        raise _skipped(f"training diverged in round {round_id} ({why})", state)
-    payload = None
-    if result.uploads:
-        meta = result.upload_meta(manifest.base_layout_hash)
-        payload = upload_body(upload_tensors(engine, settings), base, settings, meta, state.residuals, round_id,
-                              options.seed)  # fmt: skip
-    record = {**result.to_json(), "round": round_id, "engine": engine.name, "upload": "pending" if payload else "none"}
-    try:
-        state.commit(tensors, record, round_id=round_id, upload_payload=payload)
-    except BaseException:
-        drop_residual(state.residuals, round_id)  # this round was not saved: its residual must feed no later round
-        raise
-    return result, payload, record
 
 
 def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEvents) -> str:
@@ -259,7 +198,7 @@ def _finish(
     if final_base is not None and _take_final_base(engine, data, state, final_base, task.settings, events):
         if options.persfl_teacher:
             # the final aggregate is the global model a round after the last one would have started from
-            _consider_teacher(engine, data, state, task.round_id + 1, events)
+            offer_teacher(engine, data, state, task.round_id + 1, events)
     result = evaluate(engine, data)
     accuracy = result.accuracy if result.count else None
     record = {
@@ -297,42 +236,6 @@ def _take_final_base(
         events.message(f"{error.problem}: kept {state.kept} as this device's model (ask the operator to check it)")
         return False
     return True
-
-
-def _skipped(problem: str, state: StateFolder) -> TrainingDiverged:
-    """The one line for a round whose base or result the device refuses: what happened, what it kept, the fix."""
-    return TrainingDiverged(
-        f"{problem}: kept {state.kept} and skipped the round",
-        "ask the operator to check the server's model and --lr; the device joins the next round",
-    )
-
-
-def _consider_teacher(engine: Engine, data: LocalData, state: StateFolder, round_id: int, events: DeviceEvents) -> None:
-    """PersFL stage 1: score the global model just received; keep it as the teacher if its held-out loss is lowest."""
-    store = TeacherStore(state.folder, engine.manifest)
-    kept, result = consider_global_model(engine, store, round_id, engine.get_tensors(), data)
-    if kept:
-        events.message(f"PersFL teacher: the global model of round {round_id} (held-out loss {result.loss:.4f})")
-
-
-def _check_base(base: dict[str, Any], manifest: Manifest, settings: RoundSettings, what: str) -> None:
-    """The server's base must be exactly the tensors this bundle shares, less those the device keeps, all finite."""
-    bad = nonfinite_names(base)
-    if bad:
-        raise TrainingDiverged(f"{what} holds NaN or Inf in {bad[0]!r}", "ask the operator to check the server's model")
-    try:
-        check_tensors(base, upload_specs(manifest, settings), what=what)
-    except WireError as error:
-        raise BundleError(str(error), "use the bundle the server was started with") from None
-
-
-def check_global_model(tensors: dict[str, Any], manifest: Manifest, what: str) -> None:
-    """A global model (an aggregate, which carries no round settings) must be the whole shared set of this bundle.
-
-    Whether BatchNorm statistics travel is read off the tensors themselves.
-    """
-    shares_buffers = any(name in tensors for name in manifest.names("buffer"))
-    _check_base(tensors, manifest, RoundSettings(share_buffers=shares_buffers), what)
 
 
 def _summary(trained: int, finished: bool, accuracy: float | None, client: ServerClient) -> RunSummary:

@@ -15,11 +15,13 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, Field, model_validator
 
 from edgepfl.errors import StateError, UsageError, WireError
+from edgepfl.options import titled
 
 SAMPLINGS = ("poisson", "fixed")
 DP_STRATEGIES = ("fedavg", "fedper")  # the strategies whose aggregate is one sum the noise is calibrated to
@@ -32,6 +34,55 @@ _REFUSED = {
     "heurpfedla": "heurpfedla mixes a different, un-noised combination of the others' updates into each "
     "device's base",
 }
+
+
+class PrivacyOptions(BaseModel):
+    """User-level DP-FedAvg (McMahan et al. 2018): clip on the device, Gaussian noise on the server's sum."""
+
+    model_config = titled("Differential privacy")
+
+    dp_noise_multiplier: Annotated[
+        float | None,
+        Field(gt=0.0, allow_inf_nan=False, description="DP: noise sigma, in units of the clip norm; turns DP on"),
+    ] = None
+    dp_clip: Annotated[
+        float | None,
+        Field(gt=0.0, allow_inf_nan=False, description="DP: L2 norm C each device clips its base delta to"),
+    ] = None
+    dp_delta: Annotated[
+        float, Field(gt=0.0, lt=1.0, description="DP: the delta epsilon is reported at (below 1/devices)")
+    ] = 1e-5
+    dp_target_epsilon: Annotated[
+        float | None,
+        Field(gt=0.0, allow_inf_nan=False, description="DP: stop before a round would take epsilon above this"),
+    ] = None
+
+    @model_validator(mode="after")
+    def _together(self) -> PrivacyOptions:
+        if (self.dp_noise_multiplier is None) != (self.dp_clip is None):
+            raise UsageError(
+                "--dp-noise-multiplier and --dp-clip go together",
+                "pass both to turn differential privacy on, e.g. --dp-noise-multiplier 1.0 --dp-clip 1.0",
+            )
+        if self.dp_target_epsilon is not None and not self.enabled:
+            raise UsageError("--dp-target-epsilon needs DP on", "pass --dp-noise-multiplier and --dp-clip too")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether DP-FedAvg is on."""
+        return self.dp_noise_multiplier is not None
+
+    @property
+    def clip_norm(self) -> float | None:
+        """The L2 norm devices clip their delta to (None: DP off)."""
+        return self.dp_clip if self.enabled else None
+
+    def dp_config(self) -> DPConfig | None:
+        """The privacy module's settings (None: DP off)."""
+        if self.dp_noise_multiplier is None or self.dp_clip is None:
+            return None
+        return DPConfig(self.dp_noise_multiplier, self.dp_clip, self.dp_delta, self.dp_target_epsilon)
 
 
 @dataclass(frozen=True)

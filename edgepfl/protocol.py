@@ -12,65 +12,107 @@ Every call carries `Authorization: Bearer <device token>`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import typing
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
 
 from edgepfl.encoding import Encoding
 from edgepfl.errors import UsageError, WireError
 from edgepfl.manifest import TensorSpec
+from edgepfl.options import FLAG, RENAMED, bounds_of, choices_of, titled
 
 API_PREFIX = "/v1"
 ALGORITHMS = ("fedsim", "fedalt", "local")
 DOWNLOAD_ENCODINGS = ("fp32", "fp16")
-# bounds of the integer round settings a device accepts; the server must not send more (epochs and batch
-# size beyond these are a server misconfiguration or an attack on the device's battery, never a real round)
-SETTINGS_LIMITS = {
-    "epochs": (0, 1000),
-    "finetune_epochs": (0, 1000),
-    "personal_epochs": (0, 1000),
-    "batch_size": (1, 1 << 20),
-}
+# the integer round settings are bounded: epochs and batch sizes beyond these are a server misconfiguration or an
+# attack on the device's battery, never a real round; a device refuses them (RoundSettings.problem)
+MAX_EPOCHS = 1000
+MAX_BATCH = 1 << 20
 
 
-@dataclass(frozen=True)
-class RoundSettings:
-    """What a device does in one round; chosen by the server's strategy, run by the device runtime."""
+def _setting(description: str, **constraints: Any) -> Any:
+    """A round setting's field: its help (the flag's) and the bounds a device accepts."""
+    extra = {key: constraints.pop(key) for key in (FLAG, RENAMED) if key in constraints}
+    return Field(description=description, json_schema_extra=extra or None, **constraints)
 
-    # each field's help (metadata "help") is the help of the flag that sets it (edgepfl.options.settings_field)
-    algorithm: str = field(default="fedsim", metadata={"help": "what a device trains each round"})
-    epochs: int = field(default=1, metadata={"help": "local epochs per round"})
-    batch_size: int = field(default=32, metadata={"help": "local batch size"})
-    lr: float = field(default=0.01, metadata={"help": "local SGD learning rate"})
-    finetune_epochs: int = field(
-        default=0, metadata={"help": "personal fine-tuning epochs per round, base frozen at round start (FedPer A.3)"}
-    )
-    personal_epochs: int = field(default=1, metadata={"help": "fedalt: epochs of the personal phase per round"})
-    share_buffers: bool = field(
-        default=False, metadata={"help": "BatchNorm statistics of base blocks travel with the base and are averaged"}
-    )
-    recompute_bn: bool = field(
-        default=True,
-        metadata={
-            "help": "a device re-estimates its BatchNorm running statistics on its training data whenever a base "
-            "arrives (forward passes, weights unchanged): statistics kept from the old base do not fit the new one"
-        },
-    )
-    extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific knobs (pFedLA, PersFL)
+
+def encoding_label(value: str) -> str:
+    """An --upload-encoding value in its one spelling (Encoding.label); a pydantic ValueError for any other."""
+    try:
+        return Encoding.parse(value).label
+    except UsageError as error:
+        raise ValueError(f"{error.problem}: {error.fix}") from None
+
+
+class RoundOptions(BaseModel):
+    """Round settings: what every sampled device does in a round (flags of serve, simulate and Flower's run config).
+
+    A new round setting is one field here; the flags, the Flower run config and the browser's contract.json are
+    made from these fields, and a device refuses a value outside their bounds.
+    """
+
+    model_config = titled("Round settings")
+
+    algorithm: Annotated[
+        Literal[ALGORITHMS],
+        _setting("what a device trains each round", **{FLAG: "--client-update", RENAMED: ("--algorithm",)}),
+    ] = "fedsim"
+    epochs: Annotated[int, _setting("local epochs per round", ge=0, le=MAX_EPOCHS)] = 1
+    batch_size: Annotated[int, _setting("local batch size", ge=1, le=MAX_BATCH)] = 32
+    lr: Annotated[float, _setting("local SGD learning rate", gt=0.0, allow_inf_nan=False)] = 0.01
+    finetune_epochs: Annotated[
+        int,
+        _setting("personal fine-tuning epochs per round, base frozen at round start (FedPer A.3)", ge=0, le=MAX_EPOCHS),
+    ] = 0
+    personal_epochs: Annotated[
+        int, _setting("fedalt: epochs of the personal phase per round", ge=0, le=MAX_EPOCHS)
+    ] = 1
+    share_buffers: Annotated[
+        bool,
+        _setting(
+            "BatchNorm statistics of base blocks travel with the base and are averaged",
+            **{FLAG: "--share-bn-stats", RENAMED: ("--share-buffers",)},
+        ),
+    ] = False
+    recompute_bn: Annotated[
+        bool,
+        _setting(
+            "a device re-estimates its BatchNorm running statistics on its training data whenever a base arrives "
+            "(forward passes, weights unchanged): statistics kept from the old base do not fit the new one"
+        ),
+    ] = True
+    upload_encoding: Annotated[
+        str,
+        _setting(
+            "what a device uploads: fp32 (its trained base), or its base delta as fp16, int8, int8-block<N>, "
+            "int8[-block<N>]-sr (stochastic rounding), with error feedback"
+        ),
+    ] = "fp32"
+    download_encoding: Annotated[
+        Literal[DOWNLOAD_ENCODINGS], _setting("how a round's base travels to the devices: fp32 (exact) or fp16")
+    ] = "fp32"
+
+    _encoding = field_validator("upload_encoding")(encoding_label)
+
+    def settings(self, clip_norm: float | None = None) -> RoundSettings:
+        """The settings devices get with these options (with DP, `clip_norm` is the norm they clip their delta to)."""
+        return RoundSettings(**self.model_dump(include=set(RoundOptions.model_fields)), clip_norm=clip_norm)
+
+
+class RoundSettings(RoundOptions):
+    """What a device does in one round: the operator's round options and what the strategy adds for each device."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")  # a newer server may send settings this device ignores
+
+    extra: dict[str, Any] = Field(default_factory=dict)  # strategy-specific knobs (pFedLA, PersFL)
     # shared tensors this device keeps its own value of this round (HeurpFedLA): neither in the base it gets
     # nor in the update it sends
     kept_on_device: tuple[str, ...] = ()
-    upload_encoding: str = field(
-        default="fp32",
-        metadata={
-            "help": "what a device uploads: fp32 (its trained base), or its base delta as fp16, int8, "
-            "int8-block<N>, int8[-block<N>]-sr (stochastic rounding), with error feedback"
-        },
-    )
-    download_encoding: str = field(
-        default="fp32", metadata={"help": "how a round's base travels to the devices: fp32 (exact) or fp16"}
-    )
     # DP-FedAvg: the L2 norm a device clips its base delta to (None: no DP); the server refuses a larger one
-    clip_norm: float | None = None
+    clip_norm: Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)] = None
 
     @property
     def uploads_delta(self) -> bool:
@@ -79,57 +121,93 @@ class RoundSettings:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form sent in a task."""
-        return {**asdict(self), "kept_on_device": list(self.kept_on_device)}
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_json(cls, data: Any) -> RoundSettings:
         """Parse settings received from a server; raises WireError naming the first field of a wrong type or range."""
         if not isinstance(data, dict):
             raise _bad_settings(f"settings are {type(data).__name__}, not an object")
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        known = {k: data[k] for k in cls.model_fields if k in data}
         if isinstance(known.get("kept_on_device"), list):
             known["kept_on_device"] = tuple(known["kept_on_device"])
         for name in ("lr", "clip_norm"):
             if isinstance(known.get(name), int) and not isinstance(known[name], bool):
                 known[name] = float(known[name])
-        settings = cls(**known)
-        problem = settings.problem()
+        problem = settings_problem(cls, known)
         if problem is not None:
             raise _bad_settings(problem)
-        return settings
+        return cls(**known)
 
     def problem(self) -> str | None:
-        """What is wrong with these settings (a type or a bound, see SETTINGS_LIMITS), or None when they are valid."""
-        if self.algorithm not in ALGORITHMS:
-            return f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}"
-        for name, (low, high) in SETTINGS_LIMITS.items():
-            value = getattr(self, name)
-            if type(value) is not int or not low <= value <= high:
-                return f"{name} {value!r} is not an integer in {low}..{high}"
-        if type(self.lr) is not float or not (math.isfinite(self.lr) and self.lr > 0.0):
-            return f"lr {self.lr!r} is not a positive number"
-        for name in ("share_buffers", "recompute_bn"):
-            if type(getattr(self, name)) is not bool:
-                return f"{name} {getattr(self, name)!r} is not true or false"
-        if not isinstance(self.extra, dict):
-            return f"extra {self.extra!r} is not an object"
-        if not isinstance(self.kept_on_device, tuple) or not all(isinstance(n, str) for n in self.kept_on_device):
-            return f"kept_on_device {self.kept_on_device!r} is not a list of tensor names"
-        try:
-            Encoding.parse(self.upload_encoding)
-        except (UsageError, AttributeError):
-            return f"upload_encoding {self.upload_encoding!r} is not fp32, fp16, int8, int8-block<N> or int8[...]-sr"
-        if self.download_encoding not in DOWNLOAD_ENCODINGS:
-            return f"download_encoding {self.download_encoding!r} is not one of {', '.join(DOWNLOAD_ENCODINGS)}"
-        clip = self.clip_norm
-        if clip is not None and (type(clip) is not float or not (math.isfinite(clip) and clip > 0.0)):
-            return f"clip_norm {clip!r} is not a positive number"
-        return None
+        """What is wrong with these settings (a type or a bound of a field), or None when they are valid."""
+        return settings_problem(type(self), dict(self))
 
     def travelling(self, shared: list[TensorSpec]) -> list[TensorSpec]:
         """The shared tensors that go to and come back from the device this round: all but kept_on_device."""
         kept = set(self.kept_on_device)
         return [spec for spec in shared if spec.name not in kept]
+
+
+def settings_problem(model: type[RoundSettings], values: dict[str, Any]) -> str | None:
+    """The first field of `values` whose type or range `model` does not allow, in words; None when all are valid.
+
+    Strict where pydantic would convert: a device takes only what a correct server sends (no "3" for 3).
+    """
+    for name, info in model.model_fields.items():
+        if name not in values:
+            continue
+        value = values[name]
+        kind = setting_kind(info)
+        if kind == "choice":
+            choices = choices_of(info)
+            if value not in choices:
+                return f"{name} {value!r} is not one of {', '.join(choices)}"
+        elif kind == "integer":
+            low, high = (bounds_of(info).get(key) for key in ("ge", "le"))
+            if type(value) is not int or not low <= value <= high:
+                return f"{name} {value!r} is not an integer in {low}..{high}"
+        elif kind in ("number", "optional number"):
+            if value is None and kind == "optional number":
+                continue
+            if type(value) is not float or not (math.isfinite(value) and value > 0.0):
+                return f"{name} {value!r} is not a positive number"
+        elif kind == "boolean":
+            if type(value) is not bool:
+                return f"{name} {value!r} is not true or false"
+        elif kind == "object":
+            if not isinstance(value, dict):
+                return f"{name} {value!r} is not an object"
+        elif kind == "names":
+            if not isinstance(value, tuple) or not all(isinstance(item, str) for item in value):
+                return f"{name} {value!r} is not a list of tensor names"
+        elif kind == "encoding":
+            try:
+                Encoding.parse(value)
+            except (UsageError, AttributeError):
+                return f"{name} {value!r} is not fp32, fp16, int8, int8-block<N> or int8[...]-sr"
+    return None
+
+
+def setting_kind(info: FieldInfo) -> str:
+    """How a round setting is typed on the wire: choice, integer, number, optional number, boolean, encoding,
+    object or names (the browser's contract.json says the same)."""
+    annotation = info.annotation
+    if choices_of(info):
+        return "choice"
+    if annotation is bool:
+        return "boolean"
+    if annotation is int:
+        return "integer"
+    if annotation is float:
+        return "number"
+    if annotation == float | None:
+        return "optional number"
+    if annotation is str:
+        return "encoding"
+    if typing.get_origin(annotation) is dict:
+        return "object"
+    return "names"
 
 
 @dataclass(frozen=True)

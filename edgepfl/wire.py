@@ -33,6 +33,17 @@ def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str
 def decode_tensors(payload: bytes) -> dict[str, np.ndarray]:
     """Parse safetensors bytes; malformed input raises WireError, never a library traceback."""
     read_header(payload)  # size, nesting and duplicate names: checks the library does not make
+    return decode_body(payload)
+
+
+def decode(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Parse safetensors bytes into their tensors and their `__metadata__` string map (WireError if malformed)."""
+    metadata = header_metadata(read_header(payload))
+    return decode_body(payload), metadata
+
+
+def decode_body(payload: bytes) -> dict[str, np.ndarray]:
+    """The tensors of safetensors bytes whose header `read_header` has already checked."""
     try:
         return dict(_st_load(payload))
     except Exception as exc:  # safetensors raises its own error types and ValueError on bad headers
@@ -114,7 +125,12 @@ class StoredTensors(Mapping[str, np.ndarray]):
 
 def decode_metadata(payload: bytes) -> dict[str, str]:
     """The string map in a safetensors header's `__metadata__` (empty when absent)."""
-    metadata = read_header(payload).get("__metadata__")
+    return header_metadata(read_header(payload))
+
+
+def header_metadata(header: Mapping[str, Any]) -> dict[str, str]:
+    """The string map `__metadata__` of a parsed safetensors header (empty when absent)."""
+    metadata = header.get("__metadata__")
     if metadata is None:
         return {}
     if not isinstance(metadata, dict) or not all(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
-from edgepfl.options import OPTIONS
+from edgepfl.options import ARGUMENT, Composed, comma_separated, titled
 from edgepfl.ortbuild import training_build_installed
 
 ENGINES = ("ort-training", "portable")
@@ -19,9 +20,9 @@ def default_engines() -> tuple[str, ...]:
 
 
 class ExportOptions(BaseModel):
-    """How to export: which engines, which optimizer for ORT training, the init seed, PersFL's distillation graphs."""
+    """How to export: engines, ORT training's optimizer, the init seed, PersFL's distillation graphs."""
 
-    model_config = OPTIONS
+    model_config = titled("Artifacts")
 
     engines: Annotated[
         tuple[Literal[ENGINES], ...],  # type: ignore[valid-type]
@@ -46,3 +47,59 @@ class ExportOptions(BaseModel):
             "(the portable engine's faster long phases; the bundle grows by the graphs' size, not the weights')"
         ),
     ] = True
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _engines(cls, value: Any) -> Any:
+        return comma_separated(value)
+
+
+class ZooOptions(BaseModel):
+    """The zoo models' knobs (each defaults to the zoo model's own)."""
+
+    model_config = titled("Zoo models")
+
+    width: Annotated[
+        float | None, Field(gt=0.0, description="zoo MobileNet width multiplier: 0.25|0.5|0.75|1.0")
+    ] = None
+    input_size: Annotated[int | None, Field(ge=1, description="zoo image side: 32 (CIFAR), 28 (MNIST), 224")] = None
+    in_channels: Annotated[int | None, Field(ge=1, description="zoo input channels: 3 colour, 1 grey")] = None
+    norm: Annotated[
+        Literal["batch", "group", "none"] | None, Field(description="zoo normalisation: batch | group | none")
+    ] = None
+
+    def given(self) -> list[str]:
+        """The flags of the knobs that were set."""
+        return ["--" + name.replace("_", "-") for name, value in self if value is not None]
+
+
+class ExportCommand(Composed):
+    """`edgepfl export`: which model, split where, written where."""
+
+    model_config = titled("Model")
+
+    model: Annotated[
+        str,
+        Field(
+            description="zoo model (mobilenet, cnn, mlp, resnet34), torchvision:NAME, path/to/file.py:factory or "
+            "package.module:factory",
+            json_schema_extra={ARGUMENT: True},
+        ),
+    ]
+    kp: Annotated[int, Field(ge=0, description="personal blocks counted from the classifier (0 = FedAvg)")] = 2
+    out: Annotated[Path, Field(description="bundle folder to write")] = Path("bundle")
+    input_shape: Annotated[
+        str | None, Field(description="C,H,W of one sample (torchvision:/factory models; torchvision: 3,224,224)")
+    ] = None
+    weights: Annotated[
+        Path | None, Field(description="local state_dict file (.pt/.pth via torch.load weights_only, or .safetensors)")
+    ] = None
+    num_classes: Annotated[
+        int | None,
+        Field(ge=1, description="number of classes (torchvision:/factory models: a new, freshly initialised head)"),
+    ] = None
+    show_blocks: Annotated[
+        bool, Field(description="print the blocks and what each --kp would upload, then stop")
+    ] = False
+    zoo: ZooOptions = Field(default_factory=ZooOptions)
+    options: ExportOptions = Field(default_factory=ExportOptions)

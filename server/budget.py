@@ -1,35 +1,45 @@
-"""The server's privacy budget (DP-FedAvg, user level): the DP settings bound to a state folder, the epsilon spent,
-and the noised mean of a round's clipped deltas. The mechanism and the accountant are edgepfl/privacy.py's.
+"""DP-FedAvg (user level) on the server, as a wrapper around the strategy: the DP settings bound to a state folder,
+the epsilon spent, and the noised mean of a round's clipped deltas. The mechanism and the accountant are
+edgepfl/privacy.py's.
+
+As Flower composes `DifferentialPrivacyServerSideFixedClipping` around a strategy, `PrivateStrategy` wraps
+fedavg or fedper: the inner strategy plans the rounds, the wrapper aggregates (unweighted, without the median
+bounds of bounds.py: a bound that depends on the others' deltas is not covered by the noise) and says what a
+closed round commits besides its base (the epsilon spent and the ledger), so the round engine has no DP branch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgepfl.errors import StateError
-from edgepfl.manifest import TensorSpec
+from edgepfl.manifest import Manifest
 from edgepfl.privacy import DPConfig, PrivacyLedger, dp_aggregate, fixed_denominator
+from edgepfl.protocol import RoundSettings
+from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
+from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, RoundPlan, Strategy
 from edgepfl.server.uploads import add_delta
 
 SAMPLING = "fixed"  # server/sampling.py samples a fixed number of the available devices, without replacement
+LEDGER = "privacy_ledger"  # the meta key of the ledger, committed with every closed round
 
 
 class PrivacyBudget:
-    """What a DP run has spent (its ledger, committed with every closed round) and how it aggregates."""
+    """What a DP run has spent: its ledger, read from the state folder, where each closed round commits it."""
 
-    def __init__(self, dp: DPConfig, ledger: PrivacyLedger):
+    def __init__(self, dp: DPConfig, store: Store):
         self.dp = dp
-        self.ledger = ledger
+        self.store = store
 
     @classmethod
     def bind(cls, dp: DPConfig | None, store: Store, strategy: str, state: Path) -> PrivacyBudget | None:
         """Continue the state folder's budget with the same DP settings, or start one; refuse a change (StateError)."""
-        saved = store.get_meta("privacy_ledger")
+        saved = store.get_meta(LEDGER)
         if dp is None:
             if saved is not None:
                 raise StateError(
@@ -41,8 +51,8 @@ class PrivacyBudget:
         ledger = dp.new_ledger(strategy, SAMPLING)
         ledger.dp_event()  # refuses now, in one line, when dp-accounting is not installed
         if saved is None:
-            store.set_meta({"privacy_ledger": ledger.to_json(), "dp_clip": repr(dp.clip_norm)})
-            return cls(dp, ledger)
+            store.set_meta({LEDGER: ledger.to_json(), "dp_clip": repr(dp.clip_norm)})
+            return cls(dp, store)
         stored = PrivacyLedger.from_json(saved)
         if (stored.noise_multiplier, stored.delta, stored.sampling) != (dp.noise_multiplier, dp.delta, SAMPLING):
             raise StateError(
@@ -56,28 +66,14 @@ class PrivacyBudget:
                 f"the state folder {state} clipped deltas to --dp-clip {clip}",
                 "restart with that --dp-clip, or use a new --state folder",
             )
-        return cls(dp, stored)
+        return cls(dp, store)
 
-    def aggregate(
-        self,
-        round_id: int,
-        deltas: Iterable[Mapping[str, np.ndarray]],
-        global_base: Mapping[str, np.ndarray],
-        specs: Sequence[TensorSpec],
-        population: int,
-        sample_size: int,
-        noise_seed: int | None = None,
-    ) -> tuple[dict[str, np.ndarray], PrivacyLedger]:
-        """base + (sum of clipped deltas + N(0, (sigma*C)^2)) / m, m the round's sample size; and the ledger after it.
-
-        Unweighted, and without the median bounds of bounds.py (a bound that depends on the others' deltas is not
-        covered by the noise): every delta is within the clip norm C, checked at acceptance and again here. The
-        noise comes from OS entropy unless `noise_seed` is given (a simulation is reproducible).
-        """
-        denominator = fixed_denominator(SAMPLING, population, sample_size)
-        rng = np.random.default_rng(None if noise_seed is None else [noise_seed, round_id])
-        average = dp_aggregate(deltas, self.dp.clip_norm, self.dp.noise_multiplier, denominator, rng)
-        return add_delta(global_base, average, specs), self.ledger.record_round(population, sample_size)
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """The budget spent through the last closed round."""
+        saved = self.store.get_meta(LEDGER)
+        assert saved is not None, "bind() stores the ledger"
+        return PrivacyLedger.from_json(saved)
 
     def stop_before(self, round_id: int, population: int, sample_size: int) -> str | None:
         """Why the run stops before `round_id` (one more round would pass --dp-target-epsilon), or None."""
@@ -101,3 +97,67 @@ class PrivacyBudget:
             "epsilon": epsilon,
             "rounds_accounted": self.ledger.rounds,
         }
+
+
+class PrivateStrategy(Strategy):
+    """DP-FedAvg around a sum strategy: base + (sum of clipped deltas + N(0, (sigma*C)^2)) / m, m the sample size.
+
+    Every delta is within the clip norm C, checked at acceptance and again in the mechanism. The noise comes
+    from OS entropy unless `noise_seed` is given (a simulation is reproducible).
+    """
+
+    reads_deltas = True
+    bounded = False
+
+    def __init__(
+        self,
+        inner: Strategy,
+        budget: PrivacyBudget,
+        round_of: Callable[[int], RoundRecord],
+        noise_seed: Callable[[], int | None],
+    ):
+        super().__init__(inner.specs, inner.options, inner.round_settings, inner.seed)
+        self.inner = inner
+        self.budget = budget
+        self.round_of = round_of  # the round engine's records: each round's population and sample size
+        self.noise_seed = noise_seed
+        self.name = inner.name  # type: ignore[misc]  # an instance's name: the strategy it wraps
+        self.personalized = inner.personalized  # type: ignore[misc]
+
+    def aggregate(
+        self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
+    ) -> BaseTensors:
+        """The noised mean of the round's decoded deltas (each update's `delta`), added to the global base."""
+        record = self.round_of(round_id)
+        population, sample_size = record.population or len(record.sampled), len(record.sampled)
+        denominator = fixed_denominator(SAMPLING, population, sample_size)
+        seed = self.noise_seed()
+        rng = np.random.default_rng(None if seed is None else [seed, round_id])
+        deltas = (update.delta for update in updates if update.delta is not None)
+        average = dp_aggregate(deltas, self.budget.dp.clip_norm, self.budget.dp.noise_multiplier, denominator, rng)
+        return add_delta(global_base, average, self.specs)
+
+    def closing(self, record: RoundRecord) -> dict[str, Any]:
+        """The epsilon spent through this round and the ledger, committed with it."""
+        ledger = self.budget.ledger.record_round(record.population or len(record.sampled), len(record.sampled))
+        return {"epsilon": ledger.epsilon(), "meta": {LEDGER: ledger.to_json()}}
+
+    # the rest is the inner strategy's
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """The inner strategy's check."""
+        self.inner.check_manifest(manifest)
+
+    def settings(self, round_id: int) -> RoundSettings:
+        """The inner strategy's settings."""
+        return self.inner.settings(round_id)
+
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, RoundPlan]:
+        """The inner strategy's plan."""
+        return self.inner.configure_round(round_id, sampled, global_base)
+
+    def fresh(self) -> Strategy:
+        """This wrapper around a fresh inner strategy."""
+        return PrivateStrategy(self.inner.fresh(), self.budget, self.round_of, self.noise_seed)

@@ -1,126 +1,45 @@
 """The server's configuration: one typed model per concern, made at the CLI edge and passed down.
 
-Each field's default, bounds, choices and help live here (or, for a strategy's own knobs, in that strategy's
-file; for what a device does in a round, in `edgepfl.protocol.RoundSettings`); `edgepfl serve` builds its
-flags from them (`edgepfl.options.flag`), so no default or help text is written twice.
+`ServerConfig` holds what the round engine and the HTTP app read: its own fields (rounds, sampling, bounds,
+enrollment) and the models of the parts it drives, each owned by its part: the round settings
+(`edgepfl.protocol.RoundOptions`), DP (`edgepfl.privacy.PrivacyOptions`) and the strategy's options (its file's,
+chosen by `--strategy`: `edgepfl.server.strategies.StrategyChoice`). `ServeCommand` adds where and how the server
+listens; `edgepfl serve`'s flags are made from its leaves (`edgepfl.commands`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, InstanceOf, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from edgepfl.credentials import read_secret_file
-from edgepfl.encoding import Encoding
 from edgepfl.errors import UsageError
-from edgepfl.options import FLAG, OPTIONS, settings_field
-from edgepfl.privacy import DPConfig, check_dp_strategy
-from edgepfl.protocol import ALGORITHMS, DOWNLOAD_ENCODINGS, RoundSettings
-from edgepfl.server.strategies import STRATEGIES
-from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
-from edgepfl.server.strategies.pfedla import PFedLAOptions
-from edgepfl.server.strategies.trimmed_mean import TrimmedMeanOptions
+from edgepfl.options import FLAG, HIDDEN, OPTIONS, Composed, titled
+from edgepfl.privacy import PrivacyOptions, check_dp_strategy
+from edgepfl.protocol import RoundOptions, RoundSettings
+from edgepfl.server.strategies import StrategyChoice, options_model
 
 MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
 
 
-def encoding_label(value: str) -> str:
-    """An --upload-encoding value in its one spelling (Encoding.label); a pydantic ValueError for any other."""
-    try:
-        return Encoding.parse(value).label
-    except UsageError as error:
-        raise ValueError(f"{error.problem}: {error.fix}") from None
+class ServerConfig(Composed):
+    """The server: rounds, sampling, bounds and enrollment.
 
+    The round engine and the HTTP app read only this.
+    """
 
-class RoundOptions(BaseModel):
-    """The round settings `edgepfl serve` hands out (defaults, bounds and help from RoundSettings)."""
+    model_config = titled("Server")
 
-    model_config = OPTIONS
-
-    algorithm: Literal[ALGORITHMS] = settings_field("algorithm", flag="--client-update")
-    epochs: int = settings_field("epochs")
-    batch_size: int = settings_field("batch_size")
-    lr: float = settings_field("lr")
-    finetune_epochs: int = settings_field("finetune_epochs")
-    personal_epochs: int = settings_field("personal_epochs")
-    share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
-    recompute_bn: bool = settings_field("recompute_bn")
-    upload_encoding: str = settings_field("upload_encoding")
-    download_encoding: Literal[DOWNLOAD_ENCODINGS] = settings_field("download_encoding")  # type: ignore[valid-type]
-
-    _encoding = field_validator("upload_encoding")(encoding_label)
-
-    def settings(self, privacy: PrivacyOptions | None = None) -> RoundSettings:
-        """The RoundSettings these options make (with DP, the clip norm devices clip their delta to); a model that
-        extends these options keeps its other fields out."""
-        clip = privacy.dp_clip if privacy is not None and privacy.enabled else None
-        return RoundSettings(**self.model_dump(include=set(RoundOptions.model_fields)), clip_norm=clip)
-
-
-class PrivacyOptions(BaseModel):
-    """User-level DP-FedAvg (McMahan et al. 2018): clip on the device, Gaussian noise on the server's sum."""
-
-    model_config = OPTIONS
-
-    dp_noise_multiplier: Annotated[
-        float | None,
-        Field(gt=0.0, allow_inf_nan=False, description="DP: noise sigma, in units of the clip norm; turns DP on"),
-    ] = None
-    dp_clip: Annotated[
-        float | None,
-        Field(gt=0.0, allow_inf_nan=False, description="DP: L2 norm C each device clips its base delta to"),
-    ] = None
-    dp_delta: Annotated[
-        float, Field(gt=0.0, lt=1.0, description="DP: the delta epsilon is reported at (below 1/devices)")
-    ] = 1e-5
-    dp_target_epsilon: Annotated[
-        float | None,
-        Field(gt=0.0, allow_inf_nan=False, description="DP: stop before a round would take epsilon above this"),
-    ] = None
-
-    @model_validator(mode="after")
-    def _together(self) -> PrivacyOptions:
-        if (self.dp_noise_multiplier is None) != (self.dp_clip is None):
-            raise UsageError(
-                "--dp-noise-multiplier and --dp-clip go together",
-                "pass both to turn differential privacy on, e.g. --dp-noise-multiplier 1.0 --dp-clip 1.0",
-            )
-        if self.dp_target_epsilon is not None and not self.enabled:
-            raise UsageError("--dp-target-epsilon needs DP on", "pass --dp-noise-multiplier and --dp-clip too")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        """Whether DP-FedAvg is on."""
-        return self.dp_noise_multiplier is not None
-
-    def dp_config(self) -> DPConfig | None:
-        """The privacy module's settings (None: DP off)."""
-        if self.dp_noise_multiplier is None or self.dp_clip is None:
-            return None
-        return DPConfig(self.dp_noise_multiplier, self.dp_clip, self.dp_delta, self.dp_target_epsilon)
-
-
-class StrategyOptions(TrimmedMeanOptions, PFedLAOptions, HeurPFedLAOptions):
-    """What a strategy is told at construction: the round settings it hands out and every strategy's own knobs."""
-
-    settings: InstanceOf[RoundSettings] = Field(default_factory=RoundSettings)
-    seed: int = 0  # strategies that draw random numbers (pfedla's hypernetwork initialisation): the server's --seed
-
-
-class ServerConfig(BaseModel):
-    """Everything `edgepfl serve` was told about rounds and devices; the engine and the HTTP app read only this."""
-
-    model_config = OPTIONS
-
-    bundle: Path
-    state: Path
-    strategy: Literal[tuple(STRATEGIES)] = Field(  # type: ignore[valid-type]
-        "fedper", description="how accepted uploads become the next global base"
-    )
+    bundle: Annotated[Path, Field(description="bundle folder written by `edgepfl export`", examples=["DIR"])]
+    state: Annotated[
+        Path, Field(description="state folder (SQLite + blobs); reuse it to resume", examples=["DIR"])
+    ]
+    strategy: StrategyChoice = Field(default_factory=lambda: options_model("fedper")())
+    round: RoundOptions = Field(default_factory=RoundOptions)
+    privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
     rounds: Annotated[int, Field(ge=1, description="rounds to aggregate, then tell devices 'done'")] = 100
     min_clients: Annotated[
         int, Field(ge=1, description="devices needed to open a round and to close it at its deadline")
@@ -154,7 +73,12 @@ class ServerConfig(BaseModel):
     history: Annotated[
         int, Field(ge=0, description="closed rounds whose global model is kept for new participants; 0 keeps all")
     ] = 0
-    enroll_secret: Annotated[str | None, Field(repr=False)] = None  # POST /v1/enroll is open while set; never stored
+    enroll_secret_file: Annotated[
+        Path | None,
+        Field(description="file holding a shared secret (16+ characters): devices enroll with it (POST /v1/enroll)"),
+    ] = None
+    # POST /v1/enroll is open while set (read from enroll_secret_file, or given by a library caller); never stored
+    enroll_secret: Annotated[str | None, Field(repr=False, json_schema_extra={HIDDEN: True})] = None
     enroll_max_failures: Annotated[
         int, Field(ge=1, description="wrong enrollment secrets from one address before it gets 429 (--enroll-window)")
     ] = 10
@@ -177,8 +101,6 @@ class ServerConfig(BaseModel):
             description="cap each claimed sample count at this many times the round's median; 0: off",
         ),
     ] = 2.0
-    strategy_options: StrategyOptions = Field(default_factory=StrategyOptions)
-    privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
     web: Annotated[
         bool,
         Field(
@@ -194,21 +116,26 @@ class ServerConfig(BaseModel):
             raise ValueError("must be 0 (off) or at least 1 (times the round's median)")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_enroll_secret(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("enroll_secret_file") is not None and data.get("enroll_secret") is None:
+            data = {**data, "enroll_secret": read_enroll_secret(Path(data["enroll_secret_file"]))}
+        return data
+
     @model_validator(mode="after")
     def _rounds_can_open(self) -> ServerConfig:
-        clients = self.strategy_options.clients
+        clients = getattr(self.strategy, "pfedla_clients", 0)
         if clients and self.min_clients > clients:
             raise UsageError(
                 f"--min-clients {self.min_clients} is more than the {clients} clients of --pfedla-clients, "
                 "so no round could open",
                 f"pass --min-clients {clients} or less",
             )
-        settings = self.strategy_options.settings
+        settings = self.settings
         if self.privacy.enabled:
-            check_dp_strategy(self.strategy)
-            if settings.clip_norm != self.privacy.dp_clip:
-                raise UsageError("the round settings do not carry --dp-clip", "build them with RoundOptions.settings")
-        if self.strategy == "heurpfedla" and settings.uploads_delta:
+            check_dp_strategy(self.strategy_name)
+        if self.strategy_name == "heurpfedla" and settings.uploads_delta:
             raise UsageError(
                 "heurpfedla changes which tensors travel each round, and an encoded upload's error-feedback "
                 "residual belongs to one set of tensors",
@@ -222,9 +149,19 @@ class ServerConfig(BaseModel):
         return self
 
     @property
+    def strategy_name(self) -> str:
+        """The strategy's CLI name."""
+        return str(self.strategy.name)
+
+    @property
+    def settings(self) -> RoundSettings:
+        """What every sampled device is told (with DP, the clip norm devices clip their delta to)."""
+        return self.round.settings(self.privacy.clip_norm)
+
+    @property
     def share_buffers(self) -> bool:
         """Base-block BatchNorm statistics travel and are averaged (the round settings' `--share-bn-stats`)."""
-        return self.strategy_options.settings.share_buffers
+        return self.round.share_buffers
 
     @property
     def max_upload_bytes(self) -> int:
@@ -233,14 +170,14 @@ class ServerConfig(BaseModel):
 
 
 class HttpLimits(BaseModel):
-    """What one slow or lying client may cost the others; made at the CLI edge, read by the app and uvicorn.
+    """What one slow or lying client may cost the others (read by the app and uvicorn).
 
     A request's headers must arrive within `read_timeout` seconds. A body (an upload holds one of the
     `--upload-slots` while it is read) must then keep up an average of `min_upload_rate` KiB/s after
     a grace of `read_timeout` seconds, or it is refused (408) and its slot goes to the next upload.
     """
 
-    model_config = OPTIONS
+    model_config = titled("HTTP limits")
 
     read_timeout: Annotated[
         float,
@@ -284,9 +221,9 @@ class HttpLimits(BaseModel):
 
 
 class Listen(BaseModel):
-    """Where `edgepfl serve` listens, over HTTP or HTTPS, and how much it logs."""
+    """Where the server listens, over HTTP or HTTPS, and how much it logs."""
 
-    model_config = OPTIONS
+    model_config = titled("Listening")
 
     host: Annotated[str, Field(description="address to listen on")] = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535, description="port to listen on (0: any free port)")] = 8080
@@ -307,6 +244,16 @@ class Listen(BaseModel):
     def tls(self) -> tuple[Path, Path] | None:
         """The certificate and key files, or None for plain HTTP."""
         return (self.tls_cert, self.tls_key) if self.tls_cert and self.tls_key else None
+
+
+class ServeCommand(Composed):
+    """`edgepfl serve`: the server, its HTTP limits and where it listens."""
+
+    model_config = OPTIONS
+
+    server: ServerConfig
+    limits: HttpLimits = Field(default_factory=HttpLimits)
+    listen: Listen = Field(default_factory=Listen)
 
 
 def read_enroll_secret(path: Path) -> str:

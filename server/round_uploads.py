@@ -1,7 +1,8 @@
 """What a round's stored uploads stand for: the base each device was sent, its tensors or decoded delta, bounded.
 
 The round engine accepts an upload (checks, stores, remembers its delta norm) and, at the round's close,
-hands the strategy the updates read back from here; DP-FedAvg takes the decoded deltas instead.
+hands the strategy the updates read back from here: bounded base tensors, or (a strategy that reads deltas,
+DP-FedAvg) the decoded deltas as they were accepted.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import numpy as np
 from edgepfl.manifest import TensorSpec
 from edgepfl.protocol import RoundSettings
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
+from edgepfl.server.errors import BlobError
 from edgepfl.server.records import RoundRecord, UpdateRecord
-from edgepfl.server.store import BlobError, Store
-from edgepfl.server.strategy import AcceptedUpdate
+from edgepfl.server.store import Store
+from edgepfl.server.strategy import AcceptedUpdate, Strategy
 from edgepfl.server.uploads import add_delta, read_upload_delta
-from edgepfl.wire import decode_metadata, decode_tensors
+from edgepfl.wire import decode, decode_tensors
 
 log = logging.getLogger("edgepfl.server")
 
@@ -50,7 +52,7 @@ class RoundUploads:
         if base is None:
             if len(self._bases) > MAX_CACHED_BASES:
                 self._bases.clear()
-            base = self._bases[assignment.base_sha] = decode_tensors(self.store.read_blob(assignment.base_sha))
+            base = self._bases[assignment.base_sha] = decode_tensors(self.store.blobs.read(assignment.base_sha))
         return base
 
     def remember_norm(self, round_id: int, device: str, norm: float) -> None:
@@ -65,6 +67,14 @@ class RoundUploads:
         """A round closed: its norms and every cached base are no longer needed."""
         self._norms = {key: norm for key, norm in self._norms.items() if key[0] > round_id}
         self._bases.clear()
+
+    def for_strategy(self, record: RoundRecord, strategy: Strategy) -> Iterator[AcceptedUpdate]:
+        """The round's accepted updates as `strategy` reads them: bounded base tensors, or unbounded deltas."""
+        if strategy.reads_deltas:
+            return self._deltas(record)
+        if not strategy.bounded:
+            return self._accepted_updates(record, strategy.streaming)
+        return self.bounded_updates(record, strategy.streaming)
 
     def bounded_updates(self, record: RoundRecord, streaming: bool) -> Iterator[AcceptedUpdate]:
         """The round's accepted updates with what one device can move bounded (see bounds.py).
@@ -86,7 +96,7 @@ class RoundUploads:
         counts = {u.device: u.num_samples for u in stored if u.device in norms}
         yield from bounded(self._accepted_updates(record, streaming), bases, norms, counts, self.bounds)
 
-    def deltas(self, record: RoundRecord) -> Iterator[dict[str, np.ndarray]]:
+    def _deltas(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         """The decoded deltas of the round's accepted uploads, one at a time (a corrupt blob is excluded)."""
         for update in self.store.updates(record.round_id):
             try:
@@ -94,7 +104,7 @@ class RoundUploads:
             except BlobError as error:
                 self._exclude(record, update, error)
                 continue
-            yield delta
+            yield AcceptedUpdate(update.device, update.num_samples, {}, update.train_loss, update.val_accuracy, delta)
 
     def _accepted_updates(self, record: RoundRecord, streaming: bool) -> Iterator[AcceptedUpdate]:
         for update in self.store.updates(record.round_id):
@@ -112,18 +122,17 @@ class RoundUploads:
         """
         settings = self.settings_for(update.device, round_id)
         if not settings.uploads_delta and lazy:
-            return self.store.blob_tensors(update.blob_sha)
+            return self.store.blobs.tensors(update.blob_sha)
         if not settings.uploads_delta:
-            return decode_tensors(self.store.read_blob(update.blob_sha))
+            return decode_tensors(self.store.blobs.read(update.blob_sha))
         travelling = settings.travelling(self.specs)
         return add_delta(self.base_of(round_id, update.device), self._delta_of(round_id, update), travelling)
 
     def _delta_of(self, round_id: int, update: UpdateRecord) -> dict[str, np.ndarray]:
         """The decoded delta of an accepted delta upload (checked again: the blob is the bytes that were accepted)."""
         settings = self.settings_for(update.device, round_id)
-        payload = self.store.read_blob(update.blob_sha)
-        tensors = decode_tensors(payload)
-        return read_upload_delta(tensors, decode_metadata(payload), settings, settings.travelling(self.specs))
+        tensors, metadata = decode(self.store.blobs.read(update.blob_sha))
+        return read_upload_delta(tensors, metadata, settings, settings.travelling(self.specs))
 
     def _exclude(self, record: RoundRecord, update: UpdateRecord, error: BlobError) -> None:
         log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)

@@ -1,35 +1,14 @@
-"""What the server shows: the status summary of every round and the history of retained global models."""
+"""What the server shows: the status summary of every round."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from edgepfl.protocol import API_PREFIX
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
 
 if TYPE_CHECKING:
     from edgepfl.server.engine import RoundEngine
-
-
-def history(store: Store, retention: int) -> dict[str, Any]:
-    """JSON: the closed rounds whose global model can still be fetched, oldest first, and the retention."""
-    rounds = store.rounds()
-    released = store.released_through()
-    return {
-        "retention": retention,
-        "released_through": released,
-        "rounds": [
-            {
-                "round": record.round_id,
-                "sha256": record.result_sha,
-                "closed": record.closed,
-                "url": f"{API_PREFIX}/rounds/{record.round_id}/result",
-            }
-            for record in rounds
-            if record.state == "closed" and record.result_sha is not None
-        ],
-    }
 
 
 def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int, state: str) -> dict[str, Any]:
@@ -47,8 +26,8 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "round_timeout": engine.config.round_timeout,
         "devices_enrolled": engine.store.count_devices(),
         "devices_available": available,
-        "upload_encoding": engine.config.strategy_options.settings.upload_encoding,
-        "download_encoding": engine.config.strategy_options.settings.download_encoding,
+        "upload_encoding": engine.config.settings.upload_encoding,
+        "download_encoding": engine.config.settings.download_encoding,
         "privacy": privacy_status(engine, rounds),
         "stopped": engine.stopped,
         "open_round": next((row for row in rows if row["state"] == "open"), None),

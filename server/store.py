@@ -1,14 +1,11 @@
-"""Durable server state: SQLite (WAL) for devices, rounds and update metadata; tensor blobs as files.
+"""Durable server state: SQLite (WAL) for devices, rounds, assignments, update metadata and settings.
 
-Blobs are content-addressed (`blobs/ab/<sha256>.safetensors`), written atomically and checked
-against their sha256 whenever they are read. A row that names a blob is committed only after
-the blob is on disk, so a crash leaves at worst an unreferenced blob, removed at the next start.
+The tensors themselves are blobs (`server/blobs.py`): a row that names a blob is committed only after the
+blob is on disk, so a crash leaves at worst an unreferenced blob, removed at the next start.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import hmac
 import json
 import sqlite3
@@ -18,10 +15,10 @@ from contextlib import contextmanager
 from dataclasses import astuple, fields
 from pathlib import Path
 
-from edgepfl.atomic import write_bytes_atomic
-from edgepfl.errors import StateError, WireError
+from edgepfl.errors import StateError
+from edgepfl.server.blobs import BlobStore
+from edgepfl.server.errors import StorageError
 from edgepfl.server.records import Assignment, DeviceRecord, EvalRecord, RoundRecord, UpdateRecord
-from edgepfl.wire import StoredTensors
 
 DB_NAME = "edgepfl-server.sqlite3"
 
@@ -74,35 +71,8 @@ class AlreadyEnrolled(StateError):
     """A device name that is enrolled already (and neither `replace` nor its enrollment key was given)."""
 
 
-class BlobError(StateError):
-    """A stored tensor blob is missing or does not match its sha256."""
-
-
-class StorageError(StateError):
-    """The state folder refused a write (full disk, read-only, I/O error); nothing half-written was kept."""
-
-    def __init__(self, problem: str, fix: str, full: bool):
-        super().__init__(problem, fix)
-        self.full = full  # out of space or quota: the operator frees space, nothing else is wrong
-
-    @classmethod
-    def from_os_error(cls, what: str, exc: OSError) -> StorageError:
-        """The error for a failed write of `what`, saying which failure it was."""
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        reason = exc.strerror or type(exc).__name__
-        fix = "free space on the disk of the server's --state folder" if full else "check the server's --state folder"
-        return cls(f"the server could not store {what}: {reason}", fix, full)
-
-    @classmethod
-    def from_sqlite_error(cls, exc: sqlite3.Error) -> StorageError:
-        """The error for a failed database write: full (507) or otherwise failing (503); nothing was committed."""
-        full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-        fix = "free space on the disk of the server's --state folder" if full else "check the server's --state folder"
-        return cls(f"the server could not write its database: {exc}", fix, full)
-
-
 class Store:
-    """The server's state folder: one SQLite database in WAL mode and a folder of blobs."""
+    """The server's state folder: one SQLite database in WAL mode, and its folder of blobs (`blobs`)."""
 
     def __init__(self, state_dir: str | Path):
         self.folder = Path(state_dir)
@@ -121,7 +91,7 @@ class Store:
             raise StateError(
                 f"cannot open the server state in {self.folder} ({exc})", "pass a writable --state folder"
             ) from None
-        self._blob_locks = [threading.Lock() for _ in range(64)]  # same-content writers share a temp name
+        self.blobs = BlobStore(self.blob_dir)
 
     def _migrate(self) -> None:
         """Bring the state folder to this version's schema (`PRAGMA user_version`), one step at a time."""
@@ -215,92 +185,28 @@ class Store:
         """Every enrolled device, by name."""
         return [DeviceRecord(*row) for row in self._query("SELECT name, created FROM devices ORDER BY name")]
 
-    # blobs
-
-    def put_blob(self, payload: bytes, sha256: str | None = None) -> str:
-        """Write a blob atomically (temp file, fsync, rename) unless present; returns its sha256 (StorageError)."""
-        digest = sha256 or hashlib.sha256(payload).hexdigest()
-        path = self.blob_path(digest)
-        with self._blob_locks[int(digest[:2], 16) % len(self._blob_locks)]:
-            if not path.is_file() or path.stat().st_size != len(payload):
-                try:
-                    write_bytes_atomic(path, payload)  # removes its temp file when it fails
-                except OSError as exc:
-                    raise StorageError.from_os_error(f"blob {digest[:12]}", exc) from None
-        return digest
-
-    def read_blob(self, sha256: str) -> bytes:
-        """A blob's bytes, checked against its sha256."""
-        path = self.blob_path(sha256)
-        try:
-            payload = path.read_bytes()
-        except OSError as exc:
-            raise _unreadable(sha256, exc) from None
-        if hashlib.sha256(payload).hexdigest() != sha256:
-            raise _mismatch(sha256)
-        return payload
-
-    def blob_tensors(self, sha256: str) -> StoredTensors:
-        """A blob's tensors, read one at a time when used; the file is checked against its sha256 first
-        without being held in memory."""
-        path = self.blob_path(sha256)
-        digest = hashlib.sha256()
-        try:
-            with path.open("rb") as handle:
-                while chunk := handle.read(1 << 20):
-                    digest.update(chunk)
-            if digest.hexdigest() != sha256:
-                raise _mismatch(sha256)
-            return StoredTensors(path)
-        except OSError as exc:
-            raise _unreadable(sha256, exc) from None
-        except WireError as error:
-            raise BlobError(f"blob {sha256[:12]}: {error.problem}", "restore the --state folder") from None
-
-    def blob_path(self, sha256: str) -> Path:
-        """Where a blob lives."""
-        return self.blob_dir / sha256[:2] / f"{sha256}.safetensors"
-
-    def remove_unreferenced_blobs(self) -> int:
-        """Delete blobs and temp files no kept row names (left by a crash, or by a release of history)."""
-        keep = self._referenced_blobs(self.released_through())
-        removed = 0
-        for path in self.blob_dir.glob("*/*"):
-            name = path.name
-            if name.startswith(".") or name.removesuffix(".safetensors") not in keep:
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+    # blobs: which ones the rows name
 
     def released_through(self) -> int:
         """Highest round whose tensors were released by history retention (0: none)."""
         return int(self.get_meta("history_released_through") or 0)
 
-    def release_history(self, through: int) -> int:
-        """Release the tensors of every round up to `through`; returns the number of blob files deleted.
+    def release_rounds(self, through: int) -> set[str]:
+        """Record that the tensors of every round up to `through` are released; returns the blobs those rounds named.
 
-        One transaction records the new boundary and clears those rounds' `result_sha`; then only
-        blobs that no round after the boundary (nor the global base, initial base or strategy state)
-        names are deleted, so a retained blob is never lost. A crash before the deletions leaves
-        unreferenced blobs, which `remove_unreferenced_blobs` deletes at the next start.
+        One transaction records the new boundary and clears those rounds' `result_sha`; the caller then deletes
+        only the returned blobs that `referenced_blobs` no longer names (server/history.py).
         """
-        previous = self.released_through()
-        if through <= previous:
-            return 0
         released = {row[0] for row in self._query(_BLOBS_OF_ROUNDS.replace("{where}", "round_id <= ?"), (through,) * 4)}
         with self.transaction() as db:
             _write_meta(db, {"history_released_through": str(through)})
             db.execute("UPDATE rounds SET result_sha = NULL WHERE round_id <= ?", (through,))
-        removed = 0
-        for sha in released - self._referenced_blobs(through):
-            path = self.blob_path(sha)
-            if path.is_file():
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        return released
 
-    def _referenced_blobs(self, released_through: int) -> set[str]:
-        rows = self._query(_BLOBS_OF_ROUNDS.replace("{where}", "round_id > ?"), (released_through,) * 4)
+    def referenced_blobs(self) -> set[str]:
+        """Every blob a kept row names: the rounds after the released ones, the global and initial base, the
+        strategy state."""
+        rows = self._query(_BLOBS_OF_ROUNDS.replace("{where}", "round_id > ?"), (self.released_through(),) * 4)
         meta = self._query(
             "SELECT value FROM meta WHERE key IN ('initial_base_sha', 'global_base_sha', 'strategy_state_sha')"
         )
@@ -481,11 +387,3 @@ def _same_key(stored_hash: str | None, offered_hash: str | None) -> bool:
 
 def _round(row: sqlite3.Row) -> RoundRecord:
     return RoundRecord(**{**dict(row), "sampled": tuple(json.loads(row["sampled"]))})
-
-
-def _unreadable(sha256: str, exc: OSError) -> BlobError:
-    return BlobError(f"blob {sha256[:12]} cannot be read ({exc.strerror})", "restore the --state folder")
-
-
-def _mismatch(sha256: str) -> BlobError:
-    return BlobError(f"blob {sha256[:12]} does not match its sha256", "restore the --state folder")

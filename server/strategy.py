@@ -10,16 +10,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
+from pydantic import BaseModel
 
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
+from edgepfl.options import OPTIONS
 from edgepfl.protocol import RoundSettings
-
-if TYPE_CHECKING:
-    from edgepfl.server.config import StrategyOptions
 
 BaseTensors = dict[str, np.ndarray]
 RoundPlan = tuple[RoundSettings, Mapping[str, np.ndarray]]  # what one sampled device is told and sent
@@ -31,21 +30,33 @@ class AcceptedUpdate:
 
     device: str
     num_samples: int
-    base_tensors: Mapping[str, np.ndarray]
+    base_tensors: Mapping[str, np.ndarray]  # what the upload stands for (empty for a strategy that reads deltas)
     train_loss: float | None = None
     val_accuracy: float | None = None
+    delta: Mapping[str, np.ndarray] | None = None  # the decoded delta, for a strategy that reads deltas
+
+
+class NoOptions(BaseModel):
+    """A strategy without options of its own."""
+
+    model_config = OPTIONS
 
 
 class Strategy(ABC):
     """What the round engine asks of an aggregation strategy."""
 
     name: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = NoOptions  # the strategy's own options (its flags)
     personalized: ClassVar[bool] = True  # devices keep personal blocks (False: the whole model is shared)
     streaming: ClassVar[bool] = True  # aggregate() holds O(model) memory, not O(devices x model)
+    bounded: ClassVar[bool] = True  # updates arrive with what one device can move bounded (bounds.py)
+    reads_deltas: ClassVar[bool] = False  # updates arrive as decoded deltas (`delta`), not as base tensors
 
-    def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
+    def __init__(self, specs: list[TensorSpec], options: BaseModel, settings: RoundSettings, seed: int = 0):
         self.specs = specs  # the tensors that travel: the base (and base BatchNorm stats if shared)
-        self.options = options
+        self.options = options  # an instance of `Options`
+        self.round_settings = settings  # what every sampled device is told (a strategy may add to it per device)
+        self.seed = seed  # the server's --seed: strategies that draw random numbers start from it
 
     def check_manifest(self, manifest: Manifest) -> None:
         """Refuse a bundle this strategy cannot run (called once at start)."""
@@ -57,7 +68,11 @@ class Strategy(ABC):
 
     def settings(self, round_id: int) -> RoundSettings:
         """The settings every sampled device gets in a round."""
-        return self.options.settings
+        return self.round_settings
+
+    def fresh(self) -> Strategy:
+        """A new strategy like this one, with nothing learnt yet."""
+        return type(self)(self.specs, self.options, self.round_settings, self.seed)
 
     def configure_round(
         self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
@@ -92,6 +107,11 @@ class Strategy(ABC):
             f"the state folder holds saved state for strategy {self.name}, which keeps none",
             "restart with the strategy the state folder was made with, or use a new --state folder",
         )
+
+    def closing(self, record: Any) -> dict[str, Any]:
+        """What closing a round commits besides the new base and the strategy state: `epsilon` and `meta`
+        (DP's budget, see budget.py); nothing by default. Called after aggregate(), before the commit."""
+        return {}
 
     @abstractmethod
     def aggregate(

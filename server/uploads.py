@@ -1,10 +1,15 @@
-"""What an upload must be before it is stored: its metadata, its tensors, and what a strategy may send a device."""
+"""What an upload must be before it is stored: its metadata, its tensors, and what a strategy may send a device.
+
+An upload's bytes are parsed once, into an `Upload`; the round engine then checks it in a straight line
+(`RoundEngine.accept_update`): metadata, names, then the base it stands for against the round's tensors.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -16,17 +21,56 @@ from edgepfl.privacy import check_delta_norm
 from edgepfl.protocol import RoundSettings, UploadMeta
 from edgepfl.server.errors import Refused
 from edgepfl.server.strategy import cast_like
-from edgepfl.wire import check_tensors, decode_metadata, decode_tensors
+from edgepfl.wire import check_tensors, decode_body, header_metadata, read_header
 
 
-def read_upload_meta(payload: bytes, manifest: Manifest, max_samples: int) -> UploadMeta:
-    """An upload's metadata, checked: well-formed, a sane sample count, this bundle's layout, finite losses."""
+@dataclass(frozen=True)
+class Upload:
+    """One upload's bytes parsed once: its checked metadata and its tensors as sent (a delta upload's encoded)."""
+
+    payload: bytes
+    sha256: str
+    meta: UploadMeta
+    metadata: dict[str, str]
+    tensors: dict[str, np.ndarray]
+
+    @classmethod
+    def parse(cls, payload: bytes, manifest: Manifest, max_samples: int, shared: set[str]) -> Upload:
+        """Parse and check an upload: well-formed, sane metadata of this bundle, no personal or unshared tensor.
+
+        The header is parsed and its metadata checked before the tensors are read.
+        """
+        try:
+            metadata = header_metadata(read_header(payload))
+        except WireError as error:
+            raise Refused("malformed", error.problem, error.fix) from None
+        meta = read_upload_meta(metadata, manifest, max_samples)
+        try:
+            tensors = decode_body(payload)
+        except WireError as error:
+            raise Refused("malformed", error.problem, error.fix) from None
+        check_upload_names(tensors, manifest, shared)
+        return cls(payload, hashlib.sha256(payload).hexdigest(), meta, metadata, tensors)
+
+    def stands_for(
+        self, settings: RoundSettings, base: Mapping[str, np.ndarray], specs: list[TensorSpec]
+    ) -> dict[str, np.ndarray]:
+        """The base tensors this upload stands for, checked against the round's travelling tensors (`specs`): the
+        tensors as sent, or (a delta upload) the base the device was sent plus the delta decoded as the round asked."""
+        tensors: Mapping[str, np.ndarray] = self.tensors
+        if settings.uploads_delta:
+            tensors = add_delta(base, read_upload_delta(self.tensors, self.metadata, settings, specs), specs)
+        try:
+            check_tensors(tensors, specs, what="upload")
+        except WireError as error:
+            raise Refused("bad_tensors", error.problem, error.fix) from None
+        return dict(tensors)
+
+
+def read_upload_meta(metadata: Mapping[str, str], manifest: Manifest, max_samples: int) -> UploadMeta:
+    """An upload's metadata, checked: a sane sample count, this bundle's layout, finite losses."""
     try:
-        metadata = decode_metadata(payload)
-    except WireError as error:
-        raise Refused("malformed", error.problem, error.fix) from None
-    try:
-        meta = UploadMeta.from_metadata(metadata, max_samples=max_samples)
+        meta = UploadMeta.from_metadata(dict(metadata), max_samples=max_samples)
     except WireError as error:
         raise Refused("bad_metadata", error.problem, error.fix) from None
     if meta.base_layout_hash != manifest.base_layout_hash:
@@ -42,12 +86,8 @@ def read_upload_meta(payload: bytes, manifest: Manifest, max_samples: int) -> Up
     return meta
 
 
-def read_upload_tensors(payload: bytes, manifest: Manifest, shared: set[str]) -> dict[str, Any]:
+def check_upload_names(base_tensors: Mapping[str, Any], manifest: Manifest, shared: set[str]) -> None:
     """An upload's tensors: never a personal tensor, BatchNorm statistics only if they are shared."""
-    try:
-        base_tensors = decode_tensors(payload)
-    except WireError as error:
-        raise Refused("malformed", error.problem, error.fix) from None
     personal = sorted(set(base_tensors) & set(manifest.names("personal")))
     if personal:
         raise Refused(
@@ -62,7 +102,6 @@ def read_upload_tensors(payload: bytes, manifest: Manifest, shared: set[str]) ->
             f"upload contains BatchNorm statistics {', '.join(buffers[:3])}",
             "this server keeps BatchNorm statistics on the devices (no --share-bn-stats): send the base only",
         )
-    return base_tensors
 
 
 def read_upload_delta(

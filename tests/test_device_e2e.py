@@ -106,7 +106,7 @@ def stored_updates(state: Path) -> dict[int, dict[str, dict]]:
     try:
         return {
             record.round_id: {
-                u.device: decode_tensors(store.read_blob(u.blob_sha)) for u in store.updates(record.round_id)
+                u.device: decode_tensors(store.blobs.read(u.blob_sha)) for u in store.updates(record.round_id)
             }
             for record in store.rounds()
         }

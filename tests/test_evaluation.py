@@ -25,8 +25,9 @@ def _clients_and_engine(results, out):
     from edgepfl.simulate.loop import RESIDUALS_DIR, _make_client
 
     config = results.config
-    dataset = load_dataset(config.dataset, config.data_root)
-    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, config.clients, config.seed, config.split)
+    dataset = load_dataset(config.data.dataset, config.data.data_root)
+    data = config.data
+    parts = make_partition(data.partition, dataset.y_train, dataset.y_test, data.clients, config.seed, data.split)
     manifest = load_manifest(out / "bundle")
     engine = open_sim_engine("torch", out / "bundle", manifest, 1)
     initial = engine.get_tensors()
@@ -39,14 +40,13 @@ def _clients_and_engine(results, out):
 
 def _received(results, out, names):
     """What each client receives after the last round, read from the run's server state by a fresh engine over it."""
-    from edgepfl.simulate.loop import round_settings
     from edgepfl.simulate.rounds import open_server
 
     config = results.config
     server = open_server(
-        out, config.plan.strategy, names, round_settings(config), {}, rounds=config.rounds, seed=config.seed,
+        out, config.plan.strategy, names, config.round_options(), {}, rounds=config.rounds, seed=config.seed,
         fraction=config.fraction, min_clients=config.min_clients,
-        knobs={"hn_lr": config.hn_lr, "retain_top_k": config.retain_top_k}, fresh=False,
+        knobs={"hn_lr": config.hypernetworks.hn_lr, "retain_top_k": config.retained.retain_top_k}, fresh=False,
     )  # fmt: skip
     try:
         glob = server.global_base()

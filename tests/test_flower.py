@@ -49,21 +49,21 @@ def flower_run_config(config, root) -> dict:
         "out": str(root / "flower"),
         "strategy": config.plan.strategy,
         "rounds": config.rounds,
-        "nodes": config.clients,
+        "nodes": config.data.clients,
         "min-clients": config.min_clients,
         "fraction": config.fraction,
         "seed": config.seed,
         "algorithm": config.plan.client,
-        "epochs": config.epochs,
-        "batch-size": config.batch_size,
-        "lr": config.lr,
-        "hn-lr": config.hn_lr,
+        "epochs": config.round.epochs,
+        "batch-size": config.round.batch_size,
+        "lr": config.round.lr,
+        **({"hn-lr": config.hypernetworks.hn_lr} if config.plan.strategy in ("pfedla", "heurpfedla") else {}),
         "engine": config.engine,
         "threads": 1,
-        "dataset": config.dataset,
-        "data-root": config.data_root,
-        "partition": config.partition,
-        "clients": config.clients,
+        "dataset": config.data.dataset,
+        "data-root": config.data.data_root,
+        "partition": config.data.partition,
+        "clients": config.data.clients,
         "state-root": str(root / "devices"),
         # a round's deadline: the simulations below start Ray and three nodes, which on a loaded 2-core
         # machine took longer than 120 s (both simulations ended without a global base)
@@ -134,7 +134,7 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper", run_opti
     server_options = server_config(run_config)
     bundle = server_options.bundle
     server = open_server(
-        tmp_path, strategy_name, sorted(NODES.values()), server_options.settings(), initial_tensors(bundle),
+        tmp_path, strategy_name, sorted(NODES.values()), server_options.round, initial_tensors(bundle),
         rounds=2, seed=0, fraction=1.0, min_clients=1, fresh=True, bundle=bundle, round_timeout=60.0,
     )  # fmt: skip
     client_app = make_client_app(run_config)
@@ -150,7 +150,7 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper", run_opti
         if tamper is not None:  # edits the first reply in place, or replaces it
             replies[0] = tamper(replies[0], messages[0]) or replies[0]
         arrays, metrics = strategy.aggregate_train(1, replies)
-        stored = [update.device for update in server.engine.store.updates(1)]
+        stored = [update.device for update in server.store.updates(1)]
         return strategy, arrays, metrics, stored, load_manifest(bundle), messages
     finally:
         server.close()
@@ -169,7 +169,7 @@ def test_encoded_delta_replies_are_decoded_as_served_uploads(reference, tmp_path
     store = Store(tmp_path / SERVER_DIR)
     try:
         for update in store.updates(1):
-            assert decode_metadata(store.read_blob(update.blob_sha))["encoding"] == "int8-block64"
+            assert decode_metadata(store.blobs.read(update.blob_sha))["encoding"] == "int8-block64"
     finally:
         store.close()
 
@@ -512,7 +512,8 @@ def _run_config_overrides(reference, tmp_path) -> str:
     config, root = reference
     run_config = {
         "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
-        "dataset": config.dataset, "data-root": config.data_root, "partition": config.partition, "clients": 3,
+        "dataset": config.data.dataset, "data-root": config.data.data_root, "partition": config.data.partition,
+        "clients": 3,
         "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
     }  # fmt: skip
     return " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())

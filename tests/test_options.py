@@ -11,39 +11,77 @@ from typer.testing import CliRunner
 
 from edgepfl.cli import app
 from edgepfl.errors import UsageError
-from edgepfl.options import flag_name, validated
-from edgepfl.server.config import HttpLimits, Listen, PrivacyOptions, RoundOptions, ServerConfig, StrategyOptions
+from edgepfl.options import Leaf, leaves, validated
+from edgepfl.server.config import ServeCommand, ServerConfig
 from edgepfl.simulate.config import SimulateConfig
 
-NOT_FLAGS = {"bundle", "state", "enroll_secret", "strategy_options", "settings", "seed", "privacy"}
+
+def _params(*names: str) -> dict:
+    command = typer.main.get_command(app)
+    for name in names:
+        command = command.commands[name]  # type: ignore[attr-defined]
+    return {option: param for param in command.params for option in param.opts + param.secondary_opts}
 
 
-def _params(name: str) -> dict:
-    subcommand = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
-    return {option: param for param in subcommand.params for option in param.opts + param.secondary_opts}
-
-
-@pytest.mark.parametrize("model", [ServerConfig, RoundOptions, StrategyOptions, PrivacyOptions, HttpLimits, Listen])
-def test_every_serve_option_is_a_flag_with_the_models_default_and_help(model) -> None:
-    params = _params("serve")
-    for name, info in model.model_fields.items():
-        if name in NOT_FLAGS:
-            continue
-        flag = flag_name(model, name).split("/")[0]
-        assert flag in params, f"{model.__name__}.{name} has no serve flag {flag}"
+def _assert_leaves_are_flags(params: dict, tree: list[Leaf]) -> None:
+    """Every leaf is a flag whose default and help come from its field (a comma list shows its text)."""
+    assert tree
+    for leaf in tree:
+        flag = leaf.name if leaf.name in params else leaf.flag  # a positional argument goes by its name
+        assert flag in params, f"{leaf.name} has no flag {leaf.flag}"
         param = params[flag]
-        if name != "forwarded_allow_ips":  # a comma list on the command line, a tuple in the model
-            assert param.default == info.get_default(call_default_factory=True), flag
-        assert info.description and info.description in (param.help or ""), flag
+        if not isinstance(leaf.default, tuple):
+            assert param.default == leaf.default, leaf.flag
+        if flag == leaf.flag:  # (click 8.5 drops a Typer argument's help)
+            assert (leaf.info.description or "") in (param.help or ""), leaf.flag
+
+
+def test_every_serve_option_is_a_flag_with_the_models_default_and_help() -> None:
+    tree = leaves(ServeCommand)
+    _assert_leaves_are_flags(_params("serve"), tree)
+    names = {leaf.name for leaf in tree}
+    assert {"epochs", "dp_clip", "hn_lr", "trim_fraction", "retain_top_k", "read_timeout", "port"} <= names
+    assert "enroll_secret" not in names, "a hidden field is set by the program, never by a flag"
 
 
 def test_every_simulate_option_is_a_flag_that_shows_the_models_default() -> None:
-    params = _params("simulate")
-    for name, info in SimulateConfig.model_fields.items():
-        flag = flag_name(SimulateConfig, name)
-        assert flag in params, f"SimulateConfig.{name} has no simulate flag {flag}"
-        assert params[flag].default is None, "a left-out flag must let the --config file's value apply"
-        assert info.description and info.description in (params[flag].help or ""), flag
+    tree = leaves(SimulateConfig)
+    _assert_leaves_are_flags(_params("simulate"), tree)
+    by_name = {leaf.name: leaf for leaf in tree}
+    assert by_name["epochs"].default == 4 and by_name["batch_size"].default == 128, "simulate's own defaults"
+    assert by_name["distill_lambdas"].flag == "--distill-lambdas"
+    assert "trainable" not in by_name and "distill_trainable" not in by_name
+
+
+def test_a_command_lists_no_option_by_hand() -> None:
+    """Every option of serve, simulate, export, partition, plot, demo and the device commands is a model leaf."""
+    from edgepfl.device_runtime import options as device
+    from edgepfl.export.options import ExportCommand
+    from edgepfl.simulate.config import PartitionCommand
+    from edgepfl.simulate.demo import DemoOptions
+    from edgepfl.simulate.plots import PlotOptions
+
+    commands = {
+        ("serve",): ServeCommand,
+        ("simulate",): SimulateConfig,
+        ("export",): ExportCommand,
+        ("partition",): PartitionCommand,
+        ("plot",): PlotOptions,
+        ("demo",): DemoOptions,
+        ("device", "enroll"): device.EnrollCommand,
+        ("device", "run"): device.RunCommand,
+        ("device", "train"): device.TrainCommand,
+        ("device", "teacher"): device.TeacherCommand,
+        ("device", "distill"): device.DistillCommand,
+        ("device", "eval"): device.EvalCommand,
+    }
+    for names, model in commands.items():
+        params = _params(*names)
+        flags = {leaf.flag for leaf in leaves(model)} | {"--help", "--config"}
+        visible = {opt for opt, param in params.items() if opt.startswith("--") and not getattr(param, "hidden", False)}
+        positional = {param.name for param in params.values() if not param.opts[0].startswith("-")}
+        assert visible - {f"--no-{flag[2:]}" for flag in flags} <= flags, (names, visible - flags)
+        assert positional <= {leaf.name for leaf in leaves(model)}, names
 
 
 @pytest.mark.parametrize(
@@ -53,7 +91,7 @@ def test_every_simulate_option_is_a_flag_that_shows_the_models_default() -> None
         (["--strategy", "fedprox"], "error: --strategy 'fedprox' is unknown (use one of: fedavg, fedper,"),
         (["--client-update", "sgd"], "error: --client-update 'sgd' is unknown (use one of: fedsim, fedalt, local)"),
         (["--batch-size", "2000000"], "error: --batch-size 2000000: input should be less than or equal to 1048576"),
-        (["--trim-fraction", "0.5"], "error: --trim-fraction 0.5: input should be less than 0.5"),
+        (["--strategy", "trimmed-mean", "--trim-fraction", "0.5"], "error: --trim-fraction 0.5: input should be less"),
         (["--clip-multiple", "0.5"], "error: --clip-multiple 0.5: must be 0 (off) or at least 1"),
         (["--forwarded-allow-ips", "proxy"], "error: --forwarded-allow-ips 'proxy': 'proxy' is not an IP address"),
         (["--port", "70000"], "error: --port 70000: input should be less than or equal to 65535"),
@@ -90,60 +128,44 @@ def test_a_bad_value_names_the_config_file_key_or_the_flag_that_gave_it(tmp_path
 
 
 def test_a_strategy_owns_its_options_and_simulate_reads_them() -> None:
+    from edgepfl.server.strategies import strategy_options
     from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
     from edgepfl.server.strategies.pfedla import PFedLAOptions
 
-    assert SimulateConfig.model_fields["hn_lr"] is not None
-    assert SimulateConfig().hn_lr == PFedLAOptions().hn_lr == StrategyOptions().hn_lr
-    assert SimulateConfig().retain_top_k == HeurPFedLAOptions().retain_top_k
+    assert SimulateConfig().hypernetworks.hn_lr == PFedLAOptions().hn_lr == strategy_options("pfedla").hn_lr
+    assert SimulateConfig().retained.retain_top_k == HeurPFedLAOptions().retain_top_k
     with pytest.raises(UsageError, match=r"--retain-top-k 0: input should be greater than or equal to 1"):
         validated(SimulateConfig, {"retain_top_k": 0})
     with pytest.raises(UsageError, match="unknown option 'colour'"):
         validated(ServerConfig, {"bundle": ".", "state": ".", "colour": "red"})
+    with pytest.raises(UsageError, match="--trim-fraction applies to --strategy trimmed-mean, not fedper"):
+        validated(ServerConfig, {"bundle": ".", "state": ".", "trim_fraction": 0.2})
+    chosen = validated(ServerConfig, {"bundle": ".", "state": ".", "strategy": "trimmed-mean", "trim_fraction": 0.2})
+    assert chosen.strategy.name == "trimmed-mean" and chosen.strategy.trim_fraction == 0.2
 
 
-def _device_params(name: str) -> dict:
-    group = typer.main.get_command(app).commands["device"]  # type: ignore[attr-defined]
-    command = group.commands[name]  # type: ignore[attr-defined]
-    return {option: param for param in command.params for option in param.opts + param.secondary_opts}
+def test_flat_keys_round_trip_through_the_tree() -> None:
+    """results.json and config files hold flat keys; the config is a tree of the parts' models."""
+    from edgepfl.options import flatten
 
-
-def _assert_flags_carry_fields(params: dict, model, skip: set[str] = frozenset()) -> None:
-    """Each field of `model` is a flag whose default and help come from the field (a comma list shows none)."""
-    for name, info in model.model_fields.items():
-        if name in skip:
-            continue
-        flag = flag_name(model, name)
-        assert flag in params, f"{model.__name__}.{name} has no flag {flag}"
-        default = info.get_default(call_default_factory=True)
-        if not isinstance(default, tuple):
-            assert params[flag].default == default, flag
-        assert info.description and info.description in (params[flag].help or ""), flag
+    config = validated(SimulateConfig, {"epochs": 2, "dp_noise_multiplier": 1.0, "dp_clip": 0.5, "hn_lr": 0.1})
+    assert (config.round.epochs, config.privacy.dp_clip, config.hypernetworks.hn_lr) == (2, 0.5, 0.1)
+    assert validated(SimulateConfig, flatten(config)) == config
+    assert flatten(config)["distill_lambdas"] == list(config.distill.lambdas)
 
 
 def test_export_device_and_demo_flags_come_from_their_models() -> None:
-    from edgepfl.device_runtime.options import (
-        ConnectionOptions,
-        DeviceOptions,
-        DistillOptions,
-        LocalOptions,
-        TrainOptions,
-    )
-    from edgepfl.export.options import ExportOptions
+    from edgepfl.device_runtime import options as device
+    from edgepfl.device_runtime.persfl import DistillConfig
+    from edgepfl.export.options import ExportCommand
     from edgepfl.simulate.demo import DemoOptions
 
-    _assert_flags_carry_fields(_params("export"), ExportOptions, skip={"portable_batch"})
-    _assert_flags_carry_fields(_params("demo"), DemoOptions, skip={"round_timeout"})
-    for command in ("run", "train", "teacher", "distill", "eval"):
-        _assert_flags_carry_fields(_device_params(command), LocalOptions)
-    _assert_flags_carry_fields(_device_params("run"), ConnectionOptions)
-    _assert_flags_carry_fields(_device_params("teacher"), ConnectionOptions)
-    _assert_flags_carry_fields(_device_params("run"), DeviceOptions, skip={"seed"})
-    _assert_flags_carry_fields(_device_params("train"), TrainOptions)
-    _assert_flags_carry_fields(_device_params("distill"), DistillOptions)
-    from edgepfl.device_runtime.persfl import DistillConfig
-
-    assert DistillOptions().config(seed=0) == DistillConfig(), "device distill's defaults are DistillConfig's"
+    _assert_leaves_are_flags(_params("export"), leaves(ExportCommand))
+    _assert_leaves_are_flags(_params("demo"), leaves(DemoOptions))
+    for name, model in (("run", device.RunCommand), ("train", device.TrainCommand), ("teacher", device.TeacherCommand),
+                        ("distill", device.DistillCommand), ("eval", device.EvalCommand)):  # fmt: skip
+        _assert_leaves_are_flags(_params("device", name), leaves(model))
+    assert device.DistillOptions().config(seed=0) == DistillConfig(), "device distill's defaults are DistillConfig's"
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_retention_keeps_exactly_the_last_rounds_and_survives_a_restart(setup) -
     again = create_engine(config, clock)
     assert again.history() == history
     assert {r: again.result_of(r) for r in (4, 5)} == kept
-    assert again.store.remove_unreferenced_blobs() == 0
+    assert again.store.blobs.remove_unreferenced(again.store.referenced_blobs()) == 0
     assert _blob_files(again) == _needed_blobs(again)
     # a smaller retention at the next start releases more; a larger one cannot bring released rounds back
     again.store.close()

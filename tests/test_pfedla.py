@@ -18,11 +18,11 @@ from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 (tiny_npz: t
 from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import TensorSpec  # noqa: E402
 from edgepfl.options import validated  # noqa: E402
-from edgepfl.server.config import ServerConfig, StrategyOptions  # noqa: E402
+from edgepfl.server.config import ServerConfig  # noqa: E402
 from edgepfl.server.engine import create_engine  # noqa: E402
 from edgepfl.server.errors import Refused  # noqa: E402
 from edgepfl.server.http_errors import status_of  # noqa: E402
-from edgepfl.server.strategies import make_strategy  # noqa: E402
+from edgepfl.server.strategies import make_strategy, strategy_options  # noqa: E402
 from edgepfl.server.strategies.pfedla import PFedLA, normalise  # noqa: E402
 from edgepfl.server.strategy import AcceptedUpdate  # noqa: E402
 from edgepfl.wire import decode_tensors  # noqa: E402
@@ -35,7 +35,7 @@ SPECS = [
 
 
 def _strategy(clients: int = 3, hn_lr: float = 5e-3, seed: int = 0) -> PFedLA:
-    return make_strategy("pfedla", SPECS, StrategyOptions(clients=clients, hn_lr=hn_lr, seed=seed))
+    return make_strategy(strategy_options("pfedla", pfedla_clients=clients, hn_lr=hn_lr), SPECS, seed=seed)
 
 
 def _tensors(rng: np.random.Generator, shift: float = 0.0) -> dict[str, np.ndarray]:
@@ -157,7 +157,7 @@ def test_uniform_alpha_is_fedavg_and_one_hot_self_is_local_training() -> None:
         _force_alphas(strategy, slot, [1.0, 1.0, 1.0])
     uploads = {device: _tensors(rng, shift=i) for i, device in enumerate(("x", "y", "z"))}
     strategy.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
-    fedavg = make_strategy("fedavg", SPECS[:2], StrategyOptions())
+    fedavg = make_strategy("fedavg", SPECS[:2])
     average = fedavg.aggregate(1, [AcceptedUpdate(d, 10, t) for d, t in uploads.items()], start)
     for device in ("x", "y", "z"):
         _, payload = configure(strategy, 2, device, start)
@@ -179,7 +179,7 @@ def test_options_and_slots_are_checked(monkeypatch) -> None:
     with pytest.raises(UsageError, match="--pfedla-clients"):
         _strategy(clients=0)
     with pytest.raises(UsageError, match=r"--hn-lr 0\.0: input should be greater than 0 \(pass e\.g\. --hn-lr"):
-        validated(StrategyOptions, {"hn_lr": 0.0})
+        validated(ServerConfig, {"bundle": ".", "state": ".", "strategy": "pfedla", "hn_lr": 0.0})
     with monkeypatch.context() as patched:
         patched.setitem(sys.modules, "torch", None)
         with pytest.raises(UsageError, match="needs torch"):
@@ -205,15 +205,13 @@ def _started(strategy: PFedLA) -> bytes:
 @pytest.fixture
 def engine_setup(tmp_path: Path):
     manifest = make_bundle(tmp_path / "bundle")
-    options = StrategyOptions(clients=3, hn_lr=0.05)
     config = ServerConfig(
         bundle=tmp_path / "bundle",
         state=tmp_path / "state",
-        strategy="pfedla",
+        strategy=strategy_options("pfedla", pfedla_clients=3, hn_lr=0.05),
         min_clients=3,
         round_timeout=100,
         rounds=5,
-        strategy_options=options,
     )
     enroll(config.state, "d0", "d1", "d2")
     return manifest, config
@@ -252,8 +250,8 @@ def test_restart_keeps_the_strategy_state_and_a_failed_close_does_not_step_twice
     manifest, config = engine_setup
     clock = Clock()
     engine = create_engine(config, clock)
-    reference = make_strategy("pfedla", engine.specs, config.strategy_options)
-    start = decode_tensors(engine.store.read_blob(engine.store.get_meta("initial_base_sha")))
+    reference = make_strategy(config.strategy, engine.specs, config.settings, config.seed)
+    start = decode_tensors(engine.store.blobs.read(engine.store.get_meta("initial_base_sha")))
     for device in ("d0", "d1", "d2"):
         engine.task(device)
         configure(reference, 1, device, start)
@@ -291,7 +289,7 @@ def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_pa
     options = ("--strategy", "pfedla", "--pfedla-clients", "3", "--min-clients", "3", "--rounds", "2")
     options += ("--poll-interval", "0.2")
     server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
-    reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=3))
+    reference = make_strategy(strategy_options("pfedla", pfedla_clients=3), manifest.shared(False))
     initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
     start = {name: initial[name] for name in manifest.names("base")}
     try:
@@ -325,7 +323,7 @@ def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_pa
     tokens = enroll(tmp_path / "state", "a", "b")
     options = ("--strategy", "pfedla", "--pfedla-clients", "2", "--min-clients", "2", "--rounds", "3")
     options += ("--poll-interval", "0.2")
-    reference = make_strategy("pfedla", manifest.shared(False), StrategyOptions(clients=2))
+    reference = make_strategy(strategy_options("pfedla", pfedla_clients=2), manifest.shared(False))
     initial = decode_tensors((tmp_path / "bundle" / "portable" / "initial.safetensors").read_bytes())
     start = {name: initial[name] for name in manifest.names("base")}
     server = LiveServer(tmp_path / "bundle", tmp_path / "state", *options).start()
@@ -370,7 +368,7 @@ def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, 
     assert results.rounds[-1].test_accuracy["mean"] > 0.3  # two classes per client: well above chance (10%)
     state = decode_tensors((out / STATE_FILE).read_bytes())
     store = Store(out / SERVER_DIR)  # the served round engine's state: simulate aggregates through it
-    payload = store.read_blob(store.get_meta("strategy_state_sha"))
+    payload = store.blobs.read(store.get_meta("strategy_state_sha"))
     store.close()
     slots = json.loads(decode_metadata(payload)["pfedla"])["slots"]
     assert sorted(slots) == [f"client-{i:03d}" for i in range(4)]
@@ -414,7 +412,7 @@ def test_rerunning_a_finished_pfedla_run_keeps_its_mixing_weights(tiny_npz, tmp_
 
 
 def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
-    strategy = make_strategy("heurpfedla", SPECS, StrategyOptions(clients=2, retain_top_k=1, hn_lr=0.05))
+    strategy = make_strategy(strategy_options("heurpfedla", pfedla_clients=2, retain_top_k=1, hn_lr=0.05), SPECS)
     start = _tensors(np.random.default_rng(0))
     configure(strategy, 1, "x", start)
     configure(strategy, 1, "y", start)
@@ -436,14 +434,14 @@ def test_heurpfedla_leaves_the_top_self_weight_tensors_out_both_ways() -> None:
     assert not torch.equal(net.heads[0].weight, heads_before[0])  # a.weight's head learnt
     assert torch.equal(net.heads[1].weight, heads_before[1])  # b.bias's head had nothing to learn from
     with pytest.raises(UsageError, match="k=3"):
-        make_strategy("heurpfedla", SPECS, StrategyOptions(clients=2, retain_top_k=3))
+        make_strategy(strategy_options("heurpfedla", pfedla_clients=2, retain_top_k=3), SPECS)
 
 
 def test_served_heurpfedla_names_the_kept_tensors_and_refuses_uploads_that_carry_them(engine_setup) -> None:
     """The device is told what it keeps; its base lacks those tensors, and an upload holding one is a 422."""
     manifest, config = engine_setup
-    options = config.strategy_options.model_copy(update=dict(retain_top_k=1))
-    engine = create_engine(config.model_copy(update=dict(strategy="heurpfedla", strategy_options=options)), Clock())
+    options = strategy_options("heurpfedla", **config.strategy.model_dump(exclude={"name"}), retain_top_k=1)
+    engine = create_engine(config.model_copy(update=dict(strategy=options)), Clock())
     for device in ("d0", "d1", "d2"):
         task = engine.task(device)
     shared = {spec.name for spec in manifest.shared(False)}
@@ -548,7 +546,7 @@ def test_device_processes_run_two_pfedla_rounds_against_a_real_server(bundle_fac
             assert sorted(tensors) == sorted(manifest.names("base"))
     store = Store(tmp_path / "server")
     try:
-        sent = {name: decode_tensors(store.read_blob(store.assignment(2, name).base_sha)) for name in names}
+        sent = {name: decode_tensors(store.blobs.read(store.assignment(2, name).base_sha)) for name in names}
         assert store.get_meta("strategy_state_sha") is not None
     finally:
         store.close()
@@ -727,6 +725,6 @@ def test_pfedla_refuses_a_model_that_shares_nothing(tiny_npz, tmp_path: Path) ->
 
     buffers_only = [TensorSpec("bn.num_batches_tracked", (), "int64", "buffer", 0)]
     with pytest.raises(UsageError, match="shares none"):
-        make_strategy("pfedla", buffers_only, StrategyOptions(clients=2))
+        make_strategy(strategy_options("pfedla", pfedla_clients=2), buffers_only)
     with pytest.raises(UsageError, match="shares none"):
         run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="pfedla", kp=2))

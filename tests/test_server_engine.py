@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from edgepfl.server.errors import Refused
 from edgepfl.server.http_errors import status_of
 from edgepfl.server.page import render_page
 from edgepfl.server.store import Store
+from edgepfl.server.strategies import strategy_options
 from edgepfl.server.strategies.fedavg import FedAvg
 from edgepfl.wire import decode_tensors, encode_tensors
 
@@ -161,13 +161,14 @@ def test_state_is_bound_to_bundle_and_strategy(setup, tmp_path: Path) -> None:
     _, config, clock = setup
     create_engine(config, clock).store.close()
     with pytest.raises(StateError, match="different strategy"):
-        create_engine(config.model_copy(update=dict(strategy="median")), clock)
+        create_engine(config.model_copy(update=dict(strategy=strategy_options("median"))), clock)
     with pytest.raises(StateError, match="shared layout"):
         create_engine(sharing_bn_stats(config), clock)
     other = tmp_path / "other-bundle"
     make_bundle(other, kp=0)
     with pytest.raises(UsageError, match="kp=1"):
-        create_engine(config.model_copy(update=dict(bundle=tmp_path / "bundle", strategy="fedavg")), clock)
+        fedavg = config.model_copy(update=dict(bundle=tmp_path / "bundle", strategy=strategy_options("fedavg")))
+        create_engine(fedavg, clock)
     with pytest.raises(StateError, match="bundle base layout"):
         create_engine(config.model_copy(update=dict(bundle=other)), clock)
 
@@ -183,7 +184,7 @@ def test_initial_base_comes_from_the_bundle_or_init(tmp_path: Path) -> None:
     tensors = initial_tensors(manifest, seed=3)
     save_tensors(init, tensors)
     engine = create_engine(config.model_copy(update=dict(init=init)))
-    stored = decode_tensors(engine.store.read_blob(engine.store.get_meta("initial_base_sha")))
+    stored = decode_tensors(engine.store.blobs.read(engine.store.get_meta("initial_base_sha")))
     assert sorted(stored) == sorted(manifest.names("base"))  # personal tensors in the file are not kept
     np.testing.assert_array_equal(stored["stem.weight"], tensors["stem.weight"])
 
@@ -221,7 +222,7 @@ class OffsetPerDevice(FedAvg):
 def test_a_new_strategy_plugs_in_without_touching_the_engine(setup) -> None:
     manifest, config, clock = setup
     store = Store(config.state)
-    strategy = OffsetPerDevice(manifest.by_role("base"), config.strategy_options)
+    strategy = OffsetPerDevice(manifest.by_role("base"), strategy_options("fedavg"), config.settings)
     engine = RoundEngine(config, manifest, store, strategy, clock)
     engine.bind_state()
     _open(engine, clock, "d1", "d3")
@@ -241,7 +242,7 @@ def test_corrupt_blob_is_excluded_not_aggregated(setup) -> None:
     for i, name in enumerate(("d0", "d1", "d2")):
         _update(engine, name, 1, float(i), 1, manifest)
     victim = engine.store.update(1, "d2")
-    engine.store.blob_path(victim.blob_sha).write_bytes(b"bit rot")
+    engine.store.blobs.path(victim.blob_sha).write_bytes(b"bit rot")
     engine.tick()
     assert engine.store.round(1).state == "closed"
     assert engine.store.update(1, "d2").status == "corrupt"
@@ -251,19 +252,19 @@ def test_blob_tensors_are_checked_then_read_one_at_a_time(tmp_path: Path) -> Non
     store = Store(tmp_path / "state")
     try:
         tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, dtype=np.int64)}
-        lazy = store.blob_tensors(store.put_blob(encode_tensors(tensors)))
+        lazy = store.blobs.tensors(store.blobs.put(encode_tensors(tensors)))
         assert sorted(lazy) == ["a", "b"] and len(lazy) == 2
         for name, value in tensors.items():
             np.testing.assert_array_equal(lazy[name], value)
             assert lazy[name].dtype == value.dtype
         with pytest.raises(StateError, match="not valid safetensors"):  # named by its sha256, but not tensors
-            store.blob_tensors(store.put_blob(b"not safetensors at all"))
+            store.blobs.tensors(store.blobs.put(b"not safetensors at all"))
         with pytest.raises(StateError, match="cannot be read"):
-            store.blob_tensors("0" * 64)
-        rotten = store.put_blob(encode_tensors(tensors))
-        store.blob_path(rotten).write_bytes(encode_tensors({"a": tensors["a"] + 1, "b": tensors["b"]}))
+            store.blobs.tensors("0" * 64)
+        rotten = store.blobs.put(encode_tensors(tensors))
+        store.blobs.path(rotten).write_bytes(encode_tensors({"a": tensors["a"] + 1, "b": tensors["b"]}))
         with pytest.raises(StateError, match="does not match its sha256"):
-            store.blob_tensors(rotten)
+            store.blobs.tensors(rotten)
     finally:
         store.close()
 
@@ -351,14 +352,15 @@ def test_the_bounds_clip_and_cap_one_outlier_exactly_and_can_be_turned_off(setup
         engine.store.close()
 
 
-def test_every_refusal_code_the_engine_raises_has_one_http_status() -> None:
-    """The engine names refusals by code only; server/http_errors.py's table gives each its status."""
+def test_every_refusal_code_the_server_raises_has_one_http_status() -> None:
+    """The server names refusals by code only; server/http_errors.py's table gives each its status."""
     import re
 
     import edgepfl.server.engine as engine_module
     from edgepfl.server.http_errors import STATUS
 
-    source = Path(engine_module.__file__).read_text()
+    folder = Path(engine_module.__file__).parent
+    source = "".join(path.read_text() for path in sorted(folder.glob("*.py")))
     raised = set(re.findall(r'Refused\(\s*"([a-z_]+)"', source))
     assert raised and raised <= set(STATUS), sorted(raised - set(STATUS))
 
@@ -430,7 +432,7 @@ def test_the_manifest_names_the_trainable_sets(tmp_path: Path) -> None:
     ("old", "new"),
     [
         (["--algorithm", "fedalt"], "--client-update"),
-        (["--clients", "3"], "--pfedla-clients"),
+        (["--strategy", "pfedla", "--clients", "3"], "--pfedla-clients"),
         (["--share-buffers"], "--share-bn-stats"),
     ],
 )
@@ -441,14 +443,12 @@ def test_old_serve_flag_names_still_work_and_name_the_new_one(old, new) -> None:
 
     result = CliRunner().invoke(app, ["serve", *old])  # no --bundle: refused after the note
     assert result.exit_code == 2
-    assert f"is now {new}" in result.output and "serve needs --bundle and --state" in result.output
+    assert f"is now {new}" in result.output and "error: --bundle is required" in result.output
 
 
 def sharing_bn_stats(config: ServerConfig) -> ServerConfig:
     """`config` with --share-bn-stats: base-block BatchNorm statistics travel."""
-    settings = dataclasses.replace(config.strategy_options.settings, share_buffers=True)
-    options = config.strategy_options.model_copy(update=dict(settings=settings))
-    return config.model_copy(update=dict(strategy_options=options))
+    return config.model_copy(update=dict(round=config.round.model_copy(update=dict(share_buffers=True))))
 
 
 def test_status_reports_the_held_and_the_trained_accuracy_and_done_carries_the_settings(setup) -> None:

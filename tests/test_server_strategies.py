@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from edgepfl.errors import UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.server.config import StrategyOptions
-from edgepfl.server.strategies import STRATEGIES, make_strategy
+from edgepfl.server.strategies import STRATEGIES, make_strategy, strategy_options
 from edgepfl.server.strategy import AcceptedUpdate
 
 SPECS = [TensorSpec("w", (3, 2), "float32", "base", 0), TensorSpec("b", (2,), "float32", "base", 0)]
@@ -29,12 +28,12 @@ def test_registry_names_are_the_cli_names() -> None:
     assert set(STRATEGIES) == {"fedavg", "fedper", "median", "trimmed-mean", "pfedla", "heurpfedla"}
     assert all(cls.name == name for name, cls in STRATEGIES.items())
     with pytest.raises(UsageError, match="unknown strategy"):
-        make_strategy("fedprox", SPECS, StrategyOptions())
+        make_strategy("fedprox", SPECS)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedper"])
 def test_fedavg_is_the_sample_weighted_mean(name: str) -> None:
-    strategy = make_strategy(name, SPECS, StrategyOptions())
+    strategy = make_strategy(name, SPECS)
     result = strategy.aggregate(1, iter(_updates([1.0, 2.0, 4.0], [1, 1, 2])), {})
     assert result["w"].dtype == np.float32
     np.testing.assert_allclose(result["w"], np.full((3, 2), 11 / 4))
@@ -50,7 +49,7 @@ def test_fedavg_consumes_updates_one_at_a_time() -> None:
             alive.append(update.device)
             yield update
 
-    result = make_strategy("fedper", SPECS, StrategyOptions()).aggregate(1, stream(), {})
+    result = make_strategy("fedper", SPECS).aggregate(1, stream(), {})
     assert alive == ["d0", "d1"]
     np.testing.assert_allclose(result["w"], 2.0)
     assert STRATEGIES["fedper"].streaming and not STRATEGIES["median"].streaming
@@ -60,13 +59,13 @@ def test_fedavg_consumes_updates_one_at_a_time() -> None:
 @given(st.lists(st.tuples(st.floats(-1e3, 1e3, width=32), st.integers(1, 10_000)), min_size=1, max_size=8))
 def test_fedavg_matches_float64_reference(pairs: list[tuple[float, int]]) -> None:
     values, counts = [v for v, _ in pairs], [n for _, n in pairs]
-    result = make_strategy("fedavg", SPECS, StrategyOptions()).aggregate(1, _updates(values, counts), {})
+    result = make_strategy("fedavg", SPECS).aggregate(1, _updates(values, counts), {})
     expected = np.float32(sum(np.float64(np.float32(v)) * n for v, n in pairs) / sum(counts))
     np.testing.assert_allclose(result["w"], expected, rtol=1e-6, atol=1e-6)
 
 
 def test_median_resists_one_outlier() -> None:
-    result = make_strategy("median", SPECS, StrategyOptions()).aggregate(1, _updates([1.0, 2.0, 1e9], [1, 1, 1000]), {})
+    result = make_strategy("median", SPECS).aggregate(1, _updates([1.0, 2.0, 1e9], [1, 1, 1000]), {})
     np.testing.assert_allclose(result["w"], 2.0)
 
 
@@ -95,13 +94,13 @@ def test_robust_strategies_hold_one_tensor_of_every_device_at_a_time(name: str) 
         AcceptedUpdate(u.device, u.num_samples, _Logged(u.base_tensors, u.device, log))
         for u in _updates([1.0, 2.0, 9.0], [1, 1, 1])
     ]
-    result = make_strategy(name, SPECS, StrategyOptions(trim_fraction=0.34)).aggregate(1, iter(updates), {})
+    result = make_strategy(strategy_options(name, trim_fraction=0.34), SPECS).aggregate(1, iter(updates), {})
     assert log == [(f"d{i}", "w") for i in range(3)] + [(f"d{i}", "b") for i in range(3)]
     np.testing.assert_allclose(result["w"], np.full((3, 2), 2.0))
 
 
 def test_trimmed_mean_cuts_each_end() -> None:
-    strategy = make_strategy("trimmed-mean", SPECS, StrategyOptions(trim_fraction=0.2))
+    strategy = make_strategy(strategy_options("trimmed-mean", trim_fraction=0.2), SPECS)
     result = strategy.aggregate(1, _updates([-1e9, 1.0, 2.0, 3.0, 1e9], [1] * 5), {})
     np.testing.assert_allclose(result["w"], 2.0)
     two = strategy.aggregate(1, _updates([1.0, 3.0], [1, 1]), {})  # nothing to cut with two
@@ -111,5 +110,5 @@ def test_trimmed_mean_cuts_each_end() -> None:
 def test_integer_tensors_are_rounded_back() -> None:
     specs = [TensorSpec("count", (1,), "int64", "buffer", 0)]
     updates = [AcceptedUpdate("a", 1, {"count": np.array([1])}), AcceptedUpdate("b", 2, {"count": np.array([2])})]
-    result = make_strategy("fedavg", specs, StrategyOptions()).aggregate(1, updates, {})
+    result = make_strategy("fedavg", specs).aggregate(1, updates, {})
     assert result["count"].dtype == np.int64 and result["count"][0] == 2

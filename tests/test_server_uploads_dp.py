@@ -11,14 +11,15 @@ from server_helpers import enroll, make_bundle, upload_body
 
 from edgepfl.encoding import Encoding, EncodingMismatch, decode_download, encode_delta
 from edgepfl.errors import StateError, UsageError
-from edgepfl.privacy import clip_delta, delta_norm
-from edgepfl.protocol import UploadMeta
+from edgepfl.privacy import PrivacyOptions, clip_delta, delta_norm
+from edgepfl.protocol import RoundOptions, UploadMeta
 from edgepfl.server import budget as budget_module
-from edgepfl.server.config import PrivacyOptions, RoundOptions, ServerConfig, StrategyOptions
+from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
 from edgepfl.server.http_errors import status_of
 from edgepfl.server.page import render_page
+from edgepfl.server.strategies import strategy_options
 from edgepfl.wire import decode_metadata, decode_tensors
 
 DEVICES = ("d0", "d1", "d2", "d3")
@@ -37,14 +38,14 @@ class Clock:
 def server_config(tmp_path: Path, privacy: PrivacyOptions | None = None, **changes) -> ServerConfig:
     """A served run over the tiny bundle with these round options (upload_encoding=...) and DP settings."""
     round_fields = {k: changes.pop(k) for k in list(changes) if k in RoundOptions.model_fields}
-    privacy = privacy or PrivacyOptions()
-    settings = RoundOptions(**round_fields).settings(privacy)
+    strategy = strategy_options(changes.pop("strategy", "fedper"))
     fields = dict(min_clients=2, round_timeout=100, rounds=5, web=False, clip_multiple=0, weight_multiple=0)
     return ServerConfig(
         bundle=tmp_path / "bundle",
         state=tmp_path / "state",
-        strategy_options=StrategyOptions(settings=settings),
-        privacy=privacy,
+        strategy=strategy,
+        round=RoundOptions(**round_fields),
+        privacy=privacy or PrivacyOptions(),
         **{**fields, **changes},
     )
 
@@ -158,13 +159,13 @@ def test_fp16_download_says_so_and_decodes_only_as_fp16(tmp_path, manifest) -> N
     payload, sha = engine.base_for("d0", round_id)
     assert decode_metadata(payload)["encoding"] == "fp16"
     assert all(value.dtype == np.float16 for value in decode_tensors(payload).values())
-    stored = decode_tensors(engine.store.read_blob(engine.store.round(round_id).base_sha))
+    stored = decode_tensors(engine.store.blobs.read(engine.store.round(round_id).base_sha))
     received = decode_download(payload, "fp16")
     for name, value in stored.items():
         assert received[name].dtype == np.float32
         np.testing.assert_allclose(received[name], value, rtol=2**-11, atol=2**-25)
     with pytest.raises(EncodingMismatch):
-        decode_download(engine.store.read_blob(engine.store.round(round_id).base_sha), "fp16")
+        decode_download(engine.store.blobs.read(engine.store.round(round_id).base_sha), "fp16")
     assert engine.base_for("d1", round_id) == (payload, sha)  # encoded once per base
 
 
@@ -258,7 +259,7 @@ def test_dp_aggregate_is_the_noised_unweighted_sum_over_the_sample_size(tmp_path
     clock = Clock()
     engine = dp_engine(tmp_path, clock)
     engine.noise_seed = 11
-    before = decode_tensors(engine.store.read_blob(engine.store.get_meta("global_base_sha")))
+    before = decode_tensors(engine.store.blobs.read(engine.store.get_meta("global_base_sha")))
     round_id, deltas = dp_round(engine, clock, manifest)
     assert len(aggregated) == 2 and all(delta_norm(delta) <= CLIP * (1 + 1e-6) for delta in aggregated)
     result = decode_tensors(engine.result_of(round_id)[0])
@@ -274,7 +275,7 @@ def test_dp_noise_has_the_stated_standard_deviation(tmp_path, manifest) -> None:
     clock = Clock()
     engine = dp_engine(tmp_path, clock)
     engine.noise_seed = 3
-    before = decode_tensors(engine.store.read_blob(engine.store.get_meta("global_base_sha")))
+    before = decode_tensors(engine.store.blobs.read(engine.store.get_meta("global_base_sha")))
     residuals = []
     for number in range(5):
         round_id, deltas = dp_round(engine, clock, manifest, seed=10 * number)

@@ -102,7 +102,6 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
     from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
     from edgepfl.manifest import load_manifest
     from edgepfl.partition import make_partition
-    from edgepfl.server.config import StrategyOptions
     from edgepfl.server.strategies import make_strategy
     from edgepfl.server.strategy import AcceptedUpdate
     from edgepfl.simulate.bundle import initial_tensors
@@ -116,8 +115,8 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
     bundle = tmp_path / "run" / "bundle"
     manifest = load_manifest(bundle)
     initial = initial_tensors(bundle)
-    dataset = load_dataset(config.dataset, config.data_root)
-    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, 4, config.seed, config.split)
+    dataset = load_dataset(config.data.dataset, config.data.data_root)
+    parts = make_partition(config.data.partition, dataset.y_train, dataset.y_test, 4, config.seed, config.data.split)
     settings = round_settings(config)
     sampled = sample_devices(config.seed, 1, [f"client-{i:03d}" for i in range(4)], 0.75, 1)
     assert len(sampled) == 3
@@ -131,7 +130,7 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
         updates.append(AcceptedUpdate(client.name, result.num_samples, upload_tensors(engine, settings)))
     specs = manifest.shared(False)
     assert {s.name for s in specs} == set(simulated) == set(manifest.names("base"))
-    strategy = make_strategy("fedper", specs, StrategyOptions(settings=settings))
+    strategy = make_strategy("fedper", specs, settings)
     expected = strategy.aggregate(1, iter(updates), {n: initial[n] for n in simulated})
     total = sum(u.num_samples for u in updates)
     for name, value in simulated.items():
@@ -297,9 +296,9 @@ def test_the_export_child_imports_this_edgepfl_not_one_in_the_working_folder(tin
 
 def run_killed_in_round_two(monkeypatch, config: SimulateConfig) -> None:
     """Run a 4-client `config` until round 2's first upload is accepted, then stop it as a kill would."""
-    from edgepfl.simulate.rounds import InProcessServer
+    from edgepfl.server.engine import RoundEngine
 
-    honest_upload = InProcessServer.upload
+    honest_upload = RoundEngine.accept_update
     uploads = []
 
     def killed(self, name, round_id, payload):
@@ -308,7 +307,7 @@ def run_killed_in_round_two(monkeypatch, config: SimulateConfig) -> None:
             raise KeyboardInterrupt
         honest_upload(self, name, round_id, payload)
 
-    monkeypatch.setattr(InProcessServer, "upload", killed)
+    monkeypatch.setattr(RoundEngine, "accept_update", killed)
     with pytest.raises(KeyboardInterrupt):
         run_simulation(config)
     monkeypatch.undo()
@@ -359,23 +358,23 @@ def test_a_run_killed_between_its_uploads_and_its_record_resumes_to_the_same_res
     """Killed after round 2's uploads: before the server closed the round, or after it closed it and before the
     round was scored. The second resumed through `_evaluate` without the round's settings (a TypeError, seen on
     a GPU run stopped by its time limit)."""
+    from edgepfl.server.engine import RoundEngine
     from edgepfl.simulate import loop
-    from edgepfl.simulate.rounds import InProcessServer
 
     straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3))
-    honest_close, honest_evaluate = InProcessServer.close_round, loop._evaluate
+    honest_close, honest_evaluate = RoundEngine.close_round, loop._evaluate
 
-    def close_round(self, round_id):
+    def close_round(self, round_id, at_deadline=False):
         if round_id == 2 and kill_point == "before_close":
             raise KeyboardInterrupt
-        return honest_close(self, round_id)
+        return honest_close(self, round_id, at_deadline)
 
     def evaluate(engine, clients, server, global_base, round_id, *rest):
         if round_id == 2 and kill_point == "before_evaluation":
             raise KeyboardInterrupt
         return honest_evaluate(engine, clients, server, global_base, round_id, *rest)
 
-    monkeypatch.setattr(InProcessServer, "close_round", close_round)
+    monkeypatch.setattr(RoundEngine, "close_round", close_round)
     monkeypatch.setattr(loop, "_evaluate", evaluate)
     config = tiny_config(tiny_npz, tmp_path / "resumed", rounds=3)
     with pytest.raises(KeyboardInterrupt):

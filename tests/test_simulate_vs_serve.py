@@ -32,8 +32,9 @@ def client_files(config, folder: Path) -> list[tuple[Path, int]]:
     from edgepfl.datasets import load_dataset
     from edgepfl.partition import make_partition
 
-    dataset = load_dataset(config.dataset, config.data_root)
-    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, CLIENTS, config.seed, config.split)
+    data = config.data
+    dataset = load_dataset(data.dataset, data.data_root)
+    parts = make_partition(data.partition, dataset.y_train, dataset.y_test, CLIENTS, config.seed, data.split)
     files = []
     for number, part in enumerate(parts):
         path = folder / f"client-{number:03d}.npz"
@@ -80,11 +81,11 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
     names = [f"client-{number:03d}" for number in range(CLIENTS)]
     tokens = enroll(tmp_path / "served", *names)
     options = ["--strategy", config.plan.strategy, "--rounds", str(config.rounds), "--fraction", str(fraction)]
-    options += ["--min-clients", "2", "--seed", str(config.seed), "--epochs", str(config.epochs)]
+    options += ["--min-clients", "2", "--seed", str(config.seed), "--epochs", str(config.round.epochs)]
     options += ["--upload-encoding", encoding]
-    options += ["--batch-size", str(config.batch_size), "--lr", str(config.lr), "--round-timeout", "300"]
+    options += ["--batch-size", str(config.round.batch_size), "--lr", str(config.round.lr), "--round-timeout", "300"]
     # round 1 opens once all four have polled, or a poll interval after two did: long enough for a loaded machine
-    options += ["--poll-interval", "20", "--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hn_lr)]
+    options += ["--poll-interval", "20", "--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hypernetworks.hn_lr)]
     server = LiveServer(bundle, tmp_path / "served", *options).start(timeout=120)
     try:
         processes = []

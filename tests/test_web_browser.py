@@ -88,7 +88,7 @@ def updates_of(state: Path, device: str) -> dict[int, list[bytes]]:
     store = Store(state)
     try:
         return {
-            r.round_id: [store.read_blob(u.blob_sha) for u in store.updates(r.round_id) if u.device == device]
+            r.round_id: [store.blobs.read(u.blob_sha) for u in store.updates(r.round_id) if u.device == device]
             for r in store.rounds()
         }
     finally:

@@ -2,7 +2,7 @@
 
 A node is one edgepfl device. It answers the server's handshake (`query.edgepfl_device`) with its name and
 its bundle's base layout hash, and each train message with one round of the device runtime
-(`runner.train_round`: the received base checked and set, the round's algorithm, divergence refused, the
+(`round.train_round`: the received base checked and set, the round's algorithm, divergence refused, the
 state committed): base tensors come in and go out under their manifest names; personal tensors (and
 unshared BatchNorm statistics) stay in the device's durable state folder, which outlives the ClientApp.
 Round settings come from the message's ConfigRecord. A problem on the node becomes an error reply
@@ -33,7 +33,8 @@ from edgepfl.data import LocalData
 from edgepfl.device_runtime.algorithms import client_algorithm
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
-from edgepfl.device_runtime.runner import DeviceEvents, restore, train_round
+from edgepfl.device_runtime.round import train_round
+from edgepfl.device_runtime.runner import DeviceEvents, restore
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, EdgePFLError, StateError, UsageError
 from edgepfl.flower.config import node_config
@@ -116,32 +117,31 @@ def train_device(device: Device, message: Message) -> RecordDict:
         if state.state.pending_upload is not None:  # a round whose reply never left: it is over
             state.settle_upload(state.state.pending_upload.round_id, delivered=False)
         options = DeviceOptions(seed=device.seed, persfl_teacher=device.persfl_teacher)
-        result, payload, _ = train_round(
-            device.engine, device.data, state, round_id, settings, base, options, DeviceEvents()
-        )
-        assert payload is not None, "an algorithm that uploads gives an upload body"
+        outcome = train_round(device.engine, device.data, state, round_id, settings, base, options, DeviceEvents())
+        assert outcome.payload is not None, "an algorithm that uploads gives an upload body"
         state.settle_upload(round_id, delivered=True)  # handed to Flower, which carries it from here
     finally:
         state.close()
-    return reply_content(payload, result)
+    return reply_content(outcome.payload, outcome.result)
 
 
 @lru_cache(maxsize=1024)  # every node a process serves (a simulation's actor serves many)
 def open_device(run_config: str, node_config_json: str) -> Device:
     """The device a node is (run and node config as JSON, the cache key): its engine is opened once per process."""
     config, partition = node_config(json.loads(run_config), json.loads(node_config_json))
-    engine, initial = _open_engine(str(config.bundle), config.engine, config.threads)
+    local = config.local
+    engine, initial = _open_engine(str(config.bundle), local.engine, local.threads)
     if config.data is not None:
         from edgepfl.device_runtime.data import load_device_data
 
         if config.device_name is None:
             raise UsageError("a node with its own data needs a name", "set --node-config 'device-name=NAME data=...'")
-        data = load_device_data(config.data, engine.manifest, config.val_fraction, config.seed)
-        seed, name = config.seed, config.device_name
+        data = load_device_data(config.data, engine.manifest, local.val_fraction, local.seed)
+        seed, name = local.seed, config.device_name
     elif partition is not None and config.partition_id is not None:
         from edgepfl.simulate.loop import client_data
 
-        name, data, seed = client_data(partition, engine.manifest, config.partition_id)
+        name, data, seed = client_data(partition, local.seed, engine.manifest, config.partition_id)
         name = config.device_name or name
     else:
         raise UsageError(

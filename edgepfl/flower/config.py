@@ -11,30 +11,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
+from edgepfl.device_runtime.options import DeviceOptions, LocalOptions
 from edgepfl.errors import UsageError
-from edgepfl.options import OPTIONS, validated
-from edgepfl.server.config import RoundOptions, ServerConfig
-from edgepfl.server.strategies import STRATEGIES
-from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
-from edgepfl.server.strategies.pfedla import PFedLAOptions
-from edgepfl.server.strategies.trimmed_mean import TrimmedMeanOptions
+from edgepfl.options import GROUP, Composed, leaves, titled, validated
+from edgepfl.protocol import RoundOptions
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.strategies import StrategyChoice, options_model
 from edgepfl.simulate.config import PartitionOptions
 
 FLOWER_KEYS = ("partition_id", "num_partitions")  # set by Flower's simulation engine on each virtual node
 
 
-class ServerRunConfig(RoundOptions):
+class ServerRunConfig(Composed):
     """The ServerApp's options: the bundle, the edgepfl strategy, rounds and sampling, the round settings."""
+
+    model_config = titled("Flower server")
 
     bundle: Annotated[Path, Field(description="the exported bundle every node trains (its manifest and initial base)")]
     out: Annotated[Path, Field(description="run folder: the round engine's state in OUT/server, replaced each run")] = (
         Path("flower-run")
     )
-    strategy: Literal[tuple(STRATEGIES)] = ServerConfig.model_fields["strategy"]  # type: ignore[valid-type]
     rounds: Annotated[int, Field(ge=1, description="rounds")] = 3
     nodes: Annotated[int, Field(ge=1, description="SuperNodes to wait for before round 1 (each is one device)")] = 2
     min_clients: int = ServerConfig.model_fields["min_clients"]
@@ -43,43 +43,31 @@ class ServerRunConfig(RoundOptions):
     timeout: Annotated[
         float, Field(gt=0.0, allow_inf_nan=False, description="seconds a round waits for replies (its deadline)")
     ] = 600.0
-    hn_lr: float = PFedLAOptions.model_fields["hn_lr"]
-    retain_top_k: int = HeurPFedLAOptions.model_fields["retain_top_k"]
-    trim_fraction: float = TrimmedMeanOptions.model_fields["trim_fraction"]
-
-    def knobs(self) -> dict[str, Any]:
-        """The edgepfl strategy's own options."""
-        return {"hn_lr": self.hn_lr, "retain_top_k": self.retain_top_k, "trim_fraction": self.trim_fraction}
+    # pfedla mixes the enrolled nodes: their number is the run's, not a key
+    strategy: Annotated[StrategyChoice, Field(json_schema_extra={GROUP: {"exclude": ["pfedla_clients"]}})] = Field(
+        default_factory=lambda: options_model("fedper")()
+    )
+    round: RoundOptions = Field(default_factory=RoundOptions)
 
 
-class NodeRunConfig(BaseModel):
+class NodeRunConfig(Composed):
     """A ClientApp's options: its bundle, engine, identity, data and durable state folder."""
 
-    model_config = OPTIONS
+    model_config = titled("Flower node")
 
     bundle: Annotated[Path, Field(description="the node's copy of the bundle the server trains")]
-    engine: Annotated[
-        Literal["auto", "ort-training", "portable"], Field(description="training engine (never torch)")
-    ] = "auto"
-    threads: Annotated[int | None, Field(ge=1, description="CPU threads of the engine (default: its choice)")] = None
+    local: LocalOptions = Field(default_factory=LocalOptions)
     device_name: Annotated[
         str | None, Field(description="this device's name (default with partition-id: client-NNN)")
     ] = None
     data: Annotated[Path | None, Field(description="this device's own data (.npz or image folder)")] = None
-    val_fraction: Annotated[
-        float, Field(ge=0.0, lt=1.0, description="share of the own data held out for validation")
-    ] = 0.2
     partition_id: Annotated[
         int | None, Field(ge=0, description="train client N of the run's dataset partition, as edgepfl simulate")
     ] = None
     num_partitions: int | None = None  # Flower's; the partition's own `clients` decides
     state: Annotated[Path | None, Field(description="durable device state folder (default: STATE-ROOT/NAME)")] = None
     state_root: Annotated[Path, Field(description="where device state folders are made")] = Path("flower-devices")
-    seed: Annotated[int, Field(description="shuffling seed (with partition-id: the run seed, as simulate)")] = 0
-    persfl_teacher: Annotated[
-        bool,
-        Field(description="PersFL stage 1: keep the received base with the lowest held-out loss (for device distill)"),
-    ] = False
+    persfl_teacher: bool = DeviceOptions.model_fields["persfl_teacher"]
 
 
 def server_config(values: Mapping[str, Any]) -> ServerRunConfig:
@@ -102,7 +90,7 @@ def node_config(
 def _checked(values: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """Keys with underscores; a key that no side of the run knows is refused."""
     keys = {str(key).replace("-", "_"): value for key, value in values.items()}
-    known = {*ServerRunConfig.model_fields, *NodeRunConfig.model_fields, *PartitionOptions.model_fields, *FLOWER_KEYS}
+    known = {*_names(ServerRunConfig), *_names(NodeRunConfig), *_names(PartitionOptions), *FLOWER_KEYS}
     unknown = sorted(set(keys) - known)
     if unknown:
         raise UsageError(
@@ -113,4 +101,10 @@ def _checked(values: Mapping[str, Any], origin: str) -> dict[str, Any]:
 
 
 def _pick(keys: Mapping[str, Any], model: type[BaseModel]) -> dict[str, Any]:
-    return {key: value for key, value in keys.items() if key in model.model_fields}
+    names = _names(model)
+    return {key: value for key, value in keys.items() if key in names}
+
+
+def _names(model: type[BaseModel]) -> set[str]:
+    """The flat keys of a model's tree (edgepfl.options.leaves)."""
+    return {leaf.name for leaf in leaves(model)}

@@ -60,16 +60,16 @@ def run_federation(grid: Grid, config: ServerRunConfig) -> Result:
     config.out.mkdir(parents=True, exist_ok=True)
     server = open_server(
         config.out,
-        config.strategy,
+        config.strategy.name,
         sorted(devices.values()),
-        config.settings(),
+        config.round,
         initial_tensors(config.bundle),
         rounds=config.rounds,
         seed=config.seed,
         fraction=config.fraction,
         min_clients=config.min_clients,
         fresh=True,
-        knobs=config.knobs(),
+        knobs=config.strategy.model_dump(exclude={"name"}),
         bundle=config.bundle,
         round_timeout=config.timeout,
     )

@@ -1,7 +1,7 @@
 """A Flower strategy that runs any edgepfl strategy through `edgepfl serve`'s round engine, over Flower's Grid.
 
 Flower's `Strategy.start` is the round loop; each of its hooks hands the work to the one `RoundEngine`
-(driven in-process, as `edgepfl simulate` drives it: `simulate/rounds.py`):
+(driven in-process through its driver API, `edgepfl.server.driver`, as `edgepfl simulate` drives it):
 
 - `configure_train`: every device polls, the engine opens and plans its next round (the edgepfl strategy's
   `configure_round`: one shared base, or one per device as pFedLA's), and each sampled device's node gets
@@ -30,27 +30,18 @@ from edgepfl.flower.messages import metric, tensors_record, train_content, uploa
 from edgepfl.protocol import EvalMetrics
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import Refused
-from edgepfl.simulate.rounds import InProcessServer
 
 
 class EdgePFLStrategy(Strategy):
     """Flower's round loop over edgepfl's round engine: plan with the edgepfl strategy, accept as `serve`, aggregate."""
 
-    def __init__(self, server: InProcessServer, devices: Mapping[int, str]):
-        if server.engine is None:
-            raise StateError("the Flower strategy needs an aggregating edgepfl strategy", "choose e.g. fedper")
-        self.server = server
+    def __init__(self, engine: RoundEngine, devices: Mapping[int, str]):
+        self.engine = engine
         self.devices = dict(devices)  # Flower node id -> edgepfl device name
         self.nodes = {name: node for node, name in self.devices.items()}
         self.refusals: list[tuple[int, str, str]] = []  # (round, device or node, why) of every refused reply
         self.round_id = 0  # the engine's round being trained (an abandoned round makes it run ahead of Flower's)
         self._started = 0.0  # when the round's planning began (its `seconds` metric: messages, training, aggregation)
-
-    @property
-    def engine(self) -> RoundEngine:
-        """The round engine every round goes through."""
-        assert self.server.engine is not None
-        return self.server.engine
 
     def summary(self) -> None:
         """Log what runs the rounds."""
@@ -62,9 +53,8 @@ class EdgePFLStrategy(Strategy):
     ) -> Iterable[Message]:
         """Open the engine's next round; a train message to each sampled device with its planned base and settings."""
         self._started = time.perf_counter()
-        opened = self.engine.store.open_round()  # the engine opens the next round as it closes one, if devices wait
-        self.round_id = opened.round_id if opened is not None else self.engine.store.last_round_id() + 1
-        plans = self.server.open_round(self.round_id, sorted(self.nodes))
+        self.round_id = self.engine.next_round_id()  # the engine opens the next round as it closes one, if devices wait
+        plans = self.engine.open_round(self.round_id, sorted(self.nodes))
         if plans is None:  # only a DP budget stops the engine early, and the Flower app does not turn DP on
             raise StateError(f"the round engine stopped before round {self.round_id}", "see the server log")
         layout = self.engine.manifest.base_layout_hash
@@ -94,10 +84,10 @@ class EdgePFLStrategy(Strategy):
                 log(WARNING, "round %d: the reply of %s is refused: %s", round_id, who, error)
                 continue
             accepted.append(reply)
-        record = self.engine.store.round(round_id)
+        record = self.engine.round(round_id)
         missing = record is not None and len(accepted) < len(record.sampled)
         try:
-            global_base = self.server.close_round(round_id, at_deadline=missing)
+            global_base = self.engine.close_round(round_id, at_deadline=missing)
         except StateError as error:  # abandoned: fewer than min_clients accepted replies
             log(ERROR, "round %d: %s; the next round starts from the same base", round_id, error.problem)
             return None, None
@@ -121,7 +111,7 @@ class EdgePFLStrategy(Strategy):
                 f"the update is {len(payload)} bytes, more than the {cap} the server takes",
                 f"raise max-upload-mb (now {self.engine.config.max_upload_mb:g})",
             )
-        self.server.upload(device, round_id, payload)
+        self.engine.accept_update(device, round_id, payload)
         accuracy, samples = metric(reply, "val-accuracy"), metric(reply, "val-samples")
         if accuracy is not None and samples:  # advisory, as a device's POST /metrics: a refusal only warns
             evaluation = EvalMetrics(accuracy, int(samples), metric(reply, "val-loss"))

@@ -94,9 +94,8 @@ def _export_run_bundle(
         engines: tuple[str, ...] = ("portable",)
     else:
         engines = ("ort-training",)  # fast to export; the torch engine takes its initial tensors from it
-    options = ExportOptions(
-        engines=engines, seed=config.seed, force=True, portable_batch=config.batch_size, distill=config.plan.persfl
-    )
+    batch, distill = config.round.batch_size, config.plan.persfl
+    options = ExportOptions(engines=engines, seed=config.seed, force=True, portable_batch=batch, distill=distill)
     return export_target(target, kp, folder, options)
 
 

@@ -1,6 +1,12 @@
 """What one simulated experiment is: a typed config made at the CLI edge (flags or a JSON/TOML file).
 
-The `edgepfl simulate` flags are made from `SimulateConfig`'s fields (defaults, bounds, choices, help)."""
+`SimulateConfig` holds the experiment's own fields and the models of the parts it drives, each owned by its
+part: the dataset and its split (`PartitionOptions`, also `edgepfl partition`'s and a Flower node's), the round
+settings (`edgepfl.protocol.RoundOptions`, with simulate's own defaults), DP (`edgepfl.privacy.PrivacyOptions`),
+pFedLA's and HeurpFedLA's knobs (their strategy files') and PersFL's stage 2 (`device_runtime.options
+.DistillOptions`, its keys prefixed `distill_`). `edgepfl simulate`'s flags, a config file's keys and results.json's
+`config` are its flat leaves (`edgepfl.options.flatten`).
+"""
 
 from __future__ import annotations
 
@@ -12,18 +18,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from edgepfl.device_runtime.persfl import VARIANTS, DistillConfig
+from edgepfl.device_runtime.options import DistillOptions
+from edgepfl.device_runtime.persfl import DistillConfig
 from edgepfl.errors import UsageError
-from edgepfl.options import OPTIONS, comma_separated, settings_field, validated
-from edgepfl.privacy import check_dp_strategy
-from edgepfl.protocol import DOWNLOAD_ENCODINGS
-from edgepfl.server.config import PrivacyOptions, RoundOptions, encoding_label
-from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
-from edgepfl.server.strategies.pfedla import PFedLAOptions
+from edgepfl.options import GROUP, Composed, flatten, titled, validated
+from edgepfl.privacy import PrivacyOptions, check_dp_strategy
+from edgepfl.protocol import RoundOptions
+from edgepfl.server.strategies.heurpfedla import RetainOptions
+from edgepfl.server.strategies.pfedla import HypernetworkOptions
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
-_DISTILL_DEFAULTS = DistillConfig()
-GRID_KEYS = ("distill_lambdas", "distill_temperatures")  # tuples of floats; a config file may write "0.1,0.5"
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,57 @@ ALGORITHMS: dict[str, AlgorithmPlan] = {
 }
 
 
-class SimulateConfig(BaseModel):
-    """Everything `edgepfl simulate` was told; results.json records it verbatim. Its flags are made from it."""
+class PartitionOptions(BaseModel):
+    """The dataset and its split into clients (what a Flower node trains a part of); seeded by the run's --seed.
 
-    model_config = OPTIONS
+    Made without `SimulateConfig`, whose model check needs torch: a node has none.
+    """
+
+    model_config = titled("Data")
+
+    dataset: Annotated[
+        str, Field(description="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or a .npz file")
+    ] = "cifar10"
+    data_root: Annotated[str, Field(description="folder that holds the dataset")] = "data"
+    download: Annotated[bool, Field(description="download the dataset if it is missing")] = False
+    checksums: Annotated[str | None, Field(description="md5 list (JSON or CSV) of a known dataset copy")] = None
+    partition: Annotated[
+        str, Field(description="iid | classes:K | dirichlet:A | ds3 | dominant:D[:SHARE] | file:PATH.json")
+    ] = "classes:4"
+    clients: Annotated[
+        int | None, Field(ge=1, description="number of clients (a file: partition has its own count)")
+    ] = 10
+    split: Annotated[
+        tuple[float, float, float],
+        Field(description="each client's train,val,test fractions", examples=["0.6,0.2,0.2"]),
+    ] = (0.6, 0.2, 0.2)
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return split_value(value)
+
+
+class PartitionCommand(Composed):
+    """`edgepfl partition`: split a dataset among clients, show the counts or write the partition."""
+
+    model_config = titled("Partition")
+
+    data: PartitionOptions = PartitionOptions(dataset="mnist", partition="iid", clients=None)
+    seed: Annotated[int, Field(description="seed of the partition")] = 0
+    show: Annotated[bool, Field(description="print the client x class count table")] = False
+    out: Annotated[Path | None, Field(description="write the partition as a file: JSON (train+test indices)")] = None
+
+
+# simulate's own defaults for the round settings: the papers' local work per round
+SIMULATE_ROUND = RoundOptions(epochs=4, batch_size=128, finetune_epochs=1)
+PERSFL_STAGE_TWO = {"exclude": ["batch_size", "trainable"], "prefix": "distill_"}  # stage 2 uses the run's batch size
+
+
+class SimulateConfig(Composed):
+    """Everything `edgepfl simulate` was told; results.json records it (flat). Its flags are made from it."""
+
+    model_config = titled("Experiment")
 
     out: Annotated[str, Field(description="run folder (results.json, accuracy.png); rerun to resume")] = "runs/sim"
     model: Annotated[
@@ -69,53 +120,16 @@ class SimulateConfig(BaseModel):
         Literal["batch", "group", "none"] | None, Field(description="normalisation (default: the zoo model's own)")
     ] = None
     algorithm: Literal[tuple(ALGORITHMS)] = Field("fedper", description="the method (fedper = fedsim)")  # type: ignore[valid-type]
-    dataset: Annotated[
-        str, Field(description="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or a .npz file")
-    ] = "cifar10"
-    data_root: Annotated[str, Field(description="folder that holds the dataset")] = "data"
-    download: Annotated[bool, Field(description="download the dataset if it is missing")] = False
-    checksums: Annotated[str | None, Field(description="md5 list (JSON or CSV) of a known dataset copy")] = None
-    partition: Annotated[
-        str, Field(description="iid | classes:K | dirichlet:A | ds3 | dominant:D | file:PATH.json")
-    ] = "classes:4"
-    clients: Annotated[
-        int | None, Field(ge=1, description="number of clients (a file: partition has its own count)")
-    ] = 10
-    split: Annotated[
-        tuple[float, float, float],
-        Field(description="each client's train,val,test fractions", examples=["0.6,0.2,0.2"]),
-    ] = (0.6, 0.2, 0.2)
+    data: PartitionOptions = Field(default_factory=PartitionOptions)
     fraction: Annotated[float, Field(gt=0.0, le=1.0, description="fraction of clients sampled per round")] = 1.0
     min_clients: Annotated[int, Field(ge=1, description="clients needed to close a round")] = 1
     rounds: Annotated[int, Field(ge=1, description="rounds")] = 50
-    epochs: int = settings_field("epochs", default=4)
-    batch_size: int = settings_field("batch_size", default=128)
-    lr: float = settings_field("lr", default=0.01)
-    finetune_epochs: int = settings_field("finetune_epochs", default=1)  # fedper-ft only
-    personal_epochs: int = settings_field("personal_epochs")
-    hn_lr: float = PFedLAOptions.model_fields["hn_lr"]
-    retain_top_k: int = HeurPFedLAOptions.model_fields["retain_top_k"]
-    share_buffers: bool = settings_field("share_buffers", flag="--share-bn-stats")
-    recompute_bn: bool = settings_field("recompute_bn")
-    upload_encoding: str = RoundOptions.model_fields["upload_encoding"]
-    download_encoding: Literal[DOWNLOAD_ENCODINGS] = settings_field("download_encoding")  # type: ignore[valid-type]
-    dp_noise_multiplier: float | None = PrivacyOptions.model_fields["dp_noise_multiplier"]
-    dp_clip: float | None = PrivacyOptions.model_fields["dp_clip"]
-    dp_delta: float = PrivacyOptions.model_fields["dp_delta"]
-    dp_target_epsilon: float | None = PrivacyOptions.model_fields["dp_target_epsilon"]
-    distill_lambdas: Annotated[
-        tuple[float, ...], Field(description="persfl: the λ grid, comma-separated", examples=["0.1,0.5"])
-    ] = tuple(_DISTILL_DEFAULTS.lambdas)
-    distill_temperatures: Annotated[
-        tuple[float, ...], Field(description="persfl: the temperature grid, comma-separated", examples=["1,2,4"])
-    ] = tuple(_DISTILL_DEFAULTS.temperatures)
-    distill_epochs: Annotated[int, Field(ge=1, description="persfl: epochs per (λ, T)")] = _DISTILL_DEFAULTS.epochs
-    distill_lr: Annotated[
-        float, Field(gt=0.0, allow_inf_nan=False, description="persfl: distillation learning rate")
-    ] = _DISTILL_DEFAULTS.lr
-    distill_variant: Literal[VARIANTS] = Field(  # type: ignore[valid-type]
-        _DISTILL_DEFAULTS.variant, description="persfl: kd (soft-label KL) or gd (PersFL-GD, Eq. 7)"
-    )
+    # the client update (fedsim, fedalt, local) is the method's: --algorithm chooses it
+    round: Annotated[RoundOptions, Field(json_schema_extra={GROUP: {"exclude": ["algorithm"]}})] = SIMULATE_ROUND
+    hypernetworks: HypernetworkOptions = Field(default_factory=HypernetworkOptions)
+    retained: RetainOptions = Field(default_factory=RetainOptions)
+    privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
+    distill: Annotated[DistillOptions, Field(json_schema_extra={GROUP: PERSFL_STAGE_TWO})] = DistillOptions()
     engine: Literal[SIM_ENGINES] = Field("torch", description="the clients' training engine")  # type: ignore[valid-type]
     seed: Annotated[int, Field(description="seed of partition, init, sampling and shuffling")] = 0
     threads: Annotated[int | None, Field(ge=1, description="CPU threads of the engine (default: its choice)")] = None
@@ -135,18 +149,6 @@ class SimulateConfig(BaseModel):
     client_cpus: Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="CPUs each Ray actor reserves")] = 1.0
     client_gpus: Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="GPUs each Ray actor reserves")] = 0.0
 
-    @field_validator("split", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return split_value(value)
-
-    _encoding = field_validator("upload_encoding")(encoding_label)
-
-    @field_validator(*GRID_KEYS, mode="before")
-    @classmethod
-    def _grid(cls, value: Any) -> Any:
-        return comma_separated(value)
-
     @model_validator(mode="after")
     def _model_and_stage_two(self) -> SimulateConfig:
         from edgepfl.export.source import parse_model  # a zoo name or a MODEL string of `edgepfl export`
@@ -154,15 +156,14 @@ class SimulateConfig(BaseModel):
         parse_model(self.model)
         if self.plan.persfl:
             self.distill_config()
-        privacy = self.privacy()
-        lossy = self.upload_encoding != "fp32" or self.download_encoding != "fp32" or privacy.enabled
+        lossy = self.round.upload_encoding != "fp32" or self.round.download_encoding != "fp32" or self.privacy.enabled
         if lossy and self.plan.strategy is None:
             raise UsageError(
                 f"--algorithm {self.algorithm} uploads nothing: --upload-encoding, --download-encoding and --dp-* "
                 "do not apply",
                 "drop them, or choose an algorithm that aggregates",
             )
-        if privacy.enabled and self.plan.strategy is not None:
+        if self.privacy.enabled and self.plan.strategy is not None:
             check_dp_strategy(self.plan.strategy, "--algorithm")
         if self.device != "cpu" and self.engine != "torch":
             raise UsageError(
@@ -171,25 +172,19 @@ class SimulateConfig(BaseModel):
             )
         return self
 
-    def privacy(self) -> PrivacyOptions:
-        """The run's DP settings, as `edgepfl serve` takes them."""
-        return PrivacyOptions(**{name: getattr(self, name) for name in PrivacyOptions.model_fields})
+    def round_options(self) -> RoundOptions:
+        """The round settings the strategy hands every sampled client: the method's client update, and its
+        personal fine-tuning only for fedper-ft."""
+        finetune = self.round.finetune_epochs if self.plan.finetune else 0
+        return self.round.model_copy(update={"algorithm": self.plan.client, "finetune_epochs": finetune})
 
     def updated(self, **changes: Any) -> SimulateConfig:
-        """This config with `changes`, validated again."""
-        return validated(SimulateConfig, {**dict(self), **changes})
+        """This config with `changes` (flat keys), validated again."""
+        return validated(SimulateConfig, {**self.to_json(), **changes})
 
     def distill_config(self) -> DistillConfig:
         """PersFL stage 2's settings (DistillConfig checks them); stage 2 trains with the run's batch size."""
-        return DistillConfig(
-            lambdas=self.distill_lambdas,
-            temperatures=self.distill_temperatures,
-            epochs=self.distill_epochs,
-            lr=self.distill_lr,
-            batch_size=self.batch_size,
-            variant=self.distill_variant,
-            seed=self.seed,
-        )
+        return self.distill.model_copy(update={"batch_size": self.round.batch_size}).config(self.seed)
 
     @property
     def plan(self) -> AlgorithmPlan:
@@ -197,14 +192,14 @@ class SimulateConfig(BaseModel):
         return ALGORITHMS[self.algorithm]
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form (results.json `config`)."""
-        return self.model_dump(mode="json")
+        """JSON form (results.json `config`): the flat keys."""
+        return flatten(self)
 
     def same_experiment(self, other: SimulateConfig) -> list[str]:
-        """Fields that differ in a way that makes `other` a different experiment (rounds, threads, workers may)."""
+        """Keys that differ in a way that makes `other` a different experiment (rounds, threads, workers may)."""
         free = {"rounds", "threads", "device", "out", "workers", "ray_address", "client_cpus", "client_gpus"}
-        names = [name for name in SimulateConfig.model_fields if name not in free]
-        return [name for name in names if getattr(self, name) != getattr(other, name)]
+        mine, theirs = self.to_json(), other.to_json()
+        return [key for key in mine if key not in free and mine[key] != theirs.get(key)]
 
 
 def config_from_json(data: dict[str, Any], origin: str = "config", flags: Iterable[str] = ()) -> SimulateConfig:
@@ -232,7 +227,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"config file {path} is not valid {path.suffix[1:] or 'JSON'} ({exc})", "fix it") from None
     if not isinstance(data, dict):
         raise UsageError(f"config file {path} is not a table of options", 'write {"rounds": 50, ...}')
-    return data.get("simulate", data)
+    table = data.get("simulate", data)
+    return {str(key).replace("-", "_"): value for key, value in table.items()}
 
 
 def _parse_toml(text: str, path: Path) -> Any:
@@ -241,29 +237,6 @@ def _parse_toml(text: str, path: Path) -> Any:
     except ImportError:  # Python 3.10
         raise UsageError(f"reading {path} needs Python 3.11 or later (tomllib)", "write the config as JSON") from None
     return tomllib.loads(text)
-
-
-class PartitionOptions(BaseModel):
-    """The dataset and its split into clients, as `SimulateConfig` holds them (what a Flower node trains a part of).
-
-    Made without `SimulateConfig`, whose model check needs torch: a node has none.
-    """
-
-    model_config = OPTIONS
-
-    dataset: str = SimulateConfig.model_fields["dataset"]
-    data_root: str = SimulateConfig.model_fields["data_root"]
-    download: bool = SimulateConfig.model_fields["download"]
-    checksums: str | None = SimulateConfig.model_fields["checksums"]
-    partition: str = SimulateConfig.model_fields["partition"]
-    clients: int | None = SimulateConfig.model_fields["clients"]
-    split: tuple[float, float, float] = SimulateConfig.model_fields["split"]
-    seed: int = SimulateConfig.model_fields["seed"]
-
-    @field_validator("split", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return split_value(value)
 
 
 def split_value(value: Any) -> Any:

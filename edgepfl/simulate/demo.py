@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from edgepfl.errors import EdgePFLError
-from edgepfl.options import OPTIONS
+from edgepfl.options import titled
 from edgepfl.server.launch import LocalServer, last_line
 
 DEMO_DATA = "mnist-demo.npz"
@@ -38,7 +38,7 @@ START_TIMEOUT = 60.0
 class DemoOptions(BaseModel):
     """What `edgepfl demo` was told; its flags are made from these fields."""
 
-    model_config = OPTIONS
+    model_config = titled("Demo")
 
     rounds: Annotated[int, Field(ge=1, le=100, description="federated rounds per run (3-5 recommended)")] = 4
     workdir: Annotated[

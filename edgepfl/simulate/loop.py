@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,8 +47,11 @@ from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
 from edgepfl.simulate.bundle import ensure_bundle, open_sim_engine
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
+
+if TYPE_CHECKING:
+    from edgepfl.server.engine import RoundEngine
 from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
-from edgepfl.simulate.rounds import InProcessServer, open_server
+from edgepfl.simulate.rounds import LocalRounds, open_server
 from edgepfl.simulate.workers import ClientData, RayWorkers, Sequential
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
@@ -70,20 +73,7 @@ class Client(ClientData):
 
 def round_settings(config: SimulateConfig) -> RoundSettings:
     """The settings the strategy hands every sampled client."""
-    plan = config.plan
-    return RoundSettings(
-        algorithm=plan.client,
-        epochs=config.epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        finetune_epochs=config.finetune_epochs if plan.finetune else 0,
-        personal_epochs=config.personal_epochs,
-        share_buffers=config.share_buffers,
-        recompute_bn=config.recompute_bn,
-        upload_encoding=config.upload_encoding,
-        download_encoding=config.download_encoding,
-        clip_norm=config.dp_clip if config.privacy().enabled else None,
-    )
+    return config.round_options().settings(config.privacy.clip_norm)
 
 
 def run_simulation(
@@ -102,7 +92,7 @@ def run_simulation(
                 "pass the same options to resume it, or choose another --out",
             )
     status("loading data")
-    dataset, parts = load_partition(config)
+    dataset, parts = load_partition(config.data, config.seed)
     status("exporting the model")
     manifest = ensure_bundle(config, out / BUNDLE_DIR, dataset.sample_shape, dataset.num_classes)
     engine = open_sim_engine(config.engine, out / BUNDLE_DIR, manifest, config.threads, config.device)
@@ -127,14 +117,14 @@ def run_simulation(
         out,
         config.plan.strategy,
         names,
-        settings,
+        config.round_options(),
         initial,
         rounds=config.rounds,
         seed=config.seed,
         fraction=config.fraction,
         min_clients=config.min_clients,
-        knobs={"hn_lr": config.hn_lr, "retain_top_k": config.retain_top_k},
-        privacy=config.privacy(),
+        knobs={**config.hypernetworks.model_dump(), **config.retained.model_dump()},
+        privacy=config.privacy,
         fresh=saved is None,
     )
     workers = None
@@ -184,7 +174,7 @@ def run_simulation(
                     losses.append(outcome.train_loss)
                 if outcome.payload is not None:  # through the served acceptance checks
                     traffic["bytes_up"] += len(outcome.payload)
-                    server.upload(name, round_id, outcome.payload)
+                    server.accept_update(name, round_id, outcome.payload)
                 if progress is not None:
                     progress(round_id, done_count + 1, len(plans))
             pending = {
@@ -214,7 +204,7 @@ def run_simulation(
 def _evaluate(
     engine: Engine,
     clients: list[Client],
-    server: InProcessServer,
+    server: RoundEngine | LocalRounds,
     global_base: dict[str, np.ndarray],
     round_id: int,
     pending: dict[str, Any],
@@ -306,28 +296,26 @@ def open_workers(
     )
 
 
-def load_partition(config: SimulateConfig | PartitionOptions) -> tuple[Any, list[Any]]:
-    """The run's dataset and its per-client parts (`--dataset`, `--partition`, `--clients`, `--seed`, `--split`)."""
+def load_partition(data: PartitionOptions, seed: int) -> tuple[Any, list[Any]]:
+    """The run's dataset and its per-client parts (`--dataset`, `--partition`, `--clients`, `--split`, `--seed`)."""
     from edgepfl.datasets import load_dataset
     from edgepfl.partition import make_partition
 
-    dataset = load_dataset(config.dataset, config.data_root, download=config.download, checksums=config.checksums)
-    clients_wanted = None if config.partition.startswith("file:") else config.clients
-    parts = make_partition(config.partition, dataset.y_train, dataset.y_test, clients_wanted, config.seed, config.split)
+    dataset = load_dataset(data.dataset, data.data_root, download=data.download, checksums=data.checksums)
+    clients_wanted = None if data.partition.startswith("file:") else data.clients
+    parts = make_partition(data.partition, dataset.y_train, dataset.y_test, clients_wanted, seed, data.split)
     return dataset, parts
 
 
-def client_data(
-    config: SimulateConfig | PartitionOptions, manifest: Manifest, number: int
-) -> tuple[str, LocalData, int]:
+def client_data(data: PartitionOptions, seed: int, manifest: Manifest, number: int) -> tuple[str, LocalData, int]:
     """Client `number`'s name, training data and seed exactly as `run_simulation` makes them (a Flower node's)."""
-    dataset, parts = load_partition(config)
+    dataset, parts = load_partition(data, seed)
     if not 0 <= number < len(parts):
         raise DataError(
-            f"client {number} does not exist: the partition {config.partition!r} makes {len(parts)} clients",
+            f"client {number} does not exist: the partition {data.partition!r} makes {len(parts)} clients",
             f"use a client number (partition-id) in 0..{len(parts) - 1}",
         )
-    client = _make_client(number, parts[number], dataset, manifest, config.seed, {}, Path(RESIDUALS_DIR))
+    client = _make_client(number, parts[number], dataset, manifest, seed, {}, Path(RESIDUALS_DIR))
     return client.name, client.train, client.seed
 
 

@@ -4,9 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, Field
 
 from edgepfl.errors import UsageError
+from edgepfl.options import ARGUMENT, titled
 from edgepfl.simulate.results import Results, load_results
+
+
+class PlotOptions(BaseModel):
+    """`edgepfl plot`: which runs, drawn where."""
+
+    model_config = titled("Plot")
+
+    runs: Annotated[
+        list[Path],
+        Field(min_length=1, description="run folders written by edgepfl simulate", json_schema_extra={ARGUMENT: True}),
+    ]
+    out: Annotated[
+        Path | None, Field(description="PNG to write (default: RUN/accuracy.png for one run, else accuracy.png)")
+    ] = None
+
 
 PLOT_FILE = "accuracy.png"
 

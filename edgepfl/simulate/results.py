@@ -135,7 +135,7 @@ def results_table(results: Results, title: str = ""):
     from rich.table import Table
 
     summary = results.summary()
-    table = Table(title=title or f"{results.config.algorithm} on {results.config.dataset} ({results.config.out})")
+    table = Table(title=title or f"{results.config.algorithm} on {results.config.data.dataset} ({results.config.out})")
     private = any(record.epsilon is not None for record in results.rounds)
     columns = ("", "round", "test accuracy (mean ± std)", "min", "max", *(("ε",) if private else ()), "chosen by")
     for column in columns:

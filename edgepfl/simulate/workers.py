@@ -1,7 +1,8 @@
 """Where a round's clients train: in the driver one after another (`--workers 1`), or in Ray actors.
 
-A client's round is one function, `train_client`, whichever runs it: PersFL's teacher offer, the local
-training of `device_runtime.algorithms.run_client_round`, the *trained* score and the encoded upload.
+A client's round is one function, `train_client`, whichever runs it: the device's own round
+(`device_runtime.round.train_round`: PersFL's teacher offer, local training, a diverged result refused, the
+encoded upload), committed to the client's memory, then the *trained* score.
 With `--workers N` (or `--ray-address`) each of N Ray actors opens its own engine once, with the run's
 `--threads`, and holds every client's data (put in Ray's object store once a run); a round's jobs go to
 whichever actor is free, and the outcomes come back in plan order, so the driver uploads them to the round
@@ -23,15 +24,15 @@ from typing import Any
 import numpy as np
 
 from edgepfl.data import LocalData
-from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
-from edgepfl.device_runtime.client import upload_body
+from edgepfl.device_runtime.algorithms import TrainingDiverged
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import score
-from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
-from edgepfl.device_runtime.statistics import receive
+from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.round import train_round
+from edgepfl.device_runtime.runner import DeviceEvents
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest
-from edgepfl.simulate.rounds import Assignment
+from edgepfl.server.driver import DevicePlan as Assignment
 
 
 @dataclass
@@ -56,6 +57,27 @@ class Outcome:
     start_val_loss: float | None  # persfl: the received global model's validation loss
 
 
+@dataclass
+class ClientState:
+    """Where a simulated client's round is committed: its tensors in memory (the driver keeps them), its residuals
+    and PersFL's teacher in folders under the run's --out, as a device keeps them in its state folder."""
+
+    folder: Path  # the teacher lives in FOLDER/persfl
+    residuals: Path
+    tensors: dict[str, np.ndarray] | None = None
+
+    @property
+    def kept(self) -> str:
+        """What a refused round leaves in place."""
+        return "the model it held"
+
+    def commit(
+        self, tensors: dict[str, Any], record: dict[str, Any], round_id: int | None = None, upload_payload=None
+    ) -> None:
+        """Keep the trained tensors (the upload's bytes travel back in the Outcome)."""
+        self.tensors = tensors
+
+
 def train_client(
     engine: Engine,
     manifest: Manifest,
@@ -65,22 +87,20 @@ def train_client(
     round_id: int,
     teachers: Path | None,
 ) -> Outcome:
-    """One client's round on `engine`, exactly as a device runs it (teachers: persfl's store folder, or None)."""
+    """One client's round on `engine`, exactly as a device runs it (teachers: persfl's store folder, or None).
+
+    A round the device refuses (a diverged result) leaves the client's model as it was and uploads nothing.
+    """
     engine.set_tensors(tensors)
-    receive(engine, plan.base, client.train, plan.settings)
-    start_val_loss = None
-    if teachers is not None:  # persfl stage 1: the device's own teacher choice, before local training
-        store = TeacherStore(teachers / client.name, manifest)
-        _, scores = consider_global_model(engine, store, round_id, engine.get_tensors(), client.train)
-        start_val_loss = scores.loss
-    result = run_client_round(engine, plan.settings, client.train, client.seed, round_id)
-    trained = engine.get_tensors()
-    payload = None
-    if result.uploads:  # the bytes a device would upload, for the served acceptance checks
-        meta = result.upload_meta(manifest.base_layout_hash)
-        trained_base = upload_tensors(engine, plan.settings)
-        payload = upload_body(trained_base, plan.base, plan.settings, meta, client.residuals, round_id, client.seed)
-    return Outcome(trained, result.train_loss, score(engine, client.test).accuracy, payload, start_val_loss)
+    state = ClientState(teachers / client.name if teachers is not None else client.residuals, client.residuals)
+    options = DeviceOptions(seed=client.seed, persfl_teacher=teachers is not None)
+    try:
+        outcome = train_round(engine, client.train, state, round_id, plan.settings, plan.base, options, DeviceEvents())
+    except TrainingDiverged:
+        return Outcome(engine.get_tensors(), math.nan, score(engine, client.test).accuracy, None, None)
+    assert state.tensors is not None, "a committed round keeps its tensors"
+    trained_accuracy = score(engine, client.test).accuracy
+    return Outcome(state.tensors, outcome.result.train_loss, trained_accuracy, outcome.payload, outcome.teacher_loss)
 
 
 class Sequential:

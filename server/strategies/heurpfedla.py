@@ -8,39 +8,41 @@ server's copy goes stale, and their heads get no hypernetwork step that round.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, Field
 
 from edgepfl.errors import UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.options import OPTIONS
-from edgepfl.server.strategies.pfedla import PFedLA
+from edgepfl.options import titled
+from edgepfl.protocol import RoundSettings
+from edgepfl.server.strategies.pfedla import PFedLA, PFedLAOptions
 from edgepfl.server.strategy import RoundPlan
 
-if TYPE_CHECKING:
-    from edgepfl.server.config import StrategyOptions
 
+class RetainOptions(BaseModel):
+    """HeurpFedLA's tensors kept on the device (heurpfedla)"""
 
-class HeurPFedLAOptions(BaseModel):
-    """heurpfedla's own option (it also reads pfedla's)."""
-
-    model_config = OPTIONS
+    model_config = titled("HeurpFedLA")
 
     retain_top_k: Annotated[
         int, Field(ge=1, description="heurpfedla: tensors (largest self-weight) a device keeps instead of exchanging")
     ] = 1
 
 
+class HeurPFedLAOptions(PFedLAOptions, RetainOptions):
+    """heurpfedla's own options: pfedla's and the tensors kept on the device."""
+
+
 class HeurPFedLA(PFedLA):
     """pFedLA whose per-device payload leaves out the k tensors the client weighs most on itself."""
 
     name = "heurpfedla"
+    Options = HeurPFedLAOptions
 
-    def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
-        super().__init__(specs, options)
+    def __init__(self, specs: list[TensorSpec], options: HeurPFedLAOptions, settings: RoundSettings, seed: int = 0):
+        super().__init__(specs, options, settings, seed)
         if not 1 <= options.retain_top_k <= len(self.mixed):
             raise UsageError(
                 f"heurpfedla keeps the top-k tensors on the device, and k={options.retain_top_k} is not in "
@@ -63,5 +65,5 @@ class HeurPFedLA(PFedLA):
         for device, (settings, payload) in plans.items():
             kept = self.retained(device)
             trimmed = {name: value for name, value in payload.items() if name not in kept}
-            plans[device] = (replace(settings, kept_on_device=tuple(kept)), trimmed)
+            plans[device] = (settings.model_copy(update={"kept_on_device": tuple(kept)}), trimmed)
         return plans

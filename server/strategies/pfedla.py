@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, Field
 
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import TensorSpec
-from edgepfl.options import FLAG, OPTIONS
+from edgepfl.options import RENAMED, titled
+from edgepfl.protocol import RoundSettings
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, RoundPlan, Strategy, cast_like
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
@@ -29,44 +30,47 @@ EMBEDDING_DIM = 100
 HIDDEN_DIM = 100
 STATE_FORMAT = "pfedla/1"
 
-if TYPE_CHECKING:
-    from edgepfl.server.config import StrategyOptions
+
+class HypernetworkOptions(BaseModel):
+    """pFedLA's hypernetworks (pfedla, heurpfedla)"""
+
+    model_config = titled("pFedLA")
+
+    hn_lr: Annotated[
+        float, Field(gt=0.0, allow_inf_nan=False, description="pfedla, heurpfedla: hypernetwork learning rate")
+    ] = 5e-3
 
 
-class PFedLAOptions(BaseModel):
+class PFedLAOptions(HypernetworkOptions):
     """pfedla's (and heurpfedla's) own options."""
 
-    model_config = OPTIONS
-
-    clients: Annotated[
+    pfedla_clients: Annotated[
         int,
         Field(
             ge=0,
             description="pfedla: number of clients N the hypernetworks mix (0: not set)",
-            json_schema_extra={FLAG: "--pfedla-clients"},
+            json_schema_extra={RENAMED: ("--clients",)},
             examples=[10],
         ),
     ] = 0
-    hn_lr: Annotated[
-        float, Field(gt=0.0, allow_inf_nan=False, description="pfedla, heurpfedla: hypernetwork learning rate")
-    ] = 5e-3
 
 
 class PFedLA(Strategy):
     """Layer-wise aggregation by per-client hypernetworks; every sampled device gets its own base."""
 
     name = "pfedla"
+    Options = PFedLAOptions
     streaming = False  # keeps every client's latest tensors: O(clients x model)
 
-    def __init__(self, specs: list[TensorSpec], options: StrategyOptions):
-        super().__init__(specs, options)
-        if options.clients < 1:
+    def __init__(self, specs: list[TensorSpec], options: PFedLAOptions, settings: RoundSettings, seed: int = 0):
+        super().__init__(specs, options, settings, seed)
+        if options.pfedla_clients < 1:
             raise UsageError("pfedla needs the number of clients its hypernetworks mix", "pass --pfedla-clients N")
         try:
             import torch  # noqa: F401 (refused at start, not at the first round)
         except ImportError:
             raise UsageError(f"strategy {self.name} needs torch on the server", "pip install torch") from None
-        self.num_clients = options.clients
+        self.num_clients = options.pfedla_clients
         self.mixed = [spec.name for spec in specs if np.dtype(spec.dtype).kind == "f"]
         if not self.mixed:  # every block personal: the hypernetworks would mix nothing (issue 18's --kp 2 on mlp)
             raise UsageError(
@@ -160,7 +164,7 @@ class PFedLA(Strategy):
         """
         if slot in self.hypernets:
             return self.hypernets[slot]
-        net = make_hypernetwork(self.mixed, self.num_clients, self.options.seed * 100_003 + slot)
+        net = make_hypernetwork(self.mixed, self.num_clients, self.seed * 100_003 + slot)
         if keep:
             self.hypernets[slot] = net
         return net

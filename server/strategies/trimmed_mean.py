@@ -31,6 +31,7 @@ class TrimmedMean(Strategy):
     """
 
     name = "trimmed-mean"
+    Options = TrimmedMeanOptions
     streaming = False
 
     def aggregate(
