@@ -26,7 +26,9 @@ from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, Uploa
 from edgepfl.wire import decode_tensors, encode_tensors
 
 # server error names that end this device's part in a round: drop the round, poll for the next one
-ROUND_GONE_ERRORS = frozenset({"round_closed", "deadline_passed", "not_sampled", "no_such_round"})
+# refusals that end this device's part in a round (the page reads them from contract.json): it drops the round's
+# upload and joins the next one (`too_stale`: under fedbuff, the base it trained on is too many steps old)
+ROUND_GONE_ERRORS = frozenset({"round_closed", "deadline_passed", "not_sampled", "no_such_round", "too_stale"})
 RETRIED_REFUSALS = (408, 429)  # a too-slow upload cut off by the server, too many requests: both may pass later
 
 
@@ -175,6 +177,11 @@ class ServerClient:
     def post_metrics(self, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
         """`POST /v1/rounds/{r}/metrics`: the personalized model's held-out evaluation."""
         response = self._request("POST", f"{API_PREFIX}/rounds/{round_id}/metrics", json=metrics.to_json())
+        return _json_reply(response)
+
+    def report_refusal(self, round_id: int, reason: str) -> dict[str, Any]:
+        """`POST /v1/rounds/{r}/refusal`: this device refused the round's base (the server may roll it back)."""
+        response = self._request("POST", f"{API_PREFIX}/rounds/{round_id}/refusal", json={"reason": reason[:200]})
         return _json_reply(response)
 
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:

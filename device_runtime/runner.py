@@ -108,6 +108,7 @@ def run_device(
                 except TrainingDiverged as error:
                     refused.add(round_id)
                     events.message(str(error))
+                    _report_refusal(client, round_id, error.problem, events)
                 told_waiting = True
         if task.action == "train" and not told_waiting:
             events.message(f"round {round_id} is already trained on this device; waiting for the next round")
@@ -164,6 +165,15 @@ def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEve
     record = next((r for r in reversed(state.state.history) if r.get("round") == pending.round_id), {})
     _post_metrics(client, pending.round_id, record, events)
     return "delivered"
+
+
+def _report_refusal(client: ServerClient, round_id: int, problem: str, events: DeviceEvents) -> None:
+    """Tell the server this device refused the round's base, so a base most devices refuse is rolled back;
+    advisory, so failures only warn."""
+    try:
+        client.report_refusal(round_id, problem)
+    except ServerError as error:
+        events.message(f"the refusal of round {round_id}'s base was not reported: {error}")
 
 
 def _post_metrics(client: ServerClient, round_id: int, record: dict[str, Any], events: DeviceEvents) -> None:

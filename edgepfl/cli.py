@@ -163,7 +163,7 @@ def _run_simulation(config) -> None:
     console.print(results_table(results))
     if results.stopped is not None:
         console.print(results.stopped)
-    plot = plot_runs([results], Path(config.out) / PLOT_FILE)
+    plot = plot_runs([results], Path(config.out) / PLOT_FILE, x_axis="time" if config.fleet else "round")
     console.print(f"wrote {Path(config.out) / 'results.json'} and {plot}")
 
 
@@ -173,7 +173,7 @@ def plot(options: PlotOptions) -> None:
     """Overlay the accuracy curves of one or more simulated runs in one PNG."""
     from edgepfl.simulate.plots import plot_run_folders
 
-    path = plot_run_folders(options.runs, options.out)
+    path = plot_run_folders(options.runs, options.out, options.x)
     typer.echo(f"wrote {path}")
 
 

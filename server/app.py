@@ -39,6 +39,7 @@ STORAGE_RETRY_AFTER = 60  # seconds a device waits after the server's disk refus
 RoundId = Annotated[int, Path(ge=1, le=MAX_ROUND_ID, description="round id")]
 
 _EVAL_METRICS = TypeAdapter(EvalMetrics)
+_REFUSAL = {"type": "object", "properties": {"reason": {"type": "string", "maxLength": 200}}, "required": ["reason"]}
 _ERROR_SCHEMA = {
     "type": "object",
     "properties": {"error": {"type": "string"}, "detail": {"type": "string"}, "fix": {"type": "string"}},
@@ -145,6 +146,7 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         lifespan=lifespan,
     )
     upload_slots = asyncio.Semaphore(engine.config.upload_slots)
+    uploading: set[str] = set()  # devices with an upload in progress: one slot per device at most
     app.state.engine = engine
 
     @app.exception_handler(Refused)
@@ -248,10 +250,39 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         cap = engine.config.max_upload_bytes
         _check_declared_length(request, cap)
         await run_in_threadpool(engine.check_upload_allowed, name, round_id)
-        async with upload_slots:  # bodies wait in the socket, so memory is O(slots x model)
-            payload = await _read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}", limits)
-            receipt = await run_in_threadpool(engine.accept_update, name, round_id, payload)
+        if name in uploading:  # a device that opened several slow uploads would hold every slot
+            raise ApiError(
+                429,
+                "upload_in_progress",
+                f"device {name!r} already has an upload in progress",
+                "send one upload at a time; retry when the other has finished",
+                headers={"Retry-After": "5"},
+            )
+        uploading.add(name)
+        try:
+            async with upload_slots:  # bodies wait in the socket, so memory is O(slots x model)
+                payload = await _read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}", limits)
+                receipt = await run_in_threadpool(engine.accept_update, name, round_id, payload)
+        finally:
+            uploading.discard(name)
         return JSONResponse(receipt)
+
+    @app.post(
+        f"{API_PREFIX}/rounds/{{round_id}}/refusal",
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _REFUSAL}}}},
+        responses={code: _ERRORS[code] for code in (401, 403, 404, 408, 413, 422)},
+    )
+    async def post_refusal(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
+        """Report that this device refused round `round_id`'s base (NaN or Inf in it, or training diverged)."""
+        _check_declared_length(request, MAX_JSON_BYTES)
+        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
+        try:
+            reason = json.loads(body)["reason"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            reason = None
+        if not isinstance(reason, str) or not reason.strip():
+            raise ApiError(422, "invalid_request", "the body is not JSON with a string `reason`", '{"reason": "..."}')
+        return JSONResponse(await run_in_threadpool(engine.accept_refusal, name, round_id, reason))
 
     @app.post(
         f"{API_PREFIX}/rounds/{{round_id}}/metrics",

@@ -20,6 +20,7 @@ from edgepfl.errors import UsageError
 from edgepfl.options import FLAG, HIDDEN, OPTIONS, Composed, titled
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions, RoundSettings
+from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies import StrategyChoice, options_model
 
 MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
@@ -39,6 +40,7 @@ class ServerConfig(Composed):
     ]
     strategy: StrategyChoice = Field(default_factory=lambda: options_model("fedper")())
     round: RoundOptions = Field(default_factory=RoundOptions)
+    fleet_rounds: FleetOptions = Field(default_factory=FleetOptions)
     privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
     rounds: Annotated[int, Field(ge=1, description="rounds to aggregate, then tell devices 'done'")] = 100
     min_clients: Annotated[
@@ -133,8 +135,14 @@ class ServerConfig(Composed):
                 f"pass --min-clients {clients} or less",
             )
         settings = self.settings
+        self.fleet_rounds.check_strategy(self.strategy_name)
         if self.privacy.enabled:
             check_dp_strategy(self.strategy_name)
+            if self.fleet_rounds.asynchronous:
+                raise UsageError(
+                    "DP-FedAvg's accountant counts rounds of a fixed sample size, and fedbuff's steps are not",
+                    "drop the --dp-* options, or use --aggregation sync",
+                )
         if self.strategy_name == "heurpfedla" and settings.uploads_delta:
             raise UsageError(
                 "heurpfedla changes which tensors travel each round, and an encoded upload's error-feedback "

@@ -54,16 +54,22 @@ class InProcessDriving:
     clock: Any
     stopped: str | None
 
-    def open_round(self, round_id: int, devices: list[str]) -> dict[str, DevicePlan] | None:
-        """Every device polls; round `round_id` opens; each sampled device's plan (in sampled order).
+    def open_round(self, round_id: int, devices: list[str], now: float | None = None) -> dict[str, DevicePlan] | None:
+        """`devices` poll (at virtual time `now`, else one second after the last round); round `round_id` opens;
+        each sampled device's plan (in sampled order). When not every enrolled device polls, they poll again one
+        --poll-interval later, as served devices do, and the round opens then.
 
         None when the engine stops the run instead (--dp-target-epsilon: one more round would exceed it).
         Uploads an interrupted run left in the round are withdrawn: every sampled device trains again.
         """
         if isinstance(self.clock, ManualClock):  # one second a round, never back past a deadline
-            self.clock.now = max(float(round_id), self.clock.now + 1.0)
+            self.clock.now = now if now is not None else max(float(round_id), self.clock.now + 1.0)
         for device in devices:
             self.task(device)  # type: ignore[attr-defined]
+        if self.store.open_round() is None and self.stopped is None and isinstance(self.clock, ManualClock):
+            self.clock.now += self.config.poll_interval  # type: ignore[attr-defined]
+            for device in devices:
+                self.task(device)  # type: ignore[attr-defined]
         current = self.store.open_round()
         if current is None and self.stopped is not None:
             return None
@@ -81,6 +87,16 @@ class InProcessDriving:
             settings = self.settings_for(device, round_id)  # type: ignore[attr-defined]
             plans[device] = DevicePlan(settings, decode_download(payload, settings.download_encoding), len(payload))
         return plans
+
+    def poll(self, device: str) -> tuple[int, DevicePlan] | None:
+        """One device polls (fedbuff: a free device takes a task on the current base): its round and plan, or None
+        when it is told to wait or that the run is over."""
+        task = self.task(device)  # type: ignore[attr-defined]
+        if task.action != "train" or task.round_id is None:
+            return None
+        payload, _ = self.base_for(device, task.round_id)  # type: ignore[attr-defined]
+        settings = self.settings_for(device, task.round_id)  # type: ignore[attr-defined]
+        return task.round_id, DevicePlan(settings, decode_download(payload, settings.download_encoding), len(payload))
 
     def close_round(self, round_id: int, at_deadline: bool = False) -> dict[str, np.ndarray]:
         """Aggregate the round (every sampled device has uploaded, or it is `at_deadline`); the new global base.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -155,20 +156,27 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             current = self.store.open_round()
             if current is None and self._closing is None:
                 current = self._maybe_open(now)
+            asynchronous = self.config.fleet_rounds.asynchronous
+            if asynchronous and current is not None and self.store.update(current.round_id, device) is None:
+                assignment = self.take_task(device, current)  # no barrier: a free device trains on the current base
+                return self._train_task(current, assignment, deadline=None)
             if current is not None and current.round_id != self._closing and now < current.deadline:
                 assignment = self.store.assignment(current.round_id, device)
                 if assignment is not None and self.store.update(current.round_id, device) is None:
-                    return Task(
-                        action="train",
-                        base_layout_hash=self.manifest.base_layout_hash,
-                        round_id=current.round_id,
-                        settings=self._settings_of(assignment, current.round_id),
-                        base_url=f"{API_PREFIX}/rounds/{current.round_id}/base",
-                        deadline=current.deadline,
-                    )
+                    return self._train_task(current, assignment, deadline=current.deadline)
             return Task(
                 action="wait", base_layout_hash=self.manifest.base_layout_hash, retry_after=self.config.poll_interval
             )
+
+    def _train_task(self, record: RoundRecord, assignment: Assignment, deadline: float | None) -> Task:
+        return Task(
+            action="train",
+            base_layout_hash=self.manifest.base_layout_hash,
+            round_id=record.round_id,
+            settings=self._settings_of(assignment, record.round_id),
+            base_url=f"{API_PREFIX}/rounds/{record.round_id}/base",
+            deadline=deadline,
+        )
 
     def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
         """The base tensors a device gets for a round (safetensors bytes) and their sha256."""
@@ -259,6 +267,28 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         self._wake.set()
         return receipt
 
+    def accept_refusal(self, device: str, round_id: int, reason: str) -> dict[str, Any]:
+        """A device refused the base of a round it was given (NaN or Inf in it, or training diverged from it).
+
+        When a majority of the round's devices (and at least min_clients of them, or all when fewer) refused it,
+        the base is rejected and the global base rolls back (lifecycle.py `_reject_base`).
+        """
+        with self._lock:
+            record = self._round_or_404(round_id)
+            if self.store.assignment(round_id, device) is None:
+                raise Refused(
+                    "not_sampled", f"device {device!r} was not given round {round_id}", "report refusals of your rounds"
+                )
+            new = self.store.add_refusal(round_id, device, reason[:200], self.clock())
+            refused = len(self.store.refusals(round_id))
+            given = len(self.store.assigned_devices(round_id))
+            needed = max(min(self.config.min_clients, given), math.ceil(given / 2))
+            rolled_back = record.state == "open" and refused >= needed and record.round_id != self._closing
+            if rolled_back:
+                self._reject_base(record, refused)
+        log.warning("round %d: device %s refused its base (%s)", round_id, device, reason[:200])
+        return {"accepted": True, "round": round_id, "duplicate": not new, "rolled_back": rolled_back}
+
     def accept_metrics(self, device: str, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
         """Store a device's evaluation of its personalized model after a round."""
         try:
@@ -340,6 +370,9 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and train only when told to",
             )
+        if self.config.fleet_rounds.asynchronous:  # no deadline: an upload is refused only when too stale
+            self._check_fresh(record)
+            return
         if self.clock() >= record.deadline:
             raise Refused(
                 "deadline_passed",
@@ -349,6 +382,21 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         if record.state != "open" or record.round_id == self._closing:
             state = "closing" if record.state == "open" else record.state
             raise Refused("round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
+
+    def _check_fresh(self, record: RoundRecord) -> None:
+        """Fedbuff: an upload trained on base version `record` is refused when that base was rejected, or when more
+        than --max-staleness steps were made since."""
+        if record.state == "abandoned":
+            raise Refused("round_closed", f"round {record.round_id}'s base was rejected", "poll /v1/task")
+        current = self.store.last_round_id()
+        staleness, limit = current - record.round_id, self.config.fleet_rounds.max_staleness
+        if staleness > limit:
+            raise Refused(
+                "too_stale",
+                f"the update was trained on base version {record.round_id}, {staleness} steps old (the server takes "
+                f"at most {limit})",
+                "poll /v1/task and train on the current base; this update was not stored",
+            )
 
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
         if previous.blob_sha != sha:
@@ -360,11 +408,11 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         return self._receipt(previous.round_id, sha, duplicate=True)
 
     def _receipt(self, round_id: int, sha: str, duplicate: bool) -> dict[str, Any]:
-        return {
-            "accepted": True,
-            "round": round_id,
-            "sha256": sha,
-            "duplicate": duplicate,
-            "uploads": len(self.store.updates(round_id)),
-            "sampled": len(self._round_or_404(round_id).sampled),
-        }
+        receipt = {"accepted": True, "round": round_id, "sha256": sha, "duplicate": duplicate}
+        if self.config.fleet_rounds.asynchronous:
+            receipt["buffered"] = len(self.store.buffered_updates())
+            receipt["buffer_size"] = self.config.fleet_rounds.buffer_size
+            return receipt
+        record = self._round_or_404(round_id)
+        return {**receipt, "uploads": len(self.store.updates(round_id)), "sampled": len(record.sampled),
+                "target": record.needed}  # fmt: skip

@@ -20,6 +20,7 @@ STATUS: dict[str, int] = {
     "cannot_join": 409,
     "deadline_passed": 409,
     "round_closed": 409,
+    "too_stale": 409,
     "duplicate_update": 409,
     "duplicate_metrics": 409,
     "layout_mismatch": 409,
@@ -36,6 +37,7 @@ STATUS: dict[str, int] = {
     "over_clip_norm": 422,
     # 429 / 503: not now
     "too_many_attempts": 429,
+    "upload_in_progress": 429,
     "round_not_opened": 503,
     # 503 / 507: the server's disk refused a write (server/store.StorageError)
     "storage_failed": 503,

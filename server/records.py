@@ -21,6 +21,12 @@ class RoundRecord:
     note: str | None = None
     population: int | None = None  # devices available (and admissible) when it opened: the sampler's N
     epsilon: float | None = None  # DP: epsilon spent through this round (closed rounds of a DP run)
+    target: int | None = None  # uploads that close it (over-selection samples more); None: every sampled device
+
+    @property
+    def needed(self) -> int:
+        """The accepted uploads that close the round."""
+        return self.target if self.target is not None else len(self.sampled)
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,10 @@ class UpdateRecord:
     val_accuracy: float | None
     val_loss: float | None
     received: float
-    status: str = "accepted"  # accepted | corrupt (its blob failed the sha256 check when read)
+    status: str = "accepted"  # accepted | corrupt (its blob failed the sha256 check when read) | dropped
     start_val_accuracy: float | None = None  # the held model of the round before, scored as the round began
+    applied_in: int | None = None  # fedbuff: the step (round) whose close applied it; None: still buffered
+    staleness: int | None = None  # fedbuff: the steps made between its base and the step that applied it
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from edgepfl.manifest import TensorSpec
 from edgepfl.protocol import RoundSettings
 from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
 from edgepfl.server.errors import BlobError
+from edgepfl.server.fleet import FleetOptions, rebased
 from edgepfl.server.records import RoundRecord, UpdateRecord
 from edgepfl.server.store import Store
 from edgepfl.server.strategy import AcceptedUpdate, Strategy
@@ -63,9 +64,14 @@ class RoundUploads:
         """Drop what is remembered of a round whose uploads were withdrawn."""
         self._norms = {key: norm for key, norm in self._norms.items() if key[0] != round_id}
 
-    def closed(self, round_id: int) -> None:
-        """A round closed: its norms and every cached base are no longer needed."""
-        self._norms = {key: norm for key, norm in self._norms.items() if key[0] > round_id}
+    def closed(self, round_id: int, applied: Sequence[tuple[int, str]] | None = None) -> None:
+        """A round closed: the norms of its uploads (fedbuff: of the (round, device) uploads its step `applied`)
+        and every cached base are no longer needed."""
+        if applied is None:
+            self._norms = {key: norm for key, norm in self._norms.items() if key[0] > round_id}
+        else:
+            for key in applied:
+                self._norms.pop(key, None)
         self._bases.clear()
 
     def for_strategy(self, record: RoundRecord, strategy: Strategy) -> Iterator[AcceptedUpdate]:
@@ -73,7 +79,8 @@ class RoundUploads:
         if strategy.reads_deltas:
             return self._deltas(record)
         if not strategy.bounded:
-            return self._accepted_updates(record, strategy.streaming)
+            stored = self.store.updates(record.round_id)
+            return self._accepted_updates(record.round_id, stored, streaming=strategy.streaming)
         return self.bounded_updates(record, strategy.streaming)
 
     def bounded_updates(self, record: RoundRecord, streaming: bool) -> Iterator[AcceptedUpdate]:
@@ -83,18 +90,35 @@ class RoundUploads:
         device's copy of one tensor at a time, and the uploads are read lazily, one tensor at a time.
         """
         stored = self.store.updates(record.round_id)
-        bases = {u.device: self.base_of(record.round_id, u.device) for u in stored}
+        return self._bounded(record.round_id, stored, lambda update: update.device, streaming)
+
+    def step(
+        self, buffered: list[UpdateRecord], version: int, global_base: Mapping[str, np.ndarray], options: FleetOptions
+    ) -> Iterator[AcceptedUpdate]:
+        """Fedbuff's step over the buffered uploads (of several base versions; a device may have two): each bounded
+        against the base it trained on, then rebased on the current base with its staleness weight (fleet.py)."""
+        updates = self._bounded(version, buffered, fleet_key, streaming=True)
+        sent = {fleet_key(update): self.base_of(update.round_id, update.device) for update in buffered}
+        staleness = {fleet_key(update): version - update.round_id for update in buffered}
+        return rebased(updates, sent, staleness, global_base, options)
+
+    def _bounded(
+        self, round_id: int, stored: list[UpdateRecord], key: Callable[[UpdateRecord], str], streaming: bool
+    ) -> Iterator[AcceptedUpdate]:
+        """`stored` read back and bounded (`key` names each update: its device, or device@round under fedbuff)."""
+        bases = {key(u): self.base_of(u.round_id, u.device) for u in stored}
         norms = {}
         for update in stored:  # norms are measured at acceptance; after a restart they are measured again here
-            norm = self._norms.get((record.round_id, update.device))
+            norm = self._norms.get((update.round_id, update.device))
             if norm is None:
                 try:
-                    norm = delta_norm(self._upload_of(record.round_id, update), bases[update.device])
+                    norm = delta_norm(self._upload_of(update.round_id, update), bases[key(update)])
                 except BlobError:
                     continue  # excluded as corrupt by _accepted_updates
-            norms[update.device] = norm
-        counts = {u.device: u.num_samples for u in stored if u.device in norms}
-        yield from bounded(self._accepted_updates(record, streaming), bases, norms, counts, self.bounds)
+            norms[key(update)] = norm
+        counts = {key(u): u.num_samples for u in stored if key(u) in norms}
+        accepted = self._accepted_updates(round_id, stored, key, streaming)
+        yield from bounded(accepted, bases, norms, counts, self.bounds)
 
     def _deltas(self, record: RoundRecord) -> Iterator[AcceptedUpdate]:
         """The decoded deltas of the round's accepted uploads, one at a time (a corrupt blob is excluded)."""
@@ -102,18 +126,24 @@ class RoundUploads:
             try:
                 delta = self._delta_of(record.round_id, update)
             except BlobError as error:
-                self._exclude(record, update, error)
+                self._exclude(record.round_id, update, error)
                 continue
             yield AcceptedUpdate(update.device, update.num_samples, {}, update.train_loss, update.val_accuracy, delta)
 
-    def _accepted_updates(self, record: RoundRecord, streaming: bool) -> Iterator[AcceptedUpdate]:
-        for update in self.store.updates(record.round_id):
+    def _accepted_updates(
+        self,
+        round_id: int,
+        stored: list[UpdateRecord],
+        key: Callable[[UpdateRecord], str] = lambda update: update.device,
+        streaming: bool = True,
+    ) -> Iterator[AcceptedUpdate]:
+        for update in stored:
             try:
-                tensors = self._upload_of(record.round_id, update, lazy=not streaming)
+                tensors = self._upload_of(update.round_id, update, lazy=not streaming)
             except BlobError as error:
-                self._exclude(record, update, error)
+                self._exclude(round_id, update, error)
                 continue
-            yield AcceptedUpdate(update.device, update.num_samples, tensors, update.train_loss, update.val_accuracy)
+            yield AcceptedUpdate(key(update), update.num_samples, tensors, update.train_loss, update.val_accuracy)
 
     def _upload_of(self, round_id: int, update: UpdateRecord, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """The base tensors an accepted upload stands for: as stored, or (a delta upload) the base it was sent + delta.
@@ -134,6 +164,11 @@ class RoundUploads:
         tensors, metadata = decode(self.store.blobs.read(update.blob_sha))
         return read_upload_delta(tensors, metadata, settings, settings.travelling(self.specs))
 
-    def _exclude(self, record: RoundRecord, update: UpdateRecord, error: BlobError) -> None:
-        log.error("round %d: upload of %s is excluded: %s", record.round_id, update.device, error)
-        self.store.mark_corrupt(record.round_id, update.device)
+    def _exclude(self, round_id: int, update: UpdateRecord, error: BlobError) -> None:
+        log.error("round %d: upload of %s is excluded: %s", round_id, update.device, error)
+        self.store.mark_corrupt(update.round_id, update.device)
+
+
+def fleet_key(update: UpdateRecord) -> str:
+    """A buffered upload's name in a fedbuff step: its device and the round (base version) it trained on."""
+    return f"{update.device}@{update.round_id}"

@@ -12,8 +12,13 @@ if TYPE_CHECKING:
 
 
 def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int, state: str) -> dict[str, Any]:
-    """JSON summary of the server and every round (no device names, no tensors), from the engine's snapshot."""
+    """JSON summary of the server and every round (no tensors), from the engine's snapshot.
+
+    Device names appear only where the operator needs them: the open round's missing devices, and (fedbuff)
+    each device's last staleness; /v1/status needs a token unless --public-status.
+    """
     rows = [round_summary(engine.store, record) for record in rounds]
+    fleet = engine.config.fleet_rounds
     return {
         "state": state,
         "strategy": engine.strategy.name,
@@ -29,9 +34,44 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "upload_encoding": engine.config.settings.upload_encoding,
         "download_encoding": engine.config.settings.download_encoding,
         "privacy": privacy_status(engine, rounds),
+        "aggregation": fleet.aggregation,
+        "over_select": fleet.over_select,
+        "fedbuff": fedbuff_status(engine, rounds) if fleet.asynchronous else None,
         "stopped": engine.stopped,
-        "open_round": next((row for row in rows if row["state"] == "open"), None),
+        "open_round": open_round_status(engine, rounds, rows),
         "rounds": rows,
+    }
+
+
+def open_round_status(engine: RoundEngine, rounds: list[RoundRecord], rows: list[dict]) -> dict[str, Any] | None:
+    """The open round's row, with who has not uploaded yet and when it gives up (its deadline)."""
+    record = next((record for record in rounds if record.state == "open"), None)
+    if record is None:
+        return None
+    row = next(row for row in rows if row["round"] == record.round_id)
+    uploaded = {update.device for update in engine.store.updates(record.round_id)}
+    refused = {device for device, _ in engine.store.refusals(record.round_id)}
+    given = engine.store.assigned_devices(record.round_id)
+    missing = [device for device in given if device not in uploaded]
+    return {**row, "missing": missing, "refused": sorted(refused), "gives_up_at": record.deadline}
+
+
+def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, Any]:
+    """FedBuff: the current base version, the buffer's fill, and each device's last staleness."""
+    fleet = engine.config.fleet_rounds
+    current = next((record.round_id for record in rounds if record.state == "open"), engine.store.last_round_id())
+    last = {}
+    for update in engine.store.last_updates():
+        staleness = update.staleness if update.applied_in is not None else current - update.round_id
+        last[update.device] = {"round": update.round_id, "staleness": staleness, "applied": update.applied_in}
+    return {
+        "base_version": current,
+        "buffered": len(engine.store.buffered_updates()),
+        "buffer_size": fleet.buffer_size,
+        "max_staleness": fleet.max_staleness,
+        "staleness_weight": fleet.staleness_weight,
+        "server_lr": fleet.server_lr,
+        "devices": last,
     }
 
 
@@ -51,6 +91,7 @@ def round_summary(store: Store, record: RoundRecord) -> dict[str, Any]:
         "round": record.round_id,
         "state": record.state,
         "sampled": len(record.sampled),
+        "target": record.needed,
         "uploads": len(updates),
         "opened": record.opened,
         "deadline": record.deadline,

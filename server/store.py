@@ -10,7 +10,7 @@ import hmac
 import json
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple, fields
 from pathlib import Path
@@ -19,53 +19,9 @@ from edgepfl.errors import StateError
 from edgepfl.server.blobs import BlobStore
 from edgepfl.server.errors import StorageError
 from edgepfl.server.records import Assignment, DeviceRecord, EvalRecord, RoundRecord, UpdateRecord
+from edgepfl.server.schema import MIGRATIONS
 
 DB_NAME = "edgepfl-server.sqlite3"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS devices (
-    name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created REAL NOT NULL, enroll_key_hash TEXT);
-CREATE TABLE IF NOT EXISTS rounds (
-    round_id INTEGER PRIMARY KEY, state TEXT NOT NULL, base_sha TEXT NOT NULL,
-    opened REAL NOT NULL, deadline REAL NOT NULL, closed REAL, sampled TEXT NOT NULL,
-    result_sha TEXT, aggregate_seconds REAL, note TEXT);
-CREATE TABLE IF NOT EXISTS assignments (
-    round_id INTEGER NOT NULL, device TEXT NOT NULL, base_sha TEXT NOT NULL, settings TEXT NOT NULL,
-    PRIMARY KEY (round_id, device));
-CREATE TABLE IF NOT EXISTS updates (
-    round_id INTEGER NOT NULL, device TEXT NOT NULL, blob_sha TEXT NOT NULL, nbytes INTEGER NOT NULL,
-    num_samples INTEGER NOT NULL, train_loss REAL, val_accuracy REAL, val_loss REAL,
-    received REAL NOT NULL, status TEXT NOT NULL DEFAULT 'accepted', PRIMARY KEY (round_id, device));
-CREATE TABLE IF NOT EXISTS eval_metrics (
-    round_id INTEGER NOT NULL, device TEXT NOT NULL, accuracy REAL NOT NULL, loss REAL,
-    num_samples INTEGER NOT NULL, received REAL NOT NULL, PRIMARY KEY (round_id, device));
-"""
-
-
-def _schema_1(db: sqlite3.Connection) -> None:
-    """The tables; a folder from before `user_version` (0) may lack devices.enroll_key_hash: it is added."""
-    for statement in filter(str.strip, _SCHEMA.split(";")):
-        db.execute(statement)
-    columns = {row["name"] for row in db.execute("PRAGMA table_info(devices)")}
-    if "enroll_key_hash" not in columns:
-        db.execute("ALTER TABLE devices ADD COLUMN enroll_key_hash TEXT")
-
-
-def _schema_2(db: sqlite3.Connection) -> None:
-    """DP: each round's population (devices it sampled from) and the epsilon spent once it closed."""
-    db.execute("ALTER TABLE rounds ADD COLUMN population INTEGER")
-    db.execute("ALTER TABLE rounds ADD COLUMN epsilon REAL")
-
-
-def _schema_3(db: sqlite3.Connection) -> None:
-    """Issue 18: each upload's held-out accuracy of the model its device held when the round began."""
-    db.execute("ALTER TABLE updates ADD COLUMN start_val_accuracy REAL")
-
-
-# step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1, _schema_2, _schema_3)
-
 
 class AlreadyEnrolled(StateError):
     """A device name that is enrolled already (and neither `replace` nor its enrollment key was given)."""
@@ -243,22 +199,18 @@ class Store:
         with self.transaction() as db:
             if strategy_state_sha is not None:
                 _write_meta(db, {"strategy_state_sha": strategy_state_sha})
-            db.execute(
-                "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled, population) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.round_id,
-                    record.state,
-                    record.base_sha,
-                    record.opened,
-                    record.deadline,
-                    json.dumps(list(record.sampled)),
-                    record.population,
-                ),
-            )
+            _insert_round(db, record)
             db.executemany(
                 "INSERT INTO assignments (round_id, device, base_sha, settings) VALUES (?, ?, ?, ?)",
                 [(a.round_id, a.device, a.base_sha, a.settings) for a in assignments],
+            )
+
+    def add_assignment(self, assignment: Assignment) -> None:
+        """Record what a device is given in an open round (fedbuff: each device that takes a task on it)."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO assignments (round_id, device, base_sha, settings) VALUES (?, ?, ?, ?)",
+                (assignment.round_id, assignment.device, assignment.base_sha, assignment.settings),
             )
 
     def finish_round(
@@ -273,9 +225,13 @@ class Store:
         strategy_state_sha: str | None = None,
         epsilon: float | None = None,
         meta: Mapping[str, str] | None = None,
+        applied: Sequence[tuple[int, str, int]] = (),
+        next_round: RoundRecord | None = None,
+        rejected: str | None = None,
     ) -> None:
         """Close (aggregated) or abandon the open round and set the global base (and strategy state, the epsilon
-        spent and other `meta`, e.g. the privacy ledger), atomically."""
+        spent and other `meta`, e.g. the privacy ledger), atomically; with fedbuff, the (round, device, staleness)
+        of the uploads the step `applied` and the `next_round` it opens; after a rollback, the `rejected` base."""
         with self.transaction() as db:
             changed = db.execute(
                 "UPDATE rounds SET state = ?, closed = ?, result_sha = ?, aggregate_seconds = ?, note = ?, "
@@ -287,6 +243,64 @@ class Store:
             _write_meta(db, {**(meta or {}), "global_base_sha": global_base_sha})
             if strategy_state_sha is not None:
                 _write_meta(db, {"strategy_state_sha": strategy_state_sha})
+            db.executemany(
+                "UPDATE updates SET applied_in = ?, staleness = ? WHERE round_id = ? AND device = ?",
+                [(round_id, staleness, upload_round, device) for upload_round, device, staleness in applied],
+            )
+            if next_round is not None:
+                _insert_round(db, next_round)
+            if rejected is not None:
+                db.execute("INSERT OR IGNORE INTO rejected_bases (sha, round_id) VALUES (?, ?)", (rejected, round_id))
+
+    def buffered_updates(self) -> list[UpdateRecord]:
+        """Fedbuff's buffer: the accepted uploads no step has applied yet, in the order they were received."""
+        return [
+            UpdateRecord(*row)
+            for row in self._query(
+                f"SELECT {_UPDATE_COLUMNS} FROM updates WHERE status = 'accepted' AND applied_in IS NULL "
+                "ORDER BY received, round_id, device"
+            )
+        ]
+
+    def drop_updates(self, round_ids: Sequence[int]) -> int:
+        """Take the not yet applied uploads of these rounds out of fedbuff's buffer (their base was rejected)."""
+        with self.transaction() as db:
+            return db.executemany(
+                "UPDATE updates SET status = 'dropped' WHERE round_id = ? AND applied_in IS NULL",
+                [(round_id,) for round_id in round_ids],
+            ).rowcount
+
+    def last_updates(self) -> list[UpdateRecord]:
+        """Each device's latest upload (status page: its last staleness)."""
+        rows = self._query(
+            f"SELECT {_UPDATE_COLUMNS} FROM updates WHERE rowid IN (SELECT MAX(rowid) FROM updates GROUP BY device) "
+            "ORDER BY device"
+        )
+        return [UpdateRecord(*row) for row in rows]
+
+    # refusals of a round's base, and rejected bases
+
+    def add_refusal(self, round_id: int, device: str, reason: str, received: float) -> bool:
+        """Record a device's refusal of a round's base; False if it had already reported one."""
+        with self.transaction() as db:
+            return db.execute(
+                "INSERT OR IGNORE INTO refusals (round_id, device, reason, received) VALUES (?, ?, ?, ?)",
+                (round_id, device, reason, received),
+            ).rowcount == 1
+
+    def refusals(self, round_id: int) -> list[tuple[str, str]]:
+        """The (device, reason) refusals of a round's base."""
+        rows = self._query("SELECT device, reason FROM refusals WHERE round_id = ? ORDER BY device", (round_id,))
+        return [(row["device"], row["reason"]) for row in rows]
+
+    def rejected_bases(self) -> set[str]:
+        """The bases devices rejected (a rollback never returns to one)."""
+        return {row["sha"] for row in self._query("SELECT sha FROM rejected_bases")}
+
+    def assigned_devices(self, round_id: int) -> list[str]:
+        """The devices given a round (sampled, or fedbuff's takers)."""
+        rows = self._query("SELECT device FROM assignments WHERE round_id = ? ORDER BY device", (round_id,))
+        return [row["device"] for row in rows]
 
     # assignments, updates, metrics
 
@@ -367,10 +381,27 @@ _BLOBS_OF_ROUNDS = (
 )
 _ROUND_COLUMNS = (
     "round_id, state, base_sha, opened, deadline, sampled, closed, result_sha, aggregate_seconds, note, population, "
-    "epsilon"
+    "epsilon, target"
 )
 # the updates table's columns are UpdateRecord's fields, in order: a row reads back as UpdateRecord(*row)
 _UPDATE_COLUMNS = ", ".join(field.name for field in fields(UpdateRecord))
+
+
+def _insert_round(db: sqlite3.Connection, record: RoundRecord) -> None:
+    db.execute(
+        "INSERT INTO rounds (round_id, state, base_sha, opened, deadline, sampled, population, target) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            record.round_id,
+            record.state,
+            record.base_sha,
+            record.opened,
+            record.deadline,
+            json.dumps(list(record.sampled)),
+            record.population,
+            record.target,
+        ),
+    )
 
 
 def _write_meta(db: sqlite3.Connection, values: Mapping[str, str]) -> None:

@@ -13,13 +13,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from edgepfl.device_runtime.options import DeviceOptions, LocalOptions
 from edgepfl.errors import UsageError
 from edgepfl.options import GROUP, Composed, leaves, titled, validated
 from edgepfl.protocol import RoundOptions
 from edgepfl.server.config import ServerConfig
+from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies import StrategyChoice, options_model
 from edgepfl.simulate.config import PartitionOptions
 
@@ -48,6 +49,17 @@ class ServerRunConfig(Composed):
         default_factory=lambda: options_model("fedper")()
     )
     round: RoundOptions = Field(default_factory=RoundOptions)
+    fleet_rounds: FleetOptions = Field(default_factory=FleetOptions)
+
+    @model_validator(mode="after")
+    def _synchronous(self) -> ServerRunConfig:
+        if self.fleet_rounds.asynchronous:
+            raise UsageError(
+                "aggregation fedbuff cannot run in Flower: its Strategy.start sends a round's messages and waits for "
+                "their replies, so every step would be a round barrier",
+                "use aggregation sync (with over-select) in Flower, or edgepfl serve for fedbuff",
+            )
+        return self
 
 
 class NodeRunConfig(Composed):

@@ -72,6 +72,7 @@ def run_federation(grid: Grid, config: ServerRunConfig) -> Result:
         knobs=config.strategy.model_dump(exclude={"name"}),
         bundle=config.bundle,
         round_timeout=config.timeout,
+        fleet_rounds=config.fleet_rounds,
     )
     try:
         strategy = EdgePFLStrategy(server, devices)

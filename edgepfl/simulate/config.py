@@ -24,8 +24,11 @@ from edgepfl.errors import UsageError
 from edgepfl.options import GROUP, Composed, flatten, titled, validated
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies.heurpfedla import RetainOptions
 from edgepfl.server.strategies.pfedla import HypernetworkOptions
+from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
 
@@ -123,7 +126,17 @@ class SimulateConfig(Composed):
     data: PartitionOptions = Field(default_factory=PartitionOptions)
     fraction: Annotated[float, Field(gt=0.0, le=1.0, description="fraction of clients sampled per round")] = 1.0
     min_clients: Annotated[int, Field(ge=1, description="clients needed to close a round")] = 1
-    rounds: Annotated[int, Field(ge=1, description="rounds")] = 50
+    rounds: Annotated[int, Field(ge=1, description="rounds (fedbuff: server steps)")] = 50
+    fleet: Annotated[
+        str | None,
+        Field(
+            description="simulate a fleet on a virtual clock: dropouts, speeds, on/off periods "
+            "(edgepfl/simulate/fleet.py)",
+            examples=[SPEC_EXAMPLE],
+        ),
+    ] = None
+    fleet_rounds: FleetOptions = Field(default_factory=FleetOptions)
+    round_timeout: float = ServerConfig.model_fields["round_timeout"]
     # the client update (fedsim, fedalt, local) is the method's: --algorithm chooses it
     round: Annotated[RoundOptions, Field(json_schema_extra={GROUP: {"exclude": ["algorithm"]}})] = SIMULATE_ROUND
     hypernetworks: HypernetworkOptions = Field(default_factory=HypernetworkOptions)
@@ -165,12 +178,28 @@ class SimulateConfig(Composed):
             )
         if self.privacy.enabled and self.plan.strategy is not None:
             check_dp_strategy(self.plan.strategy, "--algorithm")
+        if self.fleet is not None:
+            FleetSpec.parse(self.fleet)
+        if self.on_a_clock and self.plan.strategy is None:
+            raise UsageError(
+                f"--algorithm {self.algorithm} aggregates nothing: --fleet, --over-select and fedbuff do not apply",
+                "drop them, or choose an algorithm that aggregates",
+            )
+        if self.fleet_rounds.asynchronous:
+            self.fleet_rounds.check_strategy(str(self.plan.strategy))
+            if self.privacy.enabled:
+                raise UsageError("DP-FedAvg's accountant counts rounds, not fedbuff's steps", "drop the --dp-* options")
         if self.device != "cpu" and self.engine != "torch":
             raise UsageError(
                 f"--device {self.device} applies to --engine torch; the {self.engine} engine runs on the CPU",
                 "use --engine torch, or drop --device",
             )
         return self
+
+    @property
+    def on_a_clock(self) -> bool:
+        """Whether rounds run on the fleet's virtual clock (--fleet, over-selection or fedbuff)."""
+        return self.fleet is not None or self.fleet_rounds != FleetOptions()
 
     def round_options(self) -> RoundOptions:
         """The round settings the strategy hands every sampled client: the method's client update, and its

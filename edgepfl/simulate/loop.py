@@ -29,7 +29,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,8 @@ from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
 from edgepfl.simulate.bundle import ensure_bundle, open_sim_engine
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
+from edgepfl.simulate.fleet import Fleet, FleetSpec
+from edgepfl.simulate.fleet_loop import FleetRun
 
 if TYPE_CHECKING:
     from edgepfl.server.engine import RoundEngine
@@ -84,6 +86,9 @@ def run_simulation(
     """Run (or resume) an experiment into `config.out`; returns the results also written there."""
     out = Path(config.out)
     previous = load_results(out) if (out / "results.json").is_file() else None
+    if previous is not None and config.on_a_clock and len(previous.rounds) < config.rounds:
+        status("a fleet run does not resume: starting it again")
+        previous = None  # its clock and events are not saved: the run starts again from round 1
     if previous is not None:
         differ = previous.config.same_experiment(config)
         if differ:
@@ -109,7 +114,8 @@ def run_simulation(
             )
         clients.append(_make_client(number, part, dataset, manifest, config.seed, initial, out / RESIDUALS_DIR))
     names = [client.name for client in clients]
-    saved = _load_state(out / STATE_FILE, clients) if previous is not None and (out / STATE_FILE).is_file() else None
+    resumable = previous is not None and (out / STATE_FILE).is_file()
+    saved = _load_state(out / STATE_FILE, clients) if resumable else None
     done, pending = saved if saved is not None else (0, None)
     for client in clients:  # residuals of a round whose client state was not saved are encoded again on resume
         drop_residuals_after(client.residuals, done)
@@ -124,7 +130,9 @@ def run_simulation(
         fraction=config.fraction,
         min_clients=config.min_clients,
         knobs={**config.hypernetworks.model_dump(), **config.retained.model_dump()},
+        round_timeout=config.round_timeout,
         privacy=config.privacy,
+        fleet_rounds=config.fleet_rounds,
         fresh=saved is None,
     )
     workers = None
@@ -145,51 +153,22 @@ def run_simulation(
         if records:  # resumed: the restored strategy's weights, also when no round is left to run
             results.alpha = _mixing_weights(server)
         write_results(out, results)
-        by_name = {client.name: client for client in clients}
         teachers = out / TEACHERS_DIR if stores is not None else None
         workers = open_workers(config, out / BUNDLE_DIR, manifest, engine, clients, teachers)
-        for round_id in range(done + 1, config.rounds + 1):
-            started = time.perf_counter()
-            global_base = server.global_base()
-            plans = server.open_round(round_id, names)
-            if plans is None:  # --dp-target-epsilon: one more round would exceed the budget
-                results.stopped = server.stopped
+        if config.on_a_clock:
+            if len(records) < config.rounds:
+                _run_fleet(config, server, engine, clients, workers, results, settings, progress)
+        else:
+            for round_id in range(done + 1, config.rounds + 1):
+                record = _round(config, round_id, server, workers, engine, clients, settings, progress)
+                if record is None:  # --dp-target-epsilon: one more round would exceed the budget
+                    results.stopped = server.stopped
+                    write_results(out, results)
+                    status(results.stopped or "stopped")
+                    break
+                records.append(record)
+                results.alpha = _mixing_weights(server)
                 write_results(out, results)
-                status(results.stopped or "stopped")
-                break
-            losses, start_val_loss = [], {}
-            trained_acc = {}  # evaluation.py's *trained* score of every sampled client
-            traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
-            current = {name: by_name[name].tensors for name in plans}
-            for done_count, (name, outcome) in enumerate(workers.run(round_id, plans, current)):
-                plan = plans[name]
-                by_name[name].tensors = outcome.tensors
-                traffic["bytes_down"] += plan.nbytes
-                # a tensor kept on the client is neither sent nor uploaded (HeurpFedLA)
-                traffic["bytes_kept"] += 2 * sum(global_base[key].nbytes for key in plan.settings.kept_on_device)
-                if outcome.start_val_loss is not None:
-                    start_val_loss[name] = outcome.start_val_loss
-                trained_acc[name] = outcome.trained_accuracy
-                if not math.isnan(outcome.train_loss):
-                    losses.append(outcome.train_loss)
-                if outcome.payload is not None:  # through the served acceptance checks
-                    traffic["bytes_up"] += len(outcome.payload)
-                    server.accept_update(name, round_id, outcome.payload)
-                if progress is not None:
-                    progress(round_id, done_count + 1, len(plans))
-            pending = {
-                **traffic,
-                "train_loss": float(np.mean(losses)) if losses else None,
-                "sampled": len(plans),
-                "seconds": time.perf_counter() - started,
-                "start_val_loss": start_val_loss if stores is not None else None,
-                "trained_test_accuracy": accuracy_summary([trained_acc.get(c.name, math.nan) for c in clients]),
-            }
-            _save_state(out / STATE_FILE, round_id, clients, pending)  # before the close: a resume can finish it
-            global_base = server.close_round(round_id)
-            records.append(_evaluate(engine, clients, server, global_base, round_id, pending, settings))
-            results.alpha = _mixing_weights(server)
-            write_results(out, results)
     finally:
         if workers is not None:
             workers.close()
@@ -199,6 +178,71 @@ def run_simulation(
         results.persfl = run_distillation(config, engine, clients, stores, status)
         write_results(out, results)
     return results
+
+
+def _round(
+    config: SimulateConfig, round_id: int, server, workers, engine: Engine, clients: list[Client], settings,
+    progress: RoundProgress | None,
+) -> RoundRecord | None:  # fmt: skip
+    """One round: every client polls, the sampled ones train (in `workers`) and upload, the round closes and every
+    client is scored; None when the engine stops the run instead."""
+    started = time.perf_counter()
+    global_base = server.global_base()
+    plans = server.open_round(round_id, [client.name for client in clients])
+    if plans is None:
+        return None
+    by_name = {client.name: client for client in clients}
+    losses, start_val_loss = [], {}
+    trained_acc = {}  # evaluation.py's *trained* score of every sampled client
+    traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
+    current = {name: by_name[name].tensors for name in plans}
+    for done_count, (name, outcome) in enumerate(workers.run(round_id, plans, current)):
+        plan = plans[name]
+        by_name[name].tensors = outcome.tensors
+        traffic["bytes_down"] += plan.nbytes
+        # a tensor kept on the client is neither sent nor uploaded (HeurpFedLA)
+        traffic["bytes_kept"] += 2 * sum(global_base[key].nbytes for key in plan.settings.kept_on_device)
+        if outcome.start_val_loss is not None:
+            start_val_loss[name] = outcome.start_val_loss
+        trained_acc[name] = outcome.trained_accuracy
+        if not math.isnan(outcome.train_loss):
+            losses.append(outcome.train_loss)
+        if outcome.payload is not None:  # through the served acceptance checks
+            traffic["bytes_up"] += len(outcome.payload)
+            server.accept_update(name, round_id, outcome.payload)
+        if progress is not None:
+            progress(round_id, done_count + 1, len(plans))
+    pending = {
+        **traffic,
+        "train_loss": float(np.mean(losses)) if losses else None,
+        "sampled": len(plans),
+        "seconds": time.perf_counter() - started,
+        "start_val_loss": start_val_loss if config.plan.persfl else None,
+        "trained_test_accuracy": accuracy_summary([trained_acc.get(c.name, math.nan) for c in clients]),
+    }
+    _save_state(Path(config.out) / STATE_FILE, round_id, clients, pending)  # before the close: a resume finishes it
+    global_base = server.close_round(round_id)
+    return _evaluate(engine, clients, server, global_base, round_id, pending, settings)
+
+
+def _run_fleet(
+    config: SimulateConfig, server, engine: Engine, clients: list[Client], workers, results: Results, settings,
+    progress: RoundProgress | None,
+) -> None:  # fmt: skip
+    """The rounds on the fleet's virtual clock (fleet_loop.py); a record per closed round (fedbuff: step)."""
+    out = Path(config.out)
+    spec = FleetSpec.parse(config.fleet) if config.fleet else FleetSpec()
+    fleet = Fleet(spec, [client.name for client in clients], config.seed)
+
+    def evaluate(global_base, round_id: int, pending: dict, now: float) -> RoundRecord:
+        record = _evaluate(engine, clients, server, global_base, round_id, pending, settings)
+        return replace(record, virtual_time=now)
+
+    def on_record(record: RoundRecord) -> None:
+        results.rounds.append(record)
+        write_results(out, results)
+
+    FleetRun(server, engine, clients, workers, fleet, config.rounds, evaluate, on_record, progress).run()
 
 
 def _evaluate(

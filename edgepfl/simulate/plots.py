@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -25,15 +25,26 @@ class PlotOptions(BaseModel):
     out: Annotated[
         Path | None, Field(description="PNG to write (default: RUN/accuracy.png for one run, else accuracy.png)")
     ] = None
+    x: Annotated[
+        Literal["round", "time"],
+        Field(description="the x axis: rounds (fedbuff: steps), or the virtual time of a --fleet run"),
+    ] = "round"
 
 
 PLOT_FILE = "accuracy.png"
 
 
-def plot_runs(runs: Sequence[Results], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """Write one PNG: per run, mean test accuracy across clients, ± std shaded dark and min..max light."""
+def plot_runs(
+    runs: Sequence[Results], out: str | Path, labels: Sequence[str] | None = None, x_axis: str = "round"
+) -> Path:
+    """Write one PNG: per run, mean test accuracy across clients, ± std shaded dark and min..max light, against
+    rounds or (x_axis "time") the virtual time of a --fleet run."""
     if not runs:
         raise UsageError("nothing to plot", "pass at least one run folder")
+    if x_axis == "time":
+        untimed = [results.config.out for results in runs if any(r.virtual_time is None for r in results.rounds)]
+        if untimed:
+            raise UsageError(f"{untimed[0]} has no virtual time", "plot it with --x round, or rerun it with --fleet")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,7 +55,7 @@ def plot_runs(runs: Sequence[Results], out: str | Path, labels: Sequence[str] | 
         rounds = [r for r in results.rounds if r.test_accuracy["mean"] is not None]
         if not rounds:
             continue
-        x = [r.round for r in rounds]
+        x = [r.virtual_time if x_axis == "time" else r.round for r in rounds]
         mean = [100 * r.test_accuracy["mean"] for r in rounds]
         std = [100 * r.test_accuracy["std"] for r in rounds]
         low = [100 * r.test_accuracy["min"] for r in rounds]
@@ -63,8 +74,11 @@ def plot_runs(runs: Sequence[Results], out: str | Path, labels: Sequence[str] | 
         )
     from matplotlib.ticker import MaxNLocator
 
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_xlabel("round")
+    if x_axis == "time":
+        axes.set_xlabel("virtual time (s)")
+    else:
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.set_xlabel("round")
     axes.set_ylabel("test accuracy across clients (%)")
     axes.set_title("mean; shaded: ± std (dark), min..max (light)", fontsize=9)
     axes.grid(alpha=0.3)
@@ -77,10 +91,10 @@ def plot_runs(runs: Sequence[Results], out: str | Path, labels: Sequence[str] | 
     return out
 
 
-def plot_run_folders(folders: Sequence[str | Path], out: str | Path | None = None) -> Path:
+def plot_run_folders(folders: Sequence[str | Path], out: str | Path | None = None, x_axis: str = "round") -> Path:
     """Overlay the runs in these folders; default output: the first folder's accuracy.png (one run) or
     ./accuracy.png (several)."""
     runs = [load_results(folder) for folder in folders]
     if out is None:
         out = Path(folders[0]) / PLOT_FILE if len(folders) == 1 else Path(PLOT_FILE)
-    return plot_runs(runs, out)
+    return plot_runs(runs, out, x_axis=x_axis)

@@ -39,6 +39,8 @@ class RoundRecord:
     # device_runtime/evaluation.py's *trained* score (test_accuracy is its *held* score); null for unsampled clients
     trained_test_accuracy: dict[str, Any] | None = None
     epsilon: float | None = None  # DP: epsilon spent through this round, at the run's --dp-delta
+    virtual_time: float | None = None  # --fleet: the virtual clock (seconds) when the round (fedbuff: step) ended
+    late_uploads: int | None = None  # --fleet: uploads refused since the last round (round closed, too stale)
 
 
 @dataclass

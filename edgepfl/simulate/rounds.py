@@ -21,6 +21,7 @@ import numpy as np
 from edgepfl.errors import StateError
 from edgepfl.privacy import PrivacyOptions
 from edgepfl.protocol import RoundOptions
+from edgepfl.server.fleet import FleetOptions
 from edgepfl.wire import save_tensors
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ def open_server(
     bundle: Path | None = None,
     round_timeout: float | None = None,
     privacy: PrivacyOptions | None = None,
+    fleet_rounds: FleetOptions | None = None,
 ) -> RoundEngine | LocalRounds:
     """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device.
 
@@ -136,6 +138,7 @@ def open_server(
         history=HISTORY,
         **timeout,
         privacy=privacy or PrivacyOptions(),
+        fleet_rounds=fleet_rounds or FleetOptions(),
         web=False,
     )
     engine = create_engine(config, ManualClock())

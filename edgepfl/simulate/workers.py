@@ -55,6 +55,7 @@ class Outcome:
     trained_accuracy: float
     payload: bytes | None  # the encoded upload; None when the client's algorithm uploads nothing
     start_val_loss: float | None  # persfl: the received global model's validation loss
+    refused: str | None = None  # why the client refused the round (its base, or training diverged from it)
 
 
 @dataclass
@@ -96,8 +97,8 @@ def train_client(
     options = DeviceOptions(seed=client.seed, persfl_teacher=teachers is not None)
     try:
         outcome = train_round(engine, client.train, state, round_id, plan.settings, plan.base, options, DeviceEvents())
-    except TrainingDiverged:
-        return Outcome(engine.get_tensors(), math.nan, score(engine, client.test).accuracy, None, None)
+    except TrainingDiverged as refused:
+        return Outcome(engine.get_tensors(), math.nan, score(engine, client.test).accuracy, None, None, refused.problem)
     assert state.tensors is not None, "a committed round keeps its tensors"
     trained_accuracy = score(engine, client.test).accuracy
     return Outcome(state.tensors, outcome.result.train_loss, trained_accuracy, outcome.payload, outcome.teacher_loss)
