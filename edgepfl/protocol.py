@@ -30,6 +30,9 @@ SETTINGS_LIMITS = {
     "personal_epochs": (0, 1000),
     "batch_size": (1, 1 << 20),
 }
+SETTINGS_CHOICES = {"algorithm": ALGORITHMS, "download_encoding": DOWNLOAD_ENCODINGS}
+# round settings that are finite numbers above 0; one whose default is None (clip_norm: no DP) may also be None
+POSITIVE_SETTINGS = ("lr", "clip_norm")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class RoundSettings:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         if isinstance(known.get("kept_on_device"), list):
             known["kept_on_device"] = tuple(known["kept_on_device"])
-        for name in ("lr", "clip_norm"):
+        for name in POSITIVE_SETTINGS:
             if isinstance(known.get(name), int) and not isinstance(known[name], bool):
                 known[name] = float(known[name])
         settings = cls(**known)
@@ -100,14 +103,19 @@ class RoundSettings:
 
     def problem(self) -> str | None:
         """What is wrong with these settings (a type or a bound, see SETTINGS_LIMITS), or None when they are valid."""
-        if self.algorithm not in ALGORITHMS:
-            return f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}"
+        for name, choices in SETTINGS_CHOICES.items():
+            if getattr(self, name) not in choices:
+                return f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}"
         for name, (low, high) in SETTINGS_LIMITS.items():
             value = getattr(self, name)
             if type(value) is not int or not low <= value <= high:
                 return f"{name} {value!r} is not an integer in {low}..{high}"
-        if type(self.lr) is not float or not (math.isfinite(self.lr) and self.lr > 0.0):
-            return f"lr {self.lr!r} is not a positive number"
+        for name in POSITIVE_SETTINGS:
+            value = getattr(self, name)
+            if value is None and self.__dataclass_fields__[name].default is None:
+                continue
+            if type(value) is not float or not (math.isfinite(value) and value > 0.0):
+                return f"{name} {value!r} is not a positive number"
         for name in ("share_buffers", "recompute_bn"):
             if type(getattr(self, name)) is not bool:
                 return f"{name} {getattr(self, name)!r} is not true or false"
@@ -119,11 +127,6 @@ class RoundSettings:
             Encoding.parse(self.upload_encoding)
         except (UsageError, AttributeError):
             return f"upload_encoding {self.upload_encoding!r} is not fp32, fp16, int8, int8-block<N> or int8[...]-sr"
-        if self.download_encoding not in DOWNLOAD_ENCODINGS:
-            return f"download_encoding {self.download_encoding!r} is not one of {', '.join(DOWNLOAD_ENCODINGS)}"
-        clip = self.clip_norm
-        if clip is not None and (type(clip) is not float or not (math.isfinite(clip) and clip > 0.0)):
-            return f"clip_norm {clip!r} is not a positive number"
         return None
 
     def travelling(self, shared: list[TensorSpec]) -> list[TensorSpec]:
