@@ -33,7 +33,7 @@ async function main() {
 
 async function run() {
   stage('loading', 'Opening the device…');
-  const contract = await fetchContract(new URL('contract.json', location.href));
+  const contract = await fetchContract(new URL('contract.json', import.meta.url)); // beside the page's modules
   const store = await openStore();
   try {
     await takePart(contract, store);
