@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,35 +44,47 @@ class Phase:
     epochs: int
 
 
-class ClientAlgorithm(ABC):
+@dataclass(frozen=True)
+class PhasePlan:
+    """A phase as an algorithm declares it: its name, the set it trains, the settings field giving its epochs."""
+
+    name: str
+    trainable: str
+    epochs_setting: str  # a RoundSettings field
+
+    def phase(self, settings: RoundSettings) -> Phase:
+        """The phase these settings make of it."""
+        return Phase(self.name, self.trainable, getattr(settings, self.epochs_setting))
+
+
+# personal fine-tuning with the base frozen, before any algorithm's own phases (FedPer A.3)
+FINETUNE = PhasePlan("finetune", "personal", "finetune_epochs")
+
+
+class ClientAlgorithm:
     """What a device does with a round's settings; `name` is the CLI, protocol and result-file word."""
 
     name: str
     uploads: bool = True  # whether the round ends with the base sent to the server
+    plan: tuple[PhasePlan, ...]  # the algorithm's phases, in order (fine-tuning is added by the round)
 
-    @abstractmethod
     def phases(self, settings: RoundSettings) -> list[Phase]:
-        """The algorithm's phases for these settings (fine-tuning is added by the round)."""
+        """The algorithm's phases for these settings."""
+        return [step.phase(settings) for step in self.plan]
 
 
 class FedSim(ClientAlgorithm):
     """FedPer's local update (Algorithm 1): base and personal trained jointly; K_P=0 is FedAvg's client."""
 
     name = "fedsim"
-
-    def phases(self, settings: RoundSettings) -> list[Phase]:
-        """One joint phase of `epochs`."""
-        return [Phase("joint", "full", settings.epochs)]
+    plan = (PhasePlan("joint", "full", "epochs"),)
 
 
 class FedAlt(ClientAlgorithm):
     """Pillutla et al.: personal first with the base frozen, then the base with the personal part frozen."""
 
     name = "fedalt"
-
-    def phases(self, settings: RoundSettings) -> list[Phase]:
-        """`personal_epochs` on the personal part, then `epochs` on the base."""
-        return [Phase("personal", "personal", settings.personal_epochs), Phase("base", "base", settings.epochs)]
+    plan = (PhasePlan("personal", "personal", "personal_epochs"), PhasePlan("base", "base", "epochs"))
 
 
 class Local(ClientAlgorithm):
@@ -81,10 +92,7 @@ class Local(ClientAlgorithm):
 
     name = "local"
     uploads = False
-
-    def phases(self, settings: RoundSettings) -> list[Phase]:
-        """`epochs` on the personal part."""
-        return [Phase("personal", "personal", settings.epochs)]
+    plan = (PhasePlan("personal", "personal", "epochs"),)
 
 
 CLIENT_ALGORITHMS: dict[str, ClientAlgorithm] = {algo.name: algo for algo in (FedSim(), FedAlt(), Local())}
@@ -104,7 +112,7 @@ def round_phases(settings: RoundSettings, available_sets: tuple[str, ...]) -> li
     tensors has no base set. `local` on a bundle without personal tensors has nothing to train: refused.
     """
     algorithm = client_algorithm(settings.algorithm)
-    planned = [Phase("finetune", "personal", settings.finetune_epochs), *algorithm.phases(settings)]
+    planned = [FINETUNE.phase(settings), *algorithm.phases(settings)]
     phases = [p for p in planned if p.epochs > 0 and p.trainable in available_sets]
     if algorithm.name == "local" and "personal" not in available_sets:
         raise UsageError("the local algorithm trains personal tensors, and this bundle has none (kp=0)", "use kp >= 1")

@@ -2,11 +2,13 @@
 # The browser device's tests (device_runtime/web): JavaScript unit tests under Node against fixtures that the
 # Python device writes, then (appended below) the real-browser tests.
 #
-# 1. `npm ci` in device_runtime/web: onnxruntime-web, fflate and pngjs at the lockfile's exact versions and
-#    integrity hashes (npm registry only; node >= 20 and npm must be installed).
+# 1. `npm ci` in device_runtime/web: onnxruntime-web, fflate, and pngjs and typescript (tests only) at the
+#    lockfile's exact versions and integrity hashes (npm registry only; node >= 20 and npm must be installed).
+#    `tsc` then checks the types of every module of the page (tsconfig.json: JSDoc types, strict, no output).
 # 2. PYTHON (default .venv/bin/python, with the export extra) writes the fixtures into a temporary folder:
-#    a tiny BatchNorm cnn bundle, the Python portable engine's tensors after steps and a round, files
-#    written by Python's safetensors, PNGs and the Python loader's arrays of them.
+#    the device contract (contract.json) and Python's verdict on sample round settings, a tiny BatchNorm cnn
+#    bundle, the Python portable engine's tensors after steps and a round, files written by Python's
+#    safetensors, PNGs and the Python loader's arrays of them.
 # 3. `node --test` runs device_runtime/web/test/*.test.mjs against them (EDGEPFL_WEB_FIXTURES).
 #
 # Usage: scripts/web-env.sh
@@ -18,7 +20,7 @@ case "$PYTHON" in /*) ;; *) PYTHON="$ROOT/$PYTHON" ;; esac
 WEB_TMP="$(mktemp -d)"
 trap 'rm -rf "$WEB_TMP"' EXIT
 
-(cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error)
+(cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error && node_modules/.bin/tsc -p .)
 
 export EDGEPFL_WEB_FIXTURES="$WEB_TMP/fixtures"
 export EDGEPFL_WEB_PYTHON="$PYTHON"

@@ -1,7 +1,8 @@
 """The browser device's routes: the page and its modules, the wasm runtime, the bundle's portable files, the join link.
 
 Everything under `/device/` is served from an allow-list fixed when the app starts (no path from a request
-reaches the file system), with cross-origin isolation (COOP/COEP, so onnxruntime-web may use threads) and a
+reaches the file system; `contract.json`, what the page must agree on with the Python device, is made then
+too), with cross-origin isolation (COOP/COEP, so onnxruntime-web may use threads) and a
 Content-Security-Policy that lets the page talk to this origin only. The join link carries the enrollment
 secret in its URL fragment, which browsers never send to a server; `/join` shows it (and its QR code) only
 to someone who types that secret into the browser's password prompt.
@@ -14,6 +15,7 @@ import binascii
 import gzip
 import hashlib
 import importlib.util
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,16 +122,17 @@ def find_web_runtime(folder: Path | None = None) -> WebRuntime:
 
 @dataclass
 class StaticFile:
-    """One allow-listed file: read once, its ETag, and a gzip copy made on first demand."""
+    """One allow-listed file: read once (or made in memory), its ETag, and a gzip copy made on first demand."""
 
     path: Path
     media_type: str
+    made: bytes | None = field(default=None, repr=False)  # the content of a file made when the app starts
     _gzip: bytes | None = field(default=None, repr=False)
 
     @cached_property
     def content(self) -> bytes:
         """The file's bytes (read once: the runtime does not change while the server runs)."""
-        return self.path.read_bytes()
+        return self.made if self.made is not None else self.path.read_bytes()
 
     @cached_property
     def etag(self) -> str:
@@ -154,13 +157,22 @@ class StaticFile:
 
 
 def page_files(runtime: WebRuntime) -> dict[str, StaticFile]:
-    """The page's own modules by URL name (src/*.html|js|css), fixed when the server starts."""
+    """The page's own modules by URL name (src/*.html|js|css) and its contract.json, fixed when the server starts.
+
+    The contract (device_runtime/contract.py) is what the page must agree on with the Python device: settings'
+    defaults and bounds, the algorithms' phases, refusal codes, timing; made once here, served like a module.
+    """
+    from edgepfl.device_runtime.contract import CONTRACT_NAME, device_contract
+
     source = runtime.folder / "src"
-    return {
+    files = {
         path.name: StaticFile(path, MEDIA_TYPES[path.suffix])
         for path in sorted(source.iterdir())
         if path.is_file() and path.suffix in PAGE_SUFFIXES
     }
+    contract = json.dumps(device_contract(), indent=1).encode()
+    files[CONTRACT_NAME] = StaticFile(source / CONTRACT_NAME, MEDIA_TYPES[".json"], made=contract)
+    return files
 
 
 def vendor_files(runtime: WebRuntime) -> dict[str, StaticFile]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import re
 import sys
@@ -105,6 +106,20 @@ def test_device_page_is_isolated_and_locked_to_its_origin(tmp_path: Path) -> Non
     module = http.get("/device/app.js")
     assert module.status_code == 200 and module.headers["content-type"].startswith("text/javascript")
     assert module.headers["content-security-policy"] == web.CONTENT_SECURITY_POLICY
+
+
+@runtime_needed
+def test_the_device_contract_is_served_like_the_page_s_modules(tmp_path: Path) -> None:
+    from edgepfl.device_runtime.contract import device_contract
+
+    http, _ = app_client(tmp_path)
+    reply = http.get("/device/contract.json")
+    assert reply.status_code == 200 and reply.headers["content-type"] == "application/json"
+    assert reply.json() == json.loads(json.dumps(device_contract()))
+    page = http.get("/device/app.js")
+    for header in ("cross-origin-embedder-policy", "content-security-policy", "cache-control", "referrer-policy"):
+        assert reply.headers[header] == page.headers[header], header
+    assert http.get("/device/contract.json", headers={"If-None-Match": reply.headers["etag"]}).status_code == 304
 
 
 @runtime_needed

@@ -1,60 +1,72 @@
+// @ts-check
 // A person's labelled examples as the model sees them: photos (camera or library), a folder with one sub-folder
 // per class, or an .npz with `x`/`y` (as device_runtime/data.py reads them). Examples are kept as uint8 pixels at
 // the model's input size (C*H*W each, 1 byte per value); the seeded train/held-out split and the normalisation
 // happen when a round trains, exactly as the Python device does them (edgepfl/data.py).
 
 import { splitTrainVal } from './algorithms.js';
+import { DeviceError, describe } from './errors.js';
 import { normalizePixels, toModelPixels } from './preprocess.js';
 
-export const VAL_FRACTION = 0.2; // as `edgepfl device run --val-fraction`
-export const DEVICE_SEED = 0; // as `edgepfl device run --seed`: the split and the batch order
+/** @typedef {import('./engine.js').InputSpec} InputSpec */
+/** @typedef {import('./engine.js').Manifest} Manifest */
+/** @typedef {import('./algorithms.js').Samples} Samples */
+/** The person's examples: uint8 pixels (C*H*W each) at the model's input size and their labels. @typedef {{pixels: Uint8Array, labels: Int32Array, count: number, shape: number[]}} Examples */
+/** Examples read from files, before they join the kept ones. @typedef {{pixels: Uint8Array, labels: Int32Array, count: number}} NewExamples */
+/** An image file with the webkitRelativePath of a folder pick. @typedef {File & {webkitRelativePath?: string}} PickedFile */
 const IMAGE_NAME = /\.(png|jpe?g|bmp|gif|webp|tiff?)$/i; // device_runtime/data.py IMAGE_SUFFIXES
 const LARGEST_DECODED_SIDE = 2048; // bigger photos are scaled down by the browser first (memory on phones)
 
-/** A problem with the person's examples: the message names it, `fix` says what to do. */
-export class DataError extends Error {
-  constructor(message, fix) {
-    super(message);
-    this.name = 'DataError';
-    this.fix = fix;
-  }
-}
+/** A problem with the person's examples, and what to do about it. */
+export class DataError extends DeviceError {}
 
 /** The class names to show: manifest.model.class_names when the bundle has them, else "0".."n-1". */
-export function classNames(manifest) {
+export function classNames(/** @type {Manifest} */ manifest) {
   const names = manifest.model && manifest.model.class_names;
-  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string')) return names;
+  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string')) return /** @type {string[]} */ (names);
   return Array.from({ length: manifest.num_classes }, (_, i) => String(i));
 }
 
 /** No examples yet, for a model input of `shape` [C, H, W]. */
-export function emptyExamples(shape) {
-  return { pixels: new Uint8Array(0), labels: new Int32Array(0), count: 0, shape: [...shape] };
+export function emptyExamples(/** @type {number[]} */ shape) {
+  /** @type {Examples} */
+  const examples = { pixels: new Uint8Array(0), labels: new Int32Array(0), count: 0, shape: [...shape] };
+  return examples;
 }
 
 /** Examples with `more` ({pixels, labels, count}) appended. */
-export function appendExamples(examples, more) {
+export function appendExamples(/** @type {Examples} */ examples, /** @type {NewExamples} */ more) {
   const pixels = new Uint8Array(examples.pixels.length + more.pixels.length);
   pixels.set(examples.pixels);
   pixels.set(more.pixels, examples.pixels.length);
   const labels = new Int32Array(examples.count + more.count);
   labels.set(examples.labels);
   labels.set(more.labels, examples.count);
-  return { pixels, labels, count: examples.count + more.count, shape: examples.shape };
+  /** @type {Examples} */
+  const all = { pixels, labels, count: examples.count + more.count, shape: examples.shape };
+  return all;
 }
 
 /** How many examples of each class. */
-export function classCounts(examples, numClasses) {
+export function classCounts(/** @type {Examples} */ examples, /** @type {number} */ numClasses) {
   const counts = new Array(numClasses).fill(0);
   for (const label of examples.labels) counts[label] += 1;
   return counts;
 }
 
-/** Seeded train/held-out split (split_train_val) and normalised inputs: {train: {x, y, count}, val: {...}}. */
-export function splitExamples(examples, inputSpec, valFraction = VAL_FRACTION, seed = DEVICE_SEED) {
+/**
+ * Seeded train/held-out split (split_train_val) and normalised inputs: {train: {x, y, count}, val: {...}}.
+ * valFraction and seed: the device contract's `device.val_fraction` and `device.split_seed`.
+ * @param {Examples} examples
+ * @param {InputSpec} inputSpec
+ * @param {number} valFraction
+ * @param {number} seed
+ * @returns {{train: Samples, val: Samples}}
+ */
+export function splitExamples(examples, inputSpec, valFraction, seed) {
   const { train, val } = splitTrainVal(examples.count, valFraction, seed);
   const size = examples.shape.reduce((a, b) => a * b, 1);
-  const part = (index) => {
+  const part = (/** @type {Int32Array} */ index) => {
     const x = new Float32Array(index.length * size);
     const y = new Int32Array(index.length);
     index.forEach((at, i) => {
@@ -66,27 +78,27 @@ export function splitExamples(examples, inputSpec, valFraction = VAL_FRACTION, s
   return { train: part(train), val: part(val) };
 }
 
-/** How many of `count` examples train and how many are held out. */
-export function splitSizes(count, valFraction = VAL_FRACTION, seed = DEVICE_SEED) {
+/** How many of `count` examples train and how many are held out (valFraction, seed: as for splitExamples). */
+export function splitSizes(/** @type {number} */ count, /** @type {number} */ valFraction, /** @type {number} */ seed) {
   const { train, val } = splitTrainVal(count, valFraction, seed);
   return { train: train.length, val: val.length };
 }
 
 /** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */
-export async function readPhotos(files, label, inputSpec) {
+export async function readPhotos(/** @type {Iterable<File>} */ files, /** @type {number} */ label, /** @type {InputSpec} */ inputSpec) {
   const list = Array.from(files).filter((file) => IMAGE_NAME.test(file.name) || (file.type || '').startsWith('image/'));
   if (!list.length) throw new DataError('none of the chosen files is an image', 'choose photos (PNG, JPEG, WebP, ...)');
-  return collect(list.map((file) => [file, label]), inputSpec);
+  return collect(list.map((file) => /** @type {[File, number]} */ ([file, label])), inputSpec);
 }
 
 /** A folder with one sub-folder per class (`<input webkitdirectory>`): classes are the sub-folders sorted by name. */
-export async function readFolder(files, inputSpec, numClasses) {
+export async function readFolder(/** @type {Iterable<PickedFile>} */ files, /** @type {InputSpec} */ inputSpec, /** @type {number} */ numClasses) {
+  /** @type {Map<string, File[]>} */
   const byClass = new Map();
   for (const file of Array.from(files)) {
     const parts = (file.webkitRelativePath || file.name).split('/');
     if (parts.length < 3 || parts[1].startsWith('.') || !IMAGE_NAME.test(file.name)) continue;
-    if (!byClass.has(parts[1])) byClass.set(parts[1], []);
-    byClass.get(parts[1]).push(file);
+    byClass.set(parts[1], [...(byClass.get(parts[1]) || []), file]);
   }
   const names = [...byClass.keys()].sort(); // the Python loader's order (sorted folder names)
   if (!names.length) throw new DataError('the folder has no class sub-folders with images', 'put each class\'s images in a sub-folder of its own');
@@ -94,19 +106,20 @@ export async function readFolder(files, inputSpec, numClasses) {
     throw new DataError(`the folder has ${names.length} class folders, the model has ${numClasses} classes`, 'remove the extra folders');
   }
   const labelled = names.flatMap((name, label) =>
-    byClass.get(name).sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0)).map((file) => [file, label]),
+    (byClass.get(name) || []).sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0)).map((file) => /** @type {[File, number]} */ ([file, label])),
   );
   return collect(labelled, inputSpec);
 }
 
 /** An .npz with uint8 images `x` (N,C,H,W | N,H,W,C | N,H,W) and class indices `y`, at the model's input size. */
-export async function readNpz(bytes, inputSpec, numClasses) {
+/** @returns {Promise<NewExamples>} */
+export async function readNpz(/** @type {Uint8Array} */ bytes, /** @type {InputSpec} */ inputSpec, /** @type {number} */ numClasses) {
   const { unzipSync } = await import('./vendor/fflate.mjs');
   let entries;
   try {
     entries = unzipSync(bytes);
   } catch (err) {
-    throw new DataError(`the file is not a readable .npz (${err.message})`, 'choose an .npz written by numpy.savez');
+    throw new DataError(`the file is not a readable .npz (${describe(err)})`, 'choose an .npz written by numpy.savez');
   }
   for (const key of ['x', 'y']) {
     if (!entries[`${key}.npy`]) throw new DataError(`the .npz has no array "${key}"`, 'save the images as x and the labels as y: np.savez(path, x=images, y=labels)');
@@ -120,7 +133,8 @@ export async function readNpz(bytes, inputSpec, numClasses) {
   return { pixels, labels, count };
 }
 
-async function collect(labelled, inputSpec) {
+/** @returns {Promise<NewExamples>} */
+async function collect(/** @type {[File, number][]} */ labelled, /** @type {InputSpec} */ inputSpec) {
   const size = inputSpec.shape.reduce((a, b) => a * b, 1);
   const pixels = new Uint8Array(labelled.length * size);
   const labels = new Int32Array(labelled.length);
@@ -134,7 +148,7 @@ async function collect(labelled, inputSpec) {
 }
 
 /** RGBA pixels of an image file at its natural size (scaled down first only beyond LARGEST_DECODED_SIDE). */
-async function decodeImage(file) {
+async function decodeImage(/** @type {File} */ file) {
   let bitmap;
   try {
     bitmap = await createImageBitmap(file, { colorSpaceConversion: 'none', premultiplyAlpha: 'none' });
@@ -149,21 +163,23 @@ async function decodeImage(file) {
       bitmap = resized;
     }
   } catch (err) {
-    throw new DataError(`${file.name} cannot be decoded as an image (${err.message})`, 'choose a PNG or JPEG photo');
+    throw new DataError(`${file.name} cannot be decoded as an image (${describe(err)})`, 'choose a PNG or JPEG photo');
   }
   const { width, height } = bitmap;
   const canvas = typeof OffscreenCanvas === 'function' ? new OffscreenCanvas(width, height) : Object.assign(document.createElement('canvas'), { width, height });
-  const context = canvas.getContext('2d', { willReadFrequently: true });
+  const context = /** @type {OffscreenCanvasRenderingContext2D | CanvasRenderingContext2D | null} */ (canvas.getContext('2d', { willReadFrequently: true }));
+  if (!context) throw new DataError('this browser draws no images for the page', 'use a current Chrome or Safari');
   context.drawImage(bitmap, 0, 0);
   bitmap.close();
   return { rgba: context.getImageData(0, 0, width, height).data, width, height };
 }
 
+/** @type {Record<string, import('./safetensors.js').TypedArrayConstructor>} */
 const NPY_TYPES = { u1: Uint8Array, i1: Int8Array, u2: Uint16Array, i2: Int16Array, u4: Uint32Array, i4: Int32Array, u8: BigUint64Array, i8: BigInt64Array, f4: Float32Array, f8: Float64Array, b1: Uint8Array };
 
 /** One .npy array: {descr, shape, data}; refuses big-endian, Fortran order and pickled objects. */
-function readNpy(bytes, name) {
-  const bad = (problem) => new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
+function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
+  const bad = (/** @type {string} */ problem) => new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
   if (bytes.length < 10 || bytes[0] !== 0x93 || String.fromCharCode(...bytes.subarray(1, 6)) !== 'NUMPY') throw bad('is not an .npy array');
   const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   const major = bytes[6];
@@ -186,20 +202,22 @@ function readNpy(bytes, name) {
 }
 
 /** x as N*C*H*W uint8 at the model's shape, reading the layouts edgepfl/data.py to_model_layout reads. */
-function toChannelsFirst(x, inputSpec) {
+/** @returns {Uint8Array} */
+function toChannelsFirst(/** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ x, /** @type {InputSpec} */ inputSpec) {
   const [channels, height, width] = inputSpec.shape;
   const [n, ...rest] = x.shape;
-  const same = (a, b) => a.length === b.length && a.every((v, i) => v === b[i]);
-  if (rest.length === 2 && channels === 1 && same(rest, [height, width])) return x.data;
+  const same = (/** @type {number[]} */ a, /** @type {number[]} */ b) => a.length === b.length && a.every((v, i) => v === b[i]);
+  const pixels = /** @type {Uint8Array} */ (x.data);
+  if (rest.length === 2 && channels === 1 && same(rest, [height, width])) return pixels;
   if (rest.length === 3) {
     const nchw = same(rest, [channels, height, width]);
     const nhwc = same(rest, [height, width, channels]);
-    if (nchw && (!nhwc || inputSpec.layout === 'NCHW')) return x.data;
+    if (nchw && (!nhwc || inputSpec.layout === 'NCHW')) return pixels;
     if (nhwc) {
-      const out = new Uint8Array(x.data.length);
+      const out = new Uint8Array(pixels.length);
       const plane = height * width;
       for (let i = 0; i < n; i++) {
-        for (let p = 0; p < plane; p++) for (let c = 0; c < channels; c++) out[(i * channels + c) * plane + p] = x.data[(i * plane + p) * channels + c];
+        for (let p = 0; p < plane; p++) for (let c = 0; c < channels; c++) out[(i * channels + c) * plane + p] = pixels[(i * plane + p) * channels + c];
       }
       return out;
     }
@@ -211,7 +229,7 @@ function toChannelsFirst(x, inputSpec) {
 }
 
 /** y as class indices 0..numClasses-1, one per image (check_labels). */
-function checkLabels(y, count, numClasses) {
+function checkLabels(/** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ y, /** @type {number} */ count, /** @type {number} */ numClasses) {
   if (y.shape.length !== 1 || y.shape[0] !== count) throw new DataError(`y has shape (${y.shape.join(', ')}), expected (${count},)`, 'store one class index per image');
   const labels = new Int32Array(count);
   for (let i = 0; i < count; i++) {

@@ -1,22 +1,53 @@
+// @ts-check
 // The browser engine: onnxruntime-web sessions over a bundle's portable step graphs (mirrors
 // device_runtime/portable_engine.py). `ort` is passed in, so the same code runs in the page (wasm-only
 // build) and under Node (tests). Tensors are addressed by manifest name; state stays as ort.Tensor.
 
+import { DeviceError, describe } from './errors.js';
 import { decodeSafetensors, numel, typedArrayOf } from './safetensors.js';
 import { checkSha256 } from './sha256.js';
 
+/** @typedef {typeof import('onnxruntime-web')} Ort */
+/** @typedef {import('onnxruntime-web').Tensor} OrtTensor */
+/** @typedef {import('onnxruntime-web').InferenceSession} Session */
+/** @typedef {import('./safetensors.js').Tensor} Tensor */
+/** @typedef {import('./safetensors.js').Tensors} Tensors */
+/** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
+/** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string}} InputSpec */
+/** A step's frozen variant (export/frozen.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[]}} FrozenVariant */
+/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state. @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant}} Graph */
+/**
+ * manifest.json `engines.portable`.
+ * @typedef {object} PortableEntry
+ * @property {number} batch_size
+ * @property {string[]} params
+ * @property {string[]} buffers
+ * @property {Record<string, Graph>} steps
+ * @property {Graph} eval
+ * @property {string} initial
+ * @property {number | Record<string, number> | number[]} [bn_momentum]
+ */
+/**
+ * The parts of manifest.json the page reads.
+ * @typedef {object} Manifest
+ * @property {number} kp
+ * @property {{index: number}[]} blocks
+ * @property {TensorSpec[]} tensors
+ * @property {number} num_classes
+ * @property {InputSpec} input
+ * @property {string} base_layout_hash
+ * @property {Record<string, string>} [files] bundle path -> sha256
+ * @property {{portable?: PortableEntry}} [engines]
+ * @property {{class_names?: unknown}} [model]
+ */
+/** Summed loss, correct count and count of an evaluation. @typedef {{lossSum: number, correct: number, count: number}} EvalResult */
+
 const ROLES = ['base', 'personal', 'buffer'];
+/** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
 const SESSION_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
 
-/** An Error whose message names the problem and whose `fix` says what to do about it. */
-export class EngineError extends Error {
-  constructor(message, fix) {
-    super(`${message} — ${fix}`);
-    this.name = 'EngineError';
-    this.problem = message;
-    this.fix = fix;
-  }
-}
+/** A problem of the bundle, the model or its inputs, with the fix. */
+export class EngineError extends DeviceError {}
 
 /** Plain steps on the same frozen tensors before a step's frozen variant is built (portable_engine.py BAKE_AFTER_STEPS). */
 export const BAKE_AFTER_STEPS = 2;
@@ -25,13 +56,12 @@ export const BAKE_AFTER_STEPS = 2;
  * The bundle paths of the portable engine (Manifest.portable_files): `required`, its initial tensors, eval and step
  * graphs; `variants`, the steps' frozen variants (export/frozen.py), which an engine uses where it has them.
  */
-export function portableFiles(manifest) {
-  const entry = manifest.engines && manifest.engines.portable;
-  if (!entry) throw new EngineError('the bundle has no portable graphs', 'ask the operator to export it with --engines portable');
+export function portableFiles(/** @type {Manifest} */ manifest) {
+  const entry = portableEntry(manifest);
   const steps = Object.values(entry.steps);
   return {
     required: [entry.initial, entry.eval.model, ...steps.map((step) => step.model)],
-    variants: steps.filter((step) => step.frozen && step.frozen.data_location).map((step) => step.frozen.model),
+    variants: steps.flatMap((step) => (step.frozen && step.frozen.data_location ? [step.frozen.model] : [])),
   };
 }
 
@@ -41,32 +71,58 @@ export function portableFiles(manifest) {
  * The steps' frozen variants in `files` are used unless `bakeFrozen` is false (see Engine.bakedSession).
  * `threads` > 1 needs a cross-origin isolated page (SharedArrayBuffer); it applies to the first engine
  * opened in a page, because onnxruntime-web starts its wasm runtime once.
+ * @param {Ort} ort
+ * @param {Manifest} manifest
+ * @param {Map<string, Uint8Array>} files
+ * @param {{threads?: number, bakeFrozen?: boolean}} [options]
  */
 export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true } = {}) {
   const { required, variants } = portableFiles(manifest);
   const present = bakeFrozen ? variants.filter((path) => files.has(path)) : [];
+  const file = (/** @type {string} */ path) => {
+    const bytes = files.get(path);
+    if (!bytes) throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
+    return bytes;
+  };
   for (const path of [...required, ...present]) {
-    if (!files.has(path)) throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
     const expected = manifest.files && manifest.files[path];
-    if (expected) await checkSha256(files.get(path), expected, `bundle file ${path}`);
+    const bytes = file(path);
+    if (expected) await checkSha256(bytes, expected, `bundle file ${path}`);
   }
   ort.env.wasm.numThreads = Math.max(1, Math.floor(threads));
-  const entry = manifest.engines.portable;
-  const graphs = new Map(required.slice(1).map((path) => [path, files.get(path)]));
-  const engine = new Engine(ort, manifest, entry, graphs, new Map(present.map((path) => [path, files.get(path)])));
-  engine.setTensors(decodeSafetensors(files.get(entry.initial), entry.initial).tensors, { exact: true });
+  const entry = portableEntry(manifest);
+  const graphs = new Map(required.slice(1).map((path) => [path, file(path)]));
+  const engine = new Engine(ort, manifest, entry, graphs, new Map(present.map((path) => [path, file(path)])));
+  engine.setTensors(decodeSafetensors(file(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }
 
-class Engine {
+/** The manifest's portable engine entry; a bundle without one throws. */
+function portableEntry(/** @type {Manifest} */ manifest) {
+  const entry = manifest.engines && manifest.engines.portable;
+  if (!entry) throw new EngineError('the bundle has no portable graphs', 'ask the operator to export it with --engines portable');
+  return entry;
+}
+
+/** The portable graphs of one bundle in onnxruntime-web sessions, with the model's state (every param and buffer). */
+export class Engine {
+  /**
+   * @param {Ort} ort
+   * @param {Manifest} manifest
+   * @param {PortableEntry} entry
+   * @param {Map<string, Uint8Array>} graphs
+   * @param {Map<string, Uint8Array>} variants
+   */
   constructor(ort, manifest, entry, graphs, variants) {
     this.ort = ort;
     this.manifest = manifest;
     this.entry = entry;
     this.graphs = graphs; // bytes of graphs without a session yet; dropped once their session exists
     this.variants = variants; // bytes of the frozen variants, kept: one is rebuilt whenever its frozen tensors change
-    this.plainOn = new Map(); // step key -> {values, steps}: plain steps run on these frozen tensors
-    this.baked = new Map(); // step key -> {session, values}: the variant built on these frozen tensors
+    /** @type {Map<string, {values: OrtTensor[], steps: number}>} step key -> plain steps run on these frozen tensors */
+    this.plainOn = new Map();
+    /** @type {Map<string, {session: Session, values: OrtTensor[]}>} step key -> the variant built on these frozen tensors */
+    this.baked = new Map();
     this.variantSteps = 0; // steps run on a frozen variant, for tests and benchmarks
     this.batchSize = Number(entry.batch_size);
     const [channels, height, width] = manifest.input.shape;
@@ -75,12 +131,21 @@ class Engine {
     // graph inputs and outputs list the state tensors in this order: params, then buffers
     this.stateNames = [...entry.params, ...entry.buffers];
     this.specs = new Map(manifest.tensors.map((t) => [t.name, t]));
+    /** @type {Map<string, OrtTensor>} */
     this.state = new Map();
+    /** @type {Map<string, Promise<Session>>} */
     this.sessions = new Map();
   }
 
+  /** The manifest's entry of a tensor; a name it does not list throws. */
+  spec(/** @type {string} */ name) {
+    const spec = this.specs.get(name);
+    if (!spec) throw new EngineError(`tensor ${name} is not in the manifest`, 're-export the bundle');
+    return spec;
+  }
+
   /** Tensor names of one manifest role ('base' | 'personal' | 'buffer'), in manifest order. */
-  namesByRole(role) {
+  namesByRole(/** @type {string} */ role) {
     if (!ROLES.includes(role)) throw new EngineError(`unknown tensor role ${JSON.stringify(role)}`, `use one of ${ROLES.join(', ')}`);
     return this.manifest.tensors.filter((t) => t.role === role).map((t) => t.name);
   }
@@ -93,19 +158,20 @@ class Engine {
   }
 
   /** Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. */
-  getTensors(names = this.stateNames) {
+  getTensors(/** @type {readonly string[]} */ names = this.stateNames) {
     const unknown = names.filter((n) => !this.state.has(n));
     if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
+    /** @type {Tensors} */
     const out = {};
     for (const name of names) {
-      const t = this.state.get(name);
-      out[name] = { dtype: t.type, shape: Array.from(t.dims), data: t.data.slice() };
+      const t = /** @type {OrtTensor} */ (this.state.get(name));
+      out[name] = { dtype: t.type, shape: Array.from(t.dims), data: /** @type {import('./safetensors.js').TypedArray} */ (t.data).slice() };
     }
     return out;
   }
 
   /** Overwrite the named tensors; names, shapes, dtypes and finite values are checked against the manifest. */
-  setTensors(tensors, { exact = false } = {}) {
+  setTensors(/** @type {Tensors} */ tensors, { exact = false } = {}) {
     const names = Object.keys(tensors);
     const unknown = names.filter((n) => !this.stateNames.includes(n));
     if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
@@ -113,16 +179,16 @@ class Engine {
       const missing = this.stateNames.filter((n) => !(n in tensors));
       if (missing.length) throw new EngineError(`tensor(s) ${missing.slice(0, 3).join(', ')} are missing`, 're-export the bundle');
     }
-    const checked = names.map((name) => [name, this.checkTensor(name, tensors[name])]);
+    const checked = names.map((name) => /** @type {const} */ ([name, this.checkTensor(name, tensors[name])]));
     for (const [name, t] of checked) {
       // a private copy: the caller keeps its array
-      this.state.set(name, new this.ort.Tensor(t.dtype, t.data.slice(), t.shape.slice()));
+      const data = /** @type {Float32Array} */ (t.data.slice()); // any of the typed arrays ort.Tensor takes for its dtype
+      this.state.set(name, new this.ort.Tensor(/** @type {'float32'} */ (t.dtype), data, t.shape.slice()));
     }
   }
 
-  checkTensor(name, t) {
-    const spec = this.specs.get(name);
-    if (!spec) throw new EngineError(`tensor ${name} is not in the manifest`, 're-export the bundle');
+  checkTensor(/** @type {string} */ name, /** @type {Tensor} */ t) {
+    const spec = this.spec(name);
     if (!t || !Array.isArray(t.shape) || t.shape.length !== spec.shape.length || t.shape.some((d, i) => d !== spec.shape[i])) {
       throw new EngineError(`tensor ${name} has shape [${t && t.shape}], the manifest says [${spec.shape}]`, 'export and train from the same bundle');
     }
@@ -138,7 +204,7 @@ class Engine {
   }
 
   /** One SGD step on `count` <= batchSize samples of x (float32 NCHW) and y; a short batch is padded and masked. */
-  async trainStep(x, y, count, lr, trainable = 'full') {
+  async trainStep(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count, /** @type {number} */ lr, trainable = 'full') {
     if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     const results = await this.runStep(x, y, count, lr, trainable);
     for (const [name, tensor] of results.state) this.state.set(name, tensor);
@@ -146,13 +212,19 @@ class Engine {
   }
 
   /** A training-mode pass that moves the BatchNorm running statistics and no weight (engine.py statistics_step). */
-  async statisticsStep(x, y, count) {
+  async statisticsStep(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
     const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
-    for (const name of this.entry.buffers) if (results.state.has(name)) this.state.set(name, results.state.get(name));
+    for (const name of this.entry.buffers) {
+      const tensor = results.state.get(name);
+      if (tensor) this.state.set(name, tensor);
+    }
   }
 
-  /** Each BatchNorm running statistic's momentum by tensor name (engine.py statistics_momenta). */
+  /**
+   * Each BatchNorm running statistic's momentum by tensor name (engine.py statistics_momenta).
+   * @returns {Record<string, number>}
+   */
   statisticsMomenta() {
     const names = this.manifest.tensors.filter((t) => t.role === 'buffer' && /\.running_(mean|var)$/.test(t.name)).map((t) => t.name);
     const momentum = this.entry.bn_momentum ?? 0.1;
@@ -164,6 +236,12 @@ class Engine {
    * Run one step graph on the current state; returns the loss and the new state by tensor name. A step with a
    * frozen variant leaves out its frozen tensors (they pass through unchanged), so that the state keeps the very
    * same tensor objects and the next step can tell they did not change (portable_engine.py _run_step).
+   * @param {Float32Array} x
+   * @param {Int32Array | BigInt64Array} y
+   * @param {number} count
+   * @param {number} lr
+   * @param {string} trainable
+   * @returns {Promise<{loss: number, state: Map<string, OrtTensor>}>}
    */
   async runStep(x, y, count, lr, trainable) {
     this.checkSet(trainable);
@@ -176,24 +254,25 @@ class Engine {
     const n = this.stateNames.length;
     const byInput = new Map(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]));
     const byOutput = new Map(graph.outputs.slice(1, n + 1).map((output, i) => [output, this.stateNames[i]]));
+    const stateOf = (/** @type {Map<string, string>} */ by, /** @type {string} */ name) => /** @type {string} */ (by.get(name));
     // the frozen tensors stay as they are (a plain graph's copies of them are not fetched), with or without a variant
-    const kept = new Set(graph.frozen ? graph.frozen.initializers.map((input) => byInput.get(input)) : []);
+    const kept = new Set(graph.frozen ? graph.frozen.initializers.map((input) => stateOf(byInput, input)) : []);
     const frozen = graph.frozen && this.variants.has(graph.frozen.model) ? graph.frozen : null;
-    const values = frozen ? [...kept].map((name) => this.state.get(name)) : [];
+    const values = frozen ? [...kept].map((name) => /** @type {OrtTensor} */ (this.state.get(name))) : [];
     const baked = frozen && (await this.bakedSession(key, frozen, values));
-    const [session, inputs, outputs] = baked ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph.model), graph.inputs, graph.outputs];
+    const [session, inputs, outputs] = baked && frozen ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph.model), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
-    const feeds = this.feeds(stateInputs.map((input) => [input, byInput.get(input)]), batchInputs, x, y, 0, count);
+    const feeds = this.feeds(stateInputs.map((input) => [input, stateOf(byInput, input)]), batchInputs, x, y, 0, count);
     feeds[batchInputs[3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
-    const fetched = outputs.filter((output, i) => i === 0 || !kept.has(byOutput.get(output)));
+    const fetched = outputs.filter((output, i) => i === 0 || !kept.has(stateOf(byOutput, output)));
     const results = await session.run(feeds, fetched);
     if (baked) this.variantSteps += 1;
     else if (frozen) {
       const held = this.plainOn.get(key);
       this.plainOn.set(key, { values, steps: held && sameTensors(held.values, values) ? held.steps + 1 : 1 });
     }
-    return { loss: results[outputs[0]].data[0], state: new Map(fetched.slice(1).map((output) => [byOutput.get(output), results[output]])) };
+    return { loss: Number(results[outputs[0]].data[0]), state: new Map(fetched.slice(1).map((output) => [stateOf(byOutput, output), results[output]])) };
   }
 
   /**
@@ -202,6 +281,10 @@ class Engine {
    * step or two) never pays for a build, and a seeded run takes the same graphs every time
    * (portable_engine.py _baked_session). onnxruntime-web takes the frozen tensors as the variant's one external
    * data file: their bytes laid end to end in the variant's order (export/frozen.py).
+   * @param {string} key
+   * @param {FrozenVariant} frozen
+   * @param {OrtTensor[]} values
+   * @returns {Promise<Session | null>}
    */
   async bakedSession(key, frozen, values) {
     const built = this.baked.get(key);
@@ -212,26 +295,33 @@ class Engine {
     }
     const held = this.plainOn.get(key);
     if (!held || !sameTensors(held.values, values) || held.steps < BAKE_AFTER_STEPS) return null;
-    const data = new Uint8Array(values.reduce((sum, t) => sum + t.data.byteLength, 0));
+    const arrays = values.map((t) => /** @type {import('./safetensors.js').TypedArray} */ (t.data));
+    const data = new Uint8Array(arrays.reduce((sum, a) => sum + a.byteLength, 0));
     let offset = 0;
-    for (const t of values) {
-      data.set(new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength), offset);
-      offset += t.data.byteLength;
+    for (const a of arrays) {
+      data.set(new Uint8Array(a.buffer, a.byteOffset, a.byteLength), offset);
+      offset += a.byteLength;
     }
     let session;
     try {
-      session = await this.ort.InferenceSession.create(this.variants.get(frozen.model), {
+      session = await this.ort.InferenceSession.create(/** @type {Uint8Array} */ (this.variants.get(frozen.model)), {
         ...SESSION_OPTIONS,
         externalData: [{ path: frozen.data_location, data }],
       });
     } catch (err) {
-      throw new EngineError(`the frozen variant ${frozen.model} does not load (${String(err.message).split('\n')[0].slice(0, 200)})`, 're-export the bundle, or export it with --no-frozen-variants');
+      throw new EngineError(`the frozen variant ${frozen.model} does not load (${describe(err).split('\n')[0].slice(0, 200)})`, 're-export the bundle, or export it with --no-frozen-variants');
     }
     this.baked.set(key, { session, values });
     return session;
   }
 
-  /** Summed loss and correct count of the current model over any number of samples (run in graph-sized chunks). */
+  /**
+   * Summed loss and correct count of the current model over any number of samples (run in graph-sized chunks).
+   * @param {Float32Array} x
+   * @param {Int32Array | BigInt64Array} y
+   * @param {number} count
+   * @returns {Promise<EvalResult>}
+   */
   async evaluate(x, y, count) {
     this.checkBatch(x, y, count);
     const graph = this.entry.eval;
@@ -243,7 +333,7 @@ class Engine {
       const chunk = Math.min(this.batchSize, count - start);
       const feeds = this.feeds(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
       const results = await session.run(feeds, graph.outputs.slice(1));
-      lossSum += results[graph.outputs[1]].data[0] * chunk;
+      lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
     }
     return { lossSum, correct, count };
@@ -257,13 +347,13 @@ class Engine {
     this.baked.clear();
   }
 
-  checkSet(trainable) {
+  checkSet(/** @type {string} */ trainable) {
     if (!this.trainableSets().includes(trainable)) {
       throw new EngineError(`this bundle (kp=${this.manifest.kp}) has no ${JSON.stringify(trainable)} trainable set`, `choose one of: ${this.trainableSets().join(', ')}`);
     }
   }
 
-  checkBatch(x, y, count) {
+  checkBatch(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
     if (!Number.isInteger(count) || count < 1) throw new EngineError(`batch count ${count} is not a positive integer`, 'pass at least one sample');
     if (!(x instanceof Float32Array) || x.length !== count * this.sampleSize) {
       throw new EngineError(`inputs hold ${x && x.length} values for ${count} samples of [${this.sampleShape}]`, 'pass a Float32Array of count*C*H*W pre-processed values');
@@ -278,11 +368,20 @@ class Engine {
     }
   }
 
-  /** Feeds of one graph batch: the state tensors by [input, name] pairs, and x, y, w (the first three of
-   * `batchInputs`) holding `count` real samples from `start`, zero-padded and masked. */
+  /**
+   * Feeds of one graph batch: the state tensors by [input, name] pairs, and x, y, w (the first three of
+   * `batchInputs`) holding `count` real samples from `start`, zero-padded and masked.
+   * @param {[string, string][]} stateInputs
+   * @param {string[]} batchInputs
+   * @param {Float32Array} x
+   * @param {Int32Array | BigInt64Array} y
+   * @param {number} start
+   * @param {number} count
+   */
   feeds(stateInputs, batchInputs, x, y, start, count) {
+    /** @type {Record<string, OrtTensor>} */
     const feeds = {};
-    for (const [input, name] of stateInputs) feeds[input] = this.state.get(name);
+    for (const [input, name] of stateInputs) feeds[input] = /** @type {OrtTensor} */ (this.state.get(name));
     const size = this.batchSize;
     const bx = new Float32Array(size * this.sampleSize);
     bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
@@ -298,25 +397,27 @@ class Engine {
     return feeds;
   }
 
-  session(key, path) {
-    if (!this.sessions.has(key)) {
-      const created = this.ort.InferenceSession.create(this.graphs.get(path), SESSION_OPTIONS).then(
+  /** The session of a graph, created on first use (its bytes are dropped then). */
+  session(/** @type {string} */ key, /** @type {string} */ path) {
+    let created = this.sessions.get(key);
+    if (!created) {
+      created = this.ort.InferenceSession.create(/** @type {Uint8Array} */ (this.graphs.get(path)), SESSION_OPTIONS).then(
         (session) => {
           this.graphs.delete(path);
           return session;
         },
         (err) => {
           this.sessions.delete(key); // a later call may retry, e.g. after memory was freed
-          throw new EngineError(`onnxruntime-web cannot load ${path} (${err.message})`, 'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory');
+          throw new EngineError(`onnxruntime-web cannot load ${path} (${describe(err)})`, 'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory');
         },
       );
       this.sessions.set(key, created);
     }
-    return this.sessions.get(key);
+    return created;
   }
 }
 
 /** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */
-function sameTensors(held, current) {
+function sameTensors(/** @type {OrtTensor[]} */ held, /** @type {OrtTensor[]} */ current) {
   return held.length === current.length && held.every((t, i) => t === current[i]);
 }

@@ -1,18 +1,21 @@
+// @ts-check
 // Pre-processing of the browser device: decoded RGBA pixels -> the model's float32 input, computing exactly
 // what the Python device does (device_runtime/data.py resize_image, then edgepfl/data.py normalize).
 
-/** An Error whose message names the problem and whose `fix` says what to do about it. */
-export class PreprocessError extends Error {
-  constructor(message, fix) {
-    super(`${message} — ${fix}`);
-    this.name = 'PreprocessError';
-    this.fix = fix;
-  }
-}
+import { DeviceError } from './errors.js';
+
+/** @typedef {import('./engine.js').InputSpec} InputSpec */
+
+/** Pixels the model cannot take. */
+export class PreprocessError extends DeviceError {}
 
 /**
  * uint8 pixels (C*H*W, channels first) of the model's input size from RGBA pixels of any size: grey as
  * Pillow's 'L' conversion when C is 1, then resize_image's filter (rows first, then columns).
+ * @param {Uint8Array | Uint8ClampedArray} rgba
+ * @param {number} width
+ * @param {number} height
+ * @param {InputSpec} inputSpec
  */
 export function toModelPixels(rgba, width, height, inputSpec) {
   const [channels, outHeight, outWidth] = inputSpec.shape;
@@ -36,7 +39,7 @@ export function toModelPixels(rgba, width, height, inputSpec) {
 }
 
 /** float32 model input (C*H*W) from uint8 pixels (C*H*W): /255 then (v - mean) / std in float32, like normalize(). */
-export function normalizePixels(pixels, inputSpec) {
+export function normalizePixels(/** @type {Uint8Array} */ pixels, /** @type {InputSpec} */ inputSpec) {
   const [channels, height, width] = inputSpec.shape;
   const plane = height * width;
   if (pixels.length !== channels * plane) throw new PreprocessError(`${pixels.length} pixels for an input of [${inputSpec.shape}]`, 'pre-process with toModelPixels first');
@@ -56,12 +59,12 @@ export function normalizePixels(pixels, inputSpec) {
 }
 
 /** The model's float32 input (C*H*W) from RGBA pixels (w*h*4) of any size: toModelPixels then normalizePixels. */
-export function toModelInput(rgba, width, height, inputSpec) {
+export function toModelInput(/** @type {Uint8Array | Uint8ClampedArray} */ rgba, /** @type {number} */ width, /** @type {number} */ height, /** @type {InputSpec} */ inputSpec) {
   return normalizePixels(toModelPixels(rgba, width, height, inputSpec), inputSpec);
 }
 
 /** Source indices and normalised weights of resize_taps (device_runtime/data.py) for one output index. */
-export function resizeTaps(inSize, outSize) {
+export function resizeTaps(/** @type {number} */ inSize, /** @type {number} */ outSize) {
   const scale = inSize / outSize;
   const support = Math.max(scale, 1.0);
   const rows = [];
@@ -81,6 +84,13 @@ export function resizeTaps(inSize, outSize) {
   return rows;
 }
 
+/**
+ * @param {Float64Array} plane
+ * @param {number} height
+ * @param {number} width
+ * @param {number} outHeight
+ * @param {number} outWidth
+ */
 function resizePlane(plane, height, width, outHeight, outWidth) {
   if (height === outHeight && width === outWidth) return plane;
   // rows first (axis 0), then columns, each output a sum of its taps in ascending order

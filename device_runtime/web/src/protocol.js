@@ -1,78 +1,120 @@
+// @ts-check
 // The page's client for the server's /v1 protocol (edgepfl/protocol.py), mirroring device_runtime/client.py:
 // network errors, 5xx and 429 are retried with exponential backoff and jitter (Retry-After wins); a 4xx is a
 // Refusal carrying the server's `fix`; an HTML answer (a captive portal's sign-in page) is one clear error.
-// The token only ever goes to the page's own origin.
+// The token only ever goes to the page's own origin. The API prefix, the retry policy and the refusal codes
+// that end a round come from the device contract (contract.js).
 
+import { DeviceError, describe } from './errors.js';
 import { encodeSafetensors } from './safetensors.js';
 import { sha256Hex } from './sha256.js';
 
-export const API_PREFIX = '/v1';
-// server error names that end this device's part in a round: drop the round, poll for the next one
-const ROUND_GONE_ERRORS = new Set(['round_closed', 'deadline_passed', 'not_sampled', 'no_such_round']);
+/** @typedef {import('./contract.js').Contract} Contract */
+/** @typedef {import('./contract.js').RetryPolicy} RetryPolicy */
+/** @typedef {import('./safetensors.js').Tensors} Tensors */
+/** The body of an error reply. @typedef {{error: string, detail: string, fix: string}} ErrorBody */
+/**
+ * The server's answer to GET /v1/task (edgepfl/protocol.py Task.to_json).
+ * @typedef {object} Task
+ * @property {'train' | 'wait' | 'done'} action
+ * @property {number | null} [round]
+ * @property {unknown} [settings] RoundSettings JSON, checked against the contract before any use
+ * @property {string | null} [base_url]
+ * @property {number | null} [deadline]
+ * @property {number | null} [retry_after]
+ * @property {string} base_layout_hash
+ */
+/** What an upload's metadata says (UploadMeta). @typedef {{baseLayoutHash: string, numSamples: number, trainLoss: number, valAccuracy: number, valLoss: number, startValAccuracy?: number}} UploadMeta */
 
 /** The server refused a request (4xx): retrying it would not help. `fix` is the server's advice. */
-export class Refusal extends Error {
-  constructor(method, path, status, body) {
-    super(`the server refused ${method} ${path} (${status} ${body.error}): ${body.detail}`);
-    this.name = 'Refusal';
+export class Refusal extends DeviceError {
+  /**
+   * @param {string} method
+   * @param {string} path
+   * @param {number} status
+   * @param {ErrorBody} body
+   * @param {boolean} roundGone whether the refusal ends this device's part in the round (contract round_gone_errors)
+   */
+  constructor(method, path, status, body, roundGone) {
+    super(`the server refused ${method} ${path} (${status} ${body.error}): ${body.detail}`, String(body.fix || ''));
     this.status = status;
     this.error = String(body.error);
-    this.fix = String(body.fix || '');
-  }
-
-  /** Whether the round is over for this device (it then rejoins the next one). */
-  get roundGone() {
-    return ROUND_GONE_ERRORS.has(this.error);
+    /** Whether the round is over for this device (it then rejoins the next one). */
+    this.roundGone = roundGone;
   }
 }
 
 /** Network errors or 5xx answers outlasted every retry. */
-export class Unreachable extends Error {
-  constructor(message) {
-    super(message);
-    this.name = 'Unreachable';
-    this.fix = 'check the Wi-Fi or mobile data; the page goes on by itself when the server answers again';
+export class Unreachable extends DeviceError {
+  constructor(/** @type {string} */ problem) {
+    super(problem, 'check the Wi-Fi or mobile data; the page goes on by itself when the server answers again');
   }
 }
 
 /** Something between the phone and the server answered with a web page (a captive portal's sign-in page). */
-export class NotTheServer extends Error {
+export class NotTheServer extends DeviceError {
+  /**
+   * @param {string} method
+   * @param {string} path
+   * @param {number} status
+   * @param {string | null} contentType
+   */
   constructor(method, path, status, contentType) {
-    super(`${method} ${path} was answered by a web page (HTTP ${status}, ${contentType || 'no content type'}), not by the edgepfl server`);
-    this.name = 'NotTheServer';
-    this.fix = 'the network wants you to sign in (open any web site to see its page) or the link points at another server';
+    super(
+      `${method} ${path} was answered by a web page (HTTP ${status}, ${contentType || 'no content type'}), not by the edgepfl server`,
+      'the network wants you to sign in (open any web site to see its page) or the link points at another server',
+    );
   }
 }
 
 /** One device's connection to `edgepfl serve` at the page's own origin. */
 export class ApiClient {
-  constructor({ origin, token = null, attempts = 8, firstDelay = 0.5, maxDelay = 30, fetchImpl = null, sleep = null, onRetry = null }) {
+  /**
+   * @param {object} options
+   * @param {string} options.origin the page's origin: the only one the token is sent to
+   * @param {Contract} options.contract
+   * @param {string | null} [options.token]
+   * @param {RetryPolicy} [options.retry] the contract's policy unless given
+   * @param {typeof globalThis.fetch | null} [options.fetchImpl]
+   * @param {((seconds: number) => Promise<unknown>) | null} [options.sleep]
+   * @param {((text: string) => void) | null} [options.onRetry]
+   */
+  constructor({ origin, contract, token = null, retry = contract.timing.retry, fetchImpl = null, sleep = null, onRetry = null }) {
     this.origin = new URL(origin).origin;
+    this.prefix = contract.api_prefix;
+    this.roundGoneErrors = new Set(contract.round_gone_errors);
     this.token = token;
-    this.attempts = attempts;
-    this.firstDelay = firstDelay;
-    this.maxDelay = maxDelay;
-    this.fetch = fetchImpl || ((...args) => globalThis.fetch(...args));
-    this.sleep = sleep || ((seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000)));
+    this.attempts = retry.attempts;
+    this.firstDelay = retry.first_delay;
+    this.maxDelay = retry.max_delay;
+    /** @type {typeof globalThis.fetch} */
+    this.fetch = fetchImpl || ((input, init) => globalThis.fetch(input, init));
+    this.sleep = sleep || ((/** @type {number} */ seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000)));
     this.onRetry = onRetry;
   }
 
   /** POST /v1/enroll with the shared secret in place of a token; the same `key` on every retry. -> token */
-  async enroll(device, key, secret) {
-    const reply = await this.request('POST', `${API_PREFIX}/enroll`, { json: { device, key }, bearer: secret });
-    const body = await this.json(reply, 'POST', `${API_PREFIX}/enroll`);
-    if (typeof body.token !== 'string' || !body.token) throw new NotTheServer('POST', `${API_PREFIX}/enroll`, reply.status, 'a reply without a token');
+  async enroll(/** @type {string} */ device, /** @type {string} */ key, /** @type {string} */ secret) {
+    const path = `${this.prefix}/enroll`;
+    const reply = await this.request('POST', path, { json: { device, key }, bearer: secret });
+    const body = await this.json(reply, 'POST', path);
+    if (typeof body.token !== 'string' || !body.token) throw new NotTheServer('POST', path, reply.status, 'a reply without a token');
     return body.token;
   }
 
   /** GET /v1/task: {action: train|wait|done, round, settings, base_url, retry_after, base_layout_hash}. */
   async task() {
-    const reply = await this.request('GET', `${API_PREFIX}/task`);
-    return this.json(reply, 'GET', `${API_PREFIX}/task`);
+    const reply = await this.request('GET', `${this.prefix}/task`);
+    return /** @type {Task} */ (await this.json(reply, 'GET', `${this.prefix}/task`));
+  }
+
+  /** The path of a round's base (when the task names none). */
+  basePath(/** @type {number} */ roundId) {
+    return `${this.prefix}/rounds/${roundId}/base`;
   }
 
   /** GET bytes (a round's base, a bundle file); with `sha256` (or the reply's ETag) the bytes are checked. */
-  async bytes(path, sha256 = null) {
+  async bytes(/** @type {string} */ path, /** @type {string | null} */ sha256 = null) {
     for (let attempt = 0; attempt < this.attempts; attempt++) {
       const reply = await this.request('GET', path);
       const bytes = new Uint8Array(await reply.arrayBuffer());
@@ -84,22 +126,30 @@ export class ApiClient {
   }
 
   /** POST /v1/rounds/{r}/update with a body from encodeUpdate; an identical retry gets the same receipt. */
-  async upload(roundId, payload) {
-    const path = `${API_PREFIX}/rounds/${roundId}/update`;
-    const reply = await this.request('POST', path, { body: payload, contentType: 'application/octet-stream' });
+  async upload(/** @type {number} */ roundId, /** @type {Uint8Array} */ payload) {
+    const path = `${this.prefix}/rounds/${roundId}/update`;
+    const reply = await this.request('POST', path, { body: /** @type {Uint8Array<ArrayBuffer>} */ (payload), contentType: 'application/octet-stream' });
     return this.json(reply, 'POST', path);
   }
 
   /** POST /v1/rounds/{r}/metrics: the personalised model's held-out evaluation. */
-  async postMetrics(roundId, metrics) {
-    const path = `${API_PREFIX}/rounds/${roundId}/metrics`;
+  async postMetrics(/** @type {number} */ roundId, /** @type {{accuracy: number, num_samples: number, loss: number | null}} */ metrics) {
+    const path = `${this.prefix}/rounds/${roundId}/metrics`;
     return this.json(await this.request('POST', path, { json: metrics }), 'POST', path);
   }
 
-  /** Send with retries; a 2xx/304 Response, or throws Refusal / NotTheServer / Unreachable. */
+  /**
+   * Send with retries; a 2xx/304 Response, or throws Refusal / NotTheServer / Unreachable.
+   * @param {string} method
+   * @param {string} path
+   * @param {{json?: unknown, body?: BodyInit, contentType?: string | null, bearer?: string | null}} [options]
+   */
   async request(method, path, { json = undefined, body = undefined, contentType = null, bearer = null } = {}) {
     const url = new URL(path, this.origin);
-    if (url.origin !== this.origin) throw new Error(`refusing to send the device token to ${url.origin}: the page talks to ${this.origin} only`);
+    if (url.origin !== this.origin) {
+      throw new DeviceError(`refusing to send the device token to ${url.origin}: the page talks to ${this.origin} only`, 'ask the operator to check the server; a reply named another address');
+    }
+    /** @type {Record<string, string>} */
     const headers = {};
     const credential = bearer || this.token;
     if (credential) headers.Authorization = `Bearer ${credential}`;
@@ -115,7 +165,7 @@ export class ApiClient {
       try {
         reply = await this.fetch(url.href, { method, headers, body, cache: 'no-store', credentials: 'omit', redirect: 'manual', referrerPolicy: 'no-referrer' });
       } catch (err) {
-        problem = `${err.name}: ${err.message}`;
+        problem = err instanceof Error ? `${err.name}: ${err.message}` : describe(err);
       }
       if (reply) {
         // a redirect (a captive portal's usual answer) is never the server's: its routes answer in place
@@ -124,7 +174,10 @@ export class ApiClient {
         }
         if (isHtml(reply)) throw new NotTheServer(method, path, reply.status, reply.headers.get('content-type'));
         if (reply.status < 400) return reply;
-        if (reply.status < 500 && reply.status !== 429) throw new Refusal(method, path, reply.status, await errorBody(reply, method, path));
+        if (reply.status < 500 && reply.status !== 429) {
+          const refused = await errorBody(reply, method, path);
+          throw new Refusal(method, path, reply.status, refused, this.roundGoneErrors.has(refused.error));
+        }
         problem = `HTTP ${reply.status} ${(await errorBody(reply, method, path)).detail}`;
         retryAfter = reply.headers.get('retry-after');
       }
@@ -137,13 +190,15 @@ export class ApiClient {
     throw new Unreachable(`${method} ${path} failed ${this.attempts} times (last: ${problem})`);
   }
 
-  backoff(attempt, retryAfter) {
+  /** Seconds before the next try: the server's Retry-After (capped), else exponential backoff with jitter. */
+  backoff(/** @type {number} */ attempt, /** @type {string | null} */ retryAfter) {
     const stated = retryAfter === null ? NaN : Number(retryAfter);
     if (Number.isFinite(stated)) return Math.min(Math.max(stated, 0), 10 * this.maxDelay);
     return Math.min(this.firstDelay * 2 ** attempt, this.maxDelay) * (0.5 + 0.5 * Math.random());
   }
 
-  async json(reply, method, path) {
+  /** @returns {Promise<Record<string, any>>} the JSON object of a reply; anything else is NotTheServer */
+  async json(/** @type {Response} */ reply, /** @type {string} */ method, /** @type {string} */ path) {
     try {
       return await reply.json();
     } catch {
@@ -155,6 +210,9 @@ export class ApiClient {
 /**
  * The body of an update upload: the travelling tensors (or an encoded delta's, whose `encoding` joins `extra`)
  * with UploadMeta in `__metadata__`, as the Python device writes it.
+ * @param {Tensors} tensors
+ * @param {UploadMeta} meta
+ * @param {Record<string, string>} [extra]
  */
 export function encodeUpdate(tensors, meta, extra = {}) {
   return encodeSafetensors(tensors, {
@@ -169,7 +227,7 @@ export function encodeUpdate(tensors, meta, extra = {}) {
 }
 
 /** A number written as Python's str(float) writes it (UploadMeta.to_metadata): 0.5, 1.0, 1e-05, nan, inf. */
-export function pythonFloat(value) {
+export function pythonFloat(/** @type {number} */ value) {
   if (Number.isNaN(value)) return 'nan';
   if (!Number.isFinite(value)) return value > 0 ? 'inf' : '-inf';
   if (value === 0) return Object.is(value, -0) ? '-0.0' : '0.0';
@@ -187,11 +245,12 @@ export function pythonFloat(value) {
   return `${sign}${whole}.${digits.slice(exponent + 1) || '0'}`;
 }
 
-function isHtml(reply) {
+function isHtml(/** @type {Response} */ reply) {
   return /^\s*text\/html/i.test(reply.headers.get('content-type') || '');
 }
 
-async function errorBody(reply, method, path) {
+/** @returns {Promise<ErrorBody>} */
+async function errorBody(/** @type {Response} */ reply, /** @type {string} */ method, /** @type {string} */ path) {
   let body;
   try {
     body = await reply.json();

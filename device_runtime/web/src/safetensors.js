@@ -1,9 +1,18 @@
+// @ts-check
 // The safetensors codec of the browser device: the same files Python's `safetensors` reads and writes.
 //
 // A tensor is {dtype, shape, data}: dtype a numpy-style name ('float32', 'int64', ...), shape an array of
 // non-negative integers, data a TypedArray of that dtype (float16/bfloat16 as raw Uint16Array bits).
 // Decoding copies every tensor out of the payload, so results are aligned and own their memory.
 
+import { DeviceError, describe } from './errors.js';
+
+/** @typedef {Float64Array | Float32Array | Uint16Array | BigInt64Array | BigUint64Array | Int32Array | Uint32Array | Int16Array | Int8Array | Uint8Array} TypedArray */
+/** @typedef {Float64ArrayConstructor | Float32ArrayConstructor | Uint16ArrayConstructor | BigInt64ArrayConstructor | BigUint64ArrayConstructor | Int32ArrayConstructor | Uint32ArrayConstructor | Int16ArrayConstructor | Int8ArrayConstructor | Uint8ArrayConstructor} TypedArrayConstructor */
+/** A tensor: a numpy-style dtype name, its shape, its values. @typedef {{dtype: string, shape: number[], data: TypedArray}} Tensor */
+/** @typedef {Record<string, Tensor>} Tensors */
+
+/** @type {Record<string, [string, TypedArrayConstructor]>} */
 const DTYPES = {
   F64: ['float64', Float64Array],
   F32: ['float32', Float32Array],
@@ -26,28 +35,26 @@ if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) {
   throw new Error('safetensors: this platform is big-endian; the codec reads little-endian bytes in place');
 }
 
-/** An Error whose message names the problem and whose `fix` says what to do about it. */
-export class SafetensorsError extends Error {
-  constructor(message, fix) {
-    super(`${message} — ${fix}`);
-    this.name = 'SafetensorsError';
-    this.fix = fix;
-  }
-}
+/** A file that is not valid safetensors, or tensors that cannot be written as one. */
+export class SafetensorsError extends DeviceError {}
 
 /** The TypedArray constructor of a numpy-style dtype name ('float32', ...); throws for unknown names. */
-export function typedArrayOf(dtype) {
+export function typedArrayOf(/** @type {string} */ dtype) {
   const code = CODE_OF[dtype];
   if (!code) throw new SafetensorsError(`unknown dtype ${JSON.stringify(dtype)}`, `use one of ${Object.keys(CODE_OF).join(', ')}`);
   return DTYPES[code][1];
 }
 
 /** Number of elements of a shape (1 for a scalar). */
-export function numel(shape) {
+export function numel(/** @type {readonly number[]} */ shape) {
   return shape.reduce((a, b) => a * b, 1);
 }
 
-/** Encode {name: tensor} (+ optional string metadata) into safetensors bytes, laid out like Python writes them. */
+/**
+ * Encode {name: tensor} (+ optional string metadata) into safetensors bytes, laid out like Python writes them.
+ * @param {Tensors} tensors
+ * @param {Record<string, string> | null} [metadata]
+ */
 export function encodeSafetensors(tensors, metadata = null) {
   const entries = Object.entries(tensors).map(([name, t]) => {
     if (name === '__metadata__') throw new SafetensorsError('a tensor is named __metadata__', 'rename the tensor');
@@ -61,6 +68,7 @@ export function encodeSafetensors(tensors, metadata = null) {
   });
   // Python's safetensors orders tensors by dtype alignment (largest first), then by name
   entries.sort((a, b) => DTYPES[b.code][1].BYTES_PER_ELEMENT - DTYPES[a.code][1].BYTES_PER_ELEMENT || (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
+  /** @type {Record<string, unknown>} */
   const header = {};
   if (metadata) {
     for (const [k, v] of Object.entries(metadata)) {
@@ -88,10 +96,14 @@ export function encodeSafetensors(tensors, metadata = null) {
   return out;
 }
 
-/** Decode safetensors bytes into {tensors: {name: tensor}, metadata: {..}|null}; a malformed file throws SafetensorsError. */
-export function decodeSafetensors(bytes, what = 'safetensors file') {
-  if (!(bytes instanceof Uint8Array)) bytes = new Uint8Array(bytes);
-  const bad = (problem) => new SafetensorsError(`${what}: ${problem}`, 'download the file again; it is not a valid safetensors file');
+/**
+ * Decode safetensors bytes into {tensors: {name: tensor}, metadata: {..}|null}; a malformed file throws SafetensorsError.
+ * @param {Uint8Array | ArrayBuffer} input
+ * @returns {{tensors: Tensors, metadata: Record<string, string> | null}}
+ */
+export function decodeSafetensors(input, what = 'safetensors file') {
+  const bytes = input instanceof Uint8Array ? input : new Uint8Array(input);
+  const bad = (/** @type {string} */ problem) => new SafetensorsError(`${what}: ${problem}`, 'download the file again; it is not a valid safetensors file');
   if (bytes.length < 8) throw bad(`only ${bytes.length} bytes`);
   const headerLength = new DataView(bytes.buffer, bytes.byteOffset, 8).getBigUint64(0, true);
   if (headerLength > BigInt(Math.min(MAX_HEADER, bytes.length - 8))) throw bad(`header length ${headerLength} exceeds the file`);
@@ -100,13 +112,14 @@ export function decodeSafetensors(bytes, what = 'safetensors file') {
   try {
     header = JSON.parse(headerText);
   } catch (err) {
-    throw bad(`header is not JSON (${err.message})`);
+    throw bad(`header is not JSON (${describe(err)})`);
   }
   if (header === null || typeof header !== 'object' || Array.isArray(header)) throw bad('header is not a JSON object');
   const duplicate = firstDuplicateKey(headerText);
   if (duplicate !== null) throw bad(`tensor ${JSON.stringify(duplicate)} appears twice in the header`);
   const dataStart = 8 + Number(headerLength);
   const dataLength = bytes.length - dataStart;
+  /** @type {Record<string, string> | null} */
   let metadata = null;
   const spans = [];
   for (const [name, entry] of Object.entries(header)) {
@@ -121,7 +134,7 @@ export function decodeSafetensors(bytes, what = 'safetensors file') {
     try {
       checkShape(entry.shape, name);
     } catch (err) {
-      throw bad(err.message.split(' — ')[0]);
+      throw bad(describe(err));
     }
     const offsets = entry.data_offsets;
     if (!Array.isArray(offsets) || offsets.length !== 2 || !offsets.every((o) => Number.isSafeInteger(o) && o >= 0) || offsets[0] > offsets[1]) {
@@ -142,6 +155,7 @@ export function decodeSafetensors(bytes, what = 'safetensors file') {
     expected = span.end;
   }
   if (expected !== dataLength) throw bad(`${dataLength - expected} trailing bytes after the last tensor`);
+  /** @type {Tensors} */
   const tensors = {};
   for (const name of Object.keys(header)) {
     if (name === '__metadata__') continue;
@@ -153,14 +167,14 @@ export function decodeSafetensors(bytes, what = 'safetensors file') {
   return { tensors, metadata };
 }
 
-function checkShape(shape, name) {
+function checkShape(/** @type {unknown} */ shape, /** @type {string} */ name) {
   if (!Array.isArray(shape) || !shape.every((d) => Number.isSafeInteger(d) && d >= 0)) {
     throw new SafetensorsError(`tensor ${JSON.stringify(name)} has a bad shape ${JSON.stringify(shape)}`, 'use an array of non-negative integers');
   }
 }
 
 /** The first key that appears twice at the top level of a JSON object text, or null (JSON.parse keeps the last). */
-function firstDuplicateKey(text) {
+function firstDuplicateKey(/** @type {string} */ text) {
   const seen = new Set();
   let depth = 0;
   for (let i = 0; i < text.length; i++) {

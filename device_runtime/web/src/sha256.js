@@ -1,7 +1,10 @@
+// @ts-check
 // SHA-256 of downloaded bundle files, checked against manifest.json's `files` before anything runs them.
 //
 // WebCrypto's crypto.subtle exists only in secure contexts (https, localhost); a phone opening the page
 // over plain http on a LAN has none, so a small pure-JS SHA-256 (FIPS 180-4) takes over there.
+
+import { DeviceError } from './errors.js';
 
 const K = new Uint32Array([
   0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
@@ -15,7 +18,7 @@ const K = new Uint32Array([
 ]);
 
 /** Hex SHA-256 of bytes computed in JavaScript (used where WebCrypto is unavailable). */
-export function sha256HexPortable(bytes) {
+export function sha256HexPortable(/** @type {Uint8Array} */ bytes) {
   const bitLength = bytes.length * 8;
   const total = Math.ceil((bytes.length + 9) / 64) * 64;
   const padded = new Uint8Array(total);
@@ -48,19 +51,20 @@ export function sha256HexPortable(bytes) {
 }
 
 /** Hex SHA-256 of bytes: WebCrypto where the context has it, the JavaScript implementation elsewhere. */
-export async function sha256Hex(bytes) {
+export async function sha256Hex(/** @type {Uint8Array} */ bytes) {
   const subtle = globalThis.crypto && globalThis.crypto.subtle;
   if (!subtle) return sha256HexPortable(bytes);
-  const digest = new Uint8Array(await subtle.digest('SHA-256', bytes));
+  const digest = new Uint8Array(await subtle.digest('SHA-256', /** @type {Uint8Array<ArrayBuffer>} */ (bytes)));
   return Array.from(digest, (v) => v.toString(16).padStart(2, '0')).join('');
 }
 
-/** Throws an Error naming `what` when bytes do not hash to the expected hex digest. */
-export async function checkSha256(bytes, expected, what) {
+/** Throws a DeviceError naming `what` when bytes do not hash to the expected hex digest. */
+export async function checkSha256(/** @type {Uint8Array} */ bytes, /** @type {string} */ expected, /** @type {string} */ what) {
   const actual = await sha256Hex(bytes);
   if (actual !== String(expected).toLowerCase()) {
-    const err = new Error(`${what} has sha256 ${actual.slice(0, 12)}…, the manifest says ${String(expected).slice(0, 12)}… — reload the page to download it again; if it persists, the server's bundle files were changed after export`);
-    err.fix = 'reload the page to download it again';
-    throw err;
+    throw new DeviceError(
+      `${what} has sha256 ${actual.slice(0, 12)}…, the manifest says ${String(expected).slice(0, 12)}…`,
+      "reload the page to download it again; if it persists, the server's bundle files were changed after export",
+    );
   }
 }

@@ -1,3 +1,4 @@
+// @ts-check
 // What the page keeps in the browser (IndexedDB): its token and enrollment key, its tensors (personal, base and
 // BatchNorm buffers), the round it is in, an upload not yet acknowledged, its examples and the bundle files.
 //
@@ -5,27 +6,52 @@
 // state before or after it, never half of it: e.g. a trained round's tensors, `lastCompletedRound` and the
 // pending upload's bytes are written together, and the upload is only ever sent from those saved bytes.
 
+import { DeviceError } from './errors.js';
+
+/** @typedef {import('./safetensors.js').Tensors} Tensors */
+/** @typedef {import('./encoding.js').Delta} Delta */
+/** @typedef {import('./data.js').Examples} Examples */
+/** @typedef {{device: string, key?: string, secret?: string, token?: string}} Credentials */
+/** An upload saved with its round, sent (again) from these bytes. @typedef {{round: number, payload: Uint8Array, sha256: string, residualBefore?: Delta | null}} PendingUpload */
+/** @typedef {{layout: string, lastCompletedRound: number | null, lastUploadedRound: number | null, pending: PendingUpload | null}} Progress */
+/**
+ * One trained round as the page shows it.
+ * @typedef {object} RoundRecord
+ * @property {number} round
+ * @property {number | null} beforeAccuracy held-out accuracy of the model held when the round began
+ * @property {number | null} accuracy held-out accuracy after training
+ * @property {number | null} loss held-out loss after training
+ * @property {number} samples held-out examples
+ * @property {number} trainLoss
+ * @property {'pending' | 'none' | 'delivered' | 'dropped'} upload
+ */
+/**
+ * What the `kv` store holds, by key.
+ * @typedef {object} Saved
+ * @property {Credentials} [creds] the device's name and enrollment key, and its token (the secret is dropped once the token is held)
+ * @property {{layout: string, tensors: Tensors}} [tensors] every param and buffer after the last round
+ * @property {Progress} [progress] the last rounds completed and uploaded, and the upload not yet acknowledged
+ * @property {{round: number, startedAt: number}} [round] the round being trained (restarted from its base after a reload)
+ * @property {RoundRecord[]} [history] the rounds trained, newest last
+ * @property {Examples} [examples] the person's examples
+ * @property {Delta} [residual] what the encoded uploads owe (error feedback), committed with its round; a pending
+ *   upload keeps the one before it (`residualBefore`), restored if the server drops that upload
+ */
+/**
+ * The part of the store a device's round loop uses (the page's IndexedDB store, or a test's in-memory one).
+ * @typedef {object} DeviceStore
+ * @property {(...keys: (keyof Saved)[]) => Promise<Saved>} get the values of some keys, read together
+ * @property {(changes: Saved) => Promise<void>} commit write (value) or delete (undefined) keys in one transaction
+ */
+
 const DB_NAME = 'edgepfl-device';
 const DB_VERSION = 1;
-const KV = 'kv'; // key -> value: creds, tensors, progress, examples, history, round
+const KV = 'kv'; // key -> value: see Saved
 const FILES = 'files'; // sha256 -> bytes of a bundle file (downloaded once, checked before use)
-
-/** Keys of the `kv` store. */
-export const KEYS = Object.freeze({
-  creds: 'creds', // {device, key, secret?, token?}: the secret is dropped once the token is held
-  tensors: 'tensors', // {layout, tensors: {name: {dtype, shape, data}}}: every param and buffer after the last round
-  progress: 'progress', // {layout, lastCompletedRound, lastUploadedRound, pending: {round, payload, sha256} | null}
-  round: 'round', // {round, startedAt}: the round being trained (restarted from its base after a reload)
-  history: 'history', // [{round, beforeAccuracy, accuracy, loss, trainLoss, samples, upload}] newest last
-  examples: 'examples', // {pixels: Uint8Array(N*C*H*W), labels: Int32Array(N), count, shape}
-  // {name: {shape, data: Float32Array}}: what the encoded uploads owe (error feedback), committed with its round;
-  // a pending upload keeps the one before it (`residualBefore`), restored if the server drops that upload
-  residual: 'residual',
-});
 
 /** The page's IndexedDB database; resolves once it is open (and upgraded if new). */
 export async function openStore(indexedDB = globalThis.indexedDB) {
-  if (!indexedDB) throw Object.assign(new Error('this browser keeps no IndexedDB storage for the page'), { fix: 'leave private browsing mode, or use a current Chrome or Safari' });
+  if (!indexedDB) throw new DeviceError('this browser keeps no IndexedDB storage for the page', 'leave private browsing mode, or use a current Chrome or Safari');
   const db = await request(
     (() => {
       const opening = indexedDB.open(DB_NAME, DB_VERSION);
@@ -40,20 +66,21 @@ export async function openStore(indexedDB = globalThis.indexedDB) {
   return new Store(db);
 }
 
+/** The page's IndexedDB store. @implements {DeviceStore} */
 class Store {
-  constructor(db) {
+  constructor(/** @type {IDBDatabase} */ db) {
     this.db = db;
   }
 
   /** The values of some keys of the `kv` store, read in one transaction: {key: value | undefined}. */
-  async get(...keys) {
+  async get(/** @type {(keyof Saved)[]} */ ...keys) {
     const tx = this.db.transaction(KV, 'readonly');
     const values = await Promise.all(keys.map((key) => request(tx.objectStore(KV).get(key))));
-    return Object.fromEntries(keys.map((key, i) => [key, values[i]]));
+    return /** @type {Saved} */ (Object.fromEntries(keys.map((key, i) => [key, values[i]])));
   }
 
   /** Write (value) or delete (undefined) several keys in ONE durable transaction; resolves once it is committed. */
-  async commit(changes) {
+  async commit(/** @type {Saved} */ changes) {
     const tx = this.db.transaction(KV, 'readwrite', { durability: 'strict' });
     const kv = tx.objectStore(KV);
     for (const [key, value] of Object.entries(changes)) {
@@ -64,17 +91,17 @@ class Store {
   }
 
   /** A cached bundle file by its sha256, or undefined. */
-  async file(sha256) {
-    return request(this.db.transaction(FILES, 'readonly').objectStore(FILES).get(sha256));
+  async file(/** @type {string} */ sha256) {
+    return /** @type {Uint8Array | undefined} */ (await request(this.db.transaction(FILES, 'readonly').objectStore(FILES).get(sha256)));
   }
 
   /** Keep a bundle file under its sha256 and drop cached files no longer in `keep` (a new bundle's leftovers). */
-  async putFile(sha256, bytes, keep) {
+  async putFile(/** @type {string} */ sha256, /** @type {Uint8Array} */ bytes, /** @type {Set<string>} */ keep) {
     const tx = this.db.transaction(FILES, 'readwrite');
     const files = tx.objectStore(FILES);
     files.put(bytes, sha256);
     const keys = await request(files.getAllKeys());
-    for (const key of keys) if (!keep.has(key)) files.delete(key);
+    for (const key of keys) if (!keep.has(String(key))) files.delete(key);
     await done(tx);
   }
 
@@ -87,6 +114,11 @@ class Store {
   }
 }
 
+/**
+ * @template T
+ * @param {IDBRequest<T>} req
+ * @returns {Promise<T>}
+ */
 function request(req) {
   return new Promise((resolve, reject) => {
     req.onsuccess = () => resolve(req.result);
@@ -94,17 +126,18 @@ function request(req) {
   });
 }
 
-function done(tx) {
-  return new Promise((resolve, reject) => {
+function done(/** @type {IDBTransaction} */ tx) {
+  return /** @type {Promise<void>} */ (new Promise((resolve, reject) => {
     tx.oncomplete = () => resolve();
     tx.onerror = () => reject(storageError(tx.error));
     tx.onabort = () => reject(storageError(tx.error));
-  });
+  }));
 }
 
-function storageError(error) {
+function storageError(/** @type {DOMException | null} */ error) {
   const quota = error && error.name === 'QuotaExceededError';
-  return Object.assign(new Error(`the browser could not save the device's state (${error ? error.name : 'unknown error'})`), {
-    fix: quota ? 'free some storage on the phone, or remove examples, then reload' : 'reload the page; nothing half-written was kept',
-  });
+  return new DeviceError(
+    `the browser could not save the device's state (${error ? error.name : 'unknown error'})`,
+    quota ? 'free some storage on the phone, or remove examples, then reload' : 'reload the page; nothing half-written was kept',
+  );
 }

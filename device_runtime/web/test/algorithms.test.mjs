@@ -6,7 +6,7 @@ import * as ort from 'onnxruntime-web';
 import { openEngine } from '../src/engine.js';
 import { batchOrder, receive, recomputeStatistics, roundPhases, roundSeed, runClientRound, splitTrainVal, travellingNames } from '../src/algorithms.js';
 import { permutation } from '../src/random.js';
-import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureTensors, maxAbsDiff } from './fixtures.mjs';
+import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureContract, fixtureTensors, maxAbsDiff } from './fixtures.mjs';
 
 // a manifest of 3 blocks with kp=1: conv (base, with BN buffers), fc (base), classifier (personal, with a buffer)
 const MANIFEST = {
@@ -31,15 +31,16 @@ test('travellingNames: the base, base buffers only when shared, never personal t
   }
 });
 
-test('round phases mirror round_phases: fine-tuning first, empty phases and missing sets dropped', () => {
+test('round phases mirror round_phases: fine-tuning first, empty phases and missing sets dropped', { skip: NEEDS_FIXTURES }, () => {
+  const contract = fixtureContract(); // the phases and the settings' defaults come from Python's device contract
   const all = ['full', 'personal', 'base'];
-  const names = (settings, sets = all) => roundPhases(settings, sets).map((p) => `${p.name}:${p.trainable}:${p.epochs}`);
+  const names = (settings, sets = all) => roundPhases(contract, settings, sets).map((p) => `${p.name}:${p.trainable}:${p.epochs}`);
   assert.deepEqual(names({ epochs: 2 }), ['joint:full:2']);
   assert.deepEqual(names({ algorithm: 'fedalt', finetune_epochs: 1, personal_epochs: 3 }), ['finetune:personal:1', 'personal:personal:3', 'base:base:1']);
   assert.deepEqual(names({ algorithm: 'fedalt', finetune_epochs: 1 }, ['full', 'base']), ['base:base:1']);
   assert.deepEqual(names({ algorithm: 'local', epochs: 2 }), ['personal:personal:2']);
-  assert.throws(() => roundPhases({ algorithm: 'local' }, ['full', 'base']), /local algorithm trains personal tensors/);
-  assert.throws(() => roundPhases({ algorithm: 'fedprox' }, all), /unknown client algorithm "fedprox"/);
+  assert.throws(() => roundPhases(contract, { algorithm: 'local' }, ['full', 'base']), /local algorithm trains personal tensors/);
+  assert.throws(() => roundPhases(contract, { algorithm: 'fedprox' }, all), /unknown client algorithm "fedprox"/);
 });
 
 test('seeded orders are numpy default_rng permutations', () => {
@@ -61,7 +62,7 @@ test("split and a whole fedalt round equal the Python device's", { skip: NEEDS_F
   const engine = await openEngine(ort, manifest, files);
   const progress = [];
   const train = { x: data.x_train.data, y: Int32Array.from(data.y_train.data, Number), count: data.y_train.shape[0] };
-  const result = await runClientRound(engine, train, expected().round_settings, { seed: want.seed, roundId: want.round_id, onProgress: (p) => progress.push(p) });
+  const result = await runClientRound(fixtureContract(), engine, train, expected().round_settings, { seed: want.seed, roundId: want.round_id, onProgress: (p) => progress.push(p) });
   assert.equal(result.numSamples, want.train_index.length);
   assert.equal(result.uploads, true);
   assert.deepEqual(result.phases.map((p) => [p.name, p.steps]), want.phases.map((p) => [p.name, p.steps]));
@@ -79,7 +80,7 @@ test("split and a whole fedalt round equal the Python device's", { skip: NEEDS_F
     const diff = maxAbsDiff(got[name].data, after[name].data);
     assert.ok(diff <= 1e-3, `${name} differs from the Python round by ${diff}`);
   }
-  await assert.rejects(runClientRound(engine, train, { batch_size: engine.batchSize + 1 }, { seed: 0 }), /exceeds the portable graphs' batch size/);
+  await assert.rejects(runClientRound(fixtureContract(), engine, train, { batch_size: engine.batchSize + 1 }, { seed: 0 }), /exceeds the portable graphs' batch size/);
 });
 
 test("recomputed BatchNorm statistics equal the Python device's, and no weight moves", { skip: NEEDS_FIXTURES }, async () => {
@@ -108,8 +109,8 @@ test("recomputed BatchNorm statistics equal the Python device's, and no weight m
   // receive: the base laid over, then the statistics; with recompute_bn off only the base changes
   const base = Object.fromEntries(travellingNames(manifest, {}).map((name) => [name, before[name]]));
   engine.setTensors(before);
-  await receive(engine, base, train, { batch_size: 8, recompute_bn: false });
+  await receive(fixtureContract(), engine, base, train, { batch_size: 8, recompute_bn: false });
   for (const name of stats) assert.deepEqual(engine.getTensors([name])[name].data, before[name].data);
-  await receive(engine, base, train, { batch_size: 8 });
+  await receive(fixtureContract(), engine, base, train, { batch_size: 8 });
   for (const name of stats) assert.ok(maxAbsDiff(engine.getTensors([name])[name].data, want[name].data) <= 1e-5 * Math.max(1, ...Array.from(want[name].data, Math.abs)));
 });

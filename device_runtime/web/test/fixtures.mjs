@@ -2,6 +2,7 @@
 
 import { readFileSync, readdirSync, statSync } from 'node:fs';
 import { join, relative } from 'node:path';
+import { parseContract } from '../src/contract.js';
 import { decodeSafetensors } from '../src/safetensors.js';
 
 export const FIXTURES = process.env.EDGEPFL_WEB_FIXTURES || '';
@@ -21,6 +22,11 @@ export function fixtureTensors(path) {
 /** expected.json of the fixtures. */
 export function expected() {
   return JSON.parse(readFileSync(join(FIXTURES, 'expected.json'), 'utf8'));
+}
+
+/** The device contract as the server serves it (device_runtime/contract.py, written by make_fixtures.py). */
+export function fixtureContract() {
+  return parseContract(JSON.parse(readFileSync(join(FIXTURES, 'contract.json'), 'utf8')));
 }
 
 /** The fixture bundle as the page holds it: its manifest and a Map of bundle-relative path -> bytes. */

@@ -2,7 +2,8 @@
 
 Usage: python device_runtime/web/test/make_fixtures.py OUT_DIR  (needs the export extra: torch, Pillow)
 
-Writes a tiny BatchNorm cnn bundle (portable graphs), feeds and the Python portable engine's tensors after
+Writes the device contract (contract.json, as the server serves it), round settings with the Python device's
+verdict on each, a tiny BatchNorm cnn bundle (portable graphs), feeds and the Python portable engine's tensors after
 full and personal steps and after one fedalt round, files written by Python's `safetensors`, and PNGs with
 the Python loader's arrays of them. Both engines build a step's frozen variant (export/frozen.py) after the
 same number of plain steps, so the later personal steps and the round's run on variants on both sides. The Node
@@ -24,21 +25,42 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from edgepfl.data import make_local_data, normalize  # noqa: E402
 from edgepfl.device_runtime.algorithms import run_client_round  # noqa: E402
+from edgepfl.device_runtime.contract import CONTRACT_NAME, device_contract  # noqa: E402
 from edgepfl.device_runtime.data import read_image_folder, resize_image  # noqa: E402
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
 from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
+from edgepfl.errors import WireError  # noqa: E402
 from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
 from tests.conftest import export_test_bundle  # noqa: E402
 
 LR = 0.05
+# round settings (each over the defaults) the page must accept or refuse exactly as RoundSettings.from_json does
+SETTINGS_CASES = [
+    {},
+    *({"epochs": v} for v in (1000, 10**6, -1, 1.5, "2", None, True)),
+    *({"batch_size": v} for v in (0, 1 << 20, (1 << 20) + 1)),
+    *({"personal_epochs": v} for v in (0, 1001)),
+    {"finetune_epochs": 3},
+    *({"algorithm": v} for v in ("local", "fedprox", None)),
+    *({"lr": v} for v in (0, -1, "x", 1e-9, 1, None)),
+    *({"clip_norm": v} for v in (None, 0, 1.5, "x")),
+    *({"share_buffers": v} for v in (True, "yes", 1)),
+    {"recompute_bn": None},
+    *({"kept_on_device": v} for v in (["conv.weight"], "conv.weight", [1])),
+    *({"extra": v} for v in ({"alpha": 1}, [], None)),
+    *({"upload_encoding": v} for v in ("int8-block256-sr", "fp16-block8", "int4", None)),
+    *({"download_encoding": v} for v in ("fp16", "int8")),
+    {"momentum": 0.9},  # a key this version does not know is ignored
+]
 ROUND = {"algorithm": "fedalt", "epochs": 1, "personal_epochs": 1, "finetune_epochs": 1, "batch_size": 8, "lr": LR}
 
 
 def main(out: Path) -> None:
     """Write every fixture into `out`."""
     out.mkdir(parents=True, exist_ok=True)
+    (out / CONTRACT_NAME).write_text(json.dumps(device_contract(), indent=1))
     bundle = export_test_bundle(out / "bundle", "cnn", 1, ("portable",), 0, input_size=28, norm="batch")
     manifest = load_manifest(bundle)
     batch = manifest.engines["portable"]["batch_size"]
@@ -53,7 +75,7 @@ def main(out: Path) -> None:
         "ye": rng.integers(0, manifest.num_classes, batch + 7),
     }
     save_file(feeds, out / "feeds.safetensors")
-    results: dict = {"lr": LR, "round_settings": ROUND}
+    results: dict = {"lr": LR, "round_settings": ROUND, "settings_cases": [settings_verdict(c) for c in SETTINGS_CASES]}
 
     engine = PortableEngine(bundle, manifest)
     results["eval_initial"] = vars(engine.eval_batch(feeds["xe"], feeds["ye"]))
@@ -77,6 +99,15 @@ def main(out: Path) -> None:
     write_safetensors(out, results)
     write_images(out, manifest, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
+
+
+def settings_verdict(settings: dict) -> dict:
+    """Round settings and what the Python device says of them: null when it takes them, else the problem."""
+    try:
+        RoundSettings.from_json(settings)
+    except WireError as error:
+        return {"settings": settings, "problem": error.problem}
+    return {"settings": settings, "problem": None}
 
 
 def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:

@@ -5,17 +5,23 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { ApiClient, encodeUpdate, NotTheServer, pythonFloat, Refusal, Unreachable } from '../src/protocol.js';
 import { decodeSafetensors } from '../src/safetensors.js';
+import { NEEDS_FIXTURES, fixtureContract } from './fixtures.mjs';
 
 const ORIGIN = 'https://server.example:8443';
 
-/** A client whose fetch answers from `replies` in turn (a Response, or an Error to throw) and records each call. */
+/**
+ * A client whose fetch answers from `replies` in turn (a Response, or an Error to throw) and records each call;
+ * the device contract's retry policy (first delay 0.5 s, at most 30 s) with 4 attempts.
+ */
 function scripted(replies, options = {}) {
   const calls = [];
   const slept = [];
+  const contract = fixtureContract();
   const client = new ApiClient({
     origin: ORIGIN,
+    contract,
     token: 'device-token',
-    attempts: 4,
+    retry: { ...contract.timing.retry, attempts: 4 },
     fetchImpl: async (url, init) => {
       calls.push({ url, init });
       const reply = replies.shift();
@@ -30,7 +36,7 @@ function scripted(replies, options = {}) {
 
 const json = (body, status = 200, headers = {}) => new Response(JSON.stringify(body), { status, headers: { 'content-type': 'application/json', ...headers } });
 
-test('network errors, 5xx and 429 are retried with backoff (Retry-After wins); the token goes to the same origin only', async () => {
+test('network errors, 5xx and 429 are retried with backoff (Retry-After wins); the token goes to the same origin only', { skip: NEEDS_FIXTURES }, async () => {
   const { client, calls, slept } = scripted([
     new TypeError('Failed to fetch'),
     json({ error: 'server_error', detail: 'busy', fix: '' }, 503),
@@ -49,13 +55,13 @@ test('network errors, 5xx and 429 are retried with backoff (Retry-After wins); t
   assert.equal(calls.length, 4, 'nothing was sent to the other origin');
 });
 
-test('a server that stays unreachable ends in Unreachable after every attempt', async () => {
+test('a server that stays unreachable ends in Unreachable after every attempt', { skip: NEEDS_FIXTURES }, async () => {
   const { client, calls } = scripted([new TypeError('a'), new TypeError('b'), new TypeError('c'), new TypeError('d')]);
   await assert.rejects(client.task(), (err) => err instanceof Unreachable && /failed 4 times/.test(err.message) && Boolean(err.fix));
   assert.equal(calls.length, 4);
 });
 
-test('a 4xx is one Refusal carrying the server\'s fix; the round-over ones say so', async () => {
+test('a 4xx is one Refusal carrying the server\'s fix; the round-over ones say so', { skip: NEEDS_FIXTURES }, async () => {
   const { client, calls } = scripted([
     json({ error: 'unauthorized', detail: 'unknown token', fix: 'enroll again' }, 401),
     json({ error: 'round_closed', detail: 'round 3 is closed', fix: 'poll /v1/task' }, 409),
@@ -65,7 +71,7 @@ test('a 4xx is one Refusal carrying the server\'s fix; the round-over ones say s
   assert.equal(calls.length, 2, 'refusals are not retried');
 });
 
-test('a captive portal (an HTML page or a redirect instead of the server) is one clear error, not retried', async () => {
+test('a captive portal (an HTML page or a redirect instead of the server) is one clear error, not retried', { skip: NEEDS_FIXTURES }, async () => {
   const portal = new Response('<html>sign in to the Wi-Fi</html>', { status: 200, headers: { 'content-type': 'text/html; charset=utf-8' } });
   const redirect = new Response(null, { status: 302, headers: { location: 'http://portal.example/' } });
   const { client, calls } = scripted([portal, redirect]);
@@ -74,7 +80,7 @@ test('a captive portal (an HTML page or a redirect instead of the server) is one
   assert.equal(calls.length, 2);
 });
 
-test('bytes are checked against the ETag sha256 and fetched again when they do not match', async () => {
+test('bytes are checked against the ETag sha256 and fetched again when they do not match', { skip: NEEDS_FIXTURES }, async () => {
   const body = new TextEncoder().encode('abc');
   const sha = 'ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad';
   const { client, calls } = scripted([
@@ -85,7 +91,7 @@ test('bytes are checked against the ETag sha256 and fetched again when they do n
   assert.equal(calls.length, 2);
 });
 
-test('enrollment sends the secret as the bearer and the same key every time', async () => {
+test('enrollment sends the secret as the bearer and the same key every time', { skip: NEEDS_FIXTURES }, async () => {
   const { client, calls } = scripted([new TypeError('lost'), json({ device: 'web-1', token: 'new-token' })], { token: null });
   assert.equal(await client.enroll('web-1', 'k'.repeat(32), 'the-secret'), 'new-token');
   assert.ok(calls.every((c) => c.init.headers.Authorization === 'Bearer the-secret' && JSON.parse(c.init.body).key === 'k'.repeat(32)));

@@ -1,0 +1,27 @@
+// @ts-check
+// The page's one error class, as edgepfl's EdgePFLError: `problem` names what went wrong in one line, `fix` says
+// what to do. Every error the page expects (engine, codec, data, storage, the server's refusals, the network)
+// extends it, so the page shows any of them the same way.
+
+/** A problem the page expects: `problem` (one line) and `fix`; the message joins them for logs and tests. */
+export class DeviceError extends Error {
+  /**
+   * @param {string} problem what went wrong, in one line
+   * @param {string} fix what to do about it
+   */
+  constructor(problem, fix) {
+    super(fix ? `${problem} — ${fix}` : problem);
+    this.name = new.target.name;
+    this.problem = problem;
+    this.fix = fix;
+  }
+}
+
+/** A problem whose fix is to forget this device's state and join again (the page offers a button for it). */
+export class StartOver extends DeviceError {}
+
+/** The message of anything thrown (an Error's, else its text), for a line that quotes it. */
+export function describe(/** @type {unknown} */ err) {
+  if (err instanceof DeviceError) return err.problem;
+  return err instanceof Error ? err.message : String(err);
+}

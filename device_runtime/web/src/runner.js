@@ -1,0 +1,340 @@
+// @ts-check
+// The browser device's round loop, free of the DOM, as device_runtime/runner.py runs it: poll the task, train
+// a round once, save everything with the upload in one transaction, upload those saved bytes (again after a
+// reload), report metrics. Round settings outside the device contract are refused before any training; a base
+// holding NaN/Inf, or a round whose training diverges, is refused: the model held before the round stays,
+// nothing is saved or sent, and the device waits for the next round. What happens is told through DeviceEvents.
+
+import { divergence, nonfiniteNames, receive, roundLosses, roundPhases, roundUploads, runClientRound, travellingNames } from './algorithms.js';
+import { checkedSettings } from './contract.js';
+import { splitExamples } from './data.js';
+import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
+import { DeviceError, StartOver } from './errors.js';
+import { encodeUpdate, Refusal, Unreachable } from './protocol.js';
+import { decodeSafetensors } from './safetensors.js';
+import { sha256Hex } from './sha256.js';
+
+/** @typedef {import('./contract.js').Contract} Contract */
+/** @typedef {import('./contract.js').RoundSettings} RoundSettings */
+/** @typedef {import('./engine.js').Engine} Engine */
+/** @typedef {import('./engine.js').EvalResult} EvalResult */
+/** @typedef {import('./algorithms.js').Samples} Samples */
+/** @typedef {import('./data.js').Examples} Examples */
+/** @typedef {import('./protocol.js').Task} Task */
+/** @typedef {import('./store.js').DeviceStore} DeviceStore */
+/** @typedef {import('./store.js').Progress} Progress */
+/** @typedef {import('./store.js').PendingUpload} PendingUpload */
+/** @typedef {import('./store.js').RoundRecord} RoundRecord */
+/** @typedef {import('./encoding.js').Delta} Delta */
+/** What the page is doing, as `body[data-stage]` shows it. @typedef {'loading' | 'join' | 'examples' | 'waiting' | 'training' | 'uploading' | 'offline' | 'done' | 'problem'} Stage */
+
+/**
+ * What the loop reports (runner.py DeviceEvents): the page draws it, tests record it.
+ * @typedef {object} DeviceEvents
+ * @property {(text: string) => void} message a one-line status
+ * @property {(stage: Stage, text: string) => void} stage what the device does now, with its status line
+ * @property {(error: DeviceError) => void} problem a problem and its fix, shown until the next round begins
+ * @property {() => void} problemCleared
+ * @property {(roundId: number, settings: RoundSettings, totalSteps: number) => void} roundStarted training of a round begins
+ * @property {(roundId: number, phase: string, step: number, steps: number, loss: number) => void} step one training step finished
+ * @property {(roundId: number, record: RoundRecord) => void} roundFinished a round is saved and its upload delivered, dropped or none
+ * @property {(history: RoundRecord[]) => void} historyChanged the saved history of rounds changed
+ */
+
+/**
+ * The calls the loop makes to the server (protocol.js ApiClient).
+ * @typedef {object} DeviceClient
+ * @property {() => Promise<Task>} task
+ * @property {(path: string, sha256?: string | null) => Promise<Uint8Array>} bytes
+ * @property {(roundId: number) => string} basePath
+ * @property {(roundId: number, payload: Uint8Array) => Promise<unknown>} upload
+ * @property {(roundId: number, metrics: {accuracy: number, num_samples: number, loss: number | null}) => Promise<unknown>} postMetrics
+ */
+
+/** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
+
+const OFFLINE_WAIT = 30; // seconds before trying again after the server stayed unreachable (the page's own)
+
+/** A received base or a training result the device must not keep (NaN, Inf or an exploding loss; runner.py). */
+export class TrainingDiverged extends DeviceError {}
+
+/** One device taking part in rounds: the loop, one round, its upload and metrics. */
+export class DeviceRunner {
+  /**
+   * @param {object} parts
+   * @param {DeviceClient} parts.client
+   * @param {DeviceStore} parts.store
+   * @param {Engine} parts.engine holding the saved tensors (or the bundle's initial ones)
+   * @param {Contract} parts.contract
+   * @param {DeviceEvents} parts.events
+   * @param {(seconds: number) => Promise<unknown>} parts.sleep waits; sleep(0) lets the page paint between training steps
+   * @param {ExampleSource} parts.examples
+   * @param {{progress?: Progress, history?: RoundRecord[]}} [parts.saved] what the store held at start
+   */
+  constructor({ client, store, engine, contract, events, sleep, examples, saved = {} }) {
+    this.client = client;
+    this.store = store;
+    this.engine = engine;
+    this.manifest = engine.manifest;
+    this.layout = engine.manifest.base_layout_hash;
+    this.contract = contract;
+    this.events = events;
+    this.sleep = sleep;
+    this.examples = examples;
+    /** @type {Progress} */
+    this.progress = saved.progress || { layout: this.layout, lastCompletedRound: null, lastUploadedRound: null, pending: null };
+    /** @type {RoundRecord[]} */
+    this.history = saved.history || [];
+  }
+
+  /** Take part in rounds until the server says done; a problem that is not the network's ends the loop (it throws). */
+  async run() {
+    const { client, contract, events } = this;
+    let told = '';
+    const refused = new Set(); // rounds whose base or result this device refused: it waits for the next one
+    for (;;) {
+      try {
+        if (!this.examples.current().count) {
+          events.stage('examples', 'Add examples to take part in the next round.');
+          await this.examples.added();
+          continue;
+        }
+        if (this.progress.pending) await this.deliverPending();
+        const task = await client.task();
+        if (task.base_layout_hash !== this.layout) {
+          throw new StartOver('the server trains another model than the one this page loaded', 'reload the page; start over if that does not help');
+        }
+        const settings = checkedSettings(contract, task.settings);
+        if (task.action === 'done') return await this.finish(task, settings);
+        const last = this.progress.lastCompletedRound;
+        const waiting = task.action === 'train' ? `Round ${task.round} is trained on this device; waiting for the next round.` : 'Waiting for the next round…';
+        if (task.action === 'train' && task.round != null && (last == null || task.round > last) && !refused.has(task.round)) {
+          try {
+            if (await this.trainRound(task, task.round, settings)) continue;
+          } catch (err) {
+            if (!(err instanceof TrainingDiverged)) throw err;
+            refused.add(task.round);
+            events.problem(err);
+            events.stage('waiting', err.problem);
+            told = waiting;
+          }
+        }
+        if (waiting !== told) events.stage('waiting', waiting);
+        told = waiting;
+        await this.sleep(Math.min(task.retry_after || contract.timing.poll_interval, contract.timing.max_wait));
+      } catch (err) {
+        if (!(err instanceof Unreachable)) throw err; // a refusal or a bad reply is shown once: the page stops
+        events.problem(err);
+        events.stage('offline', err.problem);
+        told = '';
+        await this.sleep(OFFLINE_WAIT);
+      }
+    }
+  }
+
+  /**
+   * Train one round once; false when the round was gone before training began. A base holding NaN/Inf or a
+   * diverged result throws TrainingDiverged with the engine back at the model held before the round.
+   * @param {Task} task
+   * @param {number} roundId
+   * @param {RoundSettings} settings
+   */
+  async trainRound(task, roundId, settings) {
+    const { client, contract, engine, events, manifest, store } = this;
+    events.problemCleared();
+    events.stage('training', `Round ${roundId}: fetching the shared model…`);
+    await store.commit({ round: { round: roundId, startedAt: Date.now() } });
+    let baseBytes;
+    try {
+      baseBytes = await client.bytes(task.base_url || client.basePath(roundId));
+    } catch (err) {
+      if (err instanceof Refusal && err.roundGone) {
+        events.message(`Round ${roundId} closed before training began; waiting for the next one.`);
+        await store.commit({ round: undefined });
+        return false;
+      }
+      throw err;
+    }
+    const base = decodeDownload(baseBytes, settings.download_encoding, `the base of round ${roundId}`);
+    const poisoned = nonfiniteNames(base);
+    if (poisoned.length) throw await this.skipped(`the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`);
+    const expected = travellingNames(manifest, settings);
+    if (Object.keys(base).length !== expected.length || expected.some((name) => !(name in base))) {
+      throw new DeviceError(`the base of round ${roundId} holds other tensors than this model shares`, 'the server must run with the bundle this page loaded');
+    }
+    const { train, val } = this.split();
+    const kept = engine.getTensors(); // the model held before the round, back in place if its result is refused
+    // a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
+    // re-estimated under the new base
+    await receive(contract, engine, base, train, settings);
+    const before = await evaluate(engine, val);
+    const steps = roundPhases(contract, settings, engine.trainableSets()).reduce((sum, p) => sum + p.epochs, 0) * Math.ceil(train.count / settings.batch_size);
+    events.roundStarted(roundId, settings, steps);
+    const yielding = Object.create(engine);
+    yielding.trainStep = async (/** @type {Parameters<Engine['trainStep']>} */ ...args) => {
+      await this.sleep(0); // lets the page paint its progress and stay responsive between steps
+      return engine.trainStep(...args);
+    };
+    const result = await runClientRound(contract, yielding, train, settings, {
+      seed: contract.device.seed,
+      roundId,
+      onProgress: ({ phase, step, steps: total, loss }) => events.step(roundId, phase, step, total, loss),
+    });
+    const after = await evaluate(engine, val);
+    const why = divergence(roundLosses(result, after), engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
+    if (why !== null) {
+      engine.setTensors(kept);
+      throw await this.skipped(`training diverged in round ${roundId} (${why})`);
+    }
+    const valAccuracy = after.count ? after.correct / after.count : NaN;
+    const valLoss = after.count ? after.lossSum / after.count : NaN;
+    /** @type {PendingUpload | null} */
+    let pending = null;
+    /** @type {Delta | undefined} */
+    let residual;
+    if (roundUploads(contract, settings)) {
+      const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
+      const meta = { baseLayoutHash: this.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss, startValAccuracy };
+      const trained = engine.getTensors(travellingNames(manifest, settings));
+      let payload;
+      if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
+        const owed = (await store.get('residual')).residual;
+        const encoding = parseEncoding(settings.upload_encoding);
+        const rng = encoding.stochastic ? uniformRandom([contract.device.seed, roundId]) : null;
+        const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, { rng, clipNorm: settings.clip_norm });
+        payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
+        residual = encoded.residual;
+        pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
+      } else {
+        payload = encodeUpdate(trained, meta);
+        pending = { round: roundId, payload, sha256: await sha256Hex(payload) };
+      }
+    }
+    /** @type {RoundRecord} */
+    const record = {
+      round: roundId,
+      beforeAccuracy: before.count ? before.correct / before.count : null,
+      accuracy: after.count ? valAccuracy : null,
+      loss: after.count ? valLoss : null,
+      samples: after.count,
+      trainLoss: result.trainLoss,
+      upload: pending ? 'pending' : 'none',
+    };
+    this.history = [...this.history, record];
+    this.progress = { ...this.progress, lastCompletedRound: roundId, pending };
+    // one transaction: the trained tensors, the round marked done, the upload's bytes and its residual, or none of them
+    await store.commit({
+      tensors: { layout: this.layout, tensors: engine.getTensors() },
+      progress: this.progress,
+      history: this.history,
+      round: undefined,
+      ...(residual ? { residual } : {}),
+    });
+    events.historyChanged(this.history);
+    if (pending) await this.deliverPending();
+    else await this.postMetrics(record);
+    events.roundFinished(roundId, /** @type {RoundRecord} */ (this.history.find((r) => r.round === roundId)));
+    return true;
+  }
+
+  /** Upload the saved bytes of the pending round (the same bytes after any reload), then its metrics. */
+  async deliverPending() {
+    const { events, store } = this;
+    const pending = this.progress.pending;
+    if (!pending) return;
+    if ((await sha256Hex(pending.payload)) !== pending.sha256) {
+      throw new DeviceError(`the saved upload of round ${pending.round} does not match its sha256`, 'start over');
+    }
+    events.stage('uploading', `Round ${pending.round}: sending the shared part of the model…`);
+    let delivered = true;
+    try {
+      await this.client.upload(pending.round, pending.payload);
+    } catch (err) {
+      if (!(err instanceof Refusal && err.roundGone)) throw err;
+      delivered = false;
+      events.message(`Round ${pending.round} closed before the upload arrived; it is dropped, the device joins the next round.`);
+    }
+    const upload = delivered ? 'delivered' : 'dropped';
+    this.history = this.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
+    this.progress = { ...this.progress, pending: null, lastUploadedRound: delivered ? pending.round : this.progress.lastUploadedRound };
+    // a dropped encoded upload owes nothing: the residual goes back to the one before it
+    const restored = !delivered && 'residualBefore' in pending ? { residual: pending.residualBefore || undefined } : {};
+    await store.commit({ progress: this.progress, history: this.history, ...restored });
+    events.historyChanged(this.history);
+    const record = this.history.find((r) => r.round === pending.round);
+    if (delivered && record) await this.postMetrics(record);
+  }
+
+  /** Report the personalised model's held-out evaluation; advisory, so a failure only shows a note. */
+  async postMetrics(/** @type {RoundRecord} */ record) {
+    if (record.accuracy == null || !record.samples) return;
+    try {
+      await this.client.postMetrics(record.round, { accuracy: record.accuracy, num_samples: record.samples, loss: record.loss });
+    } catch (err) {
+      if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
+      this.events.message(`The metrics of round ${record.round} were not reported: ${err.problem}`);
+    }
+  }
+
+  /**
+   * The run is over: take the final base (unless it holds NaN/Inf or its held-out loss explodes: then the
+   * model stays as it is, runner.py _take_final_base) and show the personalised model's held-out accuracy.
+   * @param {Task} task
+   * @param {RoundSettings} settings
+   */
+  async finish(task, settings) {
+    const { client, contract, engine, events, manifest } = this;
+    const { train, val } = this.examples.current().count ? this.split() : { train: NO_SAMPLES, val: NO_SAMPLES };
+    if (task.base_url) {
+      const final = decodeSafetensors(await client.bytes(task.base_url), 'the final base').tensors;
+      const kept = engine.getTensors();
+      const poisoned = nonfiniteNames(final);
+      let why = poisoned.length ? `holds NaN or Inf in ${JSON.stringify(poisoned[0])}` : null;
+      if (why === null) {
+        await receive(contract, engine, final, train, settings);
+        const result = await evaluate(engine, val);
+        const loss = divergence(result.count ? [result.lossSum / result.count] : [], {}, manifest.num_classes, contract.divergence.loss_factor);
+        why = loss && `gives a held-out ${loss}`;
+      }
+      if (why === null) await this.store.commit({ tensors: { layout: this.layout, tensors: engine.getTensors() } });
+      else {
+        engine.setTensors(kept);
+        events.problem(new DeviceError(`the final base ${why}: kept ${this.kept()} as this device's model`, 'ask the operator to check the server\'s model'));
+      }
+    }
+    const result = await evaluate(engine, val);
+    const shown = result.count ? `${pct(result.correct / result.count)} on ${result.count} held-out examples` : 'not measured (no held-out examples)';
+    events.stage('done', `The run is over after round ${task.round ?? '–'}. Personalised accuracy: ${shown}.`);
+  }
+
+  /** The seeded train/held-out split of the current examples, normalised, as the contract sets it. */
+  split() {
+    const { val_fraction: valFraction, split_seed: seed } = this.contract.device;
+    return splitExamples(this.examples.current(), this.manifest.input, valFraction, seed);
+  }
+
+  /** How a refusal names the model it keeps (state.py kept). */
+  kept() {
+    const last = this.progress.lastCompletedRound;
+    return last == null ? 'the model this page held' : `the state of round ${last}`;
+  }
+
+  /** The one line for a round whose base or result the device refuses; nothing of the round stays saved. */
+  async skipped(/** @type {string} */ problem) {
+    await this.store.commit({ round: undefined });
+    return new TrainingDiverged(`${problem}: kept ${this.kept()} and skipped the round`, "ask the operator to check the server's model and --lr; the device joins the next round");
+  }
+}
+
+/** @type {Samples} */
+const NO_SAMPLES = { x: new Float32Array(0), y: new Int32Array(0), count: 0 };
+
+/** Summed loss, correct count and count over held-out samples (none: all zero). */
+async function evaluate(/** @type {Engine} */ engine, /** @type {Samples} */ part) {
+  return part.count ? engine.evaluate(part.x, part.y, part.count) : { lossSum: 0, correct: 0, count: 0 };
+}
+
+/** A fraction as a percentage with one decimal, or a dash. */
+export function pct(/** @type {number | null | undefined} */ value) {
+  return value == null || Number.isNaN(value) ? '–' : `${(100 * value).toFixed(1)}%`;
+}

@@ -1,0 +1,211 @@
+// The page's round loop (runner.js) with a fake server and an in-memory store over the real engine and the fixture
+// bundle: one round trained, committed and uploaded once; a poisoned base and a diverged round refused with nothing
+// saved or sent; settings outside the contract refused before any training; a round-gone upload dropped; a pending
+// upload re-sent from its saved bytes after a reload.
+
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import * as ort from 'onnxruntime-web';
+import { travellingNames } from '../src/algorithms.js';
+import { openEngine } from '../src/engine.js';
+import { DeviceError } from '../src/errors.js';
+import { Refusal } from '../src/protocol.js';
+import { DeviceRunner } from '../src/runner.js';
+import { decodeSafetensors, encodeSafetensors } from '../src/safetensors.js';
+import { NEEDS_FIXTURES, fixtureBundle, fixtureContract, fixtureTensors } from './fixtures.mjs';
+
+const SETTINGS = { algorithm: 'fedsim', epochs: 1, batch_size: 8, lr: 0.05 };
+const NOT_THE_NETWORK = 'the tab was closed'; // what a killed page "throws": the loop ends where it is
+
+/** A Python device's run: the fixture bundle's engine, 26 seeded images, an in-memory store, a scripted server. */
+async function device({ tasks, store = memoryStore(), base = null, upload = null } = {}) {
+  const contract = fixtureContract();
+  const { manifest, files } = fixtureBundle();
+  const engine = await openEngine(ort, manifest, files);
+  const saved = await store.get('tensors', 'progress', 'history');
+  if (saved.tensors) engine.setTensors(saved.tensors.tensors);
+  const initial = engine.getTensors();
+  const server = fakeServer(tasks, base || encodeSafetensors(pick(initial, travellingNames(manifest, {}))), upload);
+  const calls = [];
+  const events = new Proxy({}, { get: (_, name) => (...args) => calls.push([name, ...args]) });
+  const slept = [];
+  const examples = { current: () => EXAMPLES, added: () => Promise.reject(new Error('the examples never run out here')) };
+  const runner = new DeviceRunner({ client: server, store, engine, contract, events, sleep: async (s) => slept.push(s), examples, saved });
+  return { runner, engine, manifest, initial, server, store, calls, said: (name) => calls.filter((c) => c[0] === name).map((c) => c.slice(1)) };
+}
+
+/** The server as the page sees it: `tasks` in turn (then done), a base, uploads and metrics recorded. */
+function fakeServer(tasks, baseBytes, upload) {
+  const server = {
+    fetched: [],
+    uploads: [],
+    metrics: [],
+    async task() {
+      const task = tasks.shift() || { action: 'done', round: 9, base_url: null };
+      return { base_layout_hash: LAYOUT, settings: SETTINGS, retry_after: 0.2, ...task };
+    },
+    basePath: (roundId) => `/v1/rounds/${roundId}/base`,
+    async bytes(path) {
+      server.fetched.push(path);
+      return baseBytes;
+    },
+    async upload(roundId, payload) {
+      server.uploads.push({ roundId, payload: payload.slice() });
+      if (upload) await upload(roundId);
+      return { duplicate: false };
+    },
+    async postMetrics(roundId, metrics) {
+      server.metrics.push({ roundId, ...metrics });
+    },
+  };
+  return server;
+}
+
+/** The store's contract (commit = one transaction) in memory: values are copied in and out, as IndexedDB does. */
+function memoryStore() {
+  const kv = new Map();
+  return {
+    kv,
+    async get(...keys) {
+      return Object.fromEntries(keys.map((key) => [key, structuredClone(kv.get(key))]));
+    },
+    async commit(changes) {
+      for (const [key, value] of Object.entries(changes)) {
+        if (value === undefined) kv.delete(key);
+        else kv.set(key, structuredClone(value));
+      }
+    },
+  };
+}
+
+const pick = (tensors, names) => Object.fromEntries(names.map((name) => [name, tensors[name]]));
+const { manifest: MANIFEST } = NEEDS_FIXTURES ? { manifest: {} } : fixtureBundle();
+const LAYOUT = MANIFEST.base_layout_hash;
+const EXAMPLES = NEEDS_FIXTURES ? null : seededExamples();
+
+/** The fixture's 26 seeded uint8 images (N,H,W,C) as the page keeps examples: channels first. */
+function seededExamples() {
+  const { images, labels } = fixtureTensors('round_data.safetensors');
+  const [n, height, width, channels] = images.shape;
+  const pixels = new Uint8Array(images.data.length);
+  for (let i = 0; i < n; i++) {
+    for (let p = 0; p < height * width; p++) {
+      for (let c = 0; c < channels; c++) pixels[(i * channels + c) * height * width + p] = images.data[(i * height * width + p) * channels + c];
+    }
+  }
+  return { pixels, labels: Int32Array.from(labels.data, Number), count: n, shape: [channels, height, width] };
+}
+
+function assertSameTensors(got, want) {
+  assert.deepEqual(Object.keys(got).sort(), Object.keys(want).sort());
+  for (const name of Object.keys(want)) assert.deepEqual(got[name].data, want[name].data, `${name} changed`);
+}
+
+test('a round trains, commits its tensors with the upload, uploads once and reports metrics', { skip: NEEDS_FIXTURES }, async () => {
+  const { runner, engine, manifest, initial, server, store, said } = await device({ tasks: [{ action: 'train', round: 1 }, { action: 'train', round: 1 }] });
+  await runner.run();
+  assert.deepEqual(server.fetched, ['/v1/rounds/1/base']);
+  assert.equal(server.uploads.length, 1);
+  const { tensors, metadata } = decodeSafetensors(server.uploads[0].payload);
+  assert.deepEqual(Object.keys(tensors).sort(), travellingNames(manifest, {}).sort());
+  assert.equal(metadata.base_layout_hash, LAYOUT);
+  assert.equal(Number(metadata.num_samples), 21); // 26 examples, 5 held out (the contract's val_fraction and seed)
+  assert.deepEqual(server.metrics.map((m) => [m.roundId, m.num_samples]), [[1, 5]]);
+  const progress = store.kv.get('progress');
+  assert.deepEqual([progress.lastCompletedRound, progress.lastUploadedRound, progress.pending], [1, 1, null]);
+  assert.deepEqual(store.kv.get('history').map((r) => [r.round, r.upload]), [[1, 'delivered']]);
+  assertSameTensors(store.kv.get('tensors').tensors, engine.getTensors());
+  assert.ok(travellingNames(manifest, {}).some((name) => engine.getTensors([name])[name].data.some((v, i) => v !== initial[name].data[i])), 'the base trained');
+  assert.ok(!store.kv.has('round'), 'no round is left in progress');
+  const stages = said('stage').map(([name]) => name);
+  assert.deepEqual(stages.filter((s, i) => s !== stages[i - 1]), ['training', 'uploading', 'waiting', 'done']);
+  assert.equal(said('roundFinished').length, 1);
+  const steps = said('step');
+  assert.deepEqual([steps.length, steps.at(-1)[2], steps.at(-1)[3]], [3, 3, 3]); // ceil(21 / 8) steps of one epoch
+  assert.deepEqual(said('roundStarted').map(([round, , total]) => [round, total]), [[1, 3]]);
+});
+
+test('a base holding NaN is refused: nothing is committed or sent, the model stays, the device waits', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  const names = travellingNames(manifest, {});
+  const poisoned = pick((await openEngine(ort, manifest, files)).getTensors(), names);
+  poisoned[names[1]].data[3] = NaN;
+  const tasks = [{ action: 'train', round: 1 }, { action: 'train', round: 1 }, { action: 'wait', round: null }];
+  const { runner, engine, initial, server, store, said } = await device({ tasks, base: encodeSafetensors(poisoned) });
+  await runner.run();
+  assert.deepEqual(server.fetched, ['/v1/rounds/1/base'], 'the refused round is not fetched again');
+  assert.deepEqual([server.uploads.length, server.metrics.length], [0, 0]);
+  assert.deepEqual([...store.kv.keys()], [], 'nothing saved');
+  assertSameTensors(engine.getTensors(), initial);
+  const [problem] = said('problem').map(([err]) => err);
+  assert.ok(problem instanceof DeviceError && problem.fix, String(problem));
+  assert.match(problem.problem, new RegExp(`^the base of round 1 holds NaN or Inf in "${names[1].replaceAll('.', '\\.')}": kept the model this page held and skipped the round$`));
+  assert.equal(said('step').length, 0);
+});
+
+test('a diverged round (an absurd lr) is rolled back to the tensors before it: nothing pending, nothing uploaded', { skip: NEEDS_FIXTURES }, async () => {
+  const tasks = [{ action: 'train', round: 1, settings: { ...SETTINGS, lr: 1e9 } }, { action: 'train', round: 2 }];
+  const first = await device({ tasks: tasks.slice(0, 1) });
+  await first.runner.run();
+  assertSameTensors(first.engine.getTensors(), first.initial);
+  assert.deepEqual([first.server.uploads.length, first.server.metrics.length], [0, 0]);
+  assert.deepEqual([...first.store.kv.keys()], [], 'nothing saved: no tensors, no progress, no pending upload');
+  const [problem] = first.said('problem').map(([err]) => err);
+  assert.match(problem.problem, /^training diverged in round 1 \((loss NaN|loss \d.*|NaN or Inf in ".+")\): kept the model this page held and skipped the round$/);
+  assert.match(problem.fix, /--lr/);
+  assert.ok(first.said('stage').some(([name, text]) => name === 'waiting' && text === problem.problem), 'the person is told in words');
+  assert.ok(first.said('step').length > 0, 'it did train');
+  // the next round trains from the tensors held before the diverged one
+  const next = await device({ tasks: tasks.slice(1), store: first.store });
+  await next.runner.run();
+  assert.deepEqual(next.server.uploads.map((u) => u.roundId), [2]);
+});
+
+test('settings outside the contract are refused with one line before any training', { skip: NEEDS_FIXTURES }, async () => {
+  const cases = [
+    [{ epochs: 1e6 }, /^the server's round settings are invalid: epochs 1000000 is not an integer in 0\.\.1000$/],
+    [{ batch_size: 0 }, /^the server's round settings are invalid: batch_size 0 is not an integer in 1\.\.1048576$/],
+    [{ algorithm: 'fedprox' }, /^the server's round settings are invalid: algorithm "fedprox" is not one of fedsim, fedalt, local$/],
+  ];
+  for (const [settings, line] of cases) {
+    const { runner, server, store, said } = await device({ tasks: [{ action: 'train', round: 1, settings: { ...SETTINGS, ...settings } }] });
+    await assert.rejects(runner.run(), (err) => err instanceof DeviceError && line.test(err.problem) && !err.message.includes('\n') && /operator/.test(err.fix));
+    assert.deepEqual([server.fetched, server.uploads, [...store.kv.keys()], said('step')], [[], [], [], []], JSON.stringify(settings));
+  }
+});
+
+test('an upload refused as round gone is dropped and the device moves on to the next round', { skip: NEEDS_FIXTURES }, async () => {
+  const gone = async (roundId) => {
+    if (roundId === 1) throw new Refusal('POST', '/v1/rounds/1/update', 409, { error: 'round_closed', detail: 'round 1 is closed', fix: 'poll' }, true);
+  };
+  const tasks = [{ action: 'train', round: 1 }, { action: 'train', round: 2 }];
+  const { runner, server, store, said } = await device({ tasks, upload: gone });
+  await runner.run();
+  assert.deepEqual(server.uploads.map((u) => u.roundId), [1, 2]);
+  assert.deepEqual(store.kv.get('history').map((r) => [r.round, r.upload]), [[1, 'dropped'], [2, 'delivered']]);
+  assert.deepEqual(server.metrics.map((m) => m.roundId), [2], 'no metrics for a dropped round');
+  const progress = store.kv.get('progress');
+  assert.deepEqual([progress.lastCompletedRound, progress.lastUploadedRound, progress.pending], [2, 2, null]);
+  assert.ok(said('message').some(([text]) => /Round 1 closed before the upload arrived; it is dropped/.test(text)));
+});
+
+test('a pending upload is re-sent from its saved bytes after a reload, and the round is not trained again', { skip: NEEDS_FIXTURES }, async () => {
+  const killed = async () => {
+    throw new Error(NOT_THE_NETWORK);
+  };
+  const first = await device({ tasks: [{ action: 'train', round: 1 }], upload: killed });
+  await assert.rejects(first.runner.run(), new RegExp(NOT_THE_NETWORK));
+  const pending = first.store.kv.get('progress').pending;
+  assert.equal(pending.round, 1);
+  assert.deepEqual(pending.payload, first.server.uploads[0].payload, 'the bytes sent are the bytes saved');
+  // the page is opened again: a new engine from the saved tensors, the same store
+  const again = await device({ tasks: [{ action: 'train', round: 1 }], store: first.store });
+  assertSameTensors(again.engine.getTensors(), first.engine.getTensors());
+  await again.runner.run();
+  assert.deepEqual(again.server.fetched, [], 'round 1 is not trained twice');
+  assert.equal(again.server.uploads.length, 1);
+  assert.deepEqual(again.server.uploads[0].payload, first.server.uploads[0].payload);
+  assert.deepEqual(again.store.kv.get('history').map((r) => [r.round, r.upload]), [[1, 'delivered']]);
+  assert.equal(again.store.kv.get('progress').pending, null);
+  assert.deepEqual(again.server.metrics.map((m) => m.roundId), [1]);
+});
