@@ -200,8 +200,13 @@ def _union_leaves(
 
 
 def _default(info: FieldInfo) -> Any:
-    """A field's default (None for a required field)."""
-    return None if info.is_required() else info.get_default(call_default_factory=True)
+    """A field's default (None for a required field, and for a leaf whose default a factory makes when the model is
+    validated: ExportOptions.engines asks which onnxruntime is installed, which no --help should import)."""
+    if info.is_required():
+        return None
+    if info.default_factory is not None and not union_members(info):  # a group's leaves then give their own
+        return None
+    return info.get_default(call_default_factory=True)
 
 
 def _panel(model: type[BaseModel]) -> str:

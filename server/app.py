@@ -17,16 +17,17 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 import edgepfl
 from edgepfl.errors import EdgePFLError
 from edgepfl.protocol import API_PREFIX, EvalMetrics
+from edgepfl.server.bodies import check_declared_length, read_capped
 from edgepfl.server.config import HttpLimits
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError, Refused
+from edgepfl.server.headers import SecuredApp
 from edgepfl.server.http_errors import STATUS, status_of
-from edgepfl.server.page import render_page, render_plot
+from edgepfl.server.page import STATUS_PAGE_POLICY, DeviceNote, render_page, render_plot
 from edgepfl.server.store import StorageError
 
 log = logging.getLogger("edgepfl.server")
@@ -76,6 +77,7 @@ _ENROLL_ERRORS = _error_replies(
         403: "enrollment closed: the server was started without --enroll-secret-file",
         408: "the body arrived slower than the server's --min-upload-rate allows",
         409: "the device name is already enrolled (and `key` is not the key it was enrolled with)",
+        410: "the join link expired, enrolled the devices it was made for, or was revoked: ask for a new one",
         413: "body too large",
         422: "invalid device name, key or body",
         429: "too many wrong secrets from this address lately; Retry-After says when to try again",
@@ -122,6 +124,20 @@ def _viewer(request: Request, credentials: Credentials) -> None:
         _device(request, credentials)
 
 
+def _page_viewer(request: Request, credentials: Credentials) -> None:
+    """As _viewer, with a fix a person in a browser (who cannot send a token) can follow."""
+    try:
+        _viewer(request, credentials)
+    except Refused as error:
+        raise Refused(
+            error.error,
+            "the status page needs a device token (a browser cannot send one)",
+            "restart `edgepfl serve` with --public-status to open it in a browser, or send "
+            "`Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`",
+            headers=error.headers,
+        ) from None
+
+
 Device = Annotated[str, Depends(_device)]
 Viewer = Depends(_viewer)
 
@@ -139,11 +155,13 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         stop.set()
         worker.join(timeout=10)
 
-    app = FastAPI(
+    app = SecuredApp(  # every reply carries the security headers (server/headers.py)
         title="edgepfl server",
         version=edgepfl.__version__,
         description="Aggregates the base tensors of personalized federated learning rounds (FedPer).",
         lifespan=lifespan,
+        docs_url=None,  # Swagger UI and ReDoc load their scripts from a CDN; the spec stays at /openapi.json
+        redoc_url=None,
     )
     upload_slots = asyncio.Semaphore(engine.config.upload_slots)
     uploading: set[str] = set()  # devices with an upload in progress: one slot per device at most
@@ -248,7 +266,7 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
     async def post_update(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
         """Upload this device's new base tensors; UploadMeta travels in the safetensors `__metadata__`."""
         cap = engine.config.max_upload_bytes
-        _check_declared_length(request, cap)
+        check_declared_length(request, cap)
         await run_in_threadpool(engine.check_upload_allowed, name, round_id)
         if name in uploading:  # a device that opened several slow uploads would hold every slot
             raise ApiError(
@@ -261,7 +279,7 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         uploading.add(name)
         try:
             async with upload_slots:  # bodies wait in the socket, so memory is O(slots x model)
-                payload = await _read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}", limits)
+                payload = await read_capped(request, cap, f"--max-upload-mb {engine.config.max_upload_mb:g}", limits)
                 receipt = await run_in_threadpool(engine.accept_update, name, round_id, payload)
         finally:
             uploading.discard(name)
@@ -274,8 +292,8 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
     )
     async def post_refusal(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
         """Report that this device refused round `round_id`'s base (NaN or Inf in it, or training diverged)."""
-        _check_declared_length(request, MAX_JSON_BYTES)
-        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
+        check_declared_length(request, MAX_JSON_BYTES)
+        body = await read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
         try:
             reason = json.loads(body)["reason"]
         except (ValueError, KeyError, TypeError, RecursionError):
@@ -293,8 +311,8 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
     )
     async def post_metrics(round_id: RoundId, name: Device, request: Request) -> JSONResponse:
         """Report the evaluation of this device's personalized model after round `round_id`."""
-        _check_declared_length(request, MAX_JSON_BYTES)
-        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
+        check_declared_length(request, MAX_JSON_BYTES)
+        body = await read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
         try:
             metrics = _EVAL_METRICS.validate_python(json.loads(body))
         except (ValueError, ValidationError, RecursionError) as error:
@@ -316,8 +334,8 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         secret = credentials.credentials if credentials else None
         address = request.client.host if request.client else "unknown"
         engine.enrollment.check_enroll_secret(secret, address)  # refused before the body is read
-        _check_declared_length(request, MAX_JSON_BYTES)
-        body = await _read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
+        check_declared_length(request, MAX_JSON_BYTES)
+        body = await read_capped(request, MAX_JSON_BYTES, f"{MAX_JSON_BYTES} bytes of JSON", limits)
         try:
             fields = json.loads(body)
             name, key = fields["device"], fields.get("key")
@@ -338,12 +356,13 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         """Rounds so far, their upload counts, accuracies and timings (no device names, no tensors)."""
         return engine.status()
 
-    web_note = _add_device_page(app, engine)
+    app.state.device_note = note = _add_device_page(app, engine)
 
-    @app.get("/", response_class=HTMLResponse, dependencies=[Viewer], responses={401: _ERRORS[401]})
+    @app.get("/", response_class=HTMLResponse, dependencies=[Depends(_page_viewer)], responses={401: _ERRORS[401]})
     def get_page() -> HTMLResponse:
         """A small self-contained HTML page: the rounds so far and a plot of device accuracy."""
-        return HTMLResponse(render_page(engine.status(), web_note))
+        page = render_page(engine.status(), note.text, note.add_device)
+        return HTMLResponse(page, headers={"Content-Security-Policy": STATUS_PAGE_POLICY})
 
     @app.get(
         "/plot.png",
@@ -358,10 +377,10 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
     return app
 
 
-def _add_device_page(app: FastAPI, engine: RoundEngine) -> str:
+def _add_device_page(app: FastAPI, engine: RoundEngine) -> DeviceNote:
     """The browser device's routes (server/web.py) unless --no-web; returns what the status page says of them."""
     if not engine.config.web:
-        return "The device page is off (--no-web)."
+        return DeviceNote("The device page is off (--no-web).")
     from edgepfl.server.web import add_web_routes
 
     return add_web_routes(app, engine, _device)
@@ -372,65 +391,3 @@ def _tensor_response(payload: bytes, sha: str, request: Request) -> Response:
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})
     return Response(payload, media_type=SAFETENSORS, headers={"ETag": etag})
-
-
-def _check_declared_length(request: Request, cap: int) -> None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise ApiError(
-            413,
-            "too_large",
-            f"the body is {int(declared)} bytes, over the limit of {cap}",
-            "send a smaller body or raise the server's --max-upload-mb",
-        )
-
-
-async def _read_capped(request: Request, cap: int, limit: str, limits: HttpLimits) -> bytes:
-    """The body, refused once it exceeds `cap` (413) or falls behind the minimum rate of `limits` (408).
-
-    One timer watches the whole body and moves on as bytes arrive, instead of a wait_for per chunk: a task
-    per 64 KiB chunk cost a third of the upload rate and ~100 MiB of peak memory at 50 concurrent uploads
-    (bench/server.py).
-    """
-    loop = asyncio.get_running_loop()
-    reader = asyncio.current_task()
-    assert reader is not None, "a request is read inside its task"
-    started = loop.time()
-    chunks: list[bytes] = []
-    size = 0
-    late = False
-
-    def watch() -> None:
-        nonlocal timer, late
-        deadline = limits.body_deadline(started, size)
-        if loop.time() < deadline:
-            timer = loop.call_at(deadline, watch)  # bytes arrived meanwhile: the deadline moved on
-        else:
-            late = True
-            reader.cancel()
-
-    timer = loop.call_at(limits.body_deadline(started, 0), watch)
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise ApiError(413, "too_large", f"the body exceeds {limit}", "send a smaller body or raise the limit")
-            chunks.append(chunk)
-    except asyncio.CancelledError:
-        if not late:
-            raise
-        if hasattr(reader, "uncancel"):  # Python 3.11+: this cancellation is handled here, not by the caller
-            reader.uncancel()
-        raise ApiError(
-            408,
-            "too_slow",
-            f"the body arrived too slowly ({size} bytes in {loop.time() - started:.0f} s; the server waits "
-            f"{limits.read_timeout:g} s, then needs {limits.min_upload_rate:g} KiB/s on average)",
-            "retry over a better connection; the operator can lower --min-upload-rate",
-            headers={"Connection": "close"},  # the rest of the body is not read
-        ) from None
-    except ClientDisconnect:
-        raise ApiError(400, "disconnected", "the client went away during its body", "retry the request") from None
-    finally:
-        timer.cancel()
-    return b"".join(chunks)

@@ -15,6 +15,7 @@ import typer
 from edgepfl.boundary import ErrorBoundary
 from edgepfl.commands import command
 from edgepfl.server.config import ServeCommand
+from edgepfl.server.joinlink_cli import join_link_app
 
 serve_app = typer.Typer(
     cls=ErrorBoundary,
@@ -24,6 +25,7 @@ serve_app = typer.Typer(
 )
 tokens_app = typer.Typer(cls=ErrorBoundary, help="Issue and list per-device bearer tokens.", add_completion=False)
 serve_app.add_typer(tokens_app, name="tokens")
+serve_app.add_typer(join_link_app, name="join-link")
 
 
 @serve_app.callback(invoke_without_command=True)
@@ -33,6 +35,7 @@ def serve(ctx: typer.Context, options: ServeCommand) -> None:
     from edgepfl.errors import UsageError
 
     try:
+        from edgepfl.server.announce import announce
         from edgepfl.server.app import create_app
         from edgepfl.server.engine import create_engine
         from edgepfl.server.transport import run_server
@@ -55,7 +58,9 @@ def serve(ctx: typer.Context, options: ServeCommand) -> None:
         f"edgepfl serve: {config.strategy_name}, {config.rounds} rounds, state {config.state}, "
         f"{scheme}://{listen.host}:{listen.port}{enrollment}"
     )
-    run_server(create_app(engine, limits), listen.host, listen.port, limits, listen.log_level, listen.tls)
+    app = create_app(engine, limits)
+    announce(engine.store, listen, config.public_status, app.state.device_note)
+    run_server(app, listen.host, listen.port, limits, listen.log_level, listen.tls)
     engine.close()
 
 

@@ -15,6 +15,9 @@ STATUS: dict[str, int] = {
     # 404 / 410: it is not (or no longer) here
     "no_such_round": 404,
     "released": 410,
+    "join_link_expired": 410,
+    "join_link_used_up": 410,
+    "join_link_revoked": 410,
     # 409: it conflicts with the state of the server
     "already_enrolled": 409,
     "cannot_join": 409,

@@ -1,4 +1,5 @@
-"""The status page: server-rendered HTML with an embedded matplotlib PNG, no external assets."""
+"""The status page and the join page: server-rendered HTML, the plot as an inlined matplotlib PNG, no script and
+no asset from anywhere (each page's CSP allows its one inline style by hash, and data: images)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,48 @@ import functools
 import html
 import io
 import time
-from typing import Any
+from typing import Any, NamedTuple
+
+from edgepfl.server.headers import page_policy
+
+PAGE_STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1em auto;padding:0 1em;max-width:64em;color:#222;line-height:1.4}"
+    "img{max-width:100%;height:auto}.rounds{overflow-x:auto}table{border-collapse:collapse}"
+    "td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}"
+    "th{background:#f4f4f4;white-space:normal;vertical-align:bottom;min-width:5em}th:nth-child(-n+2){min-width:0}"
+    "@media (max-width:40em){body{padding:0 .6em}td,th{padding:.2em .4em;font-size:.9em}}"
+    "a.add{display:inline-block;margin:.2em 0;padding:.45em 1em;border-radius:.3em;background:#1a7f4b;color:#fff;"
+    "font-weight:600;text-decoration:none}"
+)
+JOIN_STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1em auto;padding:0 1em;max-width:40em;color:#222;line-height:1.4}"
+    "a{word-break:break-all}svg{max-width:100%;height:auto}input{font:inherit;margin:0 .3em;width:5em}"
+    "button{font:inherit;padding:.3em .9em}label{display:inline-block;margin:.2em 0}"
+)
+STATUS_PAGE_POLICY = page_policy(PAGE_STYLE)
+JOIN_PAGE_POLICY = page_policy(JOIN_STYLE, form_action="'self'")
+JOIN_PATH = "/join"
+# the accuracy columns and curves; one whose numbers equal another's in every round is shown once, named by both
+ACCURACIES = (
+    ("start_val_accuracy", "held acc at round start", "held model, at round start"),
+    ("val_accuracy", "val acc after training", "after training, at upload"),
+    ("eval_accuracy", "personalized acc", "personalized, after round"),
+)
 
 
-def render_page(status: dict[str, Any], web_note: str = "") -> str:
-    """A self-contained HTML page summarising the rounds so far (and how phones join: `web_note`)."""
+class DeviceNote(NamedTuple):
+    """What the status page says about how phones join, whether it links to /join ("Add a device"), and whether
+    the device page is served at all."""
+
+    text: str
+    add_device: bool = False
+    page: bool = False
+
+
+def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = False) -> str:
+    """A self-contained HTML page summarising the rounds so far (and how phones join: `web_note`, with an
+    "Add a device" link to /join when `add_device`); readable on a phone (the table scrolls on its own)."""
     png = base64.b64encode(render_plot(status)).decode("ascii")
-    rows = "\n".join(_row(r) for r in reversed(status["rounds"]))
     head = (
         f"strategy <b>{html.escape(status['strategy'])}</b> · state <b>{status['state']}</b> · "
         f"{status['rounds_completed']} of {status['rounds_target']} rounds · "
@@ -28,105 +64,128 @@ def render_page(status: dict[str, Any], web_note: str = "") -> str:
         )
     if status.get("stopped"):
         head += f"<br>{html.escape(status['stopped'])}"
+    add = f' <a class="add" href="{JOIN_PATH}">Add a device</a>' if add_device else ""
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>edgepfl server</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse}}
-td,th{{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}}th{{background:#f4f4f4}}</style>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>edgepfl server</title><style>{PAGE_STYLE}</style>
 </head><body>
 <h1>edgepfl server</h1>
 <p>{head}</p>
-<p id="join">{html.escape(web_note)}</p>
+<p id="join">{html.escape(web_note)}{add}</p>
 <img alt="device accuracy per round" src="data:image/png;base64,{png}">
-<table><tr><th>round</th><th>state</th><th>uploads / sampled</th><th>held acc at round start (mean)</th>
-<th>val acc after training (mean)</th>
-<th>personalized acc (mean)</th><th>train loss</th><th>upload bytes</th><th>ε</th><th>aggregation s</th><th>closed</th>
-<th>note</th></tr>
-{rows}
-</table></body></html>
+<div class="rounds">{_table(list(reversed(status["rounds"])))}</div>
+</body></html>
 """
 
 
-def render_join_page(url: str) -> str:
-    """The join link and its QR code (SVG by `segno`); the link holds the enrollment secret in its fragment."""
+def render_join_page(url: str, note: str, form: bool = True) -> str:
+    """A join link and its QR code (SVG by `segno`), a line about it (`note`), and a form for an expiring link."""
     import segno
 
     qr = segno.make(url, error="m").svg_inline(scale=6, border=2, title="join link")
     link = html.escape(url, quote=True)
+    expiring = (
+        f"""<form method="post" action="{JOIN_PATH}"><h2>A link that expires</h2>
+<label>expires after <input name="expires" value="1h" size="5" required> (30m, 1h, 2d)</label>
+<label>for at most <input name="max_devices" type="number" min="1" size="4" placeholder="any"> devices</label>
+<button type="submit">Make a link</button></form>"""
+        if form
+        else ""
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>edgepfl: join</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}a{{word-break:break-all}}</style>
+<title>edgepfl: join</title><style>{JOIN_STYLE}</style>
 </head><body>
 <h1>Join this edgepfl server</h1>
-<p>Scan the code with a phone, or open the link on any device. The link holds the enrollment secret:
-show it only to the people whose phones should take part.</p>
+<p>Scan the code with a phone, or open the link on any device. {html.escape(note)}</p>
 <p>{qr}</p>
 <p><a id="join-link" href="{link}">{link}</a></p>
+{expiring}
 </body></html>
 """
 
 
 def render_plot(status: dict[str, Any]) -> bytes:
-    """PNG of mean (line) and min-max (band) device accuracy per closed round."""
-    series = tuple(
-        (
-            label,
-            tuple(
-                (r["round"], r[key]["mean"], r[key]["min"], r[key]["max"])
-                for r in status["rounds"]
-                if r[key] is not None
-            ),
+    """PNG of mean (line) and min-max (band) device accuracy per closed round (equal curves drawn once)."""
+    curves: dict[tuple, list[str]] = {}
+    for key, _, label in ACCURACIES:
+        points = tuple(
+            (r["round"], r[key]["mean"], r[key]["min"], r[key]["max"]) for r in status["rounds"] if r[key] is not None
         )
-        for key, label in (
-            ("start_val_accuracy", "held model (round's base, before training)"),
-            ("val_accuracy", "validation (after training, at upload)"),
-            ("eval_accuracy", "personalized (after round)"),
-        )
-    )
-    return _plot_png(series)
+        curves.setdefault(points, []).append(label)
+    return _plot_png(tuple((" = ".join(labels), points) for points, labels in curves.items()))
 
 
 @functools.lru_cache(maxsize=4)
 def _plot_png(series: tuple[tuple[str, tuple[tuple[int, float, float, float], ...]], ...]) -> bytes:
     # cached on the plotted numbers: a page reload between rounds costs no matplotlib time
+    from matplotlib import rc_context
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(7, 3.2), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
-    for label, points in series:
-        if points:
-            xs = [x for x, *_ in points]
-            line = axes.plot(xs, [mean for _, mean, _, _ in points], marker="o", markersize=3, label=label)[0]
-            axes.fill_between(
-                xs, [low for *_, low, _ in points], [high for *_, high in points], color=line.get_color(), alpha=0.2
-            )
-    axes.set_xlabel("round")
-    axes.set_ylabel("device accuracy")
-    axes.set_ylim(0, 1)
-    axes.grid(alpha=0.3)
-    if axes.lines:
-        axes.legend(loc="lower right")
-    else:
-        axes.text(0.5, 0.5, "no rounds yet", ha="center", va="center", transform=axes.transAxes)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    # 500 px wide, large text, the legend under the axes: a phone shows it at its width and no curve is covered
+    with rc_context({"font.size": 12}):
+        figure = Figure(figsize=(5, 4.2), dpi=100, layout="constrained")
+        canvas = FigureCanvasAgg(figure)
+        axes = figure.add_subplot(1, 1, 1)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+        for label, points in series:
+            if points:
+                xs = [x for x, *_ in points]
+                line = axes.plot(xs, [mean for _, mean, _, _ in points], marker="o", markersize=3, label=label)[0]
+                lows, highs = [low for *_, low, _ in points], [high for *_, high in points]
+                axes.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2)
+        axes.set_xlabel("round")
+        axes.set_ylabel("device accuracy")
+        axes.set_ylim(0, 1)
+        axes.grid(alpha=0.3)
+        if axes.lines:
+            figure.legend(loc="outside lower center", frameon=False)
+        else:
+            axes.text(0.5, 0.5, "no rounds yet", ha="center", va="center", transform=axes.transAxes)
+        buffer = io.BytesIO()
+        canvas.print_png(buffer)
     return buffer.getvalue()
 
 
-def _row(r: dict[str, Any]) -> str:
-    def mean(key: str) -> str:
-        return f"{r[key]['mean']:.3f}" if r[key] else "–"
-
-    seconds = f"{r['aggregate_seconds']:.3f}" if r["aggregate_seconds"] is not None else "–"
-    closed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["closed"])) if r["closed"] else "–"
-    epsilon = f"{r['epsilon']:.4g}" if r.get("epsilon") is not None else "–"
-    return (
-        f"<tr><td>{r['round']}</td><td>{r['state']}</td><td>{r['uploads']} / {r['sampled']}</td>"
-        f"<td>{mean('start_val_accuracy')}</td><td>{mean('val_accuracy')}</td><td>{mean('eval_accuracy')}</td>"
-        f"<td>{mean('train_loss')}</td>"
-        f"<td>{r['upload_bytes']}</td><td>{epsilon}</td>"
-        f"<td>{seconds}</td><td>{closed}</td><td>{html.escape(r['note'] or '')}</td></tr>"
+def _table(rounds: list[dict[str, Any]]) -> str:
+    """The rounds as a table (newest first) of the columns that hold anything; accuracy columns that read the
+    same in every round (the trained and the personalized model, in FedPer) are one column named by both."""
+    columns: list[tuple[str, list[str]]] = [
+        ("round", [str(r["round"]) for r in rounds]),
+        ("state", [r["state"] for r in rounds]),
+        ("uploads / sampled", [f"{r['uploads']} / {r['sampled']}" for r in rounds]),
+    ]
+    same: dict[tuple[str, ...], int] = {}
+    for key, header, _ in ACCURACIES:
+        cells = tuple(f"{r[key]['mean']:.3f}" if r[key] else "–" for r in rounds)
+        if cells in same:
+            name, _ = columns[same[cells]]
+            columns[same[cells]] = (f"{name} = {header}", list(cells))
+        else:
+            same[cells] = len(columns)
+            columns.append((header, list(cells)))
+    columns[3:] = [(f"{name} (mean)", cells) for name, cells in columns[3:]]
+    columns += [
+        ("train loss", [f"{r['train_loss']['mean']:.3f}" if r["train_loss"] else "–" for r in rounds]),
+        ("upload bytes", [str(r["upload_bytes"]) for r in rounds]),
+        ("ε", [f"{r['epsilon']:.4g}" if r.get("epsilon") is not None else "–" for r in rounds]),
+        (
+            "aggregation s",
+            [f"{r['aggregate_seconds']:.3f}" if r["aggregate_seconds"] is not None else "–" for r in rounds],
+        ),  # fmt: skip
+        (
+            "closed",
+            [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["closed"])) if r["closed"] else "–" for r in rounds],
+        ),  # fmt: skip
+        ("note", [html.escape(r["note"] or "") for r in rounds]),
+    ]
+    shown = [
+        (name, cells) for i, (name, cells) in enumerate(columns) if i < 3 or any(c not in ("–", "") for c in cells)
+    ]
+    head = "".join(f"<th>{html.escape(name)}</th>" for name, _ in shown)
+    rows = "\n".join(
+        "<tr>" + "".join(f"<td>{cells[i]}</td>" for _, cells in shown) + "</tr>" for i in range(len(rounds))
     )
+    return f"<table><tr>{head}</tr>\n{rows}\n</table>"

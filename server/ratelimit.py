@@ -1,4 +1,9 @@
-"""A per-address limit on failed attempts, so a shared secret cannot be guessed at network speed."""
+"""A per-address count of failed attempts: an address with too many lately is told to wait (429).
+
+Enrollment (server/enrollment.py) counts only wrong secrets and lets a right one through a blocked address,
+so phones behind one NAT are not locked out by a neighbour's typos; what makes guessing hopeless is then the
+secret's strength (join links: 256 random bits), not this limit.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from collections.abc import Callable
 
 
 class FailureLimiter:
-    """Blocks an address once it has `max_failures` failures within the last `window_seconds` (a sliding window).
+    """Blocks an address once it has `max_failures` failures within the last `window_seconds` (a sliding window);
+    the caller decides what a blocked address may still do.
 
     Only an address's own failures count against it: no failure elsewhere, however many addresses
     send them, ever blocks an address that has not failed, so honest devices cannot be locked out

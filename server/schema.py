@@ -62,5 +62,15 @@ def _schema_4(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE rejected_bases (sha TEXT PRIMARY KEY, round_id INTEGER NOT NULL)")
 
 
+def _schema_5(db: sqlite3.Connection) -> None:
+    """Issue 33: join links (server/joinlinks.py): each one's secret's sha256, expiry, device cap and use count."""
+    db.execute(
+        "CREATE TABLE join_links (link_id INTEGER PRIMARY KEY, secret_hash TEXT NOT NULL UNIQUE, "
+        "created REAL NOT NULL, expires REAL, max_devices INTEGER, used INTEGER NOT NULL DEFAULT 0, revoked REAL)"
+    )
+
+
 # step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_schema_1, _schema_2, _schema_3, _schema_4)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _schema_1, _schema_2, _schema_3, _schema_4, _schema_5
+)

@@ -120,13 +120,7 @@ class Store:
         was enrolled with (a retried enrollment); either way the new token replaces the old one.
         """
         with self.transaction() as db:
-            rows = db.execute("SELECT enroll_key_hash FROM devices WHERE name = ?", (name,)).fetchall()
-            if rows and not replace and not _same_key(rows[0][0], enroll_key_hash):
-                raise AlreadyEnrolled(f"device {name!r} is already enrolled", "pass --replace to issue a new token")
-            db.execute(
-                "INSERT OR REPLACE INTO devices (name, token_hash, created, enroll_key_hash) VALUES (?, ?, ?, ?)",
-                (name, token_hash, created, enroll_key_hash),
-            )
+            insert_device(db, name, token_hash, created, replace, enroll_key_hash)
 
     def device_for_token(self, token_hash: str) -> str | None:
         """The device name a token hash belongs to."""
@@ -407,6 +401,22 @@ def _insert_round(db: sqlite3.Connection, record: RoundRecord) -> None:
 def _write_meta(db: sqlite3.Connection, values: Mapping[str, str]) -> None:
     """The one way meta is written, inside the caller's transaction."""
     db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", list(values.items()))
+
+
+def insert_device(
+    db: sqlite3.Connection, name: str, token_hash: str, created: float, replace: bool, enroll_key_hash: str | None
+) -> bool:
+    """Insert or replace a device row inside the caller's transaction, by the rule of Store.add_device; True when
+    it replaced a device enrolled with this same key (a retried enrollment)."""
+    rows = db.execute("SELECT enroll_key_hash FROM devices WHERE name = ?", (name,)).fetchall()
+    retry = bool(rows) and _same_key(rows[0][0], enroll_key_hash)
+    if rows and not replace and not retry:
+        raise AlreadyEnrolled(f"device {name!r} is already enrolled", "pass --replace to issue a new token")
+    db.execute(
+        "INSERT OR REPLACE INTO devices (name, token_hash, created, enroll_key_hash) VALUES (?, ?, ?, ?)",
+        (name, token_hash, created, enroll_key_hash),
+    )
+    return retry
 
 
 def _same_key(stored_hash: str | None, offered_hash: str | None) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from edgepfl.errors import UsageError
@@ -37,18 +38,30 @@ def check_enroll_key(key: str) -> None:
         )
 
 
-def issue_token(store: Store, name: str, created: float, replace: bool = False, enroll_key: str | None = None) -> str:
+def issue_token(
+    store: Store,
+    name: str,
+    created: float,
+    replace: bool = False,
+    enroll_key: str | None = None,
+    add_device: Callable[[str, str, float, str | None], None] | None = None,
+) -> str:
     """Enroll `name` with a new random bearer token and return it; only its hash is stored.
 
     With `enroll_key`, its hash is kept too, and enrolling the enrolled name again with the same key
     issues a new token in place of the old one: a device whose reply was lost retries safely.
+    `add_device(name, token_hash, created, enroll_key_hash)` stores the device in place of `store.add_device`
+    (a join link counts the device in the same transaction).
     """
     check_device_name(name)
     if enroll_key is not None:
         check_enroll_key(enroll_key)
     token = secrets.token_urlsafe(32)
     key_hash = hash_token(enroll_key) if enroll_key is not None else None
-    store.add_device(name, hash_token(token), created, replace=replace, enroll_key_hash=key_hash)
+    if add_device is not None:
+        add_device(name, hash_token(token), created, key_hash)
+    else:
+        store.add_device(name, hash_token(token), created, replace=replace, enroll_key_hash=key_hash)
     return token
 
 

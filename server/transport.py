@@ -12,6 +12,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgepfl.server.config import HttpLimits
+from edgepfl.server.headers import security_headers
 
 
 def run_server(
@@ -35,7 +36,8 @@ def run_server(
 
 
 class HeaderDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's headers (uvicorn waits for them forever)."""
+    """uvicorn's h11 protocol with a deadline on each request's headers (uvicorn waits for them forever), whose
+    own 400 for a malformed request carries the security headers as the app's replies do."""
 
     def __init__(self, *args: Any, header_timeout: float, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -68,3 +70,15 @@ class HeaderDeadlineH11(H11Protocol):
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()  # no complete request line and headers in time: nothing to answer
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's reply to a request h11 cannot parse, with the security headers; the connection closes."""
+        headers = [("content-type", "text/plain; charset=utf-8"), ("connection", "close")]
+        headers += list(security_headers(self.scheme == "https").items())
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=msg.encode("ascii")),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()

@@ -3,9 +3,10 @@
 Everything under `/device/` is served from an allow-list fixed when the app starts (no path from a request
 reaches the file system; `contract.json`, what the page must agree on with the Python device, is made then
 too), with cross-origin isolation (COOP/COEP, so onnxruntime-web may use threads) and a
-Content-Security-Policy that lets the page talk to this origin only. The join link carries the enrollment
+Content-Security-Policy that lets the page talk to this origin only. The join link carries an enrollment
 secret in its URL fragment, which browsers never send to a server; `/join` shows it (and its QR code) only
-to someone who types that secret into the browser's password prompt.
+to someone who types the shared secret into the browser's password prompt, and makes links that expire
+(server/joinlinks.py) on request.
 """
 
 from __future__ import annotations
@@ -21,19 +22,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import parse_qs
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
 
+from edgepfl.errors import UsageError
 from edgepfl.manifest import MANIFEST_NAME
+from edgepfl.options import validated
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError, Refused
+from edgepfl.server.joinlinks import DEVICE_PATH, JoinLinkOptions, join_url
+from edgepfl.server.page import JOIN_PAGE_POLICY, JOIN_PATH, DeviceNote, render_join_page
 
 log = logging.getLogger("edgepfl.server.web")
 
-DEVICE_PATH = "/device/"
-JOIN_PATH = "/join"
 # the wasm-only ES build of onnxruntime-web and the one wasm/worker pair it loads, plus fflate (reads .npz)
 VENDOR_FILES = {
     "ort.wasm.min.mjs": "onnxruntime-web/dist/ort.wasm.min.mjs",
@@ -70,8 +74,13 @@ JOIN_HEADERS = {
     "Cache-Control": "no-store",
     "Referrer-Policy": "no-referrer",
     "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": "default-src 'none'; img-src data:; style-src 'unsafe-inline'; frame-ancestors 'none'",
+    "Content-Security-Policy": JOIN_PAGE_POLICY,
 }
+SHARED_LINK_NOTE = (
+    "This link holds the enrollment secret of the whole fleet and never expires: show it only to the people "
+    "whose phones should take part, or make a link that expires below."
+)
+_FORM_BYTES = 1024
 MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -190,19 +199,12 @@ def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
     return files
 
 
-def join_url(base_url: str, secret: str) -> str:
-    """The link a phone opens: the device page with the enrollment secret in the fragment (never sent to a server)."""
-    return f"{base_url.rstrip('/')}{DEVICE_PATH}#enroll={quote(secret, safe='')}"
-
-
-def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]) -> str:
-    """Mount `/device/...` (page, runtime, bundle files) and `/join`; returns the status page's line about them.
+def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]) -> DeviceNote:
+    """Mount `/device/...` (page, runtime, bundle files) and `/join`; returns what the status page says of them.
 
     `device` is the app's token dependency. A missing runtime is said once, in the log; the routes then
     answer 503 with the same fix, and the server runs on for the Python devices.
     """
-    from edgepfl.server.page import render_join_page
-
     runtime = find_web_runtime()
     if not runtime.ready:
         log.warning("%s", runtime.problem())
@@ -247,39 +249,70 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
             raise not_found(name)
         return pages[name].response(request, DEVICE_HEADERS)
 
-    @app.get(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
-    def join(request: Request) -> Response:
-        """The join link and its QR code, for whoever types the enrollment secret as the password."""
+    def operator(request: Request) -> bool:
+        """Whether the request's Basic password is the shared secret (False: ask for it); 403 or 429 refusals."""
         check_ready()
-        secret = _basic_password(request.headers.get("authorization"))
-        address = request.client.host if request.client else "unknown"
         if engine.config.enroll_secret is None:
             raise ApiError(
                 403,
                 "enrollment_closed",
-                "this server takes no self-enrollment (started without --enroll-secret-file), so it has no join link",
-                f"restart with --enroll-secret-file, or hand a phone {DEVICE_PATH}#token=TOKEN with a token "
-                "from `edgepfl serve tokens add NAME`",
+                "this server has no shared enrollment secret (it was started without --enroll-secret-file), "
+                "so /join cannot tell its operator",
+                "make a join link with `edgepfl serve join-link --state STATE` on the server, or restart with "
+                f"--enroll-secret-file; a phone can also open {DEVICE_PATH}#token=TOKEN with a token from "
+                "`edgepfl serve tokens add NAME`",
             )
+        secret = _basic_password(request.headers.get("authorization"))
         if secret is None:  # the browser's first try carries no credentials: ask, without counting a failure
-            return _password_prompt()
+            return False
+        address = request.client.host if request.client else "unknown"
         try:
-            engine.enrollment.check_enroll_secret(secret, address)
+            engine.enrollment.check_enroll_secret(secret, address, join_links=False)
         except Refused as error:
             if error.error != "unauthorized":
                 raise
+            return False
+        return True
+
+    @app.get(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
+    def join(request: Request) -> Response:
+        """The shared join link and its QR code, for whoever types the shared secret as the password."""
+        if not operator(request):
             return _password_prompt()
-        url = join_url(str(request.base_url), secret)
-        return HTMLResponse(render_join_page(url), headers=JOIN_HEADERS)
+        assert engine.config.enroll_secret is not None
+        url = join_url(str(request.base_url), engine.config.enroll_secret)
+        return HTMLResponse(render_join_page(url, SHARED_LINK_NOTE), headers=JOIN_HEADERS)
+
+    @app.post(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
+    async def make_join_link(request: Request) -> Response:
+        """A new join link that expires (the form of the join page), for the same password."""
+        if not await run_in_threadpool(operator, request):
+            return _password_prompt()
+        form = parse_qs((await _small_body(request)).decode("utf-8", "replace"))
+        fields = {"expires": form.get("expires", ["1h"])[0], "max_devices": form.get("max_devices", [""])[0] or None}
+        try:
+            options = validated(JoinLinkOptions, fields)
+        except UsageError as error:
+            raise ApiError(422, "invalid_request", error.problem, error.fix) from None
+        link, secret = await run_in_threadpool(engine.enrollment.join_links.make, options, engine.clock())
+        note = (
+            f"This is join link {link.link_id}: it {link.terms()}. Show it only to the people whose phones should "
+            f"take part; `edgepfl serve join-link revoke {link.link_id} --state STATE` ends it early."
+        )
+        page = render_join_page(join_url(str(request.base_url), secret), note)
+        return HTMLResponse(page, headers=JOIN_HEADERS)
 
     if not runtime.ready:
-        return runtime.problem()
+        return DeviceNote(runtime.problem())
     if engine.config.enroll_secret is None:
-        return (
-            f"Phones join at {DEVICE_PATH}#token=TOKEN, a token from `edgepfl serve tokens add NAME` "
-            "(self-enrollment is closed)."
+        return DeviceNote(
+            "Phones join with a link from `edgepfl serve join-link --state STATE`, or open "
+            f"{DEVICE_PATH}#token=TOKEN with a token from `edgepfl serve tokens add NAME`.",
+            page=True,
         )
-    return f"Phones join with the join link: open {JOIN_PATH} and type the enrollment secret as the password."
+    return DeviceNote(
+        f"Phones join with a join link: open {JOIN_PATH} and type the enrollment secret as the password.", True, True
+    )
 
 
 def _basic_password(authorization: str | None) -> str | None:
@@ -292,6 +325,16 @@ def _basic_password(authorization: str | None) -> str | None:
     except (binascii.Error, UnicodeDecodeError):
         return None
     return decoded.partition(":")[2] or None
+
+
+async def _small_body(request: Request) -> bytes:
+    """The body of the join page's form (a few fields): 413 past _FORM_BYTES."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > _FORM_BYTES:
+            raise ApiError(413, "too_large", f"the form is over {_FORM_BYTES} bytes", "send the join page's form")
+    return body
 
 
 def _password_prompt() -> Response:

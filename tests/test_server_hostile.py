@@ -258,7 +258,7 @@ def test_an_ipv6_host_cannot_rotate_addresses_within_its_64(tmp_path: Path) -> N
     engine, app = enroll_app(tmp_path, enroll_max_failures=3)
     for host in range(1, 4):
         refused(post_enroll(app, f"2001:db8:1:2::{host:x}", "intruder", "wrong-secret-0123456789"), 401, "unauthorized")
-    refused(post_enroll(app, "2001:db8:1:2:ffff::1", "intruder", SECRET), 429, "too_many_attempts")
+    refused(post_enroll(app, "2001:db8:1:2:ffff::1", "intruder", "wrong-secret-0123456789"), 429, "too_many_attempts")
     assert post_enroll(app, "2001:db8:1:3::1", "phone-1", SECRET).status_code == 200  # the next /64 is not blocked
 
 
@@ -349,6 +349,8 @@ def test_a_trickling_upload_loses_its_slot_and_the_others_upload(tmp_path: Path)
         assert time.monotonic() - started < 8, "the trickle was never cut off"
         assert b" 408 " in reply.split(b"\r\n", 1)[0], reply[:200]
         assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"] == "too_slow"
+        head = reply.split(b"\r\n\r\n", 1)[0].lower()
+        assert b"x-content-type-options: nosniff" in head and b"content-security-policy: default-src 'none'" in head
         assert result["reply"].status_code == 200, result["reply"].text
         assert result["seconds"] < 5, result  # b waited for the trickle's cut-off, not for its end
     finally:

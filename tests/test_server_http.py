@@ -377,6 +377,9 @@ def test_tls_with_a_self_signed_certificate(live, tmp_path: Path) -> None:
     assert server.url.startswith("https://")
     device = DeviceClient(server.url, tokens["a"], verify=ssl.create_default_context(cafile=str(cert)))
     assert device.task()["action"] == "wait"
+    for reply in (device.http.get("/v1/task"), device.http.get("/v1/rounds/9/base"), device.http.get("/nowhere")):
+        assert reply.headers["strict-transport-security"] == "max-age=31536000", reply.status_code  # over TLS only
+        assert reply.headers["x-content-type-options"] == "nosniff"
     with pytest.raises(httpx.ConnectError):  # an unverified certificate is refused by default
         httpx.get(f"{server.url}/v1/task")
     with pytest.raises(httpx.TransportError):  # and plain HTTP is not served on the TLS port

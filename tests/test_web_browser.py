@@ -20,11 +20,14 @@ import httpx
 import numpy as np
 import pytest
 from conftest import REPO
-from server_helpers import LiveServer, enroll
+from server_helpers import LiveServer, enroll, make_bundle, upload_body
 from test_device_runtime import BN_BUNDLE, NUM_CLASSES, class_images
+from test_server_engine import Clock, _open
 
 from edgepfl.manifest import load_manifest
-from edgepfl.protocol import UploadMeta
+from edgepfl.protocol import EvalMetrics, UploadMeta
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.engine import create_engine
 from edgepfl.server.store import Store
 from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, find_web_runtime
 from edgepfl.wire import decode_metadata, decode_tensors
@@ -325,3 +328,58 @@ def check_status_page(browser, origin: str, tokens: dict[str, str]) -> None:
     page.screenshot(path=str(SHOTS / "web-status.png"), full_page=True)
     viewer.close()
     assert httpx.get(f"{origin}/device/vendor/ort.all.min.mjs").status_code == 404
+
+
+# the page's width, the plot's right edge, and whether the rounds' table scrolls in its own box
+PHONE_WIDTHS = """() => [
+    document.documentElement.scrollWidth,
+    document.querySelector('img').getBoundingClientRect().right,
+    getComputedStyle(document.querySelector('.rounds')).overflowX,
+]"""
+
+
+def test_the_status_page_fits_a_phone_and_offers_to_add_a_device(chromium, tmp_path: Path) -> None:
+    """At 390 px: no sideways scrolling of the page (the table scrolls in its box), the plot within the width,
+    the inline style let through by the page's CSP, and a visible "Add a device" link to /join."""
+    from playwright.sync_api import sync_playwright
+
+    manifest = make_bundle(tmp_path / "bundle")
+    names = [f"phone-{i}" for i in range(3)]
+    enroll(tmp_path / "state", *names)
+    clock = Clock()
+    config = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state", min_clients=3, rounds=5)
+    engine = create_engine(config, clock)
+    for round_id in range(1, 6):  # five rounds; each device posts its trained model's accuracy again afterwards
+        _open(engine, clock, *names)
+        for i, name in enumerate(names):
+            accuracy = 0.3 + 0.1 * round_id + 0.05 * i
+            base = decode_tensors(engine.base_for(name, round_id)[0])
+            body = upload_body(base, manifest, 20, val_accuracy=accuracy, start_val_accuracy=accuracy - 0.08)
+            engine.accept_update(name, round_id, body)
+        engine.tick()
+        for i, name in enumerate(names):
+            engine.accept_metrics(name, round_id, EvalMetrics(0.3 + 0.1 * round_id + 0.05 * i, 20, 0.4))
+    engine.store.close()
+    (tmp_path / "secret").write_text(SECRET)
+    options = ("--min-clients", "3", "--rounds", "5", "--public-status")
+    options += ("--enroll-secret-file", str(tmp_path / "secret"))
+    with LiveServer(tmp_path / "bundle", tmp_path / "state", *options) as server:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_ARGS))
+            try:
+                phone = browser.new_context(**PHONE)
+                page = phone.new_page()
+                refused: list[str] = []
+                page.on("console", lambda message: refused.append(message.text) if "Refused" in message.text else None)
+                page.goto(f"{server.url}/")
+                assert refused == [], refused  # the CSP lets the page's own style through, and that is all
+                widths = page.evaluate(PHONE_WIDTHS)
+                assert widths[0] <= PHONE["viewport"]["width"] and widths[1] <= PHONE["viewport"]["width"], widths
+                assert widths[2] == "auto", widths  # the wide table scrolls inside its own box
+                add = page.locator("a.add")
+                assert add.is_visible() and add.get_attribute("href") == "/join" and add.inner_text() == "Add a device"
+                headers = page.locator("th").all_inner_texts()
+                assert len(headers) == len(set(headers)), headers
+                page.screenshot(path=str(SHOTS / "web-status-phone.png"), full_page=True)
+            finally:
+                browser.close()

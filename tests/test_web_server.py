@@ -202,8 +202,9 @@ def test_join_link_is_shown_only_to_whoever_knows_the_secret(tmp_path: Path) -> 
     assert segno.make(link, error="m").svg_inline(scale=6, border=2, title="join link") in reply.text
     for _ in range(3):
         assert http.get("/join", headers=basic("wrong secret")).status_code == 401
-    blocked = http.get("/join", headers=basic(SECRET))  # wrong guesses count, as for POST /v1/enroll
+    blocked = http.get("/join", headers=basic("wrong secret"))  # wrong guesses count, as for POST /v1/enroll
     assert blocked.status_code == 429 and "Retry-After" in blocked.headers
+    assert http.get("/join", headers=basic(SECRET)).status_code == 200  # the right secret still passes
 
 
 @runtime_needed
