@@ -11,7 +11,7 @@ import typer
 from edgepfl.boundary import ErrorBoundary, fail
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
-from edgepfl.export.options import ExportOptions
+from edgepfl.export.options import ExportOptions, read_class_names_file
 from edgepfl.options import field_help, flag, validated
 from edgepfl.server.cli import serve_app
 from edgepfl.simulate.config import SimulateConfig
@@ -69,6 +69,8 @@ def export(
     force: bool = flag(ExportOptions, "force"),
     distill: bool = flag(ExportOptions, "distill"),
     frozen_variants: bool = flag(ExportOptions, "frozen_variants", "--frozen-variants/--no-frozen-variants"),
+    class_names: str | None = flag(ExportOptions, "class_names", unset_default=True),
+    class_names_file: Annotated[Path | None, typer.Option(help="file of class names, one per line")] = None,
 ) -> None:
     """Export a model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
@@ -81,6 +83,10 @@ def export(
 
     chosen = {"optimizer": optimizer, "seed": seed, "force": force, "distill": distill}
     chosen["frozen_variants"] = frozen_variants
+    if class_names is not None and class_names_file is not None:
+        raise UsageError("both --class-names and --class-names-file are given", "pass only one of them")
+    if class_names is not None or class_names_file is not None:
+        chosen["class_names"] = class_names if class_names_file is None else read_class_names_file(class_names_file)
     if engines is not None:
         chosen["engines"] = tuple(name.strip() for name in engines.split(",") if name.strip())
     options = validated(ExportOptions, chosen)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from edgepfl.device_runtime.algorithms import run_client_round  # noqa: E402
 from edgepfl.device_runtime.data import read_image_folder, resize_image  # noqa: E402
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
 from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
+from edgepfl.errors import DataError  # noqa: E402
 from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
@@ -76,6 +78,7 @@ def main(out: Path) -> None:
     write_round(out, bundle, manifest, results)
     write_safetensors(out, results)
     write_images(out, manifest, results)
+    write_folders(out, manifest, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
 
 
@@ -134,7 +137,7 @@ def write_images(out: Path, manifest, results: dict) -> None:
     from PIL import Image
 
     rng = np.random.default_rng(4)
-    folder = out / "images" / "cat"
+    folder = out / "images" / "0"
     folder.mkdir(parents=True, exist_ok=True)
     sizes = {"a_large.png": (45, 37), "b_small.png": (11, 9)}  # (width, height)
     for name, (w, h) in sizes.items():
@@ -153,7 +156,84 @@ def write_images(out: Path, manifest, results: dict) -> None:
         },
         out / "images_expected.safetensors",
     )
-    results["images"] = {"files": [f"images/cat/{name}" for name in sorted(sizes)], "grey_spec": vars(grey_spec)}
+    results["images"] = {"files": [f"images/0/{name}" for name in sorted(sizes)], "grey_spec": vars(grey_spec)}
+
+
+def write_folders(out: Path, manifest, results: dict) -> None:
+    """Image folders, each read by the Python loader: its labels and pixels, or its one-line refusal.
+
+    The Node test hands the same files to the page's readFolder (as the browser lists them: files only, paths
+    from the chosen folder's name) and must get the same labels and pixels, or the same line.
+    """
+    tensors, cases = {}, []
+    for case, (shape, names, tree) in FOLDER_CASES.items():
+        classes = len(names) if names else 10
+        spec = replace(manifest, input=InputSpec(shape=shape), num_classes=classes, class_names=names)
+        root = out / "folders" / case / ("café" if case == "unicode" else "photos")
+        for relative, content in tree.items():
+            path = root / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content if isinstance(content, bytes) else _png(*content))
+        entry: dict = {"case": case, "shape": list(shape), "class_names": list(names), "num_classes": spec.num_classes}
+        entry["files"] = sorted(str(p.relative_to(out)) for p in root.rglob("*") if p.is_file())
+        try:
+            pixels, labels = read_image_folder(root, spec)
+        except DataError as refused:
+            entry["refused"] = {"problem": refused.problem, "fix": refused.fix}
+        else:
+            entry["labels"] = labels.tolist()
+            tensors[case] = np.ascontiguousarray(pixels.transpose(0, 3, 1, 2))
+        cases.append(entry)
+    save_file(tensors, out / "folders_expected.safetensors")
+    results["folders"] = cases
+
+
+def _png(mode: str, width: int, height: int, seed: int) -> bytes:
+    """A PNG of random pixels in a Pillow mode (L, LA, RGB, RGBA, P, 1)."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    image = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16) if mode == "P" else rgb.convert(mode)
+    if mode in ("LA", "RGBA"):
+        image.putalpha(255)  # opaque: the browser's canvas keeps colours exact only where alpha is 255
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+NAMES = ("cat", "dog", "bird")
+GREY, COLOUR = (1, 12, 12), (3, 12, 12)
+# case: (model input shape, class names, {path inside the folder: (PNG mode, width, height, seed) or bytes})
+FOLDER_CASES = {
+    # the trial's folder: classes named 3, 5 and 7 of a 10-class model are classes 3, 5 and 7, not 0, 1 and 2
+    "numbers": (GREY, (), {"3/a.png": ("L", 9, 14, 1), "5/b.png": ("L", 16, 16, 2), "7/c.png": ("L", 12, 12, 3)}),
+    "names": (
+        COLOUR, NAMES, {"bird/1.png": ("RGB", 20, 10, 4), "cat/2.png": ("RGB", 7, 7, 5), "cat/3.png": ("RGB", 30, 3, 6)}
+    ),
+    # hidden entries and other files are ignored; grey, palette, bilevel and grey+alpha images become colour
+    "ignored": (COLOUR, (), {
+        "0/a.png": ("L", 13, 11, 7), "0/b.png": ("P", 10, 10, 8), "0/notes.txt": b"not an image",
+        "1/c.png": ("1", 8, 8, 9), "1/d.png": ("LA", 15, 9, 10), "readme.md": b"# photos",
+        ".git/x.png": ("RGB", 4, 4, 11), "1/.hidden.png": ("RGB", 4, 4, 12), ".DS_Store": b"\0",
+    }),
+    # colour images for a grey model: Pillow's 'L' formula
+    "colour_to_grey": (
+        GREY, (), {"2/a.png": ("RGB", 14, 14, 13), "2/b.png": ("RGBA", 9, 9, 14), "0/c.png": ("P", 6, 6, 15)}
+    ),
+    "unicode": (GREY, ("café", "thé"), {"cafe\u0301/a.png": ("L", 12, 12, 16)}),  # a macOS (NFD) folder name
+    "unknown_folder": (GREY, (), {"0/a.png": ("L", 12, 12, 17), "cats/b.png": ("L", 12, 12, 18)}),
+    "numbers_with_names": (GREY, NAMES, {"0/a.png": ("L", 12, 12, 19)}),
+    "index_out_of_range": (GREY, (), {"10/a.png": ("L", 12, 12, 20)}),
+    "no_images_in_class": (GREY, NAMES, {"cat/a.png": ("L", 12, 12, 21), "dog/a.heic": b"heic", "dog/b.txt": b"x"}),
+    "image_outside": (GREY, (), {"0/a.png": ("L", 12, 12, 22), "stray.jpg": ("L", 12, 12, 23)}),
+    "image_nested": (GREY, (), {"0/a.png": ("L", 12, 12, 24), "0/2024/b.png": ("L", 12, 12, 25)}),
+    "no_images": (GREY, (), {"readme.md": b"# nothing yet"}),
+    "four_channels": ((4, 12, 12), (), {"0/a.png": ("RGBA", 12, 12, 26)}),
+    "unreadable": (GREY, (), {"0/a.png": ("L", 12, 12, 27), "0/b.png": b"not a png"}),
+}
 
 
 if __name__ == "__main__":
