@@ -29,17 +29,17 @@ def load_device_data(path: str | os.PathLike, manifest: Manifest, val_fraction: 
     return make_local_data(x, y, manifest, val_fraction, seed, what=str(source))
 
 
-def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Arrays `x` and `y` of an .npz file (no pickled objects)."""
+def read_npz(path: Path, keys: tuple[str, ...] = ("x", "y")) -> tuple[np.ndarray, ...]:
+    """The arrays `keys` (images `x` and labels `y`) of an .npz file (no pickled objects)."""
     try:
         with np.load(path, allow_pickle=False) as archive:
-            missing = [key for key in ("x", "y") if key not in archive.files]
+            missing = [key for key in keys if key not in archive.files]
             if missing:
                 raise DataError(
                     f"{path} has no array {missing[0]!r} (it holds {', '.join(archive.files) or 'nothing'})",
                     "save the images as `x` and the labels as `y`: np.savez(path, x=images, y=labels)",
                 )
-            return archive["x"], archive["y"]
+            return tuple(archive[key] for key in keys)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # numpy raises EOFError on an empty file
         raise DataError(
             f"{path} is not a readable .npz file ({exc or type(exc).__name__})", "pass an .npz written by numpy.savez"

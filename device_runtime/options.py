@@ -107,3 +107,25 @@ class DistillOptions(BaseModel):
     def config(self, seed: int) -> DistillConfig:
         """The DistillConfig these options and `seed` describe (it checks the grid's values)."""
         return DistillConfig(**self.model_dump(), seed=seed)
+
+
+class PredictOptions(BaseModel):
+    """`edgepfl device predict`: how many classes each input shows."""
+
+    model_config = OPTIONS
+
+    top: Annotated[int, Field(ge=1, le=1000, description="classes shown per input, most likely first")] = 3
+
+
+class ModelExportOptions(BaseModel):
+    """`edgepfl device export-model`: the inference model's number format, and int8's calibration."""
+
+    model_config = OPTIONS
+
+    quantize: Annotated[
+        Literal["none", "int8"],
+        Field(description="int8: onnxruntime's static QDQ quantization, calibrated on --data (about 1/4 the size)"),
+    ] = "none"
+    calibration_samples: Annotated[
+        int, Field(ge=1, le=100_000, description="training images that calibrate int8's activation ranges")
+    ] = 512

@@ -16,14 +16,12 @@ from torch import nn
 import edgepfl
 from edgepfl.atomic import sha256_file
 from edgepfl.errors import EdgePFLError, UsageError
-from edgepfl.export import ort_training, prepare, source
+from edgepfl.export import inference, ort_training, prepare, source
 from edgepfl.export.blocks import BlockList, check_blocks, find_blocks, state_tensors
 from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
 from edgepfl.export.options import ExportOptions
 from edgepfl.export.portable import StepShape
 from edgepfl.manifest import InputSpec, Manifest, class_names_problem, split_roles
-
-INFERENCE_OPSET = 17
 
 
 @dataclass
@@ -226,7 +224,7 @@ def _write_bundle(
     trainer = prepare.without_random_layers(model)
     engines: dict = {}
     progress("inference model")
-    _export_inference(model, target.input_shape, folder / "model.onnx")
+    inference.export_inference(model, target.input_shape, folder / "model.onnx")
     wanted = list(options.engines)
     if "portable" in wanted:
         prepare.check_portable_ops(trainer, target.input_shape)  # before the slow ORT build, to fail fast
@@ -268,20 +266,6 @@ def _write_bundle(
     final.check()
     final.save(folder)
     return final
-
-
-def _export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -> None:
-    model.eval()
-    torch.onnx.export(
-        model,
-        (torch.zeros(1, *input_shape),),
-        str(path),
-        input_names=["input"],
-        output_names=["logits"],
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=INFERENCE_OPSET,
-        dynamo=False,
-    )
 
 
 class OrtUnsupported(Exception):
