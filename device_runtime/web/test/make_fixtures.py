@@ -3,10 +3,11 @@
 Usage: python device_runtime/web/test/make_fixtures.py OUT_DIR  (needs the export extra: torch, Pillow)
 
 Writes a tiny BatchNorm cnn bundle (portable graphs), feeds and the Python portable engine's tensors after
-full and personal steps and after one fedalt round, files written by Python's `safetensors`, and PNGs with
-the Python loader's arrays of them. Both engines build a step's frozen variant (export/frozen.py) after the
-same number of plain steps, so the later personal steps and the round's run on variants on both sides. The Node
-tests (test/*.test.mjs) compare the JavaScript side to these.
+full and personal steps and after one fedalt round, the round's model as `device export-model` writes it
+(fp32 and int8), files written by Python's `safetensors`, PNGs with the Python loader's arrays of them, and
+image folders with the Python loader's labels or refusals. Both engines build a step's frozen variant
+(export/frozen.py) after the same number of plain steps, so the later personal steps and the round's run on
+variants on both sides. The Node tests (test/*.test.mjs) compare the JavaScript side to these.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from safetensors.numpy import save_file  # noqa: E402
 from edgepfl.data import make_local_data, normalize  # noqa: E402
 from edgepfl.device_runtime.algorithms import run_client_round  # noqa: E402
 from edgepfl.device_runtime.data import read_image_folder, resize_image  # noqa: E402
+from edgepfl.device_runtime.model_export import export_device_model  # noqa: E402
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
+from edgepfl.device_runtime.predict import DeviceModel  # noqa: E402
 from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
 from edgepfl.errors import DataError  # noqa: E402
 from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
@@ -99,6 +102,7 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
     save_file(engine.get_tensors(), out / "round_after.safetensors")
     recompute_statistics(engine, data, ROUND["batch_size"])  # what a device does when the next base arrives
     save_file(engine.get_tensors(), out / "recomputed.safetensors")
+    write_exported_models(out, DeviceModel(engine, out, 2, trained=True), data, results)
     results["round"] = {
         "seed": 3,
         "round_id": 2,
@@ -108,6 +112,23 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
         "train_loss": result.train_loss,
         "phases": [{"name": p.name, "steps": p.steps, "mean_loss": p.mean_loss} for p in result.phases],
     }
+
+
+def write_exported_models(out: Path, model: DeviceModel, data, results: dict) -> None:
+    """`device export-model` of the device after the round, fp32 and int8, and their probabilities in plain
+    onnxruntime on the eval feeds: onnxruntime-web must load both files and give the same."""
+    import onnxruntime
+    from safetensors.numpy import load_file
+
+    xe = load_file(out / "feeds.safetensors")["xe"]
+    probabilities = {}
+    for quantize in ("none", "int8"):
+        path = out / f"exported_{quantize}.onnx"
+        export_device_model(model, path, quantize, data)
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        probabilities[quantize] = session.run(["probabilities"], {"input": xe})[0]
+    probabilities["engine"] = model.engine.predict(xe)
+    save_file(probabilities, out / "exported_expected.safetensors")
 
 
 def write_safetensors(out: Path, results: dict) -> None:
