@@ -12,7 +12,6 @@ images. Needs the `onnx` package (pip install 'edgepfl[deploy]').
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import edgepfl
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData
 from edgepfl.device_runtime.predict import DeviceModel
+from edgepfl.device_runtime.quantization import quantize_int8
 from edgepfl.errors import BundleError, UsageError
 from edgepfl.manifest import Manifest
 
@@ -78,7 +78,7 @@ def export_device_model(
     if quantize == "int8":
         assert data is not None
         calibration = _training_inputs(data, calibration_samples)
-        written, calibrated = quantize_int8(fp32, calibration), len(calibration)
+        written, calibrated = quantize_int8(fp32, calibration, PROBABILITIES), len(calibration)
         set_metadata(written, model, f"int8: static QDQ, per-channel weights, calibrated on {calibrated} images")
     payload = written.SerializeToString()
     write_bytes_atomic(out, payload)
@@ -198,40 +198,6 @@ def compare_with_engine(model: Any, device: DeviceModel, x: np.ndarray) -> float
             "re-export the bundle with this edgepfl version, or report it to the edgepfl developers",
         )
     return difference
-
-
-def quantize_int8(fp32: Any, calibration: np.ndarray, batch: int = 32) -> Any:
-    """onnxruntime's static QDQ int8 quantization of `fp32`, activation ranges from the `calibration` inputs.
-
-    Weights are int8 per output channel (MobileNet's depthwise filters differ too much for one scale per layer),
-    activations int8 per tensor (MinMax over the calibration images); the softmax stays float."""
-    onnx = _import_onnx()
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    class Batches(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.starts = iter(range(0, len(calibration), batch))
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            start = next(self.starts, None)
-            return None if start is None else {INPUT: calibration[start : start + batch]}
-
-    with tempfile.TemporaryDirectory(prefix="edgepfl-int8-") as folder:
-        fp32_path, prepared, int8 = (str(Path(folder, name)) for name in ("fp32.onnx", "prepared.onnx", "int8.onnx"))
-        onnx.save(fp32, fp32_path)
-        quant_pre_process(fp32_path, prepared, skip_symbolic_shape=True)  # folds BatchNorm, infers shapes
-        quantize_static(
-            prepared,
-            int8,
-            Batches(),
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=QuantType.QInt8,
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=["probabilities"],
-        )
-        return onnx.load(int8)
 
 
 def held_out_accuracy(model: Any, data: LocalData) -> float:

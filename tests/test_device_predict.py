@@ -275,19 +275,19 @@ def test_an_older_bundle_exports_through_its_ort_training_eval_graph(bn_bundle, 
     assert "re-export the bundle" in refused.value.fix and not (tmp_path / "n.onnx").exists()
 
 
-def test_int8_keeps_the_accuracy_at_a_third_of_the_size(bn_bundle, trained_state, tmp_path):
+def test_int8_keeps_the_accuracy_at_under_a_third_of_the_size(bn_bundle, trained_state, tmp_path):
     model = open_device_model(bn_bundle, trained_state, "portable")
     data = noisy_data(model.engine.manifest, 1200, seed=7, val_fraction=0.5)  # 600 held out: 6 per point
     fp32 = export_device_model(model, tmp_path / "fp32.onnx", data=data)
     int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", data, calibration_samples=256)
     assert 0.5 < fp32.val_accuracy < 0.99, fp32  # accuracy that a point of it means something
     assert int8.val_accuracy_fp32 == fp32.val_accuracy and abs(int8.val_accuracy - fp32.val_accuracy) <= 0.01, int8
-    # the tiny cnn's quantization overhead (scales, zero points, QDQ nodes) keeps it above MobileNet's 0.3x: see
-    # bench/device.py for MobileNet x0.25, the issue's target
-    assert int8.bytes < 0.34 * fp32.bytes and int8.calibration_samples == 256
+    assert int8.bytes <= 0.3 * fp32.bytes and int8.calibration_samples == 256  # MobileNet x0.25: bench/device.py
     session = _plain_session(tmp_path / "int8.onnx")
-    ops = {node.op_type for node in onnx.load(str(tmp_path / "int8.onnx")).graph.node}
-    assert {"QuantizeLinear", "DequantizeLinear", "Softmax"} <= ops
+    quantized = onnx.load(str(tmp_path / "int8.onnx"))
+    assert {"QuantizeLinear", "DequantizeLinear", "Softmax"} <= {node.op_type for node in quantized.graph.node}
+    assert {item.domain for item in quantized.opset_import} == {""}  # standard ONNX only: any runtime
+    assert max(len(init.name) for init in quantized.graph.initializer) <= 4  # compacted: short names
     assert session.get_modelmeta().custom_metadata_map["quantization"].startswith("int8: static QDQ")
 
 
@@ -311,3 +311,20 @@ def test_predict_refuses_a_state_of_another_bundle(bn_bundle, trained_state, tmp
 def test_read_inputs_refuses_nothing_to_predict(bn_bundle):
     with pytest.raises(DataError, match="no inputs to predict"):
         read_inputs([], open_engine(bn_bundle, "portable"))
+
+
+def test_int8_never_keeps_an_overflowed_bias(bn_bundle, trained_state, tmp_path):
+    """onnxruntime 1.19's quantizer casts bias / scale to int32 unchecked: an overflow is refused, not written."""
+    import onnxruntime
+
+    model = open_device_model(bn_bundle, trained_state, "portable")
+    bias = model.engine.get_tensors(["fc2.bias"])["fc2.bias"]
+    model.engine.set_tensors({"fc2.bias": bias + np.float32(3e6)})  # far beyond input scale x weight scale x 2^31
+    data = noisy_data(model.engine.manifest, 200, seed=3)
+    try:
+        exported = export_device_model(model, tmp_path / "int8.onnx", "int8", data, calibration_samples=64)
+    except DataError as refused:
+        assert "would overflow a layer's int32 bias" in refused.problem and onnxruntime.__version__ < "1.20"
+        assert not (tmp_path / "int8.onnx").exists()
+    else:  # later onnxruntime releases adjust the weight scale so that the bias fits
+        assert exported.val_accuracy == pytest.approx(exported.val_accuracy_fp32, abs=0.02)
