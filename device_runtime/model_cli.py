@@ -31,15 +31,14 @@ def predict(
     Images are pre-processed exactly as training data. The state folder is only read, so this also works
     while `device run` uses it; without a trained model it says so and uses the bundle's initial one.
     """
-    from edgepfl.device_runtime.predict import open_device_model, read_inputs, top_classes
-    from edgepfl.device_runtime.predict import predict as probabilities_of
+    from edgepfl.device_runtime.predict import open_device_model, predict_inputs, top_classes
 
     options = validated(PredictOptions, {"top": top})
     local = validated(LocalOptions, {"engine": engine, "threads": threads})
     model = open_device_model(bundle, state, local.engine, local.threads)
-    names, x = read_inputs(inputs, model.engine)
+    names, probabilities = predict_inputs(inputs, model.engine)
     labels = model.engine.manifest.class_labels
-    _print_predictions(model, top_classes(names, probabilities_of(model.engine, x), labels, options.top), as_json)
+    _print_predictions(model, top_classes(names, probabilities, labels, options.top), as_json)
 
 
 @device_app.command("export-model")

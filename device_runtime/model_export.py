@@ -65,6 +65,9 @@ def export_device_model(
     int8 needs `data`: its training part calibrates the activation ranges, its held-out part measures both
     models' accuracy."""
     manifest = model.engine.manifest
+    out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder", "pass the path of the .onnx file to write")
     if quantize not in ("none", "int8"):
         raise UsageError(f"unknown quantization {quantize!r}", "use none or int8")
     if quantize == "int8" and (data is None or not data.num_train):
@@ -81,7 +84,10 @@ def export_device_model(
         written, calibrated = quantize_int8(fp32, calibration, PROBABILITIES), len(calibration)
         set_metadata(written, model, f"int8: static QDQ, per-channel weights, calibrated on {calibrated} images")
     payload = written.SerializeToString()
-    write_bytes_atomic(out, payload)
+    try:
+        write_bytes_atomic(out, payload)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out} ({exc.strerror or exc})", "choose another --out") from None
     accuracy: dict[str, Any] = {}
     if data is not None and data.num_val:
         accuracy = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from edgepfl.device_runtime.data import IMAGE_SUFFIXES, read_image, read_npz
 from edgepfl.device_runtime.engine import Engine, open_engine
 from edgepfl.device_runtime.state import read_saved_model
 from edgepfl.errors import DataError
+from edgepfl.manifest import Manifest
 
 CHUNK = 256  # inputs per engine call: bounds the memory of a large folder
 
@@ -72,36 +73,35 @@ def read_inputs(paths: Sequence[str | os.PathLike], engine: Engine) -> tuple[lis
 
     Each path is an image file, a folder (its images, hidden entries skipped, in path order) or an .npz whose
     `x` holds images (one input per row; `y` is not needed)."""
-    manifest = engine.manifest
+    chunks = list(iter_inputs(paths, engine))
+    return [name for names, _ in chunks for name in names], np.concatenate([x for _, x in chunks])
+
+
+def predict_inputs(paths: Sequence[str | os.PathLike], engine: Engine) -> tuple[list[str], np.ndarray]:
+    """The inputs' names and class probabilities (n, classes), read and predicted CHUNK inputs at a time."""
     names: list[str] = []
-    batches: list[np.ndarray] = []
-    for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if _is_image(p, path))
-            if not files:
-                raise DataError(f"folder {path} holds no images", f"add {', '.join(IMAGE_SUFFIXES)} files to it")
-            names += [str(file) for file in files]
-            batches += [_image_input(file, engine) for file in files]
-        elif path.is_file() and path.suffix.lower() == ".npz":
-            (x,) = read_npz(path, keys=("x",))
-            images = to_model_layout(np.asarray(x), manifest.input, what=f"{path} x")
-            check_pixels(images, what=f"{path} x")
-            names += [f"{path}[{row}]" for row in range(len(images))]
-            batches.append(normalize(images, manifest.input))
-        elif path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
-            names.append(str(path))
-            batches.append(_image_input(path, engine))
-        elif path.is_file():
-            raise DataError(
-                f"{path} is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor an .npz",
-                "pass image files, folders of images or .npz files with images as x",
-            )
-        else:
-            raise DataError(f"{path} does not exist", "pass image files, folders of images or .npz files")
-    if not names:
+    probabilities = []
+    for chunk_names, x in iter_inputs(paths, engine):
+        names += chunk_names
+        probabilities.append(engine.predict(x))
+    return names, np.concatenate(probabilities)
+
+
+def iter_inputs(paths: Sequence[str | os.PathLike], engine: Engine) -> Iterator[tuple[list[str], np.ndarray]]:
+    """(names, model input) of at most CHUNK inputs at a time; every path is checked before the first chunk."""
+    manifest = engine.manifest
+    sources = [_source(Path(given), manifest) for given in paths]
+    if not sources:
         raise DataError("no inputs to predict", "pass image files, folders of images or .npz files")
-    return names, np.concatenate(batches)
+    for path, content in sources:
+        if isinstance(content, np.ndarray):  # an .npz's images, as stored
+            for start in range(0, len(content), CHUNK):
+                rows = range(start, min(start + CHUNK, len(content)))
+                yield [f"{path}[{row}]" for row in rows], normalize(content[start : rows.stop], manifest.input)
+            continue
+        for start in range(0, len(content), CHUNK):
+            files = content[start : start + CHUNK]
+            yield [str(file) for file in files], np.concatenate([_image_input(file, engine) for file in files])
 
 
 def predict(engine: Engine, x: np.ndarray) -> np.ndarray:
@@ -117,6 +117,30 @@ def top_classes(names: Sequence[str], probabilities: np.ndarray, labels: Sequenc
         Prediction(name, tuple((int(c), labels[c], float(row[c])) for c in classes))
         for name, row, classes in zip(names, probabilities, order)
     ]
+
+
+def _source(path: Path, manifest: Manifest) -> tuple[Path, list[Path] | np.ndarray]:
+    """What one input path holds: its image files, or an .npz's images (checked against the model)."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if _is_image(p, path))
+        if not files:
+            raise DataError(f"folder {path} holds no images", f"add {', '.join(IMAGE_SUFFIXES)} files to it")
+        return path, files
+    if path.is_file() and path.suffix.lower() == ".npz":
+        (x,) = read_npz(path, keys=("x",))
+        images = to_model_layout(np.asarray(x), manifest.input, what=f"{path} x")
+        check_pixels(images, what=f"{path} x")
+        if not len(images):
+            raise DataError(f"{path} x holds no images", "save at least one image as x")
+        return path, images
+    if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+        return path, [path]
+    if path.is_file():
+        raise DataError(
+            f"{path} is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor an .npz",
+            "pass image files, folders of images or .npz files with images as x",
+        )
+    raise DataError(f"{path} does not exist", "pass image files, folders of images or .npz files")
 
 
 def _is_image(path: Path, folder: Path) -> bool:

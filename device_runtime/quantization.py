@@ -71,6 +71,12 @@ def quantize_int8(fp32: Any, calibration: np.ndarray, keep_float: str) -> Any:
                 "export a trained model, calibrate on more varied images (--data, --calibration-samples), "
                 "or export fp32",
             ) from None
+        except Exception as exc:  # onnxruntime's quantizer has no error type of its own: one line, not its traceback
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            raise BundleError(
+                f"onnxruntime could not quantize this model ({type(exc).__name__}: {lines[-1][:200] if lines else ''})",
+                "export fp32 (without --quantize), or report the model to the edgepfl developers",
+            ) from None
         quantized = onnx.load(paths["int8"])
     compact = compacted(quantized)
     probe = calibration[:CALIBRATION_BATCH]
