@@ -19,7 +19,7 @@ OPTIMIZERS = ("sgd", "adamw")
 def read_class_names_file(path: Path) -> tuple[str, ...]:
     """`--class-names-file`: one class name per line, in class order (a final newline is fine)."""
     try:
-        names = tuple(path.read_text(encoding="utf-8").splitlines())
+        names = tuple(path.read_text(encoding="utf-8-sig").splitlines())  # -sig: a BOM some editors write
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--class-names-file {path} cannot be read ({exc})", "pass a UTF-8 text file") from None
     problem = class_names_problem(names)
