@@ -328,3 +328,22 @@ def test_int8_never_keeps_an_overflowed_bias(bn_bundle, trained_state, tmp_path)
         assert not (tmp_path / "int8.onnx").exists()
     else:  # later onnxruntime releases adjust the weight scale so that the bias fits
         assert exported.val_accuracy == pytest.approx(exported.val_accuracy_fp32, abs=0.02)
+
+
+def test_class_names_in_the_manifest_are_optional_and_checked(named_bundle, tmp_path):
+    shutil.copytree(named_bundle, tmp_path / "b")
+    path = tmp_path / "b" / "manifest.json"
+    document = json.loads(path.read_text())
+    assert load_manifest(tmp_path / "b").class_labels == NAMES
+    path.write_text(json.dumps({k: v for k, v in document.items() if k != "class_names"}))  # an older export
+    assert load_manifest(tmp_path / "b").class_labels == ("0", "1", "2", "3")
+    for names, problem in (
+        (["a", "b"], "2 class names for a model of 4 classes"),
+        (["a", "b", "c", "A"], "'a' and 'A' are the same name"),
+        (["a", "b", "c", " d"], "' d' has spaces around it"),
+        (["a", "b", "c", ".d"], "'.d' cannot name an image folder"),
+    ):
+        path.write_text(json.dumps({**document, "class_names": names}))
+        with pytest.raises(BundleError, match="manifest.json: ") as refused:
+            load_manifest(tmp_path / "b")
+        assert problem in refused.value.problem
