@@ -1,4 +1,4 @@
-"""`edgepfl device enroll | run | train | teacher | distill | eval`: on-device commands (typer and stdlib only)."""
+"""`edgepfl device enroll | run | train | teacher | distill | eval` (and model_cli: predict | export-model)."""
 
 from __future__ import annotations
 
@@ -360,3 +360,6 @@ def _print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
     for key, value in clean.items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+from edgepfl.device_runtime import model_cli  # noqa: E402,F401  registers `predict` and `export-model`

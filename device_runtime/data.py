@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,6 @@ from edgepfl.errors import DataError
 from edgepfl.manifest import Manifest
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-_GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 
 
 def load_device_data(path: str | os.PathLike, manifest: Manifest, val_fraction: float, seed: int) -> LocalData:
@@ -28,17 +29,17 @@ def load_device_data(path: str | os.PathLike, manifest: Manifest, val_fraction: 
     return make_local_data(x, y, manifest, val_fraction, seed, what=str(source))
 
 
-def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Arrays `x` and `y` of an .npz file (no pickled objects)."""
+def read_npz(path: Path, keys: tuple[str, ...] = ("x", "y")) -> tuple[np.ndarray, ...]:
+    """The arrays `keys` (images `x` and labels `y`) of an .npz file (no pickled objects)."""
     try:
         with np.load(path, allow_pickle=False) as archive:
-            missing = [key for key in ("x", "y") if key not in archive.files]
+            missing = [key for key in keys if key not in archive.files]
             if missing:
                 raise DataError(
                     f"{path} has no array {missing[0]!r} (it holds {', '.join(archive.files) or 'nothing'})",
                     "save the images as `x` and the labels as `y`: np.savez(path, x=images, y=labels)",
                 )
-            return archive["x"], archive["y"]
+            return tuple(archive[key] for key in keys)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # numpy raises EOFError on an empty file
         raise DataError(
             f"{path} is not a readable .npz file ({exc or type(exc).__name__})", "pass an .npz written by numpy.savez"
@@ -46,44 +47,98 @@ def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_image_folder(folder: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 images (N, H, W, C) resized to the model input, and labels from `folder/<class>/<image>` (sorted)."""
+    """uint8 images (N, H, W, C) at the model input, labelled by their class folders (`label_folder_files`)."""
+    root = folder.resolve().name
+    images, labels = [], []
+    for parts, label in label_folder_files(root, _folder_files(folder), manifest):
+        images.append(read_image(folder.joinpath(*parts), manifest, shown="/".join((root, *parts))))
+        labels.append(label)
+    return np.stack(images), np.asarray(labels, dtype=np.int64)
+
+
+def label_folder_files(
+    root: str, files: Iterable[tuple[str, ...]], manifest: Manifest
+) -> list[tuple[tuple[str, ...], int]]:
+    """The images of an image folder and their labels, by the one rule the browser page follows too.
+
+    `files` are paths inside the folder `root`, as parts. Hidden entries (a part starting with ".") and files
+    that are not images are ignored. Every image sits directly in a class folder, and a class folder is named
+    as its class: the bundle's class names, or its index 0..num_classes-1 when it has none (Manifest.class_labels).
+    Anything else is refused with one line (an image outside the class folders or deeper in one, a folder named
+    as no class, a class folder without images), checked in this order, in path order (Unicode code points).
+    device_runtime/web/src/data.js `labelFolderFiles` is the same rule, line for line.
+    """
+    labels = manifest.class_labels
+    image_mode(manifest)  # a model that takes no images is refused first
+    visible = sorted(parts for parts in files if not any(part.startswith(".") for part in parts))
+    images = [parts for parts in visible if parts[-1].lower().endswith(IMAGE_SUFFIXES)]
+    for parts in images:
+        if len(parts) == 1:
+            raise DataError(
+                f"{root}/{parts[0]} is outside the class folders",
+                f"move it into the folder of its class: {root}/<class>/{parts[0]}",
+            )
+        if len(parts) > 2:
+            raise DataError(
+                f"{root}/{'/'.join(parts)} is in a folder inside class folder {parts[0]}",
+                "put each class's images directly in its class folder",
+            )
+    index = {unicodedata.normalize("NFC", name): label for label, name in enumerate(labels)}
+    for folder in sorted({parts[0] for parts in visible if len(parts) > 1}):
+        if unicodedata.normalize("NFC", folder) not in index:
+            raise DataError(f"folder {root}/{folder} is not named as a class of this model", _naming_fix(labels))
+        if not any(parts[0] == folder for parts in images):
+            raise DataError(f"class folder {root}/{folder} holds no images", "add images (.png, .jpg, …) or remove it")
+    if not images:
+        raise DataError(f"{root} has no class folders with images", _naming_fix(labels))
+    return [(parts, index[unicodedata.normalize("NFC", parts[0])]) for parts in images]
+
+
+def read_image(path: Path, manifest: Manifest, shown: str | None = None) -> np.ndarray:
+    """One image file as uint8 (H, W, C) pixels at the model input: converted to grey ('L') or colour ('RGB') as
+    the model takes (Pillow's formulas, which the browser page repeats), then resized by `resize_image`."""
     try:
         from PIL import Image
     except ImportError:
-        raise DataError("reading an image folder needs Pillow", "pip install pillow, or pass an .npz") from None
-    class_dirs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not class_dirs:
-        raise DataError(f"{folder} has no class sub-folders", "put each class's images in a sub-folder of its own")
-    if len(class_dirs) > manifest.num_classes:
-        raise DataError(
-            f"{folder} has {len(class_dirs)} class folders, the model has {manifest.num_classes} classes",
-            f"remove extra folders or export the model with --num-classes {len(class_dirs)}",
-        )
+        raise DataError("reading images needs Pillow", "pip install pillow, or pass an .npz") from None
     channels, height, width = manifest.input.shape
-    mode = {1: "L", 3: "RGB"}.get(channels)
-    if mode is None:
+    mode = image_mode(manifest)
+    try:
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert(mode), dtype=np.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{shown or path} is not a readable image ({exc})", "remove or replace the file") from None
+    return resize_image(pixels.reshape(pixels.shape[0], pixels.shape[1], channels), height, width)
+
+
+def image_mode(manifest: Manifest) -> str:
+    """Pillow's mode of the model's images: 'L' (grey) or 'RGB'; other channel counts take no image files."""
+    channels = manifest.input.shape[0]
+    if channels not in (1, 3):
         raise DataError(f"the model takes {channels}-channel images", "use an .npz for this model")
-    images: list[np.ndarray] = []
-    labels: list[int] = []
-    for label, class_dir in enumerate(class_dirs):
-        files = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise DataError(f"class folder {class_dir} holds no images", "add images or remove the empty folder")
-        for file in files:
-            try:
-                with Image.open(file) as image:
-                    if image.mode != "P" and (image.mode in _GREY_MODES) != (channels == 1):
-                        kind = "grey" if image.mode in _GREY_MODES else "colour"
-                        raise DataError(
-                            f"{file} is a {kind} image, the model takes {channels}-channel images",
-                            "convert the images (grey <-> colour) or export the model with matching --in-channels",
-                        )
-                    pixels = np.asarray(image.convert(mode), dtype=np.uint8)
-            except OSError as exc:
-                raise DataError(f"{file} is not a readable image ({exc})", "remove or replace the file") from None
-            images.append(resize_image(pixels.reshape(pixels.shape[0], pixels.shape[1], channels), height, width))
-            labels.append(label)
-    return np.stack(images), np.asarray(labels, dtype=np.int64)
+    return "L" if channels == 1 else "RGB"
+
+
+def _folder_files(folder: Path) -> list[tuple[str, ...]]:
+    """Every file under `folder` as its path's parts, not looking inside hidden folders (the browser lists files
+    only, so an empty folder is never seen by either device)."""
+    files = []
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        inside = Path(top).relative_to(folder).parts
+        files += [(*inside, name) for name in names]
+    return files
+
+
+def _naming_fix(labels: tuple[str, ...]) -> str:
+    """How to name class folders: by the class names, or by index when they are "0".."n-1" (no names)."""
+    if labels != tuple(str(index) for index in range(len(labels))):
+        more = ", …" if len(labels) > 12 else ""
+        return f"name each class folder exactly as its class: {', '.join(labels[:12])}{more}"
+    return (
+        f"name each class folder by its class index, 0 to {len(labels) - 1} "
+        "(the bundle has no class names: `edgepfl export --class-names` adds them)"
+    )
 
 
 def resize_image(pixels: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -83,6 +83,11 @@ class Engine(ABC):
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
 
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Class probabilities (n, classes) float32 of the current model on model input `x` (normalised as
+        edgepfl.data.normalize makes it): the softmax of `logits`, in inference mode."""
+        return softmax(self.logits(x))
+
     def statistics_momenta(self) -> dict[str, float]:
         """Each BatchNorm running statistic's momentum, by tensor name (empty for a model without BatchNorm)."""
         names = self.manifest.batchnorm_statistics()
@@ -124,6 +129,14 @@ class Engine(ABC):
                 f"this bundle (kp={self.manifest.kp}) has no {trainable!r} trainable set",
                 f"choose one of: {', '.join(self.available_sets())}",
             )
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of (n, classes) logits, computed in float64 and returned as float32."""
+    shifted = np.asarray(logits, dtype=np.float64)
+    shifted = shifted - shifted.max(axis=1, keepdims=True)
+    exponentials = np.exp(shifted)
+    return (exponentials / exponentials.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def check_distill_set(

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, field_validator
 from edgepfl.device_runtime.engine import ENGINE_NAMES
 from edgepfl.device_runtime.persfl import VARIANTS, DistillConfig
 from edgepfl.manifest import TRAINABLE_SETS
-from edgepfl.options import FLAG, GROUP, OPTIONS, Composed, comma_separated, titled
+from edgepfl.options import ARGUMENT, FLAG, GROUP, OPTIONS, Composed, comma_separated, titled
 
 POSITIVE = {"gt": 0.0, "allow_inf_nan": False}
 _DISTILL = {item.name: item.default for item in dataclasses.fields(DistillConfig)}
@@ -108,6 +108,28 @@ class DistillOptions(BaseModel):
     def config(self, seed: int) -> DistillConfig:
         """The DistillConfig these options and `seed` describe (it checks the grid's values)."""
         return DistillConfig(**self.model_dump(), seed=seed)
+
+
+class PredictOptions(BaseModel):
+    """`edgepfl device predict`: how many classes each input shows."""
+
+    model_config = titled("Prediction")
+
+    top: Annotated[int, Field(ge=1, le=1000, description="classes shown per input, most likely first")] = 3
+
+
+class ModelExportOptions(BaseModel):
+    """`edgepfl device export-model`: the inference model's number format, and int8's calibration."""
+
+    model_config = titled("Model file")
+
+    quantize: Annotated[
+        Literal["none", "int8"],
+        Field(description="int8: onnxruntime's static QDQ quantization, calibrated on --data (under 0.3x the size)"),
+    ] = "none"
+    calibration_samples: Annotated[
+        int, Field(ge=1, le=100_000, description="training images that calibrate int8's activation ranges")
+    ] = 512
 
 
 # what the device commands are told: each is a tree of the models above and these (edgepfl.commands makes the flags)
@@ -229,5 +251,52 @@ class EvalCommand(Composed):
     model_config = OPTIONS
 
     files: DeviceFiles
+    local: LocalOptions = LocalOptions()
+    output: Output = Output()
+
+
+class ModelFiles(BaseModel):
+    """The device's bundle and state folder."""
+
+    model_config = titled("Files")
+
+    bundle: Path = DeviceFiles.model_fields["bundle"]
+    state: Path = DeviceFiles.model_fields["state"]
+
+
+class PredictCommand(Composed):
+    """`edgepfl device predict`."""
+
+    model_config = OPTIONS
+
+    inputs: Annotated[
+        list[Path],
+        Field(
+            min_length=1,
+            description="image files, folders of images, or .npz files (images as x)",
+            json_schema_extra={ARGUMENT: True},
+        ),
+    ]
+    files: ModelFiles
+    predict: PredictOptions = PredictOptions()
+    # nothing is split or shuffled: the inputs are predicted as they are
+    local: Annotated[LocalOptions, Field(json_schema_extra={GROUP: {"exclude": ["val_fraction", "seed"]}})] = (
+        LocalOptions()
+    )
+    output: Output = Output()
+
+
+class ExportModelCommand(Composed):
+    """`edgepfl device export-model`."""
+
+    model_config = OPTIONS
+
+    files: ModelFiles
+    out: Annotated[Path, Field(description="the .onnx file to write", examples=["model.onnx"])]
+    data: Annotated[
+        Path | None,
+        Field(description="the device's data (.npz or image folder): calibrates int8, measures accuracy"),
+    ] = None
+    export: ModelExportOptions = ModelExportOptions()
     local: LocalOptions = LocalOptions()
     output: Output = Output()

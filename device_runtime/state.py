@@ -134,19 +134,7 @@ class StateFolder:
 
     def load_tensors(self) -> dict[str, np.ndarray] | None:
         """The saved tensors (every param and buffer), checked against sha256 and the manifest; None when fresh."""
-        if self.state.tensors_file is None:
-            return None
-        path = self.folder / self.state.tensors_file
-        try:
-            if sha256_file(path) != self.state.tensors_sha256:
-                raise StateError(f"{path} does not match its sha256 in {self.path}", "remove the --state folder")
-            tensors = decode_tensors(path.read_bytes())
-            check_tensors(tensors, self.manifest.tensors, what=f"saved state {path.name}")
-        except OSError as exc:
-            raise StateError(f"cannot read {path} ({exc.strerror})", "remove the --state folder") from None
-        except WireError as exc:
-            raise StateError(str(exc), "remove the --state folder") from None
-        return tensors
+        return _read_tensors(self.folder, self.state, self.manifest)
 
     def pending_payload(self) -> bytes | None:
         """The saved upload body of the pending round, checked against its sha256."""
@@ -245,13 +233,61 @@ class StateFolder:
             raise StateError(
                 f"{self.path} cannot be read ({exc!r})", "remove the --state folder to start over"
             ) from None
-        if state.base_layout_hash != manifest.base_layout_hash:
-            raise StateError(
-                f"the state in {self.folder} belongs to a bundle with base_layout_hash {state.base_layout_hash[:12]}…, "
-                f"this bundle has {manifest.base_layout_hash[:12]}…",
-                "pass the bundle this state was made with, or a new --state folder",
-            )
+        _check_layout(state, manifest, self.folder)
         return replace(state, engine=engine_name, optimizer_state=optimizer_state_note(manifest))
+
+
+def read_saved_model(
+    folder: str | os.PathLike, manifest: Manifest, attempts: int = 3
+) -> tuple[DeviceState | None, dict[str, np.ndarray] | None]:
+    """What a state folder holds now, read without its lock and without changing anything, so that a running
+    `device run` may keep it: (its state, its tensors), or (None, None) where there is no state yet.
+
+    A commit replaces the tensors file after state.json names the new one: a file gone between the two reads is
+    read again from the new state.json."""
+    path = Path(folder) / STATE_NAME
+    for attempt in range(attempts):
+        if not path.is_file():
+            return None, None
+        try:
+            state = DeviceState.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"{path} cannot be read ({exc!r})", "remove the --state folder to start over") from None
+        _check_layout(state, manifest, Path(folder))
+        try:
+            return state, _read_tensors(Path(folder), state, manifest)
+        except StateError:
+            if attempt == attempts - 1 or (Path(folder) / (state.tensors_file or "")).is_file():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_tensors(folder: Path, state: DeviceState, manifest: Manifest) -> dict[str, np.ndarray] | None:
+    """The tensors file `state` names, checked against its sha256 and the manifest; None when it names none."""
+    if state.tensors_file is None:
+        return None
+    path = folder / state.tensors_file
+    state_path = folder / STATE_NAME
+    try:
+        if sha256_file(path) != state.tensors_sha256:
+            raise StateError(f"{path} does not match its sha256 in {state_path}", "remove the --state folder")
+        tensors = decode_tensors(path.read_bytes())
+        check_tensors(tensors, manifest.tensors, what=f"saved state {path.name}")
+    except OSError as exc:
+        raise StateError(f"cannot read {path} ({exc.strerror})", "remove the --state folder") from None
+    except WireError as exc:
+        raise StateError(str(exc), "remove the --state folder") from None
+    return tensors
+
+
+def _check_layout(state: DeviceState, manifest: Manifest, folder: Path) -> None:
+    """A state folder belongs to one bundle's base layout."""
+    if state.base_layout_hash != manifest.base_layout_hash:
+        raise StateError(
+            f"the state in {folder} belongs to a bundle with base_layout_hash {state.base_layout_hash[:12]}…, "
+            f"this bundle has {manifest.base_layout_hash[:12]}…",
+            "pass the bundle this state was made with, or a new --state folder",
+        )
 
 
 def optimizer_state_note(manifest: Manifest) -> str:

@@ -11,7 +11,7 @@ from edgepfl.boundary import ErrorBoundary, fail
 from edgepfl.commands import command
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
-from edgepfl.export.options import ExportCommand
+from edgepfl.export.options import ExportCommand, read_class_names_file
 from edgepfl.server.cli import serve_app
 from edgepfl.simulate.config import PartitionCommand, SimulateConfig, read_config_file
 from edgepfl.simulate.demo import DemoOptions
@@ -48,6 +48,8 @@ def export(command_options: ExportCommand) -> None:
     from edgepfl.errors import UsageError
 
     chosen, zoo, options = command_options, command_options.zoo, command_options.options
+    if chosen.class_names_file is not None:
+        options = options.model_copy(update={"class_names": read_class_names_file(chosen.class_names_file)})
     model = chosen.model
     parsed = source.parse_model(model)
     if parsed.is_zoo:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import unicodedata
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,13 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     edgepfl_version: str = ""
+    class_names: tuple[str, ...] = ()  # one per class when the export named them, else empty
+
+    @property
+    def class_labels(self) -> tuple[str, ...]:
+        """What people see for each class, and what an image folder's class folders are named: the class
+        names, or "0".."num_classes-1" when the bundle has none."""
+        return self.class_names or tuple(str(index) for index in range(self.num_classes))
 
     @property
     def personal_block_start(self) -> int:
@@ -141,6 +150,7 @@ class Manifest:
             "base_layout_hash": self.base_layout_hash,
             "engines": self.engines,
             "files": self.files,
+            "class_names": list(self.class_names),
         }
 
     @classmethod
@@ -175,6 +185,7 @@ class Manifest:
                 files=dict(data.get("files", {})),
                 schema_version=version,
                 edgepfl_version=str(data.get("edgepfl_version", "")),
+                class_names=tuple(data.get("class_names") or ()),  # bundles of older exports have none
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"manifest.json is malformed ({exc!r})", "re-export the bundle") from None
@@ -188,6 +199,9 @@ class Manifest:
         """Internal consistency: roles, blocks and kp agree."""
         if not 0 <= self.kp <= len(self.blocks):
             raise BundleError(f"kp={self.kp} is outside 0..{len(self.blocks)}", "re-export the bundle")
+        problem = class_names_problem(self.class_names, self.num_classes)
+        if problem:
+            raise BundleError(f"manifest.json: {problem}", "re-export the bundle with valid --class-names")
         seen: set[str] = set()
         for spec in self.tensors:
             if spec.name in seen:
@@ -226,6 +240,26 @@ def split_roles(
     ]
     specs += [TensorSpec(name, tuple(shape), dtype, "buffer", block) for name, shape, dtype, block in buffers]
     return tuple(specs)
+
+
+def class_names_problem(names: Sequence[object], num_classes: int | None = None) -> str | None:
+    """What is wrong with a list of class names, or None: exactly `num_classes` (when given) non-empty, printable,
+    unique names, each usable as an image folder's name (no slash, no leading dot or surrounding space)."""
+    if num_classes is not None and names and len(names) != num_classes:
+        return f"{len(names)} class names for a model of {num_classes} classes"
+    seen: dict[str, int] = {}
+    for index, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            return f"class name {index} is empty" if name == "" else f"class name {index} is not text: {name!r}"
+        if not name.isprintable() or name != name.strip():
+            return f"class name {name!r} has spaces around it or characters that cannot be shown"
+        if "/" in name or "\\" in name or name.startswith("."):
+            return f"class name {name!r} cannot name an image folder (a slash, or a leading dot)"
+        folded = unicodedata.normalize("NFC", name).casefold()  # folders on macOS and Windows ignore case
+        if folded in seen:
+            return f"class names {names[seen[folded]]!r} and {name!r} are the same name (or differ only in case)"
+        seen[folded] = index
+    return None
 
 
 def layout_hash(specs: list[TensorSpec]) -> str:

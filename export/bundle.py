@@ -16,14 +16,12 @@ from torch import nn
 import edgepfl
 from edgepfl.atomic import sha256_file
 from edgepfl.errors import EdgePFLError, UsageError
-from edgepfl.export import ort_training, prepare, source
+from edgepfl.export import inference, ort_training, prepare, source
 from edgepfl.export.blocks import BlockList, check_blocks, find_blocks, state_tensors
 from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
 from edgepfl.export.options import ExportOptions
 from edgepfl.export.portable import StepShape
-from edgepfl.manifest import InputSpec, Manifest, split_roles
-
-INFERENCE_OPSET = 17
+from edgepfl.manifest import InputSpec, Manifest, class_names_problem, split_roles
 
 
 @dataclass
@@ -76,6 +74,7 @@ def export_target(
 ) -> Manifest:
     """Write the bundle of a checked target (see `export_bundle`) into `out`, atomically."""
     validate_export(kp, out, options, len(target.blocks), target.description.get("name", "model"))
+    validate_class_names(options, target.num_classes)
     out = Path(out)
     # build next to the target and swap at the end, so a failed export never destroys a bundle
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +185,13 @@ def validate_export(kp: int, out: str | Path, options: ExportOptions, num_blocks
         raise UsageError(f"output folder {target} is not empty", "choose an empty --out or add --force")
 
 
+def validate_class_names(options: ExportOptions, num_classes: int) -> None:
+    """One line when the export names the classes but not exactly one name per class of the model."""
+    problem = class_names_problem(options.class_names, num_classes)
+    if problem:
+        raise UsageError(f"--class-names: {problem}", f"give {num_classes} names, in class order")
+
+
 def _write_bundle(
     target: ExportTarget,
     kp: int,
@@ -206,6 +212,7 @@ def _write_bundle(
         blocks=tuple(name for name, _ in target.blocks),
         tensors=tensors,
         edgepfl_version=edgepfl.__version__,
+        class_names=options.class_names,
     )
     shape = StepShape(target.input_shape, target.num_classes)
     random_off = prepare.random_layers(model)
@@ -217,7 +224,7 @@ def _write_bundle(
     trainer = prepare.without_random_layers(model)
     engines: dict = {}
     progress("inference model")
-    _export_inference(model, target.input_shape, folder / "model.onnx")
+    inference.export_inference(model, target.input_shape, folder / "model.onnx")
     wanted = list(options.engines)
     if "portable" in wanted:
         prepare.check_portable_ops(trainer, target.input_shape)  # before the slow ORT build, to fail fast
@@ -259,20 +266,6 @@ def _write_bundle(
     final.check()
     final.save(folder)
     return final
-
-
-def _export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -> None:
-    model.eval()
-    torch.onnx.export(
-        model,
-        (torch.zeros(1, *input_shape),),
-        str(path),
-        input_names=["input"],
-        output_names=["logits"],
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=INFERENCE_OPSET,
-        dynamo=False,
-    )
 
 
 class OrtUnsupported(Exception):

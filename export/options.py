@@ -5,13 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from edgepfl.errors import UsageError
+from edgepfl.manifest import class_names_problem
 from edgepfl.options import ARGUMENT, Composed, comma_separated, titled
 from edgepfl.ortbuild import training_build_installed
 
 ENGINES = ("ort-training", "portable")
 OPTIMIZERS = ("sgd", "adamw")
+
+
+def read_class_names_file(path: Path) -> tuple[str, ...]:
+    """`--class-names-file`: one class name per line, in class order (a final newline is fine)."""
+    try:
+        names = tuple(path.read_text(encoding="utf-8-sig").splitlines())  # -sig: a BOM some editors write
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--class-names-file {path} cannot be read ({exc})", "pass a UTF-8 text file") from None
+    problem = class_names_problem(names)
+    if problem:
+        raise UsageError(f"--class-names-file {path}: {problem}", "write one class name per line, in class order")
+    return names
 
 
 def default_engines() -> tuple[str, ...]:
@@ -47,6 +61,26 @@ class ExportOptions(BaseModel):
             "(the portable engine's faster long phases; the bundle grows by the graphs' size, not the weights')"
         ),
     ] = True
+    class_names: Annotated[
+        tuple[str, ...],
+        Field(
+            description="comma list of the class names, in class order (or --class-names-file, one per line)",
+            examples=["cat,dog,bird"],
+        ),
+    ] = ()
+
+    @field_validator("class_names", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return tuple(name.strip() for name in value.split(",")) if isinstance(value, str) else value
+
+    @field_validator("class_names")
+    @classmethod
+    def _valid_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        problem = class_names_problem(names)
+        if problem:
+            raise ValueError(problem)
+        return names
 
     @field_validator("engines", mode="before")
     @classmethod
@@ -101,5 +135,14 @@ class ExportCommand(Composed):
     show_blocks: Annotated[
         bool, Field(description="print the blocks and what each --kp would upload, then stop")
     ] = False
+    class_names_file: Annotated[
+        Path | None, Field(description="file of the class names, one per line, in class order")
+    ] = None
     zoo: ZooOptions = Field(default_factory=ZooOptions)
     options: ExportOptions = Field(default_factory=ExportOptions)
+
+    @model_validator(mode="after")
+    def _one_list_of_names(self) -> ExportCommand:
+        if self.class_names_file is not None and self.options.class_names:
+            raise UsageError("both --class-names and --class-names-file are given", "pass only one of them")
+        return self

@@ -55,6 +55,10 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
         f"{status['rounds_completed']} of {status['rounds_target']} rounds · "
         f"{status['devices_enrolled']} devices enrolled, {status['devices_available']} available"
     )
+    names = status.get("class_names") or []
+    if names:
+        more = f", … ({len(names)} classes)" if len(names) > 20 else ""
+        head += "<br>classes: " + html.escape(", ".join(names[:20]) + more)
     privacy = status.get("privacy")
     if privacy is not None:
         target = f" of target {privacy['target_epsilon']:g}" if privacy["target_epsilon"] is not None else ""

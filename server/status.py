@@ -23,6 +23,7 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "state": state,
         "strategy": engine.strategy.name,
         "base_layout_hash": engine.manifest.base_layout_hash,
+        "class_names": list(engine.manifest.class_names),
         "share_buffers": engine.config.share_buffers,
         "rounds_target": engine.config.rounds,
         "rounds_completed": sum(1 for r in rounds if r.state == "closed"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -15,13 +16,13 @@ from edgepfl.data import LocalData, iterate_batches, make_local_data, split_trai
 from edgepfl.device_runtime.algorithms import Phase, round_phases, run_client_round, train_phase
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.client import RetryPolicy, RoundGone, ServerClient, ServerRefused, ServerUnreachable
-from edgepfl.device_runtime.data import load_device_data
+from edgepfl.device_runtime.data import load_device_data, read_image_folder
 from edgepfl.device_runtime.engine import open_engine
 from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.runner import DeviceEvents, run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, DataError, StateError, UsageError
-from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.manifest import InputSpec, Manifest, load_manifest
 from edgepfl.protocol import RoundSettings, Task, UploadMeta
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
@@ -235,32 +236,56 @@ def test_npz_layouts_and_dtypes_normalise_alike(mlp_bundle, tmp_path):
     np.testing.assert_allclose(x1[0, 0], (raw / 255 - mean) / std, atol=1e-5)
 
 
-def test_image_folder_classes_sorted_by_name(mlp_bundle, tmp_path):
+def test_image_folder_classes_by_name_not_position(mlp_bundle, tmp_path):
+    """Folders 1 and 3 are classes 1 and 3 (the page once made them 0 and 1); the page agrees (folder.test.mjs)."""
     from PIL import Image
 
-    labels = np.array([0, 0, 1, 1, 1])
+    labels = np.array([1, 1, 3, 3, 3])
     for index, (label, pixels) in enumerate(zip(labels, class_images(labels))):
-        folder = tmp_path / "images" / ("a_cat", "b_dog")[label]
+        folder = tmp_path / "images" / str(label)
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels[:, :, 0], mode="L").save(folder / f"{index}.png")
+    (tmp_path / "images" / "1" / "notes.txt").write_text("not an image: ignored")
     data = load_device_data(tmp_path / "images", load_manifest(mlp_bundle), 0.0, seed=0)
-    assert data.labels.tolist() == [0, 0, 1, 1, 1] and np.array_equal(data.images[:, 0], class_images(labels)[..., 0])
+    assert data.labels.tolist() == [1, 1, 3, 3, 3] and np.array_equal(data.images[:, 0], class_images(labels)[..., 0])
+    named = replace(load_manifest(mlp_bundle), class_names=("cat", "dog", "bird", "fish"))
+    with pytest.raises(DataError, match="folder images/1 is not named as a class") as refused:
+        read_image_folder(tmp_path / "images", named)
+    assert refused.value.fix == "name each class folder exactly as its class: cat, dog, bird, fish"
+    (tmp_path / "images" / "1").rename(tmp_path / "images" / "dog")
+    (tmp_path / "images" / "3").rename(tmp_path / "images" / "fish")
+    assert read_image_folder(tmp_path / "images", named)[1].tolist() == [1, 1, 3, 3, 3]
 
 
-def _write_png(path: Path, size: int, mode: str) -> None:
+def test_grey_and_colour_images_are_converted_as_pillow_does(mlp_bundle, tmp_path):
+    from PIL import Image
+
+    colour = np.random.default_rng(0).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    _write_png(tmp_path / "images" / "0" / "a.png", SIDE, "RGB", colour)
+    pixels, _ = read_image_folder(tmp_path / "images", load_manifest(mlp_bundle))  # a grey model
+    assert np.array_equal(pixels[0, :, :, 0], np.asarray(Image.fromarray(colour).convert("L")))
+    rgb = replace(load_manifest(mlp_bundle), input=InputSpec(shape=(3, SIDE, SIDE)))
+    _write_png(tmp_path / "grey" / "2" / "a.png", SIDE, "L", colour[:, :, 0])
+    pixels, _ = read_image_folder(tmp_path / "grey", rgb)
+    assert np.array_equal(pixels[0], np.repeat(colour[:, :, :1], 3, axis=2))
+
+
+def _write_png(path: Path, size: int, mode: str, pixels: np.ndarray | None = None) -> None:
     from PIL import Image
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new(mode, (size, size)).save(path)
+    (Image.new(mode, (size, size)) if pixels is None else Image.fromarray(pixels)).save(path)
 
 
-def _bad_image_channels(folder: Path) -> None:
-    _write_png(folder / "cat" / "1.png", SIDE, "RGB")
-
-
-def _empty_class_folder(folder: Path) -> None:
+def _unknown_class_folder(folder: Path) -> None:
+    _write_png(folder / "0" / "1.png", SIDE, "L")
     _write_png(folder / "cat" / "1.png", SIDE, "L")
-    (folder / "dog").mkdir()
+
+
+def _class_folder_without_images(folder: Path) -> None:
+    _write_png(folder / "0" / "1.png", SIDE, "L")
+    (folder / "1").mkdir()
+    (folder / "1" / "photo.heic").write_bytes(b"not one of the image types")
 
 
 def _label_out_of_range(folder: Path) -> None:
@@ -280,8 +305,8 @@ def _npz_size(folder: Path) -> None:
 @pytest.mark.parametrize(
     "make_data, message",
     [
-        (_bad_image_channels, "is a colour image, the model takes 1-channel images"),
-        (_empty_class_folder, "holds no images"),
+        (_unknown_class_folder, "folder data/cat is not named as a class of this model"),
+        (_class_folder_without_images, "class folder data/1 holds no images"),
         (_label_out_of_range, f"= {NUM_CLASSES} is not a class of this model (0..{NUM_CLASSES - 1})"),
         (_npz_channels, "has 3 channel(s) per image, the model takes 1"),
         (_npz_size, f"images are 10x10, the model takes {SIDE}x{SIDE}"),

@@ -13,6 +13,7 @@ from conftest import run_without_torch
 torch = pytest.importorskip("torch")
 from edgepfl.device_runtime.engine import open_engine  # noqa: E402
 from edgepfl.export.models import ModelSpec, build_model  # noqa: E402
+from edgepfl.manifest import load_manifest  # noqa: E402
 
 BN_CNN = dict(name="cnn", norm="batch")
 
@@ -156,13 +157,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     [
         (["export", "lenet", "--out", "{out}"], "unknown model 'lenet'"),
         (["export", "mobilenet", "--kp", "16", "--out", "{out}"], "--kp 16 is outside 0..15"),
-        (["export", "mlp", "--kp", "-1", "--out", "{out}"], "--kp -1 is outside 0..2"),
+        (["export", "mlp", "--kp", "-1", "--out", "{out}"], "--kp -1: input should be greater than or equal to 0"),
         (["export", "mobilenet", "--width", "0.3", "--out", "{out}"], "width 0.3 is not allowed"),
-        (["export", "mobilenet", "--norm", "layer", "--out", "{out}"], "unknown norm 'layer'"),
+        (["export", "mobilenet", "--norm", "layer", "--out", "{out}"], "--norm 'layer' is unknown (use one of: batch"),
         (["export", "mlp", "--engines", "tflite", "--out", "{out}"], "--engines 'tflite' is unknown"),
         (["export", "mlp", "--optimizer", "adam", "--out", "{out}"], "--optimizer 'adam' is unknown"),
         (["export", "mlp", "--seed", "-1", "--out", "{out}"], "--seed -1: input should be greater than or equal to 0"),
         (["export", "mlp", "--out", "{full}"], "is not empty"),
+        (["export", "mlp", "--class-names", "a,b", "--out", "{out}"], "2 class names for a model of 10 classes"),
+        (["export", "mlp", "--class-names", "cat,Cat", "--out", "{out}"], "'cat' and 'Cat' are the same name"),
+        (["export", "mlp", "--class-names", "a,,b", "--out", "{out}"], "class name 1 is empty"),
+        (["export", "mlp", "--class-names", "a/b,c", "--out", "{out}"], "'a/b' cannot name an image folder"),
+        (["export", "mlp", "--class-names-file", "{out}", "--out", "{out}"], "--class-names-file"),
+        (["export", "mlp", "--class-names", "a", "--class-names-file", "{out}"], "both --class-names and"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
@@ -179,11 +186,17 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 
 
 def test_cli_export_prints_the_split(tmp_path):
-    result = run_cli("export", "mlp", "--kp", "1", "--out", str(tmp_path / "b"), "--engines", "ort-training")
+    names = [f"digit {n}" for n in range(10)]  # a comma would split --class-names: a file takes any name
+    (tmp_path / "names.txt").write_text("\n".join(names) + "\n")
+    result = run_cli(
+        "export", "mlp", "--kp", "1", "--out", str(tmp_path / "b"), "--engines", "ort-training",
+        "--class-names-file", str(tmp_path / "names.txt"),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "personal" in result.stdout and "one round uploads" in result.stdout
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["kp"] == 1
+    assert manifest["schema_version"] == 1 and manifest["kp"] == 1 and manifest["class_names"] == names
+    assert load_manifest(tmp_path / "b").class_labels == tuple(names)
 
 
 def test_cli_export_without_frozen_variants_writes_the_plain_steps_only(tmp_path):

@@ -185,3 +185,8 @@ def test_family_inference_model_equals_pytorch_eval(family):
     with torch.no_grad():
         expected = module.eval()(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(session.run(None, {"input": x})[0], expected, rtol=0, atol=1e-4, err_msg=name)
+    # every tensor keeps its manifest name, so that `device export-model` bakes a device's tensors into this graph
+    import onnx
+
+    named = {init.name for init in onnx.load(str(bundle / "model.onnx")).graph.initializer}
+    assert {t["name"] for t in json.loads((bundle / "manifest.json").read_text())["tensors"]} <= named, name

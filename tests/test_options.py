@@ -74,6 +74,8 @@ def test_a_command_lists_no_option_by_hand() -> None:
         ("device", "teacher"): device.TeacherCommand,
         ("device", "distill"): device.DistillCommand,
         ("device", "eval"): device.EvalCommand,
+        ("device", "predict"): device.PredictCommand,
+        ("device", "export-model"): device.ExportModelCommand,
     }
     for names, model in commands.items():
         params = _params(*names)

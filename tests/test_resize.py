@@ -46,11 +46,11 @@ def test_image_folder_resizes_to_the_model_input(tmp_path):
     from PIL import Image
 
     pixels = np.random.default_rng(2).integers(0, 256, (13, 21, 3), dtype=np.uint8)
-    (tmp_path / "cat").mkdir()
-    Image.fromarray(pixels).save(tmp_path / "cat" / "a.png")
-    manifest = SimpleNamespace(num_classes=2, input=InputSpec(shape=(3, 8, 8)))
+    (tmp_path / "1").mkdir()
+    Image.fromarray(pixels).save(tmp_path / "1" / "a.png")
+    manifest = SimpleNamespace(class_labels=("0", "1"), input=InputSpec(shape=(3, 8, 8)))
     images, labels = read_image_folder(tmp_path, manifest)
-    assert images.shape == (1, 8, 8, 3) and labels.tolist() == [0]
+    assert images.shape == (1, 8, 8, 3) and labels.tolist() == [1]
     assert np.array_equal(images[0], resize_image(pixels, 8, 8))
 
 

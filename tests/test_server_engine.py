@@ -288,6 +288,8 @@ def test_metrics_and_status_page(setup) -> None:
     assert status["rounds"][0]["eval_accuracy"]["mean"] == 0.75
     page = render_page(status)
     assert "data:image/png;base64," in page and "http" not in page.split("<body>")[1]
+    assert status["class_names"] == [] and "classes:" not in page  # a bundle without class names
+    assert "classes: cat, dog &amp; co<" in render_page({**status, "class_names": ["cat", "dog & co"]})
 
 
 @pytest.mark.filterwarnings("ignore:Using `httpx`")  # starlette asks for httpx2, not a dependency of ours

@@ -34,11 +34,11 @@ import { checkSha256 } from './sha256.js';
  * @property {{index: number}[]} blocks
  * @property {TensorSpec[]} tensors
  * @property {number} num_classes
+ * @property {string[]} [class_names] the classes' names, in class order (edgepfl export --class-names)
  * @property {InputSpec} input
  * @property {string} base_layout_hash
  * @property {Record<string, string>} [files] bundle path -> sha256
  * @property {{portable?: PortableEntry}} [engines]
- * @property {{class_names?: unknown}} [model]
  */
 /** Summed loss, correct count and count of an evaluation. @typedef {{lossSum: number, correct: number, count: number}} EvalResult */
 

@@ -114,7 +114,7 @@ export function setUpExamples({ store, manifest, contract, examples }) {
   const photos = (/** @type {FileList} */ files) => readPhotos(files, Number(select.value), manifest.input);
   picker('camera', photos);
   picker('photos', photos);
-  picker('folder', (files) => readFolder(files, manifest.input, manifest.num_classes));
+  picker('folder', (files) => readFolder(files, manifest.input, classNames(manifest)));
   picker('npz', async (files) => readNpz(new Uint8Array(await files[0].arrayBuffer()), manifest.input, manifest.num_classes));
   $('examples').hidden = false;
   renderExamples(examples, names, contract);

@@ -4,16 +4,18 @@ Usage: python device_runtime/web/test/make_fixtures.py OUT_DIR  (needs the expor
 
 Writes the device contract (contract.json, as the server serves it), round settings with the Python device's
 verdict on each, a tiny BatchNorm cnn bundle (portable graphs), feeds and the Python portable engine's tensors after
-full and personal steps and after one fedalt round, files written by Python's `safetensors`, and PNGs with
-the Python loader's arrays of them. Both engines build a step's frozen variant (export/frozen.py) after the
-same number of plain steps, so the later personal steps and the round's run on variants on both sides. The Node
-tests (test/*.test.mjs) compare the JavaScript side to these.
+full and personal steps and after one fedalt round, the round's model as `device export-model` writes it (fp32 and
+int8), files written by Python's `safetensors`, PNGs with the Python loader's arrays of them, and image folders
+with the Python loader's labels or refusals. Both engines build a step's frozen variant (export/frozen.py) after
+the same number of plain steps, so the later personal steps and the round's run on variants on both sides. The
+Node tests (test/*.test.mjs) compare the JavaScript side to these.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,11 @@ from edgepfl.data import make_local_data, normalize  # noqa: E402
 from edgepfl.device_runtime.algorithms import run_client_round  # noqa: E402
 from edgepfl.device_runtime.contract import CONTRACT_NAME, device_contract  # noqa: E402
 from edgepfl.device_runtime.data import read_image_folder, resize_image  # noqa: E402
+from edgepfl.device_runtime.model_export import export_device_model  # noqa: E402
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
+from edgepfl.device_runtime.predict import DeviceModel  # noqa: E402
 from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
-from edgepfl.errors import WireError  # noqa: E402
+from edgepfl.errors import DataError, WireError  # noqa: E402
 from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
@@ -98,6 +102,7 @@ def main(out: Path) -> None:
     write_round(out, bundle, manifest, results)
     write_safetensors(out, results)
     write_images(out, manifest, results)
+    write_folders(out, manifest, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
 
 
@@ -127,6 +132,7 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
     save_file(engine.get_tensors(), out / "round_after.safetensors")
     recompute_statistics(engine, data, ROUND["batch_size"])  # what a device does when the next base arrives
     save_file(engine.get_tensors(), out / "recomputed.safetensors")
+    write_exported_models(out, DeviceModel(engine, out, 2, trained=True), data, results)
     results["round"] = {
         "seed": 3,
         "round_id": 2,
@@ -136,6 +142,23 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
         "train_loss": result.train_loss,
         "phases": [{"name": p.name, "steps": p.steps, "mean_loss": p.mean_loss} for p in result.phases],
     }
+
+
+def write_exported_models(out: Path, model: DeviceModel, data, results: dict) -> None:
+    """`device export-model` of the device after the round, fp32 and int8, and their probabilities in plain
+    onnxruntime on the eval feeds: onnxruntime-web must load both files and give the same."""
+    import onnxruntime
+    from safetensors.numpy import load_file
+
+    xe = load_file(out / "feeds.safetensors")["xe"]
+    probabilities = {}
+    for quantize in ("none", "int8"):
+        path = out / f"exported_{quantize}.onnx"
+        export_device_model(model, path, quantize, data)
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        probabilities[quantize] = session.run(["probabilities"], {"input": xe})[0]
+    probabilities["engine"] = model.engine.predict(xe)
+    save_file(probabilities, out / "exported_expected.safetensors")
 
 
 def write_safetensors(out: Path, results: dict) -> None:
@@ -165,7 +188,7 @@ def write_images(out: Path, manifest, results: dict) -> None:
     from PIL import Image
 
     rng = np.random.default_rng(4)
-    folder = out / "images" / "cat"
+    folder = out / "images" / "0"
     folder.mkdir(parents=True, exist_ok=True)
     sizes = {"a_large.png": (45, 37), "b_small.png": (11, 9)}  # (width, height)
     for name, (w, h) in sizes.items():
@@ -184,7 +207,84 @@ def write_images(out: Path, manifest, results: dict) -> None:
         },
         out / "images_expected.safetensors",
     )
-    results["images"] = {"files": [f"images/cat/{name}" for name in sorted(sizes)], "grey_spec": vars(grey_spec)}
+    results["images"] = {"files": [f"images/0/{name}" for name in sorted(sizes)], "grey_spec": vars(grey_spec)}
+
+
+def write_folders(out: Path, manifest, results: dict) -> None:
+    """Image folders, each read by the Python loader: its labels and pixels, or its one-line refusal.
+
+    The Node test hands the same files to the page's readFolder (as the browser lists them: files only, paths
+    from the chosen folder's name) and must get the same labels and pixels, or the same line.
+    """
+    tensors, cases = {}, []
+    for case, (shape, names, tree) in FOLDER_CASES.items():
+        classes = len(names) if names else 10
+        spec = replace(manifest, input=InputSpec(shape=shape), num_classes=classes, class_names=names)
+        root = out / "folders" / case / ("café" if case == "unicode" else "photos")
+        for relative, content in tree.items():
+            path = root / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content if isinstance(content, bytes) else _png(*content))
+        entry: dict = {"case": case, "shape": list(shape), "class_names": list(names), "num_classes": spec.num_classes}
+        entry["files"] = sorted(str(p.relative_to(out)) for p in root.rglob("*") if p.is_file())
+        try:
+            pixels, labels = read_image_folder(root, spec)
+        except DataError as refused:
+            entry["refused"] = {"problem": refused.problem, "fix": refused.fix}
+        else:
+            entry["labels"] = labels.tolist()
+            tensors[case] = np.ascontiguousarray(pixels.transpose(0, 3, 1, 2))
+        cases.append(entry)
+    save_file(tensors, out / "folders_expected.safetensors")
+    results["folders"] = cases
+
+
+def _png(mode: str, width: int, height: int, seed: int) -> bytes:
+    """A PNG of random pixels in a Pillow mode (L, LA, RGB, RGBA, P, 1)."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    image = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16) if mode == "P" else rgb.convert(mode)
+    if mode in ("LA", "RGBA"):
+        image.putalpha(255)  # opaque: the browser's canvas keeps colours exact only where alpha is 255
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+NAMES = ("cat", "dog", "bird")
+GREY, COLOUR = (1, 12, 12), (3, 12, 12)
+# case: (model input shape, class names, {path inside the folder: (PNG mode, width, height, seed) or bytes})
+FOLDER_CASES = {
+    # the trial's folder: classes named 3, 5 and 7 of a 10-class model are classes 3, 5 and 7, not 0, 1 and 2
+    "numbers": (GREY, (), {"3/a.png": ("L", 9, 14, 1), "5/b.png": ("L", 16, 16, 2), "7/c.png": ("L", 12, 12, 3)}),
+    "names": (
+        COLOUR, NAMES, {"bird/1.png": ("RGB", 20, 10, 4), "cat/2.png": ("RGB", 7, 7, 5), "cat/3.png": ("RGB", 30, 3, 6)}
+    ),
+    # hidden entries and other files are ignored; grey, palette, bilevel and grey+alpha images become colour
+    "ignored": (COLOUR, (), {
+        "0/a.png": ("L", 13, 11, 7), "0/b.png": ("P", 10, 10, 8), "0/notes.txt": b"not an image",
+        "1/c.png": ("1", 8, 8, 9), "1/d.png": ("LA", 15, 9, 10), "readme.md": b"# photos",
+        ".git/x.png": ("RGB", 4, 4, 11), "1/.hidden.png": ("RGB", 4, 4, 12), ".DS_Store": b"\0",
+    }),
+    # colour images for a grey model: Pillow's 'L' formula
+    "colour_to_grey": (
+        GREY, (), {"2/a.png": ("RGB", 14, 14, 13), "2/b.png": ("RGBA", 9, 9, 14), "0/c.png": ("P", 6, 6, 15)}
+    ),
+    "unicode": (GREY, ("café", "thé"), {"cafe\u0301/a.png": ("L", 12, 12, 16)}),  # a macOS (NFD) folder name
+    "unknown_folder": (GREY, (), {"0/a.png": ("L", 12, 12, 17), "cats/b.png": ("L", 12, 12, 18)}),
+    "numbers_with_names": (GREY, NAMES, {"0/a.png": ("L", 12, 12, 19)}),
+    "index_out_of_range": (GREY, (), {"10/a.png": ("L", 12, 12, 20)}),
+    "no_images_in_class": (GREY, NAMES, {"cat/a.png": ("L", 12, 12, 21), "dog/a.heic": b"heic", "dog/b.txt": b"x"}),
+    "image_outside": (GREY, (), {"0/a.png": ("L", 12, 12, 22), "stray.jpg": ("L", 12, 12, 23)}),
+    "image_nested": (GREY, (), {"0/a.png": ("L", 12, 12, 24), "0/2024/b.png": ("L", 12, 12, 25)}),
+    "no_images": (GREY, (), {"readme.md": b"# nothing yet"}),
+    "four_channels": ((4, 12, 12), (), {"0/a.png": ("RGBA", 12, 12, 26)}),
+    "unreadable": (GREY, (), {"0/a.png": ("L", 12, 12, 27), "0/b.png": b"not a png"}),
+}
 
 
 if __name__ == "__main__":

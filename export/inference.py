@@ -1,0 +1,77 @@
+"""The bundle's `model.onnx`: the plain inference graph, its initializers named as the manifest's tensors.
+
+`edgepfl device export-model` bakes a device's tensors into this graph by name, so every tensor must keep its
+name: BatchNorm stays a node (onnxruntime folds it into the convolution when it loads the model), and the
+trace runs on distinct stand-in values, because the exporter merges initializers of equal value (fresh
+BatchNorm layers are all ones and zeros). The real values are written back by name and the graph is checked
+against the module's eval logits; a model whose trace depends on its values falls back to the folded export.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+INFERENCE_OPSET = 17
+
+
+def export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -> bool:
+    """Write `model.onnx`; True when its initializers name every state tensor (False: the folded fallback)."""
+    model.eval()
+    real = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for tensor in model.state_dict().values():  # the state_dict's tensors share the module's storage
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)  # > 0: a valid running_var
+        _export(model, input_shape, path, torch.onnx.TrainingMode.PRESERVE)
+    finally:
+        model.load_state_dict(real)
+    proto = onnx.load(str(path))
+    named = {init.name for init in proto.graph.initializer}
+    for init in proto.graph.initializer:
+        if init.name in real:
+            init.CopyFrom(numpy_helper.from_array(real[init.name].cpu().numpy(), init.name))
+    wanted = {name for name, tensor in real.items() if tensor.is_floating_point() and tensor.numel()}
+    if wanted <= named and _same_logits(model, proto, input_shape):
+        onnx.save(proto, str(path))
+        return True
+    _export(model, input_shape, path, torch.onnx.TrainingMode.EVAL)
+    return False
+
+
+def _export(model: nn.Module, input_shape: Sequence[int], path: Path, mode: torch.onnx.TrainingMode) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(constant folding|training).*")
+        torch.onnx.export(
+            model,
+            (torch.zeros(1, *input_shape),),
+            str(path),
+            input_names=["input"],
+            output_names=["logits"],
+            dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+            opset_version=INFERENCE_OPSET,
+            do_constant_folding=mode != torch.onnx.TrainingMode.PRESERVE,
+            training=mode,
+            dynamo=False,
+        )
+
+
+def _same_logits(model: nn.Module, proto: onnx.ModelProto, input_shape: Sequence[int]) -> bool:
+    """Whether the graph computes the module's eval logits on two seeded inputs."""
+    import onnxruntime
+
+    x = torch.randn(2, *input_shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x).cpu().numpy()
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"input": x.numpy()})[0]
+    return bool(np.allclose(got, want, rtol=1e-3, atol=1e-4))
