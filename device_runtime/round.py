@@ -115,7 +115,7 @@ def train_round(
     why = divergence(round_losses(result), tensors, manifest.num_classes)
     if why is not None:
         engine.set_tensors(kept)
-        raise skipped(f"training diverged in round {round_id} ({why})", store)
+        raise skipped(f"training diverged in round {round_id} ({why})", store, teacher_loss)
     payload = None
     if result.uploads:
         meta = result.upload_meta(manifest.base_layout_hash)
@@ -130,11 +130,21 @@ def train_round(
     return RoundOutcome(result, payload, record, teacher_loss)
 
 
-def skipped(problem: str, store: RoundStore) -> TrainingDiverged:
+class RoundRefused(TrainingDiverged):
+    """A round the device refused (its base, or the result of training on it); `teacher_loss`: PersFL's score of
+    the received global model, when it was offered before training diverged."""
+
+    def __init__(self, problem: str, fix: str, teacher_loss: float | None = None):
+        super().__init__(problem, fix)
+        self.teacher_loss = teacher_loss
+
+
+def skipped(problem: str, store: RoundStore, teacher_loss: float | None = None) -> RoundRefused:
     """The one line for a round whose base or result the device refuses: what happened, what it kept, the fix."""
-    return TrainingDiverged(
+    return RoundRefused(
         f"{problem}: kept {store.kept} and skipped the round",
         "ask the operator to check the server's model and --lr; the device joins the next round",
+        teacher_loss,
     )
 
 

@@ -271,7 +271,8 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         """A device refused the base of a round it was given (NaN or Inf in it, or training diverged from it).
 
         When a majority of the round's devices (and at least min_clients of them, or all when fewer) refused it,
-        the base is rejected and the global base rolls back (lifecycle.py `_reject_base`).
+        the base is rejected and the global base rolls back (lifecycle.py `_reject_base`); the initial base is
+        never rolled back (there is nothing before it).
         """
         with self._lock:
             record = self._round_or_404(round_id)
@@ -283,7 +284,9 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             refused = len(self.store.refusals(round_id))
             given = len(self.store.assigned_devices(round_id))
             needed = max(min(self.config.min_clients, given), math.ceil(given / 2))
-            rolled_back = record.state == "open" and refused >= needed and record.round_id != self._closing
+            # the initial base has nothing before it to roll back to: its round goes on with those who train
+            rollback = record.base_sha != self.store.get_meta("initial_base_sha")
+            rolled_back = rollback and record.state == "open" and refused >= needed and record.round_id != self._closing
             if rolled_back:
                 self._reject_base(record, refused)
         log.warning("round %d: device %s refused its base (%s)", round_id, device, reason[:200])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_device_runtime import ScriptedServer, local_data, mlp_bundle  # noqa: F401 (mlp_bundle: a fixture)
 
-from edgepfl.device_runtime import runner
+from edgepfl.device_runtime import round as device_round
 from edgepfl.device_runtime.client import ServerClient
 from edgepfl.device_runtime.engine import open_engine
 from edgepfl.device_runtime.runner import DeviceOptions, run_device
@@ -58,18 +58,18 @@ def test_a_kill_between_training_and_upload_neither_loses_nor_doubles_the_residu
     server = EncodingServer(engine.manifest, engine.tensors_by_role("base"), rounds=5, settings=settings)
     data = local_data(engine.manifest)
     encoded = []  # (round, trained - received) of every encoding the device made, committed or not
-    honest_body = runner.upload_body
+    honest_body = device_round.upload_body
 
     def recording(trained, received, round_settings, meta, residuals, round_id, seed):
         encoded.append((round_id, {name: trained[name] - received[name] for name in trained}))
         return honest_body(trained, received, round_settings, meta, residuals, round_id, seed)
 
-    monkeypatch.setattr(runner, "upload_body", recording)
+    monkeypatch.setattr(device_round, "upload_body", recording)
     honest_commit = StateFolder.commit
 
     def killed_in_commit(self, tensors, record, round_id=None, upload_payload=None):
         if round_id == 2:  # round 2 is encoded (its residual saved), then the device dies before the commit
-            monkeypatch.setattr(runner, "drop_residual", lambda *args: None)  # kill -9 runs no handler
+            monkeypatch.setattr(device_round, "drop_residual", lambda *args: None)  # kill -9 runs no handler
             raise Killed()
         return honest_commit(self, tensors, record, round_id, upload_payload)
 
@@ -81,7 +81,7 @@ def test_a_kill_between_training_and_upload_neither_loses_nor_doubles_the_residu
     assert [r for r, _ in server.uploads] == [1] and (state.residuals / "residual-00000002.safetensors").is_file()
     state.close()
     monkeypatch.undo()
-    monkeypatch.setattr(runner, "upload_body", recording)
+    monkeypatch.setattr(device_round, "upload_body", recording)
     encoded.pop()  # round 2's first encoding was never committed: it is trained and encoded again
 
     server.kill_upload_of = 3  # round 3 is committed with its upload pending, then the device dies sending it

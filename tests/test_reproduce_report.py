@@ -16,7 +16,8 @@ from reproduce import _at_common_round, _natural, _series  # noqa: E402
 
 def _run(seed: int, accuracies: list[float], partition: str = "classes:4") -> SimpleNamespace:
     rounds = [SimpleNamespace(test_accuracy={"per_client": [value, value]}) for value in accuracies]
-    return SimpleNamespace(persfl=None, config=SimpleNamespace(partition=partition, seed=seed), rounds=rounds)
+    config = SimpleNamespace(data=SimpleNamespace(partition=partition), seed=seed)
+    return SimpleNamespace(persfl=None, config=config, rounds=rounds)
 
 
 def test_series_and_natural_order():

@@ -244,9 +244,9 @@ def test_config_file_form_and_cli(tiny_npz, tmp_path):
 
 def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path, monkeypatch):
     """Client 0 uploads values of 1e30 claiming 10M samples every round: the server's bounds keep the others' model."""
-    from edgepfl.simulate import workers
+    from edgepfl.device_runtime import round as device_round
 
-    honest_encode = workers.upload_body
+    honest_encode = device_round.upload_body
     uploads = []
 
     def hostile_encode(tensors, received, settings, meta, *rest):
@@ -256,7 +256,7 @@ def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path
             meta = dataclasses.replace(meta, num_samples=10_000_000)
         return honest_encode(tensors, received, settings, meta, *rest)
 
-    monkeypatch.setattr(workers, "upload_body", hostile_encode)
+    monkeypatch.setattr(device_round, "upload_body", hostile_encode)
     results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", rounds=3))
     honest = results.rounds[-1].test_accuracy["per_client"][1:]
     assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%

@@ -42,7 +42,7 @@ def persfl_config(tiny_npz, out, **changes):
 
 def test_persfl_teacher_is_the_lowest_validation_loss_and_students_are_distilled(tiny_npz, tmp_path):
     out = tmp_path / "persfl"
-    results = run_simulation(persfl_config(tiny_npz, out, rounds=4, lr=0.3))  # lr 0.3: some losses rise again
+    results = run_simulation(persfl_config(tiny_npz, out, rounds=4, lr=0.15))  # lr 0.15: some losses rise again
     document = json.loads((out / "results.json").read_text())
     manifest = load_manifest(out / BUNDLE_DIR)
     assert manifest.kp == 0 and all(entry.get("distill") for entry in manifest.engines.values())
@@ -78,7 +78,7 @@ def test_persfl_resume_keeps_the_teachers_and_reruns_stage_two(tiny_npz, tmp_pat
 
 def test_persfl_grid_options_are_checked_and_read_from_a_config_file(tiny_npz, tmp_path):
     config = config_from_json({"algorithm": "persfl", "distill_lambdas": "0.2,0.4", "distill_temperatures": [1, 3]})
-    assert config.distill_lambdas == (0.2, 0.4) and config.distill_temperatures == (1.0, 3.0)
+    assert config.distill.lambdas == (0.2, 0.4) and config.distill.temperatures == (1.0, 3.0)
     assert config_from_json(config.to_json()) == config
     with pytest.raises(UsageError, match="lambdas"):
         persfl_config(tiny_npz, tmp_path / "bad", distill_lambdas=(1.5,))

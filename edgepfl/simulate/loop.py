@@ -196,6 +196,7 @@ def _round(
     trained_acc = {}  # evaluation.py's *trained* score of every sampled client
     traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
     current = {name: by_name[name].tensors for name in plans}
+    uploaded = 0
     for done_count, (name, outcome) in enumerate(workers.run(round_id, plans, current)):
         plan = plans[name]
         by_name[name].tensors = outcome.tensors
@@ -207,9 +208,12 @@ def _round(
         trained_acc[name] = outcome.trained_accuracy
         if not math.isnan(outcome.train_loss):
             losses.append(outcome.train_loss)
-        if outcome.payload is not None:  # through the served acceptance checks
+        if outcome.refused is not None:  # a device refuses a round's base or its diverged result, and says so
+            server.accept_refusal(name, round_id, outcome.refused)
+        if outcome.payload is not None and _open(server, round_id):  # through the served acceptance checks
             traffic["bytes_up"] += len(outcome.payload)
             server.accept_update(name, round_id, outcome.payload)
+            uploaded += 1
         if progress is not None:
             progress(round_id, done_count + 1, len(plans))
     pending = {
@@ -221,8 +225,21 @@ def _round(
         "trained_test_accuracy": accuracy_summary([trained_acc.get(c.name, math.nan) for c in clients]),
     }
     _save_state(Path(config.out) / STATE_FILE, round_id, clients, pending)  # before the close: a resume finishes it
-    global_base = server.close_round(round_id)
+    record = server.round(round_id)
+    if record is not None and record.state == "abandoned":  # a majority refused its base: the server rolled back
+        raise StateError(
+            f"round {round_id} was abandoned: {record.note}; a simulated run does not go on after a rollback",
+            "lower --lr (the clients' training diverged), or check the data",
+        )
+    # a client that refused the round uploads nothing: the round closes at its deadline, as a served one would
+    global_base = server.close_round(round_id, at_deadline=uploaded < len(plans))
     return _evaluate(engine, clients, server, global_base, round_id, pending, settings)
+
+
+def _open(server, round_id: int) -> bool:
+    """Whether a round still takes uploads (a rollback abandons it; `local` has no rounds to close)."""
+    record = server.round(round_id)
+    return record is None or record.state == "open"
 
 
 def _run_fleet(

@@ -55,6 +55,9 @@ class LocalRounds:
         """Nothing is uploaded in a local run."""
         raise StateError("a local run uploads nothing", "this is a bug: report it")
 
+    def accept_refusal(self, name: str, round_id: int, reason: str) -> None:
+        """No server to tell: a local client just keeps its model."""
+
     def close_round(self, round_id: int, at_deadline: bool = False) -> dict[str, np.ndarray]:
         """Nothing to aggregate."""
         return {}
@@ -62,6 +65,10 @@ class LocalRounds:
     def global_base(self) -> dict[str, np.ndarray]:
         """There is no global base."""
         return {}
+
+    def round(self, round_id: int) -> None:
+        """A local run keeps no rounds."""
+        return None
 
     def evaluation_base(self, name: str, global_base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """A client keeps everything it trained."""

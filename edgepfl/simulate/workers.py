@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 
 from edgepfl.data import LocalData
-from edgepfl.device_runtime.algorithms import TrainingDiverged
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import score
 from edgepfl.device_runtime.options import DeviceOptions
-from edgepfl.device_runtime.round import train_round
+from edgepfl.device_runtime.round import RoundRefused, train_round
 from edgepfl.device_runtime.runner import DeviceEvents
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest
@@ -97,8 +96,9 @@ def train_client(
     options = DeviceOptions(seed=client.seed, persfl_teacher=teachers is not None)
     try:
         outcome = train_round(engine, client.train, state, round_id, plan.settings, plan.base, options, DeviceEvents())
-    except TrainingDiverged as refused:
-        return Outcome(engine.get_tensors(), math.nan, score(engine, client.test).accuracy, None, None, refused.problem)
+    except RoundRefused as refused:  # the teacher offer (PersFL) was made before training diverged
+        accuracy = score(engine, client.test).accuracy
+        return Outcome(engine.get_tensors(), math.nan, accuracy, None, refused.teacher_loss, refused.problem)
     assert state.tensors is not None, "a committed round keeps its tensors"
     trained_accuracy = score(engine, client.test).accuracy
     return Outcome(state.tensors, outcome.result.train_loss, trained_accuracy, outcome.payload, outcome.teacher_loss)
