@@ -85,7 +85,9 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
     options += ["--upload-encoding", encoding]
     options += ["--batch-size", str(config.round.batch_size), "--lr", str(config.round.lr), "--round-timeout", "300"]
     # round 1 opens once all four have polled, or a poll interval after two did: long enough for a loaded machine
-    options += ["--poll-interval", "20", "--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hypernetworks.hn_lr)]
+    options += ["--poll-interval", "20"]
+    if config.plan.strategy == "pfedla":  # its own options (another strategy refuses them)
+        options += ["--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hypernetworks.hn_lr)]
     server = LiveServer(bundle, tmp_path / "served", *options).start(timeout=120)
     try:
         processes = []
