@@ -1,0 +1,83 @@
+"""The secure sum's ring Z/2^b: b-bit elements held in uint32, their wire packing, and AES-CTR mask vectors.
+
+Wire layout of a vector (`pack`): element i occupies bits [i*b, (i+1)*b) of the payload, least significant bit
+first, where bit j of the payload is bit (j mod 8) of byte j // 8; the unused high bits of the last byte are 0.
+
+Mask generator (`mask_vector`): AES-256 in counter mode, the 32-byte seed as the key, the initial counter block
+16 zero bytes incremented as one 128-bit big-endian integer (WebCrypto AES-CTR with `length: 128`), the
+keystream read as little-endian uint32 words, one word per element, of which the low b bits are kept.
+Because 2^b divides 2^32 the elements are uniform in the ring. device_runtime/web/src/secagg.js does the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from edgepfl.errors import SecAggError
+
+MIN_BITS, MAX_BITS = 8, 32
+SEED_BYTES = 32
+
+
+def check_bits(bits: int) -> int:
+    """The ring width if it is an int in [8, 32]; else one SecAggError line."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or not MIN_BITS <= bits <= MAX_BITS:
+        raise SecAggError(f"ring width {bits!r} bits is not supported", f"use {MIN_BITS} to {MAX_BITS} bits")
+    return bits
+
+
+def modulus_mask(bits: int) -> np.uint32:
+    """2^b - 1 as a uint32: `values & modulus_mask(b)` reduces uint32 arithmetic mod 2^b."""
+    return np.uint32((1 << check_bits(bits)) - 1)
+
+
+def mask_vector(seed: bytes, length: int, bits: int = 32) -> np.ndarray:
+    """`length` pseudorandom ring elements (uint32, < 2^bits) expanded from a 32-byte seed (module docstring)."""
+    if len(seed) != SEED_BYTES:
+        raise SecAggError(f"a mask seed has {len(seed)} bytes, not {SEED_BYTES}", "derive seeds with HKDF-SHA256")
+    encryptor = Cipher(algorithms.AES(bytes(seed)), modes.CTR(bytes(16))).encryptor()
+    stream = encryptor.update(bytes(4 * length)) + encryptor.finalize()
+    return np.frombuffer(stream, dtype="<u4").astype(np.uint32) & modulus_mask(bits)
+
+
+def packed_size(length: int, bits: int) -> int:
+    """Bytes of `length` packed b-bit elements."""
+    return (length * check_bits(bits) + 7) // 8
+
+
+def pack(values: np.ndarray, bits: int) -> bytes:
+    """Ring elements (< 2^bits) -> the packed wire bytes (module docstring)."""
+    values = np.asarray(values, dtype=np.uint32).reshape(-1)
+    if check_bits(bits) == 32:
+        return values.astype("<u4").tobytes()
+    if bits in (8, 16):
+        return values.astype("<u1" if bits == 8 else "<u2").tobytes()
+    planes = ((values[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack(payload: bytes, length: int, bits: int, what: str = "vector") -> np.ndarray:
+    """Packed wire bytes -> `length` ring elements (uint32); a wrong size or stray padding bits is a SecAggError."""
+    expected = packed_size(length, bits)
+    if len(payload) != expected:
+        raise SecAggError(f"{what} has {len(payload)} bytes, expected {expected} ({length} elements of {bits} bits)",
+                          f"send the masked vector of the round's {length} elements, packed as edgepfl.secagg.ring")
+    if bits in (8, 16, 32):
+        return np.frombuffer(payload, dtype={8: "<u1", 16: "<u2", 32: "<u4"}[bits]).astype(np.uint32)
+    planes = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
+    if planes[length * bits :].any():
+        raise SecAggError(f"{what} has padding bits set after its last element", "pack with zero padding bits")
+    planes = planes[: length * bits].reshape(length, bits).astype(np.uint32)
+    return (planes << np.arange(bits, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+
+
+def to_signed(values: np.ndarray, bits: int) -> np.ndarray:
+    """Ring elements read as two's complement b-bit integers (int64): [2^(b-1), 2^b) maps to negatives."""
+    values = np.asarray(values, dtype=np.int64)
+    return np.where(values >= 1 << (bits - 1), values - (1 << bits), values)
+
+
+def from_signed(values: np.ndarray, bits: int) -> np.ndarray:
+    """Integers -> ring elements mod 2^b (uint32)."""
+    return (np.asarray(values, dtype=np.int64) & ((1 << check_bits(bits)) - 1)).astype(np.uint32)
