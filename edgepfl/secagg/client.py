@@ -116,7 +116,7 @@ class ClientSession:
         """Open the partners' shares and mask `vector` (ring elements, the key book's length): the upload."""
         self._need("shared", "masked", "revealed")
         book, me = self.book, self.device
-        inbox_digest = _digest(inbox.to_dict())
+        inbox_digest = inbox_digest_of(inbox)
         if self.phase != "shared" and self._state["inbox_digest"] != inbox_digest:
             raise SecAggError(f"device {me!r} already masked with other partners this round",
                               "the server must send one share inbox per device per round")
@@ -256,5 +256,12 @@ def pairwise_seed(book: KeyBook, mask_private: bytes, device: str, peer: str) ->
     return keys.derive(keys.agree(mask_private, book.keys[peer].mask_key, peer), "mask", book.context, low, high)
 
 
-def _digest(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+def inbox_digest_of(inbox: ShareInbox) -> str:
+    """Hex SHA-256 of the inbox's device and (sender, sealed) pairs in sender order, each 2-byte length-prefixed."""
+    digest = hashlib.sha256()
+    parts = [inbox.device.encode()]
+    for peer in sorted(inbox.sealed):
+        parts += [peer.encode(), inbox.sealed[peer]]
+    for part in parts:
+        digest.update(len(part).to_bytes(2, "big") + part)
+    return digest.hexdigest()

@@ -20,6 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # tests.conftest holds the one bundle-export helper the test suite uses
 
+import make_secagg_fixtures  # noqa: E402  (beside this file)
 from safetensors.numpy import save_file  # noqa: E402
 
 from edgepfl.data import make_local_data, normalize  # noqa: E402
@@ -77,6 +78,7 @@ def main(out: Path) -> None:
     write_safetensors(out, results)
     write_images(out, manifest, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
+    make_secagg_fixtures.main(out)
 
 
 def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
