@@ -49,6 +49,7 @@ class ClientSession:
 
     def __init__(self, state: dict[str, Any]):
         self._state = state
+        self._book: KeyBook | None = None  # parsed once: the graph and indices are derived from it
 
     @classmethod
     def start(cls, device: str, context: str, random_bytes: Callable[[int], bytes] = secrets.token_bytes
@@ -73,7 +74,9 @@ class ClientSession:
     def book(self) -> KeyBook:
         """The round's key book (after `receive_book`)."""
         self._need("shared", "masked", "revealed")
-        return KeyBook.from_dict(self._state["book"])
+        if self._book is None:
+            self._book = KeyBook.from_dict(self._state["book"])
+        return self._book
 
     @property
     def partners(self) -> tuple[str, ...]:

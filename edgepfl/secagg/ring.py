@@ -49,12 +49,17 @@ def packed_size(length: int, bits: int) -> int:
 def pack(values: np.ndarray, bits: int) -> bytes:
     """Ring elements (< 2^bits) -> the packed wire bytes (module docstring)."""
     values = np.asarray(values, dtype=np.uint32).reshape(-1)
-    if check_bits(bits) == 32:
-        return values.astype("<u4").tobytes()
-    if bits in (8, 16):
-        return values.astype("<u1" if bits == 8 else "<u2").tobytes()
-    planes = ((values[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
-    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+    if check_bits(bits) in (8, 16, 32):
+        return values.astype({8: "<u1", 16: "<u2", 32: "<u4"}[bits]).tobytes()
+    # byte i holds payload bits [8i, 8i + 8): the top of element e = 8i // b from bit o = 8i mod b, and (as b >= 8)
+    # at most the bottom of element e + 1
+    position = np.arange(packed_size(len(values), bits), dtype=np.int64) * 8
+    element = position // bits
+    offset = position - element * bits
+    wide = np.append(values, np.uint32(0)).astype(np.int64)  # int64: shifts by up to 31 bits stay exact
+    low = wide[element] >> offset
+    high = wide[np.minimum(element + 1, len(values))] << (bits - offset)
+    return ((low | high) & 0xFF).astype(np.uint8).tobytes()
 
 
 def unpack(payload: bytes, length: int, bits: int, what: str = "vector") -> np.ndarray:
@@ -65,11 +70,13 @@ def unpack(payload: bytes, length: int, bits: int, what: str = "vector") -> np.n
                           f"send the masked vector of the round's {length} elements, packed as edgepfl.secagg.ring")
     if bits in (8, 16, 32):
         return np.frombuffer(payload, dtype={8: "<u1", 16: "<u2", 32: "<u4"}[bits]).astype(np.uint32)
-    planes = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
-    if planes[length * bits :].any():
+    if length * bits % 8 and payload[-1] >> (length * bits % 8):
         raise SecAggError(f"{what} has padding bits set after its last element", "pack with zero padding bits")
-    planes = planes[: length * bits].reshape(length, bits).astype(np.uint32)
-    return (planes << np.arange(bits, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    # element j sits in the 8 bytes from byte jb // 8 (read as one little-endian uint64), from bit jb mod 8
+    start = np.arange(length, dtype=np.int64) * bits
+    windows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(payload + bytes(8), dtype=np.uint8), 8)
+    words = np.ascontiguousarray(windows[start // 8]).view("<u8").reshape(-1)
+    return ((words >> (start % 8).astype(np.uint64)) & np.uint64((1 << bits) - 1)).astype(np.uint32)
 
 
 def to_signed(values: np.ndarray, bits: int) -> np.ndarray:

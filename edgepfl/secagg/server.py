@@ -10,7 +10,8 @@
 resends after a crash is never counted twice); any other bad message is one SecAggError line naming the device
 and leaves the session as it was. A `close_*` the round cannot survive (too few devices left) marks the session
 failed, with the same line from then on. Save `to_json()` after every call that changed it; the running sum of
-the masked vectors is part of the state, so an upload is in the sum exactly when it is in the saved state.
+the masked vectors is part of the state (uint32, mod 2^32, which 2^b divides), so an upload is in the sum exactly
+when it is in the saved state.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ServerSession:
 
     def __init__(self, state: dict[str, Any]):
         self._state = state
+        self._book: KeyBook | None = None  # parsed once: the graph and indices are derived from it
 
     @classmethod
     def start(cls, context: str, config: SecAggConfig, base_size: int, randomness: bytes | None = None
@@ -72,7 +74,9 @@ class ServerSession:
     @property
     def book(self) -> KeyBook:
         """The key book (after `close_keys`)."""
-        return KeyBook.from_dict(self._state["book"])
+        if self._book is None:
+            self._book = KeyBook.from_dict(self._state["book"])
+        return self._book
 
     @property
     def sharers(self) -> tuple[str, ...]:
@@ -137,7 +141,7 @@ class ServerSession:
             sharers -= short
         self._or_fail(lambda: self._enough(len(sharers), "sent their shares"))
         self._state.update(phase="inputs", sharers=sorted(sharers), uploads={},
-                           running_sum=b64(pack(np.zeros(book.vector_length, np.uint32), book.plan.bits)))
+                           running_sum=b64(np.zeros(book.vector_length, "<u4").tobytes()))
         return {device: self.inbox(device) for device in sorted(sharers)}
 
     def inbox(self, device: str) -> ShareInbox:
@@ -164,8 +168,8 @@ class ServerSession:
             raise SecAggError(f"device {device!r} already uploaded a different masked vector this round",
                               "a device uploads one masked vector per round")
         values = unpack(upload.masked, book.vector_length, book.plan.bits, f"device {device!r}'s masked vector")
-        total = self._running_sum(book) + values
-        self._state["running_sum"] = b64(pack(total & modulus_mask(book.plan.bits), book.plan.bits))
+        total = self._running_sum(book) + values  # uint32 wraps mod 2^32, a multiple of 2^b
+        self._state["running_sum"] = b64(total.astype("<u4").tobytes())
         uploads[device] = upload.digest
         return True
 
@@ -289,7 +293,8 @@ class ServerSession:
         return tuple(peer for peer in self.book.neighbours[device] if peer in sharers)
 
     def _running_sum(self, book: KeyBook) -> np.ndarray:
-        return unpack(unb64(self._state["running_sum"], "sum"), book.vector_length, book.plan.bits)
+        """The masked vectors' sum so far, mod 2^32 (uint32; reduced mod 2^b when unmasked)."""
+        return unpack(unb64(self._state["running_sum"], "sum"), book.vector_length, 32)
 
     def _keep(self, field: str, device: str, data: dict, what: str) -> bool:
         held = self._state[field]
