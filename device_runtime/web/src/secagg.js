@@ -20,6 +20,7 @@ export const SEALED_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + TAG_BYTES;
 const MIN_BITS = 8;
 const INT8_LEVELS = 127;
 const ROTATION_BLOCK = 1024;
+const PARALLEL_MASKS = 8; // partner masks expanded at once: 8 vectors of 4 bytes per value in memory
 const NAME = /^[!-~]{1,200}$/;
 const PKCS8_X25519 = Uint8Array.from([0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x6e, 0x04, 0x22, 0x04, 0x20]);
 const LITTLE_ENDIAN = new Uint8Array(new Uint32Array([1]).buffer)[0] === 1;
@@ -535,6 +536,10 @@ export class ClientSession {
   constructor(state, keys) {
     this.state = state;
     this.keys = keys;
+    /** @type {KeyBook|null} parsed once: the graph and indices are derived from it */
+    this.parsedBook = null;
+    /** @type {Promise<{indices: Record<string, number>, neighbours: Record<string, string[]>}>|null} */
+    this.graph = null;
   }
 
   /** Fresh key pairs for `device` in round `context`. @param {string} device @param {string} context @param {RandomBytes} [randomBytes] */
@@ -563,7 +568,8 @@ export class ClientSession {
   /** The round's key book (after receiveBook). */
   get book() {
     this.#need('shared', 'masked', 'revealed');
-    return keyBookFromDict(structuredClone(this.state.book));
+    if (!this.parsedBook) this.parsedBook = keyBookFromDict(structuredClone(this.state.book));
+    return this.parsedBook;
   }
 
   /** Partners: the neighbours whose shares arrived (after receiveInbox). */
@@ -591,12 +597,13 @@ export class ClientSession {
     const selfSeed = randomBytes(SECRET_BYTES);
     const seedShares = shamirSplit(selfSeed, holders, book.plan.threshold, randomBytes);
     const keyShares = shamirSplit(unb64(this.state.mask_private, 'key', 32), holders, book.plan.threshold, randomBytes);
-    /** @type {Record<string, Uint8Array>} */
-    const sealed = {};
-    for (const peer of neighbours[me]) {
+    const nonces = neighbours[me].map(() => randomBytes(NONCE_BYTES)); // drawn in neighbour order, as Python does
+    const sealedList = await Promise.all(neighbours[me].map(async (peer, j) => {
       const key = await this.#shareKey(book, peer, me, peer);
-      sealed[peer] = await encrypt(key, concat(seedShares[indices[peer]], keyShares[indices[peer]]), info('share', book.context, me, peer), randomBytes);
-    }
+      return encrypt(key, concat(seedShares[indices[peer]], keyShares[indices[peer]]), info('share', book.context, me, peer), () => nonces[j]);
+    }));
+    /** @type {Record<string, Uint8Array>} */
+    const sealed = Object.fromEntries(neighbours[me].map((peer, j) => [peer, sealedList[j]]));
     const own = indices[me];
     Object.assign(this.state, { phase: 'shared', book: keyBookToDict(book), self_seed: b64(selfSeed), own_shares: { seed: b64(seedShares[own]), key: b64(keyShares[own]) }, bundle: b64Map(sealed) });
     return { device: me, sealed };
@@ -677,12 +684,15 @@ export class ClientSession {
     }
   }
 
-  /** @param {KeyBook} book */
+  /** Indices and neighbours of the session's key book (computed once). @param {KeyBook} book */
   async #graph(book) {
+    if (this.graph && book === this.parsedBook) return this.graph;
     const devices = book.adverts.map((a) => a.device);
     /** @type {Record<string, number>} */
     const indices = Object.fromEntries(devices.map((d, i) => [d, i + 1]));
-    return { indices, neighbours: await neighbourMap(devices, await graphSeed(book), book.plan.neighbours) };
+    const graph = graphSeed(book).then(async (seed) => ({ indices, neighbours: await neighbourMap(devices, seed, book.plan.neighbours) }));
+    if (book === this.parsedBook) this.graph = graph;
+    return graph;
   }
 
   /** @param {KeyBook} book @param {string} peer @param {string} sender @param {string} recipient */
@@ -725,13 +735,20 @@ export class ClientSession {
     const own = await maskVector(unb64(this.state.self_seed, 'seed', 32), length, bits);
     for (let i = 0; i < length; i++) masked[i] += own[i];
     const maskPrivate = unb64(this.state.mask_private, 'key', 32);
-    for (const peer of Object.keys(partners).sort(compareIds)) {
-      const advert = /** @type {KeyAdvert} */ (book.adverts.find((a) => a.device === peer));
-      const [low, high] = indices[me] < indices[peer] ? [me, peer] : [peer, me];
-      const seed = await derive(await agree(maskPrivate, advert.mask_key, peer), 'mask', book.context, low, high);
-      const mask = await maskVector(seed, length, bits);
-      if (indices[me] < indices[peer]) for (let i = 0; i < length; i++) masked[i] += mask[i];
-      else for (let i = 0; i < length; i++) masked[i] -= mask[i];
+    const peers = Object.keys(partners).sort(compareIds);
+    for (let first = 0; first < peers.length; first += PARALLEL_MASKS) { // WebCrypto works on other threads
+      const batch = peers.slice(first, first + PARALLEL_MASKS);
+      const masks = await Promise.all(batch.map(async (peer) => {
+        const advert = /** @type {KeyAdvert} */ (book.adverts.find((a) => a.device === peer));
+        const [low, high] = indices[me] < indices[peer] ? [me, peer] : [peer, me];
+        const seed = await derive(await agree(maskPrivate, advert.mask_key, peer), 'mask', book.context, low, high);
+        return maskVector(seed, length, bits);
+      }));
+      batch.forEach((peer, j) => {
+        const mask = masks[j];
+        if (indices[me] < indices[peer]) for (let i = 0; i < length; i++) masked[i] += mask[i];
+        else for (let i = 0; i < length; i++) masked[i] -= mask[i];
+      });
     }
     if (bits < 32) for (let i = 0; i < length; i++) masked[i] %= modulus;
     return masked;
