@@ -51,15 +51,15 @@ def pack(values: np.ndarray, bits: int) -> bytes:
     values = np.asarray(values, dtype=np.uint32).reshape(-1)
     if check_bits(bits) in (8, 16, 32):
         return values.astype({8: "<u1", 16: "<u2", 32: "<u4"}[bits]).tobytes()
-    # byte i holds payload bits [8i, 8i + 8): the top of element e = 8i // b from bit o = 8i mod b, and (as b >= 8)
-    # at most the bottom of element e + 1
-    position = np.arange(packed_size(len(values), bits), dtype=np.int64) * 8
-    element = position // bits
-    offset = position - element * bits
-    wide = np.append(values, np.uint32(0)).astype(np.int64)  # int64: shifts by up to 31 bits stay exact
-    low = wide[element] >> offset
-    high = wide[np.minimum(element + 1, len(values))] << (bits - offset)
-    return ((low | high) & 0xFF).astype(np.uint8).tobytes()
+    groups = np.zeros(-(-len(values) // 8) * 8, dtype=np.uint64)
+    groups[: len(values)] = values
+    groups = groups.reshape(-1, 8)
+    rows = np.zeros((len(groups), bits), dtype=np.uint8)  # 8 elements of b bits fill b bytes exactly
+    for j, first_byte, shift, count in _layout(bits):
+        word = groups[:, j] << np.uint64(shift)
+        for k in range(count):
+            rows[:, first_byte + k] |= ((word >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8)
+    return rows.tobytes()[: packed_size(len(values), bits)]
 
 
 def unpack(payload: bytes, length: int, bits: int, what: str = "vector") -> np.ndarray:
@@ -72,11 +72,21 @@ def unpack(payload: bytes, length: int, bits: int, what: str = "vector") -> np.n
         return np.frombuffer(payload, dtype={8: "<u1", 16: "<u2", 32: "<u4"}[bits]).astype(np.uint32)
     if length * bits % 8 and payload[-1] >> (length * bits % 8):
         raise SecAggError(f"{what} has padding bits set after its last element", "pack with zero padding bits")
-    # element j sits in the 8 bytes from byte jb // 8 (read as one little-endian uint64), from bit jb mod 8
-    start = np.arange(length, dtype=np.int64) * bits
-    windows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(payload + bytes(8), dtype=np.uint8), 8)
-    words = np.ascontiguousarray(windows[start // 8]).view("<u8").reshape(-1)
-    return ((words >> (start % 8).astype(np.uint64)) & np.uint64((1 << bits) - 1)).astype(np.uint32)
+    rows = np.zeros(-(-length // 8) * bits, dtype=np.uint8)
+    rows[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    rows = rows.reshape(-1, bits)
+    out = np.zeros((len(rows), 8), dtype=np.uint64)
+    for j, first_byte, shift, count in _layout(bits):
+        word = np.zeros(len(rows), dtype=np.uint64)
+        for k in range(count):
+            word |= rows[:, first_byte + k].astype(np.uint64) << np.uint64(8 * k)
+        out[:, j] = (word >> np.uint64(shift)) & np.uint64((1 << bits) - 1)
+    return out.reshape(-1)[:length].astype(np.uint32)
+
+
+def _layout(bits: int) -> list[tuple[int, int, int, int]]:
+    """For each of 8 elements in a group of b bytes: (element, first byte, bit shift in it, bytes it touches)."""
+    return [(j, j * bits // 8, j * bits % 8, -(-(bits + j * bits % 8) // 8)) for j in range(8)]
 
 
 def to_signed(values: np.ndarray, bits: int) -> np.ndarray:

@@ -72,15 +72,29 @@ def _interpolate_zero(values: Mapping[int, int], holders: tuple[int, ...]) -> in
     return sum(values[x] * weight for x, weight in zip(holders, _lagrange_at_zero(holders))) % PRIME
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def _lagrange_at_zero(holders: tuple[int, ...]) -> tuple[int, ...]:
     """Lagrange weights at x = 0 for these holder indices; cached: one round reuses a few holder sets many times."""
-    weights = []
+    numerators, denominators = [], []
     for x in holders:
         numerator, denominator = 1, 1
         for other in holders:
             if other != x:
                 numerator = numerator * other % PRIME
                 denominator = denominator * (other - x) % PRIME
-        weights.append(numerator * pow(denominator, -1, PRIME) % PRIME)
-    return tuple(weights)
+        numerators.append(numerator)
+        denominators.append(denominator)
+    return tuple(n * inverse % PRIME for n, inverse in zip(numerators, _batch_inverse(denominators)))
+
+
+def _batch_inverse(values: list[int]) -> list[int]:
+    """Inverses mod PRIME of non-zero values with one exponentiation (Montgomery's trick)."""
+    prefix = [1]
+    for value in values:
+        prefix.append(prefix[-1] * value % PRIME)
+    inverse = pow(prefix[-1], -1, PRIME)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = prefix[i] * inverse % PRIME
+        inverse = inverse * values[i] % PRIME
+    return out
