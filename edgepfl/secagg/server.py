@@ -226,7 +226,7 @@ class ServerSession:
         if lacking:
             self._fail(f"cannot unmask the round: {lacking[0]}; {TOO_MANY_DROPPED}")
         total = self._running_sum(book)
-        length, threshold = book.vector_length, book.plan.threshold
+        length, threshold, survivors = book.vector_length, book.plan.threshold, set(self.request.survivors)
         for (kind, peer), (what, found) in self._collect().items():
             secret = shamir.reconstruct(found, threshold, what)
             if kind == "seed":
@@ -235,7 +235,7 @@ class ServerSession:
             if keys.public_key(secret) != book.keys[peer].mask_key:
                 raise SecAggError(f"the mask key rebuilt for {peer!r} does not match its advert",
                                   "a device revealed a wrong share; fail the round")
-            for survivor in sorted(set(self._partners(peer)) & set(self.request.survivors)):
+            for survivor in sorted(set(self._partners(peer)) & survivors):
                 mask = mask_vector(pairwise_seed(book, secret, peer, survivor), length)
                 if book.indices[survivor] < book.indices[peer]:  # the survivor added it; take it out
                     total -= mask
