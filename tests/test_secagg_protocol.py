@@ -261,7 +261,7 @@ def test_too_few_devices_or_a_too_small_ring_is_refused():
         make_plan(200, SecAggConfig(clip_norm=1.0, bits=8))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(n=st.integers(3, 9), k=st.sampled_from([2, 4, "all"]), data=st.data())
 def test_any_dropout_pattern_the_thresholds_allow_gives_the_survivors_exact_sum(n, k, data):
     game = Round(n, SecAggConfig(clip_norm=1.0, neighbours=k))
@@ -278,6 +278,6 @@ def test_any_dropout_pattern_the_thresholds_allow_gives_the_survivors_exact_sum(
             game.server.receive_unmask(game.clients[device].receive_unmask(request))
         result = game.server.finish()
     except SecAggError as exc:  # SecAgg+: a group short of its threshold fails cleanly, never wrongly
-        assert not book.plan.classic and "share" in str(exc)
+        assert not book.plan.classic and "more devices dropped than the threshold allows" in str(exc)
         return
     assert np.array_equal(result, game.plain_sum(request.survivors))
