@@ -31,3 +31,7 @@ class StateError(EdgePFLError):
 
 class DataError(EdgePFLError):
     """Device or dataset input that does not fit the model."""
+
+
+class SecAggError(EdgePFLError):
+    """A secure-aggregation message or state that breaks the protocol (edgepfl.secagg); nothing held is lost."""

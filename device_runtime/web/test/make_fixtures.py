@@ -23,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # tests.conftest holds the one bundle-export helper the test suite uses
 
+import make_secagg_fixtures  # noqa: E402  (beside this file)
 from safetensors.numpy import save_file  # noqa: E402
 
 from edgepfl.data import make_local_data, normalize  # noqa: E402
@@ -104,6 +105,7 @@ def main(out: Path) -> None:
     write_images(out, manifest, results)
     write_folders(out, manifest, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
+    make_secagg_fixtures.main(out)
 
 
 def settings_verdict(settings: dict) -> dict:

@@ -1,0 +1,247 @@
+"""Secure aggregation's cost per round: per-device bytes and seconds, server seconds, next to plain int8 uploads.
+
+For n devices (in one process) and each mode (SecAgg+ at its auto k, classic SecAgg), one whole round of
+edgepfl.secagg on a base delta the size of MobileNet x0.25's base at K_P 2 (d from the export's own model and
+split, as bench/uploads.py builds it, or from --manifest): every device quantizes a synthetic delta (a shared
+direction plus its own, L2 norm 0.3-1.0 of C = 1, sample counts 100-1000), shares, masks and reveals; the
+server routes, sums and unmasks. Every message is the real one: JSON as messages.to_json writes it, the masked
+vector as MaskedInput.to_bytes (binary, no base64). Per device: bytes up and down (the base download, the same
+with or without SecAgg, is not counted) and compute seconds (mean over devices); server: seconds in its calls,
+and separately the seconds of saving its JSON state (to_json) at each phase change, the largest state, and the
+bytes of the accepted messages a server appends to a log between snapshots (restart = last snapshot + the
+logged messages received again; `--save-every-call` times a full to_json after every call instead).
+`--dropout` rounds: that fraction of devices shares but never uploads (the server then rebuilds their masks).
+Relative error: |decoded weighted mean - exact float weighted mean| / |exact| (the quantization's cost).
+
+Plain int8 is bench/uploads.py's int8 payload (per-tensor scales, safetensors header) of the same base.
+The browser client is timed under Node for one device (bench/web/secagg.mjs): an indication only, not a phone.
+Prints JSON on stdout, a table on stderr, and writes bench/figures/secagg.png.
+
+Usage: python bench/secagg.py [--manifest BUNDLE_DIR] [--ns 10 50 200] [--bits-variants 10] [--dropout 0.1]
+                              [--no-node] [--save-every-call]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgepfl.secagg import ClientSession, SecAggConfig, ServerSession, VectorLayout, make_plan, quantize_delta, to_json
+from edgepfl.secagg.config import padded_size
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE = ROOT / "bench" / "figures" / "secagg.png"
+TARGET_UPLOAD, TARGET_SERVER_S = 1.3, 5.0  # issue 34: upload <= 1.3x plain int8 at n = 200; server <= 5 s
+MODES = {"secagg+": "auto", "classic": "all"}
+
+
+def base_layout(manifest: str | None) -> tuple[VectorLayout, int, str]:
+    """The shared tensors' layout, plain int8's upload bytes for them, and where they came from."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from uploads import model_specs, upload_bytes
+
+    if manifest:
+        from edgepfl.manifest import load_manifest
+
+        specs, source = list(load_manifest(manifest).tensors), f"manifest {manifest}"
+    else:
+        specs, source = model_specs(0.25, 2)[0], "mobilenet x0.25 kp=2, built by the export's model and split"
+    base = [spec for spec in specs if spec.role == "base"]
+    return VectorLayout.of({spec.name: spec.shape for spec in base}), upload_bytes(base, "int8"), source
+
+
+def run_round(layout: VectorLayout, n: int, config: SecAggConfig, dropout: float, seed: int = 0,
+              save_every_call: bool = False) -> dict:
+    """One round; bytes per device, seconds per device and server, the decoded mean's relative error."""
+    rng = np.random.default_rng(seed)
+    devices = [f"phone-{i:04d}" for i in range(n)]
+    context = f"bench/n{n}"
+    device_s = dict.fromkeys(devices, 0.0)
+    up = dict.fromkeys(devices, 0)
+    down = dict.fromkeys(devices, 0)
+    server_s, save_s, state_bytes, log_bytes = 0.0, 0.0, 0, 0
+
+    def on_device(device, step, *args):
+        start = time.perf_counter()
+        result = step(*args)
+        device_s[device] += time.perf_counter() - start
+        return result
+
+    def on_server(step, *args):
+        nonlocal server_s, save_s, state_bytes, log_bytes
+        start = time.perf_counter()
+        result = step(*args)
+        server_s += time.perf_counter() - start
+        if args and step.__name__ != "aggregate":  # a received message: logged, or a snapshot after every call
+            log_bytes += len(args[0].to_bytes() if hasattr(args[0], "to_bytes") else to_json(args[0]))
+        if save_every_call or not args or step.__name__ == "aggregate":
+            start = time.perf_counter()
+            state = server.to_json()
+            save_s += time.perf_counter() - start
+            state_bytes = max(state_bytes, len(state))
+        return result
+
+    server = ServerSession.start(context, config, layout.size)
+    clients = {d: on_device(d, ClientSession.start, d, context) for d in devices}
+    for device, client in clients.items():
+        advert = client.advert()
+        up[device] += len(to_json(advert))
+        on_server(server.receive_advert, advert)
+    book = on_server(server.close_keys)
+    book_bytes = len(to_json(book))
+    for device, client in clients.items():
+        down[device] += book_bytes
+        bundle = on_device(device, client.receive_book, book)
+        up[device] += len(to_json(bundle))
+        on_server(server.receive_shares, bundle)
+    inboxes = on_server(server.close_shares)
+    dropped = set(rng.choice(devices, int(dropout * n), replace=False))
+    direction = rng.normal(size=layout.size)
+    direction /= np.linalg.norm(direction)
+    exact, total_weight = np.zeros(layout.size), 0
+    for i, (device, inbox) in enumerate(inboxes.items()):
+        down[device] += len(to_json(inbox))
+        if device in dropped:
+            continue
+        own = rng.normal(size=layout.size)
+        delta = 0.5 * direction + own / np.linalg.norm(own)
+        delta *= rng.uniform(0.3, 1.0) / np.linalg.norm(delta)
+        weight = int(rng.integers(100, 1001))
+        exact += weight * delta.astype(np.float32)
+        total_weight += weight
+        tensors, offset = {}, 0
+        for name, shape in layout.tensors:
+            size = int(np.prod(shape))
+            tensors[name] = delta[offset : offset + size].reshape(shape).astype(np.float32)
+            offset += size
+        vector = on_device(device, quantize_delta, tensors, weight, book, np.random.default_rng([seed, i]))
+        upload = on_device(device, clients[device].receive_inbox, inbox, vector)
+        up[device] += len(upload.to_bytes())
+        on_server(server.receive_masked, upload)
+    request = on_server(server.close_inputs)
+    for device in request.survivors:
+        down[device] += len(to_json(request))
+        reveal = on_device(device, clients[device].receive_unmask, request)
+        up[device] += len(to_json(reveal))
+        on_server(server.receive_unmask, reveal)
+    summed = on_server(server.aggregate, layout)
+    mean = np.concatenate([summed.weighted_mean()[name].reshape(-1) for name, _ in layout.tensors])
+    exact /= total_weight
+    survivors = list(request.survivors)
+    return {
+        "n": n, "neighbours": book.plan.neighbours, "threshold": book.plan.threshold, "bits": book.plan.bits,
+        "dropped": len(dropped), "d": layout.size, "d_padded": padded_size(layout.size),
+        "device_up_bytes": round(float(np.mean([up[d] for d in survivors]))),
+        "device_up_masked_bytes": len(upload.to_bytes()),
+        "device_down_bytes": round(float(np.mean([down[d] for d in survivors]))),
+        "device_s": round(float(np.mean([device_s[d] for d in survivors])), 4),
+        "server_s": round(server_s, 3), "server_state_save_s": round(save_s, 3), "server_state_max_bytes": state_bytes,
+        "server_log_bytes": log_bytes,
+        "weight_exact": summed.total_weight == total_weight,
+        "relative_error": round(float(np.linalg.norm(mean - exact) / np.linalg.norm(exact)), 5),
+    }
+
+
+def node_timing(layout: VectorLayout, n: int, config: SecAggConfig) -> dict | None:
+    """The JavaScript client's seconds for one device under Node (bench/web/secagg.mjs); None without node."""
+    plan = make_plan(n, config)
+    arguments = json.dumps({"config": config.to_dict(), "plan": vars(plan), "base_size": layout.size})
+    try:
+        done = subprocess.run(["node", str(ROOT / "bench" / "web" / "secagg.mjs"), arguments], capture_output=True,
+                              text=True, check=True, timeout=900)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"node timing skipped: {exc}", file=sys.stderr)
+        return None
+    return {"n": n, "neighbours": plan.neighbours, **json.loads(done.stdout)}
+
+
+def plot(rows: list[dict], int8_bytes: int, path: Path) -> Path:
+    """Upload per device vs plain int8, and server seconds, per n and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    for mode, marker in (("secagg+", "o"), ("classic", "s")):
+        for bits in sorted({row["bits_setting"] for row in rows}, key=str):
+            picked = [r for r in rows if r["mode"] == mode and r["bits_setting"] == bits and not r["dropped"]]
+            if picked:
+                label = f"{mode}, {'int8 resolution' if bits == 'auto' else f'{bits} bits'}"
+                left.plot([r["n"] for r in picked], [r["device_up_bytes"] / int8_bytes for r in picked], marker=marker,
+                          label=label)
+                right.plot([r["n"] for r in picked], [r["server_s"] for r in picked], marker=marker, label=label)
+    left.axhline(TARGET_UPLOAD, linestyle="--", color="grey", label="target (1.3x int8)")
+    left.axhline(1.0, linestyle=":", color="black", label="plain int8")
+    right.axhline(TARGET_SERVER_S, linestyle="--", color="grey", label="target (5 s)")
+    for axes, label in ((left, "device upload / plain int8 upload"), (right, "server seconds per round")):
+        axes.set_xscale("log")
+        axes.set_xlabel("devices n")
+        axes.set_ylabel(label)
+        axes.legend(fontsize=7)
+    figure.suptitle("Secure aggregation of MobileNet x0.25's base (K_P 2), one round in process", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", help="a bundle folder whose manifest.json gives the base tensors (else: build)")
+    parser.add_argument("--ns", type=int, nargs="+", default=[10, 50, 200])
+    parser.add_argument("--bits-variants", type=int, nargs="*", default=[10],
+                        help="ring widths to run besides the default (int8 resolution), at the largest n")
+    parser.add_argument("--dropout", type=float, default=0.1, help="extra rounds at the largest n with this dropout")
+    parser.add_argument("--no-node", action="store_true", help="skip the JavaScript client's timing")
+    parser.add_argument("--save-every-call", action="store_true", help="time a full state save after every call")
+    args = parser.parse_args()
+    layout, int8_bytes, source = base_layout(args.manifest)
+    largest = max(args.ns)
+    runs = [(n, mode, None, 0.0) for n in args.ns for mode in MODES]
+    runs += [(largest, mode, bits, 0.0) for bits in args.bits_variants for mode in MODES]
+    runs += [(largest, mode, None, args.dropout) for mode in MODES] if args.dropout else []
+    rows = []
+    for n, mode, bits, dropout in runs:
+        config = SecAggConfig(clip_norm=1.0, neighbours=MODES[mode], bits=bits)
+        row = {"mode": mode, "bits_setting": bits or "auto",
+               **run_round(layout, n, config, dropout, save_every_call=args.save_every_call)}
+        row["upload_vs_int8"] = round(row["device_up_bytes"] / int8_bytes, 3)
+        rows.append(row)
+        print(f"{mode:8} n={n:4} k={row['neighbours']:4} b={row['bits']:2} drop={row['dropped']:3}: up "
+              f"{row['device_up_bytes'] / 1e3:7.1f} kB ({row['upload_vs_int8']:.2f}x int8), down "
+              f"{row['device_down_bytes'] / 1e3:7.1f} kB, device {row['device_s']:.3f} s, server "
+              f"{row['server_s']:.2f} s (+{row['server_state_save_s']:.2f} s saving state), error "
+              f"{row['relative_error']:.4f}", file=sys.stderr)
+    node = []
+    for n in [] if args.no_node else args.ns:
+        for mode, neighbours in MODES.items():
+            timing = node_timing(layout, n, SecAggConfig(clip_norm=1.0, neighbours=neighbours))
+            if timing is not None:
+                node.append({"mode": mode, **timing})
+    at_target = [r for r in rows if r["n"] == largest and not r["dropped"]]
+    result = {
+        "base": source, "d": layout.size, "plain_int8_upload_bytes": int8_bytes, "cores": os.cpu_count(),
+        "state_saves": "after every call" if args.save_every_call else "at each phase change (messages logged)",
+        "load_average": os.getloadavg()[0], "rows": rows, "node_one_device": node,
+        "targets": {
+            "upload_le_1.3x_int8_at_n": {f"{r['mode']} bits={r['bits_setting']}": r["upload_vs_int8"] <= TARGET_UPLOAD
+                                         for r in at_target},
+            "server_le_5s_at_n": {f"{r['mode']} bits={r['bits_setting']} drop={r['dropped']}":
+                                  r["server_s"] <= TARGET_SERVER_S for r in rows if r["n"] == largest},
+        },
+        "figure": str(plot(rows, int8_bytes, FIGURE)),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
