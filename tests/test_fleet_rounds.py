@@ -1,0 +1,244 @@
+"""Issue 32 in the round engine: over-selection with a quorum, FedBuff's buffered steps, and a rejected base rolled
+back; the simulated fleet's spec and clock."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from server_helpers import enroll, make_bundle, upload_body
+
+from edgepfl.errors import UsageError
+from edgepfl.options import validated
+from edgepfl.server.config import ServerConfig
+from edgepfl.server.engine import RoundEngine, create_engine
+from edgepfl.server.errors import Refused
+from edgepfl.server.fleet import staleness_exponent
+from edgepfl.server.strategies import strategy_options
+from edgepfl.simulate.fleet import Fleet, FleetSpec
+from edgepfl.wire import decode_tensors
+
+DEVICES = [f"d{i}" for i in range(6)]
+
+
+class Clock:
+    """A settable clock."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def engine_for(tmp_path: Path, **changes) -> tuple[RoundEngine, Clock]:
+    make_bundle(tmp_path / "bundle")
+    fields = dict(min_clients=2, round_timeout=100, rounds=5, clip_multiple=0, weight_multiple=0, web=False)
+    config = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state", **{**fields, **changes})
+    enroll(config.state, *DEVICES)
+    clock = Clock()
+    return create_engine(config, clock), clock
+
+
+def shifted(engine: RoundEngine, device: str, round_id: int, shift: float, samples: int = 10) -> bytes:
+    base, _ = engine.base_for(device, round_id)
+    tensors = {name: value + np.float32(shift) for name, value in decode_tensors(base).items()}
+    return upload_body(tensors, engine.manifest, num_samples=samples)
+
+
+# over-selection
+
+
+def test_over_selection_samples_more_and_closes_at_the_target(tmp_path: Path) -> None:
+    engine, clock = engine_for(tmp_path, fraction=0.5, **{"over_select": 0.5})
+    for device in DEVICES:
+        engine.task(device)
+    record = engine.current_round()
+    assert record is not None and record.needed == 3 and len(record.sampled) == 5  # ceil(3 x 1.5)
+    first, second, third, late = record.sampled[:4]
+    for device in (first, second):
+        engine.accept_update(device, 1, shifted(engine, device, 1, 1.0))
+        engine.tick()
+    assert engine.round(1).state == "open", "two of three: not yet"
+    engine.accept_update(third, 1, shifted(engine, third, 1, 1.0))
+    engine.tick()
+    assert engine.round(1).state == "closed" and clock.now < engine.round(1).deadline, "closed without waiting"
+    with pytest.raises(Refused) as refused:
+        engine.accept_update(late, 1, shifted(engine, late, 1, 1.0))
+    assert refused.value.error == "round_closed"
+    assert engine.status()["rounds"][0]["target"] == 3
+
+
+def test_the_status_names_who_is_missing_and_when_the_round_gives_up(tmp_path: Path) -> None:
+    engine, _ = engine_for(tmp_path)
+    for device in DEVICES:
+        engine.task(device)
+    record = engine.current_round()
+    engine.accept_update(record.sampled[0], 1, shifted(engine, record.sampled[0], 1, 1.0))
+    status = engine.status()["open_round"]
+    assert status["missing"] == list(record.sampled[1:]) and status["gives_up_at"] == record.deadline
+
+
+# FedBuff
+
+
+def fedbuff(tmp_path: Path, **fleet) -> tuple[RoundEngine, Clock]:
+    options = {"aggregation": "fedbuff", "buffer_size": 2, "max_staleness": 1, "server_lr": 0.5, **fleet}
+    return engine_for(tmp_path, **options)
+
+
+def test_fedbuff_steps_every_k_uploads_weighting_each_by_its_staleness(tmp_path: Path) -> None:
+    engine, _ = fedbuff(tmp_path, staleness_weight="poly:1")
+    start = engine.global_base()
+    tasks = {device: engine.task(device) for device in ("d0", "d1", "d2")}
+    assert {task.round_id for task in tasks.values()} == {1} and all(t.deadline is None for t in tasks.values())
+    engine.accept_update("d2", 1, shifted(engine, "d2", 1, 4.0, samples=30))  # stays in the buffer: 1 step stale
+    engine.accept_update("d0", 1, shifted(engine, "d0", 1, 2.0, samples=10))
+    engine.tick()
+    step_one = engine.global_base()
+    # x + eta * sum n w(s) delta / sum n: both fresh (s = 0), eta 0.5
+    expected = {name: start[name] + 0.5 * (30 * 4.0 + 10 * 2.0) / 40 for name in start}
+    for name in start:
+        np.testing.assert_allclose(step_one[name], expected[name], rtol=1e-6)
+    assert engine.task("d0").round_id == 2, "a free device trains on the new base at once"
+    engine.accept_update("d1", 1, shifted(engine, "d1", 1, 8.0, samples=10))  # trained on version 1: 1 stale
+    engine.accept_update("d0", 2, shifted(engine, "d0", 2, 1.0, samples=10))
+    engine.tick()
+    step_two = engine.global_base()
+    # d1's delta (8 on base 1) weighs (1 + 1)^-1; d0's (1 on base 2) is fresh
+    expected = {name: step_one[name] + 0.5 * (10 * 8.0 / 2 + 10 * 1.0) / 20 for name in start}
+    for name in start:
+        np.testing.assert_allclose(step_two[name], expected[name], rtol=1e-6)
+    status = engine.status()["fedbuff"]
+    assert status["base_version"] == 3 and status["buffered"] == 0
+    assert status["devices"]["d1"] == {"round": 1, "staleness": 1, "applied": 2}
+
+
+def test_fedbuff_refuses_an_upload_trained_on_a_base_too_many_steps_old(tmp_path: Path) -> None:
+    engine, _ = fedbuff(tmp_path, buffer_size=1, max_staleness=1)
+    engine.task("d0")
+    engine.task("d1")
+    late = shifted(engine, "d1", 1, 1.0)
+    for version in (1, 2):
+        engine.accept_update("d0", version, shifted(engine, "d0", version, 1.0))
+        engine.tick()
+        engine.task("d0")
+    with pytest.raises(Refused) as refused:  # version 1 is two steps old now
+        engine.accept_update("d1", 1, late)
+    assert refused.value.error == "too_stale" and "2 steps old" in refused.value.problem
+
+
+def test_the_buffer_survives_a_restart_and_nothing_is_applied_twice(tmp_path: Path) -> None:
+    engine, clock = fedbuff(tmp_path, buffer_size=3)
+    for device in ("d0", "d1", "d2"):
+        engine.task(device)
+    for device in ("d0", "d1"):
+        engine.accept_update(device, 1, shifted(engine, device, 1, 1.0))
+    engine.close()  # a kill between uploads: the buffer is in the database
+    again = create_engine(engine.config, clock)
+    assert len(again.store.buffered_updates()) == 2
+    again.accept_update("d2", 1, shifted(again, "d2", 1, 1.0))
+    again.tick()
+    applied = again.store.updates(1)
+    assert [u.applied_in for u in applied] == [1, 1, 1] and not again.store.buffered_updates()
+    again.tick()
+    assert again.closed_rounds() == 1
+
+
+def test_fedbuff_refuses_what_cannot_take_steps(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle")
+    base = {"bundle": tmp_path / "bundle", "state": tmp_path / "s", "aggregation": "fedbuff"}
+    for strategy in ("median", "trimmed-mean", "pfedla", "heurpfedla"):
+        with pytest.raises(UsageError, match=f"cannot run --strategy {strategy}"):
+            clients = {"pfedla_clients": 3} if "pfedla" in strategy else {}
+            validated(ServerConfig, {**base, "strategy": strategy, **clients})
+    with pytest.raises(UsageError, match="fedbuff's steps"):
+        validated(ServerConfig, {**base, "dp_noise_multiplier": 1.0, "dp_clip": 1.0})
+    with pytest.raises(UsageError, match="--staleness-weight 'poly:x'"):
+        validated(ServerConfig, {**base, "staleness_weight": "poly:x"})
+    assert staleness_exponent("const") == 0.0 and staleness_exponent("poly:0.5") == 0.5
+
+
+# a base the devices refuse
+
+
+def test_a_base_most_devices_refuse_is_rolled_back(tmp_path: Path) -> None:
+    engine, clock = engine_for(tmp_path, min_clients=2)
+    for device in DEVICES:
+        engine.task(device)
+    record = engine.current_round()
+    for device in record.sampled:
+        engine.accept_update(device, 1, shifted(engine, device, 1, 1e3))  # a poisoned round: every delta huge
+    engine.tick()
+    poisoned = engine.store.get_meta("global_base_sha")
+    clock.now += 1
+    for device in DEVICES:
+        engine.task(device)
+    two = engine.current_round()
+    assert two.base_sha == poisoned
+    first, *rest = two.sampled
+    receipt = engine.accept_refusal(first, 2, "NaN or Inf in 'stem.weight'")
+    assert not receipt["rolled_back"] and engine.round(2).state == "open", "one refusal rolls nothing back"
+    with pytest.raises(Refused):
+        engine.accept_refusal("nobody", 2, "not given the round")
+    for device in rest[: math.ceil(len(two.sampled) / 2) - 1]:
+        receipt = engine.accept_refusal(device, 2, "training diverged")
+    assert receipt["rolled_back"] and engine.round(2).state == "abandoned"
+    assert engine.store.get_meta("global_base_sha") == engine.round(1).base_sha, "back to the base before round 1"
+    assert poisoned in engine.store.rejected_bases()
+    for device in DEVICES:
+        engine.task(device)
+    assert engine.current_round().base_sha == engine.round(1).base_sha, "the next round starts from it"
+
+
+def test_the_initial_base_is_never_rolled_back(tmp_path: Path) -> None:
+    engine, _ = engine_for(tmp_path)
+    for device in DEVICES:
+        engine.task(device)
+    for device in engine.current_round().sampled:
+        engine.accept_refusal(device, 1, "training diverged")
+    assert engine.round(1).state == "open"
+
+
+def test_one_strategy_engine_serves_fedavg_and_fedper_under_fedbuff(tmp_path: Path) -> None:
+    make_bundle(tmp_path / "bundle", kp=0)
+    config = ServerConfig(
+        bundle=tmp_path / "bundle", state=tmp_path / "state", strategy=strategy_options("fedavg"),
+        fleet_rounds={"aggregation": "fedbuff", "buffer_size": 1}, web=False,
+    )  # fmt: skip
+    enroll(config.state, "d0")
+    engine = create_engine(config, Clock())
+    engine.task("d0")
+    engine.accept_update("d0", 1, shifted(engine, "d0", 1, 1.0))
+    engine.tick()
+    assert engine.closed_rounds() == 1
+
+
+# the simulated fleet
+
+
+def test_a_fleet_spec_is_parsed_or_refused_in_one_line() -> None:
+    spec = FleetSpec.parse("dropout:0.3,speed:lognormal:1.0,online:exp:600/120,seed:4,sample-time:0.02")
+    assert (spec.dropout, spec.speed_sigma, spec.online, spec.seed, spec.sample_time) == (0.3, 1.0, (600, 120), 4, 0.02)
+    assert FleetSpec.parse(spec.label()) == spec
+    for bad in ("dropout:1.5", "speed:gamma:2", "online:exp:600", "colour:red", "seed:-1"):
+        with pytest.raises(UsageError, match=f"--fleet part '{bad}' is not understood"):
+            FleetSpec.parse(bad)
+
+
+def test_a_fleet_is_the_same_for_the_same_seed_and_devices_come_and_go() -> None:
+    spec = FleetSpec.parse("dropout:0.3,speed:lognormal:1.0,online:exp:600/120")
+    names = [f"client-{i:03d}" for i in range(50)]
+    one, two = Fleet(spec, names, seed=7), Fleet(spec, names, seed=7)
+    assert one.speed == two.speed and len(set(one.speed.values())) == 50
+    drops = [one.completes(name, 1, 0.0, 0.0) for name in names]
+    assert drops == [two.completes(name, 1, 0.0, 0.0) for name in names]
+    assert 0.5 < sum(drops) / len(drops) < 0.9  # about 70 % complete
+    online = [sum(one.online(name, t) for name in names) for t in range(0, 20_000, 500)]
+    assert 0.7 < np.mean(online) / 50 < 0.95  # 600 / (600 + 120) = 0.83 online on average
+    for name in names:
+        back = one.next_online(name, 1000.0)
+        assert back >= 1000.0 and one.online(name, back)
+    assert not Fleet(spec, names, seed=8).speed == one.speed
