@@ -2,8 +2,8 @@
 // part in rounds as device_runtime/runner.py does: poll the task, train a round once, save everything with the
 // upload in one transaction, upload those saved bytes (again after a reload), report metrics.
 
-import * as ort from './vendor/ort.wasm.min.mjs';
 import { receive, roundUploads, runClientRound, travellingNames } from './algorithms.js';
+import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
 import { appendExamples, classCounts, classNames, DEVICE_SEED, emptyExamples, readFolder, readNpz, readPhotos, splitExamples, splitSizes } from './data.js';
 import { openEngine, portableFiles } from './engine.js';
 import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
@@ -43,8 +43,15 @@ async function run() {
   }
   const files = await bundleFiles(store, client, manifest);
   const threads = crossOriginIsolated ? Math.max(1, Math.min(4, navigator.hardwareConcurrency || 1)) : 1;
-  ort.env.wasm.wasmPaths = new URL('./vendor/', import.meta.url).href;
-  const engine = await openEngine(ort, manifest, files, { threads });
+  // the GPU where the browser gives a WebGPU adapter (?backend=wasm|webgpu overrides), else WebAssembly
+  const backend = await chooseBackend(navigator.gpu, requestedBackend(location.search));
+  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url));
+  const showBackend = () => {
+    document.body.dataset.backend = backend.name;
+    $('backend').textContent = backendLine(backend, engine.placements);
+  };
+  const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: showBackend });
+  showBackend();
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   const device = {
     store, client, manifest, engine, layout,
@@ -62,7 +69,7 @@ async function run() {
 /** The device token: kept, or from the join link's fragment (#enroll=SECRET or #token=TOKEN), which is then cleared. */
 async function credentials(store) {
   const fragment = new URLSearchParams(location.hash.slice(1));
-  if (location.hash) history.replaceState(null, '', location.pathname); // off the address bar and the history
+  if (location.hash) history.replaceState(null, '', location.pathname + location.search); // off the address bar and the history
   let { creds } = await store.get(KEYS.creds);
   const token = fragment.get('token');
   const secret = fragment.get('enroll');
@@ -190,7 +197,7 @@ async function trainRound(device, task) {
   if (roundUploads(settings)) {
     const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
     const meta = { baseLayoutHash: device.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss, startValAccuracy };
-    const trained = engine.getTensors(travellingNames(manifest, settings));
+    const trained = await engine.getTensors(travellingNames(manifest, settings));
     let payload;
     if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
       const before = (await store.get(KEYS.residual)).residual;
@@ -218,7 +225,7 @@ async function trainRound(device, task) {
   device.progress = { ...device.progress, lastCompletedRound: roundId, pending };
   // one transaction: the trained tensors, the round marked done, the upload's bytes and its residual, or none of them
   await store.commit({
-    [KEYS.tensors]: { layout: device.layout, tensors: engine.getTensors() },
+    [KEYS.tensors]: { layout: device.layout, tensors: await engine.getTensors() },
     [KEYS.progress]: device.progress,
     [KEYS.history]: device.history,
     [KEYS.round]: undefined,
@@ -273,7 +280,7 @@ async function finish(device, task) {
   if (task.base_url) {
     const final = decodeSafetensors(await device.client.bytes(task.base_url), 'the final base').tensors;
     await receive(engine, final, train, task.settings || {});
-    await device.store.commit({ [KEYS.tensors]: { layout: device.layout, tensors: engine.getTensors() } });
+    await device.store.commit({ [KEYS.tensors]: { layout: device.layout, tensors: await engine.getTensors() } });
   }
   const result = val.count ? await evaluate(engine, val) : { count: 0 };
   const shown = result.count ? `${pct(result.correct / result.count)} on ${result.count} held-out examples` : 'not measured (no held-out examples)';

@@ -1,12 +1,17 @@
 // The browser engine: onnxruntime-web sessions over a bundle's portable step graphs (mirrors
-// device_runtime/portable_engine.py). `ort` is passed in, so the same code runs in the page (wasm-only
-// build) and under Node (tests). Tensors are addressed by manifest name; state stays as ort.Tensor.
+// device_runtime/portable_engine.py). `ort` is passed in, so the same code runs in the page (the wasm-only build,
+// or the WebGPU build on a GPU) and under Node (tests, wasm only). Tensors are addressed by manifest name; state
+// stays as ort.Tensor, on the GPU between WebGPU steps (read back only by getTensors: the upload and the save).
 
 import { decodeSafetensors, numel, typedArrayOf } from './safetensors.js';
 import { checkSha256 } from './sha256.js';
 
 const ROLES = ['base', 'personal', 'buffer'];
-const SESSION_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
+const WASM_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
+// NCHW: onnxruntime-web 1.30's channels-last (NHWC) Conv computes wrong values where the input channels are a
+// multiple of 3 but not of 4 (6 or 18; 3 itself is right), e.g. the cnn's second convolution (docs/web-device.md)
+const WEBGPU_PROVIDER = { name: 'webgpu', preferredLayout: 'NCHW' };
+const LABEL_TYPES = { int64: ['int64', BigInt64Array, BigInt], int32: ['int32', Int32Array, Number] };
 
 /** An Error whose message names the problem and whose `fix` says what to do about it. */
 export class EngineError extends Error {
@@ -40,9 +45,12 @@ export function portableFiles(manifest) {
  * portable entry's graphs and `initial` tensors; each file the manifest lists a sha256 for is checked.
  * The steps' frozen variants in `files` are used unless `bakeFrozen` is false (see Engine.bakedSession).
  * `threads` > 1 needs a cross-origin isolated page (SharedArrayBuffer); it applies to the first engine
- * opened in a page, because onnxruntime-web starts its wasm runtime once.
+ * opened in a page, because onnxruntime-web starts its wasm runtime once. `backend` 'webgpu' (with `ort` the
+ * WebGPU build) puts each graph that the GPU takes whole there (see openSession); `onPlacement(path, placement)`
+ * hears where each graph went when its session opens. `logSeverityLevel` 0 logs onnxruntime's node placements.
  */
-export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true } = {}) {
+export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true, backend = 'wasm', onPlacement, logSeverityLevel } = {}) {
+  if (!['wasm', 'webgpu'].includes(backend)) throw new EngineError(`unknown back end ${JSON.stringify(backend)}`, "use 'wasm' or 'webgpu'");
   const { required, variants } = portableFiles(manifest);
   const present = bakeFrozen ? variants.filter((path) => files.has(path)) : [];
   for (const path of [...required, ...present]) {
@@ -54,6 +62,7 @@ export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen
   const entry = manifest.engines.portable;
   const graphs = new Map(required.slice(1).map((path) => [path, files.get(path)]));
   const engine = new Engine(ort, manifest, entry, graphs, new Map(present.map((path) => [path, files.get(path)])));
+  Object.assign(engine, { backend, onPlacement, logSeverityLevel });
   engine.setTensors(decodeSafetensors(files.get(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }
@@ -76,7 +85,11 @@ class Engine {
     this.stateNames = [...entry.params, ...entry.buffers];
     this.specs = new Map(manifest.tensors.map((t) => [t.name, t]));
     this.state = new Map();
-    this.sessions = new Map();
+    this.sessions = new Map(); // key -> promise of {session, backend}
+    this.placements = new Map(); // graph path -> {backend, reason?}: where each opened graph runs
+    this.backend = 'wasm';
+    this.labelType = LABEL_TYPES[entry.label_dtype || 'int64']; // int32 since the graphs run on WebGPU
+    if (!this.labelType) throw new EngineError(`the bundle's labels are ${entry.label_dtype}`, 're-export the bundle with this edgepfl version');
   }
 
   /** Tensor names of one manifest role ('base' | 'personal' | 'buffer'), in manifest order. */
@@ -92,13 +105,16 @@ class Engine {
     return [...(hasBase || hasPersonal ? ['full'] : []), ...(hasPersonal ? ['personal'] : []), ...(hasBase ? ['base'] : [])];
   }
 
-  /** Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. */
-  getTensors(names = this.stateNames) {
+  /**
+   * Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. A tensor on
+   * the GPU is read back and stays in memory from then on (the next WebGPU step uploads it once).
+   */
+  async getTensors(names = this.stateNames) {
     const unknown = names.filter((n) => !this.state.has(n));
     if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
     const out = {};
     for (const name of names) {
-      const t = this.state.get(name);
+      const t = await inMemory(this.state.get(name));
       out[name] = { dtype: t.type, shape: Array.from(t.dims), data: t.data.slice() };
     }
     return out;
@@ -116,8 +132,15 @@ class Engine {
     const checked = names.map((name) => [name, this.checkTensor(name, tensors[name])]);
     for (const [name, t] of checked) {
       // a private copy: the caller keeps its array
-      this.state.set(name, new this.ort.Tensor(t.dtype, t.data.slice(), t.shape.slice()));
+      this.replace(name, new this.ort.Tensor(t.dtype, t.data.slice(), t.shape.slice()));
     }
+  }
+
+  /** Hold `tensor` as the state tensor `name`; the one it replaces, if on the GPU, gives its buffer back. */
+  replace(name, tensor) {
+    const held = this.state.get(name);
+    this.state.set(name, tensor);
+    if (held && held !== tensor) release(held);
   }
 
   checkTensor(name, t) {
@@ -141,7 +164,7 @@ class Engine {
   async trainStep(x, y, count, lr, trainable = 'full') {
     if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     const results = await this.runStep(x, y, count, lr, trainable);
-    for (const [name, tensor] of results.state) this.state.set(name, tensor);
+    for (const [name, tensor] of results.state) this.replace(name, tensor);
     return results.loss;
   }
 
@@ -149,7 +172,11 @@ class Engine {
   async statisticsStep(x, y, count) {
     const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
-    for (const name of this.entry.buffers) if (results.state.has(name)) this.state.set(name, results.state.get(name));
+    const buffers = new Set(this.entry.buffers);
+    for (const [name, tensor] of results.state) {
+      if (buffers.has(name)) this.replace(name, tensor);
+      else release(tensor);
+    }
   }
 
   /** Each BatchNorm running statistic's momentum by tensor name (engine.py statistics_momenta). */
@@ -181,13 +208,13 @@ class Engine {
     const frozen = graph.frozen && this.variants.has(graph.frozen.model) ? graph.frozen : null;
     const values = frozen ? [...kept].map((name) => this.state.get(name)) : [];
     const baked = frozen && (await this.bakedSession(key, frozen, values));
-    const [session, inputs, outputs] = baked ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph.model), graph.inputs, graph.outputs];
+    const [opened, inputs, outputs] = baked ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
-    const feeds = this.feeds(stateInputs.map((input) => [input, byInput.get(input)]), batchInputs, x, y, 0, count);
+    const feeds = await this.feeds(opened, stateInputs.map((input) => [input, byInput.get(input)]), batchInputs, x, y, 0, count);
     feeds[batchInputs[3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
     const fetched = outputs.filter((output, i) => i === 0 || !kept.has(byOutput.get(output)));
-    const results = await session.run(feeds, fetched);
+    const results = await opened.session.run(feeds, fetched);
     if (baked) this.variantSteps += 1;
     else if (frozen) {
       const held = this.plainOn.get(key);
@@ -205,56 +232,57 @@ class Engine {
    */
   async bakedSession(key, frozen, values) {
     const built = this.baked.get(key);
-    if (built && sameTensors(built.values, values)) return built.session;
+    if (built && sameTensors(built.values, values)) return built.opened;
     if (built) {
-      this.baked.delete(key); // its frozen tensors changed: free its wasm memory before building another
-      await built.session.release();
+      this.baked.delete(key); // its frozen tensors changed: free its memory before building another
+      await built.opened.session.release();
     }
     const held = this.plainOn.get(key);
     if (!held || !sameTensors(held.values, values) || held.steps < BAKE_AFTER_STEPS) return null;
+    for (const t of values) await inMemory(t); // read back once: the variant holds them from now on
     const data = new Uint8Array(values.reduce((sum, t) => sum + t.data.byteLength, 0));
     let offset = 0;
     for (const t of values) {
       data.set(new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength), offset);
       offset += t.data.byteLength;
     }
-    let session;
+    let opened;
     try {
-      session = await this.ort.InferenceSession.create(this.variants.get(frozen.model), {
-        ...SESSION_OPTIONS,
-        externalData: [{ path: frozen.data_location, data }],
-      });
+      const extra = { externalData: [{ path: frozen.data_location, data }] };
+      opened = await this.openSession(frozen.model, this.variants.get(frozen.model), frozen, extra);
     } catch (err) {
       throw new EngineError(`the frozen variant ${frozen.model} does not load (${String(err.message).split('\n')[0].slice(0, 200)})`, 're-export the bundle, or export it with --no-frozen-variants');
     }
-    this.baked.set(key, { session, values });
-    return session;
+    this.baked.set(key, { opened, values });
+    return opened;
   }
 
   /** Summed loss and correct count of the current model over any number of samples (run in graph-sized chunks). */
   async evaluate(x, y, count) {
     this.checkBatch(x, y, count);
     const graph = this.entry.eval;
-    const session = await this.session('eval', graph.model);
+    const opened = await this.session('eval', graph);
     const n = this.stateNames.length;
     let lossSum = 0;
     let correct = 0;
     for (let start = 0; start < count; start += this.batchSize) {
       const chunk = Math.min(this.batchSize, count - start);
-      const feeds = this.feeds(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
-      const results = await session.run(feeds, graph.outputs.slice(1));
+      const feeds = await this.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
+      const results = await opened.session.run(feeds, graph.outputs.slice(1));
       lossSum += results[graph.outputs[1]].data[0] * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
     }
     return { lossSum, correct, count };
   }
 
-  /** Free the sessions' wasm memory; the engine cannot be used afterwards. */
+  /** Free the sessions' memory and the state's GPU buffers; the engine cannot be used afterwards. */
   async release() {
-    for (const session of this.sessions.values()) await (await session).release();
-    for (const { session } of this.baked.values()) await session.release();
+    for (const opened of this.sessions.values()) await (await opened).session.release();
+    for (const { opened } of this.baked.values()) await opened.session.release();
+    for (const t of this.state.values()) release(t);
     this.sessions.clear();
     this.baked.clear();
+    this.state.clear();
   }
 
   checkSet(trainable) {
@@ -278,32 +306,39 @@ class Engine {
     }
   }
 
-  /** Feeds of one graph batch: the state tensors by [input, name] pairs, and x, y, w (the first three of
-   * `batchInputs`) holding `count` real samples from `start`, zero-padded and masked. */
-  feeds(stateInputs, batchInputs, x, y, start, count) {
+  /** Feeds of one graph batch for the `opened` session: the state tensors by [input, name] pairs (a wasm session
+   * gets those on the GPU read back first), and x, y, w (the first three of `batchInputs`) holding `count` real
+   * samples from `start`, zero-padded and masked. */
+  async feeds(opened, stateInputs, batchInputs, x, y, start, count) {
     const feeds = {};
-    for (const [input, name] of stateInputs) feeds[input] = this.state.get(name);
+    for (const [input, name] of stateInputs) {
+      const t = this.state.get(name);
+      feeds[input] = opened.backend === 'webgpu' ? t : await inMemory(t);
+    }
     const size = this.batchSize;
     const bx = new Float32Array(size * this.sampleSize);
     bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
-    const by = new BigInt64Array(size);
+    const [labelType, Labels, label] = this.labelType;
+    const by = new Labels(size);
     const bw = new Float32Array(size);
     for (let i = 0; i < count; i++) {
-      by[i] = BigInt(y[start + i]);
+      by[i] = label(y[start + i]);
       bw[i] = 1;
     }
     feeds[batchInputs[0]] = new this.ort.Tensor('float32', bx, [size, ...this.sampleShape]);
-    feeds[batchInputs[1]] = new this.ort.Tensor('int64', by, [size]);
+    feeds[batchInputs[1]] = new this.ort.Tensor(labelType, by, [size]);
     feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
     return feeds;
   }
 
-  session(key, path) {
+  /** The session of `graph` (a manifest graph entry), opened on first use: {session, backend}. */
+  session(key, graph) {
+    const path = graph.model;
     if (!this.sessions.has(key)) {
-      const created = this.ort.InferenceSession.create(this.graphs.get(path), SESSION_OPTIONS).then(
-        (session) => {
+      const created = this.openSession(path, this.graphs.get(path), graph).then(
+        (opened) => {
           this.graphs.delete(path);
-          return session;
+          return opened;
         },
         (err) => {
           this.sessions.delete(key); // a later call may retry, e.g. after memory was freed
@@ -314,6 +349,56 @@ class Engine {
     }
     return this.sessions.get(key);
   }
+
+  /**
+   * A session for the graph at `path` (its manifest entry `graph`): {session, backend}. With the WebGPU back end every
+   * node goes to the GPU or the graph runs on WebAssembly: its WebGPU session is opened with CPU fallback disabled,
+   * since a step split between GPU and CPU would copy tensors back and forth at every step and run slower than
+   * WebAssembly (export/webgpu.py). The reason for WebAssembly is the problems the exporter found in the graph
+   * (`webgpu_problems`) or onnxruntime-web's refusal; it is kept in `placements`. A step's outputs but the loss stay
+   * on the GPU for the next step. `extra` adds session options (a frozen variant's external data).
+   */
+  async openSession(path, bytes, graph, extra = {}) {
+    // with a log level set, each session's onnxruntime log lines carry its graph's path (its node placements at 0)
+    const logging = this.logSeverityLevel === undefined ? {} : { logSeverityLevel: this.logSeverityLevel, logId: path };
+    let reason = '';
+    if (this.backend === 'webgpu') {
+      const problems = graph.webgpu_problems || [];
+      reason = problems.join('; ');
+      if (!problems.length) {
+        const outputs = Object.fromEntries(graph.outputs.map((output, i) => [output, i === 0 || !output.startsWith('new_') ? 'cpu' : 'gpu-buffer']));
+        const options = { executionProviders: [{ ...WEBGPU_PROVIDER }], graphOptimizationLevel: 'all', preferredOutputLocation: outputs, ...logging, ...extra };
+        options.extra = { session: { disable_cpu_ep_fallback: '1' } };
+        try {
+          return this.placed(path, { session: await this.ort.InferenceSession.create(bytes, options), backend: 'webgpu' });
+        } catch (err) {
+          reason = `onnxruntime-web did not place every node on WebGPU (${String((err && err.message) || err).split('\n')[0].slice(0, 300)})`;
+        }
+      }
+    }
+    // onnxruntime-web writes into the options it gets: each session has its own object
+    const session = await this.ort.InferenceSession.create(bytes, { ...WASM_OPTIONS, ...logging, ...extra });
+    return this.placed(path, { session, backend: 'wasm' }, reason);
+  }
+
+  placed(path, opened, reason = '') {
+    const placement = reason ? { backend: opened.backend, reason } : { backend: opened.backend };
+    this.placements.set(path, placement);
+    if (this.onPlacement) this.onPlacement(path, placement);
+    return opened;
+  }
+}
+
+/** `t` with its data in memory: a tensor on the GPU is read back in place (the same object, so that sameTensors
+ * still knows it) and its GPU buffer given back. */
+async function inMemory(t) {
+  if (t.location === 'gpu-buffer') await t.getData(true);
+  return t;
+}
+
+/** Give a GPU tensor's buffer back to onnxruntime-web (a tensor in memory is left to the garbage collector). */
+function release(tensor) {
+  if (tensor.location === 'gpu-buffer') tensor.dispose();
 }
 
 /** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */
