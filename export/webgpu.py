@@ -14,18 +14,9 @@ from __future__ import annotations
 
 import onnx
 
-# ops without a WebGPU kernel in onnxruntime-web 1.30 (LogSoftmax measured; the others are not in its registry)
-NO_KERNEL = frozenset(
-    {
-        "LogSoftmax",
-        "ScatterElements",
-        "ScatterND",
-        "Scatter",
-        "OneHot",
-        "SoftmaxCrossEntropyLoss",
-        "NegativeLogLikelihoodLoss",
-    }
-)
+# ops without a WebGPU kernel in onnxruntime-web 1.30, measured (SoftmaxCrossEntropyLoss expands to a LogSoftmax;
+# ScatterElements, ScatterND, GatherElements and an expanded NegativeLogLikelihoodLoss do run there, on int32 indices)
+NO_KERNEL = frozenset({"LogSoftmax", "OneHot", "SoftmaxCrossEntropyLoss"})
 # tensor types that no WebGPU kernel takes
 NO_KERNEL_TYPES = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.DOUBLE: "float64"}
 # inputs that a WebGPU kernel reads on the CPU side (shapes, axes, pads): int64 is their type, and fine
