@@ -1,17 +1,21 @@
-"""The browser device's speed, first-load bytes and memory: MobileNet x0.25 steps in headless Chromium vs native.
+"""The browser device's speed, first-load bytes and memory: MobileNet steps in headless Chromium vs native.
 
-Serves bench/web/ (a page timing the browser engine), device_runtime/web/src, the wasm-only onnxruntime-web
-build and the bundle from a static server on 127.0.0.1, and drives Debian's chromium with Playwright:
-one run at 1 thread without cross-origin isolation, one with COOP/COEP and `--threads` wasm threads. The
+Serves bench/web/ (a page timing the browser engine), device_runtime/web/src, onnxruntime-web's builds and
+the bundle (MobileNet x`--width`, x0.25 by default) from a static server on 127.0.0.1, and drives Debian's
+chromium with Playwright: one run at 1 thread without cross-origin isolation, one with COOP/COEP and `--threads`
+wasm threads, and one on the GPU (WebGPU; the adapter's name is in the report: on a machine without a GPU it
+is SwiftShader, a software GPU, whose speed says nothing about a GPU's; `--no-webgpu` leaves it out). The
 Python portable engine runs the same steps at 1 thread in this process, before and after the browser runs
 (their mean is the native figure; the load average is reported, since a shared machine drifts).
 A third run at 1 thread keeps to the plain step graphs (no frozen variants; the A/B of export/frozen.py in the
 browser). First load counts what a device downloads before it can train: the runtime (ort.wasm.min.mjs, its
 worker .mjs and .wasm), the engine's modules, manifest.json, the portable graphs, their frozen variants and the
-initial tensors; raw and gzip (level 6). The renderer's peak memory is the highest VmHWM among the browser's
-renderer processes. Prints JSON and writes bench/figures/web.png.
+initial tensors; raw and gzip (level 6), and the total with the WebGPU build's runtime instead (what a device
+with a GPU downloads). The renderer's peak memory is the highest VmHWM among the browser's renderer processes.
+Prints JSON and writes bench/figures/web.png (web-x1.0.png for another width).
 
-Usage: python bench/web.py [--bundle DIR] [--steps 10] [--warmup 5] [--threads 2]   (needs chromium, playwright, npm ci)
+Usage: python bench/web.py [--bundle DIR] [--width 0.25] [--steps 10] [--warmup 5] [--threads 2] [--no-webgpu]
+       (needs chromium, playwright, npm ci)
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
-from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS
+from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, CHROMIUM_WEBGPU_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "device_runtime" / "web"
 DIST = WEB / "node_modules" / "onnxruntime-web" / "dist"
 RUNTIME = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+WEBGPU_RUNTIME = ("ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
 ENGINE_MODULES = ("engine.js", "safetensors.js", "sha256.js")
 TARGET_SPEED, TARGET_MB = 0.5, 8.0
+TARGET_WEBGPU_SPEED = 2.0  # the browser's full step on a real GPU vs the native CPU portable engine
 SPEED_KEYS = ("fullImagesPerSecond", "personalImagesPerSecond")
 
 
@@ -94,6 +100,7 @@ def first_load_bytes(bundle: Path) -> dict:
     initial = manifest.engines["portable"]["initial"]
     parts = {
         "runtime": [DIST / name for name in RUNTIME],
+        "runtime_webgpu": [DIST / name for name in WEBGPU_RUNTIME],  # instead of `runtime` on a GPU
         "engine_modules": [WEB / "src" / name for name in ENGINE_MODULES],
         "graphs": [bundle / "manifest.json", *(bundle / path for path in required if path != initial)],
         "frozen_variants": [bundle / path for path in variants],
@@ -103,7 +110,10 @@ def first_load_bytes(bundle: Path) -> dict:
     for part, files in parts.items():
         data = [path.read_bytes() for path in files]
         out[part] = {"raw": sum(map(len, data)), "gzip": sum(len(gzip.compress(d, compresslevel=6)) for d in data)}
-    out["total"] = {kind: sum(part[kind] for part in out.values()) for kind in ("raw", "gzip")}
+    wasm = [part for name, part in out.items() if name != "runtime_webgpu"]
+    out["total"] = {kind: sum(part[kind] for part in wasm) for kind in ("raw", "gzip")}
+    gpu = out["runtime_webgpu"]
+    out["total_webgpu"] = {kind: out["total"][kind] - out["runtime"][kind] + gpu[kind] for kind in ("raw", "gzip")}
     return out
 
 
@@ -138,21 +148,25 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def browser_run(bundle: Path, threads: int, isolated: bool, steps: int, warmup: int, bake: bool = True) -> dict:
+def browser_run(
+    bundle: Path, threads: int, isolated: bool, steps: int, warmup: int, bake: bool = True, backend: str = "wasm"
+) -> dict:
     """One bench page in a fresh headless chromium; returns its timings and the renderer's peak memory.
-    `bake`: the engine runs the steps' frozen variants (from the third step on the same frozen tensors)."""
+    `bake`: the engine runs the steps' frozen variants (from the third step on the same frozen tensors).
+    `backend` 'webgpu': on the GPU, in a chromium with a WebGPU adapter."""
     from playwright.sync_api import sync_playwright
 
     server = serve(bundle, isolated)
     try:
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=list(CHROMIUM_ARGS))
+            args = CHROMIUM_WEBGPU_ARGS if backend == "webgpu" else CHROMIUM_ARGS
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=list(args))
             try:
                 page = browser.new_page()
                 errors: list[str] = []
                 page.on("pageerror", lambda exc: errors.append(str(exc)))
                 port = server.server_address[1]
-                query = f"threads={threads}&steps={steps}&warmup={warmup}&bake={int(bake)}"
+                query = f"threads={threads}&steps={steps}&warmup={warmup}&bake={int(bake)}&backend={backend}"
                 page.goto(f"http://127.0.0.1:{port}/bench/index.html?{query}")
                 page.wait_for_function("window.benchResult !== undefined", timeout=600_000, polling=500)
                 result = page.evaluate("window.benchResult")
@@ -204,7 +218,7 @@ def plot(report: dict, path: Path) -> None:
     axis.set_ylabel("images / s")
     load = report["first_load_bytes"]["total"]
     axis.set_title(
-        f"MobileNet x0.25 portable steps (batch {runs[names[0]]['batchSize']}); "
+        f"{report['bundle']} portable steps (batch {runs[names[0]]['batchSize']}); "
         f"first load {load['gzip'] / 1e6:.1f} MB gzip; load average {report['load_average_1min']['start']:.0f} "
         f"on {report['load_average_1min']['cpus']} CPUs",
         fontsize=9,
@@ -215,9 +229,9 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def export_bundle(folder: Path) -> Path:
-    """MobileNet x0.25, K_P=2, portable graphs only (the bundle the issue's targets name)."""
-    command = [str(Path(sys.executable).parent / "edgepfl"), "export", "mobilenet", "--width", "0.25", "--kp", "2"]
+def export_bundle(folder: Path, width: float) -> Path:
+    """MobileNet x`width` (x0.25: the bundle the targets name), K_P=2, portable graphs only."""
+    command = [str(Path(sys.executable).parent / "edgepfl"), "export", "mobilenet", "--width", str(width), "--kp", "2"]
     subprocess.run([*command, "--engines", "portable", "--out", str(folder)], check=True, stdout=subprocess.DEVNULL)
     return folder
 
@@ -225,7 +239,9 @@ def export_bundle(folder: Path) -> Path:
 def main() -> None:
     """Run everything and print the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", type=Path, help="a MobileNet x0.25 bundle with portable graphs (default: export)")
+    parser.add_argument("--bundle", type=Path, help="a MobileNet bundle with portable graphs (default: export)")
+    parser.add_argument("--width", type=float, default=0.25, help="MobileNet width of the exported bundle")
+    parser.add_argument("--no-webgpu", action="store_true", help="leave out the run on the GPU")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per trainable set")
     parser.add_argument("--threads", type=int, default=2, help="wasm threads of the cross-origin isolated run")
     parser.add_argument(
@@ -237,7 +253,7 @@ def main() -> None:
     if not (DIST / RUNTIME[0]).exists():
         sys.exit("onnxruntime-web is not installed: (cd device_runtime/web && npm ci)")
     with tempfile.TemporaryDirectory() as tmp:
-        bundle = args.bundle or export_bundle(Path(tmp) / "bundle")
+        bundle = args.bundle or export_bundle(Path(tmp) / "bundle", args.width)
         load_before = os.getloadavg()
         # native before and after the browser runs: on a shared machine the load drifts between them
         native_before = native_run(bundle, args.steps, args.warmup)
@@ -248,6 +264,8 @@ def main() -> None:
         runs[f"browser {args.threads} threads (isolated)"] = browser_run(
             bundle, args.threads, isolated=True, steps=args.steps, warmup=args.warmup
         )
+        if not args.no_webgpu:
+            runs["browser WebGPU"] = browser_run(bundle, 1, False, args.steps, args.warmup, backend="webgpu")
         native_after = native_run(bundle, args.steps, args.warmup)
         runs["native 1 thread"] = {
             **native_after,
@@ -256,7 +274,7 @@ def main() -> None:
             "after": native_after,
         }
         report = {
-            "bundle": "mobilenet x0.25 kp=2",
+            "bundle": f"mobilenet x{args.width} kp=2",
             "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
             "runs": runs,
             "first_load_bytes": first_load_bytes(bundle),
@@ -273,8 +291,19 @@ def main() -> None:
             browser["personalImagesPerSecond"] / runs["browser 1 thread, plain graphs"]["personalImagesPerSecond"], 3
         ),
     }
+    if "browser WebGPU" in runs:
+        gpu = runs["browser WebGPU"]
+        speed = gpu["fullImagesPerSecond"] / native["fullImagesPerSecond"]
+        report["targets"]["webgpu_adapter"] = gpu["adapter"]
+        report["targets"]["browser_webgpu_vs_native_full"] = round(speed, 3)
+        # the target is for a real GPU: SwiftShader (a software GPU on the CPU) can never meet it
+        report["targets"]["browser_webgpu_vs_native_met"] = speed >= TARGET_WEBGPU_SPEED
+        report["targets"]["first_load_webgpu_gzip_mb"] = round(
+            report["first_load_bytes"]["total_webgpu"]["gzip"] / 1e6, 2
+        )
     print(json.dumps(report, indent=1))
-    plot(report, ROOT / "bench" / "figures" / "web.png")
+    name = "web.png" if args.width == 0.25 else f"web-x{args.width}.png"
+    plot(report, ROOT / "bench" / "figures" / name)
 
 
 if __name__ == "__main__":

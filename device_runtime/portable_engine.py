@@ -30,6 +30,8 @@ class PortableEngine(Engine):
             raise BundleError(f"{bundle_dir} has no portable graphs", "re-export with --engines portable")
         self.entry = entry
         self.batch_size = int(entry["batch_size"])
+        # the graphs' label type: int32 (GPU back ends have no int64 kernels); bundles before it was written, int64
+        self.label_dtype = np.dtype(entry.get("label_dtype", "int64"))
         self.threads = threads
         # graph inputs and outputs list the state tensors in the entry's order (params, then buffers)
         self._state_names = list(entry["params"]) + list(entry["buffers"])
@@ -246,12 +248,12 @@ class PortableEngine(Engine):
         """(x, y, w) of one graph batch: `count` real samples from `start`, zero-padded and masked."""
         size = self.batch_size
         real_x = np.ascontiguousarray(x[start : start + count], dtype=np.float32)
-        real_y = np.ascontiguousarray(y[start : start + count], dtype=np.int64)
+        real_y = np.ascontiguousarray(y[start : start + count], dtype=self.label_dtype)
         if count == size:
             return real_x, real_y, np.ones(size, dtype=np.float32)
         batch_x = np.zeros((size, *real_x.shape[1:]), dtype=np.float32)
         batch_x[:count] = real_x
-        batch_y = np.zeros(size, dtype=np.int64)
+        batch_y = np.zeros(size, dtype=self.label_dtype)
         batch_y[:count] = real_y
         weights = np.zeros(size, dtype=np.float32)
         weights[:count] = 1.0

@@ -257,6 +257,8 @@ def _write_bundle(
                 f"the portable step graph could not be exported ({type(exc).__name__}: {_first_line(exc)})",
                 "export with --engines ort-training, or report the model to the edgepfl developers",
             ) from None
+        for line in _webgpu_notes(engines["portable"]):
+            notice(line)
     files = {
         str(path.relative_to(folder)).replace("\\", "/"): sha256_file(path)
         for path in sorted(folder.rglob("*"))
@@ -314,6 +316,16 @@ def _export_ort_training(
         "bn_momentum": momenta[0] if momenta else 0.1,
         "input_name": "input",
     }
+
+
+def _webgpu_notes(entry: dict) -> list[str]:
+    """One note per portable graph that a browser's GPU cannot run whole (export/webgpu.py), naming its first node."""
+    graphs = {**{f"step_{name}": step for name, step in entry["steps"].items()}, "eval": entry["eval"]}
+    return [
+        f"note: browsers train {name} on WebAssembly, not the GPU: {graph['webgpu_problems'][0]}"
+        for name, graph in graphs.items()
+        if graph.get("webgpu_problems")
+    ]
 
 
 def _ort_reason(exc: BaseException) -> str:

@@ -1,6 +1,7 @@
 """The decompositions the portable exporter traces with: PyTorch's core ATen table, plus forms of the ops
 whose default decomposition onnxruntime runs slowly or ONNX cannot express (a convolution's backward, ReLU's
-and the hard activations' backward, a sum over the batch axis, small-map convolutions as matrix products).
+and the hard activations' backward, a sum over the batch axis, small-map convolutions as matrix products),
+and a max pool without int64 indices (onnxruntime-web's WebGPU back end has no int64 kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +34,64 @@ def decomposition_table() -> dict:
     table[aten.slice_copy.Tensor] = activations.slice_copy
     table[aten.split_copy.Tensor] = activations.split_copy
     table[aten.split_with_sizes_copy.default] = activations.split_with_sizes_copy
+    for op, tiled in (
+        (aten.max_pool2d_with_indices.default, _max_pool),
+        (aten.max_pool2d_with_indices_backward.default, _max_pool_backward),
+    ):
+        table[op] = _unless_not_implemented(tiled, table.get(op))
     return table
+
+
+def _unless_not_implemented(first, then):
+    """`first`, or `then` (a default decomposition, or none) where `first` returns NotImplemented."""
+
+    def decomposition(*args, **kwargs):
+        result = first(*args, **kwargs)
+        if result is NotImplemented and then is not None:
+            return then(*args, **kwargs)
+        return result
+
+    return decomposition
+
+
+def _pool_windows(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], padding, dilation, ceil_mode):
+    """(n, c, out_h, out_w, kh*kw) windows of a max pool whose windows tile the map exactly (stride = kernel,
+    no padding, no dilation), the taps of each in row-major order; None for any other pool."""
+    kh, kw = kernel
+    stride = list(stride) or [kh, kw]
+    if x.dim() != 4 or stride != [kh, kw] or any(padding) or any(d != 1 for d in dilation or [1]):
+        return None
+    n, c, h, w = x.shape
+    if h % kh or w % kw:  # ceil_mode changes nothing then
+        return None
+    tiles = x.reshape(n, c, h // kh, kh, w // kw, kw).permute(0, 1, 2, 4, 3, 5)
+    return tiles.reshape(n, c, h // kh, w // kw, kh * kw)
+
+
+def _max_pool(x, kernel, stride=(), padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    """aten.max_pool2d_with_indices of a tiling pool as a ReduceMax over each window; the indices it must
+    return are zeros that nothing reads (the backward below finds each window's maximum again)."""
+    windows = _pool_windows(x, kernel, stride, padding, dilation, ceil_mode)
+    if windows is None:
+        return NotImplemented
+    values = windows.amax(dim=4)
+    return values, torch.zeros(values.shape, dtype=torch.int64)
+
+
+def _max_pool_backward(grad_out, x, kernel, stride, padding, dilation, ceil_mode, indices):
+    """Each window's gradient to its first largest input (PyTorch's choice among equal ones), through float ops."""
+    windows = _pool_windows(x, kernel, stride, padding, dilation, ceil_mode)
+    if windows is None:
+        return NotImplemented
+    taps = windows.shape[4]
+    order = torch.arange(taps, dtype=x.dtype)
+    is_max = windows == windows.amax(dim=4, keepdim=True)
+    first = torch.where(is_max, order, torch.full_like(order, taps)).amin(dim=4, keepdim=True)
+    grad = (order == first).to(x.dtype) * grad_out.unsqueeze(4)
+    n, c, out_h, out_w = grad_out.shape
+    kh, kw = kernel
+    grad = grad.reshape(n, c, out_h, out_w, kh, kw).permute(0, 1, 2, 4, 3, 5)
+    return grad.reshape(x.shape)
 
 
 def _threshold_backward(grad_out: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:

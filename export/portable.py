@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
+from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
 from edgepfl.export.smallmaps import SMALL_MAP
+from edgepfl.export.webgpu import webgpu_problems
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
 
@@ -76,6 +78,7 @@ def export_portable(
             "trainable": trainable,
             "inputs": [i.name for i in proto.graph.input],
             "outputs": [o.name for o in proto.graph.output],
+            "webgpu_problems": webgpu_problems(proto),
         }
         variant, frozen = frozen_variant(proto, len(params) + len(buffers)) if frozen_variants else (None, [])
         if variant is not None:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
@@ -86,6 +89,7 @@ def export_portable(
                 "data_location": FROZEN_LOCATION,  # where the variant says their bytes are, laid end to end
                 "inputs": [i.name for i in variant.graph.input],
                 "outputs": [o.name for o in variant.graph.output],
+                "webgpu_problems": webgpu_problems(variant),
             }
     distill_steps: dict = {}
     for variant in DISTILL_VARIANTS if distill else ():
@@ -109,6 +113,7 @@ def export_portable(
         "opset": PORTABLE_OPSET,
         "ir_version": PORTABLE_IR,
         "loss": "cross_entropy",
+        "label_dtype": str(LABEL_DTYPE).removeprefix("torch."),
         "optimizer": "sgd",
         "bn_momentum": step_model.momentum,
         "params": params,
@@ -119,6 +124,7 @@ def export_portable(
             "model": f"{prefix}/eval.onnx",
             "inputs": [i.name for i in eval_proto.graph.input],
             "outputs": [o.name for o in eval_proto.graph.output],
+            "webgpu_problems": webgpu_problems(eval_proto),
         },
         "initial": f"{prefix}/initial.safetensors",
     }
@@ -141,7 +147,7 @@ def sgd_step(
     def weighted_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         new_buffers = {n: b.clone() for n, b in buffers.items()}
         logits = model({**train, **frozen, **new_buffers}, x, w)
-        return _weighted_cross_entropy(logits, y, w), new_buffers
+        return weighted_cross_entropy(logits, y, w), new_buffers
 
     train = {n: params[n] for n in trainable}
     grads, (loss, new_buffers) = torch.func.grad_and_value(weighted_loss, has_aux=True)(train)
@@ -217,7 +223,7 @@ def distillation_loss(
     """
     if variant not in DISTILL_VARIANTS:
         raise UsageError(f"unknown distillation variant {variant!r}", f"choose one of: {', '.join(DISTILL_VARIANTS)}")
-    hard = F.cross_entropy(student_logits, y, reduction="none")
+    hard = F.cross_entropy(student_logits, y.long(), reduction="none")
     log_student = F.log_softmax(student_logits / temperature, dim=1)
     log_teacher = F.log_softmax(teacher_logits / temperature, dim=1)
     teacher = log_teacher.exp()
@@ -301,8 +307,7 @@ def export_eval(step_model: MaskedModel, params: list[str], buffers: list[str], 
         state = dict(zip(params + buffers, flat[: len(params) + len(buffers)]))
         x, y, w = flat[len(params) + len(buffers) :]
         logits = step_model(state, x, w)
-        correct = ((logits.argmax(1) == y) & (w > 0)).sum()
-        return logits, _weighted_cross_entropy(logits, y, w), correct
+        return logits, weighted_cross_entropy(logits, y, w), correct_count(logits, y, w)
 
     step_model.train(False)
     inputs = _example_inputs(step_model, params, buffers, batch_size)
@@ -421,10 +426,6 @@ class MaskedModel:
         self.module.train(mode)
 
 
-def _weighted_cross_entropy(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum()
-
-
 def _state(model: nn.Module, params: list[str], buffers: list[str]) -> dict[str, torch.Tensor]:
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
@@ -441,7 +442,7 @@ def _example_inputs(step_model: MaskedModel, params: list[str], buffers: list[st
     return [
         *(state[n] for n in params + buffers),
         torch.zeros(batch_size, *spec.input_shape),
-        torch.zeros(batch_size, dtype=torch.int64),
+        torch.zeros(batch_size, dtype=LABEL_DTYPE),
         torch.ones(batch_size),
     ]
 

@@ -21,6 +21,7 @@ SMALL_MAP = 64  # feature maps of at most this many pixels get the small-map for
 # 8.6 vs 7.7; a 1x1 kernel's forward on a 1x1 map 0.28 vs 0.83 ms, on 2x2 0.82 vs 0.92, on 4x4 0.54 vs 0.29)
 SMALL_DENSE_MAP = 16
 SMALL_POINTWISE_MAP = 4
+NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 def tap(padded: torch.Tensor, i: int, j: int, stride: Sequence[int], out_h: int, out_w: int) -> torch.Tensor:
@@ -89,9 +90,9 @@ class DenseColumns:
         # (in pixels, kept taps * out pixels): column (tap, p) has a 1 at the input pixel that tap reads for p
         matrix = reads[kept].transpose(1, 0, 2).reshape(self.in_pixels, -1)
         identity = matrix.shape[0] == matrix.shape[1] and np.array_equal(matrix, np.eye(len(matrix)))
-        self.reads = None if identity else torch.tensor(matrix, dtype=dtype)  # None: a 1x1 kernel, stride 1
+        self.reads = None if identity else constant(matrix, dtype)  # None: a 1x1 kernel, stride 1
         # (kernel taps, kept taps): picks the kept taps out of a flattened kernel; None when all are kept
-        self.pick = None if self.taps == kh * kw else torch.tensor(np.eye(kh * kw)[:, kept], dtype=dtype)
+        self.pick = None if self.taps == kh * kw else constant(np.eye(kh * kw)[:, kept], dtype)
 
     def columns(self, x: torch.Tensor) -> torch.Tensor:
         """(cin * taps, n * out pixels): the inputs each kept kernel tap multiplies, for the whole batch."""
@@ -128,6 +129,13 @@ class DenseColumns:
         per_sample = per_sample.reshape(self.cin * self.n, self.taps * self.out_pixels)
         grad = per_sample if self.reads is None else per_sample @ self.reads.transpose(0, 1)  # (cin*n, in pixels)
         return grad.reshape(self.cin, self.n, *self.in_hw).transpose(0, 1)
+
+
+def constant(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A constant 0/1 matrix in `dtype`, converted before it becomes a tensor: made from float64 values, a
+    float32 tensor is traced as a float64 constant and a Cast, which onnxruntime-web's WebGPU build can
+    neither fold nor run."""
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=NUMPY_DTYPES[dtype]))
 
 
 def output_size(
@@ -171,7 +179,7 @@ class DepthwiseMaps:
         self.out_h, self.out_w = reads.shape[4:]
         self.in_hw = (in_h, in_w)
         self.in_pixels, self.out_pixels = in_h * in_w, self.out_h * self.out_w
-        self.taps = torch.tensor(reads.reshape(-1, self.in_pixels * self.out_pixels), dtype=x.dtype)
+        self.taps = constant(reads.reshape(-1, self.in_pixels * self.out_pixels), x.dtype)
 
     def matrices(self, weight: torch.Tensor) -> torch.Tensor:
         """(channels, in pixels, out pixels): each channel's convolution as a matrix."""

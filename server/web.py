@@ -38,11 +38,15 @@ from edgepfl.server.page import JOIN_PAGE_POLICY, JOIN_PATH, DeviceNote, render_
 
 log = logging.getLogger("edgepfl.server.web")
 
-# the wasm-only ES build of onnxruntime-web and the one wasm/worker pair it loads, plus fflate (reads .npz)
+# the wasm-only ES build of onnxruntime-web and the one wasm/worker pair it loads; its WebGPU build and the
+# (asyncify) wasm pair that one loads, for a page with a WebGPU adapter (src/backend.js); fflate (reads .npz)
 VENDOR_FILES = {
     "ort.wasm.min.mjs": "onnxruntime-web/dist/ort.wasm.min.mjs",
     "ort-wasm-simd-threaded.mjs": "onnxruntime-web/dist/ort-wasm-simd-threaded.mjs",
     "ort-wasm-simd-threaded.wasm": "onnxruntime-web/dist/ort-wasm-simd-threaded.wasm",
+    "ort.webgpu.min.mjs": "onnxruntime-web/dist/ort.webgpu.min.mjs",
+    "ort-wasm-simd-threaded.asyncify.mjs": "onnxruntime-web/dist/ort-wasm-simd-threaded.asyncify.mjs",
+    "ort-wasm-simd-threaded.asyncify.wasm": "onnxruntime-web/dist/ort-wasm-simd-threaded.asyncify.wasm",
     "fflate.mjs": "fflate/esm/browser.js",
 }
 PAGE_SUFFIXES = (".html", ".js", ".css")
@@ -56,6 +60,8 @@ CHROMIUM_ARGS = (
     "--disable-sync",
     "--no-first-run",
 )
+# the same with a WebGPU adapter (SwiftShader, a software GPU, where the machine has no GPU): for a page on 127.0.0.1
+CHROMIUM_WEBGPU_ARGS = tuple(arg for arg in CHROMIUM_ARGS if arg != "--disable-gpu") + ("--enable-unsafe-webgpu",)
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' blob: data:; "
     "style-src 'self'; worker-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "

@@ -478,7 +478,7 @@ def test_mobilenet_onnx_step_is_as_close_to_float64_as_pytorch_float32(mobilenet
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
     state = {n: t.detach().numpy() for n, t in model.state_dict().items()}
     feeds = {f"param:{n}": state[n] for n in params} | {f"buffer:{n}": state[n] for n in buffers}
-    feeds |= {"x": x, "y": y, "w": np.ones(32, np.float32), "lr": np.array(0.1, np.float32)}
+    feeds |= {"x": x, "y": y.astype(np.int32), "w": np.ones(32, np.float32), "lr": np.array(0.1, np.float32)}
     outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     exact = _torch_step(model, x, y, torch.float64, lr=0.1)
     eager = _torch_step(model, x, y, torch.float32, lr=0.1)

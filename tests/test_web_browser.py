@@ -8,11 +8,14 @@ recorded; screenshots of each stage go to docs/img/web-*.png.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,7 +32,7 @@ from edgepfl.protocol import EvalMetrics, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import create_engine
 from edgepfl.server.store import Store
-from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, find_web_runtime
+from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, CHROMIUM_WEBGPU_ARGS, find_web_runtime
 from edgepfl.wire import decode_metadata, decode_tensors
 
 pytestmark = pytest.mark.browser
@@ -383,3 +386,218 @@ def test_the_status_page_fits_a_phone_and_offers_to_add_a_device(chromium, tmp_p
                 page.screenshot(path=str(SHOTS / "web-status-phone.png"), full_page=True)
             finally:
                 browser.close()
+
+
+# --- the browser's GPU: the engine's steps on WebGPU (SwiftShader here) and the page choosing its back end ------------
+
+WEBGPU_PAGE = REPO / "tests" / "web"  # webgpu.html: the engine on WebGPU and on wasm, step by step
+WEBGPU_MODELS = {  # (kp, spec fields): the cnn of the phone test, and MobileNet x0.25 at 32 px
+    "cnn": (1, {"input_size": SIDE, "in_channels": 1, "norm": "batch"}),
+    "mobilenet": (2, {"width": 0.25}),
+}
+WEBGPU_SETS = ("full", "personal", "base")
+WEBGPU_BATCH, WEBGPU_STEPS, WEBGPU_LR, WEBGPU_TOLERANCE = 8, 5, 0.05, 1e-4
+# "All nodes placed on [WebGpuExecutionProvider]" from onnxruntime's verbose log, tagged with the session's log id
+PLACED_WHOLE = re.compile(
+    r"\[V:onnxruntime:([^,\]]+),[^\]]*VerifyEachNodeIsAssignedToAnEp\]\s+All nodes placed on \[(\w+)\]"
+)
+
+
+@pytest.fixture(scope="module", params=sorted(WEBGPU_MODELS))
+def webgpu_case(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(model, bundle, data): a bundle with batch-8 portable graphs, and for each set its feeds, the Python portable
+    engine's state before and after each of 5 steps, and the float64 result of each step from the state before it."""
+    pytest.importorskip("torch")
+    from edgepfl.export.bundle import ExportOptions, export_bundle
+    from edgepfl.export.models import ModelSpec, default_spec
+
+    model = request.param
+    kp, fields = WEBGPU_MODELS[model]
+    spec = ModelSpec(**{**default_spec(model).to_dict(), **fields})
+    folder = tmp_path_factory.mktemp(f"webgpu-{model}")
+    options = ExportOptions(engines=("portable",), force=True, portable_batch=WEBGPU_BATCH)
+    export_bundle(spec, kp, folder / "bundle", options, progress=lambda _: None, notice=lambda _: None)
+    write_webgpu_steps(folder / "bundle", folder / "data", spec)
+    return model, folder / "bundle", folder / "data"
+
+
+def write_webgpu_steps(bundle: Path, out: Path, spec) -> None:
+    """feeds.safetensors; for each set {set}-{i}.safetensors, the Python portable engine's state after i steps,
+    {set}-{i}-f64.safetensors, step i run in float64 (the traced step graph) from {set}-{i-1}; losses.json."""
+    import copy
+
+    import torch
+    from safetensors.numpy import save_file
+
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.export import portable
+    from edgepfl.export.models import build_model
+
+    manifest = load_manifest(bundle)
+    entry = manifest.engines["portable"]
+    rng = np.random.default_rng(0)
+    shape = tuple(manifest.input.shape)
+    counts = [WEBGPU_BATCH - 3] + [WEBGPU_BATCH] * (WEBGPU_STEPS - 1)  # a short, padded batch first
+    x = np.zeros((WEBGPU_STEPS, WEBGPU_BATCH, *shape), np.float32)
+    y = np.zeros((WEBGPU_STEPS, WEBGPU_BATCH), np.int32)
+    for i, count in enumerate(counts):
+        x[i, :count] = rng.normal(size=(count, *shape))
+        y[i, :count] = rng.integers(0, manifest.num_classes, count)
+    out.mkdir(parents=True)
+    feeds = {"x": x.reshape(-1, *shape), "y": y.reshape(-1), "counts": np.array(counts, np.int32)}
+    save_file(feeds, out / "feeds.safetensors")
+    names = [*entry["params"], *entry["buffers"]]
+    model = copy.deepcopy(build_model(spec)).double()
+    losses = {}
+    for trainable in WEBGPU_SETS:
+        engine = PortableEngine(bundle, manifest)
+        masked = portable.MaskedModel(model)
+        step = portable.step_function(masked, entry["params"], entry["buffers"], entry["steps"][trainable]["trainable"])
+        graph, losses[trainable] = None, []
+        save_file(engine.get_tensors(), out / f"{trainable}-0.safetensors")
+        for i, count in enumerate(counts):
+            before = engine.get_tensors()
+            losses[trainable].append(engine.train_step(x[i, :count], y[i, :count], WEBGPU_LR, trainable))
+            save_file(engine.get_tensors(), out / f"{trainable}-{i + 1}.safetensors")
+            weights = np.zeros(WEBGPU_BATCH)
+            weights[:count] = 1
+            inputs = [torch.from_numpy(before[n].astype(np.float64)) for n in names]
+            inputs += [torch.from_numpy(x[i].astype(np.float64)), torch.from_numpy(y[i]), torch.from_numpy(weights)]
+            inputs.append(torch.tensor(WEBGPU_LR, dtype=torch.float64))
+            graph = graph or portable.trace(step, inputs, tracing_mode="real")
+            exact = [t.numpy() for t in graph(*inputs)[1:]]
+            save_file(dict(zip(names, exact)), out / f"{trainable}-{i + 1}-f64.safetensors")
+    (out / "losses.json").write_text(json.dumps(losses))
+
+
+def python_vs_exact(data: Path, trainable: str) -> list[float]:
+    """The Python engine's largest deviation from the float64 step, per step."""
+    from safetensors.numpy import load_file
+
+    deviations = []
+    for i in range(1, WEBGPU_STEPS + 1):
+        ours = load_file(data / f"{trainable}-{i}.safetensors")
+        exact = load_file(data / f"{trainable}-{i}-f64.safetensors")
+        deviations.append(max(float(np.abs(ours[n] - exact[n]).max()) for n in exact))
+    return deviations
+
+
+class _StaticFiles(SimpleHTTPRequestHandler):
+    """Files under fixed URL prefixes, for a page on 127.0.0.1 (a secure context: it gets WebGPU)."""
+
+    routes: dict[str, Path] = {}
+
+    def translate_path(self, path: str) -> str:
+        path = path.split("?", 1)[0]
+        for prefix, folder in self.routes.items():
+            if path.startswith(prefix):
+                return str(folder / path[len(prefix) :])
+        return str(REPO / "nonexistent")
+
+    def guess_type(self, path) -> str:
+        return {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm"}.get(
+            Path(str(path)).suffix, "application/octet-stream" if str(path).endswith(".safetensors") else "text/html"
+        )
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+def test_webgpu_steps_place_every_node_on_the_gpu_and_equal_wasm_and_python(chromium, webgpu_case) -> None:
+    from playwright.sync_api import sync_playwright
+
+    model, bundle, data = webgpu_case
+    web = find_web_runtime().folder
+    routes = {"/src/": web / "src", "/vendor/": web / "node_modules" / "onnxruntime-web" / "dist"}
+    routes |= {"/page/": WEBGPU_PAGE, "/bundle/": bundle, "/data/": data}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Files", (_StaticFiles,), {"routes": routes}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    console: list[str] = []
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_WEBGPU_ARGS))
+            try:
+                page = browser.new_page()
+                page.on("console", lambda message: console.append(message.text))
+                query = f"bundle=/bundle&data=/data&sets={','.join(WEBGPU_SETS)}&lr={WEBGPU_LR}&exact=1&log=0"
+                page.goto(f"http://127.0.0.1:{server.server_address[1]}/page/webgpu.html?{query}")
+                page.wait_for_function("window.webgpuResult !== undefined", timeout=1_200_000, polling=1000)
+                result = page.evaluate("window.webgpuResult")
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+    assert "error" not in result, result.get("error")
+    assert result["adapter"]
+    entry = load_manifest(bundle).engines["portable"]
+    graphs = {entry["steps"][s]["model"] for s in WEBGPU_SETS}
+    graphs |= {entry["steps"][s]["frozen"]["model"] for s in ("personal", "base")}
+    # every graph, the frozen variants included, opened on WebGPU, and onnxruntime says each was placed there whole
+    assert {p["path"] for p in result["placements"]} == graphs
+    assert all(p["backend"] == "webgpu" for p in result["placements"]), result["placements"]
+    placed = {session: provider for line in console for session, provider in PLACED_WHOLE.findall(line)}
+    assert placed == {path: "WebGpuExecutionProvider" for path in graphs}, placed
+    assert not [line for line in console if "placed on [CPUExecutionProvider]" in line]
+    for trainable in WEBGPU_SETS:
+        got = result["sets"][trainable]
+        assert all(got["onGpu"]), f"{trainable}: the trained tensors left the GPU between steps"
+        assert got["variantSteps"] == (0 if trainable == "full" else WEBGPU_STEPS - 2)  # frozen variants from step 3
+        python = json.loads((data / "losses.json").read_text())[trainable]
+        for loss, wasm_loss, python_loss in zip(got["losses"], got["wasmLosses"], python, strict=True):
+            assert max(abs(loss - wasm_loss), abs(loss - python_loss)) <= WEBGPU_TOLERANCE, (trainable, got["losses"])
+        worst = {key: max(step["diff"] for step in got[key]) for key in ("vsPython", "vsWasm", "vsExact")}
+        worst["wasmVsExact"] = max(step["diff"] for step in got["wasmVsExact"])
+        if model == "cnn":  # a well-conditioned step: all three engines agree to float rounding, step by step
+            assert max(worst["vsPython"], worst["vsWasm"]) <= WEBGPU_TOLERANCE, (trainable, got)
+        else:
+            # MobileNet's float32 step at initialisation is ill-conditioned: any two engines, Python and wasm
+            # included, differ by up to ~4e-3 on some step (docs/web-device.md). WebGPU must be no less exact than them.
+            cpu = max(*python_vs_exact(data, trainable), worst["wasmVsExact"])
+            assert worst["vsExact"] <= max(WEBGPU_TOLERANCE, cpu), (trainable, got["vsExact"], cpu)
+
+
+def test_webgpu_page_trains_a_round_on_the_gpu_and_without_an_adapter_on_webassembly(
+    chromium, bundle, tmp_path
+) -> None:
+    """Two phones in one round: one whose browser gives a WebGPU adapter (asked for with ?backend=webgpu), one whose
+    browser gives none; each says where it trains, and both deliver."""
+    from playwright.sync_api import sync_playwright
+
+    state = tmp_path / "server"
+    tokens = enroll(state, "gpu-phone", "cpu-phone")
+    options = ("--min-clients", "2", "--rounds", "1", "--poll-interval", "0.3", "--lr", "0.05", "--batch-size", "16")
+    with LiveServer(bundle, state, *options, "--epochs", "1", "--round-timeout", "600") as server:
+        with sync_playwright() as playwright:
+            phones = {}
+            for name, args, query in (
+                ("gpu-phone", CHROMIUM_WEBGPU_ARGS, "?backend=webgpu"),
+                ("cpu-phone", CHROMIUM_ARGS, ""),
+            ):
+                browser = playwright.chromium.launch(executable_path=str(chromium), args=list(args))
+                page = browser.new_context(**PHONE).new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda error, errors=errors: errors.append(str(error)))
+                page.goto(f"{server.url}/device/{query}#token={tokens[name]}")
+                wait(page, "body[data-stage=examples]")
+                page.set_input_files("#npz", str(write_npz(tmp_path / f"{name}.npz", 48, seed=len(phones))))
+                phones[name] = (browser, page, errors)
+            try:
+                for _, page, errors in phones.values():
+                    wait(page, "#history tr[data-round='1'][data-upload=delivered]", timeout=600_000)
+                    assert not errors, errors
+                gpu, cpu = phones["gpu-phone"][1], phones["cpu-phone"][1]
+                assert gpu.get_attribute("body", "data-backend") == "webgpu"
+                line = gpu.text_content("#backend")
+                assert line.startswith("Training on the GPU (WebGPU: ") and "On the processor instead" not in line, line
+                gpu.screenshot(path=str(SHOTS / "web-webgpu.png"), full_page=True)
+                assert cpu.get_attribute("body", "data-backend") == "wasm"
+                assert cpu.text_content("#backend").startswith("Training on the processor (WebAssembly: "), (
+                    cpu.text_content("#backend")
+                )
+            finally:
+                for browser, _, _ in phones.values():
+                    browser.close()
+    held = {name: updates_of(state, name) for name in tokens}
+    assert {name: {r: len(b) for r, b in rounds.items()} for name, rounds in held.items()} == {
+        n: {1: 1} for n in tokens
+    }

@@ -1,6 +1,7 @@
 // Times the browser engine's full and personal-only steps; bench/web.py serves this page and reads window.benchResult.
+// ?backend=webgpu runs them on the GPU (the WebGPU build of onnxruntime-web), else on WebAssembly.
 
-import * as ort from '/vendor/ort.wasm.min.mjs';
+import { chooseBackend, loadRuntime } from '/src/backend.js';
 import { openEngine, portableFiles } from '/src/engine.js';
 
 const params = new URLSearchParams(location.search);
@@ -8,6 +9,7 @@ const threads = Number(params.get('threads') || 1);
 const steps = Number(params.get('steps') || 10);
 const warmup = Number(params.get('warmup') || 5);
 const bakeFrozen = params.get('bake') !== '0';
+const requested = params.get('backend') || 'wasm';
 
 async function fetchBytes(path) {
   const response = await fetch(path);
@@ -16,14 +18,16 @@ async function fetchBytes(path) {
 }
 
 async function run() {
-  ort.env.wasm.wasmPaths = '/vendor/';
+  const backend = await chooseBackend(navigator.gpu, requested);
+  if (backend.name !== requested) throw new Error(`${requested} was asked for, but ${backend.reason}`);
+  const ort = await loadRuntime(backend.name, new URL('/vendor/', location.href));
   const manifest = JSON.parse(new TextDecoder().decode(await fetchBytes('/bundle/manifest.json')));
   const { required, variants } = portableFiles(manifest);
   const paths = [...required, ...(bakeFrozen ? variants : [])];
   const files = new Map();
   for (const path of paths) files.set(path, await fetchBytes(`/bundle/${path}`));
   const opened = performance.now();
-  const engine = await openEngine(ort, manifest, files, { threads, bakeFrozen });
+  const engine = await openEngine(ort, manifest, files, { threads, bakeFrozen, backend: backend.name });
   const openSeconds = (performance.now() - opened) / 1000;
   const size = engine.batchSize;
   // seeded inputs (a fixed LCG): the timings do not depend on the values, the run must not depend on Math.random
@@ -31,7 +35,7 @@ async function run() {
   const next = () => ((state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32);
   const x = Float32Array.from({ length: size * engine.sampleSize }, () => next() * 2 - 1);
   const y = Int32Array.from({ length: size }, () => Math.floor(next() * manifest.num_classes));
-  const result = { threads, steps, warmup, bakeFrozen, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
+  const result = { backend: backend.name, adapter: backend.adapter, threads, steps, warmup, bakeFrozen, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
   for (const set of ['full', 'personal']) {
     const first = performance.now();
     await engine.trainStep(x, y, size, 0.01, set);
@@ -43,6 +47,7 @@ async function run() {
     result[`${set}ImagesPerSecond`] = (steps * size) / seconds;
     result[`${set}VariantSteps`] = engine.variantSteps;
   }
+  result.placements = Object.fromEntries(engine.placements); // where each graph ran (all 'webgpu' on a GPU, or why not)
   return result;
 }
 

@@ -220,7 +220,7 @@ export async function recomputeStatistics(engine, train, batchSize) {
     for (let i = 0; i < size; i++) y[i] = Number(train.y[start + i]);
     engine.setTensors(zeros);
     await engine.statisticsStep(train.x.subarray(start * sample, (start + size) * sample), y, size);
-    const got = engine.getTensors(names);
+    const got = await engine.getTensors(names);
     for (const name of names) {
       const scale = size / momenta[name];
       const sum = sums[name];

@@ -2,7 +2,7 @@
 // The device page's entry: read the device contract, enroll from the join link, load the bundle's portable
 // graphs, then hand the round loop (runner.js, as device_runtime/runner.py runs it) to the page (ui.js).
 
-import * as ort from './vendor/ort.wasm.min.mjs';
+import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
 import { fetchContract } from './contract.js';
 import { emptyExamples } from './data.js';
 import { openEngine, portableFiles } from './engine.js';
@@ -11,7 +11,7 @@ import { ApiClient, Refusal } from './protocol.js';
 import { DeviceRunner } from './runner.js';
 import { sha256Hex } from './sha256.js';
 import { openStore } from './store.js';
-import { fatal, offerStartOver, pageEvents, renderHistory, setUpExamples, showDevice, showProblem, stage, status } from './ui.js';
+import { fatal, offerStartOver, pageEvents, renderHistory, setUpExamples, showBackend, showDevice, showProblem, stage, status } from './ui.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').Manifest} Manifest */
@@ -58,8 +58,15 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   }
   const files = await bundleFiles(store, client, manifest);
   const threads = crossOriginIsolated ? Math.max(1, Math.min(4, navigator.hardwareConcurrency || 1)) : 1;
-  ort.env.wasm.wasmPaths = new URL('./vendor/', import.meta.url).href;
-  const engine = await openEngine(ort, manifest, files, { threads });
+  // the GPU where the browser gives a WebGPU adapter (?backend=wasm|webgpu overrides), else WebAssembly
+  const gpu = /** @type {{gpu?: import('./backend.js').Gpu}} */ (/** @type {unknown} */ (navigator)).gpu; // WebGPU's types are not in TypeScript's dom lib
+  const backend = await chooseBackend(gpu, requestedBackend(location.search));
+  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url));
+  const placed = () => {
+    showBackend(backend.name, backendLine(backend, engine.placements));
+  };
+  const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: placed });
+  placed();
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''}`);
   const examples = setUpExamples({ store, manifest, contract, examples: saved.examples || emptyExamples(manifest.input.shape) });
@@ -78,7 +85,7 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
  */
 async function credentials(contract, store) {
   const fragment = new URLSearchParams(location.hash.slice(1));
-  if (location.hash) history.replaceState(null, '', location.pathname); // off the address bar and the history
+  if (location.hash) history.replaceState(null, '', location.pathname + location.search); // off the address bar and the history
   let { creds } = await store.get('creds');
   const token = fragment.get('token');
   const secret = fragment.get('enroll');

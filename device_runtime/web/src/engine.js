@@ -1,7 +1,8 @@
 // @ts-check
 // The browser engine: onnxruntime-web sessions over a bundle's portable step graphs (mirrors
-// device_runtime/portable_engine.py). `ort` is passed in, so the same code runs in the page (wasm-only
-// build) and under Node (tests). Tensors are addressed by manifest name; state stays as ort.Tensor.
+// device_runtime/portable_engine.py). `ort` is passed in, so the same code runs in the page (the wasm-only build,
+// or the WebGPU build on a GPU) and under Node (tests, wasm only). Tensors are addressed by manifest name; state
+// stays as ort.Tensor, on the GPU between WebGPU steps (read back only by getTensors: the upload and the save).
 
 import { DeviceError, describe } from './errors.js';
 import { decodeSafetensors, numel, typedArrayOf } from './safetensors.js';
@@ -14,8 +15,8 @@ import { checkSha256 } from './sha256.js';
 /** @typedef {import('./safetensors.js').Tensors} Tensors */
 /** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
 /** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string}} InputSpec */
-/** A step's frozen variant (export/frozen.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[]}} FrozenVariant */
-/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state. @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant}} Graph */
+/** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
+/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state. @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[]}} Graph */
 /**
  * manifest.json `engines.portable`.
  * @typedef {object} PortableEntry
@@ -25,6 +26,7 @@ import { checkSha256 } from './sha256.js';
  * @property {Record<string, Graph>} steps
  * @property {Graph} eval
  * @property {string} initial
+ * @property {'int32' | 'int64'} [label_dtype] the labels' type (int64 before the graphs ran on WebGPU)
  * @property {number | Record<string, number> | number[]} [bn_momentum]
  */
 /**
@@ -40,11 +42,20 @@ import { checkSha256 } from './sha256.js';
  * @property {Record<string, string>} [files] bundle path -> sha256
  * @property {{portable?: PortableEntry}} [engines]
  */
+/** Where the engine runs its graphs. @typedef {'wasm' | 'webgpu'} Backend */
+/** Where one graph runs, and why not on the GPU when the back end is WebGPU. @typedef {{backend: Backend, reason?: string}} Placement */
+/** An opened session and where it runs. @typedef {{session: Session, backend: Backend}} Opened */
 /** Summed loss, correct count and count of an evaluation. @typedef {{lossSum: number, correct: number, count: number}} EvalResult */
 
 const ROLES = ['base', 'personal', 'buffer'];
 /** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
-const SESSION_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
+const WASM_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
+// NCHW: onnxruntime-web 1.30's channels-last (NHWC) Conv computes wrong values where the input channels are a
+// multiple of 3 but not of 4 (6 or 18; 3 itself is right), e.g. the cnn's second convolution (docs/web-device.md)
+const WEBGPU_PROVIDER = { name: 'webgpu', preferredLayout: 'NCHW' };
+/** @typedef {{dtype: 'int64', array: BigInt64ArrayConstructor, of: (n: number) => bigint} | {dtype: 'int32', array: Int32ArrayConstructor, of: (n: number) => number}} LabelType */
+/** @type {Record<string, LabelType>} */
+const LABEL_TYPES = { int64: { dtype: 'int64', array: BigInt64Array, of: BigInt }, int32: { dtype: 'int32', array: Int32Array, of: Number } };
 
 /** A problem of the bundle, the model or its inputs, with the fix. */
 export class EngineError extends DeviceError {}
@@ -70,13 +81,16 @@ export function portableFiles(/** @type {Manifest} */ manifest) {
  * portable entry's graphs and `initial` tensors; each file the manifest lists a sha256 for is checked.
  * The steps' frozen variants in `files` are used unless `bakeFrozen` is false (see Engine.bakedSession).
  * `threads` > 1 needs a cross-origin isolated page (SharedArrayBuffer); it applies to the first engine
- * opened in a page, because onnxruntime-web starts its wasm runtime once.
+ * opened in a page, because onnxruntime-web starts its wasm runtime once. `backend` 'webgpu' (with `ort` the
+ * WebGPU build) puts each graph that the GPU takes whole there (see openSession); `onPlacement(path, placement)`
+ * hears where each graph went when its session opens. `logSeverityLevel` 0 logs onnxruntime's node placements.
  * @param {Ort} ort
  * @param {Manifest} manifest
  * @param {Map<string, Uint8Array>} files
- * @param {{threads?: number, bakeFrozen?: boolean}} [options]
+ * @param {{threads?: number, bakeFrozen?: boolean, backend?: Backend, onPlacement?: (path: string, placement: Placement) => void, logSeverityLevel?: 0 | 1 | 2 | 3 | 4}} [options]
  */
-export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true } = {}) {
+export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true, backend = 'wasm', onPlacement, logSeverityLevel } = {}) {
+  if (!['wasm', 'webgpu'].includes(backend)) throw new EngineError(`unknown back end ${JSON.stringify(backend)}`, "use 'wasm' or 'webgpu'");
   const { required, variants } = portableFiles(manifest);
   const present = bakeFrozen ? variants.filter((path) => files.has(path)) : [];
   const file = (/** @type {string} */ path) => {
@@ -93,6 +107,7 @@ export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen
   const entry = portableEntry(manifest);
   const graphs = new Map(required.slice(1).map((path) => [path, file(path)]));
   const engine = new Engine(ort, manifest, entry, graphs, new Map(present.map((path) => [path, file(path)])));
+  Object.assign(engine, { backend, onPlacement, logSeverityLevel });
   engine.setTensors(decodeSafetensors(file(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }
@@ -121,7 +136,7 @@ export class Engine {
     this.variants = variants; // bytes of the frozen variants, kept: one is rebuilt whenever its frozen tensors change
     /** @type {Map<string, {values: OrtTensor[], steps: number}>} step key -> plain steps run on these frozen tensors */
     this.plainOn = new Map();
-    /** @type {Map<string, {session: Session, values: OrtTensor[]}>} step key -> the variant built on these frozen tensors */
+    /** @type {Map<string, {opened: Opened, values: OrtTensor[]}>} step key -> the variant built on these frozen tensors */
     this.baked = new Map();
     this.variantSteps = 0; // steps run on a frozen variant, for tests and benchmarks
     this.batchSize = Number(entry.batch_size);
@@ -133,8 +148,19 @@ export class Engine {
     this.specs = new Map(manifest.tensors.map((t) => [t.name, t]));
     /** @type {Map<string, OrtTensor>} */
     this.state = new Map();
-    /** @type {Map<string, Promise<Session>>} */
+    /** @type {Map<string, Promise<Opened>>} */
     this.sessions = new Map();
+    /** @type {Map<string, Placement>} graph path -> where each opened graph runs */
+    this.placements = new Map();
+    /** @type {Backend} */
+    this.backend = 'wasm';
+    /** @type {((path: string, placement: Placement) => void) | undefined} */
+    this.onPlacement = undefined;
+    /** @type {0 | 1 | 2 | 3 | 4 | undefined} */
+    this.logSeverityLevel = undefined;
+    const labels = LABEL_TYPES[entry.label_dtype || 'int64']; // int32 since the graphs run on WebGPU
+    if (!labels) throw new EngineError(`the bundle's labels are ${entry.label_dtype}`, 're-export the bundle with this edgepfl version');
+    this.labelType = labels;
   }
 
   /** The manifest's entry of a tensor; a name it does not list throws. */
@@ -157,14 +183,19 @@ export class Engine {
     return [...(hasBase || hasPersonal ? ['full'] : []), ...(hasPersonal ? ['personal'] : []), ...(hasBase ? ['base'] : [])];
   }
 
-  /** Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. */
-  getTensors(/** @type {readonly string[]} */ names = this.stateNames) {
+  /**
+   * Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. A tensor on
+   * the GPU is read back and stays in memory from then on (the next WebGPU step uploads it once).
+   * @param {readonly string[]} [names]
+   * @returns {Promise<Tensors>}
+   */
+  async getTensors(names = this.stateNames) {
     const unknown = names.filter((n) => !this.state.has(n));
     if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
     /** @type {Tensors} */
     const out = {};
     for (const name of names) {
-      const t = /** @type {OrtTensor} */ (this.state.get(name));
+      const t = await inMemory(/** @type {OrtTensor} */ (this.state.get(name)));
       out[name] = { dtype: t.type, shape: Array.from(t.dims), data: /** @type {import('./safetensors.js').TypedArray} */ (t.data).slice() };
     }
     return out;
@@ -183,8 +214,15 @@ export class Engine {
     for (const [name, t] of checked) {
       // a private copy: the caller keeps its array
       const data = /** @type {Float32Array} */ (t.data.slice()); // any of the typed arrays ort.Tensor takes for its dtype
-      this.state.set(name, new this.ort.Tensor(/** @type {'float32'} */ (t.dtype), data, t.shape.slice()));
+      this.replace(name, new this.ort.Tensor(/** @type {'float32'} */ (t.dtype), data, t.shape.slice()));
     }
+  }
+
+  /** Hold `tensor` as the state tensor `name`; the one it replaces, if on the GPU, gives its buffer back. */
+  replace(/** @type {string} */ name, /** @type {OrtTensor} */ tensor) {
+    const held = this.state.get(name);
+    this.state.set(name, tensor);
+    if (held && held !== tensor) release(held);
   }
 
   checkTensor(/** @type {string} */ name, /** @type {Tensor} */ t) {
@@ -207,7 +245,7 @@ export class Engine {
   async trainStep(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count, /** @type {number} */ lr, trainable = 'full') {
     if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     const results = await this.runStep(x, y, count, lr, trainable);
-    for (const [name, tensor] of results.state) this.state.set(name, tensor);
+    for (const [name, tensor] of results.state) this.replace(name, tensor);
     return results.loss;
   }
 
@@ -215,9 +253,10 @@ export class Engine {
   async statisticsStep(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
     const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
-    for (const name of this.entry.buffers) {
-      const tensor = results.state.get(name);
-      if (tensor) this.state.set(name, tensor);
+    const buffers = new Set(this.entry.buffers);
+    for (const [name, tensor] of results.state) {
+      if (buffers.has(name)) this.replace(name, tensor);
+      else release(tensor);
     }
   }
 
@@ -260,13 +299,13 @@ export class Engine {
     const frozen = graph.frozen && this.variants.has(graph.frozen.model) ? graph.frozen : null;
     const values = frozen ? [...kept].map((name) => /** @type {OrtTensor} */ (this.state.get(name))) : [];
     const baked = frozen && (await this.bakedSession(key, frozen, values));
-    const [session, inputs, outputs] = baked && frozen ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph.model), graph.inputs, graph.outputs];
+    const [opened, inputs, outputs] = baked && frozen ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
-    const feeds = this.feeds(stateInputs.map((input) => [input, stateOf(byInput, input)]), batchInputs, x, y, 0, count);
+    const feeds = await this.feeds(opened, stateInputs.map((input) => [input, stateOf(byInput, input)]), batchInputs, x, y, 0, count);
     feeds[batchInputs[3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
     const fetched = outputs.filter((output, i) => i === 0 || !kept.has(stateOf(byOutput, output)));
-    const results = await session.run(feeds, fetched);
+    const results = await opened.session.run(feeds, fetched);
     if (baked) this.variantSteps += 1;
     else if (frozen) {
       const held = this.plainOn.get(key);
@@ -284,17 +323,18 @@ export class Engine {
    * @param {string} key
    * @param {FrozenVariant} frozen
    * @param {OrtTensor[]} values
-   * @returns {Promise<Session | null>}
+   * @returns {Promise<Opened | null>}
    */
   async bakedSession(key, frozen, values) {
     const built = this.baked.get(key);
-    if (built && sameTensors(built.values, values)) return built.session;
+    if (built && sameTensors(built.values, values)) return built.opened;
     if (built) {
-      this.baked.delete(key); // its frozen tensors changed: free its wasm memory before building another
-      await built.session.release();
+      this.baked.delete(key); // its frozen tensors changed: free its memory before building another
+      await built.opened.session.release();
     }
     const held = this.plainOn.get(key);
     if (!held || !sameTensors(held.values, values) || held.steps < BAKE_AFTER_STEPS) return null;
+    for (const t of values) await inMemory(t); // read back once: the variant holds them from now on
     const arrays = values.map((t) => /** @type {import('./safetensors.js').TypedArray} */ (t.data));
     const data = new Uint8Array(arrays.reduce((sum, a) => sum + a.byteLength, 0));
     let offset = 0;
@@ -302,17 +342,15 @@ export class Engine {
       data.set(new Uint8Array(a.buffer, a.byteOffset, a.byteLength), offset);
       offset += a.byteLength;
     }
-    let session;
+    let opened;
     try {
-      session = await this.ort.InferenceSession.create(/** @type {Uint8Array} */ (this.variants.get(frozen.model)), {
-        ...SESSION_OPTIONS,
-        externalData: [{ path: frozen.data_location, data }],
-      });
+      const extra = { externalData: [{ path: frozen.data_location, data }] };
+      opened = await this.openSession(frozen.model, /** @type {Uint8Array} */ (this.variants.get(frozen.model)), frozen, extra);
     } catch (err) {
       throw new EngineError(`the frozen variant ${frozen.model} does not load (${describe(err).split('\n')[0].slice(0, 200)})`, 're-export the bundle, or export it with --no-frozen-variants');
     }
-    this.baked.set(key, { session, values });
-    return session;
+    this.baked.set(key, { opened, values });
+    return opened;
   }
 
   /**
@@ -325,26 +363,28 @@ export class Engine {
   async evaluate(x, y, count) {
     this.checkBatch(x, y, count);
     const graph = this.entry.eval;
-    const session = await this.session('eval', graph.model);
+    const opened = await this.session('eval', graph);
     const n = this.stateNames.length;
     let lossSum = 0;
     let correct = 0;
     for (let start = 0; start < count; start += this.batchSize) {
       const chunk = Math.min(this.batchSize, count - start);
-      const feeds = this.feeds(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
-      const results = await session.run(feeds, graph.outputs.slice(1));
+      const feeds = await this.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
+      const results = await opened.session.run(feeds, graph.outputs.slice(1));
       lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
     }
     return { lossSum, correct, count };
   }
 
-  /** Free the sessions' wasm memory; the engine cannot be used afterwards. */
+  /** Free the sessions' memory and the state's GPU buffers; the engine cannot be used afterwards. */
   async release() {
-    for (const session of this.sessions.values()) await (await session).release();
-    for (const { session } of this.baked.values()) await session.release();
+    for (const opened of this.sessions.values()) await (await opened).session.release();
+    for (const { opened } of this.baked.values()) await opened.session.release();
+    for (const t of this.state.values()) release(t);
     this.sessions.clear();
     this.baked.clear();
+    this.state.clear();
   }
 
   checkSet(/** @type {string} */ trainable) {
@@ -369,8 +409,10 @@ export class Engine {
   }
 
   /**
-   * Feeds of one graph batch: the state tensors by [input, name] pairs, and x, y, w (the first three of
-   * `batchInputs`) holding `count` real samples from `start`, zero-padded and masked.
+   * Feeds of one graph batch for the `opened` session: the state tensors by [input, name] pairs (a wasm session
+   * gets those on the GPU read back first), and x, y, w (the first three of `batchInputs`) holding `count` real
+   * samples from `start`, zero-padded and masked.
+   * @param {Opened} opened
    * @param {[string, string][]} stateInputs
    * @param {string[]} batchInputs
    * @param {Float32Array} x
@@ -378,33 +420,38 @@ export class Engine {
    * @param {number} start
    * @param {number} count
    */
-  feeds(stateInputs, batchInputs, x, y, start, count) {
+  async feeds(opened, stateInputs, batchInputs, x, y, start, count) {
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
-    for (const [input, name] of stateInputs) feeds[input] = /** @type {OrtTensor} */ (this.state.get(name));
+    for (const [input, name] of stateInputs) {
+      const t = /** @type {OrtTensor} */ (this.state.get(name));
+      feeds[input] = opened.backend === 'webgpu' ? t : await inMemory(t);
+    }
     const size = this.batchSize;
     const bx = new Float32Array(size * this.sampleSize);
     bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
-    const by = new BigInt64Array(size);
+    const labels = this.labelType;
+    const by = new labels.array(size);
     const bw = new Float32Array(size);
     for (let i = 0; i < count; i++) {
-      by[i] = BigInt(y[start + i]);
+      by[i] = labels.of(Number(y[start + i]));
       bw[i] = 1;
     }
     feeds[batchInputs[0]] = new this.ort.Tensor('float32', bx, [size, ...this.sampleShape]);
-    feeds[batchInputs[1]] = new this.ort.Tensor('int64', by, [size]);
+    feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), [size]);
     feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
     return feeds;
   }
 
-  /** The session of a graph, created on first use (its bytes are dropped then). */
-  session(/** @type {string} */ key, /** @type {string} */ path) {
+  /** The session of `graph` (a manifest graph entry), opened on first use (its bytes are dropped then). */
+  session(/** @type {string} */ key, /** @type {Graph} */ graph) {
+    const path = graph.model;
     let created = this.sessions.get(key);
     if (!created) {
-      created = this.ort.InferenceSession.create(/** @type {Uint8Array} */ (this.graphs.get(path)), SESSION_OPTIONS).then(
-        (session) => {
+      created = this.openSession(path, /** @type {Uint8Array} */ (this.graphs.get(path)), graph).then(
+        (opened) => {
           this.graphs.delete(path);
-          return session;
+          return opened;
         },
         (err) => {
           this.sessions.delete(key); // a later call may retry, e.g. after memory was freed
@@ -415,6 +462,72 @@ export class Engine {
     }
     return created;
   }
+
+  /**
+   * A session for the graph at `path` (its manifest entry `graph`): {session, backend}. With the WebGPU back end every
+   * node goes to the GPU or the graph runs on WebAssembly: its WebGPU session is opened with CPU fallback disabled,
+   * since a step split between GPU and CPU would copy tensors back and forth at every step and run slower than
+   * WebAssembly (export/webgpu.py). The reason for WebAssembly is the problems the exporter found in the graph
+   * (`webgpu_problems`) or onnxruntime-web's refusal; it is kept in `placements`. A step's outputs but the loss stay
+   * on the GPU for the next step. `extra` adds session options (a frozen variant's external data).
+   * @param {string} path
+   * @param {Uint8Array} bytes
+   * @param {Graph | FrozenVariant} graph
+   * @param {import('onnxruntime-web').InferenceSession.SessionOptions} [extra]
+   * @returns {Promise<Opened>}
+   */
+  async openSession(path, bytes, graph, extra = {}) {
+    // with a log level set, each session's onnxruntime log lines carry its graph's path (its node placements at 0)
+    const logging = this.logSeverityLevel === undefined ? {} : { logSeverityLevel: this.logSeverityLevel, logId: path };
+    let reason = '';
+    if (this.backend === 'webgpu') {
+      const problems = graph.webgpu_problems || [];
+      reason = problems.join('; ');
+      if (!problems.length) {
+        /** @type {Record<string, import('onnxruntime-web').Tensor.DataLocation>} */
+        const outputs = Object.fromEntries(graph.outputs.map((output, i) => [output, i === 0 || !output.startsWith('new_') ? 'cpu' : 'gpu-buffer']));
+        /** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
+        const options = { executionProviders: [{ ...WEBGPU_PROVIDER }], graphOptimizationLevel: 'all', preferredOutputLocation: outputs, ...logging, ...extra };
+        options.extra = { session: { disable_cpu_ep_fallback: '1' } };
+        try {
+          return this.placed(path, { session: await this.ort.InferenceSession.create(bytes, options), backend: 'webgpu' });
+        } catch (err) {
+          reason = `onnxruntime-web did not place every node on WebGPU (${describe(err).split('\n')[0].slice(0, 300)})`;
+        }
+      }
+    }
+    // onnxruntime-web writes into the options it gets: each session has its own object
+    const session = await this.ort.InferenceSession.create(bytes, { ...WASM_OPTIONS, ...logging, ...extra });
+    return this.placed(path, { session, backend: 'wasm' }, reason);
+  }
+
+  /**
+   * `opened`, its placement noted (and told to onPlacement).
+   * @param {string} path
+   * @param {Opened} opened
+   * @returns {Opened}
+   */
+  placed(path, opened, reason = '') {
+    const placement = reason ? { backend: opened.backend, reason } : { backend: opened.backend };
+    this.placements.set(path, placement);
+    if (this.onPlacement) this.onPlacement(path, placement);
+    return opened;
+  }
+}
+
+/**
+ * `t` with its data in memory: a tensor on the GPU is read back in place (the same object, so that sameTensors
+ * still knows it) and its GPU buffer given back.
+ * @param {OrtTensor} t
+ */
+async function inMemory(t) {
+  if (t.location === 'gpu-buffer') await t.getData(true);
+  return t;
+}
+
+/** Give a GPU tensor's buffer back to onnxruntime-web (a tensor in memory is left to the garbage collector). */
+function release(/** @type {OrtTensor} */ tensor) {
+  if (tensor.location === 'gpu-buffer') tensor.dispose();
 }
 
 /** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */

@@ -163,7 +163,7 @@ export class DeviceRunner {
       throw new DeviceError(`the base of round ${roundId} holds other tensors than this model shares`, 'the server must run with the bundle this page loaded');
     }
     const { train, val } = this.split();
-    const kept = engine.getTensors(); // the model held before the round, back in place if its result is refused
+    const kept = await engine.getTensors(); // the model held before the round, back in place if its result is refused
     // a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
     // re-estimated under the new base
     await receive(contract, engine, base, train, settings);
@@ -181,7 +181,7 @@ export class DeviceRunner {
       onProgress: ({ phase, step, steps: total, loss }) => events.step(roundId, phase, step, total, loss),
     });
     const after = await evaluate(engine, val);
-    const why = divergence(roundLosses(result, after), engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
+    const why = divergence(roundLosses(result, after), await engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
     if (why !== null) {
       engine.setTensors(kept);
       throw await this.skipped(`training diverged in round ${roundId} (${why})`);
@@ -195,7 +195,7 @@ export class DeviceRunner {
     if (roundUploads(contract, settings)) {
       const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
       const meta = { baseLayoutHash: this.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss, startValAccuracy };
-      const trained = engine.getTensors(travellingNames(manifest, settings));
+      const trained = await engine.getTensors(travellingNames(manifest, settings));
       let payload;
       if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
         const owed = (await store.get('residual')).residual;
@@ -224,7 +224,7 @@ export class DeviceRunner {
     this.progress = { ...this.progress, lastCompletedRound: roundId, pending };
     // one transaction: the trained tensors, the round marked done, the upload's bytes and its residual, or none of them
     await store.commit({
-      tensors: { layout: this.layout, tensors: engine.getTensors() },
+      tensors: { layout: this.layout, tensors: await engine.getTensors() },
       progress: this.progress,
       history: this.history,
       round: undefined,
@@ -287,7 +287,7 @@ export class DeviceRunner {
     const { train, val } = this.examples.current().count ? this.split() : { train: NO_SAMPLES, val: NO_SAMPLES };
     if (task.base_url) {
       const final = decodeSafetensors(await client.bytes(task.base_url), 'the final base').tensors;
-      const kept = engine.getTensors();
+      const kept = await engine.getTensors();
       const poisoned = nonfiniteNames(final);
       let why = poisoned.length ? `holds NaN or Inf in ${JSON.stringify(poisoned[0])}` : null;
       if (why === null) {
@@ -296,7 +296,7 @@ export class DeviceRunner {
         const loss = divergence(result.count ? [result.lossSum / result.count] : [], {}, manifest.num_classes, contract.divergence.loss_factor);
         why = loss && `gives a held-out ${loss}`;
       }
-      if (why === null) await this.store.commit({ tensors: { layout: this.layout, tensors: engine.getTensors() } });
+      if (why === null) await this.store.commit({ tensors: { layout: this.layout, tensors: await engine.getTensors() } });
       else {
         engine.setTensors(kept);
         events.problem(new DeviceError(`the final base ${why}: kept ${this.kept()} as this device's model`, 'ask the operator to check the server\'s model'));

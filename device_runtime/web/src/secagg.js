@@ -53,6 +53,11 @@ export class SecAggError extends Error {
 }
 
 /** @returns {SubtleCrypto} */
+/** Bytes as WebCrypto's BufferSource (TypeScript's lib types a view of any buffer apart; WebCrypto takes it). @param {Uint8Array} bytes */
+function source(bytes) {
+  return /** @type {BufferSource} */ (/** @type {unknown} */ (bytes));
+}
+
 function subtle() {
   if (!globalThis.crypto?.subtle) throw new SecAggError('secure aggregation needs WebCrypto, which browsers offer only on https pages (and localhost)', 'open the page over https');
   return globalThis.crypto.subtle;
@@ -111,7 +116,7 @@ function lengthPrefixed(parts) {
 
 /** @param {Uint8Array} bytes */
 async function sha256(bytes) {
-  return new Uint8Array(await subtle().digest('SHA-256', bytes));
+  return new Uint8Array(await subtle().digest('SHA-256', source(bytes)));
 }
 
 /** @param {Uint8Array} bytes */
@@ -128,14 +133,14 @@ export function info(purpose, context, ...parties) {
 
 /** HKDF-SHA256 of a secret to 32 bytes bound to purpose, context and devices. @param {Uint8Array} secret @param {string} purpose @param {string} context @param {...string} parties */
 export async function derive(secret, purpose, context, ...parties) {
-  const key = await subtle().importKey('raw', secret, 'HKDF', false, ['deriveBits']);
+  const key = await subtle().importKey('raw', source(secret), 'HKDF', false, ['deriveBits']);
   const salt = await sha256(encoder.encode(VERSION));
   return new Uint8Array(await subtle().deriveBits({ name: 'HKDF', hash: 'SHA-256', salt, info: info(purpose, context, ...parties) }, key, 256));
 }
 
 /** @param {Uint8Array} privateKey */
 async function importPrivate(privateKey, extractable = false) {
-  return subtle().importKey('pkcs8', concat(PKCS8_X25519, privateKey), { name: 'X25519' }, extractable, ['deriveBits']);
+  return subtle().importKey('pkcs8', source(concat(PKCS8_X25519, privateKey)), { name: 'X25519' }, extractable, ['deriveBits']);
 }
 
 /** The raw X25519 public key of 32 raw private-key bytes. @param {Uint8Array} privateKey */
@@ -147,7 +152,7 @@ export async function publicKey(privateKey) {
 /** X25519 shared secret; a malformed or low-order peer key is one SecAggError. @param {Uint8Array} privateKey @param {Uint8Array} peerKey @param {string} peer */
 export async function agree(privateKey, peerKey, peer) {
   try {
-    const publicKey = await subtle().importKey('raw', peerKey, { name: 'X25519' }, false, []);
+    const publicKey = await subtle().importKey('raw', source(peerKey), { name: 'X25519' }, false, []);
     return new Uint8Array(await subtle().deriveBits({ name: 'X25519', public: publicKey }, await importPrivate(privateKey), 256));
   } catch {
     throw new SecAggError(`device ${JSON.stringify(peer)} advertised a malformed or low-order X25519 public key`, 'advertise a key made by X25519 key generation');
@@ -157,15 +162,15 @@ export async function agree(privateKey, peerKey, peer) {
 /** AES-256-GCM: random nonce || ciphertext || tag. @param {Uint8Array} key @param {Uint8Array} plaintext @param {Uint8Array} associated @param {RandomBytes} randomBytes */
 export async function encrypt(key, plaintext, associated, randomBytes) {
   const nonce = randomBytes(NONCE_BYTES);
-  const aes = await subtle().importKey('raw', key, 'AES-GCM', false, ['encrypt']);
-  return concat(nonce, new Uint8Array(await subtle().encrypt({ name: 'AES-GCM', iv: nonce, additionalData: associated }, aes, plaintext)));
+  const aes = await subtle().importKey('raw', source(key), 'AES-GCM', false, ['encrypt']);
+  return concat(nonce, new Uint8Array(await subtle().encrypt({ name: 'AES-GCM', iv: source(nonce), additionalData: source(associated) }, aes, source(plaintext))));
 }
 
 /** @param {Uint8Array} key @param {Uint8Array} sealed @param {Uint8Array} associated @param {string} what */
 export async function decrypt(key, sealed, associated, what) {
   try {
-    const aes = await subtle().importKey('raw', key, 'AES-GCM', false, ['decrypt']);
-    return new Uint8Array(await subtle().decrypt({ name: 'AES-GCM', iv: sealed.subarray(0, NONCE_BYTES), additionalData: associated }, aes, sealed.subarray(NONCE_BYTES)));
+    const aes = await subtle().importKey('raw', source(key), 'AES-GCM', false, ['decrypt']);
+    return new Uint8Array(await subtle().decrypt({ name: 'AES-GCM', iv: source(sealed.subarray(0, NONCE_BYTES)), additionalData: source(associated) }, aes, source(sealed.subarray(NONCE_BYTES))));
   } catch {
     throw new SecAggError(`${what} does not decrypt (wrong key, sender, recipient or round, or altered in transit)`, 'the server must route each device\'s shares unchanged');
   }
@@ -176,7 +181,7 @@ export async function decrypt(key, sealed, associated, what) {
 /** `length` ring elements < 2^bits: AES-256-CTR keystream of the seed from a zero 128-bit counter, little-endian words. @param {Uint8Array} seed @param {number} length */
 export async function maskVector(seed, length, bits = 32) {
   if (seed.length !== 32) throw new SecAggError(`a mask seed has ${seed.length} bytes, not 32`, 'derive seeds with HKDF-SHA256');
-  const key = await subtle().importKey('raw', seed, 'AES-CTR', false, ['encrypt']);
+  const key = await subtle().importKey('raw', source(seed), 'AES-CTR', false, ['encrypt']);
   const stream = await subtle().encrypt({ name: 'AES-CTR', counter: new Uint8Array(16), length: 128 }, key, new Uint8Array(4 * length));
   let words;
   if (LITTLE_ENDIAN) words = new Uint32Array(stream);

@@ -74,6 +74,12 @@ export function showDevice(/** @type {string} */ text) {
   $('device').textContent = text;
 }
 
+/** Where the page trains: the processor or the GPU (backend.js backendLine), for people and the browser test. */
+export function showBackend(/** @type {string} */ name, /** @type {string} */ line) {
+  document.body.dataset.backend = name;
+  $('backend').textContent = line;
+}
+
 /**
  * The examples section: the model's classes with how many examples of each, and the pickers that add more
  * (each addition committed to the store). Returns the round loop's source of examples.

@@ -75,7 +75,7 @@ test("split and a whole fedalt round equal the Python device's", { skip: NEEDS_F
   // gradient differently (3.7e-4 on a 1.3e-2 update of conv1.0.weight, every other channel within 1e-8),
   // so the final tensors are held to 1e-3: a wrong batch order, phase or set moves them by ~1e-2.
   const after = fixtureTensors('round_after.safetensors');
-  const got = engine.getTensors();
+  const got = await engine.getTensors();
   for (const name of Object.keys(after)) {
     const diff = maxAbsDiff(got[name].data, after[name].data);
     assert.ok(diff <= 1e-3, `${name} differs from the Python round by ${diff}`);
@@ -88,12 +88,12 @@ test("recomputed BatchNorm statistics equal the Python device's, and no weight m
   const data = fixtureTensors('round_data.safetensors');
   const engine = await openEngine(ort, manifest, files);
   engine.setTensors(fixtureTensors('round_after.safetensors'));
-  const before = engine.getTensors();
+  const before = await engine.getTensors();
   const train = { x: data.x_train.data, y: Int32Array.from(data.y_train.data, Number), count: data.y_train.shape[0] };
   const used = await recomputeStatistics(engine, train, expected().round_settings.batch_size);
   assert.equal(used, train.count - (train.count % expected().round_settings.batch_size));
   const want = fixtureTensors('recomputed.safetensors');
-  const got = engine.getTensors();
+  const got = await engine.getTensors();
   const stats = Object.keys(engine.statisticsMomenta());
   assert.ok(stats.length > 0);
   for (const name of Object.keys(want)) {
@@ -110,7 +110,7 @@ test("recomputed BatchNorm statistics equal the Python device's, and no weight m
   const base = Object.fromEntries(travellingNames(manifest, {}).map((name) => [name, before[name]]));
   engine.setTensors(before);
   await receive(fixtureContract(), engine, base, train, { batch_size: 8, recompute_bn: false });
-  for (const name of stats) assert.deepEqual(engine.getTensors([name])[name].data, before[name].data);
+  for (const name of stats) assert.deepEqual((await engine.getTensors([name]))[name].data, before[name].data);
   await receive(fixtureContract(), engine, base, train, { batch_size: 8 });
-  for (const name of stats) assert.ok(maxAbsDiff(engine.getTensors([name])[name].data, want[name].data) <= 1e-5 * Math.max(1, ...Array.from(want[name].data, Math.abs)));
+  for (const name of stats) assert.ok(maxAbsDiff((await engine.getTensors([name]))[name].data, want[name].data) <= 1e-5 * Math.max(1, ...Array.from(want[name].data, Math.abs)));
 });

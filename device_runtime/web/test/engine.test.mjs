@@ -33,7 +33,7 @@ test('full steps (a padded short batch, then a full one) equal Python for every 
   ];
   assert.ok(maxAbsDiff(losses, want.full_losses) <= TOLERANCE, `losses ${losses} vs ${want.full_losses}`);
   const after = fixtureTensors('full_after.safetensors');
-  assertTensorsClose(engine.getTensors(), after, 'full');
+  assertTensorsClose(await engine.getTensors(), after, 'full');
   const initial = fixtureTensors('bundle/portable/initial.safetensors');
   // conv biases feeding BatchNorm get no gradient; every weight does
   for (const name of engine.namesByRole('base').filter((n) => n.endsWith('.weight'))) {
@@ -51,7 +51,7 @@ test('a personal step equals Python and leaves the base bit-identical', { skip: 
   const want = expected();
   const loss = await engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], want.lr, 'personal');
   assert.ok(Math.abs(loss - want.personal_loss) <= TOLERANCE);
-  const got = engine.getTensors();
+  const got = await engine.getTensors();
   assertTensorsClose(got, fixtureTensors('personal_after.safetensors'), 'personal');
   const initial = fixtureTensors('bundle/portable/initial.safetensors');
   for (const name of engine.namesByRole('base')) assert.deepEqual(got[name].data, initial[name].data, `${name} frozen`);
@@ -71,20 +71,20 @@ test('from the third step on the same base the personal step runs its frozen var
   const losses = await personalSteps(engine, feeds, want.lr, [1, 2, 1, 2]);
   assert.equal(engine.variantSteps, 2, 'steps 3 and 4 ran the variant');
   assert.ok(maxAbsDiff(losses, [want.personal_loss, ...want.personal_more_losses]) <= TOLERANCE, `losses ${losses}`);
-  const got = engine.getTensors();
+  const got = await engine.getTensors();
   assertTensorsClose(got, fixtureTensors('personal_baked_after.safetensors'), 'personal, baked');
   const initial = fixtureTensors('bundle/portable/initial.safetensors');
   for (const name of engine.namesByRole('base')) assert.deepEqual(got[name].data, initial[name].data, `${name} frozen`);
 
   // a new base (as a round delivers) is not the one the variant was built on: two plain steps, then a new variant
-  const base = engine.getTensors(engine.namesByRole('base'));
+  const base = await engine.getTensors(engine.namesByRole('base'));
   for (const t of Object.values(base)) t.data.forEach((v, i) => { t.data[i] = v * 0.5; });
   engine.setTensors(base);
   await personalSteps(engine, feeds, want.lr, [1, 2]);
   assert.equal(engine.variantSteps, 2, 'no variant on a changed base before two plain steps');
   await personalSteps(engine, feeds, want.lr, [1]);
   assert.equal(engine.variantSteps, 3, 'rebuilt on the new base');
-  const after = engine.getTensors(engine.namesByRole('base'));
+  const after = await engine.getTensors(engine.namesByRole('base'));
   for (const name of Object.keys(base)) assert.deepEqual(after[name].data, base[name].data, `${name} is the received base`);
   await engine.release();
 });
@@ -102,7 +102,7 @@ test('without its frozen variants (not downloaded, or bakeFrozen false) the engi
     const losses = await personalSteps(engine, feeds, want.lr, [1, 2, 1, 2]);
     assert.equal(engine.variantSteps, 0);
     assert.ok(maxAbsDiff(losses, [want.personal_loss, ...want.personal_more_losses]) <= TOLERANCE, `losses ${losses}`);
-    assertTensorsClose(engine.getTensors(), fixtureTensors('personal_baked_after.safetensors'), 'personal, plain');
+    assertTensorsClose(await engine.getTensors(), fixtureTensors('personal_baked_after.safetensors'), 'personal, plain');
   }
 });
 
@@ -140,11 +140,11 @@ test('roles, trainable sets and tensor checks follow the manifest', { skip: NEED
   assert.deepEqual(engine.namesByRole('personal'), manifest.tensors.filter((t) => t.role === 'personal').map((t) => t.name));
   assert.ok(engine.namesByRole('buffer').every((n) => n.includes('running_')));
   const [name] = engine.namesByRole('personal');
-  const copy = engine.getTensors([name]);
+  const copy = await engine.getTensors([name]);
   copy[name].data.fill(0.25);
-  assert.notEqual(engine.getTensors([name])[name].data[0], 0.25, 'getTensors returns copies');
+  assert.notEqual((await engine.getTensors([name]))[name].data[0], 0.25, 'getTensors returns copies');
   engine.setTensors(copy);
-  assert.equal(engine.getTensors([name])[name].data[0], 0.25);
+  assert.equal((await engine.getTensors([name]))[name].data[0], 0.25);
   const shape = copy[name].shape;
   assert.throws(() => engine.setTensors({ nope: copy[name] }), /unknown tensor\(s\) nope/);
   assert.throws(() => engine.setTensors({ [name]: { ...copy[name], shape: [...shape, 1] } }), /has shape/);
@@ -172,4 +172,30 @@ test('a bundle file that does not match the manifest sha256 is refused', { skip:
   await assert.rejects(openEngine(ort, manifest, files), new RegExp(`bundle file ${graph} has sha256`));
   files.delete(graph);
   await assert.rejects(openEngine(ort, manifest, files), new RegExp(`bundle file ${graph} was not loaded`));
+});
+
+test('asked for WebGPU where there is none (Node), each graph runs on WebAssembly with the reason and the same numbers', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  const heard = [];
+  const engine = await openEngine(ort, manifest, files, { threads: 1, backend: 'webgpu', onPlacement: (path, placement) => heard.push([path, placement]) });
+  const feeds = fixtureTensors('feeds.safetensors');
+  const want = expected();
+  const loss = await engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], want.lr, 'personal');
+  assert.ok(Math.abs(loss - want.personal_loss) <= TOLERANCE);
+  assertTensorsClose(await engine.getTensors(), fixtureTensors('personal_after.safetensors'), 'personal');
+  const step = manifest.engines.portable.steps.personal.model;
+  assert.deepEqual(heard.map(([path]) => path), [step]);
+  assert.equal(engine.placements.get(step).backend, 'wasm');
+  assert.match(engine.placements.get(step).reason, /did not place every node on WebGPU/);
+});
+
+test("a graph the exporter found problems in is not tried on WebGPU: the problems are the reason", { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files } = fixtureBundle();
+  manifest.engines.portable.eval.webgpu_problems = ['node n (LogSoftmax): no WebGPU kernel'];
+  const engine = await openEngine(ort, manifest, files, { threads: 1, backend: 'webgpu' });
+  const feeds = fixtureTensors('feeds.safetensors');
+  const result = await engine.evaluate(feeds.xe.data, feeds.ye.data, feeds.ye.shape[0]);
+  assert.equal(result.correct, expected().eval_initial.correct);
+  assert.deepEqual(engine.placements.get(manifest.engines.portable.eval.model), { backend: 'wasm', reason: 'node n (LogSoftmax): no WebGPU kernel' });
+  await assert.rejects(openEngine(ort, manifest, files, { backend: 'cuda' }), /unknown back end "cuda"/);
 });

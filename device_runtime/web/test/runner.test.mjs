@@ -24,7 +24,7 @@ async function device({ tasks, store = memoryStore(), base = null, upload = null
   const engine = await openEngine(ort, manifest, files);
   const saved = await store.get('tensors', 'progress', 'history');
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
-  const initial = engine.getTensors();
+  const initial = await engine.getTensors();
   const server = fakeServer(tasks, base || encodeSafetensors(pick(initial, travellingNames(manifest, {}))), upload);
   const calls = [];
   const events = new Proxy({}, { get: (_, name) => (...args) => calls.push([name, ...args]) });
@@ -114,8 +114,9 @@ test('a round trains, commits its tensors with the upload, uploads once and repo
   const progress = store.kv.get('progress');
   assert.deepEqual([progress.lastCompletedRound, progress.lastUploadedRound, progress.pending], [1, 1, null]);
   assert.deepEqual(store.kv.get('history').map((r) => [r.round, r.upload]), [[1, 'delivered']]);
-  assertSameTensors(store.kv.get('tensors').tensors, engine.getTensors());
-  assert.ok(travellingNames(manifest, {}).some((name) => engine.getTensors([name])[name].data.some((v, i) => v !== initial[name].data[i])), 'the base trained');
+  assertSameTensors(store.kv.get('tensors').tensors, await engine.getTensors());
+  const trained = await engine.getTensors();
+  assert.ok(travellingNames(manifest, {}).some((name) => trained[name].data.some((v, i) => v !== initial[name].data[i])), 'the base trained');
   assert.ok(!store.kv.has('round'), 'no round is left in progress');
   const stages = said('stage').map(([name]) => name);
   assert.deepEqual(stages.filter((s, i) => s !== stages[i - 1]), ['training', 'uploading', 'waiting', 'done']);
@@ -128,7 +129,7 @@ test('a round trains, commits its tensors with the upload, uploads once and repo
 test('a base holding NaN is refused: nothing is committed or sent, the model stays, the device waits', { skip: NEEDS_FIXTURES }, async () => {
   const { manifest, files } = fixtureBundle();
   const names = travellingNames(manifest, {});
-  const poisoned = pick((await openEngine(ort, manifest, files)).getTensors(), names);
+  const poisoned = pick(await (await openEngine(ort, manifest, files)).getTensors(), names);
   poisoned[names[1]].data[3] = NaN;
   const tasks = [{ action: 'train', round: 1 }, { action: 'train', round: 1 }, { action: 'wait', round: null }];
   const { runner, engine, initial, server, store, said } = await device({ tasks, base: encodeSafetensors(poisoned) });
@@ -136,7 +137,7 @@ test('a base holding NaN is refused: nothing is committed or sent, the model sta
   assert.deepEqual(server.fetched, ['/v1/rounds/1/base'], 'the refused round is not fetched again');
   assert.deepEqual([server.uploads.length, server.metrics.length], [0, 0]);
   assert.deepEqual([...store.kv.keys()], [], 'nothing saved');
-  assertSameTensors(engine.getTensors(), initial);
+  assertSameTensors(await engine.getTensors(), initial);
   const [problem] = said('problem').map(([err]) => err);
   assert.ok(problem instanceof DeviceError && problem.fix, String(problem));
   assert.match(problem.problem, new RegExp(`^the base of round 1 holds NaN or Inf in "${names[1].replaceAll('.', '\\.')}": kept the model this page held and skipped the round$`));
@@ -147,7 +148,7 @@ test('a diverged round (an absurd lr) is rolled back to the tensors before it: n
   const tasks = [{ action: 'train', round: 1, settings: { ...SETTINGS, lr: 1e9 } }, { action: 'train', round: 2 }];
   const first = await device({ tasks: tasks.slice(0, 1) });
   await first.runner.run();
-  assertSameTensors(first.engine.getTensors(), first.initial);
+  assertSameTensors(await first.engine.getTensors(), first.initial);
   assert.deepEqual([first.server.uploads.length, first.server.metrics.length], [0, 0]);
   assert.deepEqual([...first.store.kv.keys()], [], 'nothing saved: no tensors, no progress, no pending upload');
   const [problem] = first.said('problem').map(([err]) => err);
@@ -200,7 +201,7 @@ test('a pending upload is re-sent from its saved bytes after a reload, and the r
   assert.deepEqual(pending.payload, first.server.uploads[0].payload, 'the bytes sent are the bytes saved');
   // the page is opened again: a new engine from the saved tensors, the same store
   const again = await device({ tasks: [{ action: 'train', round: 1 }], store: first.store });
-  assertSameTensors(again.engine.getTensors(), first.engine.getTensors());
+  assertSameTensors(await again.engine.getTensors(), await first.engine.getTensors());
   await again.runner.run();
   assert.deepEqual(again.server.fetched, [], 'round 1 is not trained twice');
   assert.equal(again.server.uploads.length, 1);

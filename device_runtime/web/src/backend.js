@@ -1,0 +1,68 @@
+// @ts-check
+// Where the page trains: on the GPU through onnxruntime-web's WebGPU back end where the browser gives a WebGPU
+// adapter, else on the processor through WebAssembly; the onnxruntime-web build that carries it; the line that
+// says so. Which graphs the GPU then takes whole is the engine's business (engine.js openSession).
+
+import { EngineError } from './engine.js';
+
+/** @typedef {import('./engine.js').Backend} Backend */
+/** @typedef {import('./engine.js').Placement} Placement */
+/** The back end chosen for this page. @typedef {{name: 'webgpu', adapter: string} | {name: 'wasm', reason: string}} Choice */
+/** The part of navigator.gpu the page uses. @typedef {{requestAdapter: () => Promise<{info?: AdapterInfo} | null>}} Gpu */
+/** What a browser tells of its adapter. @typedef {{vendor?: string, architecture?: string, description?: string}} AdapterInfo */
+
+export const BACKENDS = ['auto', 'webgpu', 'wasm'];
+/** @type {Record<Backend, string>} */
+const RUNTIMES = { webgpu: 'ort.webgpu.min.mjs', wasm: 'ort.wasm.min.mjs' }; // the WebGPU build also runs wasm sessions
+
+/** The back end a page asks for with `?backend=auto|webgpu|wasm` (default auto). @param {string} search @returns {string} */
+export function requestedBackend(search) {
+  const value = new URLSearchParams(search).get('backend') || 'auto';
+  if (!BACKENDS.includes(value)) throw new EngineError(`?backend=${value} is not a back end`, `use one of ${BACKENDS.join(', ')}`);
+  return value;
+}
+
+/**
+ * {name: 'webgpu', adapter} where WebGPU is asked for or left to choose ('auto') and `gpu` (navigator.gpu) gives an
+ * adapter; else {name: 'wasm', reason}.
+ * @param {Gpu | undefined} gpu
+ * @returns {Promise<Choice>}
+ */
+export async function chooseBackend(gpu, requested = 'auto') {
+  if (requested === 'wasm') return { name: 'wasm', reason: 'WebAssembly was asked for' };
+  if (!gpu) return { name: 'wasm', reason: 'this browser has no WebGPU' };
+  let adapter = null;
+  try {
+    adapter = await gpu.requestAdapter();
+  } catch {
+    adapter = null; // a browser that refuses (blocklisted GPU, policy) trains on the processor all the same
+  }
+  if (!adapter) return { name: 'wasm', reason: 'the browser gives no WebGPU adapter' };
+  return { name: 'webgpu', adapter: adapterName(adapter.info) };
+}
+
+/** The adapter as people know it: vendor, architecture and description where the browser tells them. */
+export function adapterName(/** @type {AdapterInfo | undefined} */ info) {
+  const parts = [info && info.vendor, info && info.architecture, info && info.description].filter(Boolean);
+  return [...new Set(parts)].join(' ') || 'unnamed adapter';
+}
+
+/**
+ * Import the onnxruntime-web build that carries `backend` from `vendor` (a folder URL), its wasm files beside it.
+ * @param {Backend} backend
+ * @param {URL} vendor
+ * @returns {Promise<import('./engine.js').Ort>}
+ */
+export async function loadRuntime(backend, vendor) {
+  const ort = await import(new URL(RUNTIMES[backend], vendor).href);
+  ort.env.wasm.wasmPaths = new URL(vendor).href;
+  return ort;
+}
+
+/** The page's line about the back end: where it trains, and each graph refused by the GPU with its reason. */
+export function backendLine(/** @type {Choice} */ backend, /** @type {Map<string, Placement>} */ placements = new Map()) {
+  if (backend.name !== 'webgpu') return `Training on the processor (WebAssembly${backend.reason ? `: ${backend.reason}` : ''}).`;
+  const refused = [...placements].filter(([, placement]) => placement.backend !== 'webgpu');
+  const line = `Training on the GPU (WebGPU: ${backend.adapter}).`;
+  return refused.length ? `${line} On the processor instead: ${refused.map(([graph, p]) => `${graph} (${p.reason})`).join('; ')}.` : line;
+}

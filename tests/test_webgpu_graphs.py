@@ -1,0 +1,150 @@
+"""The portable graphs a browser's GPU can run whole: no int64 labels, no LogSoftmax, no scatter, and the exporter's
+check that names a node it could not (tests/test_web_browser.py checks the placement in a real browser)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+
+from edgepfl.export.webgpu import MAX_LISTED, webgpu_problems  # noqa: E402
+
+
+def _model(nodes, inputs, outputs, initializers=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_the_check_names_each_node_the_gpu_would_leave_to_the_cpu_and_why():
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 3])
+    nodes = [
+        helper.make_node("LogSoftmax", ["logits"], ["logp"], name="loss_log_softmax", axis=1),
+        helper.make_node("ArgMax", ["logits"], ["best"], name="pick", axis=1),
+        helper.make_node("Cast", ["logits"], ["wide"], name="widen", to=TensorProto.DOUBLE),
+        helper.make_node("Reshape", ["logits", "shape"], ["flat"], name="flatten"),  # an int64 shape input is fine
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logp", TensorProto.FLOAT, [4, 3]),
+        helper.make_tensor_value_info("best", TensorProto.INT64, [4, 1]),
+        helper.make_tensor_value_info("wide", TensorProto.DOUBLE, [4, 3]),
+        helper.make_tensor_value_info("flat", TensorProto.FLOAT, [12]),
+    ]
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [12])
+    problems = webgpu_problems(_model(nodes, [logits], outputs, [shape]))
+    assert problems == [
+        "node loss_log_softmax (LogSoftmax): no WebGPU kernel",
+        "node pick (ArgMax): best is int64, which no WebGPU kernel takes",
+        "node widen (Cast): wide is float64, which no WebGPU kernel takes",
+    ]
+    dynamic = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])
+    relu = [helper.make_node("Relu", ["x"], ["y"], name=f"relu{i}") for i in range(1)]
+    assert webgpu_problems(_model(relu, [dynamic], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])) == [
+        "input x has no fixed shape"
+    ]
+    many = [helper.make_node("LogSoftmax", ["logits"], [f"o{i}"], name=f"n{i}") for i in range(MAX_LISTED + 2)]
+    listed = webgpu_problems(_model(many, [logits], [helper.make_tensor_value_info("o0", TensorProto.FLOAT, [4, 3])]))
+    assert len(listed) == MAX_LISTED + 1 and listed[-1] == "and 2 more"
+
+
+def test_the_cnn_bundle_has_int32_labels_and_no_graph_with_a_known_webgpu_problem(bundle_factory):
+    bundle = bundle_factory("cnn", 2, engines=("portable",), norm="batch")
+    entry = json.loads((bundle / "manifest.json").read_text())["engines"]["portable"]
+    assert entry["label_dtype"] == "int32"
+    graphs = [entry["eval"], *entry["steps"].values(), *(s["frozen"] for s in entry["steps"].values() if "frozen" in s)]
+    assert len(graphs) == 6
+    for graph in graphs:
+        assert graph["webgpu_problems"] == [], graph["model"]
+        proto = onnx.load(str(bundle / graph["model"]), load_external_data=False)
+        assert webgpu_problems(proto) == []
+        ops = {node.op_type for node in proto.graph.node}
+        assert not ops & {"LogSoftmax", "ScatterElements", "GatherElements", "ArgMax", "MaxPool"}, graph["model"]
+
+
+def test_a_mobilenet_step_has_no_known_webgpu_problem():
+    torch = pytest.importorskip("torch")
+    from edgepfl.export import portable
+    from edgepfl.export.models import ModelSpec, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(name="mobilenet", width=0.25))
+    params = [n for n, _ in model.named_parameters()]
+    buffers = [n for n, _ in model.named_buffers() if not n.endswith("num_batches_tracked")]
+    proto = portable.export_step(portable.MaskedModel(model), params, buffers, params, batch_size=4)
+    assert webgpu_problems(proto) == []
+
+
+def test_the_export_notes_each_graph_browsers_train_on_webassembly():
+    from edgepfl.export.bundle import _webgpu_notes
+
+    entry = {
+        "steps": {"full": {"webgpu_problems": ["node a (LogSoftmax): no WebGPU kernel", "and 1 more"]}, "personal": {}},
+        "eval": {"webgpu_problems": []},
+    }
+    assert _webgpu_notes(entry) == [
+        "note: browsers train step_full on WebAssembly, not the GPU: node a (LogSoftmax): no WebGPU kernel"
+    ]
+
+
+def test_cross_entropy_and_correct_count_equal_pytorch_ties_included():
+    torch = pytest.importorskip("torch")
+    from edgepfl.export.crossentropy import correct_count, cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 5, dtype=torch.float64, generator=generator) * 30  # far apart, as trained logits are
+    logits[3] = 0.0  # a row of ties: argmax picks class 0
+    logits[4, 1] = logits[4, 3] = logits[4].max() + 1  # two tied maxima: the first one counts
+    y = torch.tensor([0, 1, 2, 0, 3, 4, 0, 1, 2, 3, 4, 0], dtype=torch.int32)
+    w = torch.ones(12, dtype=torch.float64)
+    w[-2:] = 0  # padding
+    leaf = logits.clone().requires_grad_()
+    ours = cross_entropy(leaf, y)
+    ours.sum().backward()
+    reference = leaf.detach().clone().requires_grad_()
+    theirs = torch.nn.functional.cross_entropy(reference, y.long(), reduction="none")
+    theirs.sum().backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-12, atol=1e-12)
+    expected = ((logits.argmax(1) == y.long()) & (w > 0)).sum()
+    assert correct_count(logits, y, w).dtype == torch.float32 and int(correct_count(logits, y, w)) == int(expected)
+
+
+@pytest.mark.parametrize("kernel", [2, 3])
+def test_a_tiling_max_pool_and_its_backward_equal_pytorch_ties_included(kernel):
+    torch = pytest.importorskip("torch")
+    from edgepfl.export.decompositions import _max_pool, _max_pool_backward
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 2 * kernel, 3 * kernel, dtype=torch.float64, generator=generator)
+    x[0, 0, :kernel, :kernel] = 0.5  # a window of ties: its gradient goes to its first element
+    x[1, 2] = torch.relu(x[1, 2])  # zeros from a ReLU, tied
+    leaf = x.clone().requires_grad_()
+    values, indices = torch.nn.functional.max_pool2d(leaf, kernel, return_indices=True)
+    grad_out = torch.randn(values.shape, dtype=torch.float64, generator=generator)
+    values.backward(grad_out)
+    ours, _ = _max_pool(x, [kernel, kernel], [kernel, kernel])
+    torch.testing.assert_close(ours, values.detach(), rtol=0, atol=0)
+    grad = _max_pool_backward(grad_out, x, [kernel, kernel], [kernel, kernel], [0, 0], [1, 1], False, indices)
+    torch.testing.assert_close(grad, leaf.grad, rtol=0, atol=0)
+    # an overlapping pool is left to the default decomposition
+    assert _max_pool(x, [3, 3], [2, 2]) is NotImplemented
+
+
+def test_labels_of_any_integer_type_reach_the_step_as_the_manifest_says(bundle_factory):
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.manifest import load_manifest
+
+    bundle = bundle_factory("cnn", 2, engines=("portable",), norm="batch")
+    manifest = load_manifest(bundle)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, *manifest.input.shape)).astype(np.float32)
+    y = rng.integers(0, manifest.num_classes, 5)
+    losses = []
+    for labels in (y.astype(np.int64), y.astype(np.int32), y.astype(np.uint8)):
+        engine = PortableEngine(bundle, manifest)
+        assert engine.label_dtype == np.int32
+        losses.append(engine.train_step(x, labels, 0.05))
+    assert losses[0] == losses[1] == losses[2]
