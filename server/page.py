@@ -69,6 +69,7 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
     if status.get("stopped"):
         head += f"<br>{html.escape(status['stopped'])}"
     add = f' <a class="add" href="{JOIN_PATH}">Add a device</a>' if add_device else ""
+    fleet = fleet_section(status, time.time())
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>edgepfl server</title><style>{PAGE_STYLE}</style>
@@ -76,10 +77,64 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
 <h1>edgepfl server</h1>
 <p>{head}</p>
 <p id="join">{html.escape(web_note)}{add}</p>
-<img alt="device accuracy per round" src="data:image/png;base64,{png}">
+{fleet}<img alt="device accuracy per round" src="data:image/png;base64,{png}">
 <div class="rounds">{_table(list(reversed(status["rounds"])))}</div>
 </body></html>
 """
+
+
+def fleet_section(status: dict[str, Any], now: float) -> str:
+    """What the round waits for: a sync round's missing devices and when it gives up, or FedBuff's base version,
+    buffer fill and each device's last staleness ("" when there is nothing to say)."""
+    buffered = status.get("fedbuff")
+    if buffered is not None:
+        head = (
+            f"FedBuff: base version <b>{buffered['base_version']}</b> · buffer {buffered['buffered']} / "
+            f"{buffered['buffer_size']} uploads · uploads over {buffered['max_staleness']} versions old are refused"
+        )
+        devices = sorted(buffered["devices"].items(), key=lambda item: (-item[1]["round"], item[0]))
+        rows = "".join(
+            f"<tr><td>{html.escape(name)}</td><td>{last['round']}</td><td>{last['staleness']}</td>"
+            f"<td>{last['applied'] if last['applied'] is not None else 'in the buffer'}</td></tr>"
+            for name, last in devices[:50]
+        )
+        more = f"<p>… and {len(devices) - 50} more devices</p>" if len(devices) > 50 else ""
+        table = (
+            '<div class="rounds"><table><tr><th>device</th><th>last trained on version</th><th>staleness</th>'
+            f"<th>applied in step</th></tr>{rows}</table></div>{more}"
+            if devices
+            else ""
+        )
+        return f'<div id="fleet"><p>{head}</p>{table}</div>\n'
+    open_round = status.get("open_round")
+    if open_round is None:
+        return ""
+    missing = open_round["missing"]
+    waiting = (
+        f"waiting for {', '.join(html.escape(name) for name in missing[:20])}"
+        + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+        if missing
+        else "every sampled device has uploaded"
+    )
+    left = open_round["gives_up_at"] - now
+    when = time.strftime("%H:%M:%S", time.localtime(open_round["gives_up_at"]))
+    gives_up = f"gives up at {when} (in {_duration(left)})" if left > 0 else f"gave up at {when}"
+    refused = open_round["refused"]
+    refusals = f" · refused its base: {', '.join(html.escape(name) for name in refused)}" if refused else ""
+    return (
+        f'<p id="fleet">Round <b>{open_round["round"]}</b>: {open_round["uploads"]} of the {open_round["target"]} '
+        f"uploads it needs · {waiting} · {gives_up}{refusals}</p>\n"
+    )
+
+
+def _duration(seconds: float) -> str:
+    """A wait as people say it: 45 s, 4 min, 2 h 5 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds // 3600} h {round(seconds % 3600 / 60)} min"
 
 
 def render_join_page(url: str, note: str, form: bool = True) -> str:

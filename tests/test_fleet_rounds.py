@@ -4,6 +4,7 @@ back; the simulated fleet's spec and clock."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
 from edgepfl.server.fleet import staleness_exponent
+from edgepfl.server.page import fleet_section, render_page
 from edgepfl.server.strategies import strategy_options
 from edgepfl.simulate.fleet import Fleet, FleetSpec
 from edgepfl.wire import decode_tensors
@@ -79,6 +81,12 @@ def test_the_status_names_who_is_missing_and_when_the_round_gives_up(tmp_path: P
     engine.accept_update(record.sampled[0], 1, shifted(engine, record.sampled[0], 1, 1.0))
     status = engine.status()["open_round"]
     assert status["missing"] == list(record.sampled[1:]) and status["gives_up_at"] == record.deadline
+    # the status page says it in words: who the round waits for, and when it gives up
+    line = fleet_section(engine.status(), record.deadline - 240)
+    when = time.strftime("%H:%M:%S", time.localtime(record.deadline))
+    assert f"1 of the {record.needed} uploads it needs" in line and f"gives up at {when} (in 4 min)" in line
+    assert "waiting for " + ", ".join(record.sampled[1:]) in line
+    assert "gave up at" in fleet_section(engine.status(), record.deadline + 1)
 
 
 # FedBuff
@@ -114,6 +122,9 @@ def test_fedbuff_steps_every_k_uploads_weighting_each_by_its_staleness(tmp_path:
     status = engine.status()["fedbuff"]
     assert status["base_version"] == 3 and status["buffered"] == 0
     assert status["devices"]["d1"] == {"round": 1, "staleness": 1, "applied": 2}
+    page = render_page(engine.status())
+    assert "FedBuff: base version <b>3</b> · buffer 0 / 2 uploads" in page
+    assert "<tr><td>d1</td><td>1</td><td>1</td><td>2</td></tr>" in page
 
 
 def test_fedbuff_refuses_an_upload_trained_on_a_base_too_many_steps_old(tmp_path: Path) -> None:
