@@ -83,7 +83,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
         self.uploads = RoundUploads(store, self.specs, bounds, self.settings_for)
         self.downloads = Downloads(store.blobs)
-        self.retention = History(store, config.history)
+        self.retention = History(store, config.fleet_rounds.retained(config.history))
         self.dp = config.privacy.dp_config()  # DP-FedAvg settings (None: off)
         self.budget: PrivacyBudget | None = None  # what a DP run has spent (bind_state binds it)
         # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)

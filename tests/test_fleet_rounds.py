@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from server_helpers import enroll, make_bundle, upload_body
+from test_server_uploads_dp import delta_body
 
 from edgepfl.errors import UsageError
 from edgepfl.options import validated
@@ -125,6 +126,44 @@ def test_fedbuff_steps_every_k_uploads_weighting_each_by_its_staleness(tmp_path:
     page = render_page(engine.status())
     assert "FedBuff: base version <b>3</b> · buffer 0 / 2 uploads" in page
     assert "<tr><td>d1</td><td>1</td><td>1</td><td>2</td></tr>" in page
+
+
+def test_fedbuff_takes_encoded_deltas_against_the_version_each_trained_on(tmp_path: Path) -> None:
+    engine, _ = fedbuff(tmp_path, upload_encoding="fp16", staleness_weight="const", server_lr=1.0)
+    for device in ("d0", "d1", "d2"):
+        engine.task(device)
+    start = engine.global_base()
+
+    def delta_upload(device: str, version: int, shift: float) -> bytes:
+        base = decode_tensors(engine.base_for(device, version)[0])
+        return delta_body({name: np.full_like(value, shift) for name, value in base.items()}, "fp16", engine.manifest)
+
+    engine.accept_update("d0", 1, delta_upload("d0", 1, 0.5))
+    engine.accept_update("d2", 1, delta_upload("d2", 1, 0.5))
+    engine.tick()
+    step_one = engine.global_base()
+    for name, value in start.items():
+        np.testing.assert_allclose(step_one[name], value + 0.5, rtol=1e-6)
+    engine.task("d0")
+    engine.accept_update("d1", 1, delta_upload("d1", 1, 1.0))  # one version stale: a delta against version 1
+    engine.accept_update("d0", 2, delta_upload("d0", 2, 3.0))
+    engine.tick()
+    for name, value in step_one.items():  # const weights: the mean of the two deltas, on the current base
+        np.testing.assert_allclose(engine.global_base()[name], value + 2.0, rtol=1e-6)
+
+
+def test_fedbuff_keeps_the_bases_a_stale_upload_may_still_quote_whatever_the_history(tmp_path: Path) -> None:
+    engine, _ = fedbuff(tmp_path, buffer_size=1, max_staleness=3, history=1)
+    engine.task("d0")
+    engine.accept_update("d0", 1, shifted(engine, "d0", 1, 1.0))
+    engine.tick()
+    assert engine.task("d1").round_id == 2  # trains on version 2, the first base that is not the initial one
+    late = shifted(engine, "d1", 2, 1.0)
+    for version in (2, 3, 4):
+        engine.task("d0")
+        engine.accept_update("d0", version, shifted(engine, "d0", version, 1.0))
+        engine.tick()
+    assert engine.accept_update("d1", 2, late)["accepted"]  # 3 steps old: its base is still there
 
 
 def test_fedbuff_refuses_an_upload_trained_on_a_base_too_many_steps_old(tmp_path: Path) -> None:
