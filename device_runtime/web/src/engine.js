@@ -339,6 +339,36 @@ export class Engine {
     return { lossSum, correct, count };
   }
 
+  /**
+   * Class probabilities (count x classes, float32, row by row) of the model on `count` pre-processed inputs, in
+   * inference mode: the eval graph's logits, softmax in float64 (engine.py predict). `held` (a `snapshot()`)
+   * predicts with the tensors held then instead of the current ones, e.g. while a round trains.
+   * @param {Float32Array} x
+   * @param {number} count
+   * @param {Map<string, OrtTensor>} [held]
+   */
+  async predict(x, count, held = this.state) {
+    const y = new Int32Array(count);
+    this.checkBatch(x, y, count);
+    const graph = this.entry.eval;
+    const session = await this.session('eval', graph.model);
+    const n = this.stateNames.length;
+    const classes = this.manifest.num_classes;
+    const probabilities = new Float32Array(count * classes);
+    for (let start = 0; start < count; start += this.batchSize) {
+      const chunk = Math.min(this.batchSize, count - start);
+      const feeds = this.feeds(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk, held);
+      const logits = /** @type {Float32Array} */ ((await session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data);
+      for (let row = 0; row < chunk; row++) probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
+    }
+    return probabilities;
+  }
+
+  /** The model's tensors as they are now, kept aside (no copy: a step replaces tensors, never writes into them). */
+  snapshot() {
+    return new Map(this.state);
+  }
+
   /** Free the sessions' wasm memory; the engine cannot be used afterwards. */
   async release() {
     for (const session of this.sessions.values()) await (await session).release();
@@ -377,11 +407,12 @@ export class Engine {
    * @param {Int32Array | BigInt64Array} y
    * @param {number} start
    * @param {number} count
+   * @param {Map<string, OrtTensor>} [state] the tensors to feed (the current ones by default)
    */
-  feeds(stateInputs, batchInputs, x, y, start, count) {
+  feeds(stateInputs, batchInputs, x, y, start, count, state = this.state) {
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
-    for (const [input, name] of stateInputs) feeds[input] = /** @type {OrtTensor} */ (this.state.get(name));
+    for (const [input, name] of stateInputs) feeds[input] = /** @type {OrtTensor} */ (state.get(name));
     const size = this.batchSize;
     const bx = new Float32Array(size * this.sampleSize);
     bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
@@ -415,6 +446,28 @@ export class Engine {
     }
     return created;
   }
+}
+
+/** Softmax of one row of logits, computed in float64 and rounded to float32 (engine.py softmax). */
+export function softmax(/** @type {ArrayLike<number>} */ logits) {
+  let max = -Infinity;
+  for (let i = 0; i < logits.length; i++) max = Math.max(max, logits[i]);
+  const exponentials = Float64Array.from(logits, (v) => Math.exp(v - max));
+  const total = exponentials.reduce((sum, v) => sum + v, 0);
+  return Float32Array.from(exponentials, (v) => v / total);
+}
+
+/**
+ * The `k` most likely classes of one row of probabilities, most likely first; ties: the lower class first
+ * (predict.py top_classes).
+ * @param {ArrayLike<number>} probabilities
+ * @param {string[]} names the classes' names (classNames(manifest))
+ * @param {number} k
+ * @returns {{index: number, name: string, probability: number}[]}
+ */
+export function topClasses(probabilities, names, k) {
+  const order = Array.from({ length: probabilities.length }, (_, i) => i).sort((a, b) => probabilities[b] - probabilities[a] || a - b);
+  return order.slice(0, Math.min(k, order.length)).map((index) => ({ index, name: names[index], probability: probabilities[index] }));
 }
 
 /** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */
