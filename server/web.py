@@ -46,6 +46,7 @@ VENDOR_FILES = {
     "fflate.mjs": "fflate/esm/browser.js",
 }
 PAGE_SUFFIXES = (".html", ".js", ".css")
+INFERENCE_MODEL = "model.onnx"  # the bundle's inference graph: the page writes the device's model file from it
 # the headless browser that tests/test_web_browser.py and bench/web.py drive the page in (Debian's chromium)
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = (
@@ -191,11 +192,13 @@ def vendor_files(runtime: WebRuntime) -> dict[str, StaticFile]:
 
 
 def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
-    """manifest.json and the portable engine's files (graphs, frozen variants, initial tensors) only."""
+    """manifest.json, the portable engine's files (graphs, frozen variants, initial tensors) and the inference
+    graph `model.onnx` (the page bakes the device's tensors into it for "save the model"), nothing else."""
     required, optional = engine.manifest.portable_files()
     folder = engine.config.bundle
     files = {MANIFEST_NAME: StaticFile(folder / MANIFEST_NAME, MEDIA_TYPES[".json"])}
-    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in [*required, *optional]})
+    names = [*required, *optional, *([INFERENCE_MODEL] if (folder / INFERENCE_MODEL).is_file() else [])]
+    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in names})
     return files
 
 
