@@ -157,14 +157,14 @@ export class Engine {
     return [...(hasBase || hasPersonal ? ['full'] : []), ...(hasPersonal ? ['personal'] : []), ...(hasBase ? ['base'] : [])];
   }
 
-  /** Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. */
-  getTensors(/** @type {readonly string[]} */ names = this.stateNames) {
-    const unknown = names.filter((n) => !this.state.has(n));
+  /** Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}; of a `snapshot()` when given. */
+  getTensors(/** @type {readonly string[]} */ names = this.stateNames, /** @type {Map<string, OrtTensor>} */ state = this.state) {
+    const unknown = names.filter((n) => !state.has(n));
     if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
     /** @type {Tensors} */
     const out = {};
     for (const name of names) {
-      const t = /** @type {OrtTensor} */ (this.state.get(name));
+      const t = /** @type {OrtTensor} */ (state.get(name));
       out[name] = { dtype: t.type, shape: Array.from(t.dims), data: /** @type {import('./safetensors.js').TypedArray} */ (t.data).slice() };
     }
     return out;

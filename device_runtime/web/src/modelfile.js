@@ -161,13 +161,14 @@ export function metadataProps(manifest, spec, device) {
  * @param {Float32Array} x
  * @param {number} count
  * @param {ModelFileSpec} spec
+ * @param {Map<string, import('onnxruntime-web').Tensor>} [held] the engine's snapshot baked into the file (default: its current tensors)
  */
-export async function checkModelFile(ort, file, engine, x, count, spec) {
+export async function checkModelFile(ort, file, engine, x, count, spec, held = engine.state) {
   const session = await ort.InferenceSession.create(file, { executionProviders: ['wasm'] });
   try {
     const feeds = { [spec.names.input]: new ort.Tensor('float32', x, [count, ...engine.sampleShape]) };
     const got = /** @type {Float32Array} */ ((await session.run(feeds, [spec.names.probabilities]))[spec.names.probabilities].data);
-    const want = await engine.predict(x, count);
+    const want = await engine.predict(x, count, held);
     let worst = 0;
     for (let i = 0; i < want.length; i++) worst = Math.max(worst, Math.abs(got[i] - want[i]));
     if (!(worst <= spec.check_tolerance)) {
