@@ -57,6 +57,17 @@ CHROMIUM_ARGS = (
     "--disable-sync",
     "--no-first-run",
 )
+# the phone they emulate (Playwright context options): a Pixel-sized touch screen, with its CPU slowed this many
+# times next to this machine's (DevTools' Emulation.setCPUThrottlingRate)
+PHONE_CONTEXT = {
+    "viewport": {"width": 390, "height": 844},
+    "device_scale_factor": 2,
+    "is_mobile": True,
+    "has_touch": True,
+    "user_agent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
+    "Chrome/131.0.0.0 Mobile Safari/537.36",
+}
+PHONE_CPU_SLOWDOWN = 4
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' blob: data:; "
     "style-src 'self'; worker-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "

@@ -32,20 +32,13 @@ from edgepfl.protocol import EvalMetrics, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import create_engine
 from edgepfl.server.store import Store
-from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, find_web_runtime
+from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, PHONE_CONTEXT, PHONE_CPU_SLOWDOWN, find_web_runtime
 from edgepfl.wire import decode_metadata, decode_tensors
 
 pytestmark = pytest.mark.browser
 
-PHONE = {
-    "viewport": {"width": 390, "height": 844},
-    "device_scale_factor": 2,
-    "is_mobile": True,
-    "has_touch": True,
-    "user_agent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
-    "Chrome/131.0.0.0 Mobile Safari/537.36",
-}
-CPU_SLOWDOWN = 4
+PHONE = PHONE_CONTEXT
+CPU_SLOWDOWN = PHONE_CPU_SLOWDOWN
 SECRET = "browser-join-secret-0123456789"
 SIDE = BN_BUNDLE["input_size"]
 # screenshots of each stage: into docs/img only when asked (EDGEPFL_WEB_SCREENSHOTS=1, to refresh docs/web-device.md),
@@ -186,7 +179,6 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     # The breakpoint that stops round 2 is armed while round 1 trains: round 2 can begin (and pass its third
     # step) as soon as round 1's upload closes the round, sooner than a test waiting for round 1 could arm it.
     wait(page, "body[data-stage=training][data-round='1'][data-step]")
-    page.screenshot(path=str(SHOTS / "web-training.png"))
     reload_during_step(page, round_id=2, step=3)
 
     wait_round(page, 2)
@@ -453,6 +445,7 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
     page.goto(f"{origin}/device/#enroll={SECRET}")
     wait(page, "body[data-stage=examples]")
     assert page.text_content("#status") == "Add 10 examples to take part in the rounds."
+    assert "this page's data" in page.text_content("#storage")  # kept, or the person is told it may not be
 
     # six photos of one class: below the minimum, the page asks for no round and says how many more it needs
     circles = write_pngs(tmp_path / "circles", 0, 6, seed=3)
