@@ -461,16 +461,22 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
     assert "not learned" in page.text_content("#try-model")
     assert_close(untrained, python_predict(bundle, tmp_path / "no-state", photo), "untrained")
 
-    # a folder whose class folder is misnamed: Python's refusal line; the headline does not stay on "Reading…"
-    bad = tmp_path / "misnamed"
-    write_pngs(bad / "circle", 0, 1, seed=4)
-    write_pngs(bad / "circles", 0, 1, seed=5)
-    page.set_input_files("#folder", str(bad))
-    wait(page, "#problem:not([hidden])")
-    refused = python_folder_refusal(bad, bundle)
-    assert page.text_content("#problem-text").lower() == refused.problem.lower()
-    assert refused.fix in page.text_content("#problem-fix")
-    assert page.text_content("#status") == "Add 4 more examples to take part in the rounds."
+    # folders the Python loader refuses (a misnamed class folder, a photo outside the class folders): its line,
+    # nothing added, and the headline does not stay on "Reading…"
+    misnamed, outside = tmp_path / "misnamed", tmp_path / "outside"
+    write_pngs(misnamed / "circle", 0, 1, seed=4)
+    write_pngs(misnamed / "circles", 0, 1, seed=5)
+    write_pngs(outside / "star", 2, 1, seed=4)
+    write_pngs(outside, 2, 1, seed=5)
+    for bad in (misnamed, outside):
+        page.evaluate("document.querySelector('#problem').hidden = true")
+        page.set_input_files("#folder", str(bad))
+        wait(page, "#problem:not([hidden])")
+        refused = python_folder_refusal(bad, bundle)
+        assert page.text_content("#problem-text").lower() == refused.problem.lower(), bad.name
+        assert refused.fix in page.text_content("#problem-fix")
+        assert page.text_content("#status") == "Add 4 more examples to take part in the rounds."
+        assert page.get_attribute("#classes li[data-label='0']", "data-count") == "6"
 
     # a folder labelled by its class folders' names; then the last addition and a class removed, each confirmed
     small = tmp_path / "small"
