@@ -441,6 +441,8 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
     phone.on("request", lambda request: requests.append(request))
     dialogs: list[str] = []
     phone.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+    refused_by_policy: list[str] = []  # the chart, the chips' removers, Try it: nothing the CSP refuses
+    phone.on("console", lambda message: refused_by_policy.append(message.text) if "Refused" in message.text else None)
     page = open_page(phone)
     page.goto(f"{origin}/device/#enroll={SECRET}")
     wait(page, "body[data-stage=examples]")
@@ -536,6 +538,7 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
     assert dialogs[-1].startswith("Reset this device?") and "40 examples" in dialogs[-1] and "join link" in dialogs[-1]
     wait(page, "body[data-stage=join]")
     assert page.evaluate(IDB_KEYS) == []
+    assert refused_by_policy == [], refused_by_policy
     page.close()
 
 
