@@ -12,9 +12,14 @@ browser). First load counts what a device downloads before it can train: the run
 worker .mjs and .wasm), the engine's modules, manifest.json, the portable graphs, their frozen variants and the
 initial tensors; raw and gzip (level 6), and the total with the WebGPU build's runtime instead (what a device
 with a GPU downloads). The renderer's peak memory is the highest VmHWM among the browser's renderer processes.
+The phone run (issue 33) opens the device page of a real `edgepfl serve` from its join link in chromium emulating
+a phone (390x844, touch, CPU slowed 4 times) and times the page until its first upload is answered (it is handed
+an .npz of PHONE_EXAMPLES examples as soon as it asks for them), then "Try it" on one photo: the whole answer
+(decode, pre-processing, predict) and engine.predict alone, PREDICTIONS times.
 Prints JSON and writes bench/figures/web.png (web-x1.0.png for another width).
 
 Usage: python bench/web.py [--bundle DIR] [--width 0.25] [--steps 10] [--warmup 5] [--threads 2] [--no-webgpu]
+    [--phone-only]
        (needs chromium, playwright, npm ci)
 """
 
@@ -35,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, CHROMIUM_WEBGPU_ARGS
+from edgepfl.server.launch import LocalServer
+from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, CHROMIUM_WEBGPU_ARGS, PHONE_CONTEXT, PHONE_CPU_SLOWDOWN
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "device_runtime" / "web"
@@ -45,6 +51,10 @@ WEBGPU_RUNTIME = ("ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "
 ENGINE_MODULES = ("engine.js", "safetensors.js", "sha256.js")
 TARGET_SPEED, TARGET_MB = 0.5, 8.0
 TARGET_WEBGPU_SPEED = 2.0  # the browser's full step on a real GPU vs the native CPU portable engine
+TARGET_FIRST_UPLOAD_S, TARGET_PREDICT_MS = 30.0, 100.0
+PHONE_EXAMPLES = 20  # what a person adds first: above the page's minimum (10), one batch of the round's 16 to train on
+PREDICTIONS = 5
+SECRET = "bench-join-secret-0123456789abcdef"
 SPEED_KEYS = ("fullImagesPerSecond", "personalImagesPerSecond")
 
 
@@ -201,6 +211,63 @@ def native_run(bundle: Path, steps: int, warmup: int) -> dict:
     return result
 
 
+def phone_run(bundle: Path, folder: Path) -> dict:
+    """The device page of `edgepfl serve` on an emulated phone: seconds from opening the join link to the first
+    upload's answer (and to the examples being asked for), then "Try it" on one photo, in milliseconds."""
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    from edgepfl.manifest import load_manifest
+
+    manifest = load_manifest(bundle)
+    channels, height, width = manifest.input.shape
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (PHONE_EXAMPLES, height, width, channels), dtype=np.uint8)
+    np.savez(folder / "phone.npz", x=images, y=np.arange(PHONE_EXAMPLES) % manifest.num_classes)
+    photo = folder / "photo.png"
+    Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(photo)  # a photo, resized by the page
+    (folder / "secret").write_text(SECRET)
+    options = ("--min-clients", "1", "--rounds", "2", "--epochs", "1", "--batch-size", "16", "--poll-interval", "0.3")
+    options += ("--enroll-secret-file", str(folder / "secret"))
+    with LocalServer(bundle, folder / "state", *options, log=folder / "server.log") as server:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=list(CHROMIUM_ARGS))
+            try:
+                page = browser.new_context(**PHONE_CONTEXT).new_page()
+                devtools = page.context.new_cdp_session(page)
+                devtools.send("Emulation.setCPUThrottlingRate", {"rate": PHONE_CPU_SLOWDOWN})
+                started = time.perf_counter()
+                with page.expect_response("**/v1/rounds/*/update", timeout=600_000) as uploaded:
+                    page.goto(f"{server.url}/device/#enroll={SECRET}")
+                    page.wait_for_selector("body[data-stage=examples]", state="attached", timeout=600_000)
+                    asked = time.perf_counter() - started
+                    page.set_input_files("#npz", str(folder / "phone.npz"))
+                status = uploaded.value.status
+                first_upload = time.perf_counter() - started
+                answers = []
+                for _ in range(PREDICTIONS):
+                    page.evaluate("document.querySelector('#try-result').removeAttribute('data-ms')")
+                    page.set_input_files("#try-photo", str(photo))
+                    page.wait_for_selector("#try-result[data-ms]", state="attached", timeout=120_000)
+                    read = {key: page.get_attribute("#try-result", f"data-{key}") for key in ("ms", "predict-ms")}
+                    answers.append({key: float(value or "nan") for key, value in read.items()})
+            finally:
+                browser.close()
+    predict = sorted(a["predict-ms"] for a in answers)
+    whole = sorted(a["ms"] for a in answers)
+    return {
+        "cpu_slowdown": PHONE_CPU_SLOWDOWN,
+        "examples": PHONE_EXAMPLES,
+        "upload_status": status,
+        "seconds_to_examples_asked": round(asked, 2),
+        "seconds_to_first_upload": round(first_upload, 2),
+        "try_it_photo": f"{photo.name} 640x480 PNG",
+        "predict_ms": [round(v, 1) for v in predict],
+        "predict_ms_median": round(predict[len(predict) // 2], 1),
+        "try_it_ms_median": round(whole[len(whole) // 2], 1),  # decode, pre-processing and predict
+    }
+
+
 def plot(report: dict, path: Path) -> None:
     """Bars of images/s per run and trainable set."""
     import matplotlib
@@ -247,6 +314,7 @@ def main() -> None:
     parser.add_argument(
         "--warmup", type=int, default=5, help="untimed steps first (V8 tiers the wasm up over the first steps)"
     )
+    parser.add_argument("--phone-only", action="store_true", help="only the phone run (first upload, Try it)")
     args = parser.parse_args()
     if not CHROMIUM.exists():
         sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
@@ -254,6 +322,9 @@ def main() -> None:
         sys.exit("onnxruntime-web is not installed: (cd device_runtime/web && npm ci)")
     with tempfile.TemporaryDirectory() as tmp:
         bundle = args.bundle or export_bundle(Path(tmp) / "bundle", args.width)
+        if args.phone_only:
+            print(json.dumps(phone_report(bundle, Path(tmp)), indent=1))
+            return
         load_before = os.getloadavg()
         # native before and after the browser runs: on a shared machine the load drifts between them
         native_before = native_run(bundle, args.steps, args.warmup)
@@ -278,6 +349,7 @@ def main() -> None:
             "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
             "runs": runs,
             "first_load_bytes": first_load_bytes(bundle),
+            **phone_report(bundle, Path(tmp)),
         }
     native, browser = runs["native 1 thread"], runs["browser 1 thread"]
     ratio = browser["fullImagesPerSecond"] / native["fullImagesPerSecond"]
@@ -301,9 +373,25 @@ def main() -> None:
         report["targets"]["first_load_webgpu_gzip_mb"] = round(
             report["first_load_bytes"]["total_webgpu"]["gzip"] / 1e6, 2
         )
+    report["targets"].update(report.pop("phone_targets"))
     print(json.dumps(report, indent=1))
     name = "web.png" if args.width == 0.25 else f"web-x{args.width}.png"
     plot(report, ROOT / "bench" / "figures" / name)
+
+
+def phone_report(bundle: Path, folder: Path) -> dict:
+    """The phone run and its targets (first upload within 30 s, a prediction within 100 ms)."""
+    load = os.getloadavg()[0]
+    phone = phone_run(bundle, folder)
+    return {
+        "phone": {**phone, "load_average_1min": load, "cpus": os.cpu_count()},
+        "phone_targets": {
+            "first_upload_s": phone["seconds_to_first_upload"],
+            "first_upload_met": phone["seconds_to_first_upload"] <= TARGET_FIRST_UPLOAD_S,
+            "predict_ms": phone["predict_ms_median"],
+            "predict_met": phone["predict_ms_median"] <= TARGET_PREDICT_MS,
+        },
+    }
 
 
 if __name__ == "__main__":

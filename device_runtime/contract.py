@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 
 from edgepfl.device_runtime.algorithms import CLIENT_ALGORITHMS, DIVERGED_LOSS_FACTOR, FINETUNE, PhasePlan
 from edgepfl.device_runtime.client import ROUND_GONE_ERRORS, RetryPolicy
+from edgepfl.device_runtime.model_metadata import model_file_contract
 from edgepfl.device_runtime.options import DeviceOptions, LocalOptions
 from edgepfl.device_runtime.runner import MAX_WAIT
 from edgepfl.options import bounds_of
@@ -24,6 +25,11 @@ from edgepfl.protocol import API_PREFIX, RoundSettings
 
 CONTRACT_VERSION = 1  # raised whenever the meaning of a key changes (the page refuses a version it cannot read)
 CONTRACT_NAME = "contract.json"
+# The page asks the server for rounds only once it holds this many examples to train on and this many held out
+# (with the split below): a person adds photos a few at a time, and a round on three photos teaches the model
+# nothing while its held-out accuracy (0 % or 100 % of one photo) means nothing. The CLI device is handed a whole
+# data set and has no such rule.
+MIN_TRAIN_EXAMPLES, MIN_HELD_OUT = 8, 2
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,11 @@ def device_contract(settings_class: type[RoundSettings] = RoundSettings) -> dict
             "seed": DeviceOptions.model_fields["seed"].default,  # batch order (and stochastic rounding)
             "split_seed": LocalOptions.model_fields["seed"].default,  # the train/held-out split
             "val_fraction": LocalOptions.model_fields["val_fraction"].default,
+            "min_train_examples": MIN_TRAIN_EXAMPLES,
+            "min_held_out": MIN_HELD_OUT,
         },
+        # `device export-model`'s file as the page writes it (model_metadata.py): names, texts, metadata order
+        "model_file": model_file_contract(),
     }
 
 

@@ -11,7 +11,6 @@ images. Needs the `onnx` package (pip install 'edgepfl[deploy]').
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,19 +21,20 @@ import numpy as np
 import edgepfl
 from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData
+from edgepfl.device_runtime.model_metadata import (
+    CHECK_TOLERANCE,
+    GRAPH_NAME,
+    INPUT,
+    LOGITS,
+    PROBABILITIES,
+    PRODUCER,
+    doc_string,
+    metadata_props,
+)
 from edgepfl.device_runtime.predict import DeviceModel
 from edgepfl.device_runtime.quantization import quantize_int8
 from edgepfl.errors import BundleError, UsageError
 from edgepfl.manifest import Manifest
-
-INPUT, LOGITS, PROBABILITIES = "input", "logits", "probabilities"
-CHECK_TOLERANCE = 1e-4  # the baked graph against the engine: probabilities may differ by float rounding only
-RESIZE_RULE = (
-    "decode (grey models: Pillow 'L' = (19595 R + 38470 G + 7471 B + 32768) >> 16; colour: RGB), then resize "
-    "straight to H x W (aspect ratio not kept) with a separable triangle filter, pixel centres aligned, widened "
-    "by the scale factor when shrinking (Pillow's BILINEAR with antialiasing), in float64, rounded half up to "
-    "uint8 (edgepfl.device_runtime.data.resize_image; the browser page's preprocess.js is identical)"
-)
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,7 @@ def export_device_model(
             "val_accuracy": held_out_accuracy(written, data),
             "val_samples": data.num_val,
         }
-    return ExportedModel(
-        out, len(payload), source, quantize, fp32.ByteSize(), difference, calibrated, **accuracy
-    )
+    return ExportedModel(out, len(payload), source, quantize, fp32.ByteSize(), difference, calibrated, **accuracy)
 
 
 def inference_graph(bundle_dir: Path, manifest: Manifest) -> tuple[Any, str, str, str]:
@@ -154,43 +152,20 @@ def bake(proto: Any, image_input: str, logits: str, tensors: Mapping[str, np.nda
     kept_info = [info for info in graph.value_info if info.name in produced]
     del graph.value_info[:]
     graph.value_info.extend(kept_info)
-    graph.name = "edgepfl_inference"
+    graph.name = GRAPH_NAME
     onnx.checker.check_model(model)
     return model
 
 
 def set_metadata(model: Any, device: DeviceModel, quantization: str) -> None:
     """The model's metadata_props: how to pre-process an image, the classes, and which device model this is."""
-    manifest = device.engine.manifest
-    spec = manifest.input
-    props = {
-        "edgepfl_version": edgepfl.__version__,
-        "model": str(manifest.model.get("name", "")),
-        "input_name": INPUT,
-        "input_layout": "NCHW",
-        "input_shape": json.dumps(["batch", *spec.shape]),
-        "input_dtype": "float32",
-        "resize": RESIZE_RULE,
-        "normalization": "x = (pixel / 255 - mean[c]) / std[c]" if spec.mean else "x = pixel / 255",
-        "mean": json.dumps(list(spec.mean)),
-        "std": json.dumps(list(spec.std)),
-        "outputs": "logits (batch, classes); probabilities = softmax(logits)",
-        "num_classes": str(manifest.num_classes),
-        "class_names": json.dumps(list(manifest.class_labels)),
-        "base_layout_hash": manifest.base_layout_hash,
-        "trained": "true" if device.trained else "false",
-        "last_completed_round": "" if device.last_completed_round is None else str(device.last_completed_round),
-        "quantization": quantization,
-    }
+    props = metadata_props(device.engine.manifest, device.trained, device.last_completed_round, quantization)
     del model.metadata_props[:]
     for key, value in props.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
-    model.producer_name, model.producer_version = "edgepfl", edgepfl.__version__
-    model.doc_string = (
-        f"{props['model']} ({device.description}); input {props['input_shape']} NCHW float32, "
-        f"pre-processing in metadata_props (resize, normalization, mean, std); outputs {props['outputs']}"
-    )
+    model.producer_name, model.producer_version = PRODUCER, edgepfl.__version__
+    model.doc_string = doc_string(props, device.description)
 
 
 def compare_with_engine(model: Any, device: DeviceModel, x: np.ndarray) -> float:
@@ -276,4 +251,3 @@ def _import_onnx() -> Any:
     except ImportError:
         raise UsageError("export-model needs the onnx package", "pip install 'edgepfl[deploy]'") from None
     return onnx
-

@@ -30,7 +30,8 @@ export EDGEPFL_WEB_PYTHON="$PYTHON"
 # 4. The real-browser test (tests/test_web_browser.py, marked `browser`): a phone-sized headless chromium against
 #    `edgepfl serve` and two Python devices. Debian's chromium is installed here when it is missing and we are
 #    root (the test skips, saying so, only where no browser can be installed); Playwright's Python package (the
-#    test extra) drives it. Screenshots of each stage are rewritten into docs/img/web-*.png.
+#    test extra) drives it. Screenshots of each stage go to a scratch folder; EDGEPFL_WEB_SCREENSHOTS=1 writes them
+#    into docs/img/web-*.png instead (to refresh the ones docs/web-device.md shows).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null

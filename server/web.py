@@ -50,6 +50,7 @@ VENDOR_FILES = {
     "fflate.mjs": "fflate/esm/browser.js",
 }
 PAGE_SUFFIXES = (".html", ".js", ".css")
+INFERENCE_MODEL = "model.onnx"  # the bundle's inference graph: the page writes the device's model file from it
 # the headless browser that tests/test_web_browser.py and bench/web.py drive the page in (Debian's chromium)
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = (
@@ -62,6 +63,17 @@ CHROMIUM_ARGS = (
 )
 # the same with a WebGPU adapter (SwiftShader, a software GPU, where the machine has no GPU): for a page on 127.0.0.1
 CHROMIUM_WEBGPU_ARGS = tuple(arg for arg in CHROMIUM_ARGS if arg != "--disable-gpu") + ("--enable-unsafe-webgpu",)
+# the phone they emulate (Playwright context options): a Pixel-sized touch screen, with its CPU slowed this many
+# times next to this machine's (DevTools' Emulation.setCPUThrottlingRate)
+PHONE_CONTEXT = {
+    "viewport": {"width": 390, "height": 844},
+    "device_scale_factor": 2,
+    "is_mobile": True,
+    "has_touch": True,
+    "user_agent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
+    "Chrome/131.0.0.0 Mobile Safari/537.36",
+}
+PHONE_CPU_SLOWDOWN = 4
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' blob: data:; "
     "style-src 'self'; worker-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
@@ -197,11 +209,13 @@ def vendor_files(runtime: WebRuntime) -> dict[str, StaticFile]:
 
 
 def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
-    """manifest.json and the portable engine's files (graphs, frozen variants, initial tensors) only."""
+    """manifest.json, the portable engine's files (graphs, frozen variants, initial tensors) and the inference
+    graph `model.onnx` (the page bakes the device's tensors into it for "save the model"), nothing else."""
     required, optional = engine.manifest.portable_files()
     folder = engine.config.bundle
     files = {MANIFEST_NAME: StaticFile(folder / MANIFEST_NAME, MEDIA_TYPES[".json"])}
-    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in [*required, *optional]})
+    names = [*required, *optional, *([INFERENCE_MODEL] if (folder / INFERENCE_MODEL).is_file() else [])]
+    files.update({name: StaticFile(folder / name, "application/octet-stream") for name in names})
     return files
 
 
@@ -345,8 +359,7 @@ async def _small_body(request: Request) -> bytes:
 
 def _password_prompt() -> Response:
     return Response(
-        "the join link is shown to whoever knows the enrollment secret: type it as the password "
-        "(any user name)\n",
+        "the join link is shown to whoever knows the enrollment secret: type it as the password (any user name)\n",
         status_code=401,
         media_type="text/plain; charset=utf-8",
         headers={**JOIN_HEADERS, "WWW-Authenticate": 'Basic realm="edgepfl join: password = enrollment secret"'},

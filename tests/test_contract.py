@@ -14,7 +14,14 @@ from pydantic import Field
 
 from edgepfl.device_runtime.algorithms import CLIENT_ALGORITHMS, DIVERGED_LOSS_FACTOR, FINETUNE, round_phases
 from edgepfl.device_runtime.client import ROUND_GONE_ERRORS, RetryPolicy
-from edgepfl.device_runtime.contract import CONTRACT_VERSION, device_contract, settings_fields
+from edgepfl.device_runtime.contract import (
+    CONTRACT_VERSION,
+    MIN_HELD_OUT,
+    MIN_TRAIN_EXAMPLES,
+    device_contract,
+    settings_fields,
+)
+from edgepfl.device_runtime.model_metadata import METADATA_KEYS, model_file_contract
 from edgepfl.device_runtime.options import DeviceOptions, LocalOptions
 from edgepfl.device_runtime.runner import MAX_WAIT
 from edgepfl.options import bounds_of
@@ -74,8 +81,25 @@ def test_refusal_codes_timing_divergence_and_seeds_are_python_s() -> None:
     }
     assert contract["divergence"] == {"loss_factor": DIVERGED_LOSS_FACTOR}
     local = LocalOptions()
-    assert contract["device"] == {"seed": DeviceOptions().seed, "split_seed": local.seed, "val_fraction": 0.2}
+    assert contract["device"] == {
+        "seed": DeviceOptions().seed,
+        "split_seed": local.seed,
+        "val_fraction": 0.2,
+        "min_train_examples": MIN_TRAIN_EXAMPLES,
+        "min_held_out": MIN_HELD_OUT,
+    }
     assert local.val_fraction == 0.2
+
+
+def test_the_page_s_minimum_of_examples_is_reachable_and_its_model_file_texts_are_python_s() -> None:
+    from edgepfl.data import split_train_val
+
+    sizes = {n: [len(part) for part in split_train_val(n, 0.2, 0)] for n in range(1, 40)}
+    enough = [n for n, (train, held_out) in sizes.items() if train >= MIN_TRAIN_EXAMPLES and held_out >= MIN_HELD_OUT]
+    assert enough and enough == list(range(enough[0], 40)), sizes  # once reached, more examples never fall below
+    model_file = device_contract()["model_file"]
+    assert model_file == model_file_contract()
+    assert [tuple(entry) for entry in model_file["metadata"]] == list(METADATA_KEYS)
 
 
 class _WithMomentum(RoundSettings):

@@ -3,17 +3,19 @@
 One run of three rounds: the page joins from the join link, gets examples through the file chooser (an .npz and
 PNG photos), trains round 1; round 2 is reloaded at its third training step and resumes; in round 3 the page is
 killed after training, before the upload's reply, and a fresh page re-sends the same bytes. Every request is
-recorded; screenshots of each stage go to docs/img/web-*.png.
+recorded; screenshots of each stage go to a scratch folder, or to docs/img/web-*.png with EDGEPFL_WEB_SCREENSHOTS=1.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,23 +34,26 @@ from edgepfl.protocol import EvalMetrics, UploadMeta
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import create_engine
 from edgepfl.server.store import Store
-from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, CHROMIUM_WEBGPU_ARGS, find_web_runtime
+from edgepfl.server.web import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    CHROMIUM_WEBGPU_ARGS,
+    PHONE_CONTEXT,
+    PHONE_CPU_SLOWDOWN,
+    find_web_runtime,
+)
 from edgepfl.wire import decode_metadata, decode_tensors
 
 pytestmark = pytest.mark.browser
 
-PHONE = {
-    "viewport": {"width": 390, "height": 844},
-    "device_scale_factor": 2,
-    "is_mobile": True,
-    "has_touch": True,
-    "user_agent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
-    "Chrome/131.0.0.0 Mobile Safari/537.36",
-}
-CPU_SLOWDOWN = 4
+PHONE = PHONE_CONTEXT
+CPU_SLOWDOWN = PHONE_CPU_SLOWDOWN
 SECRET = "browser-join-secret-0123456789"
 SIDE = BN_BUNDLE["input_size"]
-SHOTS = REPO / "docs" / "img"
+# screenshots of each stage: into docs/img only when asked (EDGEPFL_WEB_SCREENSHOTS=1, to refresh docs/web-device.md),
+# else into a scratch folder, so that a test run leaves the work tree as it was
+SCREENSHOTS_TO_DOCS = os.environ.get("EDGEPFL_WEB_SCREENSHOTS") == "1"
+SHOTS = REPO / "docs" / "img" if SCREENSHOTS_TO_DOCS else Path(tempfile.gettempdir()) / "edgepfl-web-screenshots"
 SERVER_OPTIONS = ("--min-clients", "3", "--rounds", "3", "--poll-interval", "0.3", "--lr", "0.05")
 SERVER_OPTIONS += ("--batch-size", "16", "--epochs", "2", "--round-timeout", "300", "--enroll-secret-file")
 
@@ -183,7 +188,6 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     # The breakpoint that stops round 2 is armed while round 1 trains: round 2 can begin (and pass its third
     # step) as soon as round 1's upload closes the round, sooner than a test waiting for round 1 could arm it.
     wait(page, "body[data-stage=training][data-round='1'][data-step]")
-    page.screenshot(path=str(SHOTS / "web-training.png"))
     reload_during_step(page, round_id=2, step=3)
 
     wait_round(page, 2)
@@ -601,3 +605,345 @@ def test_webgpu_page_trains_a_round_on_the_gpu_and_without_an_adapter_on_webasse
     assert {name: {r: len(b) for r, b in rounds.items()} for name, rounds in held.items()} == {
         n: {1: 1} for n in tokens
     }
+
+
+# --- the page a person lives with (issue 33) and fleet rounds (issue 32) ---------------------------------------------
+
+CLASS_NAMES = ("circle", "square", "star", "wave")
+LIVING_OPTIONS = ("--min-clients", "2", "--rounds", "2", "--poll-interval", "0.3", "--lr", "0.05", "--batch-size", "16")
+LIVING_OPTIONS += ("--epochs", "2", "--round-timeout", "300", "--enroll-secret-file")
+PERSONAL_WORDS = ("Bearer", "HTTP", "/v1/", "--", "Authorization")  # aimed at an operator, never at the phone's person
+
+
+@pytest.fixture(scope="module")
+def named_bundle(bundle, tmp_path_factory) -> Path:
+    """The BatchNorm cnn bundle with class names (as `edgepfl export --class-names` writes them)."""
+    from dataclasses import replace
+
+    folder = tmp_path_factory.mktemp("named") / "bundle"
+    shutil.copytree(bundle, folder)
+    replace(load_manifest(folder), class_names=CLASS_NAMES).save(folder)
+    return folder
+
+
+def test_a_phone_labels_folders_removes_tries_saves_rejoins_and_resets(chromium, named_bundle, tmp_path: Path) -> None:
+    """Folder labels by class name (and a refused folder, with Python's line), the minimum of examples, removing
+    examples with a confirmation, "Try it" before any round (untrained) and after the run equal to `edgepfl device
+    predict` on the same tensors and photo, the saved model file equal to `device export-model` of those tensors and
+    to the page's answers, a refused token told in a person's words and a fresh join link enrolling the phone again
+    (its examples and model kept), and "reset this device"."""
+    from playwright.sync_api import sync_playwright
+
+    (tmp_path / "secret").write_text(SECRET)
+    state = tmp_path / "server"
+    tokens = enroll(state, "py-a")
+    with LiveServer(named_bundle, state, *LIVING_OPTIONS, str(tmp_path / "secret")) as server:
+        data = write_npz(tmp_path / "py-a.npz", 48, seed=1)
+        command = [sys.executable, "-m", "edgepfl.cli", "device", "run", "--bundle", str(named_bundle), "--data"]
+        command += [str(data), "--server", server.url, "--token", tokens["py-a"], "--state", str(tmp_path / "py-a")]
+        device = subprocess.Popen(
+            [*command, "--poll-interval", "0.2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_ARGS))
+                try:
+                    live_with_the_page(browser, server.url, named_bundle, state, tmp_path)
+                finally:
+                    browser.close()
+            out, err = device.communicate(timeout=120)
+            assert device.returncode == 0, err.decode()[-2000:]
+        finally:
+            if device.poll() is None:
+                device.kill()
+                device.wait()
+
+
+def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path: Path) -> None:
+    phone = browser.new_context(**PHONE)
+    requests: list = []
+    phone.on("request", lambda request: requests.append(request))
+    dialogs: list[str] = []
+    phone.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+    refused_by_policy: list[str] = []  # the chart, the chips' removers, Try it: nothing the CSP refuses
+    phone.on("console", lambda message: refused_by_policy.append(message.text) if "Refused" in message.text else None)
+    page = open_page(phone)
+    page.goto(f"{origin}/device/#enroll={SECRET}")
+    wait(page, "body[data-stage=examples]")
+    assert page.text_content("#status") == "Add 10 examples to take part in the rounds."
+    assert "this page's data" in page.text_content("#storage")  # kept, or the person is told it may not be
+
+    # six photos of one class: below the minimum, the page asks for no round and says how many more it needs
+    circles = write_pngs(tmp_path / "circles", 0, 6, seed=3)
+    page.set_input_files("#photos", [str(p) for p in circles])
+    wait(page, "#classes li[data-label='0'][data-count='6']")
+    assert page.text_content("#status") == "Add 4 more examples to take part in the rounds."
+    assert "8 to learn from and 2 kept aside" in page.text_content("#split")
+    assert not [r for r in requests if r.url.endswith("/v1/task")], "no round is asked for below the minimum"
+
+    # "Try it" before any round: the untrained model, as `device predict` sees the bundle's initial tensors
+    photo = circles[0]
+    untrained = try_photo(page, photo)
+    assert "not learned" in page.text_content("#try-model")
+    assert_close(untrained, python_predict(bundle, tmp_path / "no-state", photo), "untrained")
+
+    # folders the Python loader refuses (a misnamed class folder, a photo outside the class folders): its line,
+    # nothing added, and the headline does not stay on "Reading…"
+    misnamed, outside = tmp_path / "misnamed", tmp_path / "outside"
+    write_pngs(misnamed / "circle", 0, 1, seed=4)
+    write_pngs(misnamed / "circles", 0, 1, seed=5)
+    write_pngs(outside / "star", 2, 1, seed=4)
+    write_pngs(outside, 2, 1, seed=5)
+    for bad in (misnamed, outside):
+        page.evaluate("document.querySelector('#problem').hidden = true")
+        page.set_input_files("#folder", str(bad))
+        wait(page, "#problem:not([hidden])")
+        refused = python_folder_refusal(bad, bundle)
+        assert page.text_content("#problem-text").lower() == refused.problem.lower(), bad.name
+        assert refused.fix in page.text_content("#problem-fix")
+        assert page.text_content("#status") == "Add 4 more examples to take part in the rounds."
+        assert page.get_attribute("#classes li[data-label='0']", "data-count") == "6"
+
+    # a folder labelled by its class folders' names; then the last addition and a class removed, each confirmed
+    small = tmp_path / "small"
+    write_pngs(small / "square", 1, 1, seed=6)
+    write_pngs(small / "star", 2, 1, seed=7)
+    page.set_input_files("#folder", str(small))
+    wait(page, "#classes li[data-label='1'][data-count='1']")
+    assert page.get_attribute("#classes li[data-label='2']", "data-count") == "1"
+    page.click("#remove-last")
+    wait(page, "#classes li[data-label='1'][data-count='0']")
+    assert dialogs[-1].startswith("Remove the last 2 examples you added?") and "deleted from this phone" in dialogs[-1]
+    page.click("#classes li[data-label='0'] button")
+    wait(page, "#classes li[data-label='0'][data-count='0']")
+    assert dialogs[-1].startswith('Remove the 6 examples of "circle"?')
+    assert page.text_content("#status") == "Add 10 examples to take part in the rounds."  # none left
+
+    # enough examples: a folder of all four classes, named as the classes; the rounds begin
+    full = tmp_path / "photos"
+    for label, name in enumerate(CLASS_NAMES):
+        write_pngs(full / name, label, 10, seed=10 + label)
+    held = hold_at_step(page, round_id=1, step=3)  # armed first: the round begins as soon as the examples are in
+    page.set_input_files("#folder", str(full))
+    wait(page, "#classes li[data-label='3'][data-count='10']")
+    held(SHOTS / "web-training.png")
+    wait(page, "body[data-stage=done]")
+    assert float(page.get_attribute("#score", "data-accuracy")) >= 0.5
+    assert "Guessing among your 4 classes would get 25.0%." == page.text_content("#score-chance")
+    assert page.locator("#round").is_hidden(), "no progress is left on the page once the run is over"
+
+    # "Try it" and "Save the model" on the model kept at the end (its round 2, with the server's final base)
+    trained = try_photo(page, photo)
+    assert page.text_content("#try-model").startswith("Your model after round 2.")
+    page.screenshot(path=str(SHOTS / "web-try.png"), full_page=True)
+    with page.expect_download() as download:
+        page.click("#save-model")
+    saved = Path(download.value.path()).read_bytes()
+    assert download.value.suggested_filename == "edgepfl-model-round-2.onnx"
+    check_saved_model(saved, trained, bundle, photo, tmp_path)
+
+    # the server no longer takes the phone's token: a person's line; a fresh join link lets the phone in again
+    phone_name = only(set(device_names(state)) - {"py-a"})
+    replace_token(state, phone_name)
+    page.reload()
+    wait(page, "#problem:not([hidden])")
+    assert page.text_content("#problem-text") == "The server no longer lets this phone in"
+    shown = page.text_content("#problem-text") + page.text_content("#problem-fix")
+    assert "join link" in shown and not any(word in shown for word in PERSONAL_WORDS), shown
+    page.screenshot(path=str(SHOTS / "web-token-refused.png"))
+    page.goto(f"{origin}/device/#enroll={SECRET}")  # the same tab: only the fragment changes
+    wait(page, "body[data-stage=done]")
+    assert len(set(device_names(state)) - {"py-a", phone_name}) == 1, "enrolled again under a new name"
+    assert page.get_attribute("#classes li[data-label='3']", "data-count") == "10", "the examples stay"
+    assert page.locator("#history tr").count() == 2, "the rounds stay"
+
+    # reset: after a confirmation that says what is lost, the page holds nothing and asks for the join link
+    page.click("#reset")
+    assert dialogs[-1].startswith("Reset this device?") and "40 examples" in dialogs[-1] and "join link" in dialogs[-1]
+    wait(page, "body[data-stage=join]")
+    assert page.evaluate(IDB_KEYS) == []
+    assert refused_by_policy == [], refused_by_policy
+    page.close()
+
+
+def hold_at_step(page, round_id: int, step: int):
+    """Hold a round at a training step (a DevTools breakpoint) to screenshot its progress; returns shoot(path),
+    which waits for the step, checks the progress shown, takes the screenshot and lets the round go on."""
+    source = (REPO / "device_runtime" / "web" / "src" / "algorithms.js").read_text().splitlines()
+    line = next(i for i, text in enumerate(source) if "if (onProgress) onProgress(" in text)
+    devtools = session(page)
+    paused: list[str] = []
+    devtools.on("Debugger.paused", lambda event: paused.append(event["callFrames"][0]["callFrameId"]))
+    devtools.send("Debugger.enable")
+    condition = f"roundId === {round_id} && done === {step}"
+    breakpoint = {"urlRegex": r"/algorithms\.js$", "lineNumber": line, "condition": condition}
+    devtools.send("Debugger.setBreakpointByUrl", breakpoint)
+
+    def shoot(path: Path) -> None:
+        for _ in range(1800):  # the event arrives while the page is waited on
+            if paused:
+                break
+            page.wait_for_timeout(100)
+        assert paused, f"round {round_id} never reached step {step}; the page says {said(page)}"
+        # the page shows the step before (the breakpoint is at the report of this one) and its speed; while the page
+        # is paused only DevTools reads it (on the paused frame) and takes the screenshot
+        element = "document.getElementById"
+        expression = f"[document.body.dataset.stage, {element}('round').hidden, {element}('round-text').textContent, "
+        expression += f"{element}('speed').textContent, {element}('round').getBoundingClientRect().bottom]"
+        reply = devtools.send(
+            "Debugger.evaluateOnCallFrame", {"callFrameId": paused[0], "expression": expression, "returnByValue": True}
+        )
+        shown_stage, hidden, text, speed, bottom = reply["result"]["value"]
+        assert (shown_stage, hidden) == ("training", False) and text.startswith(f"Step {step - 1} of "), text
+        assert speed.endswith("images per second"), speed
+        assert bottom <= PHONE["viewport"]["height"], f"the progress ends at {bottom} px: below the screen"
+        path.write_bytes(base64.b64decode(devtools.send("Page.captureScreenshot", {"format": "png"})["data"]))
+        devtools.send("Debugger.disable")  # resumes
+
+    return shoot
+
+
+# the keys the page keeps in IndexedDB
+IDB_KEYS = """() => new Promise((resolve, reject) => {
+  const opening = indexedDB.open('edgepfl-device');
+  opening.onsuccess = () => {
+    const request = opening.result.transaction('kv').objectStore('kv').getAllKeys();
+    request.onsuccess = () => resolve(request.result);
+    request.onerror = () => reject(request.error);
+  };
+})"""
+
+
+def try_photo(page, photo: Path) -> list[float]:
+    """Pick a photo in "Try it"; the page's probabilities for it."""
+    page.evaluate("document.querySelector('#try-result').removeAttribute('data-probabilities')")
+    page.set_input_files("#try-photo", str(photo))
+    wait(page, "#try-result[data-probabilities]:not([hidden])")
+    assert page.locator("#try-top li").count() == 3
+    return json.loads(page.get_attribute("#try-result", "data-probabilities"))
+
+
+def python_predict(bundle: Path, state: Path, photo: Path) -> list[float]:
+    """`edgepfl device predict --json` of one photo, every class's probability in class order."""
+    command = [sys.executable, "-m", "edgepfl.cli", "device", "predict", "--bundle", str(bundle), "--state", str(state)]
+    command += ["--engine", "portable", "--top", str(len(CLASS_NAMES)), "--json", str(photo)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    top = json.loads(result.stdout)
+    predictions = top["predictions"] if isinstance(top, dict) else top
+    return [entry["probability"] for entry in sorted(predictions[0]["top"], key=lambda entry: entry["class"])]
+
+
+def assert_close(got: list[float], want: list[float], what: str, tolerance: float = 1e-5) -> None:
+    assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) <= tolerance, (what, got, want)
+
+
+def python_folder_refusal(folder: Path, bundle: Path):
+    """The Python device's refusal of an image folder (DataError)."""
+    from edgepfl.device_runtime.data import read_image_folder
+    from edgepfl.errors import DataError
+
+    with pytest.raises(DataError) as refused:
+        read_image_folder(folder, load_manifest(bundle))
+    return refused.value
+
+
+def check_saved_model(saved: bytes, page_probabilities: list[float], bundle: Path, photo: Path, tmp_path: Path) -> None:
+    """The page's model file: the page's "Try it" numbers in Python's onnxruntime (Python's pre-processing of the
+    same photo), and, with its tensors put into a device state folder, `edgepfl device predict` gives them too and
+    `edgepfl device export-model` writes the same file (but the doc string, which names the state folder)."""
+    import onnx
+    import onnxruntime
+    from onnx import numpy_helper
+
+    from edgepfl.device_runtime.portable_engine import PortableEngine
+    from edgepfl.device_runtime.predict import read_inputs
+    from edgepfl.device_runtime.state import StateFolder
+
+    manifest = load_manifest(bundle)
+    session = onnxruntime.InferenceSession(saved, providers=["CPUExecutionProvider"])
+    _, x = read_inputs([photo], PortableEngine(bundle, manifest))
+    assert_close(session.run(["probabilities"], {"input": x})[0][0].tolist(), page_probabilities, "the file in Python")
+    model = onnx.load_from_string(saved)
+    props = {entry.key: entry.value for entry in model.metadata_props}
+    assert (
+        props["trained"] == "true"
+        and props["last_completed_round"] == "2"
+        and json.loads(props["class_names"]) == list(CLASS_NAMES)
+    )
+    names = {spec.name for spec in manifest.tensors}
+    tensors = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.name in names}
+    assert set(tensors) == names
+    folder = StateFolder(tmp_path / "page-state", manifest, "portable")
+    folder.commit(tensors, {"round": 2}, round_id=2)
+    folder.close()
+    assert_close(python_predict(bundle, tmp_path / "page-state", photo), page_probabilities, "device predict")
+    command = [sys.executable, "-m", "edgepfl.cli", "device", "export-model", "--bundle", str(bundle), "--state"]
+    command += [str(tmp_path / "page-state"), "--engine", "portable", "--out", str(tmp_path / "python.onnx")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    python = onnx.load(str(tmp_path / "python.onnx"))
+    assert python.doc_string != model.doc_string  # "... (this browser)" against "... (<state folder>)"
+    python.doc_string = model.doc_string = ""
+    assert python.SerializeToString() == model.SerializeToString()
+
+
+def replace_token(state: Path, name: str) -> None:
+    """`edgepfl serve tokens add NAME --replace`: the device's old token stops working."""
+    command = [sys.executable, "-m", "edgepfl.cli", "serve", "tokens", "add", name, "--replace", "--state", str(state)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def only(names: set[str]) -> str:
+    assert len(names) == 1, names
+    return names.pop()
+
+
+def test_a_phone_trains_against_a_fedbuff_server(chromium, bundle, tmp_path: Path) -> None:
+    """`edgepfl serve --aggregation fedbuff --buffer-size 2` (no round barrier: a polling device trains on the
+    current base version) with one Python device: the page's uploads are accepted and the server takes steps."""
+    from playwright.sync_api import sync_playwright
+
+    (tmp_path / "secret").write_text(SECRET)
+    state = tmp_path / "server"
+    tokens = enroll(state, "py-a")
+    options = ("--aggregation", "fedbuff", "--buffer-size", "2", "--rounds", "3", "--poll-interval", "0.3")
+    options += ("--lr", "0.05", "--batch-size", "16", "--epochs", "1", "--enroll-secret-file", str(tmp_path / "secret"))
+    with LiveServer(bundle, state, *options) as server:
+        data = write_npz(tmp_path / "py-a.npz", 48, seed=1)
+        command = [sys.executable, "-m", "edgepfl.cli", "device", "run", "--bundle", str(bundle), "--data", str(data)]
+        command += ["--server", server.url, "--token", tokens["py-a"], "--state", str(tmp_path / "py-a")]
+        device = subprocess.Popen(
+            [*command, "--poll-interval", "0.2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_ARGS))
+                try:
+                    page = open_page(browser.new_context(**PHONE))
+                    page.goto(f"{server.url}/device/#enroll={SECRET}")
+                    wait(page, "body[data-stage=examples]")
+                    page.set_input_files("#npz", str(write_npz(tmp_path / "phone.npz", 48, seed=7)))
+                    wait(page, "body[data-stage=done]")
+                    rows = page.locator("#history tr").all()
+                    uploads = [row.get_attribute("data-upload") for row in rows]
+                finally:
+                    browser.close()
+            out, err = device.communicate(timeout=120)
+            assert device.returncode == 0, err.decode()[-2000:]
+        finally:
+            if device.poll() is None:
+                device.kill()
+                device.wait()
+    phone = only(set(device_names(state)) - {"py-a"})
+    held = updates_of(state, phone)
+    accepted = sum(len(bodies) for bodies in held.values())
+    # every step takes two uploads and a device makes one per base version: the phone's are in (nearly) every step
+    assert accepted >= 2 and uploads.count("delivered") == accepted, (uploads, held.keys())
+    store = Store(state)
+    try:
+        steps = [r for r in store.rounds() if r.state == "closed"]
+    finally:
+        store.close()
+    assert len(steps) == 3, [(r.round_id, r.state) for r in steps]

@@ -156,13 +156,25 @@ def test_bundle_files_are_the_portable_ones_and_need_a_token(tmp_path: Path) -> 
     manifest = http.get("/device/bundle/manifest.json", headers=auth)
     assert manifest.status_code == 200 and manifest.json()["engines"]["portable"] == PORTABLE
     listed = [f"portable/{name}.onnx" for name in ("step_full", "step_personal", "step_personal_frozen", "eval")]
-    for name in [*listed, "portable/initial.safetensors"]:
+    for name in [*listed, "portable/initial.safetensors", "model.onnx"]:  # model.onnx: the page's model file
+        assert http.get(f"/device/bundle/{name}").status_code == 401, name
         reply = http.get(f"/device/bundle/{name}", headers=auth)
         assert reply.status_code == 200 and reply.content == (tmp_path / "bundle" / name).read_bytes(), name
         assert reply.headers["cross-origin-resource-policy"] == "same-origin"
-    unlisted = ("model.onnx", "portable/distill_kd_full.onnx", "portable/%2E%2E/manifest.json", "%2E%2E/state/x.db")
+    unlisted = ("portable/distill_kd_full.onnx", "portable/%2E%2E/manifest.json", "%2E%2E/state/x.db", "model.onnx_")
     for name in unlisted:
         assert http.get(f"/device/bundle/{name}", headers=auth).status_code == 404, name
+
+
+def test_a_bundle_without_model_onnx_serves_the_rest(tmp_path: Path) -> None:
+    portable_bundle(tmp_path / "bundle")
+    (tmp_path / "bundle" / "model.onnx").unlink()
+    tokens = enroll(tmp_path / "state", "phone")
+    config = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state")
+    http = TestClient(create_app(create_engine(config)))
+    auth = {"Authorization": f"Bearer {tokens['phone']}"}
+    assert http.get("/device/bundle/model.onnx", headers=auth).status_code == 404
+    assert http.get("/device/bundle/portable/eval.onnx", headers=auth).status_code == 200
 
 
 def test_a_missing_runtime_turns_the_page_off_with_one_line_naming_the_fix(tmp_path, monkeypatch, caplog) -> None:

@@ -80,11 +80,16 @@ export function roundSeed(/** @type {number} */ seed, /** @type {number} */ roun
 export function splitTrainVal(n, valFraction, seed) {
   if (!(valFraction >= 0 && valFraction < 1)) throw new EngineError(`validation fraction ${valFraction} is outside [0, 1)`, 'use e.g. 0.2');
   if (n < 1) throw new EngineError('the data holds no samples', 'add at least one labelled example');
-  let nVal = Math.min(roundHalfEven(n * valFraction), n - 1);
-  if (valFraction > 0 && n >= 2) nVal = Math.max(nVal, 1);
+  const nVal = heldOutCount(n, valFraction);
   const order = permutation(n, seed);
   const sorted = (/** @type {ArrayLike<number>} */ a) => Int32Array.from(a).sort();
   return { train: sorted(order.subarray(nVal)), val: sorted(order.subarray(0, nVal)) };
+}
+
+/** How many of n samples splitTrainVal holds out (at least one of two or more, never all). */
+export function heldOutCount(/** @type {number} */ n, /** @type {number} */ valFraction) {
+  const nVal = Math.min(roundHalfEven(n * valFraction), n - 1);
+  return valFraction > 0 && n >= 2 ? Math.max(nVal, 1) : Math.max(nVal, 0);
 }
 
 /**

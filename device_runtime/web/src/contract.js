@@ -39,7 +39,8 @@ export const CONTRACT_VERSION = 1;
  * @property {string[]} round_gone_errors
  * @property {{max_wait: number, poll_interval: number, retry: RetryPolicy}} timing
  * @property {{loss_factor: number}} divergence
- * @property {{seed: number, split_seed: number, val_fraction: number}} device
+ * @property {{seed: number, split_seed: number, val_fraction: number, min_train_examples: number, min_held_out: number}} device
+ * @property {import('./modelfile.js').ModelFileSpec} model_file how to write `device export-model`'s file
  */
 
 /**

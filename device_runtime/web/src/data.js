@@ -4,14 +4,19 @@
 // the model's input size (C*H*W each, 1 byte per value); the seeded train/held-out split and the normalisation
 // happen when a round trains, exactly as the Python device does them (edgepfl/data.py).
 
-import { splitTrainVal } from './algorithms.js';
+import { heldOutCount, splitTrainVal } from './algorithms.js';
 import { DeviceError, describe } from './errors.js';
 import { normalizePixels, toModelPixels } from './preprocess.js';
 
+/** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./algorithms.js').Samples} Samples */
-/** The person's examples: uint8 pixels (C*H*W each) at the model's input size and their labels. @typedef {{pixels: Uint8Array, labels: Int32Array, count: number, shape: number[]}} Examples */
+/**
+ * The person's examples: uint8 pixels (C*H*W each) at the model's input size and their labels; `lastAdded`: how
+ * many of the last ones came in the last addition (0 once any was removed), for "remove the last added".
+ * @typedef {{pixels: Uint8Array, labels: Int32Array, count: number, shape: number[], lastAdded?: number}} Examples
+ */
 /** Examples read from files, before they join the kept ones. @typedef {{pixels: Uint8Array, labels: Int32Array, count: number}} NewExamples */
 /** An image file with the webkitRelativePath of a folder pick. @typedef {File & {webkitRelativePath?: string}} PickedFile */
 /** A decoded image: RGBA pixels at its size. @typedef {{rgba: Uint8ClampedArray | Uint8Array, width: number, height: number}} Decoded */
@@ -45,8 +50,30 @@ export function appendExamples(/** @type {Examples} */ examples, /** @type {NewE
   labels.set(examples.labels);
   labels.set(more.labels, examples.count);
   /** @type {Examples} */
-  const all = { pixels, labels, count: examples.count + more.count, shape: examples.shape };
+  const all = { pixels, labels, count: examples.count + more.count, shape: examples.shape, lastAdded: more.count };
   return all;
+}
+
+/** The examples without those at the positions `drop` says (a removal: nothing says what was last added then). */
+export function keepExamples(/** @type {Examples} */ examples, /** @type {(label: number, index: number) => boolean} */ drop) {
+  const size = examples.shape.reduce((a, b) => a * b, 1);
+  const kept = Array.from(examples.labels.keys()).filter((i) => !drop(examples.labels[i], i));
+  const pixels = new Uint8Array(kept.length * size);
+  kept.forEach((at, i) => pixels.set(examples.pixels.subarray(at * size, (at + 1) * size), i * size));
+  /** @type {Examples} */
+  const left = { pixels, labels: Int32Array.from(kept, (i) => examples.labels[i]), count: kept.length, shape: examples.shape, lastAdded: 0 };
+  return left;
+}
+
+/** The examples without those of one class. */
+export function withoutClass(/** @type {Examples} */ examples, /** @type {number} */ label) {
+  return keepExamples(examples, (l) => l === label);
+}
+
+/** The examples without the last addition (a photo pick, a folder, an .npz). */
+export function withoutLastAdded(/** @type {Examples} */ examples) {
+  const from = examples.count - (examples.lastAdded || 0);
+  return keepExamples(examples, (_, i) => i >= from);
 }
 
 /** How many examples of each class. */
@@ -84,6 +111,37 @@ export function splitExamples(examples, inputSpec, valFraction, seed) {
 export function splitSizes(/** @type {number} */ count, /** @type {number} */ valFraction, /** @type {number} */ seed) {
   const { train, val } = splitTrainVal(count, valFraction, seed);
   return { train: train.length, val: val.length };
+}
+
+/**
+ * How many more examples the page needs before it asks for rounds (0: enough): with the contract's split, at
+ * least `min_train_examples` to learn from and `min_held_out` held out to measure the model (device_runtime/
+ * contract.py says why). Removing examples can bring a device below it again.
+ * @param {number} count the examples held
+ * @param {{val_fraction: number, min_train_examples: number, min_held_out: number}} device the contract's `device`
+ */
+export function examplesShortfall(count, device) {
+  const heldOut = device.val_fraction > 0 ? device.min_held_out : 0; // nothing is ever held out otherwise
+  for (let n = Math.max(count, 1); n <= count + 100000; n++) {
+    const held = heldOutCount(n, device.val_fraction);
+    if (n - held >= device.min_train_examples && held >= heldOut) return n - count;
+  }
+  throw new DataError("no number of examples meets the server's minimum with its held-out fraction", 'reload the page; if it persists, tell whoever runs the server');
+}
+
+/** The headline that asks for more examples, or '' when there are enough. */
+export function shortfallLine(/** @type {number} */ count, /** @type {Contract['device']} */ device) {
+  const more = examplesShortfall(count, device);
+  return more ? `Add ${more} ${count ? 'more ' : ''}example${more === 1 ? '' : 's'} to take part in the rounds.` : '';
+}
+
+/** Why: how many examples the model needs, to learn from and kept aside ('' when there are enough). */
+export function shortfallReason(/** @type {number} */ count, /** @type {Contract['device']} */ device) {
+  const more = examplesShortfall(count, device);
+  if (!more) return '';
+  const total = count + more;
+  const held = heldOutCount(total, device.val_fraction);
+  return `The model needs ${total} examples: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 
 /** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */
@@ -221,6 +279,17 @@ async function collect(labelled, inputSpec, decode = decodeImage) {
     labels[i] = label;
   }
   return { pixels, labels, count: labelled.length };
+}
+
+/** One photo as the model's float32 input (C*H*W), pre-processed exactly as an example is ("Try it"). */
+export async function readPhotoInput(/** @type {File} */ file, /** @type {InputSpec} */ inputSpec) {
+  let decoded;
+  try {
+    decoded = await decodeImage(file);
+  } catch (err) {
+    throw new DataError(`${file.name} is not a photo this browser can read (${describe(err)})`, 'choose a PNG or JPEG photo');
+  }
+  return normalizePixels(toModelPixels(decoded.rgba, decoded.width, decoded.height, inputSpec), inputSpec);
 }
 
 /** RGBA pixels of an image file at its natural size (scaled down first only beyond LARGEST_DECODED_SIDE). */

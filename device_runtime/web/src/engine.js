@@ -148,6 +148,8 @@ export class Engine {
     this.specs = new Map(manifest.tensors.map((t) => [t.name, t]));
     /** @type {Map<string, OrtTensor>} */
     this.state = new Map();
+    /** @type {Set<OrtTensor>} tensors a snapshot is reading back from the GPU: not given back when replaced */
+    this.pinned = new Set();
     /** @type {Map<string, Promise<Opened>>} */
     this.sessions = new Map();
     /** @type {Map<string, Placement>} graph path -> where each opened graph runs */
@@ -184,18 +186,20 @@ export class Engine {
   }
 
   /**
-   * Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}. A tensor on
-   * the GPU is read back and stays in memory from then on (the next WebGPU step uploads it once).
+   * Copies of the named tensors (all params and buffers by default) as {name: {dtype, shape, data}}; of a
+   * `snapshot()` when given. A tensor on the GPU is read back and stays in memory from then on (the next WebGPU
+   * step uploads it once).
    * @param {readonly string[]} [names]
+   * @param {Map<string, OrtTensor>} [state]
    * @returns {Promise<Tensors>}
    */
-  async getTensors(names = this.stateNames) {
-    const unknown = names.filter((n) => !this.state.has(n));
+  async getTensors(names = this.stateNames, state = this.state) {
+    const unknown = names.filter((n) => !state.has(n));
     if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
     /** @type {Tensors} */
     const out = {};
     for (const name of names) {
-      const t = await inMemory(/** @type {OrtTensor} */ (this.state.get(name)));
+      const t = await inMemory(/** @type {OrtTensor} */ (state.get(name)));
       out[name] = { dtype: t.type, shape: Array.from(t.dims), data: /** @type {import('./safetensors.js').TypedArray} */ (t.data).slice() };
     }
     return out;
@@ -222,7 +226,7 @@ export class Engine {
   replace(/** @type {string} */ name, /** @type {OrtTensor} */ tensor) {
     const held = this.state.get(name);
     this.state.set(name, tensor);
-    if (held && held !== tensor) release(held);
+    if (held && held !== tensor && !this.pinned.has(held)) release(held);
   }
 
   checkTensor(/** @type {string} */ name, /** @type {Tensor} */ t) {
@@ -377,6 +381,47 @@ export class Engine {
     return { lossSum, correct, count };
   }
 
+  /**
+   * Class probabilities (count x classes, float32, row by row) of the model on `count` pre-processed inputs, in
+   * inference mode: the eval graph's logits, softmax in float64 (engine.py predict). `held` (a `snapshot()`)
+   * predicts with the tensors held then instead of the current ones, e.g. while a round trains.
+   * @param {Float32Array} x
+   * @param {number} count
+   * @param {Map<string, OrtTensor>} [held]
+   */
+  async predict(x, count, held = this.state) {
+    const y = new Int32Array(count);
+    this.checkBatch(x, y, count);
+    const graph = this.entry.eval;
+    const opened = await this.session('eval', graph);
+    const n = this.stateNames.length;
+    const classes = this.manifest.num_classes;
+    const probabilities = new Float32Array(count * classes);
+    for (let start = 0; start < count; start += this.batchSize) {
+      const chunk = Math.min(this.batchSize, count - start);
+      const feeds = await this.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk, held);
+      const logits = /** @type {Float32Array} */ ((await opened.session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data);
+      for (let row = 0; row < chunk; row++) probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
+    }
+    return probabilities;
+  }
+
+  /**
+   * The model's tensors as they are now, kept aside (no copy: a step replaces tensors, never writes into them).
+   * Those on the GPU are read back first: a later step gives the GPU buffers of the tensors it replaces back.
+   * @returns {Promise<Map<string, OrtTensor>>}
+   */
+  async snapshot() {
+    const held = new Map(this.state);
+    for (const t of held.values()) this.pinned.add(t); // a step that replaces one meanwhile leaves it to us
+    try {
+      for (const t of held.values()) await inMemory(t);
+    } finally {
+      for (const t of held.values()) this.pinned.delete(t);
+    }
+    return held;
+  }
+
   /** Free the sessions' memory and the state's GPU buffers; the engine cannot be used afterwards. */
   async release() {
     for (const opened of this.sessions.values()) await (await opened).session.release();
@@ -419,12 +464,13 @@ export class Engine {
    * @param {Int32Array | BigInt64Array} y
    * @param {number} start
    * @param {number} count
+   * @param {Map<string, OrtTensor>} [state] the tensors to feed (the current ones by default)
    */
-  async feeds(opened, stateInputs, batchInputs, x, y, start, count) {
+  async feeds(opened, stateInputs, batchInputs, x, y, start, count, state = this.state) {
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
     for (const [input, name] of stateInputs) {
-      const t = /** @type {OrtTensor} */ (this.state.get(name));
+      const t = /** @type {OrtTensor} */ (state.get(name));
       feeds[input] = opened.backend === 'webgpu' ? t : await inMemory(t);
     }
     const size = this.batchSize;
@@ -528,6 +574,28 @@ async function inMemory(t) {
 /** Give a GPU tensor's buffer back to onnxruntime-web (a tensor in memory is left to the garbage collector). */
 function release(/** @type {OrtTensor} */ tensor) {
   if (tensor.location === 'gpu-buffer') tensor.dispose();
+}
+
+/** Softmax of one row of logits, computed in float64 and rounded to float32 (engine.py softmax). */
+export function softmax(/** @type {ArrayLike<number>} */ logits) {
+  let max = -Infinity;
+  for (let i = 0; i < logits.length; i++) max = Math.max(max, logits[i]);
+  const exponentials = Float64Array.from(logits, (v) => Math.exp(v - max));
+  const total = exponentials.reduce((sum, v) => sum + v, 0);
+  return Float32Array.from(exponentials, (v) => v / total);
+}
+
+/**
+ * The `k` most likely classes of one row of probabilities, most likely first; ties: the lower class first
+ * (predict.py top_classes).
+ * @param {ArrayLike<number>} probabilities
+ * @param {string[]} names the classes' names (classNames(manifest))
+ * @param {number} k
+ * @returns {{index: number, name: string, probability: number}[]}
+ */
+export function topClasses(probabilities, names, k) {
+  const order = Array.from({ length: probabilities.length }, (_, i) => i).sort((a, b) => probabilities[b] - probabilities[a] || a - b);
+  return order.slice(0, Math.min(k, order.length)).map((index) => ({ index, name: names[index], probability: probabilities[index] }));
 }
 
 /** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */

@@ -3,17 +3,23 @@
 // what to do. Every error the page expects (engine, codec, data, storage, the server's refusals, the network)
 // extends it, so the page shows any of them the same way.
 
-/** A problem the page expects: `problem` (one line) and `fix`; the message joins them for logs and tests. */
+/**
+ * A problem the page expects: `problem` (one line) and `fix`, in words for the person holding the phone, and an
+ * optional technical `detail` for whoever runs the server (the page shows it folded away); the message joins them
+ * for logs and tests.
+ */
 export class DeviceError extends Error {
   /**
    * @param {string} problem what went wrong, in one line
    * @param {string} fix what to do about it
+   * @param {string} [detail] the technical account (a request, a status code, the server's own words)
    */
-  constructor(problem, fix) {
-    super(fix ? `${problem} — ${fix}` : problem);
+  constructor(problem, fix, detail = '') {
+    super(`${fix ? `${problem} — ${fix}` : problem}${detail ? ` (${detail})` : ''}`);
     this.name = new.target.name;
     this.problem = problem;
     this.fix = fix;
+    this.detail = detail;
   }
 }
 

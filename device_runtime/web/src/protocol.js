@@ -26,7 +26,24 @@ import { sha256Hex } from './sha256.js';
  */
 /** What an upload's metadata says (UploadMeta). @typedef {{baseLayoutHash: string, numSamples: number, trainLoss: number, valAccuracy: number, valLoss: number, startValAccuracy?: number}} UploadMeta */
 
-/** The server refused a request (4xx): retrying it would not help. `fix` is the server's advice. */
+/**
+ * What a person is told of a refusal, by the server's code: the server's own `fix` speaks to an operator or a
+ * developer (flags, headers), so the page says it in its own words and keeps the server's in `detail`.
+ * @type {Record<string, [string, string]>}
+ */
+const FOR_PEOPLE = {
+  unauthorized: ['the server no longer lets this phone in', 'ask whoever runs it for a new join link and open it on this phone; your photos and your model stay'],
+  enrollment_closed: ['the server takes no new phones through a link', 'ask whoever runs it for a join link'],
+  too_many_attempts: ['too many wrong join links were tried from this network', 'wait a few minutes, then open the join link again'],
+  already_enrolled: ['the server already knows a phone of this name', 'open the join link again'],
+  not_sampled: ['the server did not pick this phone for this round', 'nothing to do: the phone waits for the next round'],
+  layout_mismatch: ['the server now trains another model than the one this page holds', 'reload the page'],
+};
+const JOIN_LINK_CLOSED = ['join_link_expired', 'join_link_used_up', 'join_link_revoked'];
+const NEW_LINK = 'ask whoever gave you the link for a new one';
+const TELL_OPERATOR = 'reload the page; if it happens again, tell whoever runs the server';
+
+/** The server refused a request (4xx): retrying it would not help. `serverFix` is the server's advice. */
 export class Refusal extends DeviceError {
   /**
    * @param {string} method
@@ -36,9 +53,18 @@ export class Refusal extends DeviceError {
    * @param {boolean} roundGone whether the refusal ends this device's part in the round (contract round_gone_errors)
    */
   constructor(method, path, status, body, roundGone) {
-    super(`the server refused ${method} ${path} (${status} ${body.error}): ${body.detail}`, String(body.fix || ''));
+    const error = String(body.error);
+    const enrolling = path.endsWith('/enroll');
+    let [problem, fix] = FOR_PEOPLE[error] || [`the server refused what this phone sent (${error})`, TELL_OPERATOR];
+    if (JOIN_LINK_CLOSED.includes(error)) [problem, fix] = [body.detail, NEW_LINK]; // "this join link expired at …"
+    else if (enrolling && error === 'unauthorized') [problem, fix] = ['the server did not accept this join link', NEW_LINK];
+    const detail = `${method} ${path}: ${status} ${error}: ${body.detail}${body.fix ? `; the server says: ${body.fix}` : ''}`;
+    super(problem, fix, detail);
     this.status = status;
-    this.error = String(body.error);
+    this.error = error;
+    this.serverFix = String(body.fix || '');
+    /** Whether the server refused this device's token (a new join link lets it in again). */
+    this.tokenRefused = status === 401 && error === 'unauthorized' && !enrolling;
     /** Whether the round is over for this device (it then rejoins the next one). */
     this.roundGone = roundGone;
   }
@@ -46,8 +72,8 @@ export class Refusal extends DeviceError {
 
 /** Network errors or 5xx answers outlasted every retry. */
 export class Unreachable extends DeviceError {
-  constructor(/** @type {string} */ problem) {
-    super(problem, 'check the Wi-Fi or mobile data; the page goes on by itself when the server answers again');
+  constructor(/** @type {string} */ detail) {
+    super('no connection to the server', 'check the Wi-Fi or mobile data; the page goes on by itself when the server answers again', detail);
   }
 }
 
@@ -61,8 +87,9 @@ export class NotTheServer extends DeviceError {
    */
   constructor(method, path, status, contentType) {
     super(
-      `${method} ${path} was answered by a web page (HTTP ${status}, ${contentType || 'no content type'}), not by the edgepfl server`,
-      'the network wants you to sign in (open any web site to see its page) or the link points at another server',
+      'a web page answered instead of the server',
+      'the network may want you to sign in (open any web site to see its page), or the link points at another server',
+      `${method} ${path}: HTTP ${status}, ${contentType || 'no content type'}`,
     );
   }
 }
@@ -120,7 +147,7 @@ export class ApiClient {
       const bytes = new Uint8Array(await reply.arrayBuffer());
       const expected = sha256 || (reply.headers.get('etag') || '').replaceAll('"', '');
       if (!expected || (await sha256Hex(bytes)) === expected) return bytes;
-      if (this.onRetry) this.onRetry(`GET ${path}: the bytes do not match their sha256, fetching again`);
+      if (this.onRetry) this.onRetry('A download arrived damaged; fetching it again…');
     }
     throw new Unreachable(`GET ${path} kept returning bytes that do not match their sha256`);
   }
@@ -130,6 +157,12 @@ export class ApiClient {
     const path = `${this.prefix}/rounds/${roundId}/update`;
     const reply = await this.request('POST', path, { body: /** @type {Uint8Array<ArrayBuffer>} */ (payload), contentType: 'application/octet-stream' });
     return this.json(reply, 'POST', path);
+  }
+
+  /** POST /v1/rounds/{r}/refusal: this device refused the round's base (NaN/Inf in it, or training diverged). */
+  async reportRefusal(/** @type {number} */ roundId, /** @type {string} */ reason) {
+    const path = `${this.prefix}/rounds/${roundId}/refusal`;
+    return this.json(await this.request('POST', path, { json: { reason: reason.slice(0, 200) } }), 'POST', path);
   }
 
   /** POST /v1/rounds/{r}/metrics: the personalised model's held-out evaluation. */
@@ -162,6 +195,7 @@ export class ApiClient {
     for (let attempt = 0; attempt < this.attempts; attempt++) {
       let retryAfter = null;
       let reply = null;
+      let busy = false; // the server answered, but not now (5xx, 429); else there was no connection
       try {
         reply = await this.fetch(url.href, { method, headers, body, cache: 'no-store', credentials: 'omit', redirect: 'manual', referrerPolicy: 'no-referrer' });
       } catch (err) {
@@ -180,10 +214,11 @@ export class ApiClient {
         }
         problem = `HTTP ${reply.status} ${(await errorBody(reply, method, path)).detail}`;
         retryAfter = reply.headers.get('retry-after');
+        busy = true;
       }
       if (attempt + 1 < this.attempts) {
         const delay = this.backoff(attempt, retryAfter);
-        if (this.onRetry) this.onRetry(`${method} ${path} failed (${problem}); retry ${attempt + 1} in ${delay.toFixed(1)} s`);
+        if (this.onRetry) this.onRetry(retryLine(busy, delay));
         await this.sleep(delay);
       }
     }
@@ -243,6 +278,11 @@ export function pythonFloat(/** @type {number} */ value) {
   if (exponent < 0) return `${sign}0.${'0'.repeat(-exponent - 1)}${digits}`;
   const whole = digits.slice(0, exponent + 1).padEnd(exponent + 1, '0');
   return `${sign}${whole}.${digits.slice(exponent + 1) || '0'}`;
+}
+
+/** What a person reads while the page waits to try again: "No connection; trying again in 14 s." */
+export function retryLine(/** @type {boolean} */ busy, /** @type {number} */ seconds) {
+  return `${busy ? 'The server is busy' : 'No connection to the server'}; trying again in ${Math.max(1, Math.round(seconds))} s.`;
 }
 
 function isHtml(/** @type {Response} */ reply) {

@@ -7,10 +7,10 @@
 
 import { divergence, nonfiniteNames, receive, roundLosses, roundPhases, roundUploads, runClientRound, travellingNames } from './algorithms.js';
 import { checkedSettings } from './contract.js';
-import { splitExamples } from './data.js';
+import { shortfallLine, splitExamples } from './data.js';
 import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
 import { DeviceError, StartOver } from './errors.js';
-import { encodeUpdate, Refusal, Unreachable } from './protocol.js';
+import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
 import { sha256Hex } from './sha256.js';
 
@@ -39,6 +39,7 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number, phase: string, step: number, steps: number, loss: number) => void} step one training step finished
  * @property {(roundId: number, record: RoundRecord) => void} roundFinished a round is saved and its upload delivered, dropped or none
  * @property {(history: RoundRecord[]) => void} historyChanged the saved history of rounds changed
+ * @property {(roundId: number | null, result: EvalResult) => void} runFinished the run is over: the held-out evaluation of the model kept
  */
 
 /**
@@ -49,13 +50,15 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number) => string} basePath
  * @property {(roundId: number, payload: Uint8Array) => Promise<unknown>} upload
  * @property {(roundId: number, metrics: {accuracy: number, num_samples: number, loss: number | null}) => Promise<unknown>} postMetrics
+ * @property {(roundId: number, reason: string) => Promise<unknown>} reportRefusal
  */
 
 /** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
 
 const OFFLINE_WAIT = 30; // seconds before trying again after the server stayed unreachable (the page's own)
 
-/** A received base or a training result the device must not keep (NaN, Inf or an exploding loss; runner.py). */
+/** A received base or a training result the device must not keep (NaN, Inf or an exploding loss; runner.py);
+ * `detail` is the technical reason the server is told. */
 export class TrainingDiverged extends DeviceError {}
 
 /** One device taking part in rounds: the loop, one round, its upload and metrics. */
@@ -94,12 +97,14 @@ export class DeviceRunner {
     const refused = new Set(); // rounds whose base or result this device refused: it waits for the next one
     for (;;) {
       try {
-        if (!this.examples.current().count) {
-          events.stage('examples', 'Add examples to take part in the next round.');
+        if (this.progress.pending) await this.deliverPending();
+        const more = shortfallLine(this.examples.current().count, contract.device);
+        if (more) { // the page asks for no round it has nothing to learn from (or nothing to measure with)
+          events.stage('examples', more);
+          told = '';
           await this.examples.added();
           continue;
         }
-        if (this.progress.pending) await this.deliverPending();
         const task = await client.task();
         if (task.base_layout_hash !== this.layout) {
           throw new StartOver('the server trains another model than the one this page loaded', 'reload the page; start over if that does not help');
@@ -114,6 +119,7 @@ export class DeviceRunner {
           } catch (err) {
             if (!(err instanceof TrainingDiverged)) throw err;
             refused.add(task.round);
+            await this.reportRefusal(task.round, err);
             events.problem(err);
             events.stage('waiting', err.problem);
             told = waiting;
@@ -125,7 +131,7 @@ export class DeviceRunner {
       } catch (err) {
         if (!(err instanceof Unreachable)) throw err; // a refusal or a bad reply is shown once: the page stops
         events.problem(err);
-        events.stage('offline', err.problem);
+        events.stage('offline', retryLine(false, OFFLINE_WAIT));
         told = '';
         await this.sleep(OFFLINE_WAIT);
       }
@@ -142,7 +148,7 @@ export class DeviceRunner {
   async trainRound(task, roundId, settings) {
     const { client, contract, engine, events, manifest, store } = this;
     events.problemCleared();
-    events.stage('training', `Round ${roundId}: fetching the shared model…`);
+    events.stage('training', `Round ${roundId}: getting the shared model…`);
     await store.commit({ round: { round: roundId, startedAt: Date.now() } });
     let baseBytes;
     try {
@@ -157,12 +163,13 @@ export class DeviceRunner {
     }
     const base = decodeDownload(baseBytes, settings.download_encoding, `the base of round ${roundId}`);
     const poisoned = nonfiniteNames(base);
-    if (poisoned.length) throw await this.skipped(`the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`);
+    if (poisoned.length) throw await this.skipped(roundId, 'came with a broken shared model', `the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`);
     const expected = travellingNames(manifest, settings);
     if (Object.keys(base).length !== expected.length || expected.some((name) => !(name in base))) {
       throw new DeviceError(`the base of round ${roundId} holds other tensors than this model shares`, 'the server must run with the bundle this page loaded');
     }
     const { train, val } = this.split();
+    events.stage('training', `Round ${roundId}: fitting the shared model to your examples…`);
     const kept = await engine.getTensors(); // the model held before the round, back in place if its result is refused
     // a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
     // re-estimated under the new base
@@ -180,11 +187,12 @@ export class DeviceRunner {
       roundId,
       onProgress: ({ phase, step, steps: total, loss }) => events.step(roundId, phase, step, total, loss),
     });
+    events.stage('training', `Round ${roundId}: checking the model on the examples kept aside…`);
     const after = await evaluate(engine, val);
     const why = divergence(roundLosses(result, after), await engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
     if (why !== null) {
       engine.setTensors(kept);
-      throw await this.skipped(`training diverged in round ${roundId} (${why})`);
+      throw await this.skipped(roundId, 'went wrong while training (the numbers blew up)', `training diverged in round ${roundId} (${why})`);
     }
     const valAccuracy = after.count ? after.correct / after.count : NaN;
     const valLoss = after.count ? after.lossSum / after.count : NaN;
@@ -245,14 +253,14 @@ export class DeviceRunner {
     if ((await sha256Hex(pending.payload)) !== pending.sha256) {
       throw new DeviceError(`the saved upload of round ${pending.round} does not match its sha256`, 'start over');
     }
-    events.stage('uploading', `Round ${pending.round}: sending the shared part of the model…`);
+    events.stage('uploading', `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`);
     let delivered = true;
     try {
       await this.client.upload(pending.round, pending.payload);
     } catch (err) {
       if (!(err instanceof Refusal && err.roundGone)) throw err;
       delivered = false;
-      events.message(`Round ${pending.round} closed before the upload arrived; it is dropped, the device joins the next round.`);
+      events.message(`Round ${pending.round} closed before this phone's part arrived; it joins the next round.`);
     }
     const upload = delivered ? 'delivered' : 'dropped';
     this.history = this.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
@@ -272,7 +280,18 @@ export class DeviceRunner {
       await this.client.postMetrics(record.round, { accuracy: record.accuracy, num_samples: record.samples, loss: record.loss });
     } catch (err) {
       if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
-      this.events.message(`The metrics of round ${record.round} were not reported: ${err.problem}`);
+      this.events.message(`The results of round ${record.round} did not reach the server (${err.problem}); the page goes on.`);
+    }
+  }
+
+  /** Tell the server this device refused the round's base, so a base most devices refuse is rolled back (runner.py
+   * _report_refusal); advisory, like metrics. */
+  async reportRefusal(/** @type {number} */ roundId, /** @type {TrainingDiverged} */ refusal) {
+    try {
+      await this.client.reportRefusal(roundId, refusal.detail || refusal.problem);
+    } catch (err) {
+      if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
+      this.events.message(`The server was not told that round ${roundId} was skipped (${err.problem}); the page goes on.`);
     }
   }
 
@@ -299,12 +318,13 @@ export class DeviceRunner {
       if (why === null) await this.store.commit({ tensors: { layout: this.layout, tensors: await engine.getTensors() } });
       else {
         engine.setTensors(kept);
-        events.problem(new DeviceError(`the final base ${why}: kept ${this.kept()} as this device's model`, 'ask the operator to check the server\'s model'));
+        events.problem(new DeviceError(`the server's final shared model was broken, so this phone kept ${this.keptInWords()}`, 'nothing to do', `the final base ${why}: kept ${this.kept()} as this device's model`));
       }
     }
     const result = await evaluate(engine, val);
-    const shown = result.count ? `${pct(result.correct / result.count)} on ${result.count} held-out examples` : 'not measured (no held-out examples)';
-    events.stage('done', `The run is over after round ${task.round ?? '–'}. Personalised accuracy: ${shown}.`);
+    events.runFinished(task.round ?? null, result);
+    const shown = result.count ? `your model gets ${pct(result.correct / result.count)} of the ${result.count} examples kept aside right` : 'no examples are kept aside to check it';
+    events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
   }
 
   /** The seeded train/held-out split of the current examples, normalised, as the contract sets it. */
@@ -319,10 +339,26 @@ export class DeviceRunner {
     return last == null ? 'the model this page held' : `the state of round ${last}`;
   }
 
-  /** The one line for a round whose base or result the device refuses; nothing of the round stays saved. */
-  async skipped(/** @type {string} */ problem) {
+  /** The model a device keeps, in a person's words. */
+  keptInWords() {
+    const last = this.progress.lastCompletedRound;
+    return last == null ? 'the model it had' : `its model of round ${last}`;
+  }
+
+  /**
+   * A round whose base or result the device refuses: the line a person reads, and the technical reason (as the
+   * Python device words it) the server is told. Nothing of the round stays saved.
+   * @param {number} roundId
+   * @param {string} what what went wrong, in words
+   * @param {string} reason the technical reason
+   */
+  async skipped(roundId, what, reason) {
     await this.store.commit({ round: undefined });
-    return new TrainingDiverged(`${problem}: kept ${this.kept()} and skipped the round`, "ask the operator to check the server's model and --lr; the device joins the next round");
+    return new TrainingDiverged(
+      `round ${roundId} ${what}, so this phone skipped it and kept ${this.keptInWords()}`,
+      'nothing to do: the server is told, and the phone joins the next round',
+      `${reason}: kept ${this.kept()} and skipped the round`,
+    );
   }
 }
 

@@ -1,13 +1,16 @@
 // @ts-check
-// Everything the device page draws (index.html's elements): the stage and status line, a problem with its fix
-// (any DeviceError the same way), the examples and their pickers, the round's progress and the history of
-// rounds. `pageEvents` is the round loop's DeviceEvents (runner.js) drawn on the page.
+// Everything the device page draws (index.html's elements) but "Try it" (tryit.js): the headline and its stage,
+// a problem with its fix (any DeviceError the same way, the technical detail folded away), the round's progress
+// with its speed, the results (one number, chance for reference, a chart, the rounds), the examples with their
+// pickers and removers, and "reset this device". `pageEvents` is the round loop's DeviceEvents (runner.js) drawn
+// on the page. Words are for the person holding the phone: no HTTP, no flags.
 
-import { appendExamples, classCounts, classNames, readFolder, readNpz, readPhotos, splitSizes } from './data.js';
+import { appendExamples, classCounts, classNames, keepExamples, readFolder, readNpz, readPhotos, shortfallLine, shortfallReason, splitSizes, withoutClass, withoutLastAdded } from './data.js';
 import { DeviceError, describe } from './errors.js';
 import { pct } from './runner.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
+/** @typedef {import('./engine.js').EvalResult} EvalResult */
 /** @typedef {import('./data.js').Examples} Examples */
 /** @typedef {import('./data.js').NewExamples} NewExamples */
 /** @typedef {import('./engine.js').Manifest} Manifest */
@@ -17,34 +20,70 @@ import { pct } from './runner.js';
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 
-/** The round loop's events, drawn on the page. @type {DeviceEvents} */
-export const pageEvents = {
-  message: (text) => status(text),
-  stage: (name, text) => stage(name, text),
-  problem: (error) => showProblem(error),
-  problemCleared: () => clearProblem(),
-  roundStarted: () => {},
-  step: (roundId, phase, step, steps, loss) => showProgress(roundId, phase, step, steps, loss),
-  roundFinished: () => {},
-  historyChanged: (history) => renderHistory(history),
+const SVG = 'http://www.w3.org/2000/svg';
+/** What the results show: the rounds, the evaluation at the run's end, the classes the examples hold. */
+const shown = {
+  /** @type {RoundRecord[]} */
+  history: [],
+  /** @type {{round: number | null, result: EvalResult} | null} */
+  final: null,
+  classesHeld: 0,
 };
+/** The round being trained: when its first step ended and how many images a step takes, for the speed. */
+const speed = { round: -1, batch: 1, firstStep: 0, firstAt: 0 };
 
-/** Show what the page does now (`body[data-stage]`, for people's tools and the browser test) and its status line. */
+/**
+ * The round loop's events, drawn on the page; `modelChanged` runs whenever the model the device keeps changed (a
+ * round saved, or the run's final model taken).
+ * @param {() => unknown} [modelChanged]
+ * @returns {DeviceEvents}
+ */
+export function pageEvents(modelChanged = () => {}) {
+  return {
+    message: (text) => status(text),
+    stage: (name, text) => stage(name, text),
+    problem: (error) => showProblem(error),
+    problemCleared: () => clearProblem(),
+    roundStarted: (roundId, settings, totalSteps) => startProgress(roundId, settings.batch_size, totalSteps),
+    step: (roundId, phase, step, steps, loss) => showProgress(roundId, phase, step, steps, loss),
+    roundFinished: () => modelChanged(),
+    historyChanged: (history) => {
+      renderHistory(history);
+      modelChanged(); // sent after the round's tensors are saved
+    },
+    runFinished: (roundId, result) => {
+      shown.final = { round: roundId, result };
+      renderScore();
+      modelChanged();
+    },
+  };
+}
+
+/** Show what the page does now (`body[data-stage]`, for people's tools and the browser test) and its headline. */
 export function stage(/** @type {Stage} */ name, /** @type {string} */ text = '') {
+  const training = name === 'training';
+  if (training && $('round').hidden) { // a round begins: its bar says "working" until its first step
+    $('progress', HTMLProgressElement).removeAttribute('value');
+    $('round-text').textContent = '';
+    $('speed').textContent = '';
+  }
+  $('round').hidden = !training;
   document.body.dataset.stage = name;
   if (text) status(text);
 }
 
-/** The one status line. */
+/** The headline: what the page does now, one line. */
 export function status(/** @type {string} */ text) {
-  $('status').textContent = text;
+  $('status').textContent = sentence(text);
 }
 
-/** Show a problem and its fix (it stays until a round begins); returns the problem's line. */
-export function showProblem(/** @type {{problem: string, fix: string}} */ error) {
+/** Show a problem and its fix (it stays until a round begins), the technical detail folded; returns the problem's line. */
+export function showProblem(/** @type {{problem: string, fix: string, detail?: string}} */ error) {
   $('problem').hidden = false;
-  $('problem-text').textContent = error.problem;
-  $('problem-fix').textContent = error.fix ? `Fix: ${error.fix}` : '';
+  $('problem-text').textContent = sentence(error.problem);
+  $('problem-fix').textContent = error.fix ? `What to do: ${error.fix}.`.replace(/\.\.$/, '.') : '';
+  $('problem-more').hidden = !error.detail;
+  $('problem-detail').textContent = error.detail || '';
   return error.problem;
 }
 
@@ -55,8 +94,8 @@ export function clearProblem() {
 
 /** Anything that stops the page: its problem and fix (an unexpected error's message, and "reload the page"). */
 export function fatal(/** @type {unknown} */ err) {
-  const error = err instanceof DeviceError ? err : { problem: describe(err), fix: 'reload the page' };
-  stage('problem', showProblem({ problem: error.problem, fix: error.fix || 'reload the page' }));
+  const error = err instanceof DeviceError ? err : { problem: 'something went wrong on this page', fix: 'reload the page', detail: describe(err) };
+  stage('problem', showProblem({ problem: error.problem, fix: error.fix || 'reload the page', detail: error.detail }));
 }
 
 /** Offer the "start over" button: it forgets everything this page holds and reloads. */
@@ -80,9 +119,33 @@ export function showBackend(/** @type {string} */ name, /** @type {string} */ li
   $('backend').textContent = line;
 }
 
+/** The footer line on whether the browser keeps the page's data (navigator.storage.persist()). */
+export function showStorage(/** @type {boolean} */ persisted) {
+  $('storage').textContent = persisted
+    ? 'This browser keeps this page\'s data (your examples and model) until you reset the device.'
+    : 'This browser may delete this page\'s data (your examples and model) when the phone runs low on space. To keep it, add the page to your home screen.';
+}
+
 /**
- * The examples section: the model's classes with how many examples of each, and the pickers that add more
- * (each addition committed to the store). Returns the round loop's source of examples.
+ * "Reset this device": after a confirmation that says what is lost, forget everything and reload.
+ * @param {{clear: () => Promise<void>}} store
+ * @param {() => {examples: number, rounds: number}} held what the page holds now
+ */
+export function setUpReset(store, held) {
+  const button = $('reset');
+  button.hidden = false;
+  button.addEventListener('click', async () => {
+    const { examples, rounds } = held();
+    const lost = [`your ${plural(examples, 'example')}`, rounds ? `the model it trained in ${plural(rounds, 'round')}` : 'its model', 'its place on the server'];
+    if (!confirm(`Reset this device? This deletes everything this page keeps: ${lost.join(', ')}. To take part again you need the join link.`)) return;
+    await store.clear();
+    location.replace(location.pathname);
+  });
+}
+
+/**
+ * The examples section: the model's classes with how many examples of each (each with a remover), the pickers
+ * that add more and the removers (each change committed to the store). Returns the round loop's source of examples.
  * @param {{store: DeviceStore, manifest: Manifest, contract: Contract, examples: Examples}} parts
  * @returns {ExampleSource}
  */
@@ -92,22 +155,34 @@ export function setUpExamples({ store, manifest, contract, examples }) {
   let waiting = [];
   const select = $('class-select', HTMLSelectElement);
   select.replaceChildren(...names.map((name, i) => new Option(name, String(i))));
+  /** Keep a change of the examples, show it, and wake the round loop where it waits for more. */
+  const keep = async (/** @type {Examples} */ changed, /** @type {string} */ said) => {
+    await store.commit({ examples: changed });
+    examples = changed;
+    clearProblem();
+    status(said);
+    render();
+    for (const resolve of waiting) resolve();
+    waiting = [];
+  };
+  const render = () => renderExamples(examples, names, contract, remove);
+  const remove = async (/** @type {number} */ label) => {
+    const count = classCounts(examples, names.length)[label];
+    if (!confirm(`Remove the ${plural(count, 'example')} of "${names[label]}"? They are deleted from this phone; what the model already learned from them stays.`)) return;
+    await keep(withoutClass(examples, label), `Removed the ${plural(count, 'example')} of "${names[label]}".`);
+  };
   const add = async (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) => {
     const files = input.files;
     if (!files || !files.length) return;
+    const before = $('status').textContent || '';
     try {
       status('Reading the examples…');
       const more = await read(files);
-      examples = appendExamples(examples, more);
-      await store.commit({ examples });
-      clearProblem();
-      status(`Added ${more.count} example${more.count === 1 ? '' : 's'}.`);
-      renderExamples(examples, names, contract);
-      for (const resolve of waiting) resolve();
-      waiting = [];
+      await keep(appendExamples(examples, more), `Added ${plural(more.count, 'example')}.`);
     } catch (err) {
       if (!(err instanceof DeviceError)) throw err;
       showProblem(err);
+      status(before); // the headline goes back to what the page does
     } finally {
       input.value = '';
     }
@@ -122,45 +197,76 @@ export function setUpExamples({ store, manifest, contract, examples }) {
   picker('photos', photos);
   picker('folder', (files) => readFolder(files, manifest.input, classNames(manifest)));
   picker('npz', async (files) => readNpz(new Uint8Array(await files[0].arrayBuffer()), manifest.input, manifest.num_classes));
+  $('remove-last').addEventListener('click', () => {
+    const count = examples.lastAdded || 0;
+    if (!confirm(`Remove the last ${plural(count, 'example')} you added? They are deleted from this phone; what the model already learned from them stays.`)) return;
+    keep(withoutLastAdded(examples), `Removed the last ${plural(count, 'example')} added.`).catch(fatal);
+  });
+  $('remove-all').addEventListener('click', () => {
+    const { count } = examples;
+    if (!confirm(`Remove all ${plural(count, 'example')}? They are deleted from this phone; what the model already learned from them stays. The phone takes part in rounds again once it has enough examples.`)) return;
+    keep(keepExamples(examples, () => true), `Removed all ${plural(count, 'example')}.`).catch(fatal);
+  });
   $('examples').hidden = false;
-  renderExamples(examples, names, contract);
+  render();
   return {
     current: () => examples,
     added: () => new Promise((resolve) => waiting.push(resolve)),
   };
 }
 
-/** The classes with their counts, and how the examples split into train and held out. */
-function renderExamples(/** @type {Examples} */ examples, /** @type {string[]} */ names, /** @type {Contract} */ contract) {
+/**
+ * The classes with their counts and removers, what is missing, how the examples split, and the removers.
+ * @param {Examples} examples
+ * @param {string[]} names
+ * @param {Contract} contract
+ * @param {(label: number) => void} remove
+ */
+function renderExamples(examples, names, contract, remove) {
   const counts = classCounts(examples, names.length);
-  $('needs').textContent = `This model learns ${names.length} classes. Add labelled photos of each class you have; the more, the better.`;
+  shown.classesHeld = counts.filter((n) => n > 0).length;
+  $('needs').textContent = `The model knows ${plural(names.length, 'class', 'classes')}: add labelled photos of each one you have.`;
   $('classes').replaceChildren(
     ...names.map((name, i) => {
       const item = document.createElement('li');
-      item.textContent = `${name}: ${counts[i]}`;
+      item.append(`${name}: ${counts[i]}`);
+      Object.assign(item.dataset, { label: String(i), count: String(counts[i]) });
       item.classList.toggle('missing', counts[i] === 0);
+      if (counts[i]) {
+        const button = document.createElement('button'); // its "×" is drawn by style.css: the chip's text stays "name: count"
+        button.type = 'button';
+        button.className = 'remove';
+        button.setAttribute('aria-label', `remove the examples of ${name}`);
+        button.dataset.label = String(i);
+        button.addEventListener('click', () => remove(i));
+        item.append(button);
+      }
       return item;
     }),
   );
   const { count } = examples;
-  if (!count) {
-    $('split').textContent = '';
-    return;
-  }
-  const { train, val } = splitSizes(count, contract.device.val_fraction, contract.device.split_seed);
-  $('split').textContent = `${count} examples: ${train} train on this device, ${val} are held out to measure it.`;
+  const last = $('remove-last');
+  last.hidden = !examples.lastAdded || examples.lastAdded === count;
+  last.textContent = `Remove the last ${plural(examples.lastAdded || 0, 'example')} added`;
+  $('remove-all').hidden = !count;
+  const short = [shortfallLine(count, contract.device), shortfallReason(count, contract.device)].join(' ').trim();
+  const { train, val } = count ? splitSizes(count, contract.device.val_fraction, contract.device.split_seed) : { train: 0, val: 0 };
+  $('split').textContent = short || `${plural(count, 'example')}: ${train} to learn from, ${val} kept aside to check how well the model does.`;
+  renderScore();
 }
 
-/** The table of rounds: held-out accuracy before and after, training loss, what became of the upload. */
+/** The rounds: the table (held-out accuracy before and after training, whether the update was sent), the score and chart. */
 export function renderHistory(/** @type {RoundRecord[]} */ history) {
+  shown.history = history;
   $('results').hidden = !history.length;
+  const sent = { pending: 'not yet', none: '–', delivered: 'yes', dropped: 'too late' };
   $('history').replaceChildren(
     ...history.map((r) => {
       const row = document.createElement('tr');
       row.dataset.round = String(r.round);
       row.dataset.accuracy = String(r.accuracy ?? '');
       row.dataset.upload = r.upload;
-      for (const text of [r.round, pct(r.beforeAccuracy), pct(r.accuracy), num(r.trainLoss), r.upload]) {
+      for (const text of [r.round, pct(r.beforeAccuracy), pct(r.accuracy), sent[r.upload]]) {
         const cell = document.createElement('td');
         cell.textContent = String(text);
         row.append(cell);
@@ -168,10 +274,81 @@ export function renderHistory(/** @type {RoundRecord[]} */ history) {
       return row;
     }),
   );
+  renderScore();
+}
+
+/** One number with its meaning: the latest measurement of the device's model, chance for reference, and the chart. */
+function renderScore() {
+  const measured = shown.history.filter((r) => r.accuracy != null);
+  const last = measured.at(-1);
+  const final = shown.final && shown.final.result.count ? shown.final : null;
+  const [accuracy, count, when] = final
+    ? [final.result.correct / final.result.count, final.result.count, 'now that training is over']
+    : last
+      ? [/** @type {number} */ (last.accuracy), last.samples, `after round ${last.round}`]
+      : [null, 0, ''];
+  $('score').textContent = accuracy == null ? '–' : pct(accuracy);
+  $('score').dataset.accuracy = String(accuracy ?? '');
+  $('score-what').textContent = accuracy == null ? 'not measured yet' : `of the ${plural(count, 'example')} kept aside are recognised ${when}.`;
+  const classes = shown.classesHeld;
+  $('score-chance').textContent = classes > 1
+    ? `Guessing among your ${classes} classes would get ${pct(1 / classes)}.`
+    : 'All your examples show one class: add another class to make the number mean something.';
+  drawChart(measured, classes > 1 ? 1 / classes : null);
 }
 
 /**
- * The round's progress bar and loss.
+ * A small chart of the held-out accuracy after each round, with chance as a dashed line (SVG drawn by script:
+ * the page's CSP allows no inline styles, so the look is in style.css).
+ * @param {RoundRecord[]} rounds
+ * @param {number | null} chance
+ */
+function drawChart(rounds, chance) {
+  const chart = $('chart');
+  const [left, right, top, bottom] = [34, 312, 8, 108];
+  const x = (/** @type {number} */ i) => (rounds.length < 2 ? (left + right) / 2 : left + ((right - left) * i) / (rounds.length - 1));
+  const y = (/** @type {number} */ v) => bottom - (bottom - top) * v;
+  const shape = (/** @type {string} */ tag, /** @type {Record<string, string | number>} */ attributes, text = '') => {
+    const element = document.createElementNS(SVG, tag);
+    for (const [name, value] of Object.entries(attributes)) element.setAttribute(name, String(value));
+    if (text) element.textContent = text;
+    return element;
+  };
+  const parts = [
+    shape('line', { class: 'axis', x1: left, x2: right, y1: bottom, y2: bottom }),
+    shape('line', { class: 'axis', x1: left, x2: right, y1: top, y2: top }),
+    shape('text', { x: 0, y: top + 4 }, '100%'),
+    shape('text', { x: 12, y: bottom + 4 }, '0%'),
+  ];
+  if (chance != null) parts.push(shape('line', { class: 'chance', x1: left, x2: right, y1: y(chance), y2: y(chance) }));
+  if (rounds.length) {
+    const points = rounds.map((r, i) => `${x(i).toFixed(1)},${y(/** @type {number} */ (r.accuracy)).toFixed(1)}`);
+    parts.push(shape('polyline', { class: 'line', points: points.join(' ') }));
+    rounds.forEach((r, i) => parts.push(shape('circle', { class: 'dot', cx: x(i), cy: y(/** @type {number} */ (r.accuracy)), r: 3.5 })));
+    const labels = rounds.length < 2 ? [[0, 'middle']] : [[0, 'start'], [rounds.length - 1, 'end']];
+    for (const [i, anchor] of labels) parts.push(shape('text', { x: x(Number(i)), y: bottom + 18, 'text-anchor': anchor }, `round ${rounds[Number(i)].round}`));
+  }
+  chart.replaceChildren(...parts);
+}
+
+/**
+ * A round's training begins: its bar, and the speed measured from its first step on.
+ * @param {number} roundId
+ * @param {number} batch images per step
+ * @param {number} steps
+ */
+function startProgress(roundId, batch, steps) {
+  Object.assign(speed, { round: roundId, batch, firstStep: 0, firstAt: 0 });
+  const progress = $('progress', HTMLProgressElement);
+  progress.max = Math.max(steps, 1);
+  progress.value = 0;
+  $('round-text').textContent = `Step 0 of ${steps}`;
+  $('speed').textContent = '';
+  status(`Round ${roundId}: learning from your examples…`);
+}
+
+/**
+ * One training step ended: the bar, the step and the speed in images per second.
  * @param {number} roundId
  * @param {string} phase
  * @param {number} step
@@ -180,27 +357,40 @@ export function renderHistory(/** @type {RoundRecord[]} */ history) {
  */
 function showProgress(roundId, phase, step, steps, loss) {
   Object.assign(document.body.dataset, { round: roundId, step }); // for people's tools and the browser test
-  $('round').hidden = false;
-  $('round-text').textContent = `Round ${roundId}: training (${phase}), step ${step} of ${steps}`;
+  Object.assign($('round').dataset, { phase, loss: String(loss) });
+  const now = performance.now();
+  if (speed.round !== roundId || !speed.firstAt) Object.assign(speed, { round: roundId, firstStep: step, firstAt: now });
   const progress = $('progress', HTMLProgressElement);
   progress.max = steps;
   progress.value = step;
-  $('loss').textContent = `loss ${num(loss)}`;
+  $('round-text').textContent = `Step ${step} of ${steps}`;
+  const seconds = (now - speed.firstAt) / 1000;
+  if (step > speed.firstStep && seconds > 0) {
+    const rate = ((step - speed.firstStep) * speed.batch) / seconds;
+    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} images per second`;
+    $('speed').dataset.imagesPerSecond = String(rate);
+  }
 }
 
-function num(/** @type {number | null | undefined} */ value) {
-  return value == null || Number.isNaN(value) ? '–' : value.toFixed(4);
+/** A line as a sentence: its first letter capitalised. */
+function sentence(/** @type {string} */ text) {
+  return text ? text[0].toUpperCase() + text.slice(1) : text;
+}
+
+/** "1 example", "3 examples". */
+export function plural(/** @type {number} */ n, /** @type {string} */ word, many = `${word}s`) {
+  return `${n} ${n === 1 ? word : many}`;
 }
 
 /**
  * The page's element of that id (of that kind); a page without it is a bug of this page.
- * @template {HTMLElement} T
+ * @template {Element} [T=HTMLElement]
  * @param {string} id
  * @param {{new (): T, prototype: T}} [kind]
  * @returns {T}
  */
-function $(id, kind) {
+export function $(id, kind) {
   const element = document.getElementById(id);
   if (!element || (kind && !(element instanceof kind))) throw new Error(`the page has no ${kind ? kind.name : 'element'} #${id}`);
-  return /** @type {T} */ (element);
+  return /** @type {T} */ (/** @type {unknown} */ (element));
 }

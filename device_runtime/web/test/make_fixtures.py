@@ -161,6 +161,12 @@ def write_exported_models(out: Path, model: DeviceModel, data, results: dict) ->
         probabilities[quantize] = session.run(["probabilities"], {"input": xe})[0]
     probabilities["engine"] = model.engine.predict(xe)
     save_file(probabilities, out / "exported_expected.safetensors")
+    # the page writes the fp32 file itself: the same bytes for the same tensors, given Python's description
+    results["exported"] = {
+        "description": model.description,
+        "trained": model.trained,
+        "last_completed_round": model.last_completed_round,
+    }
 
 
 def write_safetensors(out: Path, results: dict) -> None:
@@ -210,6 +216,22 @@ def write_images(out: Path, manifest, results: dict) -> None:
         out / "images_expected.safetensors",
     )
     results["images"] = {"files": [f"images/0/{name}" for name in sorted(sizes)], "grey_spec": vars(grey_spec)}
+    write_photo_predictions(out, manifest, results)
+
+
+def write_photo_predictions(out: Path, manifest, results: dict) -> None:
+    """`device predict`'s probabilities for the PNGs with the round's model (after its statistics were recomputed):
+    the page's "Try it" reads the same files and must give the same numbers."""
+    from safetensors.numpy import load_file
+
+    from edgepfl.device_runtime.predict import predict_inputs
+
+    engine = PortableEngine(out / "bundle", manifest)
+    engine.set_tensors(load_file(out / "recomputed.safetensors"))
+    files = [out / name for name in results["images"]["files"]]
+    names, probabilities = predict_inputs(files, engine)
+    assert names == [str(f) for f in files]
+    save_file({"probabilities": probabilities}, out / "photos_predicted.safetensors")
 
 
 def write_folders(out: Path, manifest, results: dict) -> None:

@@ -37,14 +37,22 @@ function scripted(replies, options = {}) {
 const json = (body, status = 200, headers = {}) => new Response(JSON.stringify(body), { status, headers: { 'content-type': 'application/json', ...headers } });
 
 test('network errors, 5xx and 429 are retried with backoff (Retry-After wins); the token goes to the same origin only', { skip: NEEDS_FIXTURES }, async () => {
+  const said = [];
   const { client, calls, slept } = scripted([
     new TypeError('Failed to fetch'),
     json({ error: 'server_error', detail: 'busy', fix: '' }, 503),
     json({ error: 'too_many', detail: 'slow down', fix: '' }, 429, { 'retry-after': '7' }),
     json({ action: 'wait', retry_after: 5 }),
-  ]);
+  ], { onRetry: (line) => said.push(line) });
   assert.deepEqual(await client.task(), { action: 'wait', retry_after: 5 });
   assert.equal(calls.length, 4);
+  // what the person reads meanwhile: words, no request line or HTTP status
+  assert.deepEqual(said.map((line) => line.replace(/\d+ s\.$/, 'N s.')), [
+    'No connection to the server; trying again in N s.',
+    'The server is busy; trying again in N s.',
+    'The server is busy; trying again in N s.',
+  ]);
+  assert.equal(said[2], 'The server is busy; trying again in 7 s.');
   assert.ok(calls.every((c) => c.url === `${ORIGIN}/v1/task` && c.init.headers.Authorization === 'Bearer device-token'));
   assert.ok(calls.every((c) => c.init.credentials === 'omit' && c.init.referrerPolicy === 'no-referrer'));
   assert.equal(slept.length, 3);
@@ -57,25 +65,48 @@ test('network errors, 5xx and 429 are retried with backoff (Retry-After wins); t
 
 test('a server that stays unreachable ends in Unreachable after every attempt', { skip: NEEDS_FIXTURES }, async () => {
   const { client, calls } = scripted([new TypeError('a'), new TypeError('b'), new TypeError('c'), new TypeError('d')]);
-  await assert.rejects(client.task(), (err) => err instanceof Unreachable && /failed 4 times/.test(err.message) && Boolean(err.fix));
+  await assert.rejects(client.task(), (err) => err instanceof Unreachable && /failed 4 times/.test(err.detail) && err.problem === 'no connection to the server' && /Wi-Fi/.test(err.fix));
   assert.equal(calls.length, 4);
 });
 
-test('a 4xx is one Refusal carrying the server\'s fix; the round-over ones say so', { skip: NEEDS_FIXTURES }, async () => {
+test('a 4xx is one Refusal in a person\'s words, the server\'s own words kept as its detail; the round-over ones say so', { skip: NEEDS_FIXTURES }, async () => {
+  const bearer = 'send `Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`';
   const { client, calls } = scripted([
-    json({ error: 'unauthorized', detail: 'unknown token', fix: 'enroll again' }, 401),
+    json({ error: 'unauthorized', detail: 'missing or invalid device token', fix: bearer }, 401),
     json({ error: 'round_closed', detail: 'round 3 is closed', fix: 'poll /v1/task' }, 409),
-  ]);
-  await assert.rejects(client.task(), (err) => err instanceof Refusal && err.status === 401 && err.fix === 'enroll again' && !err.roundGone);
+    json({ error: 'unauthorized', detail: 'missing or wrong enrollment secret', fix: 'ask for a new join link' }, 401),
+    json({ error: 'join_link_expired', detail: 'this join link expired at 2026-11-27 14:05 UTC', fix: 'x' }, 410),
+    json({ error: 'bad_tensors', detail: 'tensor w holds NaN', fix: 'retrain with a lower --lr' }, 422),
+  ], { token: 'revoked' });
+  await assert.rejects(client.task(), (err) => {
+    assert.ok(err instanceof Refusal && err.status === 401 && err.tokenRefused && !err.roundGone);
+    assert.equal(err.serverFix, bearer);
+    assert.equal(err.problem, 'the server no longer lets this phone in');
+    assert.match(err.fix, /new join link/);
+    assert.ok(!/Bearer|HTTP|\/v1|--/.test(err.problem + err.fix), 'nothing aimed at the operator is the person\'s fix');
+    assert.match(err.detail, /^GET \/v1\/task: 401 unauthorized: missing or invalid device token; the server says: send `Authorization/);
+    return true;
+  });
   await assert.rejects(client.upload(3, new Uint8Array([1])), (err) => err instanceof Refusal && err.roundGone);
-  assert.equal(calls.length, 2, 'refusals are not retried');
+  await assert.rejects(client.enroll('web-1', 'k'.repeat(32), 'old'), (err) => err.problem === 'the server did not accept this join link' && !err.tokenRefused);
+  await assert.rejects(client.enroll('web-1', 'k'.repeat(32), 'old'), (err) => err.problem === 'this join link expired at 2026-11-27 14:05 UTC' && /new one/.test(err.fix));
+  await assert.rejects(client.upload(3, new Uint8Array([1])), (err) => !/--lr/.test(err.problem + err.fix) && /bad_tensors/.test(err.problem) && /--lr/.test(err.detail));
+  assert.equal(calls.length, 5, 'refusals are not retried');
+});
+
+test('a refusal of a round\'s base is reported with its reason (at most 200 characters)', { skip: NEEDS_FIXTURES }, async () => {
+  const { client, calls } = scripted([json({ accepted: true, round: 4, duplicate: false, rolled_back: false })]);
+  assert.deepEqual(await client.reportRefusal(4, 'x'.repeat(300)), { accepted: true, round: 4, duplicate: false, rolled_back: false });
+  assert.equal(calls[0].url, `${ORIGIN}/v1/rounds/4/refusal`);
+  assert.equal(calls[0].init.method, 'POST');
+  assert.deepEqual(JSON.parse(calls[0].init.body), { reason: 'x'.repeat(200) });
 });
 
 test('a captive portal (an HTML page or a redirect instead of the server) is one clear error, not retried', { skip: NEEDS_FIXTURES }, async () => {
   const portal = new Response('<html>sign in to the Wi-Fi</html>', { status: 200, headers: { 'content-type': 'text/html; charset=utf-8' } });
   const redirect = new Response(null, { status: 302, headers: { location: 'http://portal.example/' } });
   const { client, calls } = scripted([portal, redirect]);
-  await assert.rejects(client.task(), (err) => err instanceof NotTheServer && /web page/.test(err.message) && /sign in/.test(err.fix));
+  await assert.rejects(client.task(), (err) => err instanceof NotTheServer && /web page/.test(err.problem) && /sign in/.test(err.fix) && /HTTP 200/.test(err.detail));
   await assert.rejects(client.task(), NotTheServer);
   assert.equal(calls.length, 2);
 });

@@ -1,7 +1,8 @@
 // The page's round loop (runner.js) with a fake server and an in-memory store over the real engine and the fixture
 // bundle: one round trained, committed and uploaded once; a poisoned base and a diverged round refused with nothing
 // saved or sent; settings outside the contract refused before any training; a round-gone upload dropped; a pending
-// upload re-sent from its saved bytes after a reload.
+// upload re-sent from its saved bytes after a reload; a refused base reported to the server; no round asked for
+// below the contract's minimum of examples.
 
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
@@ -10,6 +11,8 @@ import { travellingNames } from '../src/algorithms.js';
 import { openEngine } from '../src/engine.js';
 import { DeviceError } from '../src/errors.js';
 import { Refusal } from '../src/protocol.js';
+import { heldOutCount, splitTrainVal } from '../src/algorithms.js';
+import { examplesShortfall, shortfallLine, shortfallReason } from '../src/data.js';
 import { DeviceRunner } from '../src/runner.js';
 import { decodeSafetensors, encodeSafetensors } from '../src/safetensors.js';
 import { NEEDS_FIXTURES, fixtureBundle, fixtureContract, fixtureTensors } from './fixtures.mjs';
@@ -18,29 +21,32 @@ const SETTINGS = { algorithm: 'fedsim', epochs: 1, batch_size: 8, lr: 0.05 };
 const NOT_THE_NETWORK = 'the tab was closed'; // what a killed page "throws": the loop ends where it is
 
 /** A Python device's run: the fixture bundle's engine, 26 seeded images, an in-memory store, a scripted server. */
-async function device({ tasks, store = memoryStore(), base = null, upload = null } = {}) {
+async function device({ tasks, store = memoryStore(), base = null, upload = null, refusal = null, examples = null } = {}) {
   const contract = fixtureContract();
   const { manifest, files } = fixtureBundle();
   const engine = await openEngine(ort, manifest, files);
   const saved = await store.get('tensors', 'progress', 'history');
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   const initial = await engine.getTensors();
-  const server = fakeServer(tasks, base || encodeSafetensors(pick(initial, travellingNames(manifest, {}))), upload);
+  const server = fakeServer(tasks, base || encodeSafetensors(pick(initial, travellingNames(manifest, {}))), upload, refusal);
   const calls = [];
   const events = new Proxy({}, { get: (_, name) => (...args) => calls.push([name, ...args]) });
   const slept = [];
-  const examples = { current: () => EXAMPLES, added: () => Promise.reject(new Error('the examples never run out here')) };
+  examples = examples || { current: () => EXAMPLES, added: () => Promise.reject(new Error('the examples never run out here')) };
   const runner = new DeviceRunner({ client: server, store, engine, contract, events, sleep: async (s) => slept.push(s), examples, saved });
   return { runner, engine, manifest, initial, server, store, calls, said: (name) => calls.filter((c) => c[0] === name).map((c) => c.slice(1)) };
 }
 
 /** The server as the page sees it: `tasks` in turn (then done), a base, uploads and metrics recorded. */
-function fakeServer(tasks, baseBytes, upload) {
+function fakeServer(tasks, baseBytes, upload, refusal) {
   const server = {
     fetched: [],
     uploads: [],
     metrics: [],
+    refusals: [],
+    polls: 0,
     async task() {
+      server.polls += 1;
       const task = tasks.shift() || { action: 'done', round: 9, base_url: null };
       return { base_layout_hash: LAYOUT, settings: SETTINGS, retry_after: 0.2, ...task };
     },
@@ -56,6 +62,11 @@ function fakeServer(tasks, baseBytes, upload) {
     },
     async postMetrics(roundId, metrics) {
       server.metrics.push({ roundId, ...metrics });
+    },
+    async reportRefusal(roundId, reason) {
+      server.refusals.push([roundId, reason]);
+      if (refusal) await refusal(roundId);
+      return { accepted: true, round: roundId, duplicate: false, rolled_back: false };
     },
   };
   return server;
@@ -140,7 +151,11 @@ test('a base holding NaN is refused: nothing is committed or sent, the model sta
   assertSameTensors(await engine.getTensors(), initial);
   const [problem] = said('problem').map(([err]) => err);
   assert.ok(problem instanceof DeviceError && problem.fix, String(problem));
-  assert.match(problem.problem, new RegExp(`^the base of round 1 holds NaN or Inf in "${names[1].replaceAll('.', '\\.')}": kept the model this page held and skipped the round$`));
+  assert.equal(problem.problem, 'round 1 came with a broken shared model, so this phone skipped it and kept the model it had');
+  const reason = new RegExp(`^the base of round 1 holds NaN or Inf in "${names[1].replaceAll('.', '\\.')}": kept the model this page held and skipped the round$`);
+  assert.match(problem.detail, reason); // the Python device's words, for the server
+  assert.deepEqual(server.refusals.map(([round]) => round), [1], 'the server is told, once');
+  assert.match(server.refusals[0][1], reason);
   assert.equal(said('step').length, 0);
 });
 
@@ -152,8 +167,10 @@ test('a diverged round (an absurd lr) is rolled back to the tensors before it: n
   assert.deepEqual([first.server.uploads.length, first.server.metrics.length], [0, 0]);
   assert.deepEqual([...first.store.kv.keys()], [], 'nothing saved: no tensors, no progress, no pending upload');
   const [problem] = first.said('problem').map(([err]) => err);
-  assert.match(problem.problem, /^training diverged in round 1 \((loss NaN|loss \d.*|NaN or Inf in ".+")\): kept the model this page held and skipped the round$/);
-  assert.match(problem.fix, /--lr/);
+  assert.match(problem.detail, /^training diverged in round 1 \((loss NaN|loss \d.*|NaN or Inf in ".+")\): kept the model this page held and skipped the round$/);
+  assert.match(problem.problem, /^round 1 went wrong while training/);
+  assert.ok(!/--lr|operator/.test(problem.problem + problem.fix), 'the person is not told to change a server flag');
+  assert.deepEqual(first.server.refusals, [[1, problem.detail]]);
   assert.ok(first.said('stage').some(([name, text]) => name === 'waiting' && text === problem.problem), 'the person is told in words');
   assert.ok(first.said('step').length > 0, 'it did train');
   // the next round trains from the tensors held before the diverged one
@@ -187,7 +204,7 @@ test('an upload refused as round gone is dropped and the device moves on to the 
   assert.deepEqual(server.metrics.map((m) => m.roundId), [2], 'no metrics for a dropped round');
   const progress = store.kv.get('progress');
   assert.deepEqual([progress.lastCompletedRound, progress.lastUploadedRound, progress.pending], [2, 2, null]);
-  assert.ok(said('message').some(([text]) => /Round 1 closed before the upload arrived; it is dropped/.test(text)));
+  assert.ok(said('message').some(([text]) => /^Round 1 closed before this phone's part arrived; it joins the next round/.test(text)));
 });
 
 test('a pending upload is re-sent from its saved bytes after a reload, and the round is not trained again', { skip: NEEDS_FIXTURES }, async () => {
@@ -209,4 +226,51 @@ test('a pending upload is re-sent from its saved bytes after a reload, and the r
   assert.deepEqual(again.store.kv.get('history').map((r) => [r.round, r.upload]), [[1, 'delivered']]);
   assert.equal(again.store.kv.get('progress').pending, null);
   assert.deepEqual(again.server.metrics.map((m) => m.roundId), [1]);
+});
+
+test('a refusal the server cannot take (or that finds no connection) is a note: the device goes on', { skip: NEEDS_FIXTURES }, async () => {
+  const tasks = [{ action: 'train', round: 1, settings: { ...SETTINGS, lr: 1e9 } }, { action: 'train', round: 2 }];
+  const refusal = async () => {
+    throw new Refusal('POST', '/v1/rounds/1/refusal', 403, { error: 'not_sampled', detail: 'no', fix: '' }, false);
+  };
+  const { runner, server, said } = await device({ tasks, refusal });
+  await runner.run();
+  assert.deepEqual(server.refusals.map(([round]) => round), [1]);
+  assert.deepEqual(server.uploads.map((u) => u.roundId), [2], 'round 2 trains as usual');
+  assert.ok(said('message').some(([text]) => /^The server was not told that round 1 was skipped/.test(text)));
+});
+
+test('below the contract\'s minimum of examples the device asks for no round and says how many more it needs', { skip: NEEDS_FIXTURES }, async () => {
+  const contract = fixtureContract();
+  const { min_train_examples: train, min_held_out: heldOut } = contract.device;
+  assert.deepEqual([train, heldOut], [8, 2]); // device_runtime/contract.py
+  assert.equal(examplesShortfall(0, contract.device), 10);
+  assert.equal(examplesShortfall(9, contract.device), 1);
+  assert.equal(examplesShortfall(10, contract.device), 0);
+  assert.equal(examplesShortfall(500, contract.device), 0);
+  assert.equal(examplesShortfall(3, { ...contract.device, val_fraction: 0 }), 5, 'nothing is held out: only the training minimum counts');
+  for (let n = 0; n < 40; n++) {
+    const more = examplesShortfall(n, contract.device);
+    const { train: t, val: v } = splitTrainVal(n + more, contract.device.val_fraction, 0);
+    assert.ok(t.length >= train && v.length >= heldOut, `${n} + ${more}`);
+    if (more) assert.ok(splitTrainVal(n + more - 1, contract.device.val_fraction, 0).train.length < train || heldOutCount(n + more - 1, 0.2) < heldOut);
+  }
+  assert.equal(shortfallLine(7, contract.device), 'Add 3 more examples to take part in the rounds.');
+  assert.equal(shortfallLine(0, contract.device), 'Add 10 examples to take part in the rounds.');
+  assert.equal(shortfallReason(7, contract.device), 'The model needs 10 examples: 8 to learn from and 2 kept aside to check how well it does.');
+  assert.deepEqual([shortfallLine(10, contract.device), shortfallReason(10, contract.device)], ['', '']);
+
+  // nine examples: no task is asked for until a tenth arrives
+  let current = { ...EXAMPLES, count: 9, pixels: EXAMPLES.pixels.subarray(0, 9 * EXAMPLES.pixels.length / EXAMPLES.count), labels: EXAMPLES.labels.subarray(0, 9) };
+  let addMore;
+  const examples = { current: () => current, added: () => new Promise((resolve) => (addMore = resolve)) };
+  const { runner, server, said } = await device({ tasks: [{ action: 'train', round: 1 }], examples });
+  const running = runner.run();
+  await new Promise((resolve) => setTimeout(resolve, 50));
+  assert.equal(server.polls, 0, 'no round is asked for');
+  assert.deepEqual(said('stage').at(-1), ['examples', 'Add 1 more example to take part in the rounds.']);
+  current = EXAMPLES;
+  addMore();
+  await running;
+  assert.deepEqual(server.uploads.map((u) => u.roundId), [1]);
 });

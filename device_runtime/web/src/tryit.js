@@ -1,0 +1,152 @@
+// @ts-check
+// "Try it" and "Save the model": the device's own model at work on a photo, offline, and as a file to take
+// elsewhere (the one `edgepfl device export-model` writes, fp32: modelfile.js). Both use the model the device
+// keeps, a snapshot taken whenever a round is saved, never the tensors of a round being trained. A photo is
+// pre-processed exactly as an example is; the answers are engine.predict's (the softmax of the eval graph).
+
+import { classNames, readPhotoInput } from './data.js';
+import { topClasses } from './engine.js';
+import { DeviceError } from './errors.js';
+import { checkModelFile, deviceModelFile } from './modelfile.js';
+import { normalizePixels } from './preprocess.js';
+import { pct } from './runner.js';
+import { $, fatal, showProblem, status } from './ui.js';
+
+/** @typedef {import('./contract.js').Contract} Contract */
+/** @typedef {import('./engine.js').Engine} Engine */
+/** @typedef {import('./modelfile.js').DeviceModelInfo} DeviceModelInfo */
+/** @typedef {import('./runner.js').ExampleSource} ExampleSource */
+
+const TOP = 3; // classes shown for a photo
+const PROBES = 8; // inputs on which the written file must give the engine's answers
+
+/**
+ * The "Try it" section: take or pick a photo and see the model's most likely classes; save the model as a file.
+ * `modelChanged` takes a new snapshot of the model the device keeps (after a round is saved); `describeModel`
+ * says again which model it is.
+ * @param {object} parts
+ * @param {typeof import('onnxruntime-web')} parts.ort
+ * @param {Engine} parts.engine
+ * @param {Contract} parts.contract
+ * @param {() => Promise<Uint8Array>} parts.inferenceGraph the bundle's model.onnx
+ * @param {() => DeviceModelInfo} parts.info which model the device keeps
+ * @param {ExampleSource} parts.examples the person's examples (the file is checked on some of them)
+ * @returns {{modelChanged: () => void, describeModel: () => void}}
+ */
+export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, examples }) {
+  const manifest = engine.manifest;
+  const names = classNames(manifest);
+  let held = engine.snapshot(); // a promise of the tensors held now (read back from the GPU, if there)
+  let photoUrl = '';
+  /** @type {Promise<unknown>} one prediction or file at a time */
+  let busy = Promise.resolve();
+  const queue = (/** @type {() => Promise<void>} */ work) => {
+    busy = busy.then(work).catch(fatal);
+  };
+
+  const describeModel = () => {
+    const { trained, lastCompletedRound } = info();
+    $('try-model').textContent = !trained
+      ? "The model has not learned from your examples yet (no round so far): these are the untrained model's answers."
+      : `Your model${lastCompletedRound == null ? '' : ` after round ${lastCompletedRound}`}. It works offline.`;
+  };
+
+  const tryPhoto = async (/** @type {File} */ file) => {
+    const started = performance.now();
+    let input;
+    try {
+      input = await readPhotoInput(file, manifest.input);
+    } catch (err) {
+      if (!(err instanceof DeviceError)) throw err;
+      showProblem(err);
+      return;
+    }
+    const predicting = performance.now();
+    const probabilities = await engine.predict(input, 1, await held);
+    const done = performance.now();
+    if (photoUrl) URL.revokeObjectURL(photoUrl);
+    photoUrl = URL.createObjectURL(file);
+    $('try-image', HTMLImageElement).src = photoUrl;
+    $('try-top').replaceChildren(
+      ...topClasses(probabilities, names, TOP).map(({ name, probability }) => {
+        const item = document.createElement('li');
+        const meter = document.createElement('meter');
+        Object.assign(meter, { min: 0, max: 1, value: probability });
+        item.append(`${name}: ${pct(probability)}`, meter);
+        return item;
+      }),
+    );
+    const result = $('try-result');
+    // for people's tools, the browser test and bench/web.py: the numbers and how long they took
+    Object.assign(result.dataset, {
+      probabilities: JSON.stringify(Array.from(probabilities)),
+      ms: String(done - started),
+      predictMs: String(done - predicting),
+    });
+    result.hidden = false;
+  };
+
+  const saveModel = async () => {
+    const button = $('save-model', HTMLButtonElement);
+    const before = $('status').textContent || '';
+    button.disabled = true;
+    try {
+      status('Writing the model file…');
+      const device = info();
+      const tensors = await engine.getTensors(engine.stateNames, await held);
+      const file = deviceModelFile(await inferenceGraph(), tensors, manifest, contract.model_file, device);
+      const probe = probeInputs(examples, engine);
+      await checkModelFile(ort, file, engine, probe.x, probe.count, contract.model_file, await held);
+      const link = $('model-link', HTMLAnchorElement);
+      if (link.href.startsWith('blob:')) URL.revokeObjectURL(link.href);
+      link.href = URL.createObjectURL(new Blob([/** @type {Uint8Array<ArrayBuffer>} */ (file)], { type: 'application/octet-stream' }));
+      link.download = `edgepfl-model-${device.lastCompletedRound == null ? (device.trained ? 'trained' : 'untrained') : `round-${device.lastCompletedRound}`}.onnx`;
+      link.textContent = `${link.download} (${(file.length / 1e6).toFixed(1)} MB)`;
+      link.hidden = false;
+      link.click();
+      status(before);
+    } catch (err) {
+      if (!(err instanceof DeviceError)) throw err;
+      showProblem(err);
+      status(before);
+    } finally {
+      button.disabled = false;
+    }
+  };
+
+  for (const id of ['try-camera', 'try-photo']) {
+    const input = $(id, HTMLInputElement);
+    input.addEventListener('change', () => {
+      const file = input.files && input.files[0];
+      if (file) queue(() => tryPhoto(file).finally(() => (input.value = '')));
+    });
+  }
+  $('save-model').addEventListener('click', () => queue(saveModel));
+  describeModel();
+  $('try').hidden = false;
+  return {
+    modelChanged: () => {
+      held = engine.snapshot();
+      describeModel();
+    },
+    describeModel,
+  };
+}
+
+/** Up to PROBES model inputs to check a written file on: the person's first examples, else seeded noise. */
+function probeInputs(/** @type {ExampleSource} */ examples, /** @type {Engine} */ engine) {
+  const held = examples.current();
+  const size = engine.sampleSize;
+  const count = Math.min(PROBES, held.count) || PROBES;
+  const x = new Float32Array(count * size);
+  if (held.count) {
+    for (let i = 0; i < count; i++) x.set(normalizePixels(held.pixels.subarray(i * size, (i + 1) * size), engine.manifest.input), i * size);
+  } else {
+    let state = 12345;
+    for (let i = 0; i < x.length; i++) {
+      state = (Math.imul(state, 1103515245) + 12345) >>> 0;
+      x[i] = state / 2147483648 - 1; // in [-1, 1)
+    }
+  }
+  return { x, count };
+}
