@@ -69,6 +69,14 @@ class RoundLifecycle:
                     full = len(buffered) >= self.config.fleet_rounds.buffer_size
                     if full or (now >= current.deadline and len(buffered) >= self.config.min_clients):
                         to_close = current
+                elif self.secure is not None:  # the protocol's steps decide (secure.py)
+                    given = self.store.assigned_devices(current.round_id)
+                    refused = [device for device, _ in self.store.refusals(current.round_id)]
+                    verdict = self.secure.tick(current, now, given, refused, self.config.min_clients)
+                    if verdict is not None and verdict[0] == "close":
+                        to_close = current
+                    elif verdict is not None:
+                        self._abandon(current, now, str(verdict[1]))
                 else:
                     accepted = len(self.store.updates(current.round_id))
                     if accepted >= current.needed or now >= current.deadline:
@@ -254,6 +262,8 @@ class RoundLifecycle:
         except BaseException:
             self._load_strategy_state()
             raise
+        if self.secure is not None:
+            self.secure.opened(record)
         log.info(
             "round %d opened: %d of %d available device(s) sampled, %d upload(s) close it",
             round_id, len(sampled), len(available), target,
