@@ -13,8 +13,6 @@ inconsistent message; nothing changes), `wrong_device` (403), `too_early` (409),
 the round is over for this device, which rejoins the next round).
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -37,7 +35,8 @@ POSTS = ("advert", "shares", "masked", "reveal")
 
 
 def add_secure_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str], limits: HttpLimits) -> None:
-    """Mount the secure round's routes; `device` is the app's token dependency."""
+    """Mount the secure round's routes; `device` is the app's token dependency (annotations are evaluated here, not
+    postponed: FastAPI reads the local `Device`)."""
     Device = Annotated[str, Depends(device)]
     prefix = "/v1/rounds/{round_id}/secagg"
 
