@@ -102,7 +102,7 @@ def neighbours(value: str) -> int | str:
     except ValueError:
         count = 0
     if count < 2 or count % 2:
-        raise ValueError(f"{value!r} is not auto, all or an even number >= 2 (e.g. 20)")
+        raise ValueError("not auto, all or an even number >= 2 (e.g. 20)")
     return count
 
 
