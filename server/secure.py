@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from edgepfl.errors import SecAggError
 from edgepfl.manifest import TensorSpec
 from edgepfl.secagg import (
@@ -101,6 +103,12 @@ class SecureRounds:
         """Whether a secure round still takes devices (its keys step is open); True for a round that is not secure."""
         row = self.db.row(round_id)
         return row is None or row.phase == "keys"
+
+    def seeded(self, seed: int) -> None:
+        """Draw the graph randomness and the run id from `seed` (a reproducible simulation; serve uses the OS)."""
+        self.randomness = lambda round_id: np.random.default_rng([seed, round_id]).bytes(32)
+        if self.store.get_meta(RUN_KEY) is None:
+            self.store.set_meta({RUN_KEY: f"simulate-{seed}"})
 
     def context(self, round_id: int) -> str:
         """The round's context string, which every key and share of it is bound to."""

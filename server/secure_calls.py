@@ -27,6 +27,10 @@ class SecureCalls:
             return None
         return SecureTask(f"{API_PREFIX}/rounds/{round_id}/secagg", device, self.secure.context(round_id))
 
+    def secure_summary(self: RoundEngine, round_id: int) -> dict[str, Any] | None:
+        """A secure round's counts (devices masked, dropped, recovered; its step), or None."""
+        return self.secure.summaries().get(round_id) if self.secure is not None else None
+
     def secure_message(self: RoundEngine, device: str, round_id: int, kind: str, body: bytes) -> dict[str, Any]:
         """Take a device's advert, shares, masked vector or reveal (kind); its receipt (duplicate for a repeat)."""
         with self._lock:
