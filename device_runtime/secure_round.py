@@ -32,6 +32,7 @@ from edgepfl.secagg import ClientSession, KeyBook, ShareInbox, UnmaskRequest, fr
 from edgepfl.wire import decode_metadata
 
 SESSION_FILE = "secagg-r{round:06d}.json"
+STEPS = ("book", "inbox", "unmask")  # what the device fetches, in order; it answers each (`answer`)
 
 
 class SecureTransport(Protocol):
@@ -79,20 +80,34 @@ def deliver(
     A refusal that ends the round for this device (RoundGone) propagates; so does a server message the device
     refuses (SecAggError: the device then drops out of the round, and the round goes on without it if it can).
     """
+    url, _ = _load(folder, round_id)
+    transport.secure_send(url, "advert", advert(folder, round_id))
+    for step in STEPS:
+        kind, body = answer(folder, round_id, step, _wait(transport, url, step, sleep), payload, seed)
+        transport.secure_send(url, kind, body)
+
+
+def advert(folder: Path, round_id: int) -> bytes:
+    """The device's KeyAdvert (JSON) for the round."""
+    _, session = _load(folder, round_id)
+    return to_json(session.advert()).encode()
+
+
+def answer(folder: Path, round_id: int, step: str, text: str, payload: bytes, seed: int) -> tuple[str, bytes]:
+    """The device's answer to the server's message of a step (book, inbox or unmask; JSON `text`): the kind and body
+    of what it sends (shares, masked or reveal), its session saved first. The same message gets the same answer."""
     url, session = _load(folder, round_id)
-    transport.secure_send(url, "advert", to_json(session.advert()).encode())
-    book = from_json(_wait(transport, url, "book", sleep), KeyBook)
-    bundle = session.receive_book(book)
+    if step == "book":
+        reply = ("shares", to_json(session.receive_book(from_json(text, KeyBook))).encode())
+    elif step == "inbox":  # asked again after a crash, the same (seeded) vector is masked alike
+        vector = ring_vector(payload, session.book, seed, round_id)
+        reply = ("masked", session.receive_inbox(from_json(text, ShareInbox), vector).to_bytes())
+    elif step == "unmask":
+        reply = ("reveal", to_json(session.receive_unmask(from_json(text, UnmaskRequest))).encode())
+    else:
+        raise ValueError(f"unknown secure step {step!r}")
     _save(folder, round_id, url, session)
-    transport.secure_send(url, "shares", to_json(bundle).encode())
-    inbox = from_json(_wait(transport, url, "inbox", sleep), ShareInbox)
-    masked = session.receive_inbox(inbox, ring_vector(payload, session.book, seed, round_id))
-    _save(folder, round_id, url, session)
-    transport.secure_send(url, "masked", masked.to_bytes())
-    request = from_json(_wait(transport, url, "unmask", sleep), UnmaskRequest)
-    reveal = session.receive_unmask(request)
-    _save(folder, round_id, url, session)
-    transport.secure_send(url, "reveal", to_json(reveal).encode())
+    return reply
 
 
 def ring_vector(payload: bytes, book: KeyBook, seed: int, round_id: int) -> np.ndarray:
