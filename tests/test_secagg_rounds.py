@@ -24,6 +24,7 @@ from edgepfl.secagg.ring import pack, unpack
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
+from edgepfl.server.page import render_page
 from edgepfl.server.secure_store import SecureStore
 from edgepfl.server.uploads import add_delta
 from edgepfl.wire import decode_tensors, save_tensors
@@ -186,6 +187,8 @@ def test_the_secure_sum_is_the_plain_sum_exactly_and_the_base_the_plain_paths_wi
     summary = engine.status()["rounds"][0]["secure_aggregation"]
     assert (summary["phase"], summary["masked"], summary["dropped"], summary["recovered"]) == ("done", 5, 0, 0)
     assert engine.status()["rounds"][0]["uploads"] == 0
+    page = render_page(engine.status())  # the status page says so too
+    assert "secure aggregation: <b>the server sees only each round's sum</b>" in page and "<td>5 / 0 / 0</td>" in page
 
 
 @pytest.mark.parametrize(
