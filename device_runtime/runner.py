@@ -5,7 +5,8 @@ One round: poll task -> train for round r > last completed -> fetch base (ETag-c
 as pending) -> upload -> mark delivered. After a `kill -9`, a pending upload is sent again (an identical body is
 idempotent on the server) or dropped when its round is gone; a round is never trained twice. A base holding
 NaN/Inf, or a round whose training diverges, is refused: the last good model stays, nothing is saved or sent,
-and the device waits for the next round.
+and the device waits for the next round. In a secure round (the task names its steps) the pending upload is never
+sent: the device masks it through the round's steps (`secure_round.py`), resumably as well.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ an upload must be), `bounds.py` (what one device can move), `round_uploads.py` (
 aggregation), `budget.py` (DP-FedAvg, a wrapper around the strategy), `downloads.py` (the bytes a base travels
 in), `history.py` (which rounds' models are kept), `enrollment.py` (tokens, the shared secret), `status.py`
 (status), `store.py` and `blobs.py` (SQLite and blobs), `driver.py` (the API in-process drivers call),
-`http_errors.py` (refusal -> status).
+`http_errors.py` (refusal -> status), `secure.py` and its neighbours (secure aggregation's rounds).
 
 One engine per state folder and per process; the life of a round (when it opens, closes or is abandoned) is
 `lifecycle.py`'s, the rest is here: binding the state folder, and what devices ask of it.

@@ -22,6 +22,10 @@ open at any time (the current base version), any device that polls takes a task 
 `--buffer-size` accepted uploads (or, at the round's deadline, at least `min_clients` of them) close it in one
 server step that opens the next version in the same transaction.
 
+With `--secure-aggregation` (`secure.py`) a round's devices take the protocol's steps instead of uploading, and
+the round closes when its session can unmask the sum (it is abandoned when the session fails: too many devices
+dropped); the strategy then aggregates that sum (`secure_strategy.py`).
+
 A round's base that a majority of its devices refuse (NaN or Inf, or training that diverges from it; devices
 report it, `POST /v1/rounds/{r}/refusal`) is rejected: the round is abandoned at once and the global base rolls
 back to the last base not rejected, so a poisoned aggregate cannot stall the fleet (docs/server.md).
