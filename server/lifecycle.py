@@ -167,6 +167,8 @@ class RoundLifecycle:
         epsilon = closing.get("epsilon")
         spent = f"; epsilon {epsilon:.4g} at delta {self.dp.delta:g}" if epsilon is not None and self.dp else ""
         accepted = len(buffered) if buffered is not None else len(self.store.updates(record.round_id))
+        if self.secure is not None:  # a secure round's updates are in its unmasked sum, not stored one by one
+            accepted = (self.secure_summary(record.round_id) or {}).get("masked", 0)
         log.info("round %d closed: %d update(s) aggregated in %.3f s%s", record.round_id, accepted, seconds, spent)
 
     def _load_strategy_state(self: RoundEngine) -> None:
