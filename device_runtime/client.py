@@ -184,6 +184,21 @@ class ServerClient:
         response = self._request("POST", f"{API_PREFIX}/rounds/{round_id}/refusal", json={"reason": reason[:200]})
         return _json_reply(response)
 
+    def secure_send(self, url: str, kind: str, body: bytes) -> dict[str, Any]:
+        """POST a secure round's message (`kind`: advert, shares, masked or reveal) to URL/kind; its receipt."""
+        content_type = "application/octet-stream" if kind == "masked" else "application/json"
+        response = self._request("POST", f"{url}/{kind}", content=body, headers={"Content-Type": content_type})
+        return _json_reply(response)
+
+    def secure_fetch(self, url: str, what: str) -> tuple[str | None, float]:
+        """GET a secure round's book, inbox or unmask request: (its JSON text, 0), or (None, seconds to wait) while
+        the server's step is not there yet (202)."""
+        response = self._request("GET", f"{url}/{what}")
+        if response.status_code == 202:
+            wait = _json_reply(response).get("retry_after")
+            return None, float(wait) if isinstance(wait, int | float) and 0 < wait < 3600 else 1.0
+        return response.text, 0.0
+
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
         """Send with retries; return a 2xx response or raise ServerRefused / ServerUnreachable."""
         self._check_origin(url)

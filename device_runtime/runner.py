@@ -5,7 +5,8 @@ One round: poll task -> train for round r > last completed -> fetch base (ETag-c
 as pending) -> upload -> mark delivered. After a `kill -9`, a pending upload is sent again (an identical body is
 idempotent on the server) or dropped when its round is gone; a round is never trained twice. A base holding
 NaN/Inf, or a round whose training diverges, is refused: the last good model stays, nothing is saved or sent,
-and the device waits for the next round.
+and the device waits for the next round. In a secure round (the task names its steps) the pending upload is never
+sent: the device masks it through the round's steps (`secure_round.py`), resumably as well.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgepfl.data import LocalData
+from edgepfl.device_runtime import secure_round
 from edgepfl.device_runtime.algorithms import ClientResult, TrainingDiverged, divergence, evaluate
 from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError
 from edgepfl.device_runtime.engine import Engine
@@ -25,7 +27,7 @@ from edgepfl.device_runtime.round import check_global_model, offer_teacher, trai
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.device_runtime.statistics import receive
 from edgepfl.encoding import drop_residual
-from edgepfl.errors import BundleError
+from edgepfl.errors import BundleError, SecAggError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 
 MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
@@ -81,7 +83,7 @@ def run_device(
     manifest = engine.manifest
     restore(engine, state)
     if state.state.pending_upload is not None:
-        _deliver_pending(state, client, events)
+        _deliver_pending(state, client, events, options.seed, sleep)
     trained = 0
     told_waiting = False
     refused: set[int] = set()  # rounds whose base or result this device refused: it waits for the next one
@@ -101,7 +103,7 @@ def run_device(
         if task.action == "train" and round_id is not None and (last is None or round_id > last):
             if round_id not in refused:
                 try:
-                    if _train_round(engine, data, state, client, task, options, events):
+                    if _train_round(engine, data, state, client, task, options, events, sleep):
                         trained += 1
                         told_waiting = False
                         continue
@@ -127,6 +129,7 @@ def _train_round(
     task: Task,
     options: DeviceOptions,
     events: DeviceEvents,
+    sleep: Callable[[float], None],
 ) -> bool:
     """Fetch the base, train (`train_round`) and deliver one round; False when the round was gone before training."""
     round_id = task.round_id
@@ -137,31 +140,48 @@ def _train_round(
     except RoundGone as gone:
         events.message(f"round {round_id} is gone before training ({gone.error}); rejoining the next round")
         return False
-    outcome = train_round(engine, data, state, round_id, settings, base, options, events)
-    upload = _deliver_pending(state, client, events) if outcome.payload is not None else "none"
+    if task.secure_aggregation is not None:  # the update is masked, never sent (secure_round.py): keys first
+        secure_round.begin(state.folder, task.secure_aggregation, round_id)
+    try:
+        outcome = train_round(engine, data, state, round_id, settings, base, options, events)
+    except TrainingDiverged:
+        secure_round.forget(state.folder, round_id)
+        raise
+    upload = _deliver_pending(state, client, events, options.seed, sleep) if outcome.payload is not None else "none"
     if outcome.payload is None:
         _post_metrics(client, round_id, outcome.record, events)
     events.round_finished(round_id, outcome.result, upload)
     return True
 
 
-def _deliver_pending(state: StateFolder, client: ServerClient, events: DeviceEvents) -> str:
-    """Upload the saved update of the pending round; returns delivered or dropped."""
+def _deliver_pending(
+    state: StateFolder, client: ServerClient, events: DeviceEvents, seed: int, sleep: Callable[[float], None]
+) -> str:
+    """Upload the saved update of the pending round, or take its secure steps (it stays on the device then);
+    returns delivered or dropped."""
     pending = state.state.pending_upload
     assert pending is not None
     payload = state.pending_payload()
     assert payload is not None
+    secure = secure_round.holds(state.folder, pending.round_id)
     try:
-        client.upload(pending.round_id, payload)
-    except RoundGone as gone:
+        if secure:
+            secure_round.deliver(state.folder, pending.round_id, payload, client, seed, sleep)
+        else:
+            client.upload(pending.round_id, payload)
+    except (RoundGone, SecAggError) as gone:
         drop_residual(state.residuals, pending.round_id)  # first: a kill in between drops it again on the retry
         state.settle_upload(pending.round_id, delivered=False)
+        secure_round.forget(state.folder, pending.round_id)
+        what = "its masked update" if secure else "its update"
+        why = gone.error if isinstance(gone, RoundGone) else f"the device refused the server's message: {gone}"
         events.message(
-            f"round {pending.round_id} closed before its update arrived ({gone.error}); "
+            f"round {pending.round_id} closed before {what} arrived ({why}); "
             "the update is dropped, the device rejoins the next round"
         )
         return "dropped"
     state.settle_upload(pending.round_id, delivered=True)
+    secure_round.forget(state.folder, pending.round_id)
     record = next((r for r in reversed(state.state.history) if r.get("round") == pending.round_id), {})
     _post_metrics(client, pending.round_id, record, events)
     return "delivered"

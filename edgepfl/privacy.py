@@ -181,8 +181,14 @@ def dp_aggregate(deltas: Iterable[Mapping[str, np.ndarray]], clip_norm: float, n
                 total[name] += value
     if total is None:
         raise UsageError("a DP round needs at least one delta", "close the round only when an upload arrived")
-    noise = gaussian_noise_like({name: value.shape for name, value in total.items()}, noise_multiplier * clip_norm,
-                                rng)
+    return noised_mean(total, noise_multiplier * clip_norm, denominator, rng)
+
+
+def noised_mean(total: Mapping[str, np.ndarray], noise_std: float, denominator: float,
+                rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """(sum + N(0, noise_std^2)) / denominator per tensor, float32 out: the Gaussian mechanism on a sum (DP-FedAvg's,
+    or secure aggregation's unmasked sum, server/secure_strategy.py)."""
+    noise = gaussian_noise_like({name: np.shape(value) for name, value in total.items()}, noise_std, rng)
     return {name: ((total[name] + noise[name]) / denominator).astype(np.float32) for name in total}
 
 

@@ -5,6 +5,9 @@
 - `POST /v1/rounds/{r}/update`    <- safetensors bytes; `UploadMeta` travels in the safetensors header
                                      metadata (`__metadata__`, string -> string), so one body is one upload
 - `POST /v1/rounds/{r}/metrics`   <- JSON `EvalMetrics` of the personalized model after the round
+- a secure round's task names `secure_aggregation.url` (`/v1/rounds/{r}/secagg`): the device POSTs `advert`, `shares`,
+  `masked` (binary) and `reveal`, and GETs `book`, `inbox` and `unmask` (202 until the step is there) in place
+  of POST update (docs/secure-aggregation.md)
 - every 4xx/5xx body is JSON `{"error", "detail", "fix"}`
 Every call carries `Authorization: Bearer <device token>`.
 """
@@ -259,6 +262,23 @@ TASK_ACTIONS = ("train", "wait", "done")
 
 
 @dataclass(frozen=True)
+class SecureTask:
+    """A secure round (docs/secure-aggregation.md): where its protocol steps are, and who the device is in them."""
+
+    url: str  # the steps' routes: URL/advert, URL/book, URL/shares, URL/inbox, URL/masked, URL/unmask, URL/reveal
+    device: str  # the device's id in the key book (its enrolled name)
+    context: str  # the round's context, which its keys and shares are bound to
+
+    @classmethod
+    def from_json(cls, data: Any) -> SecureTask:
+        """Parse a task's `secure_aggregation`; ValueError naming what is wrong."""
+        fields = ("url", "device", "context")
+        if not isinstance(data, dict) or not all(isinstance(data.get(key), str) for key in fields):
+            raise ValueError(f"secure_aggregation {data!r} is not an object of url, device and context")
+        return cls(data["url"], data["device"], data["context"])
+
+
+@dataclass(frozen=True)
 class Task:
     """The server's answer to `GET /v1/task`: train in a round, wait and poll again, or stop."""
 
@@ -269,10 +289,13 @@ class Task:
     base_url: str | None = None  # where to GET the base tensors (for "done": the final base)
     deadline: float | None = None  # unix seconds after which an upload for this round is refused
     retry_after: float | None = None  # seconds to wait before polling again
+    # a secure round: the device masks its update through these steps instead of uploading it (a task of a round
+    # that is not secure has no such key)
+    secure_aggregation: SecureTask | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON form sent by the server."""
-        return {
+        data = {
             "action": self.action,
             "round": self.round_id,
             "settings": self.settings.to_json() if self.settings is not None else None,
@@ -281,6 +304,9 @@ class Task:
             "retry_after": self.retry_after,
             "base_layout_hash": self.base_layout_hash,
         }
+        if self.secure_aggregation is not None:
+            data["secure_aggregation"] = asdict(self.secure_aggregation)
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> Task:
@@ -298,7 +324,9 @@ class Task:
                 raise ValueError(f"round {round_id!r} is not a round number")
             if base_url is not None and not isinstance(base_url, str):
                 raise ValueError(f"base_url {base_url!r} is not a URL")
+            secure = data.get("secure_aggregation")
             task = cls(
+                secure_aggregation=SecureTask.from_json(secure) if secure is not None else None,
                 action=action,
                 base_layout_hash=str(data["base_layout_hash"]),
                 round_id=round_id,

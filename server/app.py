@@ -356,6 +356,10 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         """Rounds so far, their upload counts, accuracies and timings (no device names, no tensors)."""
         return engine.status()
 
+    if engine.secure is not None:  # a secure round's steps (server/secure_routes.py)
+        from edgepfl.server.secure_routes import add_secure_routes
+
+        add_secure_routes(app, engine, _device, limits)
     app.state.device_note = note = _add_device_page(app, engine)
 
     @app.get("/", response_class=HTMLResponse, dependencies=[Depends(_page_viewer)], responses={401: _ERRORS[401]})

@@ -18,7 +18,7 @@ import numpy as np
 
 from edgepfl.errors import StateError
 from edgepfl.manifest import Manifest
-from edgepfl.privacy import DPConfig, PrivacyLedger, dp_aggregate, fixed_denominator
+from edgepfl.privacy import DPConfig, PrivacyLedger, dp_aggregate, fixed_denominator, noised_mean
 from edgepfl.protocol import RoundSettings
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
@@ -128,14 +128,25 @@ class PrivateStrategy(Strategy):
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
     ) -> BaseTensors:
         """The noised mean of the round's decoded deltas (each update's `delta`), added to the global base."""
-        record = self.round_of(round_id)
-        population, sample_size = record.population or len(record.sampled), len(record.sampled)
-        denominator = fixed_denominator(SAMPLING, population, sample_size)
-        seed = self.noise_seed()
-        rng = np.random.default_rng(None if seed is None else [seed, round_id])
+        denominator, rng = self._mechanism(round_id)
         deltas = (update.delta for update in updates if update.delta is not None)
         average = dp_aggregate(deltas, self.budget.dp.clip_norm, self.budget.dp.noise_multiplier, denominator, rng)
         return add_delta(global_base, average, self.specs)
+
+    def noised_mean(self, round_id: int, total: Mapping[str, np.ndarray], sensitivity: float) -> dict[str, np.ndarray]:
+        """The noised mean of a sum whose one device moves it by at most `sensitivity` (secure aggregation's unmasked
+        sum of clipped, quantized deltas): (sum + N(0, (sigma * sensitivity)^2)) / m."""
+        denominator, rng = self._mechanism(round_id)
+        return noised_mean(total, self.budget.dp.noise_multiplier * sensitivity, denominator, rng)
+
+    def _mechanism(self, round_id: int) -> tuple[float, np.random.Generator]:
+        """The round's fixed denominator m and its noise generator."""
+        record = self.round_of(round_id)
+        population, sample_size = record.population or len(record.sampled), len(record.sampled)
+        seed = self.noise_seed()
+        return fixed_denominator(SAMPLING, population, sample_size), np.random.default_rng(
+            None if seed is None else [seed, round_id]
+        )
 
     def closing(self, record: RoundRecord) -> dict[str, Any]:
         """The epsilon spent through this round and the ledger, committed with it."""

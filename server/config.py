@@ -2,9 +2,10 @@
 
 `ServerConfig` holds what the round engine and the HTTP app read: its own fields (rounds, sampling, bounds,
 enrollment) and the models of the parts it drives, each owned by its part: the round settings
-(`edgepfl.protocol.RoundOptions`), DP (`edgepfl.privacy.PrivacyOptions`) and the strategy's options (its file's,
-chosen by `--strategy`: `edgepfl.server.strategies.StrategyChoice`). `ServeCommand` adds where and how the server
-listens; `edgepfl serve`'s flags are made from its leaves (`edgepfl.commands`).
+(`edgepfl.protocol.RoundOptions`), DP (`edgepfl.privacy.PrivacyOptions`), secure aggregation
+(`edgepfl.secagg.options`) and the strategy's options (its file's, chosen by `--strategy`:
+`edgepfl.server.strategies.StrategyChoice`). `ServeCommand` adds where and how the server listens; `edgepfl serve`'s
+flags are made from its leaves (`edgepfl.commands`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from edgepfl.errors import UsageError
 from edgepfl.options import FLAG, HIDDEN, OPTIONS, Composed, titled
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions, RoundSettings
+from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies import StrategyChoice, options_model
 
@@ -42,6 +44,7 @@ class ServerConfig(Composed):
     round: RoundOptions = Field(default_factory=RoundOptions)
     fleet_rounds: FleetOptions = Field(default_factory=FleetOptions)
     privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
+    secure: SecureAggregationOptions = Field(default_factory=SecureAggregationOptions)
     rounds: Annotated[int, Field(ge=1, description="rounds to aggregate, then tell devices 'done'")] = 100
     min_clients: Annotated[
         int, Field(ge=1, description="devices needed to open a round and to close it at its deadline")
@@ -143,6 +146,8 @@ class ServerConfig(Composed):
                     "DP-FedAvg's accountant counts rounds of a fixed sample size, and fedbuff's steps are not",
                     "drop the --dp-* options, or use --aggregation sync",
                 )
+        check_secure(self.secure, self.strategy_name, self.privacy.clip_norm, self.fleet_rounds.asynchronous,
+                     self.round.upload_encoding, self.min_clients)
         if self.strategy_name == "heurpfedla" and settings.uploads_delta:
             raise UsageError(
                 "heurpfedla changes which tensors travel each round, and an encoded upload's error-feedback "
@@ -163,8 +168,9 @@ class ServerConfig(Composed):
 
     @property
     def settings(self) -> RoundSettings:
-        """What every sampled device is told (with DP, the clip norm devices clip their delta to)."""
-        return self.round.settings(self.privacy.clip_norm)
+        """What every sampled device is told (with DP or secure aggregation, the clip norm devices clip their delta
+        to)."""
+        return self.round.settings(secure_clip(self.secure, self.privacy.clip_norm))
 
     @property
     def share_buffers(self) -> bool:
@@ -262,6 +268,11 @@ class ServeCommand(Composed):
     server: ServerConfig
     limits: HttpLimits = Field(default_factory=HttpLimits)
     listen: Listen = Field(default_factory=Listen)
+
+
+def secure_clip(secure: SecureAggregationOptions, dp_clip: float | None) -> float | None:
+    """The clip norm devices are told: DP's, or secure aggregation's quantization range (None: neither is on)."""
+    return secure.clip_norm(dp_clip) if secure.secure_aggregation else dp_clip
 
 
 def read_enroll_secret(path: Path) -> str:

@@ -5,7 +5,7 @@ an upload must be), `bounds.py` (what one device can move), `round_uploads.py` (
 aggregation), `budget.py` (DP-FedAvg, a wrapper around the strategy), `downloads.py` (the bytes a base travels
 in), `history.py` (which rounds' models are kept), `enrollment.py` (tokens, the shared secret), `status.py`
 (status), `store.py` and `blobs.py` (SQLite and blobs), `driver.py` (the API in-process drivers call),
-`http_errors.py` (refusal -> status).
+`http_errors.py` (refusal -> status), `secure.py` and its neighbours (secure aggregation's rounds).
 
 One engine per state folder and per process; the life of a round (when it opens, closes or is abandoned) is
 `lifecycle.py`'s, the rest is here: binding the state folder, and what devices ask of it.
@@ -37,6 +37,9 @@ from edgepfl.server.history import History
 from edgepfl.server.lifecycle import RoundLifecycle
 from edgepfl.server.records import Assignment, EvalRecord, RoundRecord, UpdateRecord
 from edgepfl.server.round_uploads import RoundUploads
+from edgepfl.server.secure import SecureRounds
+from edgepfl.server.secure_calls import SecureCalls
+from edgepfl.server.secure_strategy import SecureStrategy
 from edgepfl.server.status import server_status
 from edgepfl.server.store import Store
 from edgepfl.server.strategies import make_strategy
@@ -61,7 +64,7 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     return engine
 
 
-class RoundEngine(RoundLifecycle, InProcessDriving):
+class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
     """Owns the rounds of one state folder; the HTTP app calls it, a background thread ticks it."""
 
     def __init__(
@@ -89,6 +92,8 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)
         self.noise_seed: int | None = None
         self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
+        secagg = config.secure.config(config.privacy.clip_norm)  # secure aggregation (None: off)
+        self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, store, self.specs) if secagg else None
 
     # start-up
 
@@ -113,6 +118,9 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         self.budget = PrivacyBudget.bind(self.dp, self.store, self.strategy.name, self.config.state)
         if self.budget is not None:  # DP-FedAvg wraps the strategy: it aggregates, the strategy plans
             self.strategy = PrivateStrategy(self.strategy, self.budget, self._round_record, lambda: self.noise_seed)
+        if self.secure is not None:  # secure aggregation wraps both: it aggregates the unmasked sum
+            self.strategy = SecureStrategy(self.strategy, self.secure)
+        self._secure_mode_of_open_round()
         self._load_strategy_state()
         self.retention.apply()
         removed = self.store.blobs.remove_unreferenced(self.store.referenced_blobs())
@@ -162,7 +170,8 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
                 return self._train_task(current, assignment, deadline=None)
             if current is not None and current.round_id != self._closing and now < current.deadline:
                 assignment = self.store.assignment(current.round_id, device)
-                if assignment is not None and self.store.update(current.round_id, device) is None:
+                taking = self.secure is None or self.secure.takes_keys(current.round_id)  # a secure round's keys
+                if assignment is not None and self.store.update(current.round_id, device) is None and taking:
                     return self._train_task(current, assignment, deadline=current.deadline)
             return Task(
                 action="wait", base_layout_hash=self.manifest.base_layout_hash, retry_after=self.config.poll_interval
@@ -176,6 +185,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             settings=self._settings_of(assignment, record.round_id),
             base_url=f"{API_PREFIX}/rounds/{record.round_id}/base",
             deadline=deadline,
+            secure_aggregation=self.secure_task(assignment.device, record.round_id),
         )
 
     def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
@@ -223,7 +233,10 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         return server_status(self, rounds, available, state)
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
-        """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late."""
+        """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late, secure."""
+        if self.secure is not None:
+            raise Refused("secure_round", f"round {round_id} is aggregated securely: the server takes no plain update",
+                          "update the device: it masks its update through the round's secure_aggregation steps")
         with self._lock:
             if self.store.update(round_id, device) is not None:
                 return  # a retry: decided by comparing the bytes

@@ -12,8 +12,10 @@ STATUS: dict[str, int] = {
     # 403: you may not
     "enrollment_closed": 403,
     "not_sampled": 403,
+    "wrong_device": 403,
     # 404 / 410: it is not (or no longer) here
     "no_such_round": 404,
+    "not_secure": 404,
     "released": 410,
     "join_link_expired": 410,
     "join_link_used_up": 410,
@@ -28,6 +30,8 @@ STATUS: dict[str, int] = {
     "duplicate_metrics": 409,
     "layout_mismatch": 409,
     "no_result": 409,
+    "secure_round": 409,
+    "too_early": 409,
     # 422: well-formed but refused
     "invalid_device_name": 422,
     "invalid_enroll_key": 422,
@@ -38,6 +42,7 @@ STATUS: dict[str, int] = {
     "buffers_not_shared": 422,
     "wrong_encoding": 422,
     "over_clip_norm": 422,
+    "bad_secagg": 422,
     # 429 / 503: not now
     "too_many_attempts": 429,
     "upload_in_progress": 429,

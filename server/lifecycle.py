@@ -22,6 +22,10 @@ open at any time (the current base version), any device that polls takes a task 
 `--buffer-size` accepted uploads (or, at the round's deadline, at least `min_clients` of them) close it in one
 server step that opens the next version in the same transaction.
 
+With `--secure-aggregation` (`secure.py`) a round's devices take the protocol's steps instead of uploading, and
+the round closes when its session can unmask the sum (it is abandoned when the session fails: too many devices
+dropped); the strategy then aggregates that sum (`secure_strategy.py`).
+
 A round's base that a majority of its devices refuse (NaN or Inf, or training that diverges from it; devices
 report it, `POST /v1/rounds/{r}/refusal`) is rejected: the round is abandoned at once and the global base rolls
 back to the last base not rejected, so a poisoned aggregate cannot stall the fleet (docs/server.md).
@@ -69,6 +73,14 @@ class RoundLifecycle:
                     full = len(buffered) >= self.config.fleet_rounds.buffer_size
                     if full or (now >= current.deadline and len(buffered) >= self.config.min_clients):
                         to_close = current
+                elif self.secure is not None:  # the protocol's steps decide (secure.py)
+                    given = self.store.assigned_devices(current.round_id)
+                    refused = [device for device, _ in self.store.refusals(current.round_id)]
+                    verdict = self.secure.tick(current, now, given, refused, self.config.min_clients)
+                    if verdict is not None and verdict[0] == "close":
+                        to_close = current
+                    elif verdict is not None:
+                        self._abandon(current, now, str(verdict[1]))
                 else:
                     accepted = len(self.store.updates(current.round_id))
                     if accepted >= current.needed or now >= current.deadline:
@@ -155,6 +167,8 @@ class RoundLifecycle:
         epsilon = closing.get("epsilon")
         spent = f"; epsilon {epsilon:.4g} at delta {self.dp.delta:g}" if epsilon is not None and self.dp else ""
         accepted = len(buffered) if buffered is not None else len(self.store.updates(record.round_id))
+        if self.secure is not None:  # a secure round's updates are in its unmasked sum, not stored one by one
+            accepted = (self.secure_summary(record.round_id) or {}).get("masked", 0)
         log.info("round %d closed: %d update(s) aggregated in %.3f s%s", record.round_id, accepted, seconds, spent)
 
     def _load_strategy_state(self: RoundEngine) -> None:
@@ -254,6 +268,8 @@ class RoundLifecycle:
         except BaseException:
             self._load_strategy_state()
             raise
+        if self.secure is not None:
+            self.secure.opened(record)
         log.info(
             "round %d opened: %d of %d available device(s) sampled, %d upload(s) close it",
             round_id, len(sampled), len(available), target,

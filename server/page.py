@@ -66,6 +66,12 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
             f"<br>differential privacy: <b>ε = {privacy['epsilon']:.4g}</b>{target} at δ = {privacy['delta']:g} "
             f"(σ = {privacy['noise_multiplier']:g}, clip {privacy['clip_norm']:g}, user level)"
         )
+    secure = status.get("secure_aggregation")
+    if secure is not None:
+        head += (
+            f"<br>secure aggregation: <b>the server sees only each round's sum</b> (clip {secure['clip_norm']:g}, "
+            f"threshold {secure['threshold']:g}, neighbours {html.escape(str(secure['neighbours']))})"
+        )
     if status.get("stopped"):
         head += f"<br>{html.escape(status['stopped'])}"
     add = f' <a class="add" href="{JOIN_PATH}">Add a device</a>' if add_device else ""
@@ -230,6 +236,7 @@ def _table(rounds: list[dict[str, Any]]) -> str:
         ("train loss", [f"{r['train_loss']['mean']:.3f}" if r["train_loss"] else "–" for r in rounds]),
         ("upload bytes", [str(r["upload_bytes"]) for r in rounds]),
         ("ε", [f"{r['epsilon']:.4g}" if r.get("epsilon") is not None else "–" for r in rounds]),
+        ("secure: masked / dropped / recovered", [_secure_cell(r.get("secure_aggregation")) for r in rounds]),
         (
             "aggregation s",
             [f"{r['aggregate_seconds']:.3f}" if r["aggregate_seconds"] is not None else "–" for r in rounds],
@@ -248,3 +255,12 @@ def _table(rounds: list[dict[str, Any]]) -> str:
         "<tr>" + "".join(f"<td>{cells[i]}</td>" for _, cells in shown) + "</tr>" for i in range(len(rounds))
     )
     return f"<table><tr>{head}</tr>\n{rows}\n</table>"
+
+
+def _secure_cell(summary: dict[str, Any] | None) -> str:
+    """A secure round's counts (devices in the sum, dropped, whose masks were recovered), or its step while open."""
+    if summary is None:
+        return "–"
+    if "masked" not in summary:
+        return html.escape(summary["phase"])
+    return f"{summary['masked']} / {summary['dropped']} / {summary['recovered']}"

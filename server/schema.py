@@ -70,7 +70,20 @@ def _schema_5(db: sqlite3.Connection) -> None:
     )
 
 
+def _schema_6(db: sqlite3.Connection) -> None:
+    """Issue 34: secure aggregation (server/secure.py): each secure round's protocol state (a snapshot of its session
+    at each step, the messages accepted since, its counts), deleted but for the counts once the round is over."""
+    db.execute(
+        "CREATE TABLE secure_rounds (round_id INTEGER PRIMARY KEY, phase TEXT NOT NULL, since REAL NOT NULL, "
+        "snapshot TEXT, summary TEXT NOT NULL)"
+    )
+    db.execute(
+        "CREATE TABLE secure_messages (round_id INTEGER NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, "
+        "body BLOB NOT NULL, PRIMARY KEY (round_id, seq))"
+    )
+
+
 # step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
-    _schema_1, _schema_2, _schema_3, _schema_4, _schema_5
+    _schema_1, _schema_2, _schema_3, _schema_4, _schema_5, _schema_6
 )

@@ -18,6 +18,10 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
     each device's last staleness; /v1/status needs a token unless --public-status.
     """
     rows = [round_summary(engine.store, record) for record in rounds]
+    secure = engine.secure.summaries() if engine.secure is not None else {}
+    for row in rows:  # a secure round: its step and how many devices were masked, dropped and recovered
+        if row["round"] in secure:
+            row["secure_aggregation"] = secure[row["round"]]
     fleet = engine.config.fleet_rounds
     return {
         "state": state,
@@ -35,6 +39,7 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "upload_encoding": engine.config.settings.upload_encoding,
         "download_encoding": engine.config.settings.download_encoding,
         "privacy": privacy_status(engine, rounds),
+        "secure_aggregation": secure_status(engine),
         "aggregation": fleet.aggregation,
         "over_select": fleet.over_select,
         "fedbuff": fedbuff_status(engine, rounds) if fleet.asynchronous else None,
@@ -73,6 +78,22 @@ def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, 
         "staleness_weight": fleet.staleness_weight,
         "server_lr": fleet.server_lr,
         "devices": last,
+    }
+
+
+def secure_status(engine: RoundEngine) -> dict[str, Any] | None:
+    """Secure aggregation's settings (None: off); each secure round's row says what happened in it."""
+    if engine.secure is None:
+        return None
+    config = engine.secure.config
+    return {
+        "protocol": "SecAgg+ (classic SecAgg when every device is every other's neighbour), double masking",
+        "clip_norm": config.clip_norm,
+        "threshold": config.threshold,
+        "neighbours": config.neighbours,
+        "bits": config.bits if config.bits is not None else "auto",
+        "max_weight": config.max_weight,
+        "step_timeout": engine.secure.step_timeout,
     }
 
 

@@ -92,6 +92,10 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    def read(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        """Rows of one query, for the server's parts that keep tables of their own (server/secure_store.py)."""
+        return self._query(sql, args)
+
     # meta
 
     def get_meta(self, key: str) -> str | None:

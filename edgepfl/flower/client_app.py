@@ -30,6 +30,7 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from edgepfl.data import LocalData
+from edgepfl.device_runtime import secure_round
 from edgepfl.device_runtime.algorithms import client_algorithm
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
@@ -38,7 +39,15 @@ from edgepfl.device_runtime.runner import DeviceEvents, restore
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, EdgePFLError, StateError, UsageError
 from edgepfl.flower.config import node_config
-from edgepfl.flower.messages import DEVICE, reply_content, round_of, tensors_of
+from edgepfl.flower.messages import (
+    DEVICE,
+    reply_content,
+    round_of,
+    secure_content,
+    secure_of,
+    secure_step_of,
+    tensors_of,
+)
 from edgepfl.manifest import Manifest
 
 
@@ -83,6 +92,11 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
         """One round of the device runtime on the received base."""
         return _reply(message, lambda: train_device(device_of(context), message))
 
+    @app.query("edgepfl_secagg")
+    def secure_step(message: Message, context: Context) -> Message:
+        """A secure round's step: the device answers the server's book, inbox or unmask request."""
+        return _reply(message, lambda: secure_answer(device_of(context), message))
+
     return app
 
 
@@ -104,6 +118,7 @@ def train_device(device: Device, message: Message) -> RecordDict:
             "set algorithm to fedsim or fedalt in the run config (local needs no server)",
         )
     base = tensors_of(message.content, f"the base of round {round_id}")
+    secure = secure_of(message.content)
     state = StateFolder(device.state, device.manifest, device.engine.name)
     try:
         last = state.state.last_completed_round
@@ -117,12 +132,36 @@ def train_device(device: Device, message: Message) -> RecordDict:
         if state.state.pending_upload is not None:  # a round whose reply never left: it is over
             state.settle_upload(state.state.pending_upload.round_id, delivered=False)
         options = DeviceOptions(seed=device.seed, persfl_teacher=device.persfl_teacher)
+        if secure is not None:  # the update stays on the node, masked in the steps to come (secure_answer)
+            secure_round.begin(state.folder, secure, round_id)
         outcome = train_round(device.engine, device.data, state, round_id, settings, base, options, DeviceEvents())
         assert outcome.payload is not None, "an algorithm that uploads gives an upload body"
+        if secure is not None:
+            return secure_content("advert", secure_round.advert(state.folder, round_id), outcome.result)
         state.settle_upload(round_id, delivered=True)  # handed to Flower, which carries it from here
     finally:
         state.close()
     return reply_content(outcome.payload, outcome.result)
+
+
+def secure_answer(device: Device, message: Message) -> RecordDict:
+    """The node's answer to a secure step of the round whose update it holds (device_runtime/secure_round.py)."""
+    step, text, round_id = secure_step_of(message)
+    state = StateFolder(device.state, device.manifest, device.engine.name)
+    try:
+        pending = state.state.pending_upload
+        payload = state.pending_payload()
+        if pending is None or payload is None or pending.round_id != round_id or not secure_round.holds(
+                state.folder, round_id):  # fmt: skip
+            raise StateError(f"this device holds no secure round {round_id}", "it rejoins the next round")
+        text = text.decode() if isinstance(text, bytes) else text
+        kind, body = secure_round.answer(state.folder, round_id, step, text, payload, device.seed)
+        if kind == "reveal":  # its last message: the update is in the sum, or never will be
+            state.settle_upload(round_id, delivered=True)
+            secure_round.forget(state.folder, round_id)
+    finally:
+        state.close()
+    return secure_content(kind, body, round_id=round_id)
 
 
 @lru_cache(maxsize=1024)  # every node a process serves (a simulation's actor serves many)

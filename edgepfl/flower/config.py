@@ -19,6 +19,7 @@ from edgepfl.device_runtime.options import DeviceOptions, LocalOptions
 from edgepfl.errors import UsageError
 from edgepfl.options import GROUP, Composed, leaves, titled, validated
 from edgepfl.protocol import RoundOptions
+from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies import StrategyChoice, options_model
@@ -50,6 +51,7 @@ class ServerRunConfig(Composed):
     )
     round: RoundOptions = Field(default_factory=RoundOptions)
     fleet_rounds: FleetOptions = Field(default_factory=FleetOptions)
+    secure: SecureAggregationOptions = Field(default_factory=SecureAggregationOptions)
 
     @model_validator(mode="after")
     def _synchronous(self) -> ServerRunConfig:
@@ -59,6 +61,7 @@ class ServerRunConfig(Composed):
                 "their replies, so every step would be a round barrier",
                 "use aggregation sync (with over-select) in Flower, or edgepfl serve for fedbuff",
             )
+        check_secure(self.secure, str(self.strategy.name), None, False, self.round.upload_encoding, self.min_clients)
         return self
 
 

@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from edgepfl.device_runtime.algorithms import ClientResult
 from edgepfl.errors import WireError
-from edgepfl.protocol import RoundSettings
+from edgepfl.protocol import RoundSettings, SecureTask
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 BASE = "base"
@@ -28,6 +28,8 @@ UPLOAD = "upload"
 METRICS = "metrics"
 DEVICE = "device"
 DEVICE_QUERY = "query.edgepfl_device"  # the handshake: which edgepfl device a node is, and its bundle
+SECAGG = "secagg"
+SECAGG_QUERY = "query.edgepfl_secagg"  # a secure round's step: the server's message, the node's answer
 
 
 def tensors_record(tensors: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -52,10 +54,54 @@ def tensors_of(content: RecordDict, what: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def train_content(round_id: int, settings: RoundSettings, base: Mapping[str, np.ndarray], layout: str) -> RecordDict:
-    """A train message's content: the base a device gets and the round it trains."""
-    plan = {"round": round_id, "settings": json.dumps(settings.to_json()), "base_layout_hash": layout}
+def train_content(
+    round_id: int,
+    settings: RoundSettings,
+    base: Mapping[str, np.ndarray],
+    layout: str,
+    secure: SecureTask | None = None,
+) -> RecordDict:
+    """A train message's content: the base a device gets and the round it trains (a secure round: the device's id
+    and the round's context, which its keys are bound to)."""
+    plan: dict[str, int | str] = {"round": round_id, "settings": json.dumps(settings.to_json()),
+                                  "base_layout_hash": layout}  # fmt: skip
+    if secure is not None:
+        plan.update({"secure-device": secure.device, "secure-context": secure.context})
     return RecordDict({BASE: tensors_record(base), ROUND: ConfigRecord(plan)})
+
+
+def secure_of(content: RecordDict) -> SecureTask | None:
+    """A train message's secure round (None: a plain one)."""
+    record = content.get(ROUND)
+    device = record.get("secure-device") if isinstance(record, ConfigRecord) else None
+    context = record.get("secure-context") if isinstance(record, ConfigRecord) else None
+    if device is None and context is None:
+        return None
+    if not isinstance(device, str) or not isinstance(context, str):
+        raise WireError("the train message's secure-device or secure-context is malformed", "run a matching ServerApp")
+    return SecureTask("flower", device, context)
+
+
+def secure_content(kind: str, body: bytes | str, result: ClientResult | None = None, round_id: int = 0) -> RecordDict:
+    """A secure step's message: its kind (advert, shares, masked, reveal; or the server's book, inbox, unmask) and
+    body, with the device's metrics when it answers a train message."""
+    step = {"kind": kind, "message": body, "round": round_id}
+    content = RecordDict({SECAGG: ConfigRecord(step)})
+    if result is not None:  # never the sample count: in a secure round it is summed securely, with the deltas
+        content[METRICS] = MetricRecord({k: v for k, v in metrics_record(result).items() if k != "num-examples"})
+    return content
+
+
+def secure_step_of(message: Message) -> tuple[str, bytes | str, int]:
+    """A secure step's kind, body and round; WireError when the message holds none."""
+    record = message.content.get(SECAGG)
+    kind = record.get("kind") if isinstance(record, ConfigRecord) else None
+    body = record.get("message") if isinstance(record, ConfigRecord) else None
+    round_id = record.get("round") if isinstance(record, ConfigRecord) else None
+    if not isinstance(kind, str) or not isinstance(body, bytes | str) or type(round_id) is not int:
+        raise WireError(f"the message has no ConfigRecord {SECAGG!r} of kind, message and round",
+                        "use edgepfl's ServerApp and ClientApp")
+    return kind, body, round_id
 
 
 def round_of(content: RecordDict) -> tuple[int, RoundSettings, str]:
@@ -78,6 +124,17 @@ def round_of(content: RecordDict) -> tuple[int, RoundSettings, str]:
 def reply_content(payload: bytes, result: ClientResult) -> RecordDict:
     """A train reply's content: the upload body's tensors (the trained base, or its encoded delta and scales) and
     its whole header metadata (UploadMeta, and the encoding), and the device's metrics (finite ones)."""
+    return RecordDict(
+        {
+            BASE: tensors_record(decode_tensors(payload)),
+            UPLOAD: ConfigRecord(decode_metadata(payload)),
+            METRICS: metrics_record(result),
+        }
+    )
+
+
+def metrics_record(result: ClientResult) -> MetricRecord:
+    """A device's round metrics (the finite ones)."""
     metrics = {
         "num-examples": result.num_samples,
         "train-loss": result.train_loss,
@@ -86,14 +143,7 @@ def reply_content(payload: bytes, result: ClientResult) -> RecordDict:
         "start-val-accuracy": result.start_val_accuracy,
         "val-samples": result.val_samples,
     }
-    finite = {key: value for key, value in metrics.items() if math.isfinite(value)}
-    return RecordDict(
-        {
-            BASE: tensors_record(decode_tensors(payload)),
-            UPLOAD: ConfigRecord(decode_metadata(payload)),
-            METRICS: MetricRecord(finite),
-        }
-    )
+    return MetricRecord({key: value for key, value in metrics.items() if math.isfinite(value)})
 
 
 def upload_payload(reply: Message) -> bytes:

@@ -73,6 +73,7 @@ def run_federation(grid: Grid, config: ServerRunConfig) -> Result:
         bundle=config.bundle,
         round_timeout=config.timeout,
         fleet_rounds=config.fleet_rounds,
+        secure=config.secure,
     )
     try:
         strategy = EdgePFLStrategy(server, devices)

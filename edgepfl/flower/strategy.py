@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import Strategy
 
 from edgepfl.errors import EdgePFLError, StateError
 from edgepfl.flower.messages import metric, tensors_record, train_content, upload_payload
+from edgepfl.flower.secure import secure_round
 from edgepfl.protocol import EvalMetrics
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import Refused
@@ -42,6 +43,7 @@ class EdgePFLStrategy(Strategy):
         self.refusals: list[tuple[int, str, str]] = []  # (round, device or node, why) of every refused reply
         self.round_id = 0  # the engine's round being trained (an abandoned round makes it run ahead of Flower's)
         self._started = 0.0  # when the round's planning began (its `seconds` metric: messages, training, aggregation)
+        self.grid: Grid | None = None  # the Grid of the round's train messages (a secure round sends more on it)
 
     def summary(self) -> None:
         """Log what runs the rounds."""
@@ -53,6 +55,7 @@ class EdgePFLStrategy(Strategy):
     ) -> Iterable[Message]:
         """Open the engine's next round; a train message to each sampled device with its planned base and settings."""
         self._started = time.perf_counter()
+        self.grid = grid
         self.round_id = self.engine.next_round_id()  # the engine opens the next round as it closes one, if devices wait
         plans = self.engine.open_round(self.round_id, sorted(self.nodes))
         if plans is None:  # only a DP budget stops the engine early, and the Flower app does not turn DP on
@@ -60,7 +63,9 @@ class EdgePFLStrategy(Strategy):
         layout = self.engine.manifest.base_layout_hash
         return [
             Message(
-                train_content(self.round_id, plan.settings, plan.base, layout),
+                train_content(
+                    self.round_id, plan.settings, plan.base, layout, self.engine.secure_task(name, self.round_id)
+                ),
                 dst_node_id=self.nodes[name],
                 message_type=MessageType.TRAIN,
                 group_id=str(self.round_id),
@@ -74,6 +79,9 @@ class EdgePFLStrategy(Strategy):
         """Accept each reply as `edgepfl serve` accepts an upload, then close the round in the engine."""
         round_id = self.round_id
         accepted: list[Message] = []
+        if self.engine.secure is not None:  # the replies carry key adverts; the updates stay on the nodes
+            accepted = secure_round(self, round_id, replies)
+            replies = []
         for reply in replies:
             device = self.devices.get(reply.metadata.src_node_id)
             try:
@@ -112,8 +120,12 @@ class EdgePFLStrategy(Strategy):
                 f"raise max-upload-mb (now {self.engine.config.max_upload_mb:g})",
             )
         self.engine.accept_update(device, round_id, payload)
+        self.accept_metrics(round_id, device, reply)
+
+    def accept_metrics(self, round_id: int, device: str, reply: Message) -> None:
+        """Store a reply's evaluation metrics as a device's POST /metrics; advisory: a refusal only warns."""
         accuracy, samples = metric(reply, "val-accuracy"), metric(reply, "val-samples")
-        if accuracy is not None and samples:  # advisory, as a device's POST /metrics: a refusal only warns
+        if accuracy is not None and samples:
             evaluation = EvalMetrics(accuracy, int(samples), metric(reply, "val-loss"))
             try:
                 self.engine.accept_metrics(device, round_id, evaluation)

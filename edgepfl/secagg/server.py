@@ -25,7 +25,7 @@ import numpy as np
 from edgepfl.errors import SecAggError
 from edgepfl.secagg import keys, shamir
 from edgepfl.secagg.client import SEALED_BYTES, pairwise_seed
-from edgepfl.secagg.config import SecAggConfig, make_plan
+from edgepfl.secagg.config import Plan, SecAggConfig, make_plan
 from edgepfl.secagg.messages import (
     KeyAdvert,
     KeyBook,
@@ -87,6 +87,49 @@ class ServerSession:
     def uploaders(self) -> tuple[str, ...]:
         """Devices whose masked vectors are in the sum."""
         return tuple(sorted(self._state.get("uploads", {})))
+
+    @property
+    def advertised(self) -> tuple[str, ...]:
+        """Devices whose keys arrived."""
+        return tuple(sorted(self._state["adverts"]))
+
+    @property
+    def shared(self) -> tuple[str, ...]:
+        """Devices whose sealed shares arrived (before `close_shares` prunes any)."""
+        return tuple(sorted(self._state.get("bundles", {})))
+
+    @property
+    def revealed(self) -> tuple[str, ...]:
+        """Survivors whose shares to unmask arrived."""
+        return tuple(sorted(self._state.get("reveals", {})))
+
+    @property
+    def plan(self) -> Plan | None:
+        """The round's plan once the keys are fixed (None before, or when the round failed at that step)."""
+        return self.book.plan if "book" in self._state else None
+
+    @property
+    def outcome(self) -> UnmaskRequest | None:
+        """Who survived and who dropped, once the inputs step closed (None before), whatever happened since."""
+        return UnmaskRequest.from_dict(self._state["request"]) if "request" in self._state else None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the round failed (None unless failed)."""
+        return self._state["failure"] if self.phase == "failed" else None
+
+    def holds(self, message: KeyAdvert | ShareBundle | MaskedInput | UnmaskShares) -> bool:
+        """Whether exactly this message is already part of the round, whatever step it is at now (a device that
+        re-sends after a crash is told so, not refused)."""
+        state, device = self._state, message.device
+        if isinstance(message, KeyAdvert):
+            return state["adverts"].get(device) == message.to_dict()
+        if isinstance(message, ShareBundle):
+            data = {peer: b64(sealed) for peer, sealed in sorted(message.sealed.items())}
+            return state.get("bundles", {}).get(device) == data
+        if isinstance(message, MaskedInput):
+            return state.get("uploads", {}).get(device) == message.digest
+        return state.get("reveals", {}).get(device) == message.to_dict()
 
     def receive_advert(self, advert: KeyAdvert) -> bool:
         """Take a device's public keys."""

@@ -24,6 +24,7 @@ from edgepfl.errors import UsageError
 from edgepfl.options import GROUP, Composed, flatten, titled, validated
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions
+from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies.heurpfedla import RetainOptions
@@ -142,6 +143,7 @@ class SimulateConfig(Composed):
     hypernetworks: HypernetworkOptions = Field(default_factory=HypernetworkOptions)
     retained: RetainOptions = Field(default_factory=RetainOptions)
     privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
+    secure: SecureAggregationOptions = Field(default_factory=SecureAggregationOptions)
     distill: Annotated[DistillOptions, Field(json_schema_extra={GROUP: PERSFL_STAGE_TWO})] = DistillOptions()
     engine: Literal[SIM_ENGINES] = Field("torch", description="the clients' training engine")  # type: ignore[valid-type]
     seed: Annotated[int, Field(description="seed of partition, init, sampling and shuffling")] = 0
@@ -170,11 +172,19 @@ class SimulateConfig(Composed):
         if self.plan.persfl:
             self.distill_config()
         lossy = self.round.upload_encoding != "fp32" or self.round.download_encoding != "fp32" or self.privacy.enabled
-        if lossy and self.plan.strategy is None:
+        if (lossy or self.secure.secure_aggregation) and self.plan.strategy is None:
             raise UsageError(
-                f"--algorithm {self.algorithm} uploads nothing: --upload-encoding, --download-encoding and --dp-* "
-                "do not apply",
+                f"--algorithm {self.algorithm} uploads nothing: --upload-encoding, --download-encoding, --dp-* "
+                "and --secure-aggregation do not apply",
                 "drop them, or choose an algorithm that aggregates",
+            )
+        if self.plan.strategy is not None:
+            check_secure(self.secure, self.plan.strategy, self.privacy.clip_norm, self.fleet_rounds.asynchronous,
+                         self.round.upload_encoding, self.min_clients, "--algorithm")
+        if self.secure.secure_aggregation and self.on_a_clock:
+            raise UsageError(
+                "the simulated fleet's virtual clock (--fleet, --over-select) does not run secure rounds",
+                "drop --fleet and --over-select with --secure-aggregation (edgepfl serve runs them)",
             )
         if self.privacy.enabled and self.plan.strategy is not None:
             check_dp_strategy(self.plan.strategy, "--algorithm")

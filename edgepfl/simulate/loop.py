@@ -24,7 +24,6 @@ Stage 2 is recomputed whenever a run ends, from the kept teachers (students are 
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -36,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepfl.atomic import write_bytes_atomic
 from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
@@ -45,7 +43,9 @@ from edgepfl.encoding import drop_residuals_after
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
+from edgepfl.server.config import secure_clip
 from edgepfl.simulate.bundle import ensure_bundle, open_sim_engine
+from edgepfl.simulate.client_state import load_state, save_state
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
 from edgepfl.simulate.fleet import Fleet, FleetSpec
 from edgepfl.simulate.fleet_loop import FleetRun
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from edgepfl.server.engine import RoundEngine
 from edgepfl.simulate.results import Results, RoundRecord, accuracy_summary, load_results, write_results
 from edgepfl.simulate.rounds import LocalRounds, open_server
+from edgepfl.simulate.secure import secure_steps
 from edgepfl.simulate.workers import ClientData, RayWorkers, Sequential
-from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
 STATE_FILE = "state.safetensors"  # every client's tensors (the server's state is the engine's, in OUT/server)
 BUNDLE_DIR = "bundle"
@@ -75,7 +75,7 @@ class Client(ClientData):
 
 def round_settings(config: SimulateConfig) -> RoundSettings:
     """The settings the strategy hands every sampled client."""
-    return config.round_options().settings(config.privacy.clip_norm)
+    return config.round_options().settings(secure_clip(config.secure, config.privacy.clip_norm))
 
 
 def run_simulation(
@@ -115,7 +115,7 @@ def run_simulation(
         clients.append(_make_client(number, part, dataset, manifest, config.seed, initial, out / RESIDUALS_DIR))
     names = [client.name for client in clients]
     resumable = previous is not None and (out / STATE_FILE).is_file()
-    saved = _load_state(out / STATE_FILE, clients) if resumable else None
+    saved = load_state(out / STATE_FILE, clients) if resumable else None
     done, pending = saved if saved is not None else (0, None)
     for client in clients:  # residuals of a round whose client state was not saved are encoded again on resume
         drop_residuals_after(client.residuals, done)
@@ -133,6 +133,7 @@ def run_simulation(
         round_timeout=config.round_timeout,
         privacy=config.privacy,
         fleet_rounds=config.fleet_rounds,
+        secure=config.secure,
         fresh=saved is None,
     )
     workers = None
@@ -197,6 +198,7 @@ def _round(
     traffic = {"bytes_up": 0, "bytes_down": 0, "bytes_kept": 0}
     current = {name: by_name[name].tensors for name in plans}
     uploaded = 0
+    masked: dict[str, bytes] = {}  # a secure round's saved upload bodies, masked by their clients below
     for done_count, (name, outcome) in enumerate(workers.run(round_id, plans, current)):
         plan = plans[name]
         by_name[name].tensors = outcome.tensors
@@ -210,12 +212,19 @@ def _round(
             losses.append(outcome.train_loss)
         if outcome.refused is not None:  # a device refuses a round's base or its diverged result, and says so
             server.accept_refusal(name, round_id, outcome.refused)
-        if outcome.payload is not None and _open(server, round_id):  # through the served acceptance checks
+        if outcome.payload is not None and _open(server, round_id) and config.secure.secure_aggregation:
+            masked[name] = outcome.payload
+            uploaded += 1
+        elif outcome.payload is not None and _open(server, round_id):  # through the served acceptance checks
             traffic["bytes_up"] += len(outcome.payload)
             server.accept_update(name, round_id, outcome.payload)
             uploaded += 1
         if progress is not None:
             progress(round_id, done_count + 1, len(plans))
+    if masked and _open(server, round_id):  # the clients that trained mask their updates (simulate/secure.py)
+        sent, received = secure_steps(server, round_id, masked, {name: by_name[name].seed for name in masked})
+        traffic["bytes_up"] += sent
+        traffic["bytes_down"] += received
     pending = {
         **traffic,
         "train_loss": float(np.mean(losses)) if losses else None,
@@ -224,7 +233,7 @@ def _round(
         "start_val_loss": start_val_loss if config.plan.persfl else None,
         "trained_test_accuracy": accuracy_summary([trained_acc.get(c.name, math.nan) for c in clients]),
     }
-    _save_state(Path(config.out) / STATE_FILE, round_id, clients, pending)  # before the close: a resume finishes it
+    save_state(Path(config.out) / STATE_FILE, round_id, clients, pending)  # before the close: a resume finishes it
     record = server.round(round_id)
     if record is not None and record.state == "abandoned":  # a majority refused its base: the server rolled back
         raise StateError(
@@ -283,6 +292,7 @@ def _evaluate(
         test_accuracy=accuracy_summary(test_acc),
         val_accuracy=accuracy_summary(val_acc),
         epsilon=server.epsilon(round_id),
+        secure_aggregation=server.secure_summary(round_id),
         **pending,
     )
 
@@ -401,31 +411,6 @@ def _mixing_weights(server) -> dict[str, list[list[float]]] | None:
     if not hasattr(server.strategy, "alpha_matrix"):
         return None
     return {name: server.strategy.alpha_matrix(name).round(6).tolist() for name in server.strategy.mixed}
-
-
-def _save_state(path: Path, round_id: int, clients: list[Client], pending: dict[str, Any]) -> None:
-    """Every client's tensors after training `round_id`, and the round's training numbers (for its record)."""
-    tensors = {f"{client.name}/{name}": value for client in clients for name, value in client.tensors.items()}
-    metadata = {"round": str(round_id), "pending": json.dumps(pending)}
-    write_bytes_atomic(path, encode_tensors(tensors, metadata=metadata))
-
-
-def _load_state(path: Path, clients: list[Client]) -> tuple[int, dict[str, Any] | None]:
-    """The round the saved client tensors were trained through (loaded into `clients`) and its training numbers."""
-    payload = path.read_bytes()
-    metadata = decode_metadata(payload)
-    try:
-        done = int(metadata["round"])
-        pending = json.loads(metadata["pending"]) if "pending" in metadata else None
-    except (KeyError, ValueError):
-        raise StateError(f"{path} does not say which round it holds", "delete the run folder and start again") from None
-    tensors = decode_tensors(payload)
-    try:
-        for client in clients:
-            client.tensors = {name: tensors[f"{client.name}/{name}"] for name in client.tensors}
-    except KeyError as missing:
-        raise StateError(f"{path} lacks tensor {missing}", "resume with the same options or use a new --out") from None
-    return done, pending
 
 
 def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engine, parts) -> dict[str, Any]:

@@ -41,6 +41,8 @@ class RoundRecord:
     epsilon: float | None = None  # DP: epsilon spent through this round, at the run's --dp-delta
     virtual_time: float | None = None  # --fleet: the virtual clock (seconds) when the round (fedbuff: step) ended
     late_uploads: int | None = None  # --fleet: uploads refused since the last round (round closed, too stale)
+    # --secure-aggregation: the round's protocol counts (devices masked, dropped, recovered; neighbours, threshold)
+    secure_aggregation: dict[str, Any] | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 from edgepfl.errors import StateError
 from edgepfl.privacy import PrivacyOptions
 from edgepfl.protocol import RoundOptions
+from edgepfl.secagg.options import SecureAggregationOptions
 from edgepfl.server.fleet import FleetOptions
 from edgepfl.wire import save_tensors
 
@@ -82,6 +83,10 @@ class LocalRounds:
         """No DP."""
         return None
 
+    def secure_summary(self, round_id: int) -> None:
+        """Nothing is aggregated, securely or not."""
+        return None
+
     def tick(self) -> None:
         """Nothing to close."""
 
@@ -106,6 +111,7 @@ def open_server(
     round_timeout: float | None = None,
     privacy: PrivacyOptions | None = None,
     fleet_rounds: FleetOptions | None = None,
+    secure: SecureAggregationOptions | None = None,
 ) -> RoundEngine | LocalRounds:
     """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device.
 
@@ -146,11 +152,14 @@ def open_server(
         **timeout,
         privacy=privacy or PrivacyOptions(),
         fleet_rounds=fleet_rounds or FleetOptions(),
+        secure=secure or SecureAggregationOptions(),
         web=False,
     )
     engine = create_engine(config, ManualClock())
     engine.enroll_devices(names)
     engine.noise_seed = seed  # a simulation is reproducible: its DP noise is drawn from --seed (serve: OS entropy)
+    if engine.secure is not None:
+        engine.secure.seeded(seed)  # ... and its secure rounds' graph randomness
     return engine
 
 

@@ -23,7 +23,9 @@ import { sha256Hex } from './sha256.js';
  * @property {number | null} [deadline]
  * @property {number | null} [retry_after]
  * @property {string} base_layout_hash
+ * @property {SecureTask | null} [secure_aggregation] a secure round: the update is masked, never uploaded
  */
+/** Where a secure round's steps are, and the device's id and the round's context in them (protocol.py SecureTask). @typedef {{url: string, device: string, context: string}} SecureTask */
 /** What an upload's metadata says (UploadMeta). @typedef {{baseLayoutHash: string, numSamples: number, trainLoss: number, valAccuracy: number, valLoss: number, startValAccuracy?: number}} UploadMeta */
 
 /**
@@ -169,6 +171,28 @@ export class ApiClient {
   async postMetrics(/** @type {number} */ roundId, /** @type {{accuracy: number, num_samples: number, loss: number | null}} */ metrics) {
     const path = `${this.prefix}/rounds/${roundId}/metrics`;
     return this.json(await this.request('POST', path, { json: metrics }), 'POST', path);
+  }
+
+  /** POST a secure round's message to `${url}/${kind}` (advert, shares, reveal: JSON text; masked: binary). */
+  async secureSend(/** @type {string} */ url, /** @type {string} */ kind, /** @type {string | Uint8Array} */ body) {
+    const path = `${url}/${kind}`;
+    const binary = typeof body !== 'string';
+    const sent = /** @type {BodyInit} */ (body);
+    const reply = await this.request('POST', path, { body: sent, contentType: binary ? 'application/octet-stream' : 'application/json' });
+    return this.json(reply, 'POST', path);
+  }
+
+  /**
+   * GET a secure round's book, inbox or unmask request at `${url}/${what}`: {text} once the server has it,
+   * {text: null, wait} (seconds) while its step is open (202).
+   * @returns {Promise<{text: string | null, wait: number}>}
+   */
+  async secureFetch(/** @type {string} */ url, /** @type {string} */ what) {
+    const path = `${url}/${what}`;
+    const reply = await this.request('GET', path);
+    if (reply.status !== 202) return { text: await reply.text(), wait: 0 };
+    const wait = Number((await this.json(reply, 'GET', path)).retry_after);
+    return { text: null, wait: Number.isFinite(wait) && wait > 0 && wait < 3600 ? wait : 1 };
   }
 
   /**

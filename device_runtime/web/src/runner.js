@@ -12,6 +12,7 @@ import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRa
 import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
+import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
@@ -24,6 +25,7 @@ import { sha256Hex } from './sha256.js';
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').Progress} Progress */
 /** @typedef {import('./store.js').PendingUpload} PendingUpload */
+/** A secure round's saved update (never sent: masked in the steps) and its session's state. @typedef {PendingUpload & {secure?: import('./protocol.js').SecureTask & {session: string}}} SecurePending */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 /** @typedef {import('./encoding.js').Delta} Delta */
 /** What the page is doing, as `body[data-stage]` shows it. @typedef {'loading' | 'join' | 'examples' | 'waiting' | 'training' | 'uploading' | 'offline' | 'done' | 'problem'} Stage */
@@ -51,6 +53,8 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number, payload: Uint8Array) => Promise<unknown>} upload
  * @property {(roundId: number, metrics: {accuracy: number, num_samples: number, loss: number | null}) => Promise<unknown>} postMetrics
  * @property {(roundId: number, reason: string) => Promise<unknown>} reportRefusal
+ * @property {(url: string, kind: string, body: string | Uint8Array) => Promise<unknown>} secureSend
+ * @property {(url: string, what: string) => Promise<{text: string | null, wait: number}>} secureFetch
  */
 
 /** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
@@ -196,7 +200,7 @@ export class DeviceRunner {
     }
     const valAccuracy = after.count ? after.correct / after.count : NaN;
     const valLoss = after.count ? after.lossSum / after.count : NaN;
-    /** @type {PendingUpload | null} */
+    /** @type {SecurePending | null} */
     let pending = null;
     /** @type {Delta | undefined} */
     let residual;
@@ -213,6 +217,10 @@ export class DeviceRunner {
         payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
         residual = encoded.residual;
         pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
+        const secure = task.secure_aggregation;
+        if (secure) { // a secure round: the clipped delta stays here, masked in the steps (deliverSecure)
+          pending.secure = { ...secure, session: (await ClientSession.start(secure.device, secure.context)).toJSON() };
+        }
       } else {
         payload = encodeUpdate(trained, meta);
         pending = { round: roundId, payload, sha256: await sha256Hex(payload) };
@@ -253,14 +261,17 @@ export class DeviceRunner {
     if ((await sha256Hex(pending.payload)) !== pending.sha256) {
       throw new DeviceError(`the saved upload of round ${pending.round} does not match its sha256`, 'start over');
     }
-    events.stage('uploading', `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`);
+    const secure = /** @type {SecurePending} */ (pending).secure;
+    events.stage('uploading', secure ? `Round ${pending.round}: masking what this phone learned with the other phones…` : `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`);
     let delivered = true;
     try {
-      await this.client.upload(pending.round, pending.payload);
+      if (secure) await this.deliverSecure(/** @type {SecurePending} */ (pending));
+      else await this.client.upload(pending.round, pending.payload);
     } catch (err) {
-      if (!(err instanceof Refusal && err.roundGone)) throw err;
+      if (!(err instanceof Refusal && err.roundGone) && !(secure && err instanceof SecAggError)) throw err;
       delivered = false;
-      events.message(`Round ${pending.round} closed before this phone's part arrived; it joins the next round.`);
+      const why = err instanceof SecAggError ? ` (this phone refused the server's message: ${err.problem})` : '';
+      events.message(`Round ${pending.round} closed before this phone's part arrived${why}; it joins the next round.`);
     }
     const upload = delivered ? 'delivered' : 'dropped';
     this.history = this.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
@@ -271,6 +282,33 @@ export class DeviceRunner {
     events.historyChanged(this.history);
     const record = this.history.find((r) => r.round === pending.round);
     if (delivered && record) await this.postMetrics(record);
+  }
+
+  /**
+   * A secure round's steps with the saved clipped delta (secagg.js takeSecureSteps); the session's state is saved
+   * with the pending upload before each answer is sent, so a reload takes the steps again with the same answers.
+   * @param {SecurePending} pending
+   */
+  async deliverSecure(pending) {
+    const { client, store } = this;
+    const secure = /** @type {NonNullable<SecurePending['secure']>} */ (pending.secure);
+    const { tensors, metadata } = decodeSafetensors(pending.payload, 'the saved update');
+    const delta = Object.fromEntries(Object.entries(tensors).map(([name, t]) => [name, { shape: t.shape, data: /** @type {Float32Array} */ (t.data) }]));
+    const fetch = async (/** @type {string} */ what) => {
+      for (;;) {
+        const { text, wait } = await client.secureFetch(secure.url, what);
+        if (text !== null) return text;
+        await this.sleep(wait);
+      }
+    };
+    const save = async (/** @type {string} */ state) => {
+      /** @type {SecurePending} */
+      const saved = { ...pending, secure: { ...secure, session: state } };
+      this.progress = { ...this.progress, pending: saved };
+      await store.commit({ progress: this.progress });
+    };
+    const send = (/** @type {string} */ kind, /** @type {string | Uint8Array} */ body) => client.secureSend(secure.url, kind, body);
+    await takeSecureSteps({ send, fetch, save }, secure.session, delta, Number(metadata?.num_samples), [this.contract.device.seed, pending.round]);
   }
 
   /** Report the personalised model's held-out evaluation; advisory, so a failure only shows a note. */

@@ -53,11 +53,6 @@ export class SecAggError extends Error {
 }
 
 /** @returns {SubtleCrypto} */
-/** Bytes as WebCrypto's BufferSource (TypeScript's lib types a view of any buffer apart; WebCrypto takes it). @param {Uint8Array} bytes */
-function source(bytes) {
-  return /** @type {BufferSource} */ (/** @type {unknown} */ (bytes));
-}
-
 function subtle() {
   if (!globalThis.crypto?.subtle) throw new SecAggError('secure aggregation needs WebCrypto, which browsers offer only on https pages (and localhost)', 'open the page over https');
   return globalThis.crypto.subtle;
@@ -114,9 +109,18 @@ function lengthPrefixed(parts) {
   }));
 }
 
+/**
+ * Bytes as WebCrypto's BufferSource: TypeScript's DOM types take only views of an ArrayBuffer, never a
+ * SharedArrayBuffer, and every array here is made over an ArrayBuffer.
+ * @param {Uint8Array} bytes @returns {Uint8Array<ArrayBuffer>}
+ */
+function buffer(bytes) {
+  return /** @type {Uint8Array<ArrayBuffer>} */ (bytes);
+}
+
 /** @param {Uint8Array} bytes */
 async function sha256(bytes) {
-  return new Uint8Array(await subtle().digest('SHA-256', source(bytes)));
+  return new Uint8Array(await subtle().digest('SHA-256', buffer(bytes)));
 }
 
 /** @param {Uint8Array} bytes */
@@ -133,14 +137,14 @@ export function info(purpose, context, ...parties) {
 
 /** HKDF-SHA256 of a secret to 32 bytes bound to purpose, context and devices. @param {Uint8Array} secret @param {string} purpose @param {string} context @param {...string} parties */
 export async function derive(secret, purpose, context, ...parties) {
-  const key = await subtle().importKey('raw', source(secret), 'HKDF', false, ['deriveBits']);
+  const key = await subtle().importKey('raw', buffer(secret), 'HKDF', false, ['deriveBits']);
   const salt = await sha256(encoder.encode(VERSION));
   return new Uint8Array(await subtle().deriveBits({ name: 'HKDF', hash: 'SHA-256', salt, info: info(purpose, context, ...parties) }, key, 256));
 }
 
 /** @param {Uint8Array} privateKey */
 async function importPrivate(privateKey, extractable = false) {
-  return subtle().importKey('pkcs8', source(concat(PKCS8_X25519, privateKey)), { name: 'X25519' }, extractable, ['deriveBits']);
+  return subtle().importKey('pkcs8', buffer(concat(PKCS8_X25519, privateKey)), { name: 'X25519' }, extractable, ['deriveBits']);
 }
 
 /** The raw X25519 public key of 32 raw private-key bytes. @param {Uint8Array} privateKey */
@@ -152,7 +156,7 @@ export async function publicKey(privateKey) {
 /** X25519 shared secret; a malformed or low-order peer key is one SecAggError. @param {Uint8Array} privateKey @param {Uint8Array} peerKey @param {string} peer */
 export async function agree(privateKey, peerKey, peer) {
   try {
-    const publicKey = await subtle().importKey('raw', source(peerKey), { name: 'X25519' }, false, []);
+    const publicKey = await subtle().importKey('raw', buffer(peerKey), { name: 'X25519' }, false, []);
     return new Uint8Array(await subtle().deriveBits({ name: 'X25519', public: publicKey }, await importPrivate(privateKey), 256));
   } catch {
     throw new SecAggError(`device ${JSON.stringify(peer)} advertised a malformed or low-order X25519 public key`, 'advertise a key made by X25519 key generation');
@@ -162,15 +166,15 @@ export async function agree(privateKey, peerKey, peer) {
 /** AES-256-GCM: random nonce || ciphertext || tag. @param {Uint8Array} key @param {Uint8Array} plaintext @param {Uint8Array} associated @param {RandomBytes} randomBytes */
 export async function encrypt(key, plaintext, associated, randomBytes) {
   const nonce = randomBytes(NONCE_BYTES);
-  const aes = await subtle().importKey('raw', source(key), 'AES-GCM', false, ['encrypt']);
-  return concat(nonce, new Uint8Array(await subtle().encrypt({ name: 'AES-GCM', iv: source(nonce), additionalData: source(associated) }, aes, source(plaintext))));
+  const aes = await subtle().importKey('raw', buffer(key), 'AES-GCM', false, ['encrypt']);
+  return concat(nonce, new Uint8Array(await subtle().encrypt({ name: 'AES-GCM', iv: buffer(nonce), additionalData: buffer(associated) }, aes, buffer(plaintext))));
 }
 
 /** @param {Uint8Array} key @param {Uint8Array} sealed @param {Uint8Array} associated @param {string} what */
 export async function decrypt(key, sealed, associated, what) {
   try {
-    const aes = await subtle().importKey('raw', source(key), 'AES-GCM', false, ['decrypt']);
-    return new Uint8Array(await subtle().decrypt({ name: 'AES-GCM', iv: source(sealed.subarray(0, NONCE_BYTES)), additionalData: source(associated) }, aes, source(sealed.subarray(NONCE_BYTES))));
+    const aes = await subtle().importKey('raw', buffer(key), 'AES-GCM', false, ['decrypt']);
+    return new Uint8Array(await subtle().decrypt({ name: 'AES-GCM', iv: buffer(sealed.subarray(0, NONCE_BYTES)), additionalData: buffer(associated) }, aes, buffer(sealed.subarray(NONCE_BYTES))));
   } catch {
     throw new SecAggError(`${what} does not decrypt (wrong key, sender, recipient or round, or altered in transit)`, 'the server must route each device\'s shares unchanged');
   }
@@ -181,7 +185,7 @@ export async function decrypt(key, sealed, associated, what) {
 /** `length` ring elements < 2^bits: AES-256-CTR keystream of the seed from a zero 128-bit counter, little-endian words. @param {Uint8Array} seed @param {number} length */
 export async function maskVector(seed, length, bits = 32) {
   if (seed.length !== 32) throw new SecAggError(`a mask seed has ${seed.length} bytes, not 32`, 'derive seeds with HKDF-SHA256');
-  const key = await subtle().importKey('raw', source(seed), 'AES-CTR', false, ['encrypt']);
+  const key = await subtle().importKey('raw', buffer(seed), 'AES-CTR', false, ['encrypt']);
   const stream = await subtle().encrypt({ name: 'AES-CTR', counter: new Uint8Array(16), length: 128 }, key, new Uint8Array(4 * length));
   let words;
   if (LITTLE_ENDIAN) words = new Uint32Array(stream);
@@ -772,4 +776,35 @@ export async function inboxDigest(inbox) {
   const all = [...parts];
   for (const peer of Object.keys(inbox.sealed).sort(compareIds)) all.push(peer, inbox.sealed[peer]);
   return hex(await sha256(lengthPrefixed(all)));
+}
+
+/**
+ * How a device's secure steps reach the server and keep their state (runner.js gives the page's).
+ * @typedef {object} SecureIO
+ * @property {(kind: string, body: string | Uint8Array) => Promise<unknown>} send POST advert, shares, masked, reveal
+ * @property {(what: string) => Promise<string>} fetch the book, inbox or unmask request (JSON) once the server has it
+ * @property {(state: string) => Promise<void>} save keep the session's state (private keys and shares) durably
+ */
+
+/**
+ * A device's secure round once its clipped delta is saved (device_runtime/secure_round.py's `deliver`): advertise
+ * its keys, then answer the key book, the share inbox and the unmask request, the session saved before each answer
+ * is sent. Taken again from `state` after a reload, the same server messages get the same answers (the rounding is
+ * seeded by `seed`, e.g. [device seed, round]), and the server acknowledges what it holds as a duplicate.
+ * @param {SecureIO} io @param {string} state the session's JSON @param {Record<string, Tensor>} delta
+ * @param {number} weight the sample count @param {number[]} seed
+ */
+export async function takeSecureSteps(io, state, delta, weight, seed) {
+  const session = await ClientSession.fromJSON(state);
+  await io.send('advert', messageToJson('KeyAdvert', session.advert()));
+  const bundle = await session.receiveBook(/** @type {KeyBook} */ (messageFromJson(await io.fetch('book'), 'KeyBook')));
+  await io.save(session.toJSON());
+  await io.send('shares', messageToJson('ShareBundle', bundle));
+  const inbox = /** @type {ShareBundle} */ (messageFromJson(await io.fetch('inbox'), 'ShareInbox'));
+  const masked = await session.receiveInbox(inbox, await quantizeDelta(delta, weight, session.book, uniformRandom(seed)));
+  await io.save(session.toJSON());
+  await io.send('masked', maskedInputBytes(masked));
+  const reveal = session.receiveUnmask(/** @type {UnmaskRequest} */ (messageFromJson(await io.fetch('unmask'), 'UnmaskRequest')));
+  await io.save(session.toJSON());
+  await io.send('reveal', messageToJson('UnmaskShares', reveal));
 }

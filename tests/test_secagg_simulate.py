@@ -1,0 +1,57 @@
+"""`edgepfl simulate --secure-aggregation` (issue 34): the simulated clients mask their updates through the served
+round engine's secure calls; the run is reproducible and learns as the plain run does."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 - the fixture
+
+from edgepfl.errors import UsageError  # noqa: E402
+from edgepfl.server.store import Store  # noqa: E402
+from edgepfl.simulate.loop import run_simulation  # noqa: E402
+from edgepfl.simulate.rounds import SERVER_DIR, final_global_base  # noqa: E402
+
+SECURE = {"secure_aggregation": True, "secagg_clip": 5.0, "secagg_max_weight": 200, "min_clients": 3}
+
+
+def test_a_secure_simulation_is_reproducible_and_learns_as_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
+    runs = {}
+    for name, changes in (("secure", SECURE), ("again", SECURE), ("plain", {"min_clients": 3})):
+        config = tiny_config(tiny_npz, tmp_path / name, algorithm="fedavg", **changes)
+        runs[name] = run_simulation(config)
+    secure, again = final_global_base(tmp_path / "secure"), final_global_base(tmp_path / "again")
+    for tensor in secure:  # seeded keys, graph and rounding: the same run gives the same model
+        np.testing.assert_array_equal(secure[tensor], again[tensor], err_msg=tensor)
+    rounds = json.loads((tmp_path / "secure" / "results.json").read_text())["rounds"]
+    for row in rounds:
+        summary = row["secure_aggregation"]
+        assert (summary["phase"], summary["masked"], summary["dropped"], summary["classic"]) == ("done", 4, 0, True)
+        assert row["bytes_up"] > 0 and row["bytes_down"] > 0
+    assert json.loads((tmp_path / "plain" / "results.json").read_text())["rounds"][0]["secure_aggregation"] is None
+    plain_accuracy = runs["plain"].rounds[-1].test_accuracy["mean"]
+    assert runs["secure"].rounds[-1].test_accuracy["mean"] >= plain_accuracy - 0.05
+    store = Store(tmp_path / "secure" / SERVER_DIR)
+    try:
+        assert store.updates(1) == [] and store.read("SELECT COUNT(*) FROM secure_messages")[0][0] == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"algorithm": "pfedla"}, "secure aggregation cannot run with --algorithm pfedla"),
+        ({"algorithm": "local"}, "--algorithm local uploads nothing"),
+        ({"fleet": "dropout:0.1"}, "does not run secure rounds"),
+        ({"min_clients": 1}, "--min-clients 3 or more"),
+    ],
+)
+def test_what_a_secure_simulation_cannot_run_with_is_one_line(tiny_npz, tmp_path, changes, message):  # noqa: F811
+    with pytest.raises(UsageError, match=message):
+        tiny_config(tiny_npz, tmp_path, **{**SECURE, **changes})
