@@ -10,19 +10,17 @@ closed round commits besides its base (the epsilon spent and the ledger), so the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgepfl.errors import StateError
-from edgepfl.manifest import Manifest
 from edgepfl.privacy import DPConfig, PrivacyLedger, dp_aggregate, fixed_denominator, noised_mean
-from edgepfl.protocol import RoundSettings
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
-from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, RoundPlan, Strategy
+from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, WrappingStrategy
 from edgepfl.server.uploads import add_delta
 
 SAMPLING = "fixed"  # server/sampling.py samples a fixed number of the available devices, without replacement
@@ -99,7 +97,7 @@ class PrivacyBudget:
         }
 
 
-class PrivateStrategy(Strategy):
+class PrivateStrategy(WrappingStrategy):
     """DP-FedAvg around a sum strategy: base + (sum of clipped deltas + N(0, (sigma*C)^2)) / m, m the sample size.
 
     Every delta is within the clip norm C, checked at acceptance and again in the mechanism. The noise comes
@@ -116,13 +114,10 @@ class PrivateStrategy(Strategy):
         round_of: Callable[[int], RoundRecord],
         noise_seed: Callable[[], int | None],
     ):
-        super().__init__(inner.specs, inner.options, inner.round_settings, inner.seed)
-        self.inner = inner
+        super().__init__(inner)
         self.budget = budget
         self.round_of = round_of  # the round engine's records: each round's population and sample size
         self.noise_seed = noise_seed
-        self.name = inner.name  # type: ignore[misc]  # an instance's name: the strategy it wraps
-        self.personalized = inner.personalized  # type: ignore[misc]
 
     def aggregate(
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
@@ -152,22 +147,6 @@ class PrivateStrategy(Strategy):
         """The epsilon spent through this round and the ledger, committed with it."""
         ledger = self.budget.ledger.record_round(record.population or len(record.sampled), len(record.sampled))
         return {"epsilon": ledger.epsilon(), "meta": {LEDGER: ledger.to_json()}}
-
-    # the rest is the inner strategy's
-
-    def check_manifest(self, manifest: Manifest) -> None:
-        """The inner strategy's check."""
-        self.inner.check_manifest(manifest)
-
-    def settings(self, round_id: int) -> RoundSettings:
-        """The inner strategy's settings."""
-        return self.inner.settings(round_id)
-
-    def configure_round(
-        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
-    ) -> dict[str, RoundPlan]:
-        """The inner strategy's plan."""
-        return self.inner.configure_round(round_id, sampled, global_base)
 
     def fresh(self) -> Strategy:
         """This wrapper around a fresh inner strategy."""

@@ -11,31 +11,25 @@ close.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.manifest import Manifest
-from edgepfl.protocol import RoundSettings
 from edgepfl.server.budget import PrivateStrategy
 from edgepfl.server.secure import SecureRounds
-from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, RoundPlan, Strategy
+from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, WrappingStrategy
 from edgepfl.server.uploads import add_delta
 
 
-class SecureStrategy(Strategy):
+class SecureStrategy(WrappingStrategy):
     """The inner strategy's plans; the secure sum's mean (or DP's noised mean) as the next global base."""
 
     reads_deltas = True  # a secure round stores no uploads: the engine hands over none
     bounded = False  # the server cannot bound what it does not see; the ring bounds each device (docs)
 
     def __init__(self, inner: Strategy, secure: SecureRounds):
-        super().__init__(inner.specs, inner.options, inner.round_settings, inner.seed)
-        self.inner = inner
+        super().__init__(inner)
         self.secure = secure
-        self.name = inner.name  # type: ignore[misc]  # an instance's name: the strategy it wraps
-        self.personalized = inner.personalized  # type: ignore[misc]
 
     def aggregate(
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
@@ -47,24 +41,6 @@ class SecureStrategy(Strategy):
         else:
             average = total.weighted_mean()
         return add_delta(global_base, average, self.specs)
-
-    def closing(self, record: Any) -> dict[str, Any]:
-        """The inner strategy's (DP: the epsilon spent)."""
-        return self.inner.closing(record)
-
-    def check_manifest(self, manifest: Manifest) -> None:
-        """The inner strategy's check."""
-        self.inner.check_manifest(manifest)
-
-    def settings(self, round_id: int) -> RoundSettings:
-        """The inner strategy's settings."""
-        return self.inner.settings(round_id)
-
-    def configure_round(
-        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
-    ) -> dict[str, RoundPlan]:
-        """The inner strategy's plan."""
-        return self.inner.configure_round(round_id, sampled, global_base)
 
     def fresh(self) -> Strategy:
         """This wrapper around a fresh inner strategy."""

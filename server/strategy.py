@@ -120,6 +120,35 @@ class Strategy(ABC):
         """The next global base from the round's accepted updates, which arrive one at a time."""
 
 
+class WrappingStrategy(Strategy):
+    """A strategy around another (DP-FedAvg, secure aggregation): its own `aggregate`, and the inner strategy's
+    name, plans, settings, checks and closing commit."""
+
+    def __init__(self, inner: Strategy):
+        super().__init__(inner.specs, inner.options, inner.round_settings, inner.seed)
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]  # an instance's name: the strategy it wraps
+        self.personalized = inner.personalized  # type: ignore[misc]
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """The inner strategy's check."""
+        self.inner.check_manifest(manifest)
+
+    def settings(self, round_id: int) -> RoundSettings:
+        """The inner strategy's settings."""
+        return self.inner.settings(round_id)
+
+    def configure_round(
+        self, round_id: int, sampled: Sequence[str], global_base: Mapping[str, np.ndarray]
+    ) -> dict[str, RoundPlan]:
+        """The inner strategy's plan."""
+        return self.inner.configure_round(round_id, sampled, global_base)
+
+    def closing(self, record: Any) -> dict[str, Any]:
+        """The inner strategy's (DP: the epsilon spent)."""
+        return self.inner.closing(record)
+
+
 def cast_like(values: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> BaseTensors:
     """Cast float64 aggregates back to each tensor's manifest dtype (integers rounded)."""
     result = {}
