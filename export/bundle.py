@@ -18,9 +18,9 @@ from edgepfl.atomic import sha256_file
 from edgepfl.errors import EdgePFLError, UsageError
 from edgepfl.export import inference, ort_training, prepare, source
 from edgepfl.export.blocks import BlockList, check_blocks, find_blocks, state_tensors
+from edgepfl.export.masked import StepShape
 from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
 from edgepfl.export.options import ExportOptions
-from edgepfl.export.portable import StepShape
 from edgepfl.manifest import InputSpec, Manifest, class_names_problem, split_roles
 
 

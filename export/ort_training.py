@@ -14,7 +14,8 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from edgepfl.export.portable import DISTILL_SETS, DISTILL_VARIANTS, StepShape
+from edgepfl.export.masked import StepShape
+from edgepfl.export.portable import DISTILL_SETS, DISTILL_VARIANTS
 
 ORT_MAX_IR = 10  # onnxruntime(-training) 1.19 loads IR <= 10
 ORT_OPSET = 17
