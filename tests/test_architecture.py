@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import subprocess
+
 import tomllib
 from conftest import REPO
 
