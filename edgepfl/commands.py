@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from click.core import ParameterSource
 
 from edgepfl.errors import UsageError
 from edgepfl.options import (
@@ -95,8 +94,12 @@ def command(
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
-    """Whether a parameter's value came from the command line or its environment variable, not its default."""
-    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+    """Whether a parameter's value came from the command line or its environment variable, not its default.
+
+    Compared by name: newer Typer releases bring their own copy of click, whose `ParameterSource` is another enum.
+    """
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
 
 
 def _parameter(leaf: Leaf) -> inspect.Parameter:
