@@ -88,7 +88,7 @@ class FleetRun:
             trained = self.workers.run(round_id, {n: plans[n] for n in finishing}, self._tensors(finishing))
             outcomes = dict(trained)
             for done, name in enumerate(sorted(finishing, key=lambda n: (finishing[n], n)), start=1):
-                self.server.clock.now = finishing[name]
+                self._until(round_id, finishing[name])
                 self._arrive(name, round_id, plans[name], outcomes[name])
                 self.server.tick()
                 if self.progress is not None:
@@ -103,6 +103,20 @@ class FleetRun:
             now = record.closed if record.closed is not None else self.server.clock.now
             if record.state == "closed":
                 self._record(round_id, len(plans), started, now)
+
+    def _until(self, round_id: int, end: float) -> None:
+        """Move the clock to an upload at `end`: while the round is open, and never past its deadline, where it
+        ends first (as a served engine's tick ends it). A later upload meets the ended round at that moment: the
+        clock stays there, so that no round opened meanwhile is ticked past its own deadline."""
+        record = self.server.round(round_id)
+        assert record is not None
+        if record.state != "open":
+            return
+        if end >= record.deadline:
+            self.server.clock.now = max(self.server.clock.now, record.deadline)
+            self.server.tick()
+            return
+        self.server.clock.now = end
 
     def _online(self, now: float) -> list[str]:
         """The devices online at `now`; the virtual clock moves on to when enough of them are."""
