@@ -1,0 +1,460 @@
+"""Issue 32's measurement: time to accuracy on a simulated fleet's virtual clock (sync, sync + over-selection and
+fedbuff for the same client work), and `edgepfl serve`'s task endpoint with 1,000 polling devices, fedbuff and sync.
+
+Time to accuracy. `edgepfl simulate --fleet dropout:0.3,speed:lognormal:1.0,seed:0 --algorithm fedper` (the Python
+API the CLI calls, one child process per run) on MNIST `mlp` and CIFAR-10 `cnn` from --data-root, three ways: sync;
+sync + `--over-select 0.3`; `--aggregation fedbuff`. One setting for both datasets, fixed before any run and never
+tuned on the test split: 50 clients x 2 classes (`classes:2`), kp 1, 1 local epoch, batch 32, lr 0.05, the torch
+engine on one thread, seed 0. Sync samples 10 clients a round (`--fraction 0.2`, `--min-clients 1`); over-selection
+samples 13 and closes at the 10th upload; fedbuff steps every 10 accepted uploads (`--buffer-size 10`, sync's
+round size) with the CLI's defaults otherwise (`--max-staleness 10`, `--staleness-weight poly:0.5`: FedBuff's
+1/sqrt(1 + s), `--server-lr 1`: a step of fresh uploads is their FedAvg mean), and every online device that polls
+trains (its concurrency is the fleet's 50). All modes share one deadline (`--round-timeout`): the time a device
+at the fleet's 90th-percentile speed takes to train one round on a client's mean training set, so a sync round
+short of its uploads (a dropout) ends there.
+
+Definitions.
+- Work: client trainings that ran to their end (an upload sent, accepted or refused late: round closed, deadline
+  passed, too stale), each one epoch over that client's training samples; a device that drops out trains nothing
+  in the simulator and is not counted. A record's trainings are its `bytes_down` over the bytes of one base
+  download (each finished training downloaded one base); its late ones are its `late_uploads`.
+- Same total client work: sync runs 40 rounds and its trainings W are every mode's budget; the other modes
+  run rounds enough for 1.2 W at their expected rate (13 x 0.7 a round, 10 a step) and count their records up to
+  the one whose cumulative work is nearest W (the JSON gives each run's counted work).
+- A: sync's final mean test accuracy across all 50 clients (the simulator's held score: each client's personal
+  part with the global base). Time to A: the virtual time of a mode's first counted record at or above A (sync's
+  too: it may reach its final accuracy before its last round). Ratios fedbuff / sync and over-select / sync of
+  times to A, against the issue's targets 0.5 and 0.7 (`ratio_to_sync_end`: over sync's whole run instead).
+
+Server load. A real `edgepfl serve` on loopback (fedper, mobilenet x0.25 kp 2 base) with 1,000 enrolled devices.
+Every device polls GET /v1/task every retry_after (the server's --poll-interval, 5 s), also while it trains, so
+both modes are offered the same 200 polls/s; a device told to train while idle downloads its base, trains for
+TRAIN_SECONDS (8 s, a sleep) and uploads the base plus a small shift of its own (its own bytes), and takes its next
+task at a later poll. One asyncio loop, one httpx pool of --concurrency (100) connections.
+Sync: 10 devices a round (`--fraction 0.01 --min-clients 10`); fedbuff: `--buffer-size 10` and `--max-staleness`
+as large as the fleet, since all 1,000 train at once (staleness ~100 steps; the default 10 would refuse most).
+Measured in a window (60 s) after a warm-up (20 s): uploads accepted per second, the task endpoint's latency
+(p50, p90, p99, as a device sees it: the client's pool and event loop included), and the CPU the server process and
+the load used in the window (100% = one core). Server and load share this machine's cores.
+
+Prints JSON on stdout and tables on stderr; writes bench/figures/fleet.png and, without --quick,
+docs/measurements/fleet-<date>.json.
+Usage: python bench/fleet.py [--data-root ../shared/data] [--quick] [--only accuracy|server] [--datasets mnist cifar10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE = ROOT / "bench" / "figures" / "fleet.png"
+MEASUREMENTS = ROOT / "docs" / "measurements"
+FLEET = "dropout:0.3,speed:lognormal:1.0,seed:0"
+TARGETS = {"fedbuff": 0.5, "over-select": 0.7}  # time to A as a fraction of sync's
+SETTING = {
+    "algorithm": "fedper", "kp": 1, "partition": "classes:2", "clients": 50, "epochs": 1, "batch_size": 32,
+    "lr": 0.05, "fraction": 0.2, "min_clients": 1, "engine": "torch", "threads": 1, "seed": 0, "fleet": FLEET,
+}  # fmt: skip
+TARGET = 10  # sync's round: ceil(0.2 x 50)
+MODES = {
+    "sync": {},
+    "over-select": {"over_select": 0.3},
+    "fedbuff": {"aggregation": "fedbuff", "buffer_size": TARGET, "max_staleness": 10,
+                "staleness_weight": "poly:0.5", "server_lr": 1.0},
+}  # fmt: skip
+DATASETS = {"mnist": {"model": "mlp", "rounds": 40}, "cifar10": {"model": "cnn", "rounds": 40}}
+QUICK_ROUNDS = 8
+MARGIN = 1.2  # over-select and fedbuff run rounds for this many times sync's work (`within` counts up to 1x)
+DEADLINE_QUANTILE = 0.9
+TRAIN_SECONDS = 8.0  # server load: a device's (slept) training
+POLL_SECONDS = 5.0  # server load: --poll-interval, the retry_after every device polls at
+
+
+# time to accuracy
+
+
+def deadline(dataset: str, data_root: str) -> dict:
+    """The round deadline: a device at the fleet's 90th-percentile speed training one round on the mean client."""
+    from edgepfl.simulate.config import PartitionOptions
+    from edgepfl.simulate.fleet import FleetSpec
+    from edgepfl.simulate.loop import load_partition
+
+    options = PartitionOptions(dataset=dataset, data_root=data_root, partition=SETTING["partition"],
+                               clients=SETTING["clients"])  # fmt: skip
+    _, parts = load_partition(options, SETTING["seed"])
+    mean_train = float(np.mean([len(part.train) for part in parts]))
+    spec = FleetSpec.parse(FLEET)
+    speed = math.exp(statistics.NormalDist().inv_cdf(DEADLINE_QUANTILE) * spec.speed_sigma)
+    seconds = speed * SETTING["epochs"] * mean_train * spec.sample_time
+    return {"round_timeout": round(seconds, 3), "mean_train_samples": mean_train, "speed_p90": speed}
+
+
+def run_child(request: dict) -> dict:
+    """One simulated run (in the child): each record's virtual time, mean test accuracy, trainings and late ones."""
+    from edgepfl.simulate.config import SimulateConfig
+    from edgepfl.simulate.loop import run_simulation
+    from edgepfl.simulate.rounds import final_global_base
+    from edgepfl.wire import encode_tensors
+
+    fields = {**SETTING, **MODES[request["mode"]], "model": DATASETS[request["dataset"]]["model"]}
+    config = SimulateConfig(
+        out=request["out"], dataset=request["dataset"], data_root=request["data_root"], rounds=request["rounds"],
+        round_timeout=request["round_timeout"], **fields,
+    )  # fmt: skip
+    started = time.perf_counter()
+    results = run_simulation(config)
+    wall = time.perf_counter() - started
+    download = len(encode_tensors(final_global_base(config.out)))  # every base download has these bytes (fp32)
+    records = []
+    for record in results.rounds:
+        trainings, rest = divmod(record.bytes_down, download)
+        assert rest == 0, f"round {record.round}: {record.bytes_down} bytes down is not a number of downloads"
+        records.append({"round": record.round, "virtual_time": record.virtual_time,
+                        "accuracy": record.test_accuracy["mean"], "trainings": trainings,
+                        "late": record.late_uploads or 0})  # fmt: skip
+    return {"records": records, "wall_seconds": round(wall, 1), "download_bytes": download}
+
+
+def simulate(dataset: str, mode: str, rounds: int, timeout: float, data_root: str) -> dict:
+    """One run in a fresh Python process."""
+    with tempfile.TemporaryDirectory(prefix="edgepfl-bench-fleet-") as out:
+        request = {"dataset": dataset, "mode": mode, "rounds": rounds, "round_timeout": timeout,
+                   "data_root": data_root, "out": out}  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(request)], capture_output=True, text=True, cwd=ROOT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )  # fmt: skip
+    if child.returncode != 0:
+        sys.exit(f"{dataset} {mode} failed:\n{child.stderr[-3000:]}")
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+def rounds_for(mode: str, budget: int) -> int:
+    """Rounds (fedbuff: steps) expected to do MARGIN x `budget` trainings."""
+    from edgepfl.simulate.fleet import FleetSpec
+
+    dropout = FleetSpec.parse(FLEET).dropout
+    per_round = {
+        "over-select": math.ceil(TARGET * (1 + MODES["over-select"]["over_select"])) * (1 - dropout),
+        "fedbuff": MODES["fedbuff"]["buffer_size"],
+    }[mode]
+    return math.ceil(MARGIN * budget / per_round)
+
+
+def within(records: list[dict], budget: int) -> list[dict]:
+    """The records up to the one whose cumulative work is nearest `budget` (the earlier on a tie), each with its
+    cumulative trainings."""
+    kept, total = [], 0
+    for record in records:
+        if total + record["trainings"] - budget >= budget - total and kept:
+            break  # this record would take the work further from the budget than stopping before it
+        total += record["trainings"]
+        kept.append({**record, "work": total})
+    return kept
+
+
+def first_at(records: list[dict], accuracy: float) -> float | None:
+    """The virtual time of the first record at or above `accuracy`, or None."""
+    return next((r["virtual_time"] for r in records if r["accuracy"] >= accuracy - 1e-12), None)
+
+
+def time_to_accuracy(dataset: str, data_root: str, quick: bool) -> dict:
+    """The three modes on one dataset, sync first (its work is the budget, its final accuracy A)."""
+    clock = deadline(dataset, data_root)
+    timeout = clock["round_timeout"]
+    sync_rounds = QUICK_ROUNDS if quick else DATASETS[dataset]["rounds"]
+    print(f"{dataset}: deadline {timeout:.1f} virtual s; sync {sync_rounds} rounds ...", file=sys.stderr)
+    runs = {"sync": simulate(dataset, "sync", sync_rounds, timeout, data_root)}
+    runs["sync"]["rounds"] = sync_rounds
+    budget = sum(r["trainings"] for r in runs["sync"]["records"])
+    accuracy = runs["sync"]["records"][-1]["accuracy"]
+    for mode in ("over-select", "fedbuff"):
+        rounds = rounds_for(mode, budget)
+        print(f"{dataset}: {mode} {rounds} rounds (budget {budget} trainings) ...", file=sys.stderr)
+        runs[mode] = {**simulate(dataset, mode, rounds, timeout, data_root), "rounds": rounds}
+    sync_time = first_at(runs["sync"]["records"], accuracy)
+    sync_end = runs["sync"]["records"][-1]["virtual_time"]
+    rows = []
+    for mode, run in runs.items():
+        counted = within(run["records"], budget)
+        reached = first_at(counted, accuracy)
+        ratio = reached / sync_time if reached is not None and sync_time else None
+        target = TARGETS.get(mode)
+        rows.append({
+            "mode": mode, "options": MODES[mode], "rounds": run["rounds"], "wall_seconds": run["wall_seconds"],
+            "trainings": sum(r["trainings"] for r in run["records"]), "late": sum(r["late"] for r in run["records"]),
+            "work_counted": counted[-1]["work"] if counted else 0, "records_counted": len(counted),
+            "virtual_time_at_budget": counted[-1]["virtual_time"] if counted else None,
+            "final_accuracy": counted[-1]["accuracy"] if counted else None,
+            "time_to_A": reached, "ratio_to_sync": ratio, "target": target,
+            "ratio_to_sync_end": reached / sync_end if reached is not None else None,
+            "met": None if target is None else ratio is not None and ratio <= target,
+            "records": run["records"],
+        })  # fmt: skip
+    return {"dataset": dataset, "model": DATASETS[dataset]["model"], **clock, "budget_trainings": budget,
+            "A": accuracy, "sync_time_to_A": sync_time, "sync_virtual_time": sync_end, "runs": rows}  # fmt: skip
+
+
+# server load
+
+
+def serve_load(mode: str, devices: int, seconds: float, warmup: float, concurrency: int, work: Path) -> dict:
+    """One real server with `devices` enrolled and polling; uploads accepted per second and task latency."""
+    import secrets
+
+    from edgepfl.server.launch import LocalServer
+    from edgepfl.server.store import Store
+    from edgepfl.server.tokens import hash_token
+    from server import peak_rss_mb  # bench/server.py
+
+    state = work / f"state-{mode}"
+    store = Store(state)
+    tokens = {f"d{i:04d}": secrets.token_urlsafe(16) for i in range(devices)}
+    for name, token in tokens.items():
+        store.add_device(name, hash_token(token), time.time())
+    store.close()
+    options = ["--strategy", "fedper", "--rounds", "1000000", "--round-timeout", "120", "--min-clients", str(TARGET),
+               "--fraction", str(TARGET / devices), "--poll-interval", str(POLL_SECONDS)]  # fmt: skip
+    if mode == "fedbuff":
+        options += ["--aggregation", "fedbuff", "--buffer-size", str(TARGET), "--max-staleness", str(devices)]
+    server = LocalServer(work / "bundle", state, *options, log=work / f"server-{mode}.log")
+    try:
+        server.start(timeout=60)
+        assert server.process is not None
+        pid = server.process.pid
+        row = asyncio.run(poll_fleet(server.url, pid, tokens, warmup, seconds, concurrency))
+        row["server_peak_rss_mb"] = round(peak_rss_mb(pid)[1], 1)
+        row["machine_load_1min"] = os.getloadavg()[0]  # other work on the shared cores, at the window's end
+    finally:
+        server.stop(grace=20)
+        shutil.rmtree(state, ignore_errors=True)
+    return {"mode": mode, "devices": devices, "concurrency": concurrency, "window_seconds": seconds,
+            "warmup_seconds": warmup, "train_seconds": TRAIN_SECONDS, **row}  # fmt: skip
+
+
+async def poll_fleet(
+    url: str, pid: int, tokens: dict[str, str], warmup: float, seconds: float, concurrency: int
+) -> dict:
+    """Every device polls every retry_after (the poll interval also while it trains, so that both modes poll alike);
+    told to train while idle, it downloads its base, sleeps TRAIN_SECONDS and uploads. Counted from `warmup` on."""
+    import httpx
+
+    from edgepfl.device_runtime.client import KEEPALIVE_SECONDS
+    from edgepfl.protocol import UploadMeta
+    from edgepfl.wire import decode_tensors, encode_tensors
+
+    loop = asyncio.get_running_loop()
+    opens = loop.time() + warmup
+    ends = opens + seconds
+    latencies: list[float] = []
+    counts: Counter = Counter()
+    bases: dict[int, dict[str, np.ndarray]] = {}  # the recent rounds' decoded bases, shared by their devices
+    newest = {"seen": 0, "at_open": 0}  # the newest round (fedbuff: base version) any device was given
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                          keepalive_expiry=KEEPALIVE_SECONDS)  # fmt: skip
+
+    async def train(index: int, auth: dict, task: dict, http: httpx.AsyncClient) -> None:
+        round_id = task["round"]
+        download = await http.get(task["base_url"], headers=auth)
+        if round_id not in bases:
+            bases[round_id] = decode_tensors(download.content)
+            for old in [r for r in bases if r < round_id - 2]:
+                del bases[old]  # devices training on it keep their own reference
+        base = bases[round_id]
+        newest["seen"] = max(newest["seen"], round_id)
+        if loop.time() < opens:
+            newest["at_open"] = newest["seen"]
+        await asyncio.sleep(TRAIN_SECONDS)
+        meta = UploadMeta(task["base_layout_hash"], 100 + index % 50, train_loss=0.5, val_accuracy=0.5)
+        shift = np.float32(1e-4 * (1 + index % 100))  # every upload its own bytes: the blob store writes each
+        body = encode_tensors({key: value + shift for key, value in base.items()}, meta.to_metadata())
+        reply = await http.post(f"/v1/rounds/{round_id}/update", content=body,
+                                headers={**auth, "Content-Type": "application/octet-stream"})  # fmt: skip
+        if opens <= loop.time() < ends:
+            counts["accepted" if reply.status_code == 200 else f"refused {reply.json().get('error')}"] += 1
+
+    async def device(index: int, token: str, http: httpx.AsyncClient) -> None:
+        auth = {"Authorization": f"Bearer {token}"}
+        training: asyncio.Task | None = None
+        due = loop.time() + POLL_SECONDS * index / len(tokens)  # the first polls spread over one interval
+        while True:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            if loop.time() >= ends:
+                break
+            sent = loop.time()
+            reply = await http.get("/v1/task", headers=auth)
+            if opens <= sent < ends:
+                latencies.append(1000 * (loop.time() - sent))
+            task = reply.json()
+            due = sent + float(task.get("retry_after") or POLL_SECONDS)
+            if task["action"] == "train" and (training is None or training.done()):
+                counts["tasks"] += opens <= sent < ends
+                training = asyncio.create_task(train(index, auth, task, http))
+        if training is not None and not training.done():
+            training.cancel()  # past the window: its upload would not count
+            await asyncio.gather(training, return_exceptions=True)
+
+    cpu: dict[str, float] = {}  # CPU seconds of the server and of this load, at the window's ends
+
+    async def window() -> None:
+        for mark, at in (("open", opens), ("end", ends)):
+            await asyncio.sleep(max(0.0, at - loop.time()))
+            cpu[f"server_{mark}"], cpu[f"load_{mark}"] = cpu_seconds(pid), time.process_time()
+
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+        await asyncio.gather(window(), *(device(i, token, http) for i, token in enumerate(tokens.values())))
+    task_ms = np.asarray(latencies)
+    return {
+        "polls_per_s": round(len(latencies) / seconds, 1),
+        "task_p50_ms": round(float(np.percentile(task_ms, 50)), 2),
+        "task_p90_ms": round(float(np.percentile(task_ms, 90)), 2),
+        "task_p99_ms": round(float(np.percentile(task_ms, 99)), 2),
+        "task_max_ms": round(float(task_ms.max()), 2),
+        "uploads_per_s": round(counts["accepted"] / seconds, 2),
+        "uploads_refused": {key[8:]: n for key, n in counts.items() if key.startswith("refused ")},
+        "tasks_started": counts["tasks"],
+        "rounds_per_s": round((newest["seen"] - newest["at_open"]) / seconds, 2),
+        "server_cpu_percent": round(100 * (cpu["server_end"] - cpu["server_open"]) / seconds, 1),
+        "load_cpu_percent": round(100 * (cpu["load_end"] - cpu["load_open"]) / seconds, 1),
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_load(devices: int, seconds: float, warmup: float, concurrency: int) -> dict:
+    """Sync and fedbuff under the same polling fleet."""
+    from server import write_bundle  # bench/server.py: manifest + initial tensors, no ONNX export
+
+    with tempfile.TemporaryDirectory(prefix="edgepfl-bench-fleet-server-") as tmp:
+        work = Path(tmp)
+        manifest = write_bundle(work / "bundle", 0.25, 2)
+        base_mb = sum(t.nbytes for t in manifest.by_role("base")) / 2**20
+        rows = []
+        for mode in ("sync", "fedbuff"):
+            print(f"server load: {mode}, {devices} devices, {warmup:.0f} + {seconds:.0f} s ...", file=sys.stderr)
+            rows.append(serve_load(mode, devices, seconds, warmup, concurrency, work))
+    return {
+        "model": "mobilenet x0.25 kp 2",
+        "base_mb": round(base_mb, 3),
+        "poll_interval_s": POLL_SECONDS,
+        "rows": rows,
+    }
+
+
+# output
+
+
+def plot(datasets: list[dict], path: Path) -> None:
+    """Mean test accuracy against virtual time, one panel per dataset, one line per mode (within the budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.2), squeeze=False)
+    for axis, result in zip(axes[0], datasets):
+        for row in result["runs"]:
+            counted = within(row["records"], result["budget_trainings"])
+            line = axis.plot([r["virtual_time"] for r in counted], [r["accuracy"] for r in counted],
+                             marker=".", label=row["mode"])  # fmt: skip
+            if row["time_to_A"] is not None:
+                axis.axvline(row["time_to_A"], color=line[0].get_color(), ls=":", lw=1)
+        axis.axhline(result["A"], color="grey", ls="--", lw=1, label=f"A = sync's final ({result['A']:.3f})")
+        axis.set_title(f"{result['dataset']} {result['model']}, fedper, {result['budget_trainings']} trainings each")
+        axis.set_xlabel("virtual time (s)")
+        axis.set_ylabel("mean test accuracy")
+        axis.legend(loc="lower right")
+    figure.suptitle(f"--fleet {FLEET}", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+
+
+def tables(result: dict) -> None:
+    """The two tables on stderr."""
+    for data in result["time_to_accuracy"]:
+        print(f"\n{data['dataset']} {data['model']}: A = {data['A']:.4f}, budget {data['budget_trainings']} trainings, "
+              f"deadline {data['round_timeout']:.1f} s", file=sys.stderr)  # fmt: skip
+        print(f"{'mode':12} {'rounds':>6} {'trainings':>9} {'late':>5} {'counted':>7} {'final acc':>9} "
+              f"{'time to A':>10} {'ratio':>6} {'target':>6} {'met':>4}", file=sys.stderr)  # fmt: skip
+        for r in data["runs"]:
+            reached = "-" if r["time_to_A"] is None else f"{r['time_to_A']:.0f}"
+            ratio = "-" if r["ratio_to_sync"] is None else f"{r['ratio_to_sync']:.2f}"
+            target = "-" if r["target"] is None else f"{r['target']:.1f}"
+            met = "-" if r["met"] is None else ("yes" if r["met"] else "no")
+            line = f"{r['mode']:12} {r['rounds']:>6} {r['trainings']:>9} {r['late']:>5} {r['work_counted']:>7} "
+            print(f"{line}{r['final_accuracy']:>9.4f} {reached:>10} {ratio:>6} {target:>6} {met:>4}", file=sys.stderr)
+    if result["server_load"]:
+        load = result["server_load"]
+        print(f"\nserver load ({load['model']}, {load['base_mb']} MiB base):", file=sys.stderr)
+        print(f"{'mode':8} {'devices':>7} {'polls/s':>8} {'task p50 ms':>11} {'task p99 ms':>11} {'uploads/s':>9} "
+              f"{'rounds/s':>8} {'server CPU':>10} {'load CPU':>8} {'peak MiB':>8}", file=sys.stderr)  # fmt: skip
+        for r in load["rows"]:
+            print(f"{r['mode']:8} {r['devices']:>7} {r['polls_per_s']:>8} {r['task_p50_ms']:>11} "
+                  f"{r['task_p99_ms']:>11} {r['uploads_per_s']:>9} {r['rounds_per_s']:>8} "
+                  f"{r['server_cpu_percent']:>9}% {r['load_cpu_percent']:>7}% {r['server_peak_rss_mb']:>8}",
+                  file=sys.stderr)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--quick", action="store_true", help="MNIST only, 8 sync rounds; 200 devices for 20 s")
+    parser.add_argument("--only", choices=("accuracy", "server"), help="run this part only")
+    parser.add_argument("--datasets", nargs="+", choices=sorted(DATASETS), help="default: both (--quick: mnist)")
+    parser.add_argument("--devices", type=int, help="server load: enrolled devices (default 1000; --quick 200)")
+    parser.add_argument("--concurrency", type=int, default=100, help="server load: connections in the client pool")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))))
+        return
+    datasets = args.datasets or (["mnist"] if args.quick else list(DATASETS))
+    started = time.perf_counter()
+    accuracy = [] if args.only == "server" else [time_to_accuracy(d, args.data_root, args.quick) for d in datasets]
+    devices = args.devices or (200 if args.quick else 1000)
+    seconds, warmup = (20.0, 12.0) if args.quick else (60.0, 20.0)
+    load = None if args.only == "accuracy" else server_load(devices, seconds, warmup, args.concurrency)
+    result = {
+        "command": " ".join(["python", "bench/fleet.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "quick": args.quick,
+        "cores": os.cpu_count(),
+        "fleet": FLEET,
+        "setting": SETTING,
+        "modes": MODES,
+        "targets": TARGETS,
+        "time_to_accuracy": accuracy,
+        "server_load": load,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    tables(result)
+    if accuracy:
+        plot(accuracy, FIGURE)
+    if not args.quick and args.only is None:
+        MEASUREMENTS.mkdir(parents=True, exist_ok=True)
+        (MEASUREMENTS / f"fleet-{result['date']}.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
