@@ -25,17 +25,21 @@ Definitions.
   part with the global base). Time to A: the virtual time of a mode's first counted record at or above A (sync's
   too: it may reach its final accuracy before its last round). Ratios fedbuff / sync and over-select / sync of
   times to A, against the issue's targets 0.5 and 0.7 (`ratio_to_sync_end`: over sync's whole run instead).
+- Beside the targets (`common`): the highest mean accuracy all three modes reach within the budget, and each
+  mode's time to it and its ratio to sync's.
 
-Server load. A real `edgepfl serve` on loopback (fedper, mobilenet x0.25 kp 2 base) with 1,000 enrolled devices.
+Server load. A real `edgepfl serve` on loopback (fedper, mobilenet x0.25 kp 2 base) with 1,000 enrolled devices,
+one fresh server per row: sync and fedbuff with one-minute trainings, and fedbuff with 8 s trainings (a stress).
 Every device polls GET /v1/task every retry_after (the server's --poll-interval, 5 s), also while it trains, so
-both modes are offered the same 200 polls/s; a device told to train while idle downloads its base, trains for
-TRAIN_SECONDS (8 s, a sleep) and uploads the base plus a small shift of its own (its own bytes), and takes its next
-task at a later poll. One asyncio loop, one httpx pool of --concurrency (100) connections.
-Sync: 10 devices a round (`--fraction 0.01 --min-clients 10`); fedbuff: `--buffer-size 10` and `--max-staleness`
-as large as the fleet, since all 1,000 train at once (staleness ~100 steps; the default 10 would refuse most).
-Measured in a window (60 s) after a warm-up (20 s): uploads accepted per second, the task endpoint's latency
-(p50, p90, p99, as a device sees it: the client's pool and event loop included), and the CPU the server process and
-the load used in the window (100% = one core). Server and load share this machine's cores.
+every row is offered the same 200 polls/s; a device told to train while idle downloads its base, trains (a sleep)
+and uploads the base plus a small shift of its own (its own bytes), and takes its next task at a later poll. One
+asyncio loop and one httpx pool of --concurrency (100) connections drive the 1,000 devices. Sync: 10 devices a
+round (`--fraction 0.01 --min-clients 10`); fedbuff: `--buffer-size 10` and `--max-staleness` as large as the
+fleet, since all 1,000 train at once (staleness ~100 steps; the default 10 would refuse most uploads). Measured
+in a 60 s window after the first trainings' uploads: uploads accepted per second; the task endpoint's latency
+twice: as the 1,000 devices see it (their event loop's delays included) and as one more device sees it, a probe
+in its own process polling every 0.1 s (it trains in no time when told to); and the CPU the server process and
+the load used in the window (100% = one core). Server, load and probe share this machine's cores.
 
 Prints JSON on stdout and tables on stderr; writes bench/figures/fleet.png and, without --quick,
 docs/measurements/fleet-<date>.json.
@@ -80,8 +84,11 @@ DATASETS = {"mnist": {"model": "mlp", "rounds": 40}, "cifar10": {"model": "cnn",
 QUICK_ROUNDS = 8
 MARGIN = 1.2  # over-select and fedbuff run rounds for this many times sync's work (`within` counts up to 1x)
 DEADLINE_QUANTILE = 0.9
-TRAIN_SECONDS = 8.0  # server load: a device's (slept) training
+# server load: (mode, a device's slept training in seconds): a one-minute round on a phone, and a stress of 8 s
+LOAD_ROWS = (("sync", 60.0), ("fedbuff", 60.0), ("fedbuff", 8.0))
+QUICK_LOAD_ROWS = (("sync", 8.0), ("fedbuff", 8.0))
 POLL_SECONDS = 5.0  # server load: --poll-interval, the retry_after every device polls at
+PROBE_SECONDS = 0.1  # server load: the probe device's poll interval
 
 
 # time to accuracy
@@ -206,14 +213,25 @@ def time_to_accuracy(dataset: str, data_root: str, quick: bool) -> dict:
             "records": run["records"],
         })  # fmt: skip
     return {"dataset": dataset, "model": DATASETS[dataset]["model"], **clock, "budget_trainings": budget,
-            "A": accuracy, "sync_time_to_A": sync_time, "sync_virtual_time": sync_end, "runs": rows}  # fmt: skip
+            "A": accuracy, "sync_time_to_A": sync_time, "sync_virtual_time": sync_end, "runs": rows,
+            "common": common_level(rows, budget)}  # fmt: skip
+
+
+def common_level(rows: list[dict], budget: int) -> dict:
+    """Beside the issue's target: the highest mean accuracy every mode reaches within the budget, and each mode's
+    time to it (its ratio to sync's)."""
+    counted = {row["mode"]: within(row["records"], budget) for row in rows}
+    level = min(max(r["accuracy"] for r in records) for records in counted.values())
+    times = {mode: first_at(records, level) for mode, records in counted.items()}
+    return {"accuracy": level, "time": times, "ratio_to_sync": {mode: t / times["sync"] for mode, t in times.items()}}
 
 
 # server load
 
 
-def serve_load(mode: str, devices: int, seconds: float, warmup: float, concurrency: int, work: Path) -> dict:
-    """One real server with `devices` enrolled and polling; uploads accepted per second and task latency."""
+def serve_load(mode: str, train: float, devices: int, seconds: float, concurrency: int, work: Path) -> dict:
+    """One real server with `devices` enrolled and polling, each training `train` seconds when told to; uploads
+    accepted per second and task latency in a window of `seconds` after the first trainings' uploads."""
     import secrets
 
     from edgepfl.server.launch import LocalServer
@@ -221,41 +239,49 @@ def serve_load(mode: str, devices: int, seconds: float, warmup: float, concurren
     from edgepfl.server.tokens import hash_token
     from server import peak_rss_mb  # bench/server.py
 
-    state = work / f"state-{mode}"
+    warmup = train + 2 * POLL_SECONDS
+    state = work / f"state-{mode}-{train:g}"
     store = Store(state)
-    tokens = {f"d{i:04d}": secrets.token_urlsafe(16) for i in range(devices)}
+    tokens = {f"d{i:04d}": secrets.token_urlsafe(16) for i in range(devices + 1)}  # the last one: the probe
     for name, token in tokens.items():
         store.add_device(name, hash_token(token), time.time())
     store.close()
+    probe_token = tokens.pop(f"d{devices:04d}")
     options = ["--strategy", "fedper", "--rounds", "1000000", "--round-timeout", "120", "--min-clients", str(TARGET),
                "--fraction", str(TARGET / devices), "--poll-interval", str(POLL_SECONDS)]  # fmt: skip
     if mode == "fedbuff":
         options += ["--aggregation", "fedbuff", "--buffer-size", str(TARGET), "--max-staleness", str(devices)]
-    server = LocalServer(work / "bundle", state, *options, log=work / f"server-{mode}.log")
+    server = LocalServer(work / "bundle", state, *options, log=work / f"server-{mode}-{train:g}.log")
     try:
         server.start(timeout=60)
         assert server.process is not None
         pid = server.process.pid
-        row = asyncio.run(poll_fleet(server.url, pid, tokens, warmup, seconds, concurrency))
+        request = {"url": server.url, "token": probe_token, "warmup": warmup, "seconds": seconds, "index": devices}
+        probe = subprocess.Popen([sys.executable, __file__, "--probe", json.dumps(request)], stdout=subprocess.PIPE,
+                                 text=True, cwd=ROOT)  # fmt: skip
+        row = asyncio.run(poll_fleet(server.url, pid, tokens, train, warmup, seconds, concurrency))
+        output, _ = probe.communicate(timeout=600)
+        if probe.returncode != 0:
+            sys.exit(f"the probe device failed (exit {probe.returncode})")
+        row.update(json.loads(output.splitlines()[-1]))
         row["server_peak_rss_mb"] = round(peak_rss_mb(pid)[1], 1)
         row["machine_load_1min"] = os.getloadavg()[0]  # other work on the shared cores, at the window's end
     finally:
         server.stop(grace=20)
         shutil.rmtree(state, ignore_errors=True)
     return {"mode": mode, "devices": devices, "concurrency": concurrency, "window_seconds": seconds,
-            "warmup_seconds": warmup, "train_seconds": TRAIN_SECONDS, **row}  # fmt: skip
+            "warmup_seconds": warmup, "train_seconds": train, **row}  # fmt: skip
 
 
 async def poll_fleet(
-    url: str, pid: int, tokens: dict[str, str], warmup: float, seconds: float, concurrency: int
+    url: str, pid: int, tokens: dict[str, str], train_seconds: float, warmup: float, seconds: float, concurrency: int
 ) -> dict:
     """Every device polls every retry_after (the poll interval also while it trains, so that both modes poll alike);
-    told to train while idle, it downloads its base, sleeps TRAIN_SECONDS and uploads. Counted from `warmup` on."""
+    told to train while idle, it downloads its base, sleeps `train_seconds` and uploads. Counted from `warmup` on."""
     import httpx
 
     from edgepfl.device_runtime.client import KEEPALIVE_SECONDS
-    from edgepfl.protocol import UploadMeta
-    from edgepfl.wire import decode_tensors, encode_tensors
+    from edgepfl.wire import decode_tensors
 
     loop = asyncio.get_running_loop()
     opens = loop.time() + warmup
@@ -278,11 +304,8 @@ async def poll_fleet(
         newest["seen"] = max(newest["seen"], round_id)
         if loop.time() < opens:
             newest["at_open"] = newest["seen"]
-        await asyncio.sleep(TRAIN_SECONDS)
-        meta = UploadMeta(task["base_layout_hash"], 100 + index % 50, train_loss=0.5, val_accuracy=0.5)
-        shift = np.float32(1e-4 * (1 + index % 100))  # every upload its own bytes: the blob store writes each
-        body = encode_tensors({key: value + shift for key, value in base.items()}, meta.to_metadata())
-        reply = await http.post(f"/v1/rounds/{round_id}/update", content=body,
+        await asyncio.sleep(train_seconds)
+        reply = await http.post(f"/v1/rounds/{round_id}/update", content=update_body(base, task, index),
                                 headers={**auth, "Content-Type": "application/octet-stream"})  # fmt: skip
         if opens <= loop.time() < ends:
             counts["accepted" if reply.status_code == 200 else f"refused {reply.json().get('error')}"] += 1
@@ -333,29 +356,67 @@ async def poll_fleet(
     }
 
 
+def update_body(base: dict[str, np.ndarray], task: dict, index: int) -> bytes:
+    """A device's upload: the base plus a small shift of its own (its own bytes: the blob store writes each)."""
+    from edgepfl.protocol import UploadMeta
+    from edgepfl.wire import encode_tensors
+
+    meta = UploadMeta(task["base_layout_hash"], 100 + index % 50, train_loss=0.5, val_accuracy=0.5)
+    shift = np.float32(1e-4 * (1 + index % 100))
+    return encode_tensors({key: value + shift for key, value in base.items()}, meta.to_metadata())
+
+
+def run_probe(request: dict) -> dict:
+    """One more device in its own process (the probe), polling every PROBE_SECONDS through the window and training
+    in no time when told to: the task endpoint's latency without the load generator's own delays."""
+    import httpx
+
+    from edgepfl.wire import decode_tensors
+
+    latencies = []
+    with httpx.Client(base_url=request["url"], headers={"Authorization": f"Bearer {request['token']}"},
+                      timeout=300) as http:  # fmt: skip
+        time.sleep(request["warmup"])
+        ends = time.monotonic() + request["seconds"]
+        while time.monotonic() < ends:
+            sent = time.monotonic()
+            task = http.get("/v1/task").json()
+            latencies.append(1000 * (time.monotonic() - sent))
+            if task["action"] == "train":
+                base = decode_tensors(http.get(task["base_url"]).content)
+                body = update_body(base, task, request["index"])
+                http.post(f"/v1/rounds/{task['round']}/update", content=body,
+                          headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+            time.sleep(max(0.0, sent + PROBE_SECONDS - time.monotonic()))
+    task_ms = np.asarray(latencies)
+    return {"probe_polls": len(latencies),
+            **{f"probe_p{q}_ms": round(float(np.percentile(task_ms, q)), 2) for q in (50, 90, 99)},
+            "probe_max_ms": round(float(task_ms.max()), 2)}  # fmt: skip
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def server_load(devices: int, seconds: float, warmup: float, concurrency: int) -> dict:
-    """Sync and fedbuff under the same polling fleet."""
+def server_load(rows: tuple, devices: int, seconds: float, concurrency: int) -> dict:
+    """Sync and fedbuff under the same polling fleet, one fresh server per row of `rows` ((mode, train seconds))."""
     from server import write_bundle  # bench/server.py: manifest + initial tensors, no ONNX export
 
     with tempfile.TemporaryDirectory(prefix="edgepfl-bench-fleet-server-") as tmp:
         work = Path(tmp)
         manifest = write_bundle(work / "bundle", 0.25, 2)
         base_mb = sum(t.nbytes for t in manifest.by_role("base")) / 2**20
-        rows = []
-        for mode in ("sync", "fedbuff"):
-            print(f"server load: {mode}, {devices} devices, {warmup:.0f} + {seconds:.0f} s ...", file=sys.stderr)
-            rows.append(serve_load(mode, devices, seconds, warmup, concurrency, work))
+        measured = []
+        for mode, train in rows:
+            print(f"server load: {mode}, {devices} devices training {train:g} s ...", file=sys.stderr)
+            measured.append(serve_load(mode, train, devices, seconds, concurrency, work))
     return {
         "model": "mobilenet x0.25 kp 2",
         "base_mb": round(base_mb, 3),
         "poll_interval_s": POLL_SECONDS,
-        "rows": rows,
+        "rows": measured,
     }
 
 
@@ -402,37 +463,50 @@ def tables(result: dict) -> None:
             met = "-" if r["met"] is None else ("yes" if r["met"] else "no")
             line = f"{r['mode']:12} {r['rounds']:>6} {r['trainings']:>9} {r['late']:>5} {r['work_counted']:>7} "
             print(f"{line}{r['final_accuracy']:>9.4f} {reached:>10} {ratio:>6} {target:>6} {met:>4}", file=sys.stderr)
+        common = data["common"]
+        times = ", ".join(f"{mode} {common['time'][mode]:.0f} s ({common['ratio_to_sync'][mode]:.2f})"
+                          for mode in common["time"])  # fmt: skip
+        print(f"the highest accuracy all three reach, {common['accuracy']:.4f}, at: {times}", file=sys.stderr)
     if result["server_load"]:
         load = result["server_load"]
-        print(f"\nserver load ({load['model']}, {load['base_mb']} MiB base):", file=sys.stderr)
-        print(f"{'mode':8} {'devices':>7} {'polls/s':>8} {'task p50 ms':>11} {'task p99 ms':>11} {'uploads/s':>9} "
-              f"{'rounds/s':>8} {'server CPU':>10} {'load CPU':>8} {'peak MiB':>8}", file=sys.stderr)  # fmt: skip
+        devices = load["rows"][0]["devices"]
+        print(f"\nserver load ({devices} devices, {load['model']}, {load['base_mb']} MiB base):", file=sys.stderr)
+        print(f"{'mode':8} {'train s':>7} {'polls/s':>8} {'task p50/p99 ms':>17} {'probe p50/p99 ms':>17} "
+              f"{'uploads/s':>9} {'rounds/s':>8} {'server CPU':>10} {'load CPU':>8} {'peak MiB':>8}",
+              file=sys.stderr)  # fmt: skip
         for r in load["rows"]:
-            print(f"{r['mode']:8} {r['devices']:>7} {r['polls_per_s']:>8} {r['task_p50_ms']:>11} "
-                  f"{r['task_p99_ms']:>11} {r['uploads_per_s']:>9} {r['rounds_per_s']:>8} "
-                  f"{r['server_cpu_percent']:>9}% {r['load_cpu_percent']:>7}% {r['server_peak_rss_mb']:>8}",
-                  file=sys.stderr)  # fmt: skip
+            task = f"{r['task_p50_ms']:.0f} / {r['task_p99_ms']:.0f}"
+            probe = f"{r['probe_p50_ms']:.0f} / {r['probe_p99_ms']:.0f}"
+            print(f"{r['mode']:8} {r['train_seconds']:>7g} {r['polls_per_s']:>8} {task:>17} {probe:>17} "
+                  f"{r['uploads_per_s']:>9} {r['rounds_per_s']:>8} {r['server_cpu_percent']:>9}% "
+                  f"{r['load_cpu_percent']:>7}% {r['server_peak_rss_mb']:>8}", file=sys.stderr)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
-    parser.add_argument("--quick", action="store_true", help="MNIST only, 8 sync rounds; 200 devices for 20 s")
+    parser.add_argument(
+        "--quick", action="store_true", help="MNIST only, 8 sync rounds; 200 devices, 8 s trainings, for 20 s"
+    )
     parser.add_argument("--only", choices=("accuracy", "server"), help="run this part only")
     parser.add_argument("--datasets", nargs="+", choices=sorted(DATASETS), help="default: both (--quick: mnist)")
     parser.add_argument("--devices", type=int, help="server load: enrolled devices (default 1000; --quick 200)")
     parser.add_argument("--concurrency", type=int, default=100, help="server load: connections in the client pool")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
+        return
+    if args.probe:
+        print(json.dumps(run_probe(json.loads(args.probe))))
         return
     datasets = args.datasets or (["mnist"] if args.quick else list(DATASETS))
     started = time.perf_counter()
     accuracy = [] if args.only == "server" else [time_to_accuracy(d, args.data_root, args.quick) for d in datasets]
     devices = args.devices or (200 if args.quick else 1000)
-    seconds, warmup = (20.0, 12.0) if args.quick else (60.0, 20.0)
-    load = None if args.only == "accuracy" else server_load(devices, seconds, warmup, args.concurrency)
+    rows, seconds = (QUICK_LOAD_ROWS, 20.0) if args.quick else (LOAD_ROWS, 60.0)
+    load = None if args.only == "accuracy" else server_load(rows, devices, seconds, args.concurrency)
     result = {
         "command": " ".join(["python", "bench/fleet.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
