@@ -89,6 +89,15 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
 """
 
 
+SECURE_STEPS = {  # what a secure round's step is doing, in the status page's words
+    "keys": "collecting the devices' keys",
+    "shares": "passing on the devices' encrypted shares",
+    "inputs": "collecting the masked updates",
+    "unmask": "collecting what unmasks the sum",
+    "done": "unmasking the sum",
+}
+
+
 def fleet_section(status: dict[str, Any], now: float) -> str:
     """What the round waits for: a sync round's missing devices and when it gives up, or FedBuff's base version,
     buffer fill and each device's last staleness ("" when there is nothing to say)."""
@@ -115,22 +124,25 @@ def fleet_section(status: dict[str, Any], now: float) -> str:
     open_round = status.get("open_round")
     if open_round is None:
         return ""
-    missing = open_round["missing"]
+    missing, step = open_round["missing"], open_round.get("secure_step")
     waiting = (
         f"waiting for {', '.join(html.escape(name) for name in missing[:20])}"
         + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
         if missing
-        else "every sampled device has uploaded"
+        else "every device has answered this step" if step else "every sampled device has uploaded"
     )
     left = open_round["gives_up_at"] - now
     when = time.strftime("%H:%M:%S", time.localtime(open_round["gives_up_at"]))
     gives_up = f"gives up at {when} (in {_duration(left)})" if left > 0 else f"gave up at {when}"
     refused = open_round["refused"]
     refusals = f" · refused its base: {', '.join(html.escape(name) for name in refused)}" if refused else ""
-    return (
-        f'<p id="fleet">Round <b>{open_round["round"]}</b>: {open_round["uploads"]} of the {open_round["target"]} '
-        f"uploads it needs · {waiting} · {gives_up}{refusals}</p>\n"
+    progress = (
+        f"secure aggregation, {SECURE_STEPS.get(step, step)}"
+        if step
+        else f"{open_round['uploads']} of the {open_round['target']} uploads it needs"
     )
+    return f'<p id="fleet">Round <b>{open_round["round"]}</b>: {progress} · {waiting} · {gives_up}{refusals}</p>\n'
+
 
 
 def _duration(seconds: float) -> str:

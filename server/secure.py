@@ -142,26 +142,26 @@ class SecureRounds:
             while True:
                 phase = session.phase
                 late = now >= since + self.step_timeout
+                expected, answered = _step_wait(session, given, refused)
+                complete = answered >= expected
                 if phase == "keys":
-                    adverts = set(session.advertised)
-                    complete = adverts >= set(given) - set(refused) or len(adverts) >= record.needed
-                    if not (complete or now >= record.deadline):
+                    if not (complete or len(answered) >= record.needed or now >= record.deadline):
                         return None
-                    if len(adverts) < min_clients:
-                        session.fail(f"{len(adverts)} of {len(given)} devices advertised keys by the round's "
+                    if len(answered) < min_clients:
+                        session.fail(f"{len(answered)} of {len(given)} devices advertised keys by the round's "
                                      f"deadline, fewer than --min-clients {min_clients}")
                     else:
                         self._step(session, session.close_keys)
                 elif phase == "shares":
-                    if not (set(session.shared) >= set(session.book.devices) or late):
+                    if not (complete or late):
                         return None
                     self._step(session, session.close_shares)
                 elif phase == "inputs":
-                    if not (set(session.uploaders) >= set(session.sharers) or late):
+                    if not (complete or late):
                         return None
                     self._step(session, session.close_inputs)
                 elif phase == "unmask":
-                    if set(session.revealed) >= set(session.request.survivors) or (late and session.ready()):
+                    if complete or (late and session.ready()):
                         return ("close", None)
                     if not late:
                         return None
@@ -174,6 +174,13 @@ class SecureRounds:
                     return ("abandon", f"secure aggregation failed: {session.failure}")
                 self._save(record.round_id, session, now)
                 since = now
+
+    def waiting_for(self, round_id: int, given: Sequence[str], refused: Sequence[str]) -> tuple[str, list[str]]:
+        """The open round's step and the devices it still waits for there (the status page's "waiting for")."""
+        with self._lock:
+            session = self._session(round_id)
+            expected, answered = _step_wait(session, given, refused)
+            return session.phase, sorted(expected - answered)
 
     def sum_of(self, round_id: int) -> SecureSum:
         """The round's unmasked sum, read back as the weighted delta sum and the weight sum (SecAggError: failed)."""
@@ -321,6 +328,22 @@ def counts(session: ServerSession) -> dict[str, Any]:
         summary.update(masked=len(outcome.survivors), dropped=plan.devices - len(outcome.survivors),
                        recovered=len(outcome.dropped))
     return summary
+
+
+def _step_wait(session: ServerSession, given: Sequence[str], refused: Sequence[str]) -> tuple[set[str], set[str]]:
+    """The devices a session's step waits for, and those that answered it: keys from the devices given the round
+    (less those that refused its base), shares from the key book's, masked vectors from the sharers, reveals from
+    the survivors; nothing once the steps are over."""
+    phase = session.phase
+    if phase == "keys":
+        return set(given) - set(refused), set(session.advertised)
+    if phase == "shares":
+        return set(session.book.devices), set(session.shared)
+    if phase == "inputs":
+        return set(session.sharers), set(session.uploaders)
+    if phase == "unmask":
+        return set(session.request.survivors), set(session.revealed)
+    return set(), set()
 
 
 def _receiver(session: ServerSession, kind: str) -> Callable[[Any], bool]:

@@ -59,7 +59,10 @@ def open_round_status(engine: RoundEngine, rounds: list[RoundRecord], rows: list
     refused = {device for device, _ in engine.store.refusals(record.round_id)}
     given = engine.store.assigned_devices(record.round_id)
     missing = [device for device in given if device not in uploaded]
-    return {**row, "missing": missing, "refused": sorted(refused), "gives_up_at": record.deadline}
+    step = None
+    if engine.secure is not None and engine.secure.holds(record.round_id):  # it waits for a step's messages instead
+        step, missing = engine.secure.waiting_for(record.round_id, given, sorted(refused))
+    return {**row, "missing": missing, "secure_step": step, "refused": sorted(refused), "gives_up_at": record.deadline}
 
 
 def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, Any]:

@@ -210,6 +210,34 @@ def test_up_to_n_minus_t_devices_dropping_after_a_step_leave_the_survivors_sum(t
                                                                              recovered)
 
 
+def test_the_status_of_an_open_secure_round_names_who_its_step_waits_for(tmp_path):
+    clock = Clock()
+    engine = create_engine(secure_config(tmp_path), clock)
+    devices = Devices(engine, clock)
+
+    def waiting() -> tuple[str, list[str]]:
+        open_round = engine.status()["open_round"]
+        return open_round["secure_step"], open_round["missing"]
+
+    assert waiting() == ("keys", sorted(NAMES))
+    devices.advertise(NAMES[:3])  # the keys step waits for every device given the round, up to its deadline
+    assert waiting() == ("keys", sorted(NAMES[3:]))
+    devices.advertise(NAMES[3:])
+    assert waiting() == ("shares", sorted(NAMES))
+    devices.share(NAMES[1:])
+    assert waiting() == ("shares", [NAMES[0]])
+    page = render_page(engine.status())
+    assert f"secure aggregation, passing on the devices' encrypted shares · waiting for {NAMES[0]}" in page
+    devices.share(NAMES[:1])
+    devices.upload(NAMES[:4])
+    assert waiting() == ("inputs", [NAMES[4]])
+    devices.upload(NAMES[4:])
+    devices.reveal(NAMES[:2])
+    assert waiting() == ("unmask", sorted(NAMES[2:]))
+    devices.reveal(NAMES[2:])
+    assert engine.store.round(devices.round_id).state == "closed"
+
+
 @pytest.mark.parametrize("step", ["advert", "shares", "masked"])
 def test_more_than_n_minus_t_dropping_fail_the_round_in_one_line_and_the_next_starts(tmp_path, step):
     clock = Clock()
