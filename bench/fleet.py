@@ -2,11 +2,12 @@
 fedbuff for the same client work), and `edgepfl serve`'s task endpoint with 1,000 polling devices, fedbuff and sync.
 
 Time to accuracy. `edgepfl simulate --fleet dropout:0.3,speed:lognormal:1.0,seed:0 --algorithm fedper` (the Python
-API the CLI calls, one child process per run) on MNIST `mlp` and CIFAR-10 `cnn` from --data-root, three ways: sync;
-sync + `--over-select 0.3`; `--aggregation fedbuff`. One setting for both datasets, fixed before any run and never
+API the CLI calls, one child process per run) on MNIST `mlp` and CIFAR-10 `cnn` from --data-root, four ways: sync;
+sync + `--over-select 0.3` (the issue's) and 0.5 (beside it: 15 x 0.7 expected uploads cover a round's 10, and
+0.3's 13 x 0.7 do not); `--aggregation fedbuff`. One setting for both datasets, fixed before any run and never
 tuned on the test split: 50 clients x 2 classes (`classes:2`), kp 1, 1 local epoch, batch 32, lr 0.05, the torch
 engine on one thread, seed 0. Sync samples 10 clients a round (`--fraction 0.2`, `--min-clients 1`); over-selection
-samples 13 and closes at the 10th upload; fedbuff steps every 10 accepted uploads (`--buffer-size 10`, sync's
+samples 13 (15) and closes at the 10th upload; fedbuff steps every 10 accepted uploads (`--buffer-size 10`, sync's
 round size) with the CLI's defaults otherwise (`--max-staleness 10`, `--staleness-weight poly:0.5`: FedBuff's
 1/sqrt(1 + s), `--server-lr 1`: a step of fresh uploads is their FedAvg mean), and every online device that polls
 trains (its concurrency is the fleet's 50). All modes share one deadline (`--round-timeout`): the time a device
@@ -18,15 +19,17 @@ Definitions.
   passed, too stale), each one epoch over that client's training samples; a device that drops out trains nothing
   in the simulator and is not counted. A record's trainings are its `bytes_down` over the bytes of one base
   download (each finished training downloaded one base); its late ones are its `late_uploads`.
-- Same total client work: sync runs 40 rounds and its trainings W are every mode's budget; the other modes
-  run rounds enough for 1.2 W at their expected rate (13 x 0.7 a round, 10 a step) and count their records up to
-  the one whose cumulative work is nearest W (the JSON gives each run's counted work).
+- Same total client work: sync runs 40 rounds and its trainings W are every mode's budget; over-selection runs
+  rounds enough for 1.2 W at its expected rate (13 x 0.7 or 15 x 0.7 a round), fedbuff steps for 4 W (10 a
+  step), and each counts its records up to the one whose cumulative work is nearest W (the JSON gives each
+  run's counted work).
 - A: sync's final mean test accuracy across all 50 clients (the simulator's held score: each client's personal
   part with the global base). Time to A: the virtual time of a mode's first counted record at or above A (sync's
   too: it may reach its final accuracy before its last round). Ratios fedbuff / sync and over-select / sync of
   times to A, against the issue's targets 0.5 and 0.7 (`ratio_to_sync_end`: over sync's whole run instead).
-- Beside the targets (`common`): the highest mean accuracy all three modes reach within the budget, and each
-  mode's time to it and its ratio to sync's.
+- Beside the targets (`common`): the highest mean accuracy all modes reach within the budget, and each
+  mode's time to it and its ratio to sync's; and (`uncapped`) fedbuff's whole run of 4 W: its time to A, the
+  ratio to sync's, and the work it took (a device's training costs its battery whether or not it is counted).
 
 Server load. A real `edgepfl serve` on loopback (fedper, mobilenet x0.25 kp 2 base) with 1,000 enrolled devices,
 one fresh server per row: sync and fedbuff with one-minute trainings, and fedbuff with 8 s trainings (a stress).
@@ -77,12 +80,14 @@ TARGET = 10  # sync's round: ceil(0.2 x 50)
 MODES = {
     "sync": {},
     "over-select": {"over_select": 0.3},
+    "over-select 0.5": {"over_select": 0.5},
     "fedbuff": {"aggregation": "fedbuff", "buffer_size": TARGET, "max_staleness": 10,
                 "staleness_weight": "poly:0.5", "server_lr": 1.0},
 }  # fmt: skip
 DATASETS = {"mnist": {"model": "mlp", "rounds": 40}, "cifar10": {"model": "cnn", "rounds": 40}}
 QUICK_ROUNDS = 8
-MARGIN = 1.2  # over-select and fedbuff run rounds for this many times sync's work (`within` counts up to 1x)
+MARGIN = 1.2  # over-select runs rounds for this many times sync's work (`within` counts up to 1x)
+UNCAPPED_WORK = 4  # fedbuff runs steps for this many times sync's work: the first 1x is its row, all of it "uncapped"
 DEADLINE_QUANTILE = 0.9
 # server load: (mode, a device's slept training in seconds): a one-minute round on a phone, and a stress of 8 s
 LOAD_ROWS = (("sync", 60.0), ("fedbuff", 60.0), ("fedbuff", 8.0))
@@ -151,15 +156,13 @@ def simulate(dataset: str, mode: str, rounds: int, timeout: float, data_root: st
 
 
 def rounds_for(mode: str, budget: int) -> int:
-    """Rounds (fedbuff: steps) expected to do MARGIN x `budget` trainings."""
+    """Rounds expected to do MARGIN x `budget` trainings (fedbuff: steps for UNCAPPED_WORK x `budget`)."""
     from edgepfl.simulate.fleet import FleetSpec
 
+    if mode == "fedbuff":
+        return math.ceil(UNCAPPED_WORK * budget / MODES[mode]["buffer_size"])
     dropout = FleetSpec.parse(FLEET).dropout
-    per_round = {
-        "over-select": math.ceil(TARGET * (1 + MODES["over-select"]["over_select"])) * (1 - dropout),
-        "fedbuff": MODES["fedbuff"]["buffer_size"],
-    }[mode]
-    return math.ceil(MARGIN * budget / per_round)
+    return math.ceil(MARGIN * budget / (math.ceil(TARGET * (1 + MODES[mode]["over_select"])) * (1 - dropout)))
 
 
 def within(records: list[dict], budget: int) -> list[dict]:
@@ -189,7 +192,7 @@ def time_to_accuracy(dataset: str, data_root: str, quick: bool) -> dict:
     runs["sync"]["rounds"] = sync_rounds
     budget = sum(r["trainings"] for r in runs["sync"]["records"])
     accuracy = runs["sync"]["records"][-1]["accuracy"]
-    for mode in ("over-select", "fedbuff"):
+    for mode in [mode for mode in MODES if mode != "sync"]:
         rounds = rounds_for(mode, budget)
         print(f"{dataset}: {mode} {rounds} rounds (budget {budget} trainings) ...", file=sys.stderr)
         runs[mode] = {**simulate(dataset, mode, rounds, timeout, data_root), "rounds": rounds}
@@ -214,7 +217,27 @@ def time_to_accuracy(dataset: str, data_root: str, quick: bool) -> dict:
         })  # fmt: skip
     return {"dataset": dataset, "model": DATASETS[dataset]["model"], **clock, "budget_trainings": budget,
             "A": accuracy, "sync_time_to_A": sync_time, "sync_virtual_time": sync_end, "runs": rows,
-            "common": common_level(rows, budget)}  # fmt: skip
+            "common": common_level(rows, budget), "uncapped": uncapped(runs["fedbuff"], accuracy, sync_time, budget)}
+
+
+
+def uncapped(run: dict, accuracy: float, sync_time: float | None, budget: int) -> dict:
+    """Beside the issue's target: fedbuff without the same-work cap (UNCAPPED_WORK x sync's work): its time to A,
+    its ratio to sync's, and the client work it took to get there (trainings, and as a multiple of sync's)."""
+    work, reached = 0, None
+    for record in run["records"]:
+        work += record["trainings"]
+        if record["accuracy"] >= accuracy - 1e-12:
+            reached = record
+            break
+    end = run["records"][-1]
+    target = TARGETS["fedbuff"]
+    ratio = reached["virtual_time"] / sync_time if reached is not None and sync_time else None
+    return {"mode": "fedbuff", "steps": run["rounds"], "work_limit": sum(r["trainings"] for r in run["records"]),
+            "time_to_A": reached["virtual_time"] if reached else None, "ratio_to_sync": ratio,
+            "work_to_A": work if reached else None, "work_vs_sync": round(work / budget, 2) if reached else None,
+            "best_accuracy": max(r["accuracy"] for r in run["records"]), "virtual_time_at_end": end["virtual_time"],
+            "target": target, "met": ratio is not None and ratio <= target}  # fmt: skip
 
 
 def common_level(rows: list[dict], budget: int) -> dict:
@@ -438,8 +461,15 @@ def plot(datasets: list[dict], path: Path) -> None:
                              marker=".", label=row["mode"])  # fmt: skip
             if row["time_to_A"] is not None:
                 axis.axvline(row["time_to_A"], color=line[0].get_color(), ls=":", lw=1)
+            if row["mode"] == "fedbuff":  # past the budget, up to A (or its last step): the uncapped run
+                later = row["records"][len(counted) - 1 :]
+                reached = result["uncapped"]["time_to_A"]
+                later = [r for r in later if reached is None or r["virtual_time"] <= reached]
+                axis.plot([r["virtual_time"] for r in later], [r["accuracy"] for r in later], ls="--", lw=1,
+                          color=line[0].get_color(), label=f"fedbuff past sync's work (to {UNCAPPED_WORK}x)")
         axis.axhline(result["A"], color="grey", ls="--", lw=1, label=f"A = sync's final ({result['A']:.3f})")
         axis.set_title(f"{result['dataset']} {result['model']}, fedper, {result['budget_trainings']} trainings each")
+        axis.set_xlim(0, result["sync_virtual_time"] * 1.05)
         axis.set_xlabel("virtual time (s)")
         axis.set_ylabel("mean test accuracy")
         axis.legend(loc="lower right")
@@ -454,19 +484,27 @@ def tables(result: dict) -> None:
     for data in result["time_to_accuracy"]:
         print(f"\n{data['dataset']} {data['model']}: A = {data['A']:.4f}, budget {data['budget_trainings']} trainings, "
               f"deadline {data['round_timeout']:.1f} s", file=sys.stderr)  # fmt: skip
-        print(f"{'mode':12} {'rounds':>6} {'trainings':>9} {'late':>5} {'counted':>7} {'final acc':>9} "
+        print(f"{'mode':15} {'rounds':>6} {'trainings':>9} {'late':>5} {'counted':>7} {'final acc':>9} "
               f"{'time to A':>10} {'ratio':>6} {'target':>6} {'met':>4}", file=sys.stderr)  # fmt: skip
         for r in data["runs"]:
             reached = "-" if r["time_to_A"] is None else f"{r['time_to_A']:.0f}"
             ratio = "-" if r["ratio_to_sync"] is None else f"{r['ratio_to_sync']:.2f}"
             target = "-" if r["target"] is None else f"{r['target']:.1f}"
             met = "-" if r["met"] is None else ("yes" if r["met"] else "no")
-            line = f"{r['mode']:12} {r['rounds']:>6} {r['trainings']:>9} {r['late']:>5} {r['work_counted']:>7} "
+            line = f"{r['mode']:15} {r['rounds']:>6} {r['trainings']:>9} {r['late']:>5} {r['work_counted']:>7} "
             print(f"{line}{r['final_accuracy']:>9.4f} {reached:>10} {ratio:>6} {target:>6} {met:>4}", file=sys.stderr)
         common = data["common"]
         times = ", ".join(f"{mode} {common['time'][mode]:.0f} s ({common['ratio_to_sync'][mode]:.2f})"
                           for mode in common["time"])  # fmt: skip
-        print(f"the highest accuracy all three reach, {common['accuracy']:.4f}, at: {times}", file=sys.stderr)
+        print(f"the highest accuracy all modes reach, {common['accuracy']:.4f}, at: {times}", file=sys.stderr)
+        free = data["uncapped"]
+        if free["time_to_A"] is None:
+            print(f"fedbuff past sync's work: A not reached in {free['work_limit']} trainings (best "
+                  f"{free['best_accuracy']:.4f} at {free['virtual_time_at_end']:.0f} s)", file=sys.stderr)
+        else:
+            print(f"fedbuff past sync's work: A at {free['time_to_A']:.0f} s ({free['ratio_to_sync']:.2f} of sync's, "
+                  f"target {free['target']}), after {free['work_to_A']} trainings ({free['work_vs_sync']}x sync's)",
+                  file=sys.stderr)  # fmt: skip
     if result["server_load"]:
         load = result["server_load"]
         devices = load["rows"][0]["devices"]
