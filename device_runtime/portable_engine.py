@@ -172,13 +172,15 @@ class PortableEngine(Engine):
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
         count = self._check_batch(x, np.zeros(len(x), dtype=np.int64))
-        graph = self.entry["eval"]
-        session = self._session("eval", graph["model"])
+        key = self.predict_graph(count)
+        graph = self.entry[key]
+        size = graph.get("batch_size", self.batch_size)
+        session = self._session(key, graph["model"])
         rows = []
-        for start in range(0, count, self.batch_size):
-            chunk = min(self.batch_size, count - start)
+        for start in range(0, count, size):
+            chunk = min(size, count - start)
             binding = self._bind_state(session, zip(graph["inputs"], self._state_names))
-            padded = self._padded(x, np.zeros(count, dtype=np.int64), start, chunk)
+            padded = self._padded(x, np.zeros(count, dtype=np.int64), start, chunk, size)
             for name, value in zip(graph["inputs"][len(self._state_names) :], padded):
                 binding.bind_cpu_input(name, value)
             binding.bind_output(graph["outputs"][0], "cpu")
@@ -244,9 +246,17 @@ class PortableEngine(Engine):
             raise DataError("the batch is empty", "pass at least one sample")
         return int(x.shape[0])
 
-    def _padded(self, x: np.ndarray, y: np.ndarray, start: int, count: int) -> tuple[np.ndarray, ...]:
-        """(x, y, w) of one graph batch: `count` real samples from `start`, zero-padded and masked."""
-        size = self.batch_size
+    def predict_graph(self, count: int) -> str:
+        """The graph that predicts `count` inputs: the one-sample predict graph for up to an eighth of a batch
+        (where the bundle has it; one sample costs about a seventh of a padded batch of 32 for MobileNet), else the
+        eval graph's padded batches. engine.js predictGraph has the same rule."""
+        return "predict" if "predict" in self.entry and count <= self.batch_size // 8 else "eval"
+
+    def _padded(self, x: np.ndarray, y: np.ndarray, start: int, count: int, size: int | None = None
+                ) -> tuple[np.ndarray, ...]:
+        """(x, y, w) of one graph batch of `size` (default: the step graphs'): `count` real samples from `start`,
+        zero-padded and masked."""
+        size = size or self.batch_size
         real_x = np.ascontiguousarray(x[start : start + count], dtype=np.float32)
         real_y = np.ascontiguousarray(y[start : start + count], dtype=self.label_dtype)
         if count == size:

@@ -120,12 +120,13 @@ class Manifest:
         return [t.name for t in self.by_role("buffer") if t.name.endswith((".running_mean", ".running_var"))]
 
     def portable_files(self) -> tuple[list[str], list[str]]:
-        """(the files the portable engine needs, the optional ones): its initial tensors, eval and step graphs;
-        then the steps' frozen variants (export/frozen.py), which an engine uses where it has them."""
+        """(the files the portable engine needs, the optional ones): its initial tensors, eval, predict (bundles
+        exported since it exists) and step graphs; then the steps' frozen variants (export/frozen.py), which an
+        engine uses where it has them."""
         entry = self.engines.get("portable") or {}
         steps = list((entry.get("steps") or {}).values())
         required = [entry["initial"]] if "initial" in entry else []
-        required += [entry["eval"]["model"]] if "eval" in entry else []
+        required += [entry[graph]["model"] for graph in ("eval", "predict") if graph in entry]
         required += [step["model"] for step in steps]
         return required, [step["frozen"]["model"] for step in steps if "frozen" in step]
 

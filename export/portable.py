@@ -70,23 +70,14 @@ def export_portable(
     for set_name, trainable in trainable_sets.items():  # K_P=0 has no personal set, K_P=max no base set
         proto = export_step(step_model, params, buffers, trainable, batch_size)
         onnx.save(proto, str(folder / f"step_{set_name}.onnx"))
-        steps[set_name] = {
-            "model": f"{prefix}/step_{set_name}.onnx",
-            "trainable": trainable,
-            "inputs": [i.name for i in proto.graph.input],
-            "outputs": [o.name for o in proto.graph.output],
-            "webgpu_problems": webgpu_problems(proto),
-        }
+        steps[set_name] = {**_graph_entry(f"{prefix}/step_{set_name}.onnx", proto), "trainable": trainable}
         variant, frozen = frozen_variant(proto, len(params) + len(buffers)) if frozen_variants else (None, [])
         if variant is not None:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
             onnx.save(variant, str(folder / f"step_{set_name}_frozen.onnx"))
             steps[set_name]["frozen"] = {
-                "model": f"{prefix}/step_{set_name}_frozen.onnx",
+                **_graph_entry(f"{prefix}/step_{set_name}_frozen.onnx", variant),
                 "initializers": frozen,
                 "data_location": FROZEN_LOCATION,  # where the variant says their bytes are, laid end to end
-                "inputs": [i.name for i in variant.graph.input],
-                "outputs": [o.name for o in variant.graph.output],
-                "webgpu_problems": webgpu_problems(variant),
             }
     distill_steps: dict = {}
     for variant in DISTILL_VARIANTS if distill else ():
@@ -104,6 +95,9 @@ def export_portable(
             }
     eval_proto = export_eval(step_model, params, buffers, batch_size)
     onnx.save(eval_proto, str(folder / "eval.onnx"))
+    # one sample at a time, for predicting a photo or two: the eval graph would compute a whole padded batch
+    predict_proto = export_eval(step_model, params, buffers, 1) if batch_size > 1 else eval_proto
+    onnx.save(predict_proto, str(folder / "predict.onnx"))
     save_tensors(folder / "initial.safetensors", {n: t.detach().cpu().numpy() for n, t in state.items()})
     return {
         "batch_size": batch_size,
@@ -117,13 +111,19 @@ def export_portable(
         "buffers": buffers,
         "steps": steps,
         "distill": distill_steps,
-        "eval": {
-            "model": f"{prefix}/eval.onnx",
-            "inputs": [i.name for i in eval_proto.graph.input],
-            "outputs": [o.name for o in eval_proto.graph.output],
-            "webgpu_problems": webgpu_problems(eval_proto),
-        },
+        "eval": _graph_entry(f"{prefix}/eval.onnx", eval_proto),
+        "predict": {**_graph_entry(f"{prefix}/predict.onnx", predict_proto), "batch_size": 1},
         "initial": f"{prefix}/initial.safetensors",
+    }
+
+
+def _graph_entry(model: str, proto: onnx.ModelProto) -> dict:
+    """A graph's manifest entry: its file, input and output names, and what keeps it off WebGPU."""
+    return {
+        "model": model,
+        "inputs": [i.name for i in proto.graph.input],
+        "outputs": [o.name for o in proto.graph.output],
+        "webgpu_problems": webgpu_problems(proto),
     }
 
 

@@ -90,6 +90,18 @@ def test_both_engines_predict_alike(bn_bundle, trained_state):
     np.testing.assert_allclose(ort, portable, rtol=0, atol=1e-5)
 
 
+def test_a_photo_or_two_go_through_the_one_sample_predict_graph_with_the_eval_graphs_numbers(bn_bundle, trained_state):
+    engine = open_device_model(bn_bundle, trained_state, "portable").engine
+    assert engine.entry["predict"]["batch_size"] == 1
+    few = engine.batch_size // 8  # at most this many go one by one (engine.js predictGraph: the same rule)
+    assert (engine.predict_graph(1), engine.predict_graph(few), engine.predict_graph(few + 1)) == (
+        "predict", "predict", "eval")
+    x = normalize(class_images(np.arange(few + 1) % NUM_CLASSES, 3, side=SIDE), engine.manifest.input)
+    batched = engine.logits(x)  # few + 1 inputs: one padded batch of the eval graph
+    one_by_one = np.concatenate([engine.logits(x[i : i + 1]) for i in range(few + 1)])
+    np.testing.assert_allclose(one_by_one, batched, rtol=0, atol=1e-5)
+
+
 def test_predict_cli_reads_images_folders_and_npz_as_training_data(named_bundle, trained_state, tmp_path):
     from PIL import Image
 

@@ -296,7 +296,7 @@ def test_every_written_graph_is_default_domain_only(case_bundle):
     from edgepfl.export.portable import PORTABLE_IR, default_domain_violations
 
     graphs = sorted((case_bundle / "portable").glob("*.onnx"))
-    steps = {"step_full.onnx", "step_personal.onnx", "step_base.onnx", "eval.onnx"}
+    steps = {"step_full.onnx", "step_personal.onnx", "step_base.onnx", "eval.onnx", "predict.onnx"}
     steps |= {"step_personal_frozen.onnx", "step_base_frozen.onnx"}  # their frozen tensors' data is the engine's
     distill = {f"distill_{v}_{s}.onnx" for v in ("kd", "gd") for s in ("full", "personal")}  # PersFL stage 2
     assert {g.name for g in graphs} == steps | distill

@@ -54,8 +54,9 @@ def test_the_cnn_bundle_has_int32_labels_and_no_graph_with_a_known_webgpu_proble
     bundle = bundle_factory("cnn", 2, engines=("portable",), norm="batch")
     entry = json.loads((bundle / "manifest.json").read_text())["engines"]["portable"]
     assert entry["label_dtype"] == "int32"
-    graphs = [entry["eval"], *entry["steps"].values(), *(s["frozen"] for s in entry["steps"].values() if "frozen" in s)]
-    assert len(graphs) == 6
+    graphs = [entry["eval"], entry["predict"], *entry["steps"].values()]
+    graphs += [s["frozen"] for s in entry["steps"].values() if "frozen" in s]
+    assert len(graphs) == 7
     for graph in graphs:
         assert graph["webgpu_problems"] == [], graph["model"]
         proto = onnx.load(str(bundle / graph["model"]), load_external_data=False)

@@ -16,7 +16,7 @@ import { checkSha256 } from './sha256.js';
 /** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
 /** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string}} InputSpec */
 /** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
-/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state. @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[]}} Graph */
+/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (batch_size: the predict graph's 1). @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number}} Graph */
 /**
  * manifest.json `engines.portable`.
  * @typedef {object} PortableEntry
@@ -25,6 +25,7 @@ import { checkSha256 } from './sha256.js';
  * @property {string[]} buffers
  * @property {Record<string, Graph>} steps
  * @property {Graph} eval
+ * @property {Graph} [predict] the eval graph for one sample (bundles exported since it exists)
  * @property {string} initial
  * @property {'int32' | 'int64'} [label_dtype] the labels' type (int64 before the graphs ran on WebGPU)
  * @property {number | Record<string, number> | number[]} [bn_momentum]
@@ -71,7 +72,7 @@ export function portableFiles(/** @type {Manifest} */ manifest) {
   const entry = portableEntry(manifest);
   const steps = Object.values(entry.steps);
   return {
-    required: [entry.initial, entry.eval.model, ...steps.map((step) => step.model)],
+    required: [entry.initial, entry.eval.model, ...(entry.predict ? [entry.predict.model] : []), ...steps.map((step) => step.model)],
     variants: steps.flatMap((step) => (step.frozen && step.frozen.data_location ? [step.frozen.model] : [])),
   };
 }
@@ -392,18 +393,36 @@ export class Engine {
   async predict(x, count, held = this.state) {
     const y = new Int32Array(count);
     this.checkBatch(x, y, count);
-    const graph = this.entry.eval;
-    const opened = await this.session('eval', graph);
+    const key = this.predictGraph(count);
+    const graph = /** @type {Graph} */ (this.entry[key]);
+    const size = graph.batch_size ?? this.batchSize;
+    const opened = await this.session(key, graph);
     const n = this.stateNames.length;
     const classes = this.manifest.num_classes;
     const probabilities = new Float32Array(count * classes);
-    for (let start = 0; start < count; start += this.batchSize) {
-      const chunk = Math.min(this.batchSize, count - start);
-      const feeds = await this.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk, held);
+    for (let start = 0; start < count; start += size) {
+      const chunk = Math.min(size, count - start);
+      const feeds = await this.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk, held, size);
       const logits = /** @type {Float32Array} */ ((await opened.session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data);
       for (let row = 0; row < chunk; row++) probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
     }
     return probabilities;
+  }
+
+  /** Open the session that predicts one input now, so that the first prediction does not wait for it. */
+  async preparePredict() {
+    const key = this.predictGraph(1);
+    await this.session(key, /** @type {Graph} */ (this.entry[key]));
+  }
+
+  /**
+   * The graph that predicts `count` inputs: the one-sample predict graph for up to an eighth of a batch (where the
+   * bundle has it), else the eval graph's padded batches (portable_engine.py predict_graph: the same rule).
+   * @param {number} count
+   * @returns {'predict' | 'eval'}
+   */
+  predictGraph(count) {
+    return this.entry.predict && count <= Math.floor(this.batchSize / 8) ? 'predict' : 'eval';
   }
 
   /**
@@ -456,7 +475,7 @@ export class Engine {
   /**
    * Feeds of one graph batch for the `opened` session: the state tensors by [input, name] pairs (a wasm session
    * gets those on the GPU read back first), and x, y, w (the first three of `batchInputs`) holding `count` real
-   * samples from `start`, zero-padded and masked.
+   * samples from `start`, zero-padded to `size` (the step graphs' batch by default) and masked.
    * @param {Opened} opened
    * @param {[string, string][]} stateInputs
    * @param {string[]} batchInputs
@@ -465,15 +484,15 @@ export class Engine {
    * @param {number} start
    * @param {number} count
    * @param {Map<string, OrtTensor>} [state] the tensors to feed (the current ones by default)
+   * @param {number} [size]
    */
-  async feeds(opened, stateInputs, batchInputs, x, y, start, count, state = this.state) {
+  async feeds(opened, stateInputs, batchInputs, x, y, start, count, state = this.state, size = this.batchSize) {
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
     for (const [input, name] of stateInputs) {
       const t = /** @type {OrtTensor} */ (state.get(name));
       feeds[input] = opened.backend === 'webgpu' ? t : await inMemory(t);
     }
-    const size = this.batchSize;
     const bx = new Float32Array(size * this.sampleSize);
     bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
     const labels = this.labelType;

@@ -124,6 +124,8 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
   $('save-model').addEventListener('click', () => queue(saveModel));
   describeModel();
   $('try').hidden = false;
+  // the first photo's answer then does not wait for its session to open (a failure here shows at that answer)
+  queue(() => engine.preparePredict().catch(() => {}));
   return {
     modelChanged: () => {
       held = engine.snapshot();

@@ -38,12 +38,14 @@ test('predict gives the Python engine\'s probabilities (softmax of the eval grap
 
 test('Try it on a photo: the probabilities and top classes of `edgepfl device predict` on the same file', { skip: NEEDS_FIXTURES }, async () => {
   const { engine, manifest } = await roundEngine();
+  assert.equal(engine.predictGraph(1), 'predict');
+  assert.equal(engine.predictGraph(engine.batchSize), 'eval');
   const want = fixtureTensors('photos_predicted.safetensors').probabilities;
   const classes = manifest.num_classes;
   for (const [i, file] of expected().images.files.entries()) {
     const png = PNG.sync.read(Buffer.from(fixtureBytes(file)));
     const input = toModelInput(new Uint8Array(png.data.buffer, png.data.byteOffset, png.data.length), png.width, png.height, manifest.input);
-    const got = await engine.predict(input, 1);
+    const got = await engine.predict(input, 1); // one photo: the one-sample predict graph
     const row = want.data.subarray(i * classes, (i + 1) * classes);
     assert.ok(maxAbsDiff(got, row) <= 1e-6, `${file}: ${maxAbsDiff(got, row)}`);
     const top = topClasses(got, classNames(manifest), 3);
