@@ -144,7 +144,6 @@ def fleet_section(status: dict[str, Any], now: float) -> str:
     return f'<p id="fleet">Round <b>{open_round["round"]}</b>: {progress} · {waiting} · {gives_up}{refusals}</p>\n'
 
 
-
 def _duration(seconds: float) -> str:
     """A wait as people say it: 45 s, 4 min, 2 h 5 min."""
     seconds = round(seconds)

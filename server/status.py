@@ -55,13 +55,13 @@ def open_round_status(engine: RoundEngine, rounds: list[RoundRecord], rows: list
     if record is None:
         return None
     row = next(row for row in rows if row["round"] == record.round_id)
-    uploaded = {update.device for update in engine.store.updates(record.round_id)}
     refused = {device for device, _ in engine.store.refusals(record.round_id)}
     given = engine.store.assigned_devices(record.round_id)
-    missing = [device for device in given if device not in uploaded]
-    step = None
-    if engine.secure is not None and engine.secure.holds(record.round_id):  # it waits for a step's messages instead
+    if engine.secure is not None and engine.secure.holds(record.round_id):  # it waits for a step's messages
         step, missing = engine.secure.waiting_for(record.round_id, given, sorted(refused))
+    else:
+        uploaded = {update.device for update in engine.store.updates(record.round_id)}
+        step, missing = None, [device for device in given if device not in uploaded]
     return {**row, "missing": missing, "secure_step": step, "refused": sorted(refused), "gives_up_at": record.deadline}
 
 
