@@ -247,10 +247,10 @@ class PortableEngine(Engine):
         return int(x.shape[0])
 
     def predict_graph(self, count: int) -> str:
-        """The graph that predicts `count` inputs: the one-sample predict graph for up to an eighth of a batch
-        (where the bundle has it; one sample costs about a seventh of a padded batch of 32 for MobileNet), else the
-        eval graph's padded batches. engine.js predictGraph has the same rule."""
-        return "predict" if "predict" in self.entry and count <= self.batch_size // 8 else "eval"
+        """The graph that predicts `count` inputs: the one-sample predict graph for up to its manifest's `up_to`
+        (export/portable.py PREDICT_SHARE; none in a bundle exported before it), else the eval graph's padded
+        batches. engine.js predictGraph reads the same entry."""
+        return "predict" if count <= self.entry.get("predict", {}).get("up_to", 0) else "eval"
 
     def _padded(self, x: np.ndarray, y: np.ndarray, start: int, count: int, size: int | None = None
                 ) -> tuple[np.ndarray, ...]:

@@ -93,7 +93,8 @@ def test_both_engines_predict_alike(bn_bundle, trained_state):
 def test_a_photo_or_two_go_through_the_one_sample_predict_graph_with_the_eval_graphs_numbers(bn_bundle, trained_state):
     engine = open_device_model(bn_bundle, trained_state, "portable").engine
     assert engine.entry["predict"]["batch_size"] == 1
-    few = engine.batch_size // 8  # at most this many go one by one (engine.js predictGraph: the same rule)
+    few = engine.batch_size // 8  # at most this many go one by one (the manifest says so to both engines)
+    assert engine.entry["predict"]["up_to"] == few
     assert (engine.predict_graph(1), engine.predict_graph(few), engine.predict_graph(few + 1)) == (
         "predict", "predict", "eval")
     x = normalize(class_images(np.arange(few + 1) % NUM_CLASSES, 3, side=SIDE), engine.manifest.input)

@@ -16,7 +16,7 @@ import { checkSha256 } from './sha256.js';
 /** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
 /** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string}} InputSpec */
 /** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
-/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (batch_size: the predict graph's 1). @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number}} Graph */
+/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (batch_size: the predict graph's 1, up_to: how many inputs it takes one by one). @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number, up_to?: number}} Graph */
 /**
  * manifest.json `engines.portable`.
  * @typedef {object} PortableEntry
@@ -416,13 +416,13 @@ export class Engine {
   }
 
   /**
-   * The graph that predicts `count` inputs: the one-sample predict graph for up to an eighth of a batch (where the
-   * bundle has it), else the eval graph's padded batches (portable_engine.py predict_graph: the same rule).
+   * The graph that predicts `count` inputs: the one-sample predict graph for up to its manifest's `up_to` (none in
+   * a bundle exported before it), else the eval graph's padded batches (portable_engine.py predict_graph).
    * @param {number} count
    * @returns {'predict' | 'eval'}
    */
   predictGraph(count) {
-    return this.entry.predict && count <= Math.floor(this.batchSize / 8) ? 'predict' : 'eval';
+    return count <= (this.entry.predict?.up_to ?? 0) ? 'predict' : 'eval';
   }
 
   /**
