@@ -68,6 +68,9 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
     tokens = enroll(tmp_path / "server", *names)
     # target max(2, ceil(0.6 x 6)) = 4 of 6; with --over-select 0.5 all 6 are sampled (ceil(4 x 1.5))
     options = ("--min-clients", "2", "--fraction", "0.6", "--over-select", "0.5", "--rounds", "2")
+    # the killed devices stay available (last seen at round 1's start) until round 2 opens, however long round 1
+    # takes on a loaded machine: round 2 then samples all six, whichever of them polls first
+    options += ("--available-for", "600")
     server = LiveServer(bundle, tmp_path / "server", *options, "--round-timeout", "600", *SETTINGS).start()
     try:
         data = {n: save_npz(tmp_path / f"{n}.npz", (i % 4, (i + 1) % 4), 64, seed=i) for i, n in enumerate(names)}
@@ -101,14 +104,25 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
         assert one.closed - one.opened < 120, "the round closed at its target, not at its 600 s deadline"
         assert sorted(u.device for u in updates[1]) == sorted(names[2:])
         assert all(result["rounds_trained"] == 1 for result in results.values())
-        # the killed devices come back: they join round 2 and upload once
-        back = {
-            name: subprocess.Popen(
-                device_command(*run_args(bundle, data[name], server, tokens[name], tmp_path / name)),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-            )
-            for name in names
-        }  # fmt: skip
+        # the killed devices come back: they join round 2 and upload once. They come back first, and the others
+        # only once both have trained it: round 2 closes at its 4th upload, and on a loaded machine the others'
+        # four could otherwise close it before a slow-starting killed device has even asked for its task
+        def come_back(group: list[str]) -> dict[str, subprocess.Popen]:
+            return {
+                name: subprocess.Popen(
+                    device_command(*run_args(bundle, data[name], server, tokens[name], tmp_path / name)),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                )
+                for name in group
+            }  # fmt: skip
+
+        back = come_back(names[:2])
+        deadline = time.monotonic() + 120
+        trained = [tmp_path / name / "state.json" for name in names[:2]]  # written at a round's commit
+        while not all(path.exists() and any(h["round"] == 2 for h in history(path.parent)) for path in trained):
+            assert time.monotonic() < deadline, "the killed devices did not train round 2 when they came back"
+            time.sleep(0.1)
+        back.update(come_back(names[2:]))
         for process in back.values():
             finish(process, timeout=180)
     finally:
