@@ -176,6 +176,10 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     wait(page, "body[data-stage=examples]")
     assert "#" not in page.url  # the secret left the address bar and the history
     page.screenshot(path=str(SHOTS / "web-examples.png"))
+    # the breakpoint that stops round 2 is armed before any training: round 2 begins as soon as round 1's upload
+    # closes the round, and on a loaded machine it passed its third step before a breakpoint armed during round 1
+    # came (CI, stop 37)
+    round_2_paused = break_at_step(page, round_id=2, step=3)
 
     # examples through the file chooser: an .npz, then PNG photos labelled with the class picked first
     page.set_input_files("#npz", str(write_npz(tmp_path / "phone.npz", 64, seed=7)))
@@ -184,11 +188,8 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     page.set_input_files("#photos", [str(p) for p in write_pngs(tmp_path / "photos", 2, 8, seed=8)])
     wait(page, "#classes li:text-is('2: 24')")
 
-    # round 1 trains and uploads; round 2 is reloaded in the middle of training and starts again from its base.
-    # The breakpoint that stops round 2 is armed while round 1 trains: round 2 can begin (and pass its third
-    # step) as soon as round 1's upload closes the round, sooner than a test waiting for round 1 could arm it.
-    wait(page, "body[data-stage=training][data-round='1'][data-step]")
-    reload_during_step(page, round_id=2, step=3)
+    # round 1 trains and uploads; round 2 is reloaded in the middle of training and starts again from its base
+    reload_when_paused(page, round_2_paused)
 
     wait_round(page, 2)
     for _ in range(1800):  # the route handler runs while the page is waited on
@@ -232,27 +233,39 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     check_status_page(browser, origin, tokens)
 
 
-def reload_during_step(page, round_id: int, step: int) -> None:
-    """Reload the page at a training step, exactly: a DevTools breakpoint stops the round there and, while the
-    page is paused, schedules the reload and empties the training inputs, so that the round cannot go on to its
-    end (and save) before the reload comes, however slow this machine is."""
+def break_at_step(page, round_id: int, step: int):
+    """Arm a DevTools breakpoint that stops the page at a round's training step (where it reports that step) and
+    return paused(), which waits for the stop and gives the paused call frame's id. The breakpoint must resolve in
+    the page's algorithms.js now: one that never could would otherwise show only as a wait that ends in a timeout."""
     source = (REPO / "device_runtime" / "web" / "src" / "algorithms.js").read_text().splitlines()
     line = next(i for i, text in enumerate(source) if "if (onProgress) onProgress(" in text)
     devtools = session(page)
-    paused: list[str] = []
-    devtools.on("Debugger.paused", lambda event: paused.append(event["callFrames"][0]["callFrameId"]))
+    frames: list[str] = []
+    devtools.on("Debugger.paused", lambda event: frames.append(event["callFrames"][0]["callFrameId"]))
     devtools.send("Debugger.enable")
     condition = f"roundId === {round_id} && done === {step}"
     breakpoint = {"urlRegex": r"/algorithms\.js$", "lineNumber": line, "condition": condition}
-    devtools.send("Debugger.setBreakpointByUrl", breakpoint)
-    for _ in range(1800):  # the event arrives while the page is waited on
-        if paused:
-            break
-        page.wait_for_timeout(100)
-    assert paused, f"round {round_id} never reached step {step}; the page says {said(page)}"
+    assert devtools.send("Debugger.setBreakpointByUrl", breakpoint)["locations"], "no algorithms.js in the page"
+
+    def paused() -> str:
+        for _ in range(1800):  # the event arrives while the page is waited on
+            if frames:
+                return frames[0]
+            page.wait_for_timeout(100)
+        raise AssertionError(f"round {round_id} never reached step {step}; the page says {said(page)}")
+
+    return paused
+
+
+def reload_when_paused(page, paused) -> None:
+    """Reload the page at the step where `paused` (break_at_step) stops it, exactly: while the page is paused, the
+    reload is scheduled and the training inputs emptied, so that the round cannot go on to its end (and save)
+    before the reload comes, however slow this machine is."""
+    frame = paused()
+    devtools = session(page)
     expression = "location.reload(); train.x = null"
-    devtools.send("Debugger.evaluateOnCallFrame", {"callFrameId": paused[0], "expression": expression})
-    devtools.send("Debugger.disable")  # resumes: the next step fails, the reload replaces the page
+    devtools.send("Debugger.evaluateOnCallFrame", {"callFrameId": frame, "expression": expression})
+    devtools.send("Debugger.disable")  # resumes (and forgets the breakpoint): the next step fails, the reload comes
 
 
 def open_page(context):
@@ -767,31 +780,20 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
 
 
 def hold_at_step(page, round_id: int, step: int):
-    """Hold a round at a training step (a DevTools breakpoint) to screenshot its progress; returns shoot(path),
-    which waits for the step, checks the progress shown, takes the screenshot and lets the round go on."""
-    source = (REPO / "device_runtime" / "web" / "src" / "algorithms.js").read_text().splitlines()
-    line = next(i for i, text in enumerate(source) if "if (onProgress) onProgress(" in text)
+    """Hold a round at a training step (break_at_step) to screenshot its progress; returns shoot(path), which
+    waits for the step, checks the progress shown, takes the screenshot and lets the round go on."""
+    paused = break_at_step(page, round_id, step)
     devtools = session(page)
-    paused: list[str] = []
-    devtools.on("Debugger.paused", lambda event: paused.append(event["callFrames"][0]["callFrameId"]))
-    devtools.send("Debugger.enable")
-    condition = f"roundId === {round_id} && done === {step}"
-    breakpoint = {"urlRegex": r"/algorithms\.js$", "lineNumber": line, "condition": condition}
-    devtools.send("Debugger.setBreakpointByUrl", breakpoint)
 
     def shoot(path: Path) -> None:
-        for _ in range(1800):  # the event arrives while the page is waited on
-            if paused:
-                break
-            page.wait_for_timeout(100)
-        assert paused, f"round {round_id} never reached step {step}; the page says {said(page)}"
+        frame = paused()
         # the page shows the step before (the breakpoint is at the report of this one) and its speed; while the page
         # is paused only DevTools reads it (on the paused frame) and takes the screenshot
         element = "document.getElementById"
         expression = f"[document.body.dataset.stage, {element}('round').hidden, {element}('round-text').textContent, "
         expression += f"{element}('speed').textContent, {element}('round').getBoundingClientRect().bottom]"
         reply = devtools.send(
-            "Debugger.evaluateOnCallFrame", {"callFrameId": paused[0], "expression": expression, "returnByValue": True}
+            "Debugger.evaluateOnCallFrame", {"callFrameId": frame, "expression": expression, "returnByValue": True}
         )
         shown_stage, hidden, text, speed, bottom = reply["result"]["value"]
         assert (shown_stage, hidden) == ("training", False) and text.startswith(f"Step {step - 1} of "), text
