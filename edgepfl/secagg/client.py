@@ -15,7 +15,6 @@ Every refused message is one SecAggError line and leaves the session as it was.
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,8 @@ from edgepfl.secagg.messages import (
     UnmaskShares,
     b64,
     check_name,
+    session_json,
+    session_state,
     unb64,
 )
 from edgepfl.secagg.ring import mask_vector, modulus_mask, pack
@@ -170,15 +171,13 @@ class ClientSession:
 
     def to_json(self) -> str:
         """The whole state as JSON (private keys and shares included)."""
-        return json.dumps({"type": "ClientSession", "version": 1, **self._state})
+        return session_json("ClientSession", self._state)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ClientSession:
         """Resume from `to_json` text; anything else is one SecAggError line."""
         try:
-            state = json.loads(text)
-            if state.pop("type") != "ClientSession" or state.pop("version") != 1 or state["phase"] not in PHASES:
-                raise ValueError("not a client session")
+            state = session_state(text, "ClientSession", PHASES)
             check_name(state["device"], "device id")
             session = cls(state)
             session.advert()

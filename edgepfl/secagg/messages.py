@@ -257,6 +257,23 @@ def from_json(text: str | bytes, kind: type | None = None) -> Any:
     return found.from_dict(data)
 
 
+SESSION_VERSION = 1  # the format of a saved ClientSession or ServerSession
+
+
+def session_json(kind: str, state: dict[str, Any]) -> str:
+    """A session's whole state as JSON, under its kind and the format's version."""
+    return json.dumps({"type": kind, "version": SESSION_VERSION, **state})
+
+
+def session_state(text: str | bytes, kind: str, phases: tuple[str, ...]) -> dict[str, Any]:
+    """The state `session_json(kind, ...)` wrote, in one of `phases`; anything else raises ValueError, KeyError or
+    TypeError, which the session turns into its own SecAggError line (what to do differs on a device and a server)."""
+    state = json.loads(text)
+    if state.pop("type") != kind or state.pop("version") != SESSION_VERSION or state["phase"] not in phases:
+        raise ValueError(f"not a saved {kind}")
+    return state
+
+
 def b64(payload: bytes) -> str:
     """Standard base64 text of bytes."""
     return base64.b64encode(payload).decode("ascii")

@@ -16,7 +16,6 @@ when it is in the saved state.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -36,6 +35,8 @@ from edgepfl.secagg.messages import (
     UnmaskShares,
     b64,
     check_name,
+    session_json,
+    session_state,
     unb64,
 )
 from edgepfl.secagg.quantize import SecureSum, VectorLayout, dequantize_sum
@@ -299,15 +300,13 @@ class ServerSession:
 
     def to_json(self) -> str:
         """The whole state as JSON."""
-        return json.dumps({"type": "ServerSession", "version": 1, **self._state})
+        return session_json("ServerSession", self._state)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ServerSession:
         """Resume from `to_json` text; anything else is one SecAggError line."""
         try:
-            state = json.loads(text)
-            if state.pop("type") != "ServerSession" or state.pop("version") != 1 or state["phase"] not in PHASES:
-                raise ValueError("not a server session")
+            state = session_state(text, "ServerSession", PHASES)
             session = cls(state)
             SecAggConfig.from_dict(state["config"])
             if "book" in state:
