@@ -91,10 +91,8 @@ def export_portable(
             proto = export_distill_step(step_model, params, buffers, trainable, batch_size, variant)
             onnx.save(proto, str(folder / f"distill_{variant}_{set_name}.onnx"))
             distill_steps.setdefault(variant, {})[set_name] = {
-                "model": f"{prefix}/distill_{variant}_{set_name}.onnx",
+                **_graph_io(f"{prefix}/distill_{variant}_{set_name}.onnx", proto),
                 "trainable": trainable,
-                "inputs": [i.name for i in proto.graph.input],
-                "outputs": [o.name for o in proto.graph.output],
             }
     eval_proto = export_eval(step_model, params, buffers, batch_size)
     onnx.save(eval_proto, str(folder / "eval.onnx"))
@@ -125,14 +123,15 @@ def export_portable(
     }
 
 
+def _graph_io(model: str, proto: onnx.ModelProto) -> dict:
+    """A graph's file and its input and output names, as the manifest gives them to the engines."""
+    inputs, outputs = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
+    return {"model": model, "inputs": inputs, "outputs": outputs}
+
+
 def _graph_entry(model: str, proto: onnx.ModelProto) -> dict:
-    """A graph's manifest entry: its file, input and output names, and what keeps it off WebGPU."""
-    return {
-        "model": model,
-        "inputs": [i.name for i in proto.graph.input],
-        "outputs": [o.name for o in proto.graph.output],
-        "webgpu_problems": webgpu_problems(proto),
-    }
+    """The manifest entry of a graph the page may run: `_graph_io` and what keeps it off WebGPU."""
+    return {**_graph_io(model, proto), "webgpu_problems": webgpu_problems(proto)}
 
 
 def sgd_step(
