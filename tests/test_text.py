@@ -1,0 +1,77 @@
+"""The word-level tokenizer, the vocabulary file and next-word samples (edgepfl/text.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgepfl.errors import BundleError, DataError, UsageError
+from edgepfl.text import (
+    BOS_ID,
+    EOS_ID,
+    OOV_ID,
+    PAD_ID,
+    SPECIALS,
+    Vocabulary,
+    counted,
+    load_vocabulary,
+    manifest_entry,
+    next_word_samples,
+    read_text,
+    tokenize,
+    write_vocabulary,
+)
+
+
+def test_tokenize_lowercases_splits_punctuation_and_keeps_inner_apostrophes():
+    assert tokenize("O'er the Hills, don\u2019t STOP!  ok?") == "o'er the hills , don't stop ! ok ?".split()
+    assert tokenize("snake_case 3.5 caf\u00e9 \u00c9T\u00c9") == "snake _ case 3 . 5 caf\u00e9 \u00e9t\u00e9".split()
+    assert tokenize("a\x1fb\tc\n") == ["a", "b", "c"]
+    assert tokenize("'tis") == ["'", "tis"]
+
+
+def test_vocabulary_takes_the_most_frequent_words_with_ties_in_alphabetical_order():
+    vocabulary = Vocabulary.from_texts(["b a b c", "c b d"], size=2)
+    assert vocabulary.words == (*SPECIALS, "b", "c")
+    assert vocabulary.encode(["b", "zzz", "c"]).tolist() == [4, OOV_ID, 5]
+    assert Vocabulary.from_json(vocabulary.to_json()) == vocabulary
+
+
+def test_vocabulary_refuses_an_empty_corpus_and_a_size_of_nothing():
+    with pytest.raises(DataError, match="no word"):
+        Vocabulary.from_texts([" ,,, "[:0], "   "])
+    with pytest.raises(UsageError, match="cannot hold"):
+        Vocabulary.from_texts(["a"], size=0)
+
+
+def test_next_word_samples_read_the_left_padded_context_of_each_position_within_a_line():
+    vocabulary = Vocabulary.from_texts(["a b c"], size=10)
+    a, b, c = vocabulary.encode(["a", "b", "c"]).tolist()
+    x, y = next_word_samples(["a b", "", "c"], vocabulary, seq_len=2)
+    assert y.tolist() == [a, b, EOS_ID, c, EOS_ID]
+    assert x.tolist() == [[PAD_ID, BOS_ID], [BOS_ID, a], [a, b], [PAD_ID, BOS_ID], [BOS_ID, c]]
+    assert x.dtype == np.int64 and y.dtype == np.int64
+    assert counted(np.array([PAD_ID, OOV_ID, EOS_ID, a])).tolist() == [False, False, True, True]
+
+
+def test_a_bundle_vocabulary_is_checked_against_its_manifest(tmp_path):
+    vocabulary = Vocabulary.from_texts(["to be or not to be"], size=100)
+    write_vocabulary(tmp_path, vocabulary)
+    entry = manifest_entry(vocabulary, seq_len=20)
+    assert load_vocabulary(tmp_path, entry) == vocabulary
+    other = Vocabulary.from_texts(["something else"], size=100)
+    write_vocabulary(tmp_path, other)
+    with pytest.raises(BundleError, match="not the vocabulary this bundle was exported with"):
+        load_vocabulary(tmp_path, entry)
+    (tmp_path / "vocab.json").unlink()
+    with pytest.raises(BundleError, match="has no vocab.json"):
+        load_vocabulary(tmp_path, entry)
+
+
+def test_a_text_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"caf\xe9 au lait")
+    with pytest.raises(DataError, match=r"not UTF-8 text \(byte 0xe9 at offset 3\)"):
+        read_text(path)
+    path.write_bytes("\ufeffhello".encode())
+    assert read_text(path) == "hello"
