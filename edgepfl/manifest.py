@@ -67,6 +67,9 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     edgepfl_version: str = ""
     class_names: tuple[str, ...] = ()  # one per class when the export named them, else empty
+    # what a sample is beyond the input spec: {} for images; a text bundle's vocabulary and window
+    # (edgepfl.text.manifest_entry, kind "next-word"); a sensor bundle's channels and window (kind "sensor")
+    task: dict[str, Any] = field(default_factory=dict)
 
     @property
     def class_labels(self) -> tuple[str, ...]:
@@ -152,6 +155,7 @@ class Manifest:
             "engines": self.engines,
             "files": self.files,
             "class_names": list(self.class_names),
+            "task": self.task,
         }
 
     @classmethod
@@ -187,6 +191,7 @@ class Manifest:
                 schema_version=version,
                 edgepfl_version=str(data.get("edgepfl_version", "")),
                 class_names=tuple(data.get("class_names") or ()),  # bundles of older exports have none
+                task=dict(data.get("task") or {}),  # image bundles of older exports have none
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"manifest.json is malformed ({exc!r})", "re-export the bundle") from None
