@@ -101,18 +101,14 @@ def export(command_options: ExportCommand) -> None:
 @command(PartitionCommand)
 def partition_command(options: PartitionCommand) -> None:
     """Partition a dataset among clients and show the client x class counts (train/val/test per client)."""
-    from edgepfl.datasets import load_dataset
     from edgepfl.errors import UsageError
-    from edgepfl.partition import make_partition, partition_table, write_partition_file
+    from edgepfl.natural import load_partition
+    from edgepfl.partition import partition_table, write_partition_file
 
     if not options.show and options.out is None:
         raise UsageError("partition has nothing to do", "add --show to print the table or --out FILE.json")
     data = options.data
-    dataset = load_dataset(data.dataset, data.data_root, download=data.download, checksums=data.checksums)
-    clients = data.clients
-    if clients is None and not data.partition.startswith("file:"):
-        clients = 10
-    parts = make_partition(data.partition, dataset.y_train, dataset.y_test, clients, options.seed, data.split)
+    dataset, parts = load_partition(data, options.seed)
     from rich.console import Console
     from rich.measure import Measurement
 

@@ -2,6 +2,8 @@
 
 numpy only: the device runtime and the simulator share this module. Images are kept in their
 stored dtype (uint8 stays uint8) and normalised per batch, so a device holds 1 byte per pixel.
+A sample is what the manifest's input layout says: an image (NCHW), a window of token ids (`tokens`,
+int64 (N, seq_len), edgepfl/text.py) or a window of sensor channels over time (`CT`, float (N, C, T)).
 
 Pixel convention: uint8 pixels are divided by 255; float pixels are taken as already scaled to
 [0, 1] (values outside it are refused). Both are then normalised with the manifest's per-channel
@@ -17,13 +19,18 @@ import numpy as np
 
 from edgepfl.errors import DataError
 from edgepfl.manifest import InputSpec, Manifest
+from edgepfl.text import counted
 
 # float pixels may come from JPEG decoding or resampling that overshoots [0, 1] by a rounding error
 _FLOAT_PIXEL_SLACK = 1e-3
+TOKEN_LAYOUT, SENSOR_LAYOUT = "tokens", "CT"  # InputSpec.layout of a text and of a sensor bundle
 
 
 def to_model_layout(x: np.ndarray, input_spec: InputSpec, what: str = "x") -> np.ndarray:
-    """The images as (N, C, H, W), without copying when they already are; DataError when they cannot fit."""
+    """The samples as the model takes them (images as (N, C, H, W), without copying when they already are; token
+    and sensor windows as they are); DataError when they cannot fit."""
+    if input_spec.layout in (TOKEN_LAYOUT, SENSOR_LAYOUT):
+        return _windows(x, input_spec, what)
     channels, height, width = input_spec.shape
     if x.ndim == 3 and channels == 1 and x.shape[1:] == (height, width):
         return x[:, None, :, :]
@@ -51,6 +58,66 @@ def to_model_layout(x: np.ndarray, input_spec: InputSpec, what: str = "x") -> np
         f"or {(height, width, channels)} (NHWC)",
         "save x as an (N, C, H, W) or (N, H, W, C) array",
     )
+
+
+def _windows(x: np.ndarray, input_spec: InputSpec, what: str) -> np.ndarray:
+    """Token windows (N, seq_len) or sensor windows (N, C, T) of exactly the model's shape."""
+    if x.ndim == len(input_spec.shape) + 1 and x.shape[1:] == tuple(input_spec.shape):
+        return x
+    if input_spec.layout == TOKEN_LAYOUT:
+        raise DataError(
+            f"{what} has shape {tuple(x.shape)}, the model reads windows of {input_spec.shape[0]} token ids",
+            "make the windows with edgepfl.text.next_word_samples, or pass the text file itself",
+        )
+    channels, steps = input_spec.shape
+    if x.ndim == 3 and x.shape[1] != channels:
+        raise DataError(
+            f"{what} has {x.shape[1]} channel(s) per window, the model takes {channels}",
+            "record the channels the bundle names (manifest.json: task.channels)",
+        )
+    if x.ndim == 3:
+        raise DataError(
+            f"{what} windows are {x.shape[2]} samples long, the model takes {steps}",
+            f"cut the recordings into windows of {steps} samples",
+        )
+    raise DataError(f"{what} has shape {tuple(x.shape)}, expected (N, {channels}, {steps})", "save x as (N, C, T)")
+
+
+def check_samples(
+    x: np.ndarray, y: np.ndarray, manifest: Manifest, what: str = "data"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The samples in the model's layout and their int64 labels, every value checked; one DataError otherwise."""
+    samples = to_model_layout(np.asarray(x), manifest.input, what=f"{what} x")
+    if manifest.input.layout == TOKEN_LAYOUT:
+        check_token_ids(samples, int(manifest.task.get("vocab_size") or manifest.num_classes), f"{what} x")
+    elif manifest.input.layout == SENSOR_LAYOUT:
+        check_readings(samples, f"{what} x")
+    else:
+        check_pixels(samples, what=f"{what} x")
+    return samples, check_labels(np.asarray(y), manifest.num_classes, len(samples), what=f"{what} y")
+
+
+def check_token_ids(x: np.ndarray, vocab_size: int, what: str = "x") -> None:
+    """Integer token ids of the bundle's vocabulary; anything else is refused with the fix."""
+    if x.dtype.kind not in "iu":
+        raise DataError(f"{what} has dtype {x.dtype}, token ids are integers", "tokenize with the bundle's vocab.json")
+    if x.size and (x.min() < 0 or x.max() >= vocab_size):
+        raise DataError(
+            f"{what} holds token ids outside 0..{vocab_size - 1} of the bundle's vocabulary",
+            "tokenize with the bundle's vocab.json",
+        )
+
+
+def check_readings(x: np.ndarray, what: str = "x") -> None:
+    """Finite real sensor readings; NaN, Inf or non-numbers are refused with the fix."""
+    if x.dtype.kind not in "iuf":
+        raise DataError(f"{what} has dtype {x.dtype}, sensor readings are numbers", "save the readings as float32")
+    if x.dtype.kind == "f" and x.size and not np.isfinite(x).all():
+        window = int(np.flatnonzero(~np.isfinite(x).reshape(len(x), -1).all(axis=1))[0])
+        raise DataError(
+            f"{what} window {window} holds NaN or Inf readings",
+            "drop or fill the gaps in the recording (e.g. interpolate) before cutting windows",
+        )
 
 
 def check_pixels(x: np.ndarray, what: str = "x") -> None:
@@ -93,14 +160,18 @@ def check_labels(y: np.ndarray, num_classes: int, count: int, what: str = "y") -
 
 
 def normalize(x: np.ndarray, input_spec: InputSpec) -> np.ndarray:
-    """float32 NCHW model input: uint8 / 255 (floats taken as [0, 1]), then (x - mean) / std per channel."""
+    """Model input: images float32 NCHW, uint8 / 255 (floats taken as [0, 1]), then (x - mean) / std per channel;
+    sensor windows float32 (x - mean) / std per channel; token ids int64 as they are."""
+    if input_spec.layout == TOKEN_LAYOUT:
+        return np.ascontiguousarray(to_model_layout(x, input_spec), dtype=np.int64)
     images = to_model_layout(x, input_spec)
     scaled = images.astype(np.float32)
     if images.dtype == np.uint8:
         scaled *= np.float32(1.0 / 255.0)
     if input_spec.mean:
-        mean = np.asarray(input_spec.mean, dtype=np.float32).reshape(1, -1, 1, 1)
-        std = np.asarray(input_spec.std, dtype=np.float32).reshape(1, -1, 1, 1)
+        per_channel = (1, -1) + (1,) * (images.ndim - 2)
+        mean = np.asarray(input_spec.mean, dtype=np.float32).reshape(per_channel)
+        std = np.asarray(input_spec.std, dtype=np.float32).reshape(per_channel)
         scaled -= mean
         scaled /= std
     return np.ascontiguousarray(scaled)
@@ -178,9 +249,14 @@ class LocalData:
 def make_local_data(
     x: np.ndarray, y: np.ndarray, manifest: Manifest, val_fraction: float, seed: int, what: str = "data"
 ) -> LocalData:
-    """Check images and labels against the manifest and split them; every mismatch is one DataError."""
-    images = to_model_layout(np.asarray(x), manifest.input, what=f"{what} x")
-    check_pixels(images, what=f"{what} x")
-    labels = check_labels(np.asarray(y), manifest.num_classes, len(images), what=f"{what} y")
-    train_index, val_index = split_train_val(len(images), val_fraction, seed)
-    return LocalData(images, labels, train_index, val_index, manifest.input)
+    """Check samples and labels against the manifest and split them; every mismatch is one DataError."""
+    samples, labels = check_samples(x, y, manifest, what)
+    train_index, val_index = split_train_val(len(samples), val_fraction, seed)
+    return LocalData(samples, labels, train_index, scored(val_index, labels, manifest), manifest.input)
+
+
+def scored(index: np.ndarray, labels: np.ndarray, manifest: Manifest) -> np.ndarray:
+    """The held-out samples whose target counts towards accuracy: all, but for a task whose manifest lists
+    `metric_ignores` (FedAlt's next-word accuracy: <pad> and <oov> targets do not count)."""
+    ignored = manifest.task.get("metric_ignores") or ()
+    return index[counted(labels[index], ignored)] if len(ignored) else index

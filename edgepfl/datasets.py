@@ -79,9 +79,9 @@ class Dataset:
         return (1, *shape) if len(shape) == 2 else (shape[2], shape[0], shape[1])
 
     def images(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
-        """uint8 images at indices of the train+test space, in the order given."""
+        """Samples (uint8 images) at indices of the train+test space, in the order given."""
         indices = np.asarray(indices, dtype=np.int64)
-        out = np.empty((len(indices), *self.x_train.shape[1:]), dtype=np.uint8)
+        out = np.empty((len(indices), *self.x_train.shape[1:]), dtype=self.x_train.dtype)
         from_train = indices < self.num_train
         out[from_train] = self.x_train[indices[from_train]]
         out[~from_train] = self.x_test[indices[~from_train] - self.num_train]

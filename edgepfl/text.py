@@ -60,11 +60,18 @@ class Vocabulary:
     def from_texts(cls, texts: Iterable[str], size: int = DEFAULT_VOCAB_SIZE) -> Vocabulary:
         """The `size` most frequent words of `texts` (ties in alphabetical order, so the same corpus gives the
         same ids everywhere)."""
-        if size < 1:
-            raise UsageError(f"a vocabulary of {size} words cannot hold any word", "use --vocab-size 10000")
         counts: Counter[str] = Counter()
         for text in texts:
-            counts.update(token for token in tokenize(text) if token not in SPECIALS)
+            counts.update(tokenize(text))
+        return cls.from_counts(counts, size)
+
+    @classmethod
+    def from_counts(cls, counts: Counter[str], size: int = DEFAULT_VOCAB_SIZE) -> Vocabulary:
+        """The `size` most frequent of counted tokens (a dataset counts only its training part's); ties in
+        alphabetical order."""
+        if size < 1:
+            raise UsageError(f"a vocabulary of {size} words cannot hold any word", "use --vocab-size 10000")
+        counts = Counter({token: n for token, n in counts.items() if token not in SPECIALS and n > 0})
         if not counts:
             raise DataError("the vocabulary's corpus holds no word", "name a UTF-8 text file with the words to learn")
         ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]
@@ -160,9 +167,10 @@ def next_word_samples(lines: Iterable[str], vocabulary: Vocabulary, seq_len: int
     return np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys)
 
 
-def counted(labels: np.ndarray) -> np.ndarray:
-    """Which targets count towards next-word accuracy: not <pad>, not <oov> (FedAlt's metric)."""
-    return ~np.isin(labels, METRIC_IGNORED)
+def counted(labels: np.ndarray, ignored: Sequence[int] = METRIC_IGNORED) -> np.ndarray:
+    """Which targets count towards next-word accuracy: not <pad>, not <oov> (FedAlt's metric; a manifest's
+    `metric_ignores` names them, edgepfl.data.scored reads it)."""
+    return ~np.isin(labels, np.asarray(ignored, dtype=np.int64))
 
 
 def manifest_entry(vocabulary: Vocabulary, seq_len: int) -> dict:

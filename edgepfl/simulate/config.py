@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from edgepfl.device_runtime.options import DistillOptions
 from edgepfl.device_runtime.persfl import DistillConfig
 from edgepfl.errors import UsageError
+from edgepfl.natural import NATURAL, is_natural
 from edgepfl.options import GROUP, Composed, flatten, titled, validated
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions
@@ -30,6 +31,8 @@ from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.strategies.heurpfedla import RetainOptions
 from edgepfl.server.strategies.pfedla import HypernetworkOptions
 from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
+from edgepfl.text import DEFAULT_SEQ_LEN, DEFAULT_VOCAB_SIZE
+from edgepfl.textdata import DEFAULT_MIN_WORDS
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
 
@@ -67,17 +70,37 @@ class PartitionOptions(BaseModel):
     model_config = titled("Data")
 
     dataset: Annotated[
-        str, Field(description="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, or a .npz file")
+        str,
+        Field(
+            description="mnist, fashion-mnist, emnist[-SPLIT], cifar10, cifar100, a .npz file; with their own "
+            "clients: shakespeare, textdir:FOLDER (a .txt per client), har (docs/datasets.md)"
+        ),
     ] = "cifar10"
     data_root: Annotated[str, Field(description="folder that holds the dataset")] = "data"
     download: Annotated[bool, Field(description="download the dataset if it is missing")] = False
     checksums: Annotated[str | None, Field(description="md5 list (JSON or CSV) of a known dataset copy")] = None
     partition: Annotated[
-        str, Field(description="iid | classes:K | dirichlet:A | ds3 | dominant:D[:SHARE] | file:PATH.json")
+        str,
+        Field(
+            description="iid | classes:K | dirichlet:A | ds3 | dominant:D[:SHARE] | file:PATH.json | natural (the "
+            "default of a dataset with its own clients)"
+        ),
     ] = "classes:4"
     clients: Annotated[
-        int | None, Field(ge=1, description="number of clients (a file: partition has its own count)")
+        int | None,
+        Field(
+            ge=1,
+            description="number of clients (a file: partition has its own count; a dataset with its own clients: "
+            "the N with most training samples, default all)",
+        ),
     ] = 10
+    vocab_size: Annotated[
+        int, Field(ge=1, description="text datasets: words in the vocabulary (from all clients' training text)")
+    ] = DEFAULT_VOCAB_SIZE
+    seq_len: Annotated[int, Field(ge=1, description="text datasets: tokens a next-word sample reads")] = DEFAULT_SEQ_LEN
+    min_words: Annotated[
+        int, Field(ge=1, description="text datasets: drop roles (shakespeare) or refuse files with fewer words")
+    ] = DEFAULT_MIN_WORDS
     split: Annotated[
         tuple[float, float, float],
         Field(description="each client's train,val,test fractions", examples=["0.6,0.2,0.2"]),
@@ -87,6 +110,14 @@ class PartitionOptions(BaseModel):
     @classmethod
     def _split(cls, value: Any) -> Any:
         return split_value(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _natural_defaults(cls, values: Any) -> Any:
+        """A dataset with its own clients partitions by them, all of them, unless told otherwise."""
+        if isinstance(values, dict) and is_natural(str(values.get("dataset", ""))):
+            return {"partition": NATURAL, "clients": None, **values}
+        return values
 
 
 class PartitionCommand(Composed):

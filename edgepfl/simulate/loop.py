@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepfl.data import LocalData, check_labels, normalize, to_model_layout
+from edgepfl.data import LocalData, check_samples, normalize, scored
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, distill
@@ -369,13 +369,9 @@ def open_workers(
 
 def load_partition(data: PartitionOptions, seed: int) -> tuple[Any, list[Any]]:
     """The run's dataset and its per-client parts (`--dataset`, `--partition`, `--clients`, `--split`, `--seed`)."""
-    from edgepfl.datasets import load_dataset
-    from edgepfl.partition import make_partition
+    from edgepfl.natural import load_partition as load
 
-    dataset = load_dataset(data.dataset, data.data_root, download=data.download, checksums=data.checksums)
-    clients_wanted = None if data.partition.startswith("file:") else data.clients
-    parts = make_partition(data.partition, dataset.y_train, dataset.y_test, clients_wanted, seed, data.split)
-    return dataset, parts
+    return load(data, seed)
 
 
 def client_data(data: PartitionOptions, seed: int, manifest: Manifest, number: int) -> tuple[str, LocalData, int]:
@@ -393,12 +389,11 @@ def client_data(data: PartitionOptions, seed: int, manifest: Manifest, number: i
 def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, initial: dict, residuals: Path) -> Client:
     """A client's LocalData: train+val for training (val held out), test as a second held-out view."""
     order = np.concatenate([part.train, part.val, part.test])
-    images = to_model_layout(dataset.images(order), manifest.input, what=f"client {number} images")
-    labels = check_labels(dataset.targets(order), manifest.num_classes, len(order), what=f"client {number} labels")
+    images, labels = check_samples(dataset.images(order), dataset.targets(order), manifest, what=f"client {number}")
     n_train, n_val = len(part.train), len(part.val)
     train_index = np.arange(n_train)
-    val_index = np.arange(n_train, n_train + n_val)
-    test_index = np.arange(n_train + n_val, len(order))
+    val_index = scored(np.arange(n_train, n_train + n_val), labels, manifest)
+    test_index = scored(np.arange(n_train + n_val, len(order)), labels, manifest)
     train = LocalData(images, labels, train_index, val_index, manifest.input)
     test = LocalData(images, labels, train_index, test_index, manifest.input)
     client_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
