@@ -310,7 +310,9 @@ def _open(files: DeviceFiles, local: LocalOptions) -> tuple[Engine, LocalData, S
     from edgepfl.device_runtime.state import StateFolder
 
     device_engine = open_engine(files.bundle, local.engine, threads=local.threads)
-    local_data = load_device_data(files.data, device_engine.manifest, local.val_fraction, local.seed)
+    local_data = load_device_data(
+        files.data, device_engine.manifest, local.val_fraction, local.seed, device_engine.bundle_dir
+    )
     device_state = StateFolder(files.state, device_engine.manifest, device_engine.name)
     restore(device_engine, device_state)
     return device_engine, local_data, device_state

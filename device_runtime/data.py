@@ -1,4 +1,5 @@
-"""Reading a device's own data from disk: an .npz file (`x`, `y`) or an image folder, one sub-folder per class."""
+"""Reading a device's own data from disk: an .npz file (`x`, `y`) or an image folder, one sub-folder per class;
+for a text or a sensor bundle, a .txt file or sensor windows (device_runtime/task_data.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,22 @@ from edgepfl.manifest import Manifest
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
-def load_device_data(path: str | os.PathLike, manifest: Manifest, val_fraction: float, seed: int) -> LocalData:
-    """The device's data checked against the manifest and split into train and held-out parts."""
+def load_device_data(
+    path: str | os.PathLike, manifest: Manifest, val_fraction: float, seed: int, bundle: str | os.PathLike = ""
+) -> LocalData:
+    """The device's data checked against the manifest (a text bundle's vocabulary is read from `bundle`) and split
+    into train and held-out parts."""
+    from edgepfl.device_runtime.task_data import load_sensor_data, load_text_data, task_kind
+
     source = Path(path)
+    kind = task_kind(manifest)
+    if kind != "image" and not source.is_file():
+        what = "a UTF-8 .txt file" if kind == "next-word" else "an .npz or .csv of windows"
+        raise DataError(f"data path {source} is not a file", f"pass {what}")
+    if kind == "next-word":
+        return load_text_data(source, manifest, Path(bundle), val_fraction)
+    if kind == "sensor":
+        return load_sensor_data(source, manifest, val_fraction, seed)
     if source.is_dir():
         x, y = read_image_folder(source, manifest)
     elif source.is_file():

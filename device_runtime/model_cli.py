@@ -49,7 +49,11 @@ def export_model(options: ExportModelCommand) -> None:
     local, export = options.local, options.export
     model = open_device_model(options.files.bundle, options.files.state, local.engine, local.threads)
     data = options.data
-    local_data = load_device_data(data, model.engine.manifest, local.val_fraction, local.seed) if data else None
+    local_data = (
+        load_device_data(data, model.engine.manifest, local.val_fraction, local.seed, model.engine.bundle_dir)
+        if data
+        else None
+    )
     exported = export_device_model(model, options.out, export.quantize, local_data, export.calibration_samples)
     result = {key: str(value) if isinstance(value, Path) else value for key, value in vars(exported).items()}
     _print_result({**result, "model": model.description}, options.output.as_json, "device export-model")

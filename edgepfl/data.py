@@ -19,7 +19,7 @@ import numpy as np
 
 from edgepfl.errors import DataError
 from edgepfl.manifest import InputSpec, Manifest
-from edgepfl.text import counted
+from edgepfl.text import SPECIALS, counted
 
 # float pixels may come from JPEG decoding or resampling that overshoots [0, 1] by a rounding error
 _FLOAT_PIXEL_SLACK = 1e-3
@@ -253,6 +253,15 @@ def make_local_data(
     samples, labels = check_samples(x, y, manifest, what)
     train_index, val_index = split_train_val(len(samples), val_fraction, seed)
     return LocalData(samples, labels, train_index, scored(val_index, labels, manifest), manifest.input)
+
+
+def metric_description(manifest: Manifest) -> str:
+    """What a held-out accuracy of this bundle counts, in words (results.json's info)."""
+    ignored = manifest.task.get("metric_ignores") or ()
+    if not ignored:
+        return "top-1 accuracy over every held-out sample"
+    names = ", ".join(SPECIALS[i] if 0 <= i < len(SPECIALS) else f"id {i}" for i in ignored)
+    return f"top-1 accuracy, held-out targets {names} not counted"
 
 
 def scored(index: np.ndarray, labels: np.ndarray, manifest: Manifest) -> np.ndarray:

@@ -136,6 +136,19 @@ def read_text(path: str | Path) -> str:
         ) from exc
 
 
+def word_count(lines: Sequence[str]) -> int:
+    """Tokens (words and punctuation) in the lines."""
+    return sum(len(tokenize(line)) for line in lines)
+
+
+def check_text(lines: Sequence[str], source: str, min_words: int) -> None:
+    """Refuse, in one line, a text too small to train and test on."""
+    words = word_count(lines)
+    if words < min_words:
+        what = "no words" if not words else f"only {words} word(s)"
+        raise DataError(f"{source} holds {what}; it needs at least {min_words}", "add text (a line per utterance)")
+
+
 def line_ids(line: str, vocabulary: Vocabulary) -> np.ndarray:
     """One line as <bos> words <eos>."""
     return np.concatenate([[BOS_ID], vocabulary.encode(tokenize(line)), [EOS_ID]]).astype(np.int64)

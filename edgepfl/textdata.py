@@ -23,10 +23,12 @@ from edgepfl.text import (
     DEFAULT_VOCAB_SIZE,
     EOS,
     Vocabulary,
+    check_text,
     manifest_entry,
     next_word_samples,
     read_text,
     tokenize,
+    word_count,
 )
 
 DEFAULT_MIN_WORDS = 100  # a role with fewer words (tokens) has too few samples to test on (LEAF drops tiny roles)
@@ -83,19 +85,6 @@ def play_roles(markdown: str) -> dict[str, list[str]]:
         if tokenize(speech):
             roles.setdefault(speaker["role"].strip(), []).append(speech)
     return roles
-
-
-def word_count(lines: Sequence[str]) -> int:
-    """Tokens (words and punctuation) in the lines."""
-    return sum(len(tokenize(line)) for line in lines)
-
-
-def check_text(lines: Sequence[str], source: str, min_words: int) -> None:
-    """Refuse, in one line, a text too small to train and test on."""
-    words = word_count(lines)
-    if words < min_words:
-        what = "no words" if not words else f"only {words} word(s)"
-        raise DataError(f"{source} holds {what}; it needs at least {min_words}", "add text (a line per utterance)")
 
 
 def text_dataset(

@@ -175,7 +175,7 @@ def open_device(run_config: str, node_config_json: str) -> Device:
 
         if config.device_name is None:
             raise UsageError("a node with its own data needs a name", "set --node-config 'device-name=NAME data=...'")
-        data = load_device_data(config.data, engine.manifest, local.val_fraction, local.seed)
+        data = load_device_data(config.data, engine.manifest, local.val_fraction, local.seed, engine.bundle_dir)
         seed, name = local.seed, config.device_name
     elif partition is not None and config.partition_id is not None:
         from edgepfl.simulate.loop import client_data

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepfl.data import LocalData, check_samples, normalize, scored
+from edgepfl.data import LocalData, check_samples, metric_description, normalize, scored
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, distill
@@ -420,4 +420,5 @@ def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engin
         "client_algorithm": config.plan.client,
         "strategy": config.plan.strategy,
         "evaluation": PROTOCOL,
+        "metric": metric_description(manifest),
     }

@@ -2,7 +2,8 @@
 
 The best round is chosen by mean *validation* accuracy (each client's own validation split), never by
 the test split; its test accuracy is what is reported. Without validation data it falls back to the
-last round, and says so.
+last round, and says so. A next-word task's accuracy is FedAlt's: top-1, the targets its manifest's
+`metric_ignores` lists (<pad>, <oov>) not counted (edgepfl.data.scored); results.json's info says which.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class RoundRecord:
     """One completed round: accuracies across clients, loss, traffic and time."""
 
     round: int
-    test_accuracy: dict[str, Any]  # mean, std, min, max, per_client
+    test_accuracy: dict[str, Any]  # mean, std, min, max, p10 (10th percentile), per_client
     val_accuracy: dict[str, Any]
     train_loss: float | None
     sampled: int
@@ -90,17 +91,19 @@ class Results:
 
 
 def accuracy_summary(values: list[float]) -> dict[str, Any]:
-    """mean, std, min, max across clients (NaN-free values only), and the per-client list."""
+    """mean, std, min, max and the 10th percentile (FedAlt's worst-off clients) across clients (NaN-free values
+    only), and the per-client list."""
     finite = [v for v in values if not math.isnan(v)]
     per_client = [None if math.isnan(v) else round(float(v), 6) for v in values]
     if not finite:
-        return {"mean": None, "std": None, "min": None, "max": None, "per_client": per_client}
+        return {"mean": None, "std": None, "min": None, "max": None, "p10": None, "per_client": per_client}
     array = np.asarray(finite, dtype=np.float64)
     return {
         "mean": float(array.mean()),
         "std": float(array.std()),
         "min": float(array.min()),
         "max": float(array.max()),
+        "p10": float(np.percentile(array, 10)),  # numpy's linear interpolation between the two nearest clients
         "per_client": per_client,
     }
 
@@ -141,7 +144,8 @@ def results_table(results: Results, title: str = ""):
     summary = results.summary()
     table = Table(title=title or f"{results.config.algorithm} on {results.config.data.dataset} ({results.config.out})")
     private = any(record.epsilon is not None for record in results.rounds)
-    columns = ("", "round", "test accuracy (mean ± std)", "min", "max", *(("ε",) if private else ()), "chosen by")
+    columns = ("", "round", "test accuracy (mean ± std)", "10th pct", "min", "max", *(("ε",) if private else ()))
+    columns += ("chosen by",)
     for column in columns:
         table.add_column(column, justify="right" if column else "left")
     if not summary:
@@ -152,11 +156,13 @@ def results_table(results: Results, title: str = ""):
         acc = entry["test_accuracy"]
         chosen = entry.get("chosen_by", "the final round")
         epsilon = (_epsilon(by_round[entry["round"]].epsilon),) if private else ()
-        table.add_row(key, str(entry["round"]), _pm(acc), _pct(acc["min"]), _pct(acc["max"]), *epsilon, chosen)
+        row = (_pm(acc), _pct(acc.get("p10")), _pct(acc["min"]), _pct(acc["max"]))
+        table.add_row(key, str(entry["round"]), *row, *epsilon, chosen)
     if results.persfl is not None:
         for key, chosen in (("teacher", "each client's lowest validation loss"), ("student", "best validation (λ, T)")):
             acc = results.persfl[key]["test_accuracy"]
-            table.add_row(f"persfl {key}", "-", _pm(acc), _pct(acc["min"]), _pct(acc["max"]), chosen)
+            row = (_pm(acc), _pct(acc.get("p10")), _pct(acc["min"]), _pct(acc["max"]))
+            table.add_row(f"persfl {key}", "-", *row, *(("-",) if private else ()), chosen)
     return table
 
 
@@ -165,7 +171,7 @@ def _epsilon(value: float | None) -> str:
 
 
 def _brief(accuracy: dict[str, Any]) -> dict[str, Any]:
-    return {k: accuracy[k] for k in ("mean", "std", "min", "max")}
+    return {k: accuracy.get(k) for k in ("mean", "std", "min", "max", "p10")}  # results of older runs have no p10
 
 
 def _pct(value: float | None) -> str:
