@@ -162,6 +162,12 @@ def context(ids: Sequence[int], seq_len: int) -> np.ndarray:
     return window
 
 
+def phrase_context(phrase: str, vocabulary: Vocabulary, seq_len: int) -> np.ndarray:
+    """What the model reads to suggest the word after `phrase`, a line typed so far: <bos> and its words, as
+    `context` windows them (device_runtime/web/src/text.js `phraseContext` is the same)."""
+    return context(np.concatenate([[BOS_ID], vocabulary.encode(tokenize(phrase))]), seq_len)
+
+
 def next_word_samples(lines: Iterable[str], vocabulary: Vocabulary, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Every position after <bos> of every non-empty line: x int64 (N, seq_len), the word before it; y int64 (N,)."""
     if seq_len < 1:

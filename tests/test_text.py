@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from edgepfl.text import (
     load_vocabulary,
     manifest_entry,
     next_word_samples,
+    phrase_context,
     read_text,
     tokenize,
     write_vocabulary,
@@ -75,3 +78,11 @@ def test_a_text_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
         read_text(path)
     path.write_bytes("\ufeffhello".encode())
     assert read_text(path) == "hello"
+
+
+def test_a_typed_phrase_reads_bos_and_its_words_and_counts_skip_specials():
+    vocabulary = Vocabulary.from_counts(Counter({"hello": 3, "<eos>": 9, "world": 1, "unused": 0}), size=5)
+    assert vocabulary.words == ("<pad>", "<oov>", "<bos>", "<eos>", "hello", "world")
+    assert phrase_context("Hello there", vocabulary, 4).tolist() == [PAD_ID, BOS_ID, 4, OOV_ID]
+    assert phrase_context("", vocabulary, 2).tolist() == [PAD_ID, BOS_ID]
+    assert counted(np.array([0, 1, 2, 3, 4]), ignored=[1]).tolist() == [True, False, True, True, True]

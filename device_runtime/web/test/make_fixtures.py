@@ -37,6 +37,7 @@ from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
 from edgepfl.errors import DataError, WireError  # noqa: E402
 from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
+from edgepfl.text import Vocabulary, manifest_entry, phrase_context, tokenize, write_vocabulary  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
 from tests.conftest import export_test_bundle  # noqa: E402
 
@@ -104,8 +105,50 @@ def main(out: Path) -> None:
     write_safetensors(out, results)
     write_images(out, manifest, results)
     write_folders(out, manifest, results)
+    write_text(out, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
     make_secagg_fixtures.main(out)
+
+
+# strings whose tokens the page (src/text.js) must give exactly as Python: punctuation, apostrophes, Unicode, NFKC,
+# control characters, emoji
+TEXT_CASES = [
+    "",
+    "   \t ",
+    "Hello, world! How are you?",
+    "Don't stop: o'er the hills, 'tis rock'n'roll -- dogs' toys ''quoted''",
+    "Don\u2019t \u2018single\u2019 \u201cdouble\u201d",
+    "well-known e-mail at 3.14 or 1,000 (x) [y] {z} <a> @b #c $d %e ^f &g *h",
+    "snake_case_name __init__ _x_",
+    "caf\u00e9 cafe\u0301 Stra\u00dfe \u0130stanbul \u039f\u0394\u039f\u03a3 \u0928\u092e\u0938\u094d\u0924\u0947",
+    "\u4f60\u597d\u4e16\u754c \u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd",
+    "\uff21\uff22\uff23 \ufb01ne \u2460 \u00bd x\u00b2 \u210c \u3000wide\u3000space \u2126",
+    "bell\x07tab\tnull\x00nel\x85del\x7f zero\u200bwidth bom\ufeffhere nbsp\u00a0ogham\u1680line\u2028end",
+    "\U0001f44d\U0001f3fd \U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f1eb\U0001f1f7 1\ufe0f\u20e3 \u2764\ufe0f!!",
+    "UPPER lower MiXeD \u00c9COLE",
+    "a'b' 'c ' d'' e''f",
+]
+TEXT_SEQ_LEN = 6
+
+
+def write_text(out: Path, results: dict) -> None:
+    """A vocabulary (text/vocab.json) and Python's tokens, ids and next-word windows of TEXT_CASES."""
+    vocabulary = Vocabulary.from_texts(TEXT_CASES[2:8], size=40)
+    folder = out / "text"
+    folder.mkdir(exist_ok=True)
+    write_vocabulary(folder, vocabulary)
+    results["text"] = {
+        "task": manifest_entry(vocabulary, TEXT_SEQ_LEN),
+        "cases": [
+            {
+                "text": text,
+                "tokens": tokenize(text),
+                "ids": vocabulary.encode(tokenize(text)).tolist(),
+                "context": phrase_context(text, vocabulary, TEXT_SEQ_LEN).tolist(),
+            }
+            for text in TEXT_CASES
+        ],
+    }
 
 
 def settings_verdict(settings: dict) -> dict:

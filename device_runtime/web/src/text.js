@@ -1,0 +1,132 @@
+// @ts-check
+// Word-level text for a next-word bundle, by the rules of edgepfl/text.py: the one tokenizer (NFKC, lower case,
+// curly apostrophes made straight, control characters as spaces; a word is a run of letters and digits joined by
+// inner apostrophes, any other visible character a token of its own), the bundle's vocab.json checked against its
+// manifest, and the window of ids the model reads. A fixture written by Python (test/make_fixtures.py) pins
+// tokens, ids and windows of tricky strings on both sides.
+
+import { DeviceError } from './errors.js';
+import { checkSha256 } from './sha256.js';
+
+export const SPECIALS = ['<pad>', '<oov>', '<bos>', '<eos>'];
+export const PAD_ID = 0;
+export const OOV_ID = 1;
+export const BOS_ID = 2;
+export const EOS_ID = 3;
+export const VOCAB_FORMAT = 'edgepfl-vocab/1';
+
+// Python's whitespace (str.isspace) rather than JavaScript's \s, which also counts U+FEFF; the control characters
+// among them are spaces already
+const SPACE = '\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000';
+const TOKEN = new RegExp(`[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*|_|[^\\p{L}\\p{N}_${SPACE}]`, 'gu');
+const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
+
+/** A problem with a text or its vocabulary, with the fix. */
+export class TextError extends DeviceError {}
+
+/**
+ * The words and punctuation of `text`, as Python's `edgepfl.text.tokenize` gives them.
+ * @param {string} text
+ * @returns {string[]}
+ */
+export function tokenize(text) {
+  const plain = text.normalize('NFKC').toLowerCase().replaceAll('\u2019', "'").replace(CONTROL, ' ');
+  return plain.match(TOKEN) || [];
+}
+
+/**
+ * The last `seqLen` ids, left-padded with <pad>: what the model reads to predict the next word.
+ * @param {ArrayLike<number>} ids
+ * @param {number} seqLen
+ * @returns {number[]}
+ */
+export function context(ids, seqLen) {
+  const tail = Array.from(ids).slice(Math.max(ids.length - seqLen, 0));
+  return [...new Array(seqLen - tail.length).fill(PAD_ID), ...tail];
+}
+
+/** The words a bundle's model knows, by id (vocab.json), with the encoder of tokens to ids. */
+export class Vocabulary {
+  /** @param {string[]} words the specials first, then the corpus's words by frequency */
+  constructor(words) {
+    if (SPECIALS.some((special, i) => words[i] !== special)) {
+      throw new TextError(`a vocabulary must start with ${SPECIALS.join(', ')}`, 'export the bundle again');
+    }
+    /** @type {string[]} */
+    this.words = words;
+    /** @type {Map<string, number>} */
+    this.index = new Map(words.map((word, id) => [word, id]));
+    if (this.index.size !== words.length) {
+      throw new TextError('the vocabulary lists a word twice', 'export the bundle again');
+    }
+  }
+
+  /**
+   * Token ids, <oov> for a word the vocabulary lacks.
+   * @param {string[]} tokens
+   * @returns {number[]}
+   */
+  encode(tokens) {
+    return tokens.map((token) => this.index.get(token) ?? OOV_ID);
+  }
+
+  /**
+   * Words of ids.
+   * @param {ArrayLike<number>} ids
+   * @returns {string[]}
+   */
+  decode(ids) {
+    return Array.from(ids, (id) => this.words[id]);
+  }
+}
+
+/**
+ * What the model reads to suggest the word after `phrase` (a line typed so far): <bos> and its words, windowed.
+ * @param {string} phrase
+ * @param {Vocabulary} vocabulary
+ * @param {number} seqLen
+ * @returns {number[]}
+ */
+export function phraseContext(phrase, vocabulary, seqLen) {
+  return context([BOS_ID, ...vocabulary.encode(tokenize(phrase))], seqLen);
+}
+
+/**
+ * @typedef {object} TextTask what a text bundle's manifest says of its samples (manifest.json `task`)
+ * @property {string} kind "next-word"
+ * @property {string} vocab the vocabulary's file in the bundle
+ * @property {string} vocab_sha256 its sha256
+ * @property {number} vocab_size words, specials included
+ * @property {number} seq_len tokens a sample reads
+ * @property {number[]} metric_ignores target ids accuracy does not count
+ */
+
+/**
+ * A bundle's vocabulary from the bytes of its vocab.json, refused unless they are the ones the manifest names.
+ * @param {Uint8Array} bytes
+ * @param {TextTask} task
+ * @returns {Promise<Vocabulary>}
+ */
+export async function loadVocabulary(bytes, task) {
+  await checkSha256(bytes, task.vocab_sha256, task.vocab || 'vocab.json');
+  /** @type {unknown} */
+  let document;
+  try {
+    document = JSON.parse(new TextDecoder('utf-8', { fatal: true }).decode(bytes));
+  } catch {
+    document = null;
+  }
+  const words = document && typeof document === 'object' ? /** @type {{words?: unknown}} */ (document).words : null;
+  const format = document && typeof document === 'object' ? /** @type {{format?: unknown}} */ (document).format : null;
+  if (format !== VOCAB_FORMAT || !Array.isArray(words) || !words.every((word) => typeof word === 'string')) {
+    throw new TextError(`${task.vocab || 'vocab.json'} is not an edgepfl vocabulary`, 'export the bundle again');
+  }
+  const vocabulary = new Vocabulary(words);
+  if (vocabulary.words.length !== task.vocab_size) {
+    throw new TextError(
+      `the vocabulary has ${vocabulary.words.length} words, the manifest says ${task.vocab_size}`,
+      'export the bundle again',
+    );
+  }
+  return vocabulary;
+}
