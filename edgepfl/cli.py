@@ -120,7 +120,7 @@ def partition_command(options: PartitionCommand) -> None:
         split = ",".join(f"{fraction:g}" for fraction in data.split)
         generated = "" if data.partition.startswith("file:") else f" --seed {options.seed} --split {split}"
         title = f"{dataset.name} {data.partition}, {len(parts)} clients{generated}"
-        table = partition_table(parts, dataset.labels, title=title)
+        table = partition_table(parts, dataset.labels, title=title, names=getattr(dataset, "client_names", ()))
         wide = Console(width=100_000)
         needed = Measurement.get(wide, wide.options, table).maximum
         Console(width=max(console.width, needed)).print(table)  # a cut-off count is worse than a wide line

@@ -51,6 +51,7 @@ MIN_CLIENT_SAMPLES = 10
 MIN_CLASS_SAMPLES = 5
 DIRICHLET_ATTEMPTS = 1000
 INDEX_SPACES = ("train+test", "train")
+MAX_CLASS_COLUMNS = 200  # more classes (a vocabulary's words) make a table nobody reads: it shows the totals
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,11 +206,13 @@ def class_counts(parts: Sequence[ClientSplit], labels: np.ndarray, which: str = 
     return counts
 
 
-def partition_table(parts: Sequence[ClientSplit], labels: np.ndarray, title: str = ""):
-    """A rich Table: one row per client with its count per class and its train/val/test totals."""
+def partition_table(parts: Sequence[ClientSplit], labels: np.ndarray, title: str = "", names: Sequence[str] = ()):
+    """A rich Table: one row per client with its count per class (up to MAX_CLASS_COLUMNS classes) and its
+    train/val/test totals."""
     from rich.table import Table
 
     counts = class_counts(parts, labels)
+    counts = counts if counts.shape[1] <= MAX_CLASS_COLUMNS else counts[:, :0]  # a next-word task: totals only
     table = Table(title=title or None)
     table.add_column("client", justify="right")
     for klass in range(counts.shape[1]):
@@ -218,7 +221,8 @@ def partition_table(parts: Sequence[ClientSplit], labels: np.ndarray, title: str
         table.add_column(column, justify="right", style="bold")
     for row, part in enumerate(parts):
         cells = [str(c) if c else "." for c in counts[row]]
-        table.add_row(str(row), *cells, str(len(part.train)), str(len(part.val)), str(len(part.test)), str(part.size))
+        sizes = (str(len(part.train)), str(len(part.val)), str(len(part.test)), str(part.size))
+        table.add_row(names[row] if names else str(row), *cells, *sizes)
     totals = counts.sum(axis=0)
     table.add_row(
         "all",

@@ -171,3 +171,15 @@ def test_shakespeare_reads_roles_of_the_installed_plays():
     assert "a-midsummer-night-s-dream/THESEUS" in dataset.client_names
     assert len(dataset.vocabulary) == 504 and dataset.vocabulary.words[4] in tokenize("the , .")
     assert isinstance(dataset.vocabulary, Vocabulary)
+
+
+def test_partition_shows_a_text_folders_clients_by_name(tmp_path):
+    import subprocess
+    import sys
+
+    texts = {f"{name}.txt": f"{name} writes a line of words here\n" * 6 for name in ("ann", "bo")}
+    folder = _text_folder(tmp_path, texts)
+    args = ["partition", "--dataset", f"textdir:{folder}", "--min-words", "5", "--show"]
+    shown = subprocess.run([sys.executable, "-m", "edgepfl.cli", *args], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "ann" in shown.stdout and "bo" in shown.stdout and "natural, 2 clients" in shown.stdout

@@ -414,6 +414,7 @@ def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engin
         "dataset_verified": dataset.verified,
         "clients": len(parts),
         "client_sizes": [int(p.size) for p in parts],
+        **({"client_names": list(dataset.client_names)} if getattr(dataset, "client_names", ()) else {}),
         "kp": manifest.kp,
         "blocks": len(manifest.blocks),
         "engine": engine.name,
