@@ -144,7 +144,12 @@ class DeviceFiles(BaseModel):
 
     bundle: Annotated[Path, Field(description="bundle folder written by `edgepfl export`", examples=["DIR"])]
     data: Annotated[
-        Path, Field(description=".npz with x and y, or an image folder with one sub-folder per class", examples=["DIR"])
+        Path,
+        Field(
+            description=".npz with x and y, or an image folder with one sub-folder per class; a text bundle: a UTF-8 "
+            ".txt; a sensor bundle: .npz (x, y, channels) or .csv windows (docs/device.md)",
+            examples=["DIR"],
+        ),
     ]
     state: Annotated[
         Path,
