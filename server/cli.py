@@ -83,6 +83,20 @@ def tokens_add(
     typer.echo(token)
 
 
+@tokens_app.command("operator")
+def tokens_operator(state: Annotated[Path, typer.Option(help="the server's state folder")]) -> None:
+    """Print a new operator token once (the previous one stops working): with it /v1/status and / name devices."""
+    from edgepfl.server.store import Store
+    from edgepfl.server.tokens import issue_operator_token
+
+    store = Store(state)
+    try:
+        token = issue_operator_token(store)
+    finally:
+        store.close()
+    typer.echo(token)
+
+
 @tokens_app.command("list")
 def tokens_list(state: Annotated[Path, typer.Option(help="the server's state folder")]) -> None:
     """List enrolled devices (names and enrollment time; tokens are never shown again)."""

@@ -74,6 +74,8 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
         )
     if status.get("stopped"):
         head += f"<br>{html.escape(status['stopped'])}"
+    for warning in status.get("fleet_warnings") or []:
+        head += f"<br><b>{html.escape(warning)}</b>"  # a fleet setting that cannot work
     add = f' <a class="add" href="{JOIN_PATH}">Add a device</a>' if add_device else ""
     fleet = fleet_section(status, time.time())
     return f"""<!doctype html>
@@ -99,49 +101,66 @@ SECURE_STEPS = {  # what a secure round's step is doing, in the status page's wo
 
 
 def fleet_section(status: dict[str, Any], now: float) -> str:
-    """What the round waits for: a sync round's missing devices and when it gives up, or FedBuff's base version,
-    buffer fill and each device's last staleness ("" when there is nothing to say)."""
+    """What the round waits for: a sync round's missing devices (or their count: only the operator's view names
+    them) and when it gives up, or FedBuff's base version, buffer fill and its devices' staleness ("" when there
+    is nothing to say)."""
     buffered = status.get("fedbuff")
     if buffered is not None:
         head = (
             f"FedBuff: base version <b>{buffered['base_version']}</b> · buffer {buffered['buffered']} / "
             f"{buffered['buffer_size']} uploads · uploads over {buffered['max_staleness']} versions old are refused"
         )
-        devices = sorted(buffered["devices"].items(), key=lambda item: (-item[1]["round"], item[0]))
-        rows = "".join(
-            f"<tr><td>{html.escape(name)}</td><td>{last['round']}</td><td>{last['staleness']}</td>"
-            f"<td>{last['applied'] if last['applied'] is not None else 'in the buffer'}</td></tr>"
-            for name, last in devices[:50]
-        )
-        more = f"<p>… and {len(devices) - 50} more devices</p>" if len(devices) > 50 else ""
-        table = (
-            '<div class="rounds"><table><tr><th>device</th><th>last trained on version</th><th>staleness</th>'
-            f"<th>applied in step</th></tr>{rows}</table></div>{more}"
-            if devices
-            else ""
-        )
-        return f'<div id="fleet"><p>{head}</p>{table}</div>\n'
+        return f'<div id="fleet"><p>{head}</p>{_staleness_table(buffered)}</div>\n'
     open_round = status.get("open_round")
     if open_round is None:
         return ""
-    missing, step = open_round["missing"], open_round.get("secure_step")
-    waiting = (
-        f"waiting for {', '.join(html.escape(name) for name in missing[:20])}"
-        + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
-        if missing
-        else "every device has answered this step" if step else "every sampled device has uploaded"
-    )
+    step, count = open_round.get("secure_step"), open_round["waiting_for"]
+    named = open_round.get("missing")  # the operator's view names the devices; everyone else sees how many
+    if named:
+        waiting = f"waiting for {', '.join(html.escape(name) for name in named[:20])}" + (
+            f" and {len(named) - 20} more" if len(named) > 20 else ""
+        )
+    elif count:
+        waiting = f"waiting for {count} device{'s' if count != 1 else ''}"
+    else:
+        waiting = "every device has answered this step" if step else "every sampled device has uploaded"
     left = open_round["gives_up_at"] - now
     when = time.strftime("%H:%M:%S", time.localtime(open_round["gives_up_at"]))
-    gives_up = f"gives up at {when} (in {_duration(left)})" if left > 0 else f"gave up at {when}"
-    refused = open_round["refused"]
-    refusals = f" · refused its base: {', '.join(html.escape(name) for name in refused)}" if refused else ""
+    ends = "this step ends" if step and step != "keys" else "gives up"  # a secure step closes with who answered
+    gives_up = f"{ends} at {when} (in {_duration(left)})" if left > 0 else f"{'ended' if step else 'gave up'} at {when}"
+    refused = open_round.get("refused")
+    if refused:
+        refusals = f" · refused its base: {', '.join(html.escape(name) for name in refused)}"
+    else:
+        refusals = f" · {open_round['refused_base']} refused its base" if open_round["refused_base"] else ""
     progress = (
         f"secure aggregation, {SECURE_STEPS.get(step, step)}"
         if step
         else f"{open_round['uploads']} of the {open_round['target']} uploads it needs"
     )
     return f'<p id="fleet">Round <b>{open_round["round"]}</b>: {progress} · {waiting} · {gives_up}{refusals}</p>\n'
+
+
+def _staleness_table(buffered: dict[str, Any]) -> str:
+    """FedBuff's devices: each one's last upload for the operator (its names), else how many at each staleness."""
+    devices = buffered.get("devices")
+    if devices is None:
+        counts = buffered["devices_by_staleness"]
+        cells = ", ".join(f"{n} at staleness {s}" for s, n in counts.items())
+        return f"<p>devices by the staleness of their last upload: {cells}</p>" if counts else ""
+    rows = sorted(devices.items(), key=lambda item: (-item[1]["round"], item[0]))
+    lines = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{last['round']}</td><td>{last['staleness']}</td>"
+        f"<td>{last['applied'] if last['applied'] is not None else 'in the buffer'}</td></tr>"
+        for name, last in rows[:50]
+    )
+    more = f"<p>… and {len(rows) - 50} more devices</p>" if len(rows) > 50 else ""
+    return (
+        '<div class="rounds"><table><tr><th>device</th><th>last trained on version</th><th>staleness</th>'
+        f"<th>applied in step</th></tr>{lines}</table></div>{more}"
+        if rows
+        else ""
+    )
 
 
 def _duration(seconds: float) -> str:

@@ -182,6 +182,15 @@ class SecureRounds:
             expected, answered = _step_wait(session, given, refused)
             return session.phase, sorted(expected - answered)
 
+    def step_deadline(self, record: RoundRecord) -> float:
+        """When the open round's current step ends at the latest: the keys step at the round's deadline, each later
+        step --secagg-step-timeout after the one before it closed (the round's deadline no longer applies then)."""
+        with self._lock:
+            row = self.db.row(record.round_id)
+            if row is None or row.phase == "keys":
+                return record.deadline
+            return row.since + self.step_timeout
+
     def sum_of(self, round_id: int) -> SecureSum:
         """The round's unmasked sum, read back as the weighted delta sum and the weight sum (SecAggError: failed)."""
         with self._lock:

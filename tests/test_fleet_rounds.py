@@ -80,14 +80,15 @@ def test_the_status_names_who_is_missing_and_when_the_round_gives_up(tmp_path: P
         engine.task(device)
     record = engine.current_round()
     engine.accept_update(record.sampled[0], 1, shifted(engine, record.sampled[0], 1, 1.0))
-    status = engine.status()["open_round"]
+    status = engine.status(names=True)["open_round"]
     assert status["missing"] == list(record.sampled[1:]) and status["gives_up_at"] == record.deadline
-    # the status page says it in words: who the round waits for, and when it gives up
-    line = fleet_section(engine.status(), record.deadline - 240)
+    # the status page says it in words: who the round waits for (the operator's view), and when it gives up
+    line = fleet_section(engine.status(names=True), record.deadline - 240)
     when = time.strftime("%H:%M:%S", time.localtime(record.deadline))
     assert f"1 of the {record.needed} uploads it needs" in line and f"gives up at {when} (in 4 min)" in line
     assert "waiting for " + ", ".join(record.sampled[1:]) in line
     assert "gave up at" in fleet_section(engine.status(), record.deadline + 1)
+    assert f"waiting for {len(record.sampled) - 1} devices ·" in fleet_section(engine.status(), record.deadline - 240)
 
 
 # FedBuff
@@ -120,10 +121,10 @@ def test_fedbuff_steps_every_k_uploads_weighting_each_by_its_staleness(tmp_path:
     expected = {name: step_one[name] + 0.5 * (10 * 8.0 / 2 + 10 * 1.0) / 20 for name in start}
     for name in start:
         np.testing.assert_allclose(step_two[name], expected[name], rtol=1e-6)
-    status = engine.status()["fedbuff"]
+    status = engine.status(names=True)["fedbuff"]
     assert status["base_version"] == 3 and status["buffered"] == 0
     assert status["devices"]["d1"] == {"round": 1, "staleness": 1, "applied": 2}
-    page = render_page(engine.status())
+    page = render_page(engine.status(names=True))
     assert "FedBuff: base version <b>3</b> · buffer 0 / 2 uploads" in page
     assert "<tr><td>d1</td><td>1</td><td>1</td><td>2</td></tr>" in page
 

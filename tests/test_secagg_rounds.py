@@ -216,7 +216,7 @@ def test_the_status_of_an_open_secure_round_names_who_its_step_waits_for(tmp_pat
     devices = Devices(engine, clock)
 
     def waiting() -> tuple[str, list[str]]:
-        open_round = engine.status()["open_round"]
+        open_round = engine.status(names=True)["open_round"]
         return open_round["secure_step"], open_round["missing"]
 
     assert waiting() == ("keys", sorted(NAMES))
@@ -226,8 +226,9 @@ def test_the_status_of_an_open_secure_round_names_who_its_step_waits_for(tmp_pat
     assert waiting() == ("shares", sorted(NAMES))
     devices.share(NAMES[1:])
     assert waiting() == ("shares", [NAMES[0]])
-    page = render_page(engine.status())
+    page = render_page(engine.status(names=True))
     assert f"secure aggregation, passing on the devices' encrypted shares · waiting for {NAMES[0]}" in page
+    assert "passing on the devices' encrypted shares · waiting for 1 device ·" in render_page(engine.status())
     devices.share(NAMES[:1])
     devices.upload(NAMES[:4])
     assert waiting() == ("inputs", [NAMES[4]])
