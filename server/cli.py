@@ -58,6 +58,8 @@ def serve(ctx: typer.Context, options: ServeCommand) -> None:
         f"edgepfl serve: {config.strategy_name}, {config.rounds} rounds, state {config.state}, "
         f"{scheme}://{listen.host}:{listen.port}{enrollment}"
     )
+    for warning in config.fleet_warnings(engine.store.count_devices()):  # said again on the status page
+        typer.echo(f"warning: {warning}", err=True)
     app = create_app(engine, limits)
     announce(engine.store, listen, config.public_status, app.state.device_note)
     run_server(app, listen.host, listen.port, limits, listen.log_level, listen.tls)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from edgepfl.server.fleet import fleet_warnings
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
 
@@ -47,9 +46,7 @@ def server_status(
         "secure_aggregation": secure_status(engine),
         "aggregation": fleet.aggregation,
         "over_select": fleet.over_select,
-        "fleet_warnings": fleet_warnings(
-            fleet, engine.config.fraction, engine.config.min_clients, engine.config.round_timeout, enrolled
-        ),
+        "fleet_warnings": engine.config.fleet_warnings(enrolled),
         "fedbuff": fedbuff_status(engine, rounds, names) if fleet.asynchronous else None,
         "stopped": engine.stopped,
         "open_round": open_round_status(engine, rounds, rows, names),
