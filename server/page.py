@@ -173,29 +173,36 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {round(seconds % 3600 / 60)} min"
 
 
-def render_join_page(url: str, note: str, form: bool = True) -> str:
-    """A join link and its QR code (SVG by `segno`), a line about it (`note`), and a form for an expiring link."""
+def render_join_page(url: str, note: str, shared: bool = False) -> str:
+    """A join link and its QR code (SVG by `segno`), a line about it (`note`), and a form for a link that expires.
+
+    The fleet-wide link (`shared`: it holds the enrollment secret and never expires) comes last, folded away: the
+    page leads with the form, set to make a link for one device that expires in an hour.
+    """
     import segno
 
     qr = segno.make(url, error="m").svg_inline(scale=6, border=2, title="join link")
     link = html.escape(url, quote=True)
-    expiring = (
-        f"""<form method="post" action="{JOIN_PATH}"><h2>A link that expires</h2>
+    shown = f"""<p>Scan the code with a phone, or open the link on any device. {html.escape(note)}</p>
+<p>{qr}</p>
+<p><a id="join-link" href="{link}">{link}</a></p>"""
+    form = f"""<form method="post" action="{JOIN_PATH}"><h2>{"A link for one device" if shared else "Another link"}, \
+that expires</h2>
 <label>expires after <input name="expires" value="1h" size="5" required> (30m, 1h, 2d)</label>
-<label>for at most <input name="max_devices" type="number" min="1" size="4" placeholder="any"> devices</label>
+<label>for at most <input name="max_devices" type="number" min="1" size="4" value="1" placeholder="any"> \
+devices</label>
 <button type="submit">Make a link</button></form>"""
-        if form
-        else ""
+    body = (
+        f"{form}\n<details><summary>The fleet-wide link (never expires)</summary>\n{shown}\n</details>"
+        if shared
+        else f"{shown}\n{form}"
     )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>edgepfl: join</title><style>{JOIN_STYLE}</style>
 </head><body>
 <h1>Join this edgepfl server</h1>
-<p>Scan the code with a phone, or open the link on any device. {html.escape(note)}</p>
-<p>{qr}</p>
-<p><a id="join-link" href="{link}">{link}</a></p>
-{expiring}
+{body}
 </body></html>
 """
 
