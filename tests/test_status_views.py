@@ -119,17 +119,28 @@ def test_only_the_operator_sees_fedbuff_devices(tmp_path: Path) -> None:
     check_views(engine, tokens, operator, list(NAMES[:2]))
 
 
-def test_only_the_operator_sees_who_a_secure_step_waits_for_with_the_device_page_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step", ["keys", "shares", "inputs"])
+def test_only_the_operator_sees_who_a_secure_step_waits_for_with_the_device_page_on(tmp_path: Path, step: str) -> None:
+    """At each step the devices fetch the round's key book, their inboxes: these name the devices by their ids in
+    the protocol (keyed hashes), never by their enrolled names."""
     engine, tokens, operator, _ = served(tmp_path, secure=True)
     record = engine.current_round()
     assert record is not None
-    task = engine.task(NAMES[0])
-    session = ClientSession.start(task.secure_aggregation.device, task.secure_aggregation.context)
-    engine.secure_message(NAMES[0], record.round_id, "advert", to_json(session.advert()).encode())
+    sessions = {}
+    for name in NAMES if step != "keys" else NAMES[:1]:
+        task = engine.task(name).secure_aggregation
+        sessions[name] = ClientSession.start(task.device, task.context)
+        assert task.device not in NAMES and task.device == engine.secure.alias(name)
+        engine.secure_message(name, record.round_id, "advert", to_json(sessions[name].advert()).encode())
     engine.tick()
-    assert engine.status()["open_round"]["secure_step"] == "keys"
+    for name in NAMES[:3] if step == "shares" else NAMES if step == "inputs" else ():
+        shares = sessions[name].receive_book(engine.secure_book(name, record.round_id))
+        engine.secure_message(name, record.round_id, "shares", to_json(shares).encode())
+    engine.tick()
+    assert engine.status()["open_round"]["secure_step"] == step
     assert any("/secagg/" in path for path in get_routes(create_app(engine)))
-    check_views(engine, tokens, operator, list(NAMES[1:]))
+    waited_for = {"keys": NAMES[1:], "shares": NAMES[3:], "inputs": NAMES}[step]
+    check_views(engine, tokens, operator, list(waited_for))
 
 
 @pytest.mark.parametrize("credential", ["none", "device"])
