@@ -19,7 +19,7 @@ from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.page import fleet_section, render_page
-from edgepfl.server.store import Store
+from edgepfl.server.store import DB_NAME, Store
 from edgepfl.server.tokens import issue_operator_token
 from edgepfl.wire import decode_tensors
 
@@ -171,3 +171,21 @@ def test_a_secure_round_shows_the_deadline_of_its_current_step(tmp_path: Path) -
     assert open_round["gives_up_at"] == clock.now + 60 < record.deadline
     when = time.strftime("%H:%M:%S", time.localtime(clock.now + 60))
     assert f"this step ends at {when} (in 50 s)" in fleet_section(engine.status(), clock.now + 10)
+
+
+def test_serve_tokens_operator_prints_a_new_token_that_replaces_the_last(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+    from edgepfl.server.tokens import is_operator_token
+
+    state = tmp_path / "state"
+    first, second = (CliRunner().invoke(app, ["serve", "tokens", "operator", "--state", str(state)]) for _ in "ab")
+    assert first.exit_code == 0 and second.exit_code == 0 and len(second.stdout.strip()) >= 40
+    store = Store(state)
+    try:
+        assert is_operator_token(store, second.stdout.strip()) and not is_operator_token(store, first.stdout.strip())
+        stored = b"".join(path.read_bytes() for path in state.iterdir() if path.is_file())
+        assert (state / DB_NAME).is_file() and second.stdout.strip().encode() not in stored  # only its sha256
+    finally:
+        store.close()
