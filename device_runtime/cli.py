@@ -37,6 +37,14 @@ device_app = typer.Typer(cls=ErrorBoundary,
     pretty_exceptions_enable=False,
 )
 
+@device_app.callback()
+def _device() -> None:
+    """Train on this device: take part in server rounds, train locally, evaluate. Never needs torch."""
+    from edgepfl.ortbuild import onnxruntime_without_torch
+
+    onnxruntime_without_torch()  # before any command imports onnxruntime: its training build would load torch
+
+
 @device_app.command()
 @command(EnrollCommand)
 def enroll(options: EnrollCommand) -> None:
@@ -64,8 +72,11 @@ def enroll(options: EnrollCommand) -> None:
         write_secret_file(token_file, token, "--token-file")
         with contextlib.suppress(OSError):  # a key left behind only re-enrolls this name with the secret
             key_file.unlink(missing_ok=True)
+        typer.echo(f"enrolled as {name} at {server}; its token is in {token_file} (private: keep it so)", err=True)
         return
-    if token_file is None:
+    if token_file is None:  # the token alone on stdout, for a script; what happened on stderr
+        typer.echo(f"enrolled as {name} at {server}; its token follows, shown once (--token-file keeps it in a file)",
+                   err=True)
         typer.echo(token)
 
 

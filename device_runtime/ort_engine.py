@@ -12,13 +12,15 @@ import numpy as np
 from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set
 from edgepfl.errors import BundleError
 from edgepfl.manifest import Manifest
+from edgepfl.ortbuild import onnxruntime_without_torch
 
 
 def import_training_api() -> types.ModuleType:
     """`onnxruntime.training.api` without its package __init__, which imports torch (ORT 1.19)."""
+    onnxruntime_without_torch()
     import onnxruntime
 
-    if "onnxruntime.training" not in sys.modules:
+    if "onnxruntime.training" not in sys.modules:  # onnxruntime was imported before, without its training package
         package = types.ModuleType("onnxruntime.training")
         package.__path__ = [os.path.join(os.path.dirname(onnxruntime.__file__), "training")]
         sys.modules["onnxruntime.training"] = package

@@ -266,7 +266,7 @@ class SecureTask:
     """A secure round (docs/secure-aggregation.md): where its protocol steps are, and who the device is in them."""
 
     url: str  # the steps' routes: URL/advert, URL/book, URL/shares, URL/inbox, URL/masked, URL/unmask, URL/reveal
-    device: str  # the device's id in the key book (its enrolled name)
+    device: str  # the device's id in the key book: a keyed hash of its name (other devices never learn names)
     context: str  # the round's context, which its keys and shares are bound to
 
     @classmethod

@@ -29,6 +29,7 @@ from edgepfl.server.headers import SecuredApp
 from edgepfl.server.http_errors import STATUS, status_of
 from edgepfl.server.page import STATUS_PAGE_POLICY, DeviceNote, render_page, render_plot
 from edgepfl.server.store import StorageError
+from edgepfl.server.tokens import is_operator_token
 
 log = logging.getLogger("edgepfl.server")
 
@@ -119,15 +120,21 @@ def _device(request: Request, credentials: Credentials) -> str:
     return engine.enrollment.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
 
 
-def _viewer(request: Request, credentials: Credentials) -> None:
-    if not request.app.state.engine.config.public_status:
+def _viewer(request: Request, credentials: Credentials) -> bool:
+    """Whether the status may name devices: only for the operator's token (`edgepfl serve tokens operator`); a
+    device's token, or anyone with --public-status, sees counts and timings; else 401."""
+    engine: RoundEngine = request.app.state.engine
+    if credentials is not None and is_operator_token(engine.store, credentials.credentials):
+        return True
+    if not engine.config.public_status:
         _device(request, credentials)
+    return False
 
 
-def _page_viewer(request: Request, credentials: Credentials) -> None:
+def _page_viewer(request: Request, credentials: Credentials) -> bool:
     """As _viewer, with a fix a person in a browser (who cannot send a token) can follow."""
     try:
-        _viewer(request, credentials)
+        return _viewer(request, credentials)
     except Refused as error:
         raise Refused(
             error.error,
@@ -140,6 +147,7 @@ def _page_viewer(request: Request, credentials: Credentials) -> None:
 
 Device = Annotated[str, Depends(_device)]
 Viewer = Depends(_viewer)
+Names = Annotated[bool, Depends(_viewer)]
 
 
 def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI:
@@ -351,10 +359,11 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         token = await run_in_threadpool(engine.enrollment.enroll, secret, name, address, key)
         return JSONResponse({"device": name, "token": token})
 
-    @app.get(f"{API_PREFIX}/status", dependencies=[Viewer], responses={401: _ERRORS[401]})
-    def get_status() -> dict[str, Any]:
-        """Rounds so far, their upload counts, accuracies and timings (no device names, no tensors)."""
-        return engine.status()
+    @app.get(f"{API_PREFIX}/status", responses={401: _ERRORS[401]})
+    def get_status(names: Names) -> dict[str, Any]:
+        """Rounds so far, their upload counts, accuracies and timings (no tensors; device names only for the
+        operator's token)."""
+        return engine.status(names)
 
     if engine.secure is not None:  # a secure round's steps (server/secure_routes.py)
         from edgepfl.server.secure_routes import add_secure_routes
@@ -362,10 +371,11 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         add_secure_routes(app, engine, _device, limits)
     app.state.device_note = note = _add_device_page(app, engine)
 
-    @app.get("/", response_class=HTMLResponse, dependencies=[Depends(_page_viewer)], responses={401: _ERRORS[401]})
-    def get_page() -> HTMLResponse:
-        """A small self-contained HTML page: the rounds so far and a plot of device accuracy."""
-        page = render_page(engine.status(), note.text, note.add_device)
+    @app.get("/", response_class=HTMLResponse, responses={401: _ERRORS[401]})
+    def get_page(names: Annotated[bool, Depends(_page_viewer)]) -> HTMLResponse:
+        """A small self-contained HTML page: the rounds so far and a plot of device accuracy (device names only for
+        the operator's token)."""
+        page = render_page(engine.status(names), note.text, note.add_device)
         return HTMLResponse(page, headers={"Content-Security-Policy": STATUS_PAGE_POLICY})
 
     @app.get(

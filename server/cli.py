@@ -58,6 +58,8 @@ def serve(ctx: typer.Context, options: ServeCommand) -> None:
         f"edgepfl serve: {config.strategy_name}, {config.rounds} rounds, state {config.state}, "
         f"{scheme}://{listen.host}:{listen.port}{enrollment}"
     )
+    for warning in config.fleet_warnings(engine.store.count_devices()):  # said again on the status page
+        typer.echo(f"warning: {warning}", err=True)
     app = create_app(engine, limits)
     announce(engine.store, listen, config.public_status, app.state.device_note)
     run_server(app, listen.host, listen.port, limits, listen.log_level, listen.tls)
@@ -78,6 +80,20 @@ def tokens_add(
     store = Store(state)
     try:
         token = issue_token(store, name, time.time(), replace=replace)
+    finally:
+        store.close()
+    typer.echo(token)
+
+
+@tokens_app.command("operator")
+def tokens_operator(state: Annotated[Path, typer.Option(help="the server's state folder")]) -> None:
+    """Print a new operator token once (the previous one stops working): with it /v1/status and / name devices."""
+    from edgepfl.server.store import Store
+    from edgepfl.server.tokens import issue_operator_token
+
+    store = Store(state)
+    try:
+        token = issue_operator_token(store)
     finally:
         store.close()
     typer.echo(token)

@@ -22,7 +22,7 @@ from edgepfl.options import FLAG, HIDDEN, OPTIONS, Composed, titled
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions, RoundSettings
 from edgepfl.secagg.options import SecureAggregationOptions, check_secure
-from edgepfl.server.fleet import FleetOptions
+from edgepfl.server.fleet import FleetOptions, fleet_warnings
 from edgepfl.server.strategies import StrategyChoice, options_model
 
 MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
@@ -160,6 +160,10 @@ class ServerConfig(Composed):
                 "drop --share-bn-stats, or use --download-encoding fp32",
             )
         return self
+
+    def fleet_warnings(self, enrolled: int) -> list[str]:
+        """This server's fleet settings that cannot work for `enrolled` devices, one line each with the fix."""
+        return fleet_warnings(self.fleet_rounds, self.fraction, self.min_clients, self.round_timeout, enrolled)
 
     @property
     def strategy_name(self) -> str:

@@ -222,15 +222,15 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
         with self._lock:
             return self.retention.listing()
 
-    def status(self) -> dict[str, Any]:
-        """JSON summary of the server and every round (no device names, no tensors)."""
+    def status(self, names: bool = False) -> dict[str, Any]:
+        """JSON summary of the server and every round (no tensors; device names only with `names`: the operator)."""
         with self._lock:
             now = self.clock()
             rounds = self.store.rounds()
             available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
             training = self.store.open_round() is not None
             state = "done" if self._done() else "closing" if self._closing else "training" if training else "waiting"
-        return server_status(self, rounds, available, state)
+        return server_status(self, rounds, available, state, names)
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late, secure."""

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from edgepfl.errors import UsageError
 from edgepfl.options import titled
+from edgepfl.server.sampling import sample_size
 from edgepfl.server.strategy import AcceptedUpdate
 
 AGGREGATIONS = ("sync", "fedbuff")
@@ -85,6 +86,36 @@ class FleetOptions(BaseModel):
                 "at once (median, trimmed mean) or one base per device planned at the round's start (pfedla)",
                 f"use --strategy {' or '.join(ASYNC_STRATEGIES)} with fedbuff, or --aggregation sync",
             )
+
+
+def fleet_warnings(
+    options: FleetOptions, fraction: float, min_clients: int, round_timeout: float, enrolled: int
+) -> list[str]:
+    """Fleet settings that cannot do what they are for, one line each with the fix (serve prints them at start,
+    the status page shows them): over-selection whose target is already the whole fleet, and a FedBuff buffer
+    that more uploads than the fleet has devices fill. `enrolled` is the fleet so far (0: only what holds for
+    any fleet is said)."""
+    problems = []
+    timeout = f"its whole --round-timeout ({round_timeout:g} s)"
+    if options.over_select > 0 and not options.asynchronous:
+        why = None
+        if fraction >= 1.0:
+            why = "with --fraction 1 a round's target is every available device"
+        elif enrolled and sample_size(enrolled, fraction, min_clients) >= enrolled:
+            why = (f"a round's target is all {enrolled} enrolled devices (--fraction {fraction:g}, --min-clients "
+                   f"{min_clients})")
+        if why is not None:
+            problems.append(
+                f"--over-select {options.over_select:g} samples no extra device: {why}, so a device that vanishes "
+                f"holds the round for {timeout}; fix: lower --fraction (e.g. --fraction 0.6) or --min-clients so "
+                "the target is below the fleet"
+            )
+    if options.asynchronous and enrolled and options.buffer_size > enrolled:
+        problems.append(
+            f"--buffer-size {options.buffer_size} is more than the {enrolled} enrolled devices, and a device uploads "
+            f"once per base version, so every FedBuff step waits for {timeout}; fix: --buffer-size {enrolled} or less"
+        )
+    return problems
 
 
 def staleness_exponent(weight: str) -> float:

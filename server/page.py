@@ -74,6 +74,8 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
         )
     if status.get("stopped"):
         head += f"<br>{html.escape(status['stopped'])}"
+    for warning in status.get("fleet_warnings") or []:
+        head += f"<br><b>{html.escape(warning)}</b>"  # a fleet setting that cannot work
     add = f' <a class="add" href="{JOIN_PATH}">Add a device</a>' if add_device else ""
     fleet = fleet_section(status, time.time())
     return f"""<!doctype html>
@@ -99,49 +101,66 @@ SECURE_STEPS = {  # what a secure round's step is doing, in the status page's wo
 
 
 def fleet_section(status: dict[str, Any], now: float) -> str:
-    """What the round waits for: a sync round's missing devices and when it gives up, or FedBuff's base version,
-    buffer fill and each device's last staleness ("" when there is nothing to say)."""
+    """What the round waits for: a sync round's missing devices (or their count: only the operator's view names
+    them) and when it gives up, or FedBuff's base version, buffer fill and its devices' staleness ("" when there
+    is nothing to say)."""
     buffered = status.get("fedbuff")
     if buffered is not None:
         head = (
             f"FedBuff: base version <b>{buffered['base_version']}</b> · buffer {buffered['buffered']} / "
             f"{buffered['buffer_size']} uploads · uploads over {buffered['max_staleness']} versions old are refused"
         )
-        devices = sorted(buffered["devices"].items(), key=lambda item: (-item[1]["round"], item[0]))
-        rows = "".join(
-            f"<tr><td>{html.escape(name)}</td><td>{last['round']}</td><td>{last['staleness']}</td>"
-            f"<td>{last['applied'] if last['applied'] is not None else 'in the buffer'}</td></tr>"
-            for name, last in devices[:50]
-        )
-        more = f"<p>… and {len(devices) - 50} more devices</p>" if len(devices) > 50 else ""
-        table = (
-            '<div class="rounds"><table><tr><th>device</th><th>last trained on version</th><th>staleness</th>'
-            f"<th>applied in step</th></tr>{rows}</table></div>{more}"
-            if devices
-            else ""
-        )
-        return f'<div id="fleet"><p>{head}</p>{table}</div>\n'
+        return f'<div id="fleet"><p>{head}</p>{_staleness_table(buffered)}</div>\n'
     open_round = status.get("open_round")
     if open_round is None:
         return ""
-    missing, step = open_round["missing"], open_round.get("secure_step")
-    waiting = (
-        f"waiting for {', '.join(html.escape(name) for name in missing[:20])}"
-        + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
-        if missing
-        else "every device has answered this step" if step else "every sampled device has uploaded"
-    )
+    step, count = open_round.get("secure_step"), open_round["waiting_for"]
+    named = open_round.get("missing")  # the operator's view names the devices; everyone else sees how many
+    if named:
+        waiting = f"waiting for {', '.join(html.escape(name) for name in named[:20])}" + (
+            f" and {len(named) - 20} more" if len(named) > 20 else ""
+        )
+    elif count:
+        waiting = f"waiting for {count} device{'s' if count != 1 else ''}"
+    else:
+        waiting = "every device has answered this step" if step else "every sampled device has uploaded"
     left = open_round["gives_up_at"] - now
     when = time.strftime("%H:%M:%S", time.localtime(open_round["gives_up_at"]))
-    gives_up = f"gives up at {when} (in {_duration(left)})" if left > 0 else f"gave up at {when}"
-    refused = open_round["refused"]
-    refusals = f" · refused its base: {', '.join(html.escape(name) for name in refused)}" if refused else ""
+    ends = "this step ends" if step and step != "keys" else "gives up"  # a secure step closes with who answered
+    gives_up = f"{ends} at {when} (in {_duration(left)})" if left > 0 else f"{'ended' if step else 'gave up'} at {when}"
+    refused = open_round.get("refused")
+    if refused:
+        refusals = f" · refused its base: {', '.join(html.escape(name) for name in refused)}"
+    else:
+        refusals = f" · {open_round['refused_base']} refused its base" if open_round["refused_base"] else ""
     progress = (
         f"secure aggregation, {SECURE_STEPS.get(step, step)}"
         if step
         else f"{open_round['uploads']} of the {open_round['target']} uploads it needs"
     )
     return f'<p id="fleet">Round <b>{open_round["round"]}</b>: {progress} · {waiting} · {gives_up}{refusals}</p>\n'
+
+
+def _staleness_table(buffered: dict[str, Any]) -> str:
+    """FedBuff's devices: each one's last upload for the operator (its names), else how many at each staleness."""
+    devices = buffered.get("devices")
+    if devices is None:
+        counts = buffered["devices_by_staleness"]
+        cells = ", ".join(f"{n} at staleness {s}" for s, n in counts.items())
+        return f"<p>devices by the staleness of their last upload: {cells}</p>" if counts else ""
+    rows = sorted(devices.items(), key=lambda item: (-item[1]["round"], item[0]))
+    lines = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{last['round']}</td><td>{last['staleness']}</td>"
+        f"<td>{last['applied'] if last['applied'] is not None else 'in the buffer'}</td></tr>"
+        for name, last in rows[:50]
+    )
+    more = f"<p>… and {len(rows) - 50} more devices</p>" if len(rows) > 50 else ""
+    return (
+        '<div class="rounds"><table><tr><th>device</th><th>last trained on version</th><th>staleness</th>'
+        f"<th>applied in step</th></tr>{lines}</table></div>{more}"
+        if rows
+        else ""
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -154,29 +173,36 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {round(seconds % 3600 / 60)} min"
 
 
-def render_join_page(url: str, note: str, form: bool = True) -> str:
-    """A join link and its QR code (SVG by `segno`), a line about it (`note`), and a form for an expiring link."""
+def render_join_page(url: str, note: str, shared: bool = False) -> str:
+    """A join link and its QR code (SVG by `segno`), a line about it (`note`), and a form for a link that expires.
+
+    The fleet-wide link (`shared`: it holds the enrollment secret and never expires) comes last, folded away: the
+    page leads with the form, set to make a link for one device that expires in an hour.
+    """
     import segno
 
     qr = segno.make(url, error="m").svg_inline(scale=6, border=2, title="join link")
     link = html.escape(url, quote=True)
-    expiring = (
-        f"""<form method="post" action="{JOIN_PATH}"><h2>A link that expires</h2>
+    shown = f"""<p>Scan the code with a phone, or open the link on any device. {html.escape(note)}</p>
+<p>{qr}</p>
+<p><a id="join-link" href="{link}">{link}</a></p>"""
+    form = f"""<form method="post" action="{JOIN_PATH}"><h2>{"A link for one device" if shared else "Another link"}, \
+that expires</h2>
 <label>expires after <input name="expires" value="1h" size="5" required> (30m, 1h, 2d)</label>
-<label>for at most <input name="max_devices" type="number" min="1" size="4" placeholder="any"> devices</label>
+<label>for at most <input name="max_devices" type="number" min="1" size="4" value="1" placeholder="any"> \
+devices</label>
 <button type="submit">Make a link</button></form>"""
-        if form
-        else ""
+    body = (
+        f"{form}\n<details><summary>The fleet-wide link (never expires)</summary>\n{shown}\n</details>"
+        if shared
+        else f"{shown}\n{form}"
     )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>edgepfl: join</title><style>{JOIN_STYLE}</style>
 </head><body>
 <h1>Join this edgepfl server</h1>
-<p>Scan the code with a phone, or open the link on any device. {html.escape(note)}</p>
-<p>{qr}</p>
-<p><a id="join-link" href="{link}">{link}</a></p>
-{expiring}
+{body}
 </body></html>
 """
 

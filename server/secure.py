@@ -24,6 +24,8 @@ next round opens; the round's counts (devices masked, dropped, recovered) stay.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,6 +63,7 @@ KINDS: dict[str, tuple[type, str]] = {
     "reveal": (UnmaskShares, "unmask"),
 }
 RUN_KEY = "secagg_run"  # meta: this state folder's random id, part of every round's context
+ALIAS_KEY = "secagg_alias_key"  # meta: the key of the devices' ids in the protocol (`SecureRounds.alias`)
 
 
 class SecureRounds:
@@ -82,6 +85,23 @@ class SecureRounds:
         self.randomness = randomness  # round id -> the graph's 32 random bytes (None: OS entropy; simulate seeds it)
         self._lock = threading.RLock()
         self._open: tuple[int, ServerSession] | None = None  # the open round's session, as the store holds it
+        self._alias_key: bytes | None = None
+
+    def alias(self, device: str) -> str:
+        """A device's id in the protocol: a keyed hash of its name (a server secret in the store's settings), stable
+        across rounds and restarts. The key book, the inboxes, the unmask request and a failed round's note, which
+        the round's other devices and the status see, so name no enrolled device; the caller of every method below
+        passes the enrolled name, translated here."""
+        with self._lock:
+            if self._alias_key is None:
+                stored = self.store.get_meta(ALIAS_KEY)
+                if stored is None:
+                    import secrets
+
+                    stored = secrets.token_hex(32)
+                    self.store.set_meta({ALIAS_KEY: stored})
+                self._alias_key = stored.encode()
+            return "d" + hmac.new(self._alias_key, device.encode(), hashlib.sha256).hexdigest()[:20]
 
     # the round's life (the engine's lifecycle calls these)
 
@@ -109,6 +129,9 @@ class SecureRounds:
         self.randomness = lambda round_id: np.random.default_rng([seed, round_id]).bytes(32)
         if self.store.get_meta(RUN_KEY) is None:
             self.store.set_meta({RUN_KEY: f"simulate-{seed}"})
+        if self.store.get_meta(ALIAS_KEY) is None:  # the ids order the key book, hence the graph: seeded too
+            self.store.set_meta({ALIAS_KEY: f"simulate-{seed}"})
+            self._alias_key = None
 
     def context(self, round_id: int) -> str:
         """The round's context string, which every key and share of it is bound to."""
@@ -135,6 +158,7 @@ class SecureRounds:
         """Close the steps that are complete or past their time: ("close", None) when the sum can be unmasked,
         ("abandon", why) when the round failed, None while it goes on."""
         with self._lock:
+            given, refused = [self.alias(d) for d in given], [self.alias(d) for d in refused]
             session = self._session(record.round_id)
             row = self.db.row(record.round_id)
             assert row is not None, "a secure round has its row"
@@ -176,11 +200,22 @@ class SecureRounds:
                 since = now
 
     def waiting_for(self, round_id: int, given: Sequence[str], refused: Sequence[str]) -> tuple[str, list[str]]:
-        """The open round's step and the devices it still waits for there (the status page's "waiting for")."""
+        """The open round's step and the devices of `given` it still waits for there (the status page's "waiting
+        for"), by name."""
         with self._lock:
+            names = {self.alias(device): device for device in given}
             session = self._session(round_id)
-            expected, answered = _step_wait(session, given, refused)
-            return session.phase, sorted(expected - answered)
+            expected, answered = _step_wait(session, list(names), [self.alias(d) for d in refused])
+            return session.phase, sorted(names.get(device, device) for device in expected - answered)
+
+    def step_deadline(self, record: RoundRecord) -> float:
+        """When the open round's current step ends at the latest: the keys step at the round's deadline, each later
+        step --secagg-step-timeout after the one before it closed (the round's deadline no longer applies then)."""
+        with self._lock:
+            row = self.db.row(record.round_id)
+            if row is None or row.phase == "keys":
+                return record.deadline
+            return row.since + self.step_timeout
 
     def sum_of(self, round_id: int) -> SecureSum:
         """The round's unmasked sum, read back as the weighted delta sum and the weight sum (SecAggError: failed)."""
@@ -212,11 +247,13 @@ class SecureRounds:
         """Take one message of `device` (JSON, or a masked vector's binary frame); its receipt."""
         message_class, step = KINDS[kind]
         with self._lock:
+            device = self.alias(device)
             session = self._session(round_id)
             message = _parse(kind, body, message_class)
             if message.device != device:
-                raise Refused("wrong_device", f"the {kind} message names device {message.device!r}, and the token is "
-                              f"{device!r}'s", "send this device's own messages")
+                raise Refused("wrong_device", f"the {kind} message names device {message.device!r}, and this device's "
+                              f"id in the round is {device!r}", "send this device's own messages, under the id of "
+                              "its task's secure_aggregation.device")
             if session.holds(message):
                 return {"accepted": True, "round": round_id, "duplicate": True}
             self._check_step(session, round_id, device, step)
@@ -235,6 +272,7 @@ class SecureRounds:
     def book(self, round_id: int, device: str) -> KeyBook | None:
         """The round's key book for `device` (None: the keys step is still open)."""
         with self._lock:
+            device = self.alias(device)
             session = self._session(round_id)
             if self._waiting(session, round_id, "shares"):
                 return None
@@ -246,6 +284,7 @@ class SecureRounds:
     def inbox(self, round_id: int, device: str) -> ShareInbox | None:
         """The shares addressed to `device` (None: the shares step is still open)."""
         with self._lock:
+            device = self.alias(device)
             session = self._session(round_id)
             if self._waiting(session, round_id, "inputs"):
                 return None
@@ -257,6 +296,7 @@ class SecureRounds:
     def request(self, round_id: int, device: str) -> UnmaskRequest | None:
         """Who survived and who dropped, for `device` to reveal its shares (None: the inputs step is still open)."""
         with self._lock:
+            device = self.alias(device)
             session = self._session(round_id)
             if self._waiting(session, round_id, "unmask"):
                 return None

@@ -25,7 +25,8 @@ class SecureCalls:
         """Where a device takes a round's secure steps (None: the round is not secure)."""
         if self.secure is None or not self.secure.holds(round_id):
             return None
-        return SecureTask(f"{API_PREFIX}/rounds/{round_id}/secagg", device, self.secure.context(round_id))
+        return SecureTask(f"{API_PREFIX}/rounds/{round_id}/secagg", self.secure.alias(device),
+                          self.secure.context(round_id))
 
     def secure_summary(self: RoundEngine, round_id: int) -> dict[str, Any] | None:
         """A secure round's counts (devices masked, dropped, recovered; its step), or None."""

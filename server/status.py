@@ -11,11 +11,14 @@ if TYPE_CHECKING:
     from edgepfl.server.engine import RoundEngine
 
 
-def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int, state: str) -> dict[str, Any]:
+def server_status(
+    engine: RoundEngine, rounds: list[RoundRecord], available: int, state: str, names: bool = False
+) -> dict[str, Any]:
     """JSON summary of the server and every round (no tensors), from the engine's snapshot.
 
-    Device names appear only where the operator needs them: the open round's missing devices, and (fedbuff)
-    each device's last staleness; /v1/status needs a token unless --public-status.
+    Device names are the operator's alone (`names`: the operator's token): the open round's missing and refusing
+    devices, and (fedbuff) each device's last staleness. Everyone else (a device's token, --public-status) sees
+    the same things as counts: names are often personal ("alice-phone"), and a device has no need of others'.
     """
     rows = [round_summary(engine.store, record) for record in rounds]
     secure = engine.secure.summaries() if engine.secure is not None else {}
@@ -23,6 +26,7 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         if row["round"] in secure:
             row["secure_aggregation"] = secure[row["round"]]
     fleet = engine.config.fleet_rounds
+    enrolled = engine.store.count_devices()
     return {
         "state": state,
         "strategy": engine.strategy.name,
@@ -34,7 +38,7 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "min_clients": engine.config.min_clients,
         "fraction": engine.config.fraction,
         "round_timeout": engine.config.round_timeout,
-        "devices_enrolled": engine.store.count_devices(),
+        "devices_enrolled": enrolled,
         "devices_available": available,
         "upload_encoding": engine.config.settings.upload_encoding,
         "download_encoding": engine.config.settings.download_encoding,
@@ -42,15 +46,19 @@ def server_status(engine: RoundEngine, rounds: list[RoundRecord], available: int
         "secure_aggregation": secure_status(engine),
         "aggregation": fleet.aggregation,
         "over_select": fleet.over_select,
-        "fedbuff": fedbuff_status(engine, rounds) if fleet.asynchronous else None,
+        "fleet_warnings": engine.config.fleet_warnings(enrolled),
+        "fedbuff": fedbuff_status(engine, rounds, names) if fleet.asynchronous else None,
         "stopped": engine.stopped,
-        "open_round": open_round_status(engine, rounds, rows),
+        "open_round": open_round_status(engine, rounds, rows, names),
         "rounds": rows,
     }
 
 
-def open_round_status(engine: RoundEngine, rounds: list[RoundRecord], rows: list[dict]) -> dict[str, Any] | None:
-    """The open round's row, with who has not uploaded yet and when it gives up (its deadline)."""
+def open_round_status(
+    engine: RoundEngine, rounds: list[RoundRecord], rows: list[dict], names: bool = False
+) -> dict[str, Any] | None:
+    """The open round's row, with how many devices it waits for and refused its base (who, with `names`), and when
+    it gives up: its deadline, or a secure round's step deadline once its keys are in (secure.py)."""
     record = next((record for record in rounds if record.state == "open"), None)
     if record is None:
         return None
@@ -62,17 +70,23 @@ def open_round_status(engine: RoundEngine, rounds: list[RoundRecord], rows: list
     else:
         uploaded = {update.device for update in engine.store.updates(record.round_id)}
         step, missing = None, [device for device in given if device not in uploaded]
-    return {**row, "missing": missing, "secure_step": step, "refused": sorted(refused), "gives_up_at": record.deadline}
+    deadline = engine.secure.step_deadline(record) if step is not None else record.deadline
+    waiting = {"waiting_for": len(missing), "refused_base": len(refused), "secure_step": step, "gives_up_at": deadline}
+    return {**row, **waiting, **({"missing": missing, "refused": sorted(refused)} if names else {})}
 
 
-def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, Any]:
-    """FedBuff: the current base version, the buffer's fill, and each device's last staleness."""
+def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord], names: bool = False) -> dict[str, Any]:
+    """FedBuff: the current base version, the buffer's fill, how many devices last uploaded at each staleness, and
+    (`names`) each device's last upload."""
     fleet = engine.config.fleet_rounds
     current = next((record.round_id for record in rounds if record.state == "open"), engine.store.last_round_id())
     last = {}
     for update in engine.store.last_updates():
         staleness = update.staleness if update.applied_in is not None else current - update.round_id
         last[update.device] = {"round": update.round_id, "staleness": staleness, "applied": update.applied_in}
+    by_staleness: dict[int, int] = {}
+    for upload in last.values():
+        by_staleness[upload["staleness"]] = by_staleness.get(upload["staleness"], 0) + 1
     return {
         "base_version": current,
         "buffered": len(engine.store.buffered_updates()),
@@ -80,7 +94,8 @@ def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, 
         "max_staleness": fleet.max_staleness,
         "staleness_weight": fleet.staleness_weight,
         "server_lr": fleet.server_lr,
-        "devices": last,
+        "devices_by_staleness": dict(sorted(by_staleness.items())),
+        **({"devices": last} if names else {}),
     }
 
 

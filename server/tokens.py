@@ -4,6 +4,7 @@ of a token (its sha256, never the token)."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from edgepfl.errors import UsageError
 if TYPE_CHECKING:
     from edgepfl.server.store import Store
 
+OPERATOR_TOKEN_KEY = "operator_token_hash"  # meta: the hash of the operator's token, which sees device names
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ENROLL_KEY = re.compile(r"[!-~]{16,200}")  # printable ASCII: a device's random key for retrying its enrollment
 
@@ -63,6 +65,19 @@ def issue_token(
     else:
         store.add_device(name, hash_token(token), created, replace=replace, enroll_key_hash=key_hash)
     return token
+
+
+def issue_operator_token(store: Store) -> str:
+    """A new operator token (the previous one stops working); only its hash is stored."""
+    token = secrets.token_urlsafe(32)
+    store.set_meta({OPERATOR_TOKEN_KEY: hash_token(token)})
+    return token
+
+
+def is_operator_token(store: Store, token: str) -> bool:
+    """Whether `token` is the operator's (the one credential whose status view names devices)."""
+    stored = store.get_meta(OPERATOR_TOKEN_KEY)
+    return stored is not None and hmac.compare_digest(stored, hash_token(token))
 
 
 class DeviceNameError(UsageError):

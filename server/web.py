@@ -96,7 +96,7 @@ JOIN_HEADERS = {
 }
 SHARED_LINK_NOTE = (
     "This link holds the enrollment secret of the whole fleet and never expires: show it only to the people "
-    "whose phones should take part, or make a link that expires below."
+    "whose phones should take part; a link made above expires, and can be revoked."
 )
 _FORM_BYTES = 1024
 MEDIA_TYPES = {
@@ -301,7 +301,7 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
             return _password_prompt()
         assert engine.config.enroll_secret is not None
         url = join_url(str(request.base_url), engine.config.enroll_secret)
-        return HTMLResponse(render_join_page(url, SHARED_LINK_NOTE), headers=JOIN_HEADERS)
+        return HTMLResponse(render_join_page(url, SHARED_LINK_NOTE, shared=True), headers=JOIN_HEADERS)
 
     @app.post(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
     async def make_join_link(request: Request) -> Response:

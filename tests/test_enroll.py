@@ -255,6 +255,7 @@ def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_f
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         token = token_file.read_text().strip()
         assert len(token) >= 40 and token not in done.stderr
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"enrolled as phone-1 at {server.url}; ")
 
         again = device_enroll("phone-2", "--secret-file", secret_file, "--token-file", token_file)
         assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists already" in again.stderr
@@ -269,6 +270,7 @@ def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_f
         assert taken.returncode == 2 and "409 already_enrolled" in taken.stderr and "--replace" in taken.stderr
         printed = device_enroll("phone-2", "--secret-file", secret_file)
         assert printed.returncode == 0 and len(printed.stdout.strip()) >= 40, printed.stderr[-3000:]
+        assert printed.stdout.count("\n") == 1 and "enrolled as phone-2" in printed.stderr  # stdout: the token alone
 
         data = save_npz(tmp_path / "d.npz", (0, 1), 60)
         args = run_args(bundle, data, server, token, tmp_path / "device")
@@ -421,7 +423,10 @@ def test_device_enroll_gets_its_token_after_the_first_reply_is_lost(
         assert not token_file.exists() and stat.S_IMODE(key_file.stat().st_mode) == 0o600
         assert key_file.read_text().strip() == sent[0]["key"]
     done = runner.invoke(device_app, args)
-    assert done.exit_code == 0 and done.output == "", done.output
+    assert done.exit_code == 0 and done.stdout == "", done.output
+    # it says who it enrolled as and where the token is, in one line on stderr (never the token)
+    said = f"enrolled as phone-1 at http://device.test; its token is in {token_file} (private: keep it so)\n"
+    assert done.stderr == said
     assert len(sent) == 2 and sent[0]["key"] == sent[1]["key"] and len(sent[0]["key"]) >= 40
     assert not key_file.exists() and stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert authenticates(http, token_file.read_text().strip()) and enrolled(state) == ["phone-1"]

@@ -3,6 +3,7 @@ back; the simulated fleet's spec and clock."""
 
 from __future__ import annotations
 
+import html
 import math
 import time
 from pathlib import Path
@@ -80,14 +81,15 @@ def test_the_status_names_who_is_missing_and_when_the_round_gives_up(tmp_path: P
         engine.task(device)
     record = engine.current_round()
     engine.accept_update(record.sampled[0], 1, shifted(engine, record.sampled[0], 1, 1.0))
-    status = engine.status()["open_round"]
+    status = engine.status(names=True)["open_round"]
     assert status["missing"] == list(record.sampled[1:]) and status["gives_up_at"] == record.deadline
-    # the status page says it in words: who the round waits for, and when it gives up
-    line = fleet_section(engine.status(), record.deadline - 240)
+    # the status page says it in words: who the round waits for (the operator's view), and when it gives up
+    line = fleet_section(engine.status(names=True), record.deadline - 240)
     when = time.strftime("%H:%M:%S", time.localtime(record.deadline))
     assert f"1 of the {record.needed} uploads it needs" in line and f"gives up at {when} (in 4 min)" in line
     assert "waiting for " + ", ".join(record.sampled[1:]) in line
     assert "gave up at" in fleet_section(engine.status(), record.deadline + 1)
+    assert f"waiting for {len(record.sampled) - 1} devices ·" in fleet_section(engine.status(), record.deadline - 240)
 
 
 # FedBuff
@@ -120,10 +122,10 @@ def test_fedbuff_steps_every_k_uploads_weighting_each_by_its_staleness(tmp_path:
     expected = {name: step_one[name] + 0.5 * (10 * 8.0 / 2 + 10 * 1.0) / 20 for name in start}
     for name in start:
         np.testing.assert_allclose(step_two[name], expected[name], rtol=1e-6)
-    status = engine.status()["fedbuff"]
+    status = engine.status(names=True)["fedbuff"]
     assert status["base_version"] == 3 and status["buffered"] == 0
     assert status["devices"]["d1"] == {"round": 1, "staleness": 1, "applied": 2}
-    page = render_page(engine.status())
+    page = render_page(engine.status(names=True))
     assert "FedBuff: base version <b>3</b> · buffer 0 / 2 uploads" in page
     assert "<tr><td>d1</td><td>1</td><td>1</td><td>2</td></tr>" in page
 
@@ -292,3 +294,63 @@ def test_a_fleet_is_the_same_for_the_same_seed_and_devices_come_and_go() -> None
         back = one.next_online(name, 1000.0)
         assert back >= 1000.0 and one.online(name, back)
     assert not Fleet(spec, names, seed=8).speed == one.speed
+
+
+# fleet settings that cannot work: one line each, with the fix, at start and on the status page
+
+CANNOT_WORK = {
+    "over-select with every device the target": (
+        dict(over_select=0.5),
+        {},
+        "--over-select 0.5 samples no extra device: with --fraction 1 a round's target is every available device, "
+        "so a device that vanishes holds the round for its whole --round-timeout (100 s); fix: lower --fraction",
+    ),
+    "over-select with --min-clients the whole fleet": (
+        dict(over_select=0.5),
+        dict(fraction=0.5, min_clients=6),
+        "--over-select 0.5 samples no extra device: a round's target is all 6 enrolled devices (--fraction 0.5, "
+        "--min-clients 6), so a device that vanishes holds the round",
+    ),
+    "a fedbuff buffer larger than the fleet": (
+        dict(aggregation="fedbuff", buffer_size=8),
+        {},
+        "--buffer-size 8 is more than the 6 enrolled devices, and a device uploads once per base version, so every "
+        "FedBuff step waits for its whole --round-timeout (100 s); fix: --buffer-size 6 or less",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CANNOT_WORK)
+def test_a_fleet_setting_that_cannot_work_is_said_in_one_line_with_its_fix(tmp_path: Path, case: str) -> None:
+    fleet, changes, line = CANNOT_WORK[case]
+    engine, _ = engine_for(tmp_path, fleet_rounds=fleet, **changes)
+    warnings = engine.status()["fleet_warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith(line) and "fix: " in warnings[0] and "\n" not in warnings[0]
+    assert html.escape(warnings[0]) in render_page(engine.status())
+
+
+@pytest.mark.parametrize(
+    "fleet, changes",
+    [(dict(over_select=0.5), dict(fraction=0.6)), (dict(aggregation="fedbuff", buffer_size=6), {}), ({}, {})],
+)
+def test_fleet_settings_that_work_are_not_warned_of(tmp_path: Path, fleet: dict, changes: dict) -> None:
+    engine, _ = engine_for(tmp_path, fleet_rounds=fleet, **changes)
+    assert engine.status()["fleet_warnings"] == []
+
+
+def test_serve_says_at_start_that_over_select_cannot_over_select(tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from edgepfl.cli import app
+    from edgepfl.server import transport
+
+    monkeypatch.setattr(transport, "run_server", lambda *args, **kwargs: None)  # start, print, stop at once
+    make_bundle(tmp_path / "bundle")
+    args = ["serve", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--no-web"]
+    result = CliRunner().invoke(app, [*args, "--over-select", "0.3"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "--over-select" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: --over-select 0.3 samples no extra device")
+    assert "fix: lower --fraction" in warnings[0]
+    quiet = CliRunner().invoke(app, [*args, "--over-select", "0.3", "--fraction", "0.6"])
+    assert quiet.exit_code == 0 and "--over-select" not in quiet.stderr

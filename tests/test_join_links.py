@@ -250,3 +250,16 @@ def test_every_refusal_code_of_enrollment_has_one_http_status() -> None:
     for module in (enrollment, joinlinks):
         raised = set(re.findall(r'Refused\(\s*"([a-z_]+)"', Path(module.__file__).read_text()))
         assert raised and raised <= set(STATUS), sorted(raised - set(STATUS))
+
+
+def test_the_join_page_leads_with_a_link_for_one_device_that_expires() -> None:
+    from edgepfl.server.page import render_join_page
+    from edgepfl.server.web import SHARED_LINK_NOTE
+
+    page = render_join_page("http://x/device/#enroll=fleet-secret", SHARED_LINK_NOTE, shared=True)
+    # first the form (one device, an hour), then the fleet-wide link that never expires, folded away
+    assert page.index('<form method="post"') < page.index("<details>") < page.index('id="join-link"')
+    assert "<summary>The fleet-wide link (never expires)</summary>" in page
+    assert 'name="max_devices" type="number" min="1" size="4" value="1"' in page and 'value="1h"' in page
+    made = render_join_page("http://x/device/#enroll=one-link", "This is join link 1")
+    assert made.index('id="join-link"') < made.index('<form method="post"') and "<details>" not in made

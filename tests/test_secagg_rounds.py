@@ -80,7 +80,8 @@ class Devices:
         self.round_id = tasks[NAMES[0]].round_id
         assert all(task.action == "train" and task.secure_aggregation is not None for task in tasks.values())
         self.base = decode_tensors(engine.base_for(NAMES[0], self.round_id)[0])
-        self.sessions = {n: ClientSession.start(n, tasks[n].secure_aggregation.context) for n in NAMES}
+        self.sessions = {n: ClientSession.start(tasks[n].secure_aggregation.device, tasks[n].secure_aggregation.context)
+                         for n in NAMES}  # fmt: skip
         rng = np.random.default_rng(1)
         self.deltas = {n: {k: (rng.normal(0, scale, v.shape)).astype(np.float32) for k, v in self.base.items()}
                        for n in NAMES}  # fmt: skip
@@ -216,7 +217,7 @@ def test_the_status_of_an_open_secure_round_names_who_its_step_waits_for(tmp_pat
     devices = Devices(engine, clock)
 
     def waiting() -> tuple[str, list[str]]:
-        open_round = engine.status()["open_round"]
+        open_round = engine.status(names=True)["open_round"]
         return open_round["secure_step"], open_round["missing"]
 
     assert waiting() == ("keys", sorted(NAMES))
@@ -226,8 +227,9 @@ def test_the_status_of_an_open_secure_round_names_who_its_step_waits_for(tmp_pat
     assert waiting() == ("shares", sorted(NAMES))
     devices.share(NAMES[1:])
     assert waiting() == ("shares", [NAMES[0]])
-    page = render_page(engine.status())
+    page = render_page(engine.status(names=True))
     assert f"secure aggregation, passing on the devices' encrypted shares · waiting for {NAMES[0]}" in page
+    assert "passing on the devices' encrypted shares · waiting for 1 device ·" in render_page(engine.status())
     devices.share(NAMES[:1])
     devices.upload(NAMES[:4])
     assert waiting() == ("inputs", [NAMES[4]])
@@ -307,8 +309,11 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     engine = create_engine(secure_config(tmp_path), clock)
     devices = Devices(engine, clock)
     devices.advertise()
+    d0 = devices.sessions["d0"].device  # its id in the protocol: a keyed hash of "d0"
+    assert d0 != "d0" and d0 == engine.secure_task("d0", devices.round_id).device
+    reveal = {"type": "UnmaskShares", "device": d0, "seed_shares": {}, "key_shares": {}}
     with pytest.raises(Refused) as early:  # a reveal at the shares step: wait
-        devices.send("d0", "reveal", b'{"type": "UnmaskShares", "device": "d0", "seed_shares": {}, "key_shares": {}}')
+        devices.send("d0", "reveal", json.dumps(reveal).encode())
     assert early.value.error == "too_early"
     book = from_json(to_json(engine.secure_book("d0", devices.round_id)), KeyBook)
     bundle = json.loads(to_json(devices.sessions["d0"].receive_book(book)))
@@ -316,7 +321,8 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     for body, error in [
         (json.dumps(cut).encode(), "bad_secagg"),  # shares of the wrong length
         (b"{not json", "bad_secagg"),
-        (json.dumps(dict(bundle, device="d1")).encode(), "wrong_device"),  # in another device's name
+        (json.dumps(dict(bundle, device=devices.sessions["d1"].device)).encode(), "wrong_device"),  # another's
+        (json.dumps(dict(bundle, device="d0")).encode(), "wrong_device"),  # its enrolled name is not its id
     ]:
         with pytest.raises(Refused) as refused:
             devices.send("d0", "shares", body)
@@ -332,7 +338,7 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     good = devices.sessions["d2"].receive_inbox(inbox, vector).to_bytes()
     with pytest.raises(Refused) as short:  # a masked vector of the wrong length
         devices.send("d2", "masked", good[:-3])
-    assert short.value.error == "bad_secagg" and "d2" in short.value.problem
+    assert short.value.error == "bad_secagg" and devices.sessions["d2"].device in short.value.problem
     devices.upload(NAMES)
     devices.reveal(NAMES)
     assert engine.store.round(devices.round_id).state == "closed"

@@ -17,7 +17,7 @@ from edgepfl.server.store import Store  # noqa: E402
 from edgepfl.simulate.loop import run_simulation  # noqa: E402
 from edgepfl.simulate.rounds import SERVER_DIR, final_global_base  # noqa: E402
 
-SECURE = {"secure_aggregation": True, "secagg_clip": 5.0, "secagg_max_weight": 200, "min_clients": 3}
+SECURE = {"secure_aggregation": True, "secagg_clip": 5.0, "secagg_max_weight": 200}  # --min-clients 1: 4 a round
 
 
 def test_a_secure_simulation_is_reproducible_and_learns_as_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
@@ -49,9 +49,23 @@ def test_a_secure_simulation_is_reproducible_and_learns_as_the_plain_one(tiny_np
         ({"algorithm": "pfedla"}, "secure aggregation cannot run with --algorithm pfedla"),
         ({"algorithm": "local"}, "--algorithm local uploads nothing"),
         ({"fleet": "dropout:0.1"}, "does not run secure rounds"),
-        ({"min_clients": 1}, "--min-clients 3 or more"),
+        ({"clients": 2}, "secure aggregation needs at least 3 devices a round, and each round has 2 of the 2 clients "
+         r"\(--clients 2, --fraction 1\)"),
+        ({"fraction": 0.5, "min_clients": 1}, "each round has 2 of the 4 clients"),
     ],
 )
 def test_what_a_secure_simulation_cannot_run_with_is_one_line(tiny_npz, tmp_path, changes, message):  # noqa: F811
     with pytest.raises(UsageError, match=message):
         tiny_config(tiny_npz, tmp_path, **{**SECURE, **changes})
+
+
+def test_simulate_checks_the_clients_each_round_has_not_min_clients(tmp_path):
+    """`edgepfl simulate --clients 8 --secure-aggregation --secagg-clip 1`: --min-clients is 1, and every round has
+    8 clients."""
+    from edgepfl.simulate.config import SimulateConfig
+
+    config = SimulateConfig(out=str(tmp_path), clients=8, secure_aggregation=True, secagg_clip=1.0)
+    assert config.min_clients == 1 and config.cohort()[0] == 8
+    with pytest.raises(UsageError) as refused:
+        SimulateConfig(out=str(tmp_path), clients=2, secure_aggregation=True, secagg_clip=1.0)
+    assert "\n" not in str(refused.value) and "raise --clients or --fraction" in refused.value.fix

@@ -114,8 +114,13 @@ def check_secure(
     upload_encoding: str,
     min_clients: int,
     flag: str = "--strategy",
+    cohort: tuple[int, str, str] | None = None,
 ) -> None:
-    """Refuse, in one line that says why, what secure aggregation cannot run with (`flag`: what chose the strategy)."""
+    """Refuse, in one line that says why, what secure aggregation cannot run with (`flag`: what chose the strategy).
+
+    A round needs MIN_DEVICES devices: serve knows only --min-clients of its fleet; a caller that knows each round's
+    devices (simulate) passes `cohort`, (their number, the words that say how many, the fix), checked instead.
+    """
     if not options.secure_aggregation:
         for name in ("secagg_clip", "secagg_bits"):
             if getattr(options, name) is not None:
@@ -138,7 +143,8 @@ def check_secure(
     if dp_clip is not None and options.secagg_clip is not None:
         raise UsageError("--secagg-clip and --dp-clip both set the clip norm",
                          "drop --secagg-clip: with DP the devices clip to --dp-clip")
-    if min_clients < MIN_DEVICES:
-        raise UsageError(f"secure aggregation needs at least {MIN_DEVICES} devices a round, and --min-clients is "
-                         f"{min_clients}", f"pass --min-clients {MIN_DEVICES} or more")
+    devices, said, fix = cohort or (min_clients, f"--min-clients is {min_clients}",
+                                    f"pass --min-clients {MIN_DEVICES} or more")
+    if devices < MIN_DEVICES:
+        raise UsageError(f"secure aggregation needs at least {MIN_DEVICES} devices a round, and {said}", fix)
     options.config(dp_clip)

@@ -25,9 +25,11 @@ from edgepfl.natural import NATURAL, is_natural
 from edgepfl.options import GROUP, Composed, flatten, titled, validated
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions
+from edgepfl.secagg.config import MIN_DEVICES
 from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.fleet import FleetOptions
+from edgepfl.server.sampling import sample_size
 from edgepfl.server.strategies.heurpfedla import RetainOptions
 from edgepfl.server.strategies.pfedla import HypernetworkOptions
 from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
@@ -211,7 +213,7 @@ class SimulateConfig(Composed):
             )
         if self.plan.strategy is not None:
             check_secure(self.secure, self.plan.strategy, self.privacy.clip_norm, self.fleet_rounds.asynchronous,
-                         self.round.upload_encoding, self.min_clients, "--algorithm")
+                         self.round.upload_encoding, self.min_clients, "--algorithm", self.cohort())
         if self.secure.secure_aggregation and self.on_a_clock:
             raise UsageError(
                 "the simulated fleet's virtual clock (--fleet, --over-select) does not run secure rounds",
@@ -236,6 +238,16 @@ class SimulateConfig(Composed):
                 "use --engine torch, or drop --device",
             )
         return self
+
+    def cohort(self) -> tuple[int, str, str] | None:
+        """Each round's clients as secure aggregation checks them (`check_secure`): every sampled client trains,
+        since secure rounds run without a --fleet's dropouts; None for a partition file (its count is inside)."""
+        clients = self.data.clients
+        if clients is None:
+            return None
+        count = sample_size(clients, self.fraction, self.min_clients)
+        said = f"each round has {count} of the {clients} clients (--clients {clients}, --fraction {self.fraction:g})"
+        return count, said, f"raise --clients or --fraction so a round has {MIN_DEVICES} or more clients"
 
     @property
     def on_a_clock(self) -> bool:

@@ -23,6 +23,7 @@ from edgepfl.privacy import PrivacyOptions
 from edgepfl.protocol import RoundOptions
 from edgepfl.secagg.options import SecureAggregationOptions
 from edgepfl.server.fleet import FleetOptions
+from edgepfl.server.sampling import sample_size
 from edgepfl.wire import save_tensors
 
 if TYPE_CHECKING:
@@ -138,13 +139,16 @@ def open_server(
             "rerun into a new --out",
         )
     timeout = {} if round_timeout is None else {"round_timeout": round_timeout}
+    quorum = min(min_clients, len(names))
+    if secure is not None and secure.secure_aggregation:  # every sampled client takes the steps (no --fleet here):
+        quorum = sample_size(len(names), fraction, min_clients)  # the cohort is the quorum, and samples alike
     config = ServerConfig(
         bundle=bundle or out / "bundle",
         state=folder,
         strategy=strategy_options(strategy, **{**(knobs or {}), "pfedla_clients": len(names)}),
         round=round_options,
         rounds=rounds,
-        min_clients=min(min_clients, len(names)),
+        min_clients=quorum,
         fraction=fraction,
         seed=seed,
         init=out / INITIAL_FILE,

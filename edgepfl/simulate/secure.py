@@ -37,7 +37,7 @@ def secure_steps(server: RoundEngine, round_id: int, uploads: Mapping[str, bytes
     for name in uploads:
         task = server.secure_task(name, round_id)
         assert task is not None, "a secure run's rounds are secure"
-        sessions[name] = ClientSession.start(name, task.context, _seeded(seeds[name], round_id, 0))
+        sessions[name] = ClientSession.start(task.device, task.context, _seeded(seeds[name], round_id, 0))
         send(name, "advert", to_json(sessions[name].advert()).encode())
     server.tick()
     for name, session in sessions.items():

@@ -50,7 +50,8 @@ def main(folder: Path, step: str, argument: dict) -> dict:
             tasks = {name: engine.task(name) for name in (PAGE, *PYTHON_DEVICES)}
             tasks = {name: engine.task(name) for name in tasks}  # the round opened once all had polled
             for name in PYTHON_DEVICES:
-                session = ClientSession.start(name, tasks[name].secure_aggregation.context)
+                secure = tasks[name].secure_aggregation
+                session = ClientSession.start(secure.device, secure.context)
                 (folder / f"{name}.json").write_text(session.to_json())
             payload, _ = engine.base_for(PAGE, 1)
             return {"task": tasks[PAGE].to_json(), "base": base64.b64encode(payload).decode()}
