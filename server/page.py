@@ -51,7 +51,8 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
     "Add a device" link to /join when `add_device`); readable on a phone (the table scrolls on its own)."""
     png = base64.b64encode(render_plot(status)).decode("ascii")
     head = (
-        f"strategy <b>{html.escape(status['strategy'])}</b> · state <b>{status['state']}</b> · "
+        f"strategy <b>{html.escape(status['strategy'])}</b> · personal <b>{html.escape(status.get('personal', ''))}</b>"
+        f" · state <b>{status['state']}</b> · "
         f"{status['rounds_completed']} of {status['rounds_target']} rounds · "
         f"{status['devices_enrolled']} devices enrolled, {status['devices_available']} available"
     )
@@ -129,7 +130,9 @@ def fleet_section(status: dict[str, Any], now: float) -> str:
         f"waiting for {', '.join(html.escape(name) for name in missing[:20])}"
         + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
         if missing
-        else "every device has answered this step" if step else "every sampled device has uploaded"
+        else "every device has answered this step"
+        if step
+        else "every sampled device has uploaded"
     )
     left = open_round["gives_up_at"] - now
     when = time.strftime("%H:%M:%S", time.localtime(open_round["gives_up_at"]))

@@ -420,6 +420,7 @@ def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engin
         "clients": len(parts),
         "client_sizes": [int(p.size) for p in parts],
         "kp": manifest.kp,
+        "personal": str(manifest.personal_spec),
         "blocks": len(manifest.blocks),
         "engine": engine.name,
         "client_algorithm": config.plan.client,
