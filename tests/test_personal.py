@@ -112,24 +112,37 @@ def _roles(model: ModelSpec, text: str) -> dict[str, str]:
 
 def test_roles_of_each_item_on_the_mlp():
     assert _roles(MLP, "output:1") == {
-        "hidden.weight": "base", "hidden.bias": "base", "classifier.weight": "personal", "classifier.bias": "personal"
-    }  # fmt: skip
+        "hidden.weight": "base",
+        "hidden.bias": "base",
+        "classifier.weight": "personal",
+        "classifier.bias": "personal",
+    }
     assert _roles(MLP, "input") == {
-        "hidden.weight": "personal", "hidden.bias": "personal", "classifier.weight": "base", "classifier.bias": "base"
-    }  # fmt: skip
+        "hidden.weight": "personal",
+        "hidden.bias": "personal",
+        "classifier.weight": "base",
+        "classifier.bias": "base",
+    }
     adapters = _roles(MLP, "adapters:4")
     assert {n for n, r in adapters.items() if r == "personal"} == {
         f"hidden.adapter.{layer}.{t}" for layer in ("down", "up") for t in ("weight", "bias")
     }  # no adapter after the output layer; the mlp has no norm layer
-    assert {n for n, r in adapters.items() if r == "base"} == {"hidden.weight", "hidden.bias", "classifier.weight",
-                                                               "classifier.bias"}  # fmt: skip
+    assert {n for n, r in adapters.items() if r == "base"} == {
+        "hidden.weight",
+        "hidden.bias",
+        "classifier.weight",
+        "classifier.bias",
+    }
     lora = _roles(MLP, "lora:2")
     assert {n for n, r in lora.items() if r == "personal"} == {
         f"{layer}.lora_{f}" for layer in ("hidden", "classifier") for f in "AB"
     }
     assert _roles(MLP, "names:*.bias") == {
-        "hidden.weight": "base", "hidden.bias": "personal", "classifier.weight": "base", "classifier.bias": "personal"
-    }  # fmt: skip
+        "hidden.weight": "base",
+        "hidden.bias": "personal",
+        "classifier.weight": "base",
+        "classifier.bias": "personal",
+    }
     union = _roles(MLP, "input,lora:1")
     assert union["hidden.weight"] == "personal" and union["classifier.lora_B"] == "personal"
     assert union["classifier.weight"] == "base"
@@ -163,7 +176,9 @@ def test_export_refuses_an_unmatched_spec_before_writing(tmp_path):
     assert not (tmp_path / "b").exists()
     convolutions = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten())
     with pytest.raises(UsageError, match="has no Linear or 1x1 Conv2d"):
-        export_bundle(convolutions, "lora:1", tmp_path / "c", ExportOptions(engines=("portable",)), input_shape=(1, 6, 6))
+        export_bundle(
+            convolutions, "lora:1", tmp_path / "c", ExportOptions(engines=("portable",)), input_shape=(1, 6, 6)
+        )
 
 
 # --- the manifest --------------------------------------------------------------------------------------------------
@@ -178,9 +193,17 @@ def _manifest(model: ModelSpec, text: str) -> Manifest:
     tensors = tensor_roles(module, target.blocks, spec)
     from edgepfl.personal import trailing_personal_blocks
 
-    kp = trailing_personal_blocks([(t.block, t.role == "personal") for t in tensors if t.role != "buffer"], len(target.blocks))
-    return Manifest(model=model.to_dict(), input=InputSpec(shape=model.input_shape), num_classes=3, kp=kp,
-                    blocks=tuple(n for n, _ in target.blocks), tensors=tensors, personal=str(spec))  # fmt: skip
+    roles = [(t.block, t.role == "personal") for t in tensors if t.role != "buffer"]
+    kp = trailing_personal_blocks(roles, len(target.blocks))
+    return Manifest(
+        model=model.to_dict(),
+        input=InputSpec(shape=model.input_shape),
+        num_classes=3,
+        kp=kp,
+        blocks=tuple(n for n, _ in target.blocks),
+        tensors=tensors,
+        personal=str(spec),
+    )
 
 
 def test_manifest_records_the_spec_and_shares_only_base_layers_buffers():
@@ -229,9 +252,11 @@ def test_the_page_shares_the_same_buffers_as_python(tmp_path):
 # --- every engine trains it ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(MLP, "adapters:4,lora:2"), (MLP, "input,names:classifier.bias"),
-                                        (BN_CNN, "adapters:2,lora:1")], ids=["mlp-adapters-lora", "mlp-input-names",
-                                                                             "bn-cnn-adapters-lora"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[(MLP, "adapters:4,lora:2"), (MLP, "input,names:classifier.bias"), (BN_CNN, "adapters:2,lora:1")],
+    ids=["mlp-adapters-lora", "mlp-input-names", "bn-cnn-adapters-lora"],
+)
 def personal_bundle(request, tmp_path_factory):
     model, text = request.param
     folder = tmp_path_factory.mktemp("personal") / "bundle"
@@ -320,9 +345,22 @@ def test_simulate_with_adapters_uploads_the_original_network_only(digits_npz, tm
     from edgepfl.simulate.rounds import final_global_base
 
     out = tmp_path / algorithm
-    config = SimulateConfig(out=str(out), model="mlp", personal="adapters:4", algorithm=algorithm,
-                            dataset=str(digits_npz), data_root=str(digits_npz.parent), partition="classes:2",
-                            clients=3, rounds=2, epochs=1, batch_size=16, lr=0.05, engine="torch", threads=1)  # fmt: skip
+    config = SimulateConfig(
+        out=str(out),
+        model="mlp",
+        personal="adapters:4",
+        algorithm=algorithm,
+        dataset=str(digits_npz),
+        data_root=str(digits_npz.parent),
+        partition="classes:2",
+        clients=3,
+        rounds=2,
+        epochs=1,
+        batch_size=16,
+        lr=0.05,
+        engine="torch",
+        threads=1,
+    )
     results = run_simulation(config)
     document = json.loads((out / "results.json").read_text())
     assert document["info"]["personal"] == "adapters:4" and document["info"]["kp"] == 0
