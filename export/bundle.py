@@ -21,9 +21,9 @@ from edgepfl.export.blocks import BlockList, check_blocks, find_blocks
 from edgepfl.export.masked import StepShape
 from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
 from edgepfl.export.options import ExportOptions
-from edgepfl.export.personal import check_personal_set, personalized, tensor_roles
+from edgepfl.export.personal import apply_spec
 from edgepfl.manifest import InputSpec, Manifest, class_names_problem
-from edgepfl.personal import PersonalSpec, as_spec, trailing_personal_blocks
+from edgepfl.personal import PersonalSpec, as_spec
 
 
 @dataclass
@@ -205,12 +205,8 @@ def _write_bundle(
     progress: Callable[[str], None],
     notice: Callable[[str], None],
 ) -> Manifest:
-    model = personalized(target.module, target.blocks, target.input_shape, spec, options.seed).eval()
-    tensors = tensor_roles(model, target.blocks, spec)
-    if explicit:
-        check_personal_set(spec, tensors, target.description.get("name", "model"))
-    roles = [(t.block, t.role == "personal") for t in tensors if t.role != "buffer"]
-    kp = spec.output if spec.is_suffix else trailing_personal_blocks(roles, len(target.blocks))
+    name, shape = target.description.get("name", "model"), target.input_shape
+    model, tensors, kp = apply_spec(target.module, target.blocks, shape, spec, explicit, options.seed, name)
     mean, std = target.normalization
     manifest = Manifest(
         model=target.description,

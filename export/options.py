@@ -94,9 +94,9 @@ class ZooOptions(BaseModel):
 
     model_config = titled("Zoo models")
 
-    width: Annotated[float | None, Field(gt=0.0, description="zoo MobileNet width multiplier: 0.25|0.5|0.75|1.0")] = (
-        None
-    )
+    width: Annotated[
+        float | None, Field(gt=0.0, description="zoo MobileNet width multiplier: 0.25|0.5|0.75|1.0")
+    ] = None
     input_size: Annotated[int | None, Field(ge=1, description="zoo image side: 32 (CIFAR), 28 (MNIST), 224")] = None
     in_channels: Annotated[int | None, Field(ge=1, description="zoo input channels: 3 colour, 1 grey")] = None
     norm: Annotated[
@@ -139,9 +139,9 @@ class ExportCommand(Composed):
         int | None,
         Field(ge=1, description="number of classes (torchvision:/factory models: a new, freshly initialised head)"),
     ] = None
-    show_blocks: Annotated[bool, Field(description="print the blocks and what each --kp would upload, then stop")] = (
-        False
-    )
+    show_blocks: Annotated[
+        bool, Field(description="print the blocks and what each --kp would upload, then stop")
+    ] = False
     class_names_file: Annotated[
         Path | None, Field(description="file of the class names, one per line, in class order")
     ] = None

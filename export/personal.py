@@ -21,7 +21,7 @@ from torch import nn
 from edgepfl.errors import UsageError
 from edgepfl.export.blocks import BlockList, state_tensors
 from edgepfl.manifest import TensorSpec
-from edgepfl.personal import ADAPTER_CHILD, LORA_A, LORA_B, SPEC_HELP, PersonalSpec
+from edgepfl.personal import ADAPTER_CHILD, LORA_A, LORA_B, SPEC_HELP, PersonalSpec, trailing_personal_blocks
 
 AXIS_HOOK = "adapter_axis"
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
@@ -40,6 +40,25 @@ class Adapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.up(F.relu(self.down(x)))
+
+
+def apply_spec(
+    module: nn.Module,
+    blocks: BlockList,
+    input_shape: Sequence[int],
+    spec: PersonalSpec,
+    explicit: bool,
+    seed: int,
+    model_name: str,
+) -> tuple[nn.Module, tuple[TensorSpec, ...], int]:
+    """(the module to export, in eval mode; every tensor's role; the manifest's kp) for a spec. An `explicit`
+    spec (`--personal`, not `--kp`) that makes no parameter or every one personal is refused in one line."""
+    module = personalized(module, blocks, input_shape, spec, seed).eval()
+    tensors = tensor_roles(module, blocks, spec)
+    if explicit:
+        check_personal_set(spec, tensors, model_name)
+    roles = [(t.block, t.role == "personal") for t in tensors if t.role != "buffer"]
+    return module, tensors, spec.output if spec.is_suffix else trailing_personal_blocks(roles, len(blocks))
 
 
 def personalized(module: nn.Module, blocks: BlockList, input_shape: Sequence[int], spec: PersonalSpec, seed: int):

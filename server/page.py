@@ -130,9 +130,7 @@ def fleet_section(status: dict[str, Any], now: float) -> str:
         f"waiting for {', '.join(html.escape(name) for name in missing[:20])}"
         + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
         if missing
-        else "every device has answered this step"
-        if step
-        else "every sampled device has uploaded"
+        else "every device has answered this step" if step else "every sampled device has uploaded"
     )
     left = open_round["gives_up_at"] - now
     when = time.strftime("%H:%M:%S", time.localtime(open_round["gives_up_at"]))
