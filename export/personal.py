@@ -101,7 +101,10 @@ def check_personal_set(spec: PersonalSpec, tensors: Sequence[TensorSpec], model_
     """One line when a `--personal` spec makes no parameter personal, or every one (nothing would be shared)."""
     roles = [t.role for t in tensors if t.role != "buffer"]
     if "personal" not in roles:
-        raise UsageError(f"--personal {spec} matches no parameter of {model_name}", f"use {SPEC_HELP}")
+        raise UsageError(
+            f"--personal {spec} matches no parameter of {model_name}",
+            "name its parameters (`edgepfl export MODEL --show-blocks` lists the blocks), or choose other items",
+        )
     if "base" not in roles:
         raise UsageError(
             f"--personal {spec} makes every parameter of {model_name} personal: nothing is shared",

@@ -338,8 +338,8 @@ def digits_npz(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("algorithm", ["fedalt", "fedsim"])
-def test_simulate_with_adapters_uploads_the_original_network_only(digits_npz, tmp_path, algorithm):
+@pytest.mark.parametrize(("algorithm", "engine"), [("fedalt", "portable"), ("fedsim", "torch")])
+def test_simulate_with_adapters_uploads_the_original_network_only(digits_npz, tmp_path, algorithm, engine):
     from edgepfl.simulate.config import SimulateConfig
     from edgepfl.simulate.loop import run_simulation
     from edgepfl.simulate.rounds import final_global_base
@@ -358,7 +358,7 @@ def test_simulate_with_adapters_uploads_the_original_network_only(digits_npz, tm
         epochs=1,
         batch_size=16,
         lr=0.05,
-        engine="torch",
+        engine=engine,
         threads=1,
     )
     results = run_simulation(config)
