@@ -310,8 +310,8 @@ def test_every_engine_trains_the_personal_part_alone_and_they_agree(personal_bun
     _assert_agree({name: engine.get_tensors() for name, engine in engines.items()})
 
 
-def _assert_agree(after: dict) -> None:
-    reference = after["torch"]
+def _assert_agree(after: dict, reference_engine: str = "torch") -> None:
+    reference = after[reference_engine]
     for name, tensors in after.items():
         for tensor, value in tensors.items():
             # the floor: an adapter's bias that the next BatchNorm cancels stays at zero up to rounding
@@ -379,3 +379,49 @@ def test_simulate_refuses_personal_where_the_algorithm_personalizes_nothing(digi
         SimulateConfig(out=str(tmp_path), model="mlp", personal="adapters:4", algorithm="fedavg")
     with pytest.raises(UsageError, match="both --kp 1 and --personal"):
         SimulateConfig(out=str(tmp_path), model="mlp", kp=1, personal="adapters:4")
+
+
+def test_the_browser_engine_trains_the_personal_part_as_python_does(personal_bundle, tmp_path):
+    """engine.js (Node, onnxruntime-web's wasm) on the same batches as the Python portable engine: personal steps."""
+    web = REPO / "device_runtime" / "web"
+    if shutil.which("node") is None or not (web / "node_modules" / "onnxruntime-web").is_dir():
+        pytest.skip("needs node and `npm ci --prefix device_runtime/web`")
+    python = open_engine(personal_bundle, "portable", threads=1)
+    manifest = python.manifest
+    initial = python.get_tensors()
+    batches = [_batch(manifest, seed=step) for step in range(3)]
+    losses = [python.train_step(x, y, lr=0.1, trainable="personal") for x, y in batches]
+    feeds = [{"x": x.ravel().tolist(), "y": y.tolist()} for x, y in batches]
+    (tmp_path / "feeds.json").write_text(json.dumps(feeds))
+    script = f"""
+import * as ort from 'onnxruntime-web';
+import {{ readFileSync, readdirSync, statSync }} from 'node:fs';
+import {{ join, relative }} from 'node:path';
+import {{ openEngine }} from './src/engine.js';
+const root = {json.dumps(str(personal_bundle))};
+const manifest = JSON.parse(readFileSync(join(root, 'manifest.json'), 'utf8'));
+const files = new Map();
+const walk = (dir) => {{
+  for (const name of readdirSync(dir)) {{
+    const path = join(dir, name);
+    if (statSync(path).isDirectory()) walk(path);
+    else files.set(relative(root, path), new Uint8Array(readFileSync(path)));
+  }}
+}};
+walk(root);
+const engine = await openEngine(ort, manifest, files, {{ threads: 1 }});
+const feeds = JSON.parse(readFileSync({json.dumps(str(tmp_path / "feeds.json"))}, 'utf8'));
+const losses = [];
+for (const {{ x, y }} of feeds) {{
+  losses.push(await engine.trainStep(Float32Array.from(x), Int32Array.from(y), y.length, 0.1, 'personal'));
+}}
+const tensors = Object.fromEntries(Object.entries(await engine.getTensors()).map(([n, t]) => [n, Array.from(t.data)]));
+console.log(JSON.stringify({{ losses, tensors }}));
+"""
+    done = subprocess.run(["node", "--input-type=module", "-e", script], cwd=web, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    browser = json.loads(done.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(browser["losses"], losses, rtol=RTOL)
+    tensors = {n: np.asarray(v, dtype=np.float32).reshape(initial[n].shape) for n, v in browser["tensors"].items()}
+    assert all(np.array_equal(tensors[n], initial[n]) for n in manifest.names("base")), "the page moved a base tensor"
+    _assert_agree({"portable": python.get_tensors(), "browser": tensors}, reference_engine="portable")
