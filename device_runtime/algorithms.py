@@ -115,7 +115,10 @@ def round_phases(settings: RoundSettings, available_sets: tuple[str, ...]) -> li
     planned = [FINETUNE.phase(settings), *algorithm.phases(settings)]
     phases = [p for p in planned if p.epochs > 0 and p.trainable in available_sets]
     if algorithm.name == "local" and "personal" not in available_sets:
-        raise UsageError("the local algorithm trains personal tensors, and this bundle has none (kp=0)", "use kp >= 1")
+        raise UsageError(
+            "the local algorithm trains personal tensors, and this bundle has none (kp=0)",
+            "export with --kp 1 or more (or a --personal spec)",
+        )
     return phases
 
 

@@ -126,7 +126,7 @@ class Engine(ABC):
         """A clear error for a set the bundle cannot train."""
         if trainable not in self.available_sets():
             raise UsageError(
-                f"this bundle (kp={self.manifest.kp}) has no {trainable!r} trainable set",
+                f"this bundle (personal {self.manifest.personal_spec}) has no {trainable!r} trainable set",
                 f"choose one of: {', '.join(self.available_sets())}",
             )
 

@@ -88,7 +88,7 @@ def export(command_options: ExportCommand) -> None:
     with console.status("exporting") as status:
         manifest = bundle.export_target(
             target,
-            chosen.kp,
+            chosen.split(),
             chosen.out,
             options,
             progress=lambda step: status.update(f"exporting {step}"),

@@ -13,6 +13,7 @@ from typing import Any
 
 from edgepfl.atomic import sha256_file, write_text_atomic
 from edgepfl.errors import BundleError
+from edgepfl.personal import PersonalSpec, bundle_spec, trailing_personal_blocks
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -70,6 +71,16 @@ class Manifest:
     # what a sample is beyond the input spec: {} for images; a text bundle's vocabulary and window
     # (edgepfl.text.manifest_entry, kind "next-word"); a sensor bundle's channels and window (kind "sensor")
     task: dict[str, Any] = field(default_factory=dict)
+    personal: str = ""  # the --personal spec's canonical string; bundles before specs have none: output:kp
+
+    def __post_init__(self) -> None:
+        if not self.personal:  # one form for a bundle of any age, so manifests compare equal
+            object.__setattr__(self, "personal", f"output:{self.kp}")
+
+    @property
+    def personal_spec(self) -> PersonalSpec:
+        """Which parameters are personal, as exported (edgepfl/personal.py); `output:kp` for older bundles."""
+        return bundle_spec(self.personal, self.kp)
 
     @property
     def class_labels(self) -> tuple[str, ...]:
@@ -79,7 +90,8 @@ class Manifest:
 
     @property
     def personal_block_start(self) -> int:
-        """Index of the first personal block; blocks from here to the classifier stay on the device."""
+        """Index of the first block whose parameters are all personal (to the classifier); with a spec other than
+        `output:K` personal tensors may sit before it too: ask the roles."""
         return len(self.blocks) - self.kp
 
     @property
@@ -111,8 +123,20 @@ class Manifest:
         return [name for role in roles for name in self.names(role)]
 
     def base_buffers(self) -> list[TensorSpec]:
-        """Buffers (BatchNorm running statistics) that live in base blocks: shareable if a strategy wants."""
-        return [t for t in self.by_role("buffer") if t.block < self.personal_block_start]
+        """Buffers (BatchNorm running statistics) of base layers: shareable if a strategy wants. A buffer goes with
+        its layer's parameters (a BatchNorm whose weight is personal keeps its statistics), else with its block."""
+        layer_personal: dict[str, bool] = {}
+        for t in self.tensors:
+            if t.role != "buffer":
+                layer = t.name.rpartition(".")[0]
+                layer_personal[layer] = layer_personal.get(layer, False) or t.role == "personal"
+        blocks = {t.block for t in self.by_role("personal")}
+
+        def is_base(buffer: TensorSpec) -> bool:
+            layer = buffer.name.rpartition(".")[0]
+            return not layer_personal[layer] if layer in layer_personal else buffer.block not in blocks
+
+        return [t for t in self.by_role("buffer") if is_base(t)]
 
     def shared(self, share_buffers: bool) -> list[TensorSpec]:
         """The tensors that travel between devices and server: the base, plus base BatchNorm stats if shared."""
@@ -156,6 +180,7 @@ class Manifest:
             "files": self.files,
             "class_names": list(self.class_names),
             "task": self.task,
+            "personal": str(self.personal_spec),
         }
 
     @classmethod
@@ -192,6 +217,7 @@ class Manifest:
                 edgepfl_version=str(data.get("edgepfl_version", "")),
                 class_names=tuple(data.get("class_names") or ()),  # bundles of older exports have none
                 task=dict(data.get("task") or {}),  # image bundles of older exports have none
+                personal=str(data.get("personal") or ""),  # nor a personal spec: theirs is output:kp
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"manifest.json is malformed ({exc!r})", "re-export the bundle") from None
@@ -208,6 +234,7 @@ class Manifest:
         problem = class_names_problem(self.class_names, self.num_classes)
         if problem:
             raise BundleError(f"manifest.json: {problem}", "re-export the bundle with valid --class-names")
+        personal = self.personal_spec
         seen: set[str] = set()
         for spec in self.tensors:
             if spec.name in seen:
@@ -219,13 +246,19 @@ class Manifest:
                 raise BundleError(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}", "re-export the bundle")
             if not 0 <= spec.block < len(self.blocks):
                 raise BundleError(f"tensor {spec.name!r} has block {spec.block} out of range", "re-export the bundle")
-            if spec.role != "buffer":
+            if spec.role != "buffer" and personal.is_suffix:
                 expected = "personal" if spec.block >= self.personal_block_start else "base"
                 if spec.role != expected:
                     raise BundleError(
                         f"tensor {spec.name!r} in block {spec.block} is {spec.role}, kp={self.kp} makes it {expected}",
                         "re-export the bundle",
                     )
+        if not personal.is_suffix:
+            roles = [(t.block, t.role == "personal") for t in self.tensors if t.role != "buffer"]
+            if self.kp != trailing_personal_blocks(roles, len(self.blocks)):
+                raise BundleError(
+                    f"kp={self.kp} does not match the personal tensors of {personal}", "re-export the bundle"
+                )
 
     def save(self, bundle_dir: str | os.PathLike) -> None:
         """Write manifest.json atomically into the bundle folder."""

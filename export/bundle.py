@@ -17,11 +17,13 @@ import edgepfl
 from edgepfl.atomic import sha256_file
 from edgepfl.errors import EdgePFLError, UsageError
 from edgepfl.export import inference, ort_training, prepare, source
-from edgepfl.export.blocks import BlockList, check_blocks, find_blocks, state_tensors
+from edgepfl.export.blocks import BlockList, check_blocks, find_blocks
 from edgepfl.export.masked import StepShape
 from edgepfl.export.models import ModelSpec, build_model, default_spec, validate_spec
 from edgepfl.export.options import ExportOptions
-from edgepfl.manifest import InputSpec, Manifest, class_names_problem, split_roles
+from edgepfl.export.personal import apply_spec
+from edgepfl.manifest import InputSpec, Manifest, class_names_problem
+from edgepfl.personal import PersonalSpec, as_spec
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ExportTarget:
 
 def export_bundle(
     model: nn.Module | ModelSpec,
-    kp: int,
+    kp: int | str | PersonalSpec,
     out: str | Path,
     options: ExportOptions = ExportOptions(),
     progress: Callable[[str], None] = lambda _: None,
@@ -49,7 +51,8 @@ def export_bundle(
     description: dict | None = None,
     notice: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Manifest:
-    """Split `model` at `kp` and write the bundle into `out`; returns its manifest.
+    """Split `model` by `kp` (an int: the last K blocks personal; or a `--personal` spec, edgepfl/personal.py) and
+    write the bundle into `out`; returns its manifest.
 
     `model` is any nn.Module (its weights are exported as they are; `input_shape` is (C, H, W) of one
     sample; `blocks` as (name, [submodule names]) from the input end, else found by `find_blocks`), or
@@ -66,21 +69,22 @@ def export_bundle(
 
 def export_target(
     target: ExportTarget,
-    kp: int,
+    kp: int | str | PersonalSpec,
     out: str | Path,
     options: ExportOptions = ExportOptions(),
     progress: Callable[[str], None] = lambda _: None,
     notice: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Manifest:
     """Write the bundle of a checked target (see `export_bundle`) into `out`, atomically."""
-    validate_export(kp, out, options, len(target.blocks), target.description.get("name", "model"))
+    spec, explicit = as_spec(kp)
+    validate_export(spec.output, out, options, len(target.blocks), target.description.get("name", "model"))
     validate_class_names(options, target.num_classes)
     out = Path(out)
     # build next to the target and swap at the end, so a failed export never destroys a bundle
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        manifest = _write_bundle(target, kp, staging, options, progress, notice)
+        manifest = _write_bundle(target, spec, explicit, staging, options, progress, notice)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -194,15 +198,15 @@ def validate_class_names(options: ExportOptions, num_classes: int) -> None:
 
 def _write_bundle(
     target: ExportTarget,
-    kp: int,
+    spec: PersonalSpec,
+    explicit: bool,
     folder: Path,
     options: ExportOptions,
     progress: Callable[[str], None],
     notice: Callable[[str], None],
 ) -> Manifest:
-    model = target.module.eval()
-    params, buffers = state_tensors(model, target.blocks)
-    tensors = split_roles(params, buffers, len(target.blocks), kp)
+    name, shape = target.description.get("name", "model"), target.input_shape
+    model, tensors, kp = apply_spec(target.module, target.blocks, shape, spec, explicit, options.seed, name)
     mean, std = target.normalization
     manifest = Manifest(
         model=target.description,
@@ -213,6 +217,7 @@ def _write_bundle(
         tensors=tensors,
         edgepfl_version=edgepfl.__version__,
         class_names=options.class_names,
+        personal=str(spec),
     )
     shape = StepShape(target.input_shape, target.num_classes)
     random_off = prepare.random_layers(model)
@@ -366,17 +371,23 @@ def print_summary(manifest: Manifest, out: Path, console=None) -> None:
     console = console or Console()
     rows = summarize(manifest)
     first_personal = manifest.personal_block_start
-    table = Table(title=f"{manifest.model['name']} split at kp={manifest.kp} -> {out}")
+    table = Table(title=f"{manifest.model['name']} personal {manifest.personal_spec} -> {out}")
     for column in ("role", "blocks", "tensors", "parameters", "bytes"):
         table.add_column(column, justify="left" if column in ("role", "blocks") else "right")
     for role, row in rows.items():
         blocks = _block_range(manifest.blocks, row["blocks"])
         table.add_row(role, blocks, str(row["tensors"]), f"{row['parameters']:,}", _human(row["bytes"]))
     console.print(table)
-    console.print(
-        f"blocks: {len(manifest.blocks)} ({', '.join(manifest.blocks[:first_personal][-2:])} | "
-        f"personal: {', '.join(manifest.blocks[first_personal:]) or 'none'})"
-    )
+    if manifest.personal_spec.is_suffix:
+        console.print(
+            f"blocks: {len(manifest.blocks)} ({', '.join(manifest.blocks[:first_personal][-2:])} | "
+            f"personal: {', '.join(manifest.blocks[first_personal:]) or 'none'})"
+        )
+    else:
+        console.print(
+            f"blocks: {len(manifest.blocks)}; personal tensors in "
+            f"{_block_range(manifest.blocks, rows['personal']['blocks'])}"
+        )
     full = rows["base"]["bytes"] + rows["personal"]["bytes"]
     console.print(
         f"one round uploads {_human(rows['base']['bytes'])} of base tensors "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edgepfl.export.personal import carry_personal
 from edgepfl.export.smallmaps import SMALL_MAP
 
 BN_MOMENTUM = 0.1
@@ -90,7 +91,9 @@ class MaskedModel:
         for parent in list(self.module.modules()):
             for child_name, child in list(parent.named_children()):
                 if isinstance(child, nn.BatchNorm2d):
-                    setattr(parent, child_name, MaskedBatchNorm2d(child, self.slot))
+                    masked = MaskedBatchNorm2d(child, self.slot)
+                    carry_personal(child, masked)
+                    setattr(parent, child_name, masked)
 
     @property
     def momentum(self) -> float | dict[str, float]:

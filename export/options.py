@@ -11,6 +11,7 @@ from edgepfl.errors import UsageError
 from edgepfl.manifest import class_names_problem
 from edgepfl.options import ARGUMENT, Composed, comma_separated, titled
 from edgepfl.ortbuild import training_build_installed
+from edgepfl.personal import SPEC_HELP, parse_spec, personal_choice
 
 ENGINES = ("ort-training", "portable")
 OPTIMIZERS = ("sgd", "adamw")
@@ -120,7 +121,13 @@ class ExportCommand(Composed):
             json_schema_extra={ARGUMENT: True},
         ),
     ]
-    kp: Annotated[int, Field(ge=0, description="personal blocks counted from the classifier (0 = FedAvg)")] = 2
+    kp: Annotated[
+        int | None,
+        Field(ge=0, description="personal blocks counted from the classifier (0 = FedAvg; default 2): output:K"),
+    ] = None
+    personal: Annotated[
+        str | None, Field(description=f"which parameters stay on the device: {SPEC_HELP}", examples=["adapters:16"])
+    ] = None
     out: Annotated[Path, Field(description="bundle folder to write")] = Path("bundle")
     input_shape: Annotated[
         str | None, Field(description="C,H,W of one sample (torchvision:/factory models; torchvision: 3,224,224)")
@@ -145,4 +152,10 @@ class ExportCommand(Composed):
     def _one_list_of_names(self) -> ExportCommand:
         if self.class_names_file is not None and self.options.class_names:
             raise UsageError("both --class-names and --class-names-file are given", "pass only one of them")
+        if self.personal is not None:
+            parse_spec(self.personal)  # a malformed spec is refused before any model is built
         return self
+
+    def split(self) -> int | str:
+        """What stays personal: the `--personal` spec, else `--kp` (default 2); one line when both are given."""
+        return personal_choice(self.kp, self.personal, default_kp=2)

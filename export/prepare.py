@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgepfl.errors import UsageError
+from edgepfl.export.personal import carry_personal
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _RANDOM_OPS = {
@@ -67,7 +68,7 @@ def primitive_group_norm(module: nn.Module) -> nn.Module:
         if type(child) is not nn.GroupNorm or not child.affine:
             return None
         replacement = GroupNorm(child.num_groups, child.num_channels, child.eps)
-        replacement.load_state_dict(child.state_dict())
+        replacement.load_state_dict({"weight": child.weight, "bias": child.bias})  # not an inserted adapter's
         return replacement
 
     return _replaced(module, swap)
@@ -173,5 +174,6 @@ def _replaced(module: nn.Module, swap) -> nn.Module:
         for name, child in list(parent.named_children()):
             replacement = swap(child)
             if replacement is not None:
+                carry_personal(child, replacement)
                 setattr(parent, name, replacement)
     return copied

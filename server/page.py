@@ -51,7 +51,8 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
     "Add a device" link to /join when `add_device`); readable on a phone (the table scrolls on its own)."""
     png = base64.b64encode(render_plot(status)).decode("ascii")
     head = (
-        f"strategy <b>{html.escape(status['strategy'])}</b> · state <b>{status['state']}</b> · "
+        f"strategy <b>{html.escape(status['strategy'])}</b> · personal <b>{html.escape(status.get('personal', ''))}</b>"
+        f" · state <b>{status['state']}</b> · "
         f"{status['rounds_completed']} of {status['rounds_target']} rounds · "
         f"{status['devices_enrolled']} devices enrolled, {status['devices_available']} available"
     )

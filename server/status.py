@@ -31,6 +31,7 @@ def server_status(
         "state": state,
         "strategy": engine.strategy.name,
         "base_layout_hash": engine.manifest.base_layout_hash,
+        "personal": str(engine.manifest.personal_spec),  # which parameters stay on the devices (edgepfl/personal.py)
         "class_names": list(engine.manifest.class_names),
         "share_buffers": engine.config.share_buffers,
         "rounds_target": engine.config.rounds,

@@ -60,9 +60,10 @@ class Strategy(ABC):
 
     def check_manifest(self, manifest: Manifest) -> None:
         """Refuse a bundle this strategy cannot run (called once at start)."""
-        if not self.personalized and manifest.kp != 0:
+        if not self.personalized and manifest.names("personal"):
             raise UsageError(
-                f"strategy {self.name} shares the whole model, but this bundle keeps kp={manifest.kp} personal blocks",
+                f"strategy {self.name} shares the whole model, but this bundle keeps personal tensors "
+                f"({manifest.personal_spec}; kp={manifest.kp})",
                 "use --strategy fedper, or export the bundle with --kp 0",
             )
 

@@ -289,6 +289,7 @@ def test_metrics_and_status_page(setup) -> None:
     page = render_page(status)
     assert "data:image/png;base64," in page and "http" not in page.split("<body>")[1]
     assert status["class_names"] == [] and "classes:" not in page  # a bundle without class names
+    assert status["personal"] == "output:1" and "personal <b>output:1</b>" in page  # the bundle's personal spec
     assert "classes: cat, dog &amp; co<" in render_page({**status, "class_names": ["cat", "dog & co"]})
 
 

@@ -18,6 +18,7 @@ from edgepfl import errors
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.errors import EdgePFLError, StateError
 from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.personal import as_spec, personal_choice
 from edgepfl.simulate.config import SimulateConfig
 from edgepfl.wire import save_tensors
 
@@ -81,12 +82,13 @@ def _export_run_bundle(
     from edgepfl.export.bundle import simulation_target
 
     target = simulation_target(config.model, sample_shape, num_classes, config.seed, config.width, config.norm)
-    kp = {"zero": 0, "all": len(target.blocks), "given": config.kp}[config.plan.kp]
+    given = personal_choice(config.kp, config.personal)
+    kp = {"zero": 0, "all": len(target.blocks), "given": given}[config.plan.kp]
     if (folder / "manifest.json").is_file():
         manifest = load_manifest(folder)
-        if manifest.model == target.description and manifest.kp == kp:
+        if manifest.model == target.description and manifest.personal_spec == as_spec(kp)[0]:
             return manifest
-        raise StateError(f"{folder} holds a different model or kp", "use a new --out")
+        raise StateError(f"{folder} holds a different model or personal part", "use a new --out")
     from edgepfl.device_runtime.engine import training_build_installed
     from edgepfl.export.bundle import ExportOptions, export_target
 

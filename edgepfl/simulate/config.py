@@ -23,6 +23,7 @@ from edgepfl.device_runtime.persfl import DistillConfig
 from edgepfl.errors import UsageError
 from edgepfl.natural import NATURAL, is_natural
 from edgepfl.options import GROUP, Composed, flatten, titled, validated
+from edgepfl.personal import SPEC_HELP, parse_spec, personal_choice
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions
 from edgepfl.secagg.config import MIN_DEVICES
@@ -152,7 +153,12 @@ class SimulateConfig(Composed):
         ),
     ] = "mobilenet"
     width: Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="MobileNet width: 0.25|0.5|0.75|1.0")] = 0.25
-    kp: Annotated[int, Field(ge=0, description="personal blocks, counted from the classifier")] = 2
+    kp: Annotated[
+        int | None, Field(ge=0, description="personal blocks, counted from the classifier (default 2): output:K")
+    ] = None
+    personal: Annotated[
+        str | None, Field(description=f"which parameters stay on the device: {SPEC_HELP}", examples=["adapters:16"])
+    ] = None
     norm: Annotated[
         Literal["batch", "group", "none"] | None, Field(description="normalisation (default: the zoo model's own)")
     ] = None
@@ -202,6 +208,15 @@ class SimulateConfig(Composed):
         from edgepfl.export.source import parse_model  # a zoo name or a MODEL string of `edgepfl export`
 
         parse_model(self.model)
+        personal_choice(self.kp, self.personal)
+        if self.personal is not None:
+            parse_spec(self.personal)
+            if self.plan.kp != "given":
+                raise UsageError(
+                    f"--algorithm {self.algorithm} keeps {'no' if self.plan.kp == 'zero' else 'every'} parameter "
+                    "personal: --personal does not apply",
+                    "drop --personal, or choose fedper, fedalt, fedsim, fedper-ft, pfedla or heurpfedla",
+                )
         if self.plan.persfl:
             self.distill_config()
         lossy = self.round.upload_encoding != "fp32" or self.round.download_encoding != "fp32" or self.privacy.enabled
@@ -281,6 +296,8 @@ class SimulateConfig(Composed):
         """Keys that differ in a way that makes `other` a different experiment (rounds, threads, workers may)."""
         free = {"rounds", "threads", "device", "out", "workers", "ray_address", "client_cpus", "client_gpus"}
         mine, theirs = self.to_json(), other.to_json()
+        for keys in (mine, theirs):  # results.json of runs before --personal recorded the default kp as 2
+            keys["kp"] = 2 if keys.get("kp") is None and keys.get("personal") is None else keys.get("kp")
         return [key for key in mine if key not in free and mine[key] != theirs.get(key)]
 
 

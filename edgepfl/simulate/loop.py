@@ -416,6 +416,7 @@ def _run_info(config: SimulateConfig, dataset, manifest: Manifest, engine: Engin
         "client_sizes": [int(p.size) for p in parts],
         **({"client_names": list(dataset.client_names)} if getattr(dataset, "client_names", ()) else {}),
         "kp": manifest.kp,
+        "personal": str(manifest.personal_spec),
         "blocks": len(manifest.blocks),
         "engine": engine.name,
         "client_algorithm": config.plan.client,

@@ -40,6 +40,7 @@ class TorchEngine(Engine):
         super().__init__(bundle_dir, manifest)
         import torch
 
+        from edgepfl.export.personal import rebuild_personal
         from edgepfl.export.source import rebuild_module
 
         self._torch = torch
@@ -48,7 +49,7 @@ class TorchEngine(Engine):
         self.device = torch_device(device)
         if self.device.type == "cuda":  # fixed batch shapes: let cuDNN time its kernels once per shape
             torch.backends.cudnn.benchmark = True
-        self.model = rebuild_module(manifest.model).to(self.device)
+        self.model = rebuild_personal(rebuild_module(manifest.model), manifest.tensors).to(self.device)
         self._params = dict(self.model.named_parameters())
         self._buffers = {n: b for n, b in self.model.named_buffers() if not n.endswith("num_batches_tracked")}
         known = set(self._params) | set(self._buffers)

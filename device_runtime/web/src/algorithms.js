@@ -46,24 +46,43 @@ export function roundPhases(contract, settingsJson, availableSets) {
   const algorithm = clientAlgorithm(contract, settings.algorithm);
   const planned = [contract.finetune_phase, ...algorithm.phases].map((p) => ({ name: p.name, trainable: p.trainable, epochs: Number(settings[p.epochs]) }));
   if (settings.algorithm === 'local' && !availableSets.includes('personal')) {
-    throw new EngineError('the local algorithm trains personal tensors, and this bundle has none (kp=0)', 'use kp >= 1');
+    throw new EngineError('the local algorithm trains personal tensors, and this bundle has none (kp=0)', 'export with --kp 1 or more (or a --personal spec)');
   }
   return planned.filter(({ trainable, epochs }) => epochs > 0 && availableSets.includes(trainable));
 }
 
 /**
- * The shared tensors that travel this round: base (+ base-block buffers when share_buffers) minus kept_on_device.
- * @param {Pick<Manifest, 'blocks' | 'kp' | 'tensors'>} manifest
+ * The shared tensors that travel this round: base (+ base-layer buffers when share_buffers) minus kept_on_device.
+ * @param {Pick<Manifest, 'tensors'>} manifest
  * @param {{share_buffers?: boolean, kept_on_device?: string[]}} settings
  */
 export function travellingNames(manifest, settings) {
-  const personalStart = manifest.blocks.length - manifest.kp;
   const shared = [
     ...manifest.tensors.filter((t) => t.role === 'base'),
-    ...(settings.share_buffers ? manifest.tensors.filter((t) => t.role === 'buffer' && t.block < personalStart) : []),
+    ...(settings.share_buffers ? baseBuffers(manifest) : []),
   ];
   const kept = new Set(settings.kept_on_device);
   return shared.map((t) => t.name).filter((name) => !kept.has(name));
+}
+
+/**
+ * Buffers of base layers (manifest.py Manifest.base_buffers): a buffer goes with its layer's parameters (a BatchNorm
+ * whose weight is personal keeps its statistics), else with its block (personal if the block holds a personal tensor).
+ * @param {Pick<Manifest, 'tensors'>} manifest
+ */
+export function baseBuffers(manifest) {
+  const layerOf = (/** @type {string} */ name) => name.slice(0, Math.max(0, name.lastIndexOf('.')));
+  /** @type {Map<string, boolean>} */
+  const layerPersonal = new Map();
+  for (const t of manifest.tensors) {
+    if (t.role !== 'buffer') layerPersonal.set(layerOf(t.name), Boolean(layerPersonal.get(layerOf(t.name))) || t.role === 'personal');
+  }
+  const personalBlocks = new Set(manifest.tensors.filter((t) => t.role === 'personal').map((t) => t.block));
+  return manifest.tensors.filter((t) => {
+    if (t.role !== 'buffer') return false;
+    const layer = layerOf(t.name);
+    return layerPersonal.has(layer) ? !layerPersonal.get(layer) : !personalBlocks.has(t.block);
+  });
 }
 
 /** The shuffling seed of one round (algorithms.py round_seed): distinct per (device seed, round), as in Python. */

@@ -6,7 +6,7 @@
 import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
 import { fetchContract } from './contract.js';
 import { emptyExamples } from './data.js';
-import { openEngine, portableFiles } from './engine.js';
+import { openEngine, personalSpec, portableFiles } from './engine.js';
 import { DeviceError, StartOver } from './errors.js';
 import { ApiClient, Refusal } from './protocol.js';
 import { DeviceRunner } from './runner.js';
@@ -83,7 +83,7 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: placed });
   placed();
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
-  showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''}`);
+  showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`);
   const examples = setUpExamples({ store, manifest, contract, examples: saved.examples || emptyExamples(manifest.input.shape) });
   renderHistory(saved.history || []);
   let trained = Boolean(saved.tensors);

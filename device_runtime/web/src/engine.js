@@ -33,7 +33,8 @@ import { checkSha256 } from './sha256.js';
 /**
  * The parts of manifest.json the page reads.
  * @typedef {object} Manifest
- * @property {number} kp
+ * @property {number} kp the trailing blocks whose parameters are all personal (output:K's K)
+ * @property {string} [personal] the --personal spec (bundles exported before it have none: output:kp)
  * @property {{index: number}[]} blocks
  * @property {TensorSpec[]} tensors
  * @property {number} num_classes
@@ -49,6 +50,11 @@ import { checkSha256 } from './sha256.js';
 /** Summed loss, correct count and count of an evaluation. @typedef {{lossSum: number, correct: number, count: number}} EvalResult */
 
 const ROLES = ['base', 'personal', 'buffer'];
+
+/** The bundle's personal spec as manifest.py writes it: its `personal`, or output:kp for bundles before specs. */
+export function personalSpec(/** @type {Pick<Manifest, 'kp' | 'personal'>} */ manifest) {
+  return manifest.personal || `output:${manifest.kp}`;
+}
 /** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
 const WASM_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
 // NCHW: onnxruntime-web 1.30's channels-last (NHWC) Conv computes wrong values where the input channels are a
@@ -453,7 +459,7 @@ export class Engine {
 
   checkSet(/** @type {string} */ trainable) {
     if (!this.trainableSets().includes(trainable)) {
-      throw new EngineError(`this bundle (kp=${this.manifest.kp}) has no ${JSON.stringify(trainable)} trainable set`, `choose one of: ${this.trainableSets().join(', ')}`);
+      throw new EngineError(`this bundle (personal ${personalSpec(this.manifest)}) has no ${JSON.stringify(trainable)} trainable set`, `choose one of: ${this.trainableSets().join(', ')}`);
     }
   }
 
