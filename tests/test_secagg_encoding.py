@@ -18,6 +18,7 @@ from edgepfl.secagg.config import (
     Measured,
     levels,
     ring_bits,
+    weight_digits,
 )
 from edgepfl.secagg.options import UNBOUNDED_CLIP, SecureAggregationOptions, check_secure
 from tests.secagg_helpers import SHAPES, Round, sample_delta
@@ -116,3 +117,9 @@ def test_the_clip_and_weight_scale_default_to_what_was_measured_and_dp_fixes_the
     after = rule.next_config(config, 0.25, 9000, 6)
     assert (after.clip_norm, after.weight_scale) == (CLIP_MARGIN * 0.25, FIRST_WEIGHT_SCALE)
     assert Measured(clip=True, weight=True).next_config(config, 0.0, 0, 0) == config
+
+
+@pytest.mark.parametrize("n", [3, 8, 10, 129, 200, 1000])
+def test_the_measured_weight_cap_keeps_the_masked_vector_as_long_as_before(n):
+    bits = ring_bits(n)
+    assert weight_digits(n, bits, WEIGHT_CAP)[1] == weight_digits(n, bits, 1000)[1] == 2

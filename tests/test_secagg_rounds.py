@@ -101,11 +101,16 @@ class Devices:
             self.send(name, "shares", to_json(self.sessions[name].receive_book(book)).encode())
         self.engine.tick()
 
+    def vector(self, name: str) -> np.ndarray:
+        """The device's ring vector: the body it keeps is its delta clipped to the round's clip (round.py)."""
+        book = self.sessions[name].book
+        kept = clip_delta(self.deltas[name], book.config.clip_norm)
+        return quantize_delta(kept, self.weights[name], book, np.random.default_rng(2))
+
     def upload(self, names: Iterable[str]) -> None:
         for name in names:
             inbox = self.engine.secure_inbox(name, self.round_id)
-            book = self.sessions[name].book
-            self.vectors[name] = quantize_delta(self.deltas[name], self.weights[name], book, np.random.default_rng(2))
+            self.vectors[name] = self.vector(name)
             self.send(name, "masked", self.sessions[name].receive_inbox(inbox, self.vectors[name]).to_bytes())
         self.engine.tick()
 
@@ -327,9 +332,7 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     devices.share(NAMES)
     assert devices.send("d0", "shares", json.dumps(bundle).encode())["duplicate"] is True  # a re-sent message
     inbox = engine.secure_inbox("d2", devices.round_id)
-    vector = quantize_delta(devices.deltas["d2"], devices.weights["d2"], devices.sessions["d2"].book,
-                            np.random.default_rng(2))
-    good = devices.sessions["d2"].receive_inbox(inbox, vector).to_bytes()
+    good = devices.sessions["d2"].receive_inbox(inbox, devices.vector("d2")).to_bytes()
     with pytest.raises(Refused) as short:  # a masked vector of the wrong length
         devices.send("d2", "masked", good[:-3])
     assert short.value.error == "bad_secagg" and "d2" in short.value.problem
@@ -378,7 +381,7 @@ def test_a_round_open_when_secure_aggregation_is_switched_off_is_abandoned(tmp_p
 def test_central_dp_noises_the_unmasked_sum(tmp_path):
     pytest.importorskip("dp_accounting")
     clock = Clock()
-    config = secure_config(tmp_path, secure={"secagg_clip": None},
+    config = secure_config(tmp_path, secure={"secagg_clip": None, "secagg_max_weight": None},
                            privacy={"dp_noise_multiplier": 0.5, "dp_clip": CLIP})  # fmt: skip
     engine = create_engine(config, clock)
     engine.noise_seed = 7
@@ -409,7 +412,8 @@ def test_central_dp_noises_the_unmasked_sum(tmp_path):
         ({"aggregation": "fedbuff"}, "cannot run with --aggregation fedbuff"),
         ({"upload_encoding": "int8"}, "--upload-encoding int8 does not apply to secure aggregation"),
         ({"min_clients": 2}, "needs at least 3 devices a round"),
-        ({"secagg_clip": None}, "--secure-aggregation needs a clip norm"),
+        ({"secagg_clip": None, "dp_noise_multiplier": 1.0, "dp_clip": 1.0, "secagg_max_weight": 100},
+         "--secagg-max-weight does not apply with DP"),
         ({"secure_aggregation": False}, "--secagg-clip needs secure aggregation on"),
         ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0}, "--secagg-clip and --dp-clip both set"),
         ({"secagg_neighbours": "3"}, "--secagg-neighbours '3': not auto, all or an even number"),

@@ -13,6 +13,8 @@ pytest.importorskip("torch")
 from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 - the fixture
 
 from edgepfl.errors import UsageError  # noqa: E402
+from edgepfl.secagg.config import FIRST_CLIP, FIRST_WEIGHT_SCALE  # noqa: E402
+from edgepfl.server.secure import NEXT_KEY  # noqa: E402
 from edgepfl.server.store import Store  # noqa: E402
 from edgepfl.simulate.loop import run_simulation  # noqa: E402
 from edgepfl.simulate.rounds import SERVER_DIR, final_global_base  # noqa: E402
@@ -55,3 +57,18 @@ def test_a_secure_simulation_is_reproducible_and_learns_as_the_plain_one(tiny_np
 def test_what_a_secure_simulation_cannot_run_with_is_one_line(tiny_npz, tmp_path, changes, message):  # noqa: F811
     with pytest.raises(UsageError, match=message):
         tiny_config(tiny_npz, tmp_path, **{**SECURE, **changes})
+
+
+def test_a_secure_simulation_with_defaults_only_matches_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
+    # issue 42: no clip or weight flag; each round's clip and weight scale are measured from the previous sum
+    runs = {name: run_simulation(tiny_config(tiny_npz, tmp_path / name, algorithm="fedper", **changes))
+            for name, changes in (("secure", {"secure_aggregation": True, "min_clients": 3}),
+                                  ("plain", {"min_clients": 3}))}
+    secure, plain = (runs[name].rounds[-1].test_accuracy["per_client"] for name in ("secure", "plain"))
+    assert max(abs(s - p) for s, p in zip(secure, plain)) <= 0.02
+    store = Store(tmp_path / "secure" / SERVER_DIR)
+    try:
+        measured = json.loads(store.get_meta(NEXT_KEY))
+    finally:
+        store.close()
+    assert measured["clip_norm"] != FIRST_CLIP and measured["weight_scale"] != FIRST_WEIGHT_SCALE

@@ -230,7 +230,9 @@ def _log_all_chosen(population: int, chosen: int, run: int) -> float:
 FIRST_CLIP = 10.0  # round 1's clip when neither DP nor --secagg-clip sets it and nothing is measured yet
 FIRST_WEIGHT_SCALE = 1000.0  # round 1's weight scale W when nothing is measured yet
 CLIP_MARGIN = 4.0  # a measured clip: this many times the norm of the previous round's mean delta
-WEIGHT_CAP = 1 << 20  # sample counts are capped here when the weight scale is measured (DP: every device weighs 1)
+# sample counts are capped here when the weight scale is measured (DP: every device weighs 1): the most two weight
+# digits carry at every n's default bits (min over n of B^2 - 1), so the masked vector is no longer than with 1000
+WEIGHT_CAP = 65024
 
 
 @dataclass(frozen=True)
