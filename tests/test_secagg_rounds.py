@@ -17,9 +17,10 @@ from server_helpers import enroll, upload_body
 from edgepfl.errors import UsageError
 from edgepfl.manifest import InputSpec, Manifest, TensorSpec
 from edgepfl.options import validated
-from edgepfl.privacy import clip_delta, noised_mean
+from edgepfl.privacy import clip_delta, delta_norm, noised_mean
 from edgepfl.secagg import ClientSession, KeyBook, ServerSession, dequantize_sum, from_json, quantize_delta, to_json
-from edgepfl.secagg.config import levels, padded_size
+from edgepfl.secagg.config import CLIP_MARGIN, levels, padded_size
+from edgepfl.secagg.options import UNBOUNDED_CLIP
 from edgepfl.secagg.ring import pack, unpack
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
@@ -426,3 +427,20 @@ def test_what_secure_aggregation_cannot_run_with_is_one_line(tmp_path, changes, 
     with pytest.raises(UsageError) as refused:
         validated(ServerConfig, {key: value for key, value in values.items() if value is not None})
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_with_no_clip_flag_the_next_round_clips_at_what_this_round_measured(tmp_path):
+    # issue 42: 4 times the norm of the round's mean delta, weighted by its mean sample count; the page says so
+    clock = Clock()
+    engine = create_engine(secure_config(tmp_path, secure={"secagg_clip": None, "secagg_max_weight": None}), clock)
+    assert engine.config.settings.clip_norm == UNBOUNDED_CLIP  # the device keeps its whole delta
+    devices = run_round(engine, clock)
+    assert engine.store.round(devices.round_id).state == "closed"
+    global_base = engine.global_base()
+    mean = {name: global_base[name].astype(np.float64) - devices.base[name] for name in devices.base}
+    upcoming = engine.secure.round_config()
+    assert upcoming.clip_norm == pytest.approx(CLIP_MARGIN * delta_norm(mean), rel=1e-4)
+    assert upcoming.weight_scale == sum(devices.weights.values()) / len(NAMES)
+    status = engine.status()["secure_aggregation"]
+    assert status["clip_norm"] == upcoming.clip_norm and status["measured"] == ["clip", "weight"]
+    assert "measured" in render_page(engine.status())
