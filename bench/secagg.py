@@ -24,8 +24,14 @@ step 4 times slower: a bound for a phone 4 times slower than this machine).
 Prints JSON on stdout, a table on stderr, and writes bench/figures/secagg.png (--phone-only: the phone's rows,
 also to docs/measurements/secagg-phone-<date>.json).
 
+`--accuracy` (issue 42) instead trains: `edgepfl simulate` plain and with `--secure-aggregation` (its defaults: the
+clip and weight scale measured from the previous round's sum) on each setting of ACCURACY_SETTINGS (MNIST mlp;
+MobileNet x0.25 on a CIFAR-10 slice), and writes per-client and mean test accuracy per round and the bytes up
+beside them to docs/measurements/secagg-accuracy-<date>.json (data: --data-root, e.g. /work/shared/data).
+
 Usage: python bench/secagg.py [--manifest BUNDLE_DIR] [--ns 10 50 200] [--bits-variants 10] [--dropout 0.1]
                               [--no-node] [--no-phone] [--phone-only] [--save-every-call]
+       python bench/secagg.py --accuracy [--data-root DIR] [--settings mlp mobilenet]
 """
 
 from __future__ import annotations
@@ -51,6 +57,18 @@ MEASUREMENTS = ROOT / "docs" / "measurements"
 TARGET_UPLOAD, TARGET_SERVER_S = 1.3, 5.0  # issue 34: upload <= 1.3x plain int8 at n = 200; server <= 5 s
 TARGET_PHONE_S = 2.0  # issue 34: the page's masking and sharing per round on the emulated phone
 MODES = {"secagg+": "auto", "classic": "all"}
+# issue 42's settings; --min-clients 3 because simulate's default (1) is below secure aggregation's 3 devices
+ACCURACY_SETTINGS = {
+    "mlp": ["--dataset", "mnist", "--model", "mlp", "--kp", "1", "--algorithm", "fedper", "--partition", "classes:2",
+            "--clients", "8", "--rounds", "3", "--epochs", "1", "--lr", "0.05", "--seed", "0", "--engine", "torch",
+            "--min-clients", "3"],
+    # a CIFAR-10 slice (cifar10_slice: the first 3000 train and 600 test images) so 2 cores run it in minutes
+    "mobilenet": ["--dataset", "{cifar_slice}", "--model", "mobilenet", "--width", "0.25", "--kp", "2",
+                  "--algorithm", "fedper", "--partition", "classes:2", "--clients", "4", "--rounds", "3", "--epochs",
+                  "1", "--lr", "0.05", "--seed", "0", "--engine", "torch", "--min-clients", "3"],
+}
+CIFAR_SLICE = (3000, 600)
+ACCURACY_TARGET_POINTS = 1.0  # issue 42: every client within 1 point of the plain run after the last round
 
 
 def base_layout(manifest: str | None) -> tuple[VectorLayout, int, str]:
@@ -278,8 +296,54 @@ def plot(rows: list[dict], int8_bytes: int, path: Path) -> Path:
     return path
 
 
+def cifar10_slice(data_root: str, out: Path) -> Path:
+    """An .npz of CIFAR-10's first CIFAR_SLICE train and test images (edgepfl's own loader reads them)."""
+    from edgepfl.datasets import load_dataset
+
+    full = load_dataset("cifar10", data_root)
+    train, test = CIFAR_SLICE
+    path = out / "cifar10-slice.npz"
+    np.savez(path, x_train=full.x_train[:train], y_train=full.y_train[:train], x_test=full.x_test[:test],
+             y_test=full.y_test[:test])
+    return path
+
+
+def accuracy_runs(settings: list[str], data_root: str, scratch: Path) -> dict:
+    """Plain vs secure (defaults only) `edgepfl simulate` per setting: per-client and mean accuracy, bytes up."""
+    out = {}
+    for name in settings:
+        runs = {}
+        arguments = ACCURACY_SETTINGS[name]
+        if "{cifar_slice}" in arguments:
+            arguments = [str(cifar10_slice(data_root, scratch)) if a == "{cifar_slice}" else a for a in arguments]
+        for mode, extra in (("plain", []), ("secure", ["--secure-aggregation"])):
+            folder = scratch / f"{name}-{mode}"
+            command = [sys.executable, "-m", "edgepfl.cli", "simulate", *arguments, "--data-root",
+                       data_root, "--out", str(folder), *extra]
+            start = time.perf_counter()
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            rounds = json.loads((folder / "results.json").read_text())["rounds"]
+            runs[mode] = {"seconds": round(time.perf_counter() - start, 1), "rounds": [
+                {"round": r["round"], "mean": round(100 * r["test_accuracy"]["mean"], 2),
+                 "per_client": [round(100 * a, 2) for a in r["test_accuracy"]["per_client"]],
+                 "bytes_up": r["bytes_up"], "secure": r["secure_aggregation"]} for r in rounds]}
+        last_plain, last_secure = runs["plain"]["rounds"][-1], runs["secure"]["rounds"][-1]
+        gaps = [round(s - p, 2) for s, p in zip(last_secure["per_client"], last_plain["per_client"])]
+        out[name] = {"command": " ".join(["edgepfl simulate", *ACCURACY_SETTINGS[name]]), **runs,
+                     "last_round_gap_points": gaps,
+                     "mean_gap_points": round(last_secure["mean"] - last_plain["mean"], 2),
+                     "upload_vs_plain_fp32": round(last_secure["bytes_up"] / last_plain["bytes_up"], 3),
+                     "every_client_within_1_point": all(abs(g) <= ACCURACY_TARGET_POINTS for g in gaps)}
+        print(f"{name}: mean {last_plain['mean']:.2f} plain, {last_secure['mean']:.2f} secure; per-client gap "
+              f"{gaps}; bytes up {last_plain['bytes_up']} plain, {last_secure['bytes_up']} secure", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accuracy", action="store_true", help="plain vs secure accuracy (issue 42) instead")
+    parser.add_argument("--data-root", default="data", help="--accuracy: the folder with mnist.npz and CIFAR-10")
+    parser.add_argument("--settings", nargs="+", default=list(ACCURACY_SETTINGS), choices=list(ACCURACY_SETTINGS))
     parser.add_argument("--manifest", help="a bundle folder whose manifest.json gives the base tensors (else: build)")
     parser.add_argument("--ns", type=int, nargs="+", default=[10, 50, 200])
     parser.add_argument("--bits-variants", type=int, nargs="*", default=[10],
@@ -290,6 +354,18 @@ def main() -> None:
     parser.add_argument("--phone-only", action="store_true", help="only the page's timing on an emulated phone")
     parser.add_argument("--save-every-call", action="store_true", help="time a full state save after every call")
     args = parser.parse_args()
+    if args.accuracy:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as scratch:
+            result = {"command": " ".join(["python", "bench/secagg.py", *sys.argv[1:]]),
+                      "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "load_average": os.getloadavg()[0],
+                      "settings": accuracy_runs(args.settings, args.data_root, Path(scratch))}
+        text = json.dumps(result, indent=2)
+        print(text)
+        MEASUREMENTS.mkdir(parents=True, exist_ok=True)
+        (MEASUREMENTS / f"secagg-accuracy-{time.strftime('%Y-%m-%d')}.json").write_text(text + "\n")
+        return
     layout, int8_bytes, source = base_layout(args.manifest)
     largest = max(args.ns)
     phone = [] if args.no_phone else phone_timing(layout, [(n, mode) for n in args.ns for mode in MODES])

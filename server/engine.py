@@ -93,7 +93,8 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
         self.noise_seed: int | None = None
         self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
         secagg = config.secure.config(config.privacy.clip_norm)  # secure aggregation (None: off)
-        self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, store, self.specs) if secagg else None
+        self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, store, self.specs,
+                                   measured=config.secure.measured(config.privacy.clip_norm)) if secagg else None
 
     # start-up
 

@@ -70,7 +70,8 @@ def render_page(status: dict[str, Any], web_note: str = "", add_device: bool = F
     secure = status.get("secure_aggregation")
     if secure is not None:
         head += (
-            f"<br>secure aggregation: <b>the server sees only each round's sum</b> (clip {secure['clip_norm']:g}, "
+            f"<br>secure aggregation: <b>the server sees only each round's sum</b> (clip {secure['clip_norm']:g}"
+            f"{' measured' if 'clip' in secure.get('measured', []) else ''}, "
             f"threshold {secure['threshold']:g}, neighbours {html.escape(str(secure['neighbours']))})"
         )
     if status.get("stopped"):

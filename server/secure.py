@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ import numpy as np
 
 from edgepfl.errors import SecAggError
 from edgepfl.manifest import TensorSpec
+from edgepfl.privacy import delta_norm
 from edgepfl.secagg import (
     KeyAdvert,
     KeyBook,
@@ -48,7 +50,7 @@ from edgepfl.secagg import (
     VectorLayout,
     from_json,
 )
-from edgepfl.secagg.config import levels
+from edgepfl.secagg.config import Measured, levels
 from edgepfl.server.errors import Refused
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.secure_store import SecureStore
@@ -64,6 +66,7 @@ KINDS: dict[str, tuple[type, str]] = {
 }
 RUN_KEY = "secagg_run"  # meta: this state folder's random id, part of every round's context
 ALIAS_KEY = "secagg_alias_key"  # meta: the key of the devices' ids in the protocol (`SecureRounds.alias`)
+NEXT_KEY = "secagg_next"  # meta: the settings the next secure round measured from the last sum (JSON)
 
 
 class SecureRounds:
@@ -76,8 +79,10 @@ class SecureRounds:
         store: Store,
         specs: Sequence[TensorSpec],
         randomness: Callable[[int], bytes] | None = None,
+        measured: Measured | None = None,
     ):
-        self.config = config
+        self.config = config  # round 1's settings; what `measured` names follows each round's sum after that
+        self.measured = measured or Measured(clip=False, weight=False)
         self.step_timeout = step_timeout
         self.store = store
         self.db = SecureStore(store)
@@ -147,7 +152,8 @@ class SecureRounds:
         """Start a newly opened round's session (and forget the ended rounds' snapshots and logs)."""
         with self._lock:
             randomness = self.randomness(record.round_id) if self.randomness is not None else None
-            session = ServerSession.start(self.context(record.round_id), self.config, self.layout.size, randomness)
+            session = ServerSession.start(self.context(record.round_id), self.round_config(), self.layout.size,
+                                          randomness)
             self.db.forget_others(record.round_id)
             self.db.start(record.round_id, record.opened, session.to_json(), counts(session))
             self._open = (record.round_id, session)
@@ -229,13 +235,29 @@ class SecureRounds:
                 self._save(round_id, session, row.since)
                 raise
             self._save(round_id, session, row.since)
+            if self.measured.clip or self.measured.weight:
+                survivors = len(session.request.survivors)
+                norm = delta_norm(total.weighted_mean()) if total.total_weight > 0 else 0.0
+                upcoming = self.measured.next_config(session.book.config, norm, total.total_weight, survivors)
+                self.store.set_meta({NEXT_KEY: json.dumps(upcoming.to_dict())})
             return total
+
+    def round_config(self) -> SecAggConfig:
+        """The settings of the round that opens next: round 1's, then what the last sum measured (`Measured`)."""
+        stored = self.store.get_meta(NEXT_KEY)
+        if stored is None or not (self.measured.clip or self.measured.weight):
+            return self.config
+        measured = SecAggConfig.from_dict(json.loads(stored))
+        return SecAggConfig(**{**self.config.to_dict(), "clip_norm": measured.clip_norm if self.measured.clip
+                               else self.config.clip_norm, "weight_scale": measured.weight_scale if self.measured.weight
+                               else self.config.weight_scale})
 
     def sensitivity(self, round_id: int) -> float:
         """How far one device can move the unmasked sum (L2): its clip norm plus what rounding adds, C (1 + s/q)."""
         with self._lock:
-            plan = self._session(round_id).book.plan
-            return self.config.clip_norm * (1 + self.config.coordinate_sigmas / levels(plan.devices, plan.bits))
+            book = self._session(round_id).book
+            plan, config = book.plan, book.config
+            return config.clip_norm * (1 + config.coordinate_sigmas / levels(plan.devices, plan.bits))
 
     def summaries(self) -> dict[int, dict[str, Any]]:
         """Every secure round's counts, by round."""

@@ -2,8 +2,8 @@
 the round's unmasked sum (server/secure.py) instead of its uploads, so the round engine has no secure branch in its
 close.
 
-- fedavg, fedper: base + sum(w_i / W * clip(delta_i)) * W / sum(w_i), the sample-weighted mean of the clipped deltas
-  (sample counts capped at --secagg-max-weight; the weights are summed securely too).
+- fedavg, fedper: base + sum(clip(w_i / W * delta_i, C)) * W / sum(w_i), the sample-weighted mean of the clipped
+  deltas (W and C measured from the previous round's sum unless flags fix them; the weights are summed securely too).
 - with DP-FedAvg around them (`budget.PrivateStrategy`): every device weighs 1 (the server tells the devices
   max_weight 1), so the sum is sum(clip(delta_i)); the server adds N(0, (sigma * S)^2) to it, S = C (1 + s / q)
   the most one device's clipped, rounded contribution can move it, and divides by the round's sample size m.

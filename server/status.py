@@ -104,7 +104,7 @@ def secure_status(engine: RoundEngine) -> dict[str, Any] | None:
     """Secure aggregation's settings (None: off); each secure round's row says what happened in it."""
     if engine.secure is None:
         return None
-    config = engine.secure.config
+    config = engine.secure.round_config()  # the clip and weight scale the next round opens with (measured)
     return {
         "protocol": "SecAgg+ (classic SecAgg when every device is every other's neighbour), double masking",
         "clip_norm": config.clip_norm,
@@ -112,6 +112,8 @@ def secure_status(engine: RoundEngine) -> dict[str, Any] | None:
         "neighbours": config.neighbours,
         "bits": config.bits if config.bits is not None else "auto",
         "max_weight": config.max_weight,
+        "weight_scale": config.scale_weight,
+        "measured": [name for name in ("clip", "weight") if getattr(engine.secure.measured, name)],
         "step_timeout": engine.secure.step_timeout,
     }
 

@@ -17,9 +17,10 @@ from server_helpers import enroll, upload_body
 from edgepfl.errors import UsageError
 from edgepfl.manifest import InputSpec, Manifest, TensorSpec
 from edgepfl.options import validated
-from edgepfl.privacy import clip_delta, noised_mean
+from edgepfl.privacy import clip_delta, delta_norm, noised_mean
 from edgepfl.secagg import ClientSession, KeyBook, ServerSession, dequantize_sum, from_json, quantize_delta, to_json
-from edgepfl.secagg.config import levels, padded_size
+from edgepfl.secagg.config import CLIP_MARGIN, levels, padded_size
+from edgepfl.secagg.options import UNBOUNDED_CLIP
 from edgepfl.secagg.ring import pack, unpack
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
@@ -102,11 +103,16 @@ class Devices:
             self.send(name, "shares", to_json(self.sessions[name].receive_book(book)).encode())
         self.engine.tick()
 
+    def vector(self, name: str) -> np.ndarray:
+        """The device's ring vector: the body it keeps is its delta clipped to the round's clip (round.py)."""
+        book = self.sessions[name].book
+        kept = clip_delta(self.deltas[name], book.config.clip_norm)
+        return quantize_delta(kept, self.weights[name], book, np.random.default_rng(2))
+
     def upload(self, names: Iterable[str]) -> None:
         for name in names:
             inbox = self.engine.secure_inbox(name, self.round_id)
-            book = self.sessions[name].book
-            self.vectors[name] = quantize_delta(self.deltas[name], self.weights[name], book, np.random.default_rng(2))
+            self.vectors[name] = self.vector(name)
             self.send(name, "masked", self.sessions[name].receive_inbox(inbox, self.vectors[name]).to_bytes())
         self.engine.tick()
 
@@ -333,9 +339,7 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     devices.share(NAMES)
     assert devices.send("d0", "shares", json.dumps(bundle).encode())["duplicate"] is True  # a re-sent message
     inbox = engine.secure_inbox("d2", devices.round_id)
-    vector = quantize_delta(devices.deltas["d2"], devices.weights["d2"], devices.sessions["d2"].book,
-                            np.random.default_rng(2))
-    good = devices.sessions["d2"].receive_inbox(inbox, vector).to_bytes()
+    good = devices.sessions["d2"].receive_inbox(inbox, devices.vector("d2")).to_bytes()
     with pytest.raises(Refused) as short:  # a masked vector of the wrong length
         devices.send("d2", "masked", good[:-3])
     assert short.value.error == "bad_secagg" and devices.sessions["d2"].device in short.value.problem
@@ -384,7 +388,7 @@ def test_a_round_open_when_secure_aggregation_is_switched_off_is_abandoned(tmp_p
 def test_central_dp_noises_the_unmasked_sum(tmp_path):
     pytest.importorskip("dp_accounting")
     clock = Clock()
-    config = secure_config(tmp_path, secure={"secagg_clip": None},
+    config = secure_config(tmp_path, secure={"secagg_clip": None, "secagg_max_weight": None},
                            privacy={"dp_noise_multiplier": 0.5, "dp_clip": CLIP})  # fmt: skip
     engine = create_engine(config, clock)
     engine.noise_seed = 7
@@ -415,7 +419,8 @@ def test_central_dp_noises_the_unmasked_sum(tmp_path):
         ({"aggregation": "fedbuff"}, "cannot run with --aggregation fedbuff"),
         ({"upload_encoding": "int8"}, "--upload-encoding int8 does not apply to secure aggregation"),
         ({"min_clients": 2}, "needs at least 3 devices a round"),
-        ({"secagg_clip": None}, "--secure-aggregation needs a clip norm"),
+        ({"secagg_clip": None, "dp_noise_multiplier": 1.0, "dp_clip": 1.0, "secagg_max_weight": 100},
+         "--secagg-max-weight does not apply with DP"),
         ({"secure_aggregation": False}, "--secagg-clip needs secure aggregation on"),
         ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0}, "--secagg-clip and --dp-clip both set"),
         ({"secagg_neighbours": "3"}, "--secagg-neighbours '3': not auto, all or an even number"),
@@ -428,3 +433,20 @@ def test_what_secure_aggregation_cannot_run_with_is_one_line(tmp_path, changes, 
     with pytest.raises(UsageError) as refused:
         validated(ServerConfig, {key: value for key, value in values.items() if value is not None})
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_with_no_clip_flag_the_next_round_clips_at_what_this_round_measured(tmp_path):
+    # issue 42: 4 times the norm of the round's mean delta, weighted by its mean sample count; the page says so
+    clock = Clock()
+    engine = create_engine(secure_config(tmp_path, secure={"secagg_clip": None, "secagg_max_weight": None}), clock)
+    assert engine.config.settings.clip_norm == UNBOUNDED_CLIP  # the device keeps its whole delta
+    devices = run_round(engine, clock)
+    assert engine.store.round(devices.round_id).state == "closed"
+    global_base = engine.global_base()
+    mean = {name: global_base[name].astype(np.float64) - devices.base[name] for name in devices.base}
+    upcoming = engine.secure.round_config()
+    assert upcoming.clip_norm == pytest.approx(CLIP_MARGIN * delta_norm(mean), rel=1e-4)
+    assert upcoming.weight_scale == sum(devices.weights.values()) / len(NAMES)
+    status = engine.status()["secure_aggregation"]
+    assert status["clip_norm"] == upcoming.clip_norm and status["measured"] == ["clip", "weight"]
+    assert "measured" in render_page(engine.status())

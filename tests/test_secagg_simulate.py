@@ -13,6 +13,8 @@ pytest.importorskip("torch")
 from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 - the fixture
 
 from edgepfl.errors import UsageError  # noqa: E402
+from edgepfl.secagg.config import FIRST_CLIP, FIRST_WEIGHT_SCALE  # noqa: E402
+from edgepfl.server.secure import NEXT_KEY  # noqa: E402
 from edgepfl.server.store import Store  # noqa: E402
 from edgepfl.simulate.loop import run_simulation  # noqa: E402
 from edgepfl.simulate.rounds import SERVER_DIR, final_global_base  # noqa: E402
@@ -60,12 +62,29 @@ def test_what_a_secure_simulation_cannot_run_with_is_one_line(tiny_npz, tmp_path
 
 
 def test_simulate_checks_the_clients_each_round_has_not_min_clients(tmp_path):
-    """`edgepfl simulate --clients 8 --secure-aggregation --secagg-clip 1`: --min-clients is 1, and every round has
+    """`edgepfl simulate --clients 8 --secure-aggregation`: --min-clients is 1, and every round has
     8 clients."""
     from edgepfl.simulate.config import SimulateConfig
 
-    config = SimulateConfig(out=str(tmp_path), clients=8, secure_aggregation=True, secagg_clip=1.0)
+    config = SimulateConfig(out=str(tmp_path), clients=8, secure_aggregation=True)
     assert config.min_clients == 1 and config.cohort()[0] == 8
     with pytest.raises(UsageError) as refused:
-        SimulateConfig(out=str(tmp_path), clients=2, secure_aggregation=True, secagg_clip=1.0)
+        SimulateConfig(out=str(tmp_path), clients=2, secure_aggregation=True)
     assert "\n" not in str(refused.value) and "raise --clients or --fraction" in refused.value.fix
+
+
+def test_a_secure_simulation_with_defaults_only_matches_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
+    # issue 42: no clip or weight flag; each round's clip and weight scale are measured from the previous sum
+    runs = {name: run_simulation(tiny_config(tiny_npz, tmp_path / name, algorithm="fedper", **changes))
+            for name, changes in (("secure", {"secure_aggregation": True, "min_clients": 3}),
+                                  ("plain", {"min_clients": 3}))}
+    secure, plain = (runs[name].rounds[-1].test_accuracy["per_client"] for name in ("secure", "plain"))
+    # each client tests on a few dozen samples here: the runs may differ by 1/32 (the stochastic rounding's seed
+    # follows the device's protocol id), not by more
+    assert max(abs(s - p) for s, p in zip(secure, plain)) <= 1 / 32 + 1e-9
+    store = Store(tmp_path / "secure" / SERVER_DIR)
+    try:
+        measured = json.loads(store.get_meta(NEXT_KEY))
+    finally:
+        store.close()
+    assert measured["clip_norm"] != FIRST_CLIP and measured["weight_scale"] != FIRST_WEIGHT_SCALE

@@ -46,8 +46,14 @@ class SecAggConfig:
     dropout: float | None = None  # auto k: random dropout fraction to withstand; None: (1 - threshold) / 2
     collusion: float | None = None  # auto k: colluding fraction to withstand; None: threshold / 2
     bits: int | None = None  # ring Z/2^bits, the masked upload's bits per value; None: int8 resolution (below)
-    max_weight: int = 1000  # sample counts are capped here; a device's delta is scaled by weight / max_weight
+    max_weight: int = 1000  # sample counts are capped here (the weight's digits in the ring hold up to this)
     coordinate_sigmas: float = 4.0  # after rotation each value is clipped at this many C / sqrt(d)
+    weight_scale: float | None = None  # W: a device adds clip(w / W * delta, C); None: W = max_weight
+
+    @property
+    def scale_weight(self) -> float:
+        """W, the weight a device's delta is divided by before it is clipped to C and quantized."""
+        return float(self.max_weight) if self.weight_scale is None else self.weight_scale
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +69,10 @@ class SecAggConfig:
              "pass about the largest sample count of a device, e.g. 1000"),
             (math.isfinite(self.coordinate_sigmas) and self.coordinate_sigmas > 0, "coordinate_sigmas must be above 0",
              "pass e.g. 4"),
+            (self.weight_scale is None or (isinstance(self.weight_scale, int | float)
+                                           and math.isfinite(self.weight_scale) and self.weight_scale > 0),
+             "weight_scale must be above 0",
+             "pass about a device's mean sample count, or None"),
         ]
         for ok, problem, fix in checks:
             if not ok:
@@ -215,3 +225,32 @@ def _log_hypergeom_sf(population: int, marked: int, draws: int, at_least: int) -
 def _log_all_chosen(population: int, chosen: int, run: int) -> float:
     """log P(`run` given members all among `chosen` drawn at random)."""
     return _log_comb(population - run, chosen - run) - _log_comb(population, chosen) if chosen >= run else -math.inf
+
+
+FIRST_CLIP = 10.0  # round 1's clip when neither DP nor --secagg-clip sets it and nothing is measured yet
+FIRST_WEIGHT_SCALE = 1000.0  # round 1's weight scale W when nothing is measured yet
+CLIP_MARGIN = 4.0  # a measured clip: this many times the norm of the previous round's mean delta
+# sample counts are capped here when the weight scale is measured (DP: every device weighs 1): the most two weight
+# digits carry at every n's default bits (min over n of B^2 - 1), so the masked vector is no longer than with 1000
+WEIGHT_CAP = 65024
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Which of a round's settings follow the previous round's public sum, not a flag: the clip, the weight scale."""
+
+    clip: bool
+    weight: bool
+
+    def next_config(self, config: SecAggConfig, mean_delta_norm: float, total_weight: int, devices: int
+                    ) -> SecAggConfig:  # fmt: skip
+        """The next round's settings from this round's unmasked sum: C = CLIP_MARGIN |mean delta|, W = mean weight.
+
+        Both are functions of the sum every device's key book already reveals to the server, so nothing of one
+        device is learnt; a zero or non-finite measure keeps the round's value."""
+        clip, scale = config.clip_norm, config.weight_scale
+        if self.clip and math.isfinite(mean_delta_norm) and mean_delta_norm > 0:
+            clip = CLIP_MARGIN * mean_delta_norm
+        if self.weight and devices > 0 and total_weight > 0:
+            scale = total_weight / devices
+        return SecAggConfig(**{**config.to_dict(), "clip_norm": clip, "weight_scale": scale})

@@ -3,7 +3,9 @@
 
 What they turn on is docs/secure-aggregation.md's: each sampled device masks its clipped, weighted base delta, and
 the round engine learns only the sum (server/secure.py). The quantization range is the clip norm: DP's `--dp-clip`
-when DP is on (then every device weighs the same, as DP-FedAvg's sum asks), else `--secagg-clip`.
+when DP is on (then every device weighs the same, as DP-FedAvg's sum asks), else `--secagg-clip` when given, else
+measured each round from the previous round's sum (edgepfl.secagg.config.Measured), as is the weight scale unless
+`--secagg-max-weight` fixes it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from pydantic import BaseModel, Field, field_validator
 
 from edgepfl.errors import UsageError
 from edgepfl.options import titled
-from edgepfl.secagg.config import MIN_DEVICES, SecAggConfig
+from edgepfl.secagg.config import (
+    FIRST_CLIP,
+    FIRST_WEIGHT_SCALE,
+    MIN_DEVICES,
+    WEIGHT_CAP,
+    Measured,
+    SecAggConfig,
+)
 from edgepfl.secagg.ring import MAX_BITS, MIN_BITS
 
+# the clip devices are told when each round's key book sets it (measured): it never binds, so the delta they keep
+# is whole and the key book's clip is the one applied (a delta body needs a clip, protocol.RoundSettings)
+UNBOUNDED_CLIP = 1e30
 SECURE_STRATEGIES = ("fedavg", "fedper")  # a (sample-weighted) sum of deltas: all the server learns is that sum
 _REFUSED = {
     "median": "the median needs every device's update, and the server learns only their sum",
@@ -52,7 +64,8 @@ class SecureAggregationOptions(BaseModel):
     ] = "auto"
     secagg_clip: Annotated[
         float | None,
-        Field(gt=0.0, allow_inf_nan=False, description="L2 norm each device clips its delta to (default: --dp-clip)"),
+        Field(gt=0.0, allow_inf_nan=False, description="L2 norm each device clips its weighted delta to (default: "
+              "--dp-clip, else measured: 4 times the previous round's mean delta norm, 10 in round 1)"),
     ] = None
     secagg_bits: Annotated[
         int | None,
@@ -63,8 +76,10 @@ class SecureAggregationOptions(BaseModel):
         ),
     ] = None
     secagg_max_weight: Annotated[
-        int, Field(ge=1, lt=1 << 31, description="sample counts are capped at this in the securely summed weights")
-    ] = 1000
+        int | None,
+        Field(ge=1, lt=1 << 31, description="sample counts are capped at this and a delta is weighted by count / "
+              "this (default: weighted by count / the previous round's mean count, 1000 in round 1)"),
+    ] = None
     secagg_step_timeout: Annotated[
         float,
         Field(gt=0.0, allow_inf_nan=False, description="seconds each step after training waits for missing devices"),
@@ -81,16 +96,28 @@ class SecureAggregationOptions(BaseModel):
         if not self.secure_aggregation:
             return None
         clip = dp_clip if dp_clip is not None else self.secagg_clip
-        if clip is None:
-            raise UsageError("--secure-aggregation needs a clip norm", "pass --secagg-clip C (or DP's --dp-clip)")
-        weight = 1 if dp_clip is not None else self.secagg_max_weight
-        return SecAggConfig(clip_norm=clip, threshold=self.secagg_threshold,
-                            neighbours=neighbours(self.secagg_neighbours), bits=self.secagg_bits, max_weight=weight)
+        measured = self.measured(dp_clip)
+        if dp_clip is not None:
+            weight, scale = 1, None
+        elif measured.weight:
+            weight, scale = WEIGHT_CAP, FIRST_WEIGHT_SCALE
+        else:
+            weight, scale = self.secagg_max_weight, None
+        return SecAggConfig(clip_norm=FIRST_CLIP if clip is None else clip, threshold=self.secagg_threshold,
+                            neighbours=neighbours(self.secagg_neighbours), bits=self.secagg_bits, max_weight=weight,
+                            weight_scale=scale)
+
+    def measured(self, dp_clip: float | None) -> Measured:
+        """Which settings each round measures from the previous round's sum: what no flag (nor DP) fixes."""
+        return Measured(clip=dp_clip is None and self.secagg_clip is None,
+                        weight=dp_clip is None and self.secagg_max_weight is None)
 
     def clip_norm(self, dp_clip: float | None) -> float | None:
         """The L2 norm a device clips its delta to in a secure round (None: secure aggregation off)."""
         config = self.config(dp_clip)
-        return config.clip_norm if config is not None else None
+        if config is None:
+            return None
+        return UNBOUNDED_CLIP if self.measured(dp_clip).clip else config.clip_norm
 
 
 def neighbours(value: str) -> int | str:
@@ -122,7 +149,7 @@ def check_secure(
     devices (simulate) passes `cohort`, (their number, the words that say how many, the fix), checked instead.
     """
     if not options.secure_aggregation:
-        for name in ("secagg_clip", "secagg_bits"):
+        for name in ("secagg_clip", "secagg_bits", "secagg_max_weight"):
             if getattr(options, name) is not None:
                 dashed = name.replace("_", "-")
                 raise UsageError(f"--{dashed} needs secure aggregation on",
@@ -143,6 +170,9 @@ def check_secure(
     if dp_clip is not None and options.secagg_clip is not None:
         raise UsageError("--secagg-clip and --dp-clip both set the clip norm",
                          "drop --secagg-clip: with DP the devices clip to --dp-clip")
+    if dp_clip is not None and options.secagg_max_weight is not None:
+        raise UsageError("--secagg-max-weight does not apply with DP: every device weighs the same",
+                         "drop --secagg-max-weight")
     devices, said, fix = cohort or (min_clients, f"--min-clients is {min_clients}",
                                     f"pass --min-clients {MIN_DEVICES} or more")
     if devices < MIN_DEVICES:

@@ -1,16 +1,17 @@
 """A base delta as a vector of ring elements whose exact sum over devices gives back the weighted sum.
 
-Device side (`quantize_delta`): clip the delta to L2 norm C (privacy.clip_delta), scale it by w / W (w: the
-sample count capped at W = max_weight), flatten in name order and pad with zeros to d' slots (a multiple of
-the rotation block), then rotate: permute the slots, flip their signs and apply an orthonormal Walsh-Hadamard
-transform per block (permutation and signs from the round's public seed). A rotated vector of norm <= C has
-values of about C / sqrt(d') each; each is clipped at c = coordinate_sigmas * C / sqrt(d'), divided by the step
-c / q and rounded (stochastically: unbiased; or to nearest) to an integer in [-q, q], with
-q = floor((2^(b-1) - 1) / n). The weight w follows as digits in base B = floor((2^b - 1) / n) + 1.
+Device side (`quantize_delta`): scale the delta by w / W (w: the sample count capped at max_weight; W the round's
+weight scale, by default the previous round's mean weight, config.weight_scale) and clip that contribution to L2
+norm C (privacy.clip_delta of the delta at C W / w: the same float64 expression in secagg.js), flatten in name order
+and pad with zeros to d' slots (a multiple of the rotation block), then rotate: permute the slots, flip their signs
+and apply an orthonormal Walsh-Hadamard transform per block (permutation and signs from the round's public seed). A
+rotated vector of norm <= C has values of about C / sqrt(d') each; each is clipped at c = coordinate_sigmas * C /
+sqrt(d'), divided by the step c / q and rounded (stochastically: unbiased; or to nearest) to an integer in [-q, q],
+with q = floor((2^(b-1) - 1) / n). The weight w follows as digits in base B = floor((2^b - 1) / n) + 1.
 
 Nothing can wrap the ring: n devices sum to at most n q < 2^(b-1) in absolute value per slot, and to at most
 n (B - 1) < 2^b per weight digit. Server side (`dequantize_sum`) undoes it on the sum: signed slots times the
-step, the inverse rotation, and the weight digits -> sum(w_i / W * clip(delta_i)) and sum(w_i), exactly the
+step, the inverse rotation, and the weight digits -> sum(clip(w_i / W * delta_i)) and sum(w_i), exactly the
 sum of what each device quantized. All arithmetic is float64 in a fixed order, so secagg.js quantizes bit for
 bit alike (same seeds and uniform draws: numpy's Generator.random, encoding.js uniformRandom).
 """
@@ -68,11 +69,13 @@ def quantize_delta(delta: Mapping[str, np.ndarray], weight: int, book: KeyBook,
     if not all(np.isfinite(value).all() for value in delta.values()):
         raise SecAggError("the delta has NaN or Inf values", "lower the learning rate; the device sits this round out")
     weight = min(int(weight), config.max_weight)
-    clipped = clip_delta(delta, config.clip_norm)
+    scale = weight / config.scale_weight
+    # the contribution (w / W) delta is what must fit the ring: clip it to C (a weight-0 device adds nothing)
+    clipped = clip_delta(delta, config.clip_norm / scale if scale > 0 else config.clip_norm)
     padded = padded_size(layout.size)
     slots = np.zeros(padded)
     slots[: layout.size] = np.concatenate([clipped[name].reshape(-1).astype(np.float64) for name, _ in layout.tensors])
-    rotated = rotate(slots * (weight / config.max_weight), rotation_block(layout.size), book.seed)
+    rotated = rotate(slots * scale, rotation_block(layout.size), book.seed)
     q = levels(plan.devices, plan.bits)
     ratio = rotated / step_size(book)
     rounded = np.rint(ratio) if rng is None else np.floor(ratio + rng.random(padded))
@@ -84,17 +87,17 @@ def quantize_delta(delta: Mapping[str, np.ndarray], weight: int, book: KeyBook,
 
 @dataclass(frozen=True)
 class SecureSum:
-    """What the server learns: sum(w_i / W * clipped delta_i) per tensor, and sum(w_i)."""
+    """What the server learns: sum(clip(w_i / W * delta_i)) per tensor, and sum(w_i) (W: the weight scale)."""
 
     scaled_sum: dict[str, np.ndarray]
     total_weight: int
-    max_weight: int
+    weight_scale: float
 
     def weighted_mean(self) -> dict[str, np.ndarray]:
         """sum(w_i delta_i) / sum(w_i) (FedAvg / FedPer's base), float32; refused when the weights sum to 0."""
         if self.total_weight <= 0:
             raise SecAggError("the devices' weights sum to 0", "devices must send their sample counts (>= 1)")
-        factor = self.max_weight / self.total_weight
+        factor = self.weight_scale / self.total_weight
         return {name: (value.astype(np.float64) * factor).astype(np.float32) for name, value in self.scaled_sum.items()}
 
 
@@ -114,7 +117,7 @@ def dequantize_sum(ring_sum: np.ndarray, layout: VectorLayout, book: KeyBook) ->
         offset += size
     base, _ = weight_digits(plan.devices, plan.bits, config.max_weight)
     total = sum(int(digit) * base**i for i, digit in enumerate(ring_sum[padded:]))
-    return SecureSum(scaled, total, config.max_weight)
+    return SecureSum(scaled, total, config.scale_weight)
 
 
 def rotate(slots: np.ndarray, block: int, seed: bytes) -> np.ndarray:

@@ -30,7 +30,8 @@ const encoder = new TextEncoder();
  * @typedef {{device: string, cipher_key: Uint8Array, mask_key: Uint8Array}} KeyAdvert
  * @typedef {{devices: number, neighbours: number, threshold: number, min_survivors: number, bits: number}} Plan
  * @typedef {{clip_norm: number, threshold: number, neighbours: number|string, dropout: number|null,
- *   collusion: number|null, bits: number|null, max_weight: number, coordinate_sigmas: number}} SecAggConfig
+ *   collusion: number|null, bits: number|null, max_weight: number, coordinate_sigmas: number,
+ *   weight_scale?: number|null}} SecAggConfig
  * @typedef {{context: string, config: SecAggConfig, randomness: Uint8Array, adverts: KeyAdvert[], plan: Plan,
  *   base_size: number}} KeyBook
  * @typedef {{device: string, sealed: Record<string, Uint8Array>}} ShareBundle  also a ShareInbox
@@ -402,7 +403,9 @@ export async function quantizeDelta(delta, weight, book, rng = null) {
   if (!Number.isInteger(weight) || weight < 0) throw new SecAggError(`weight ${weight} is not a non-negative integer`, 'pass the device\'s sample count');
   if (names.some((name) => delta[name].data.some((v) => !Number.isFinite(v)))) throw new SecAggError('the delta has NaN or Inf values', 'lower the learning rate; the device sits this round out');
   const w = Math.min(weight, config.max_weight);
-  const clipped = clipDelta(delta, config.clip_norm);
+  // the contribution (w / W) delta must fit the ring: clip it to C (quantize.py, the same float64 expressions)
+  const scale = w / (config.weight_scale ?? config.max_weight);
+  const clipped = clipDelta(delta, scale > 0 ? config.clip_norm / scale : config.clip_norm);
   const padded = paddedSize(size);
   const slots = new Float64Array(padded);
   let offset = 0;
@@ -410,7 +413,6 @@ export async function quantizeDelta(delta, weight, book, rng = null) {
     slots.set(clipped[name].data, offset);
     offset += clipped[name].data.length;
   }
-  const scale = w / config.max_weight;
   for (let i = 0; i < size; i++) slots[i] *= scale;
   const rotated = await rotate(slots, rotationBlock(size), await graphSeed(book));
   const q = levels(plan.devices, plan.bits);
