@@ -37,20 +37,103 @@ class MaskedBatchNorm2d(nn.Module):
             scale = self.weight * torch.rsqrt(self.running_var + self.eps)
             return x * _per_channel(scale, x) + _per_channel(self.bias - self.running_mean * scale, x)
         mask = self.mask_slot.value
-        # masked sums over samples as (1, N) @ (N, C*H*W) products: onnxruntime broadcasts an (N, 1, 1, 1)
-        # mask over an activation, and expands an (N, C) gradient back to one, in slow elementwise loops
-        n, channels = x.shape[:2]
-        sample_row = mask.view(1, n)
         count = mask.sum() * (x.shape[2] * x.shape[3])
-        mean = (sample_row @ x.reshape(n, -1)).reshape(channels, -1).sum(1) / count
-        centred = x - _per_channel(mean, x)
-        var = (sample_row @ (centred * centred).reshape(n, -1)).reshape(channels, -1).sum(1) / count
-        scale = self.weight * torch.rsqrt(var + self.eps)
+        y, mean, var = masked_batch_norm(x, self.weight, self.bias, mask, count, self.eps)
         with torch.no_grad():
             unbiased = var * count / (count - 1)
             self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
             self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased)
-        return centred * _per_channel(scale, x) + _per_channel(self.bias, x)
+        return y
+
+
+def _batch_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode BatchNorm over the samples the 0/1 `mask` keeps: (output, batch mean, biased batch variance).
+
+    An op of its own so that its backward is `masked_batch_norm_backward`, written out: autograd's backward of
+    the forward's primitive ops is several times as many graph nodes (each one dispatch on WebGPU). The
+    exporter's decomposition table (export/decompositions.py) traces both as the primitive ops below.
+    """
+    mean = _channel_sums(mask, x) / count
+    centred = x - _per_channel(mean, x)
+    var = _channel_sums(mask, centred * centred) / count
+    y = centred * _per_channel(weight * torch.rsqrt(var + eps), x) + _per_channel(bias, x)
+    return y, mean, var
+
+
+def _batch_norm_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mask: torch.Tensor,
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient."""
+    # the statistics depend on the counted samples only (mask); grad_y is zero on the others (their outputs
+    # reach no loss), so its batch sums need no mask of their own
+    centred = x - _per_channel(mean, x)
+    rstd = torch.rsqrt(var + eps)
+    grad_bias = _channel_sums(mask, grad_y)
+    grad_weight = _channel_sums(mask, grad_y * centred) * rstd
+    scale = weight * rstd
+    shift = _per_channel(scale * grad_bias / count, x) + centred * _per_channel(scale * grad_weight * rstd / count, x)
+    grad_x = grad_y * _per_channel(scale, x) - mask.view(-1, 1, 1, 1) * shift
+    return grad_x, grad_weight, grad_bias
+
+
+masked_batch_norm = torch.library.custom_op("edgepfl::masked_batch_norm", _batch_norm_forward, mutates_args=())
+masked_batch_norm_backward = torch.library.custom_op(
+    "edgepfl::masked_batch_norm_backward", _batch_norm_backward, mutates_args=()
+)
+
+
+def batch_norm_decompositions() -> dict:
+    """The masked BatchNorm ops as the primitive ops they are traced as (the exporter's decomposition table)."""
+    return {
+        masked_batch_norm._opoverload: _batch_norm_forward,
+        masked_batch_norm_backward._opoverload: _batch_norm_backward,
+    }
+
+
+@masked_batch_norm.register_fake
+def _(x, weight, bias, mask, count, eps):  # noqa: ANN001, ANN202
+    channel = weight.new_empty(weight.shape)
+    return x.new_empty(x.shape), channel, channel.clone()
+
+
+@masked_batch_norm_backward.register_fake
+def _(grad_y, x, weight, mask, count, mean, var, eps):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, weight, _, mask, count, eps = inputs
+    _, mean, var = output
+    ctx.save_for_backward(x, weight, mask, count, mean, var)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_y, _grad_mean, _grad_var):  # noqa: ANN001, ANN202
+    x, weight, mask, count, mean, var = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = masked_batch_norm_backward(grad_y, x, weight, mask, count, mean, var, ctx.eps)
+    return grad_x, grad_weight, grad_bias, None, None, None
+
+
+masked_batch_norm.register_autograd(_backward, setup_context=_save_for_backward)
+
+
+def _channel_sums(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-channel sums of (N, C, H, W) `values` over the samples the 0/1 `mask` keeps and all pixels.
+
+    As a (1, N) @ (N, C*H*W) product: onnxruntime broadcasts an (N, 1, 1, 1) mask over an activation, and
+    reduces over the leading axis, in slow elementwise loops.
+    """
+    n, channels = values.shape[:2]
+    return (mask.view(1, n) @ values.reshape(n, -1)).reshape(channels, -1).sum(1)
 
 
 def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
