@@ -39,25 +39,24 @@ class MaskedBatchNorm2d(nn.Module):
         mask = self.mask_slot.value
         count = mask.sum() * (x.shape[2] * x.shape[3])
         y, mean, var = masked_batch_norm(x, self.weight, self.bias, mask, count, self.eps)
-        with torch.no_grad():
-            unbiased = var * count / (count - 1)
-            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
-            self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased)
+        self.mask_slot.statistics.append((self, mean, var * (count / (count - 1))))
         return y
 
 
 def _batch_norm_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Training-mode BatchNorm over the samples the 0/1 `mask` keeps: (output, batch mean, biased batch variance).
+    """Training-mode BatchNorm over the samples the 0/1 `mask` keeps: (output, batch mean, biased batch variance),
+    the statistics shaped (1, C).
 
     An op of its own so that its backward is `masked_batch_norm_backward`, written out: autograd's backward of
     the forward's primitive ops is several times as many graph nodes (each one dispatch on WebGPU). The
     exporter's decomposition table (export/decompositions.py) traces both as the primitive ops below.
     """
-    mean = _channel_sums(mask, x) / count
+    share = mask.view(1, -1) / count
+    mean = _channel_sums(share, x)
     centred = x - _per_channel(mean, x)
-    var = _channel_sums(mask, centred * centred) / count
+    var = _channel_sums(share, centred * centred)
     y = centred * _per_channel(weight * torch.rsqrt(var + eps), x) + _per_channel(bias, x)
     return y, mean, var
 
@@ -74,15 +73,27 @@ def _batch_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient."""
     # the statistics depend on the counted samples only (mask); grad_y is zero on the others (their outputs
-    # reach no loss), so its batch sums need no mask of their own
+    # reach no loss), so its batch sums need no mask of their own. centred and rstd are the forward's
+    # expressions again: the exporter's common-subexpression pass merges them with the forward's nodes.
     centred = x - _per_channel(mean, x)
     rstd = torch.rsqrt(var + eps)
-    grad_bias = _channel_sums(mask, grad_y)
-    grad_weight = _channel_sums(mask, grad_y * centred) * rstd
+    row = mask.view(1, -1)
+    grad_bias = _channel_sums(row, grad_y)
+    grad_weight = _channel_sums(row, grad_y * centred) * rstd
     scale = weight * rstd
-    shift = _per_channel(scale * grad_bias / count, x) + centred * _per_channel(scale * grad_weight * rstd / count, x)
+    scale_share = scale / count
+    shift = _per_channel(scale_share * grad_bias, x) + centred * _per_channel(scale_share * grad_weight * rstd, x)
     grad_x = grad_y * _per_channel(scale, x) - mask.view(-1, 1, 1, 1) * shift
-    return grad_x, grad_weight, grad_bias
+    return grad_x, grad_weight.view(-1), grad_bias.view(-1)
+
+
+def _channel_sums(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(1, C) sums of (N, C, H, W) `values` over all pixels and the samples, each weighted by the (1, N) `row`.
+
+    The batch axis as a product: onnxruntime reduces over the leading axis, and broadcasts an (N, 1, 1, 1)
+    weight over an activation, in slow elementwise loops.
+    """
+    return row @ values.sum((2, 3))
 
 
 masked_batch_norm = torch.library.custom_op("edgepfl::masked_batch_norm", _batch_norm_forward, mutates_args=())
@@ -101,8 +112,8 @@ def batch_norm_decompositions() -> dict:
 
 @masked_batch_norm.register_fake
 def _(x, weight, bias, mask, count, eps):  # noqa: ANN001, ANN202
-    channel = weight.new_empty(weight.shape)
-    return x.new_empty(x.shape), channel, channel.clone()
+    statistic = weight.new_empty(1, weight.shape[0])
+    return x.new_empty(x.shape), statistic, statistic.clone()
 
 
 @masked_batch_norm_backward.register_fake
@@ -126,16 +137,6 @@ def _backward(ctx, grad_y, _grad_mean, _grad_var):  # noqa: ANN001, ANN202
 masked_batch_norm.register_autograd(_backward, setup_context=_save_for_backward)
 
 
-def _channel_sums(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Per-channel sums of (N, C, H, W) `values` over the samples the 0/1 `mask` keeps and all pixels.
-
-    As a (1, N) @ (N, C*H*W) product: onnxruntime broadcasts an (N, 1, 1, 1) mask over an activation, and
-    reduces over the leading axis, in slow elementwise loops.
-    """
-    n, channels = values.shape[:2]
-    return (mask.view(1, n) @ values.reshape(n, -1)).reshape(channels, -1).sum(1)
-
-
 def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A per-channel vector shaped to broadcast over activations `x` (N, C, H, W).
 
@@ -147,9 +148,13 @@ def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class _MaskSlot:
-    """Carries the current batch's sample mask to every MaskedBatchNorm2d of one model copy."""
+    """Carries the current batch's sample mask to every MaskedBatchNorm2d of one model copy, and their batch
+    statistics (layer, mean, unbiased variance) back, for one update of all running statistics."""
 
     value: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        self.statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor]] = []
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,9 @@ class MaskedModel:
             for child_name, child in list(parent.named_children()):
                 if isinstance(child, nn.BatchNorm2d):
                     setattr(parent, child_name, MaskedBatchNorm2d(child, self.slot))
+        self._layer_names = {
+            id(m): name for name, m in self.module.named_modules() if isinstance(m, MaskedBatchNorm2d)
+        }
 
     @property
     def momentum(self) -> float | dict[str, float]:
@@ -189,10 +197,40 @@ class MaskedModel:
         """Logits of `x` with the model's tensors taken from `state`; samples with w = 0 do not count."""
         self.slot.value = (w > 0).to(x.dtype)
         try:
-            return torch.func.functional_call(self.module, state, (x,))
+            # the layers hold the state's tensors only during the call; the running statistics are updated
+            # in place in them, as nn.BatchNorm2d does
+            logits = torch.func.functional_call(self.module, state, (x,))
+            _update_running_statistics(self.slot.statistics, self._layer_names, state)
+            return logits
         finally:
             self.slot.value = None
+            self.slot.statistics = []
 
     def train(self, mode: bool = True) -> None:
         """Training mode (batch statistics) or inference mode (running statistics)."""
         self.module.train(mode)
+
+
+def _update_running_statistics(
+    statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor]],
+    layer_names: dict[int, str],
+    state: dict[str, torch.Tensor],
+) -> None:
+    """running <- (1 - momentum)·running + momentum·batch statistic, every layer's mean and variance at once: one
+    flat update instead of a few graph nodes per tensor (each a dispatch on WebGPU)."""
+    if not statistics:
+        return
+    stats = ("running_mean", "running_var")
+    running = [state[f"{layer_names[id(layer)]}.{stat}"] for layer, _, _ in statistics for stat in stats]
+    batch = torch.cat([s for _, mean, var in statistics for s in (mean, var)], dim=1).view(-1)
+    momenta = {layer.momentum for layer, _, _ in statistics}
+    if len(momenta) == 1:
+        momentum = momenta.pop()
+    else:  # one per element, a constant of the graph
+        momentum = torch.cat(
+            [torch.full((2 * layer.running_mean.numel(),), layer.momentum) for layer, _, _ in statistics]
+        ).to(batch.dtype)
+    with torch.no_grad():
+        updated = torch.cat(running) * (1 - momentum) + momentum * batch
+        for tensor, piece in zip(running, updated.split([t.numel() for t in running])):
+            tensor.copy_(piece)
