@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from edgepfl.errors import UsageError
-from edgepfl.export import activations
+from edgepfl.export import activations, masked
 from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise, tap
 
 aten = torch.ops.aten
@@ -34,6 +34,8 @@ def decomposition_table() -> dict:
     table[aten.slice_copy.Tensor] = activations.slice_copy
     table[aten.split_copy.Tensor] = activations.split_copy
     table[aten.split_with_sizes_copy.default] = activations.split_with_sizes_copy
+    # traced as their primitive ops, each with its written-out backward (export/masked.py)
+    table.update(masked.batch_norm_decompositions())  # each traced with its written-out backward
     for op, tiled in (
         (aten.max_pool2d_with_indices.default, _max_pool),
         (aten.max_pool2d_with_indices_backward.default, _max_pool_backward),

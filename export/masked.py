@@ -38,20 +38,104 @@ class MaskedBatchNorm2d(nn.Module):
             scale = self.weight * torch.rsqrt(self.running_var + self.eps)
             return x * _per_channel(scale, x) + _per_channel(self.bias - self.running_mean * scale, x)
         mask = self.mask_slot.value
-        # masked sums over samples as (1, N) @ (N, C*H*W) products: onnxruntime broadcasts an (N, 1, 1, 1)
-        # mask over an activation, and expands an (N, C) gradient back to one, in slow elementwise loops
-        n, channels = x.shape[:2]
-        sample_row = mask.view(1, n)
         count = mask.sum() * (x.shape[2] * x.shape[3])
-        mean = (sample_row @ x.reshape(n, -1)).reshape(channels, -1).sum(1) / count
-        centred = x - _per_channel(mean, x)
-        var = (sample_row @ (centred * centred).reshape(n, -1)).reshape(channels, -1).sum(1) / count
-        scale = self.weight * torch.rsqrt(var + self.eps)
-        with torch.no_grad():
-            unbiased = var * count / (count - 1)
-            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
-            self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased)
-        return centred * _per_channel(scale, x) + _per_channel(self.bias, x)
+        y, mean, var = masked_batch_norm(x, self.weight, self.bias, mask, count, self.eps)
+        self.mask_slot.statistics.append((self, mean, var * (count / (count - 1))))
+        return y
+
+
+def _batch_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode BatchNorm over the samples the 0/1 `mask` keeps: (output, batch mean, biased batch variance),
+    the statistics shaped (1, C).
+
+    An op of its own so that its backward is `masked_batch_norm_backward`, written out: autograd's backward of
+    the forward's primitive ops is several times as many graph nodes (each one dispatch on WebGPU). The
+    exporter's decomposition table (export/decompositions.py) traces both as the primitive ops below.
+    """
+    share = mask.view(1, -1) / count
+    mean = _channel_sums(share, x)
+    centred = x - _per_channel(mean, x)
+    var = _channel_sums(share, centred * centred)
+    y = centred * _per_channel(weight * torch.rsqrt(var + eps), x) + _per_channel(bias, x)
+    return y, mean, var
+
+
+def _batch_norm_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mask: torch.Tensor,
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient."""
+    # the statistics depend on the counted samples only (mask); grad_y is zero on the others (their outputs
+    # reach no loss), so its batch sums need no mask of their own. centred and rstd are the forward's
+    # expressions again: the exporter's common-subexpression pass merges them with the forward's nodes.
+    centred = x - _per_channel(mean, x)
+    rstd = torch.rsqrt(var + eps)
+    row = mask.view(1, -1)
+    grad_bias = _channel_sums(row, grad_y)
+    grad_weight = _channel_sums(row, grad_y * centred) * rstd
+    scale = weight * rstd
+    scale_share = scale / count
+    shift = _per_channel(scale_share * grad_bias, x) + centred * _per_channel(scale_share * grad_weight * rstd, x)
+    grad_x = grad_y * _per_channel(scale, x) - mask.view(-1, 1, 1, 1) * shift
+    return grad_x, grad_weight.view(-1), grad_bias.view(-1)
+
+
+def _channel_sums(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(1, C) sums of (N, C, H, W) `values` over all pixels and the samples, each weighted by the (1, N) `row`.
+
+    The batch axis as a product: onnxruntime reduces over the leading axis, and broadcasts an (N, 1, 1, 1)
+    weight over an activation, in slow elementwise loops.
+    """
+    return row @ values.sum((2, 3))
+
+
+masked_batch_norm = torch.library.custom_op("edgepfl::masked_batch_norm", _batch_norm_forward, mutates_args=())
+masked_batch_norm_backward = torch.library.custom_op(
+    "edgepfl::masked_batch_norm_backward", _batch_norm_backward, mutates_args=()
+)
+
+
+def batch_norm_decompositions() -> dict:
+    """The masked BatchNorm ops as the primitive ops they are traced as (the exporter's decomposition table)."""
+    return {
+        masked_batch_norm._opoverload: _batch_norm_forward,
+        masked_batch_norm_backward._opoverload: _batch_norm_backward,
+    }
+
+
+@masked_batch_norm.register_fake
+def _(x, weight, bias, mask, count, eps):  # noqa: ANN001, ANN202
+    statistic = weight.new_empty(1, weight.shape[0])
+    return x.new_empty(x.shape), statistic, statistic.clone()
+
+
+@masked_batch_norm_backward.register_fake
+def _(grad_y, x, weight, mask, count, mean, var, eps):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, weight, _, mask, count, eps = inputs
+    _, mean, var = output
+    ctx.save_for_backward(x, weight, mask, count, mean, var)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_y, _grad_mean, _grad_var):  # noqa: ANN001, ANN202
+    x, weight, mask, count, mean, var = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = masked_batch_norm_backward(grad_y, x, weight, mask, count, mean, var, ctx.eps)
+    return grad_x, grad_weight, grad_bias, None, None, None
+
+
+masked_batch_norm.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +149,13 @@ def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class _MaskSlot:
-    """Carries the current batch's sample mask to every MaskedBatchNorm2d of one model copy."""
+    """Carries the current batch's sample mask to every MaskedBatchNorm2d of one model copy, and their batch
+    statistics (layer, mean, unbiased variance) back, for one update of all running statistics."""
 
     value: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        self.statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor]] = []
 
 
 @dataclass(frozen=True)
@@ -94,6 +182,9 @@ class MaskedModel:
                     masked = MaskedBatchNorm2d(child, self.slot)
                     carry_personal(child, masked)
                     setattr(parent, child_name, masked)
+        self._layer_names = {
+            id(m): name for name, m in self.module.named_modules() if isinstance(m, MaskedBatchNorm2d)
+        }
 
     @property
     def momentum(self) -> float | dict[str, float]:
@@ -109,10 +200,40 @@ class MaskedModel:
         """Logits of `x` with the model's tensors taken from `state`; samples with w = 0 do not count."""
         self.slot.value = (w > 0).to(x.dtype)
         try:
-            return torch.func.functional_call(self.module, state, (x,))
+            # the layers hold the state's tensors only during the call; the running statistics are updated
+            # in place in them, as nn.BatchNorm2d does
+            logits = torch.func.functional_call(self.module, state, (x,))
+            _update_running_statistics(self.slot.statistics, self._layer_names, state)
+            return logits
         finally:
             self.slot.value = None
+            self.slot.statistics = []
 
     def train(self, mode: bool = True) -> None:
         """Training mode (batch statistics) or inference mode (running statistics)."""
         self.module.train(mode)
+
+
+def _update_running_statistics(
+    statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor]],
+    layer_names: dict[int, str],
+    state: dict[str, torch.Tensor],
+) -> None:
+    """running <- (1 - momentum)·running + momentum·batch statistic, every layer's mean and variance at once: one
+    flat update instead of a few graph nodes per tensor (each a dispatch on WebGPU)."""
+    if not statistics:
+        return
+    stats = ("running_mean", "running_var")
+    running = [state[f"{layer_names[id(layer)]}.{stat}"] for layer, _, _ in statistics for stat in stats]
+    batch = torch.cat([s for _, mean, var in statistics for s in (mean, var)], dim=1).view(-1)
+    momenta = {layer.momentum for layer, _, _ in statistics}
+    if len(momenta) == 1:
+        momentum = momenta.pop()
+    else:  # one per element, a constant of the graph
+        momentum = torch.cat(
+            [torch.full((2 * layer.running_mean.numel(),), layer.momentum) for layer, _, _ in statistics]
+        ).to(batch.dtype)
+    with torch.no_grad():
+        updated = torch.cat(running) * (1 - momentum) + momentum * batch
+        for tensor, piece in zip(running, updated.split([t.numel() for t in running])):
+            tensor.copy_(piece)

@@ -25,6 +25,7 @@ from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cro
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
 from edgepfl.export.masked import MaskedModel, StepShape
+from edgepfl.export.shapecopies import drop_shape_copies
 from edgepfl.export.webgpu import webgpu_problems
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
@@ -145,24 +146,46 @@ def sgd_step(
     lr: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One SGD step of a masked-BatchNorm model: (loss, new params, new buffers); frozen params pass through."""
-    trainable_set = set(trainable)
-    frozen = {n: p for n, p in params.items() if n not in trainable_set}
-
-    def weighted_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        new_buffers = {n: b.clone() for n, b in buffers.items()}
-        logits = model({**train, **frozen, **new_buffers}, x, w)
-        return weighted_cross_entropy(logits, y, w), new_buffers
-
-    train = {n: params[n] for n in trainable}
-    grads, (loss, new_buffers) = torch.func.grad_and_value(weighted_loss, has_aux=True)(train)
-    new_params = {n: (_sgd_update(p, grads[n], lr) if n in trainable_set else p) for n, p in params.items()}
-    return loss, new_params, new_buffers
+    return _sgd_on(lambda logits: weighted_cross_entropy(logits, y, w), model, params, buffers, trainable, x, w, lr)
 
 
-def _sgd_update(param: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
-    """param - lr * grad over flat views: onnxruntime broadcasts a scalar over a (C, C', 1, 1) tensor ~50x
-    slower than over the same values as a vector."""
-    return (param.reshape(-1) - lr * grad.reshape(-1)).reshape(param.shape)
+def _sgd_on(
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    model: MaskedModel,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    trainable: Sequence[str],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One SGD step on the loss `loss_of(logits)`: (loss, new params, new buffers).
+
+    Plain autograd rather than torch.func: the masked BatchNorm op's written-out backward (export/masked.py)
+    is a custom op, which torch.func's transforms do not take."""
+    train = {n: params[n].detach().requires_grad_(True) for n in trainable}
+    new_buffers = {n: b.clone() for n, b in buffers.items()}
+    with torch.enable_grad():
+        loss = loss_of(model({**params, **train, **new_buffers}, x, w))
+        grads = dict(zip(train, torch.autograd.grad(loss, list(train.values()))))
+    return loss.detach(), {**params, **_sgd_updates(params, grads, lr)}, new_buffers
+
+
+def _sgd_updates(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """param - lr * grad for every tensor in `grads`, over one flat buffer per dtype: a few graph nodes for the
+    whole update instead of several per tensor (each a dispatch on WebGPU), and onnxruntime broadcasts a scalar
+    over a (C, C', 1, 1) tensor ~50x slower than over the same values as a vector."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in grads:
+        by_dtype.setdefault(params[name].dtype, []).append(name)
+    updated = {}
+    for names in by_dtype.values():
+        flat = torch.cat([params[n].reshape(-1) for n in names]) - lr * torch.cat([grads[n].reshape(-1) for n in names])
+        pieces = flat.split([params[n].numel() for n in names])
+        updated.update({n: piece.reshape(params[n].shape) for n, piece in zip(names, pieces)})
+    return updated
 
 
 def export_step(
@@ -203,8 +226,7 @@ def trace(
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    functional = torch.func.functionalize(fn, remove="mutations_and_views")
-    return make_fx(functional, tracing_mode=tracing_mode, decomposition_table=decomposition_table())(*inputs)
+    return make_fx(fn, tracing_mode=tracing_mode, decomposition_table=decomposition_table())(*inputs)
 
 
 def distillation_loss(
@@ -249,18 +271,11 @@ def distill_sgd_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One SGD step on the distillation loss; `batch` is (x, y, w, teacher_logits, T, λ, lr)."""
     x, y, w, teacher_logits, temperature, lam, lr = batch
-    trainable_set = set(trainable)
-    frozen = {n: p for n, p in params.items() if n not in trainable_set}
 
-    def loss_of(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        new_buffers = {n: b.clone() for n, b in buffers.items()}
-        logits = model({**train, **frozen, **new_buffers}, x, w)
-        return distillation_loss(logits, teacher_logits, y, w, temperature, lam, variant), new_buffers
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return distillation_loss(logits, teacher_logits, y, w, temperature, lam, variant)
 
-    train = {n: params[n] for n in trainable}
-    grads, (loss, new_buffers) = torch.func.grad_and_value(loss_of, has_aux=True)(train)
-    new_params = {n: (_sgd_update(p, grads[n], lr) if n in trainable_set else p) for n, p in params.items()}
-    return loss, new_params, new_buffers
+    return _sgd_on(loss_of, model, params, buffers, trainable, x, w, lr)
 
 
 def distill_step_function(
@@ -369,7 +384,7 @@ def _to_onnx(
     onnx_ir.passes.common.DeduplicateInitializersPass(size_limit=1 << 20)(ir_model)
     onnxscript.ir.passes.common.RemoveUnusedNodesPass()(ir_model)
     onnxscript.ir.passes.common.CommonSubexpressionEliminationPass()(ir_model)
-    proto = _rename(onnxscript.ir.serde.serialize_model(ir_model), input_names, output_names)
+    proto = drop_shape_copies(_rename(onnxscript.ir.serde.serialize_model(ir_model), input_names, output_names))
     proto.ir_version = min(proto.ir_version, PORTABLE_IR)
     onnx.checker.check_model(proto, full_check=True)
     return proto
