@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from edgepfl.errors import UsageError
+from edgepfl.export.sequence_options import SequenceOptions
 from edgepfl.manifest import class_names_problem
 from edgepfl.options import ARGUMENT, Composed, comma_separated, titled
 from edgepfl.ortbuild import training_build_installed
@@ -115,8 +116,8 @@ class ExportCommand(Composed):
     model: Annotated[
         str,
         Field(
-            description="zoo model (mobilenet, cnn, mlp, resnet34), torchvision:NAME, path/to/file.py:factory or "
-            "package.module:factory",
+            description="zoo model (mobilenet, cnn, mlp, resnet34; transformer, lstm; har-cnn), torchvision:NAME, "
+            "path/to/file.py:factory or package.module:factory",
             json_schema_extra={ARGUMENT: True},
         ),
     ]
@@ -139,6 +140,7 @@ class ExportCommand(Composed):
         Path | None, Field(description="file of the class names, one per line, in class order")
     ] = None
     zoo: ZooOptions = Field(default_factory=ZooOptions)
+    sequence: SequenceOptions = Field(default_factory=SequenceOptions)
     options: ExportOptions = Field(default_factory=ExportOptions)
 
     @model_validator(mode="after")
