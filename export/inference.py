@@ -27,7 +27,7 @@ INFERENCE_OPSET = 17
 def export_inference(model: nn.Module, input_shape: Sequence[int] | StepShape, path: Path) -> bool:
     """Write `model.onnx`; True when its initializers name every state tensor (False: the folded fallback).
     `input_shape` is one float sample's shape, or a StepShape (which also gives the input's dtype)."""
-    shape = input_shape if isinstance(input_shape, StepShape) else StepShape(tuple(input_shape), 1)
+    shape = _step_shape(input_shape)
     model.eval()
     real = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     generator = torch.Generator().manual_seed(0)
@@ -52,7 +52,14 @@ def export_inference(model: nn.Module, input_shape: Sequence[int] | StepShape, p
     return False
 
 
-def _export(model: nn.Module, shape: StepShape, path: Path, mode: torch.onnx.TrainingMode) -> None:
+def _step_shape(input_shape: Sequence[int] | StepShape) -> StepShape:
+    return input_shape if isinstance(input_shape, StepShape) else StepShape(tuple(input_shape), 1)
+
+
+def _export(
+    model: nn.Module, input_shape: Sequence[int] | StepShape, path: Path, mode: torch.onnx.TrainingMode
+) -> None:
+    shape = _step_shape(input_shape)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(constant folding|training).*")
         torch.onnx.export(

@@ -10,6 +10,7 @@ portable exporter differentiates (it takes 2-D convolutions only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -343,18 +344,17 @@ def sequence_target(
     norm: str | None = None,
     num_classes: int | None = None,
 ) -> ExportTarget:
-    """A text or sensor zoo model ready to export: the text model's vocabulary counted from `--vocab` and written
-    into the bundle (its sha256 in the manifest's task), a sensor model's channels named in the task."""
-    from edgepfl.export.bundle import ExportTarget
-
-    base = default_sequence_spec(name)
-    task: dict[str, Any] = {}
-    files: dict[str, bytes] = {}
-    if isinstance(base, TextSpec):
-        if sequence.given(("sensor",)) or norm is not None or num_classes is not None:
-            flag = (sequence.given(("sensor",)) or ["--norm" if norm is not None else "--num-classes"])[0]
+    """`edgepfl export`'s text or sensor zoo model: a text model's vocabulary counted from `--vocab`, a sensor
+    model's channels from `--channels`; a knob of the other kind is refused in one line."""
+    if name in TEXT_MODELS:
+        given = (
+            sequence.given(("sensor",))
+            + ["--norm"] * (norm is not None)
+            + ["--num-classes"] * (num_classes is not None)
+        )
+        if given:
             raise UsageError(
-                f"{flag} does not apply to the text model {name}", "drop it (the vocabulary sets the classes)"
+                f"{given[0]} does not apply to the text model {name}", "drop it (the vocabulary sets the classes)"
             )
         if sequence.vocab is None:
             raise UsageError(
@@ -364,35 +364,65 @@ def sequence_target(
         vocabulary = text.Vocabulary.from_texts(
             text.read_text(sequence.vocab).splitlines(), sequence.vocab_size or text.DEFAULT_VOCAB_SIZE
         )
-        spec: SequenceSpec = TextSpec(
-            name,
-            width=base.width if width is None else width,
-            layers=sequence.layers or base.layers,
-            vocab_size=len(vocabulary),
-            seq_len=sequence.seq_len or base.seq_len,
-        )
-        task = text.manifest_entry(vocabulary, spec.seq_len)
-        files = {text.VOCAB_NAME: vocabulary.to_json()}
-    else:
-        if sequence.given(("text",)):
-            raise UsageError(f"{sequence.given(('text',))[0]} does not apply to the sensor model {name}", "drop it")
-        channels = sequence.channels or HAPT_CHANNELS
-        if len(set(channels)) != len(channels):
-            raise UsageError(f"--channels names a channel twice ({', '.join(channels)})", "name each channel once")
-        spec = SensorSpec(
-            name,
-            width=base.width if width is None else width,
-            channels=len(channels),
-            window=sequence.window or base.window,
-            num_classes=base.num_classes if num_classes is None else num_classes,
-            norm=norm or base.norm,
-        )
-        task = {
-            "kind": "sensor",
-            "channels": list(channels),
-            "window": spec.window,
-            "rate_hz": sequence.rate_hz or HAPT_RATE_HZ,
-        }
+        return text_target(name, vocabulary, seed, width, sequence.layers, sequence.seq_len)
+    if sequence.given(("text",)):
+        raise UsageError(f"{sequence.given(('text',))[0]} does not apply to the sensor model {name}", "drop it")
+    channels = sequence.channels or HAPT_CHANNELS
+    return sensor_target(name, channels, seed, width, sequence.window, sequence.rate_hz, num_classes, norm)
+
+
+def text_target(
+    name: str,
+    vocabulary: text.Vocabulary,
+    seed: int,
+    width: float | None = None,
+    layers: int | None = None,
+    seq_len: int | None = None,
+) -> ExportTarget:
+    """A next-word model with one class per word of `vocabulary`, which is written into the bundle (vocab.json, its
+    sha256 in the manifest's task): what `edgepfl export` and a simulation over a text dataset build."""
+    base = default_sequence_spec(name)
+    spec = TextSpec(
+        name,
+        width=base.width if width is None else width,
+        layers=layers or base.layers,
+        vocab_size=len(vocabulary),
+        seq_len=seq_len or base.seq_len,
+    )
+    return _target(spec, seed, text.manifest_entry(vocabulary, spec.seq_len), {text.VOCAB_NAME: vocabulary.to_json()})
+
+
+def sensor_target(
+    name: str,
+    channels: Sequence[str],
+    seed: int,
+    width: float | None = None,
+    window: int | None = None,
+    rate_hz: float | None = None,
+    num_classes: int | None = None,
+    norm: str | None = None,
+) -> ExportTarget:
+    """An activity model over windows of the named `channels`, which the manifest's task lists."""
+    if len(set(channels)) != len(channels):
+        raise UsageError(f"--channels names a channel twice ({', '.join(channels)})", "name each channel once")
+    base = default_sequence_spec(name)
+    assert isinstance(base, SensorSpec)
+    spec = SensorSpec(
+        name,
+        width=base.width if width is None else width,
+        channels=len(channels),
+        window=window or base.window,
+        num_classes=base.num_classes if num_classes is None else num_classes,
+        norm=norm or base.norm,
+    )
+    task = {"kind": "sensor", "channels": list(channels), "window": spec.window, "rate_hz": rate_hz or HAPT_RATE_HZ}
+    return _target(spec, seed, task)
+
+
+def _target(spec: SequenceSpec, seed: int, task: dict[str, Any], files: dict[str, bytes] | None = None) -> ExportTarget:
+    """The spec's model built under `seed`, with what its manifest says of the task and the files it carries."""
+    from edgepfl.export.bundle import ExportTarget
+
     validate_sequence_spec(spec)
     torch.manual_seed(seed)
     model = build_sequence_model(spec).eval()
@@ -406,5 +436,5 @@ def sequence_target(
         input_dtype=spec.input_dtype,
         layout=spec.layout,
         task=task,
-        files=files,
+        files=files or {},
     )
