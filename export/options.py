@@ -95,7 +95,8 @@ class ZooOptions(BaseModel):
     model_config = titled("Zoo models")
 
     width: Annotated[
-        float | None, Field(gt=0.0, description="zoo MobileNet width multiplier: 0.25|0.5|0.75|1.0")
+        float | None,
+        Field(gt=0.0, description="zoo width multiplier (mobilenet, transformer, lstm, har-cnn): 0.25|0.5|0.75|1.0"),
     ] = None
     input_size: Annotated[int | None, Field(ge=1, description="zoo image side: 32 (CIFAR), 28 (MNIST), 224")] = None
     in_channels: Annotated[int | None, Field(ge=1, description="zoo input channels: 3 colour, 1 grey")] = None
