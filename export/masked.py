@@ -77,6 +77,12 @@ class StepShape:
     num_classes: int
     input_dtype: str = "float32"  # int64 for token ids (a text bundle)
 
+    @classmethod
+    def of(cls, model: nn.Module) -> StepShape:
+        """A zoo model's own shape, from its spec (an image spec has no dtype: float32)."""
+        spec = model.spec
+        return cls(tuple(spec.input_shape), spec.num_classes, getattr(spec, "input_dtype", "float32"))
+
     def zeros(self, count: int) -> torch.Tensor:
         """`count` all-zero samples of the input's shape and dtype (what the exporters trace with)."""
         return torch.zeros(count, *self.input_shape, dtype=getattr(torch, self.input_dtype))
@@ -96,7 +102,7 @@ class MaskedModel:
     """
 
     def __init__(self, model: nn.Module, spec: StepShape | None = None):
-        self.spec = model.spec if spec is None else spec
+        self.spec = StepShape.of(model) if spec is None else spec
         self.module = copy.deepcopy(model)
         self.slot = _MaskSlot()
         for parent in list(self.module.modules()):

@@ -51,10 +51,7 @@ def export_training_onnx(model: torch.nn.Module, path: Path, shape: StepShape | 
 
 def _traced_shape(model: torch.nn.Module, shape: StepShape | None) -> StepShape:
     """The shape to trace: the one given, else a zoo model's own spec's (float images)."""
-    if shape is not None:
-        return shape
-    spec = model.spec
-    return StepShape(tuple(spec.input_shape), spec.num_classes, getattr(spec, "input_dtype", "float32"))
+    return StepShape.of(model) if shape is None else shape
 
 
 def _export_train_mode(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
