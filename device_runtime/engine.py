@@ -131,6 +131,12 @@ class Engine(ABC):
             )
 
 
+def model_input(manifest: Manifest, x: np.ndarray) -> np.ndarray:
+    """A batch as the model's graphs take it: the manifest's input dtype (float32 images and sensor windows, int64
+    token ids), contiguous."""
+    return np.ascontiguousarray(x, dtype=np.dtype(manifest.input.dtype))
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax of (n, classes) logits, computed in float64 and returned as float32."""
     shifted = np.asarray(logits, dtype=np.float64)

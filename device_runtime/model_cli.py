@@ -24,13 +24,23 @@ def predict(options: PredictCommand) -> None:
     Images are pre-processed exactly as training data. The state folder is only read, so this also works
     while `device run` uses it; without a trained model it says so and uses the bundle's initial one.
     """
-    from edgepfl.device_runtime.predict import open_device_model, predict_inputs, top_classes
+    from edgepfl.device_runtime.predict import Prediction, open_device_model, predict_inputs, top_classes
+    from edgepfl.device_runtime.sequences import next_words
+    from edgepfl.errors import UsageError
 
-    local = options.local
+    local, phrase = options.local, options.predict.text
+    if phrase is not None and options.inputs:
+        raise UsageError("device predict got both input files and --text", "pass files, or --text 'a phrase'")
+    if phrase is None and not options.inputs:
+        raise UsageError("device predict has nothing to predict", "pass image or .npz files, or --text 'a phrase'")
     model = open_device_model(options.files.bundle, options.files.state, local.engine, local.threads)
-    names, probabilities = predict_inputs(options.inputs, model.engine)
-    labels = model.engine.manifest.class_labels
-    _print_predictions(model, top_classes(names, probabilities, labels, options.predict.top), options.output.as_json)
+    if phrase is not None:
+        predictions = [Prediction(phrase, next_words(model.engine, phrase, options.predict.top))]
+    else:
+        names, probabilities = predict_inputs(options.inputs, model.engine)
+        labels = model.engine.manifest.class_labels
+        predictions = top_classes(names, probabilities, labels, options.predict.top)
+    _print_predictions(model, predictions, options.output.as_json)
 
 
 @device_app.command("export-model")

@@ -4,9 +4,10 @@ The graph comes from the bundle, with the device's tensors (current base, person
 baked in as initializers: `model.onnx` where its initializers carry the manifest's names (bundles of this
 version, and older ones without folded BatchNorm), else the ort-training eval graph (named graph inputs, any
 batch). The portable eval graph is no inference graph: its reshapes hold the step graphs' fixed batch size.
-The result takes `input` (n, C, H, W) float32 and gives `logits` and `probabilities`; its metadata_props say how
-to pre-process an image. int8 is onnxruntime's static QDQ quantization calibrated on the device's own training
-images. Needs the `onnx` package (pip install 'edgepfl[deploy]').
+The result takes `input` (n, C, H, W) float32 (a text bundle's: (n, seq_len) int64 token ids; a sensor bundle's:
+(n, C, T) float32) and gives `logits` and `probabilities`; its metadata_props say how to pre-process an input.
+int8 is onnxruntime's static QDQ quantization calibrated on the device's own training inputs. Needs the `onnx`
+package (pip install 'edgepfl[deploy]').
 """
 
 from __future__ import annotations
@@ -194,7 +195,10 @@ def _probe_inputs(manifest: Manifest, data: LocalData | None, count: int = 8) ->
     """Inputs on which the baked graph must match the engine: the device's own images where given, else noise."""
     if data is not None and data.num_train:
         return _training_inputs(data, count)
-    return np.random.default_rng(0).normal(size=(count, *manifest.input.shape)).astype(np.float32)
+    rng, shape = np.random.default_rng(0), (count, *manifest.input.shape)
+    if manifest.input.dtype.startswith("int"):  # token ids of the vocabulary
+        return rng.integers(0, manifest.num_classes, shape).astype(np.dtype(manifest.input.dtype))
+    return rng.normal(size=shape).astype(np.float32)
 
 
 def _training_inputs(data: LocalData, count: int) -> np.ndarray:

@@ -45,8 +45,17 @@ METADATA_KEYS: tuple[tuple[str, str | None], ...] = (
     ("last_completed_round", None),
     ("quantization", None),
 )
+# what a file says instead of the image keys, by the manifest's input layout (with the input's own layout and dtype)
+INPUT_KINDS = {
+    "tokens": {
+        "resize": "none",
+        "normalization": "none: token ids of the bundle's vocab.json (edgepfl.text: tokenize, <bos> then the words, "
+        "the last seq_len ids left-padded with <pad> = 0)",
+    },
+    "CT": {"resize": "none", "normalization": "x = (value - mean[c]) / std[c] per channel, channels x time"},
+}
 DOC_STRING = (
-    "{model} ({description}); input {input_shape} NCHW float32, pre-processing in metadata_props "
+    "{model} ({description}); input {input_shape} {input_layout} {input_dtype}, pre-processing in metadata_props "
     "(resize, normalization, mean, std); outputs {outputs}"
 )
 
@@ -69,7 +78,10 @@ def metadata_props(
         "last_completed_round": "" if last_completed_round is None else str(last_completed_round),
         "quantization": quantization,
     }
-    return {key: values[key] if fixed is None else fixed for key, fixed in METADATA_KEYS}
+    props = {key: values[key] if fixed is None else fixed for key, fixed in METADATA_KEYS}
+    if spec.layout in INPUT_KINDS:
+        props.update(input_layout=spec.layout, input_dtype=spec.dtype, **INPUT_KINDS[spec.layout])
+    return props
 
 
 def doc_string(props: dict[str, str], description: str) -> str:
@@ -87,5 +99,6 @@ def model_file_contract() -> dict[str, Any]:
         "metadata": [[key, fixed] for key, fixed in METADATA_KEYS],
         "normalization": NORMALIZATION,
         "doc_string": DOC_STRING,
+        "input_kinds": INPUT_KINDS,
         "check_tolerance": CHECK_TOLERANCE,
     }

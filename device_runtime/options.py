@@ -116,6 +116,9 @@ class PredictOptions(BaseModel):
     model_config = titled("Prediction")
 
     top: Annotated[int, Field(ge=1, le=1000, description="classes shown per input, most likely first")] = 3
+    text: Annotated[
+        str | None, Field(description="a phrase: a text bundle's most likely next words (instead of input files)")
+    ] = None
 
 
 class ModelExportOptions(BaseModel):
@@ -277,11 +280,11 @@ class PredictCommand(Composed):
     inputs: Annotated[
         list[Path],
         Field(
-            min_length=1,
-            description="image files, folders of images, or .npz files (images as x)",
+            description="image files, folders of images, or .npz files (images, or a text or sensor bundle's "
+            "windows, as x)",
             json_schema_extra={ARGUMENT: True},
         ),
-    ]
+    ] = []
     files: ModelFiles
     predict: PredictOptions = PredictOptions()
     # nothing is split or shuffled: the inputs are predicted as they are

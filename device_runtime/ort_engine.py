@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set, model_input
 from edgepfl.errors import BundleError
 from edgepfl.manifest import Manifest
 from edgepfl.ortbuild import onnxruntime_without_torch
@@ -114,7 +114,7 @@ class OrtTrainingEngine(Engine):
             optimizer.set_learning_rate(float(lr))
             self._lr[key] = lr
         module.train()
-        outputs = module(np.ascontiguousarray(x, dtype=np.float32), *inputs)
+        outputs = module(model_input(self.manifest, x), *inputs)
         if lr is not None:
             optimizer.step()
         module.lazy_reset_grad()
@@ -127,7 +127,7 @@ class OrtTrainingEngine(Engine):
         self._activate(active)
         module = self._sets[active][1]
         module.eval()
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = model_input(self.manifest, x)
         return np.asarray(module(x, np.zeros(len(x), dtype=np.int64))[1], dtype=np.float32)
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
@@ -136,7 +136,7 @@ class OrtTrainingEngine(Engine):
             self._activate(self._main_set())
         module = self._sets[self._active][1]
         module.eval()
-        outputs = module(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
+        outputs = module(model_input(self.manifest, x), np.ascontiguousarray(y, dtype=np.int64))
         logits = outputs[1]
         correct = int((logits.argmax(axis=1) == y).sum())
         return EvalResult(loss_sum=float(outputs[0]) * len(x), correct=correct, count=len(x))

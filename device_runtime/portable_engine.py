@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnxruntime as ort
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set
+from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set, model_input
 from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import check_tensors, load_tensors
@@ -257,11 +257,11 @@ class PortableEngine(Engine):
         """(x, y, w) of one graph batch of `size` (default: the step graphs'): `count` real samples from `start`,
         zero-padded and masked."""
         size = size or self.batch_size
-        real_x = np.ascontiguousarray(x[start : start + count], dtype=np.float32)
+        real_x = model_input(self.manifest, x[start : start + count])
         real_y = np.ascontiguousarray(y[start : start + count], dtype=self.label_dtype)
         if count == size:
             return real_x, real_y, np.ones(size, dtype=np.float32)
-        batch_x = np.zeros((size, *real_x.shape[1:]), dtype=np.float32)
+        batch_x = np.zeros((size, *real_x.shape[1:]), dtype=real_x.dtype)  # padding: zeros, <pad> for token ids
         batch_x[:count] = real_x
         batch_y = np.zeros(size, dtype=self.label_dtype)
         batch_y[:count] = real_y

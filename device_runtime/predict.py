@@ -13,6 +13,7 @@ import numpy as np
 from edgepfl.data import check_pixels, normalize, to_model_layout
 from edgepfl.device_runtime.data import IMAGE_SUFFIXES, read_image, read_npz
 from edgepfl.device_runtime.engine import Engine, open_engine
+from edgepfl.device_runtime.sequences import task_kind, window_inputs
 from edgepfl.device_runtime.state import read_saved_model
 from edgepfl.errors import DataError
 from edgepfl.manifest import Manifest
@@ -94,10 +95,12 @@ def iter_inputs(paths: Sequence[str | os.PathLike], engine: Engine) -> Iterator[
     if not sources:
         raise DataError("no inputs to predict", "pass image files, folders of images or .npz files")
     for path, content in sources:
-        if isinstance(content, np.ndarray):  # an .npz's images, as stored
+        if isinstance(content, np.ndarray):  # an .npz's images as stored, or its windows as model input
             for start in range(0, len(content), CHUNK):
                 rows = range(start, min(start + CHUNK, len(content)))
-                yield [f"{path}[{row}]" for row in rows], normalize(content[start : rows.stop], manifest.input)
+                chunk = content[start : rows.stop]
+                model_input = chunk if task_kind(manifest) else normalize(chunk, manifest.input)
+                yield [f"{path}[{row}]" for row in rows], model_input
             continue
         for start in range(0, len(content), CHUNK):
             files = content[start : start + CHUNK]
@@ -120,7 +123,13 @@ def top_classes(names: Sequence[str], probabilities: np.ndarray, labels: Sequenc
 
 
 def _source(path: Path, manifest: Manifest) -> tuple[Path, list[Path] | np.ndarray]:
-    """What one input path holds: its image files, or an .npz's images (checked against the model)."""
+    """What one input path holds: its image files, or an .npz's images (checked against the model), or a text or
+    sensor bundle's .npz windows (device_runtime/sequences.py)."""
+    if task_kind(manifest) and not (path.is_file() and path.suffix.lower() == ".npz"):
+        raise DataError(f"{path} is not an .npz of windows", "pass .npz files with the windows as x (or --text)")
+    if task_kind(manifest):
+        (x,) = read_npz(path, keys=("x",))
+        return path, window_inputs(np.asarray(x), manifest, f"{path} x")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if _is_image(p, path))
         if not files:

@@ -12,6 +12,7 @@ from edgepfl.commands import command
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
 from edgepfl.export.options import ExportCommand, read_class_names_file
+from edgepfl.export.sequence_options import SEQUENCE_MODELS
 from edgepfl.server.cli import serve_app
 from edgepfl.simulate.config import PartitionCommand, SimulateConfig, read_config_file
 from edgepfl.simulate.demo import DemoOptions
@@ -52,7 +53,16 @@ def export(command_options: ExportCommand) -> None:
         options = options.model_copy(update={"class_names": read_class_names_file(chosen.class_names_file)})
     model = chosen.model
     parsed = source.parse_model(model)
-    if parsed.is_zoo:
+    if model not in SEQUENCE_MODELS and chosen.sequence.given():
+        raise UsageError(f"{chosen.sequence.given()[0]} applies to text and sensor models only", "drop it")
+    if parsed.is_zoo and model in SEQUENCE_MODELS:
+        if chosen.input_shape is not None or zoo.input_size is not None or zoo.in_channels is not None:
+            raise UsageError("--input-shape/--input-size/--in-channels do not apply to text and sensor models",
+                             "use --seq-len (text) or --channels/--window (sensors)")  # fmt: skip
+        from edgepfl.export.textmodels import sequence_target
+
+        target = sequence_target(model, chosen.sequence, options.seed, zoo.width, zoo.norm, chosen.num_classes)
+    elif parsed.is_zoo:
         if chosen.input_shape is not None:
             raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")
         base = default_spec(model)
@@ -65,8 +75,6 @@ def export(command_options: ExportCommand) -> None:
             norm=base.norm if zoo.norm is None else zoo.norm,
         )
         target = bundle.zoo_target(spec, options.seed)
-        if chosen.weights is not None:
-            source.load_weights(target.module, source.read_state_dict(chosen.weights), f"weights file {chosen.weights}")
     else:
         given = zoo.given()
         if given:
@@ -76,6 +84,8 @@ def export(command_options: ExportCommand) -> None:
         target = bundle.module_target(
             loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description
         )
+    if parsed.is_zoo and chosen.weights is not None:
+        source.load_weights(target.module, source.read_state_dict(chosen.weights), f"weights file {chosen.weights}")
     from rich.console import Console
 
     console = Console(stderr=False)

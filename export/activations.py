@@ -51,3 +51,10 @@ def slice_copy(
     """aten.slice_copy (functionalization's form of a slice: chunk/split, e.g. ShuffleNet's branches) as a
     slice and a copy: the ONNX exporter has no function for slice_copy."""
     return torch.ops.aten.slice.Tensor(x, dim, start, end, step).clone()
+
+
+def select_copy(x: torch.Tensor, dim: int, index: int) -> torch.Tensor:
+    """aten.select_copy (functionalization's form of x[:, i], e.g. a language model's last position) as a
+    slice, a squeeze and a copy: the ONNX exporter has no function for select_copy."""
+    index = index + x.shape[dim] if index < 0 else index
+    return torch.ops.aten.slice.Tensor(x, dim, index, index + 1, 1).squeeze(dim).clone()

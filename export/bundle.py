@@ -36,6 +36,10 @@ class ExportTarget:
     blocks: BlockList
     normalization: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
     description: dict = field(default_factory=dict)
+    input_dtype: str = "float32"  # int64: token ids (a text model)
+    layout: str = "NCHW"  # "tokens" for text, "CT" for sensor windows
+    task: dict = field(default_factory=dict)  # the manifest's task (edgepfl.text.manifest_entry, a sensor's channels)
+    files: dict[str, bytes] = field(default_factory=dict)  # written into the bundle as they are (vocab.json)
 
 
 def export_bundle(
@@ -210,7 +214,7 @@ def _write_bundle(
     mean, std = target.normalization
     manifest = Manifest(
         model=target.description,
-        input=InputSpec(shape=target.input_shape, mean=mean, std=std),
+        input=InputSpec(shape=target.input_shape, dtype=target.input_dtype, layout=target.layout, mean=mean, std=std),
         num_classes=target.num_classes,
         kp=kp,
         blocks=tuple(name for name, _ in target.blocks),
@@ -218,8 +222,11 @@ def _write_bundle(
         edgepfl_version=edgepfl.__version__,
         class_names=options.class_names,
         personal=str(spec),
+        task=target.task,
     )
-    shape = StepShape(target.input_shape, target.num_classes)
+    for name, payload in target.files.items():
+        (folder / name).write_bytes(payload)
+    shape = StepShape(target.input_shape, target.num_classes, target.input_dtype)
     random_off = prepare.random_layers(model)
     if random_off:
         notice(
@@ -229,10 +236,10 @@ def _write_bundle(
     trainer = prepare.without_random_layers(model)
     engines: dict = {}
     progress("inference model")
-    inference.export_inference(model, target.input_shape, folder / "model.onnx")
+    inference.export_inference(model, shape, folder / "model.onnx")
     wanted = list(options.engines)
     if "portable" in wanted:
-        prepare.check_portable_ops(trainer, target.input_shape)  # before the slow ORT build, to fail fast
+        prepare.check_portable_ops(trainer, target.input_shape, shape.zeros(0).dtype)  # fail fast, before ORT
     if "ort-training" in wanted:
         progress("ort-training artifacts")
         try:

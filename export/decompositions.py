@@ -32,6 +32,7 @@ def decomposition_table() -> dict:
     table[aten.hardtanh_backward.default] = activations.hardtanh_backward
     table[aten.empty_like.default] = activations.empty_like
     table[aten.slice_copy.Tensor] = activations.slice_copy
+    table[aten.select_copy.int] = activations.select_copy
     table[aten.split_copy.Tensor] = activations.split_copy
     table[aten.split_with_sizes_copy.default] = activations.split_with_sizes_copy
     # traced as their primitive ops, each with its written-out backward (export/masked.py)

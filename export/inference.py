@@ -19,11 +19,15 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from edgepfl.export.masked import StepShape
+
 INFERENCE_OPSET = 17
 
 
-def export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -> bool:
-    """Write `model.onnx`; True when its initializers name every state tensor (False: the folded fallback)."""
+def export_inference(model: nn.Module, input_shape: Sequence[int] | StepShape, path: Path) -> bool:
+    """Write `model.onnx`; True when its initializers name every state tensor (False: the folded fallback).
+    `input_shape` is one float sample's shape, or a StepShape (which also gives the input's dtype)."""
+    shape = _step_shape(input_shape)
     model.eval()
     real = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     generator = torch.Generator().manual_seed(0)
@@ -32,7 +36,7 @@ def export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -
             for tensor in model.state_dict().values():  # the state_dict's tensors share the module's storage
                 if tensor.is_floating_point():
                     tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)  # > 0: a valid running_var
-        _export(model, input_shape, path, torch.onnx.TrainingMode.PRESERVE)
+        _export(model, shape, path, torch.onnx.TrainingMode.PRESERVE)
     finally:
         model.load_state_dict(real)
     proto = onnx.load(str(path))
@@ -41,19 +45,26 @@ def export_inference(model: nn.Module, input_shape: Sequence[int], path: Path) -
         if init.name in real:
             init.CopyFrom(numpy_helper.from_array(real[init.name].cpu().numpy(), init.name))
     wanted = {name for name, tensor in real.items() if tensor.is_floating_point() and tensor.numel()}
-    if wanted <= named and _same_logits(model, proto, input_shape):
+    if wanted <= named and _same_logits(model, proto, shape):
         onnx.save(proto, str(path))
         return True
-    _export(model, input_shape, path, torch.onnx.TrainingMode.EVAL)
+    _export(model, shape, path, torch.onnx.TrainingMode.EVAL)
     return False
 
 
-def _export(model: nn.Module, input_shape: Sequence[int], path: Path, mode: torch.onnx.TrainingMode) -> None:
+def _step_shape(input_shape: Sequence[int] | StepShape) -> StepShape:
+    return input_shape if isinstance(input_shape, StepShape) else StepShape(tuple(input_shape), 1)
+
+
+def _export(
+    model: nn.Module, input_shape: Sequence[int] | StepShape, path: Path, mode: torch.onnx.TrainingMode
+) -> None:
+    shape = _step_shape(input_shape)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(constant folding|training).*")
         torch.onnx.export(
             model,
-            (torch.zeros(1, *input_shape),),
+            (shape.zeros(1),),
             str(path),
             input_names=["input"],
             output_names=["logits"],
@@ -65,11 +76,11 @@ def _export(model: nn.Module, input_shape: Sequence[int], path: Path, mode: torc
         )
 
 
-def _same_logits(model: nn.Module, proto: onnx.ModelProto, input_shape: Sequence[int]) -> bool:
+def _same_logits(model: nn.Module, proto: onnx.ModelProto, shape: StepShape) -> bool:
     """Whether the graph computes the module's eval logits on two seeded inputs."""
     import onnxruntime
 
-    x = torch.randn(2, *input_shape, generator=torch.Generator().manual_seed(1))
+    x = shape.random(2, torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(x).cpu().numpy()
     session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -160,10 +160,28 @@ class _MaskSlot:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What the step graphs are traced for: one sample's input shape and the number of classes."""
+    """What the step graphs are traced for: one sample's input shape, the number of classes, the input's dtype."""
 
     input_shape: tuple[int, ...]
     num_classes: int
+    input_dtype: str = "float32"  # int64 for token ids (a text bundle)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> StepShape:
+        """A zoo model's own shape, from its spec (an image spec has no dtype: float32)."""
+        spec = model.spec
+        return cls(tuple(spec.input_shape), spec.num_classes, getattr(spec, "input_dtype", "float32"))
+
+    def zeros(self, count: int) -> torch.Tensor:
+        """`count` all-zero samples of the input's shape and dtype (what the exporters trace with)."""
+        return torch.zeros(count, *self.input_shape, dtype=getattr(torch, self.input_dtype))
+
+    def random(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        """`count` seeded samples: normal values, or ids below the class count (a next-word model's vocabulary)."""
+        if self.input_dtype.startswith("int"):
+            dtype = getattr(torch, self.input_dtype)
+            return torch.randint(0, self.num_classes, (count, *self.input_shape), generator=generator, dtype=dtype)
+        return torch.randn(count, *self.input_shape, generator=generator)
 
 
 class MaskedModel:
@@ -173,7 +191,7 @@ class MaskedModel:
     """
 
     def __init__(self, model: nn.Module, spec: StepShape | None = None):
-        self.spec = model.spec if spec is None else spec
+        self.spec = StepShape.of(model) if spec is None else spec
         self.module = copy.deepcopy(model)
         self.slot = _MaskSlot()
         for parent in list(self.module.modules()):
@@ -198,7 +216,7 @@ class MaskedModel:
 
     def __call__(self, state: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Logits of `x` with the model's tensors taken from `state`; samples with w = 0 do not count."""
-        self.slot.value = (w > 0).to(x.dtype)
+        self.slot.value = (w > 0).to(x.dtype if x.is_floating_point() else w.dtype)  # token ids: w's dtype
         try:
             # the layers hold the state's tensors only during the call; the running statistics are updated
             # in place in them, as nn.BatchNorm2d does

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from edgepfl.errors import UsageError
+from edgepfl.export.sequence_options import SequenceOptions
 from edgepfl.manifest import class_names_problem
 from edgepfl.options import ARGUMENT, Composed, comma_separated, titled
 from edgepfl.ortbuild import training_build_installed
@@ -95,7 +96,8 @@ class ZooOptions(BaseModel):
     model_config = titled("Zoo models")
 
     width: Annotated[
-        float | None, Field(gt=0.0, description="zoo MobileNet width multiplier: 0.25|0.5|0.75|1.0")
+        float | None,
+        Field(gt=0.0, description="zoo width multiplier (mobilenet, transformer, lstm, har-cnn): 0.25|0.5|0.75|1.0"),
     ] = None
     input_size: Annotated[int | None, Field(ge=1, description="zoo image side: 32 (CIFAR), 28 (MNIST), 224")] = None
     in_channels: Annotated[int | None, Field(ge=1, description="zoo input channels: 3 colour, 1 grey")] = None
@@ -116,8 +118,8 @@ class ExportCommand(Composed):
     model: Annotated[
         str,
         Field(
-            description="zoo model (mobilenet, cnn, mlp, resnet34), torchvision:NAME, path/to/file.py:factory or "
-            "package.module:factory",
+            description="zoo model (mobilenet, cnn, mlp, resnet34; transformer, lstm; har-cnn), torchvision:NAME, "
+            "path/to/file.py:factory or package.module:factory",
             json_schema_extra={ARGUMENT: True},
         ),
     ]
@@ -146,6 +148,7 @@ class ExportCommand(Composed):
         Path | None, Field(description="file of the class names, one per line, in class order")
     ] = None
     zoo: ZooOptions = Field(default_factory=ZooOptions)
+    sequence: SequenceOptions = Field(default_factory=SequenceOptions)
     options: ExportOptions = Field(default_factory=ExportOptions)
 
     @model_validator(mode="after")

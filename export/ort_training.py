@@ -33,7 +33,7 @@ def export_training_onnx(model: torch.nn.Module, path: Path, shape: StepShape | 
     `shape` gives the input shape (a zoo model's own spec when left out).
     """
     before = copy.deepcopy(model.state_dict())
-    example = torch.zeros(2, *(shape or model.spec).input_shape)
+    example = _traced_shape(model, shape).zeros(2)
     model.train()
     with warnings.catch_warnings():
         # num_batches_tracked is not model state here (momentum is fixed), its increment may go
@@ -47,6 +47,11 @@ def export_training_onnx(model: torch.nn.Module, path: Path, shape: StepShape | 
     ort_differentiable(proto)
     onnx.save(proto, str(path))
     return proto
+
+
+def _traced_shape(model: torch.nn.Module, shape: StepShape | None) -> StepShape:
+    """The shape to trace: the one given, else a zoo model's own spec's (float images)."""
+    return StepShape.of(model) if shape is None else shape
 
 
 def _export_train_mode(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
@@ -123,7 +128,7 @@ def batchnorm_spatial_sizes(model: torch.nn.Module, shape: StepShape) -> dict[st
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.zeros(1, *shape.input_shape))
+            model(shape.zeros(1))
     finally:
         model.train(training)
         for hook in hooks:
@@ -164,9 +169,9 @@ def export_distill_onnx(
     before = copy.deepcopy(model.state_dict())
     wrapper = _DistillForward(model, variant)
     batch = 2
-    shape = shape or model.spec
+    shape = _traced_shape(model, shape)
     example = (
-        torch.zeros(batch, *shape.input_shape),
+        shape.zeros(batch),
         torch.zeros(batch, dtype=torch.int64),
         torch.zeros(batch, shape.num_classes),
         torch.tensor(2.0),
@@ -222,7 +227,7 @@ def build_distill_sets(
     for variant in DISTILL_VARIANTS:
         forward = folder / f"forward_distill_{variant}.onnx"
         proto = export_distill_onnx(model, variant, forward, shape)
-        stats = bn_stat_outputs(proto, batchnorm_spatial_sizes(model, shape or model.spec))
+        stats = bn_stat_outputs(proto, batchnorm_spatial_sizes(model, _traced_shape(model, shape)))
         sets = {}
         for set_name in DISTILL_SETS:
             trainable = trainable_sets.get(set_name)

@@ -63,7 +63,7 @@ def export_portable(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     prefix = folder.name
-    step_model = MaskedModel(model, StepShape(tuple(manifest.input.shape), manifest.num_classes))
+    step_model = MaskedModel(model, StepShape(tuple(manifest.input.shape), manifest.num_classes, manifest.input.dtype))
     trainable = set(manifest.trainable("full"))
     params = [name for name, _ in model.named_parameters() if name in trainable]
     buffers = [name for name, _ in model.named_buffers() if name in set(manifest.names("buffer"))]
@@ -359,7 +359,7 @@ def _example_inputs(step_model: MaskedModel, params: list[str], buffers: list[st
     spec = step_model.spec
     return [
         *(state[n] for n in params + buffers),
-        torch.zeros(batch_size, *spec.input_shape),
+        spec.zeros(batch_size),
         torch.zeros(batch_size, dtype=LABEL_DTYPE),
         torch.ones(batch_size),
     ]

@@ -32,7 +32,7 @@ SUPPORTED_OPS = {
     "unsqueeze", "flatten", "cat", "stack", "split", "split_with_sizes", "chunk",
     "alias", "detach", "lift_fresh", "_to_copy", "copy", "copy_", "empty", "empty_like", "zeros", "ones", "zeros_like",
     "ones_like", "full", "full_like", "fill", "fill_", "scalar_tensor", "arange", "pad", "constant_pad_nd",
-    "channel_shuffle", "pixel_shuffle",
+    "channel_shuffle", "pixel_shuffle", "select", "slice", "embedding",
     # arithmetic and activations
     "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "rsub", "pow", "sqrt", "rsqrt", "exp",
     "log", "abs", "reciprocal", "square", "maximum", "minimum", "where", "relu", "relu_", "relu6", "hardtanh",
@@ -95,9 +95,9 @@ def batchnorm_momenta(module: nn.Module) -> list[float]:
     return sorted({float(m.momentum) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
 
 
-def check_portable_ops(module: nn.Module, input_shape: Sequence[int]) -> None:
-    """One training-mode forward on zeros: the first op or convolution the portable step cannot differentiate
-    ends the export with one line naming it and the module that runs it."""
+def check_portable_ops(module: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32) -> None:
+    """One training-mode forward on zeros (of `dtype`: int64 for token ids): the first op or convolution the
+    portable step cannot differentiate ends the export with one line naming it and the module that runs it."""
     module = copy.deepcopy(module).train()  # a training-mode forward moves BatchNorm statistics
     path: list[str] = []
     names = {id(m): n for n, m in module.named_modules()}
@@ -112,7 +112,7 @@ def check_portable_ops(module: nn.Module, input_shape: Sequence[int]) -> None:
         child.register_forward_pre_hook(enter)
         child.register_forward_hook(leave)
     with torch.no_grad(), _OpCheck(path):
-        module(torch.zeros(2, *input_shape))
+        module(torch.zeros(2, *input_shape, dtype=dtype))
 
 
 class _OpCheck(TorchDispatchMode):

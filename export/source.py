@@ -22,6 +22,7 @@ from torch import nn
 
 from edgepfl.errors import UsageError
 from edgepfl.export.models import MODEL_NAMES
+from edgepfl.export.sequence_options import SEQUENCE_MODELS
 
 TORCHVISION_PREFIX = "torchvision:"
 # the families exported and tested end to end (tests/test_export_families.py); other torchvision
@@ -39,7 +40,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 INPUT_SHAPE_ATTR = "edgepfl_input_shape"
 HEAD_ATTR = "edgepfl_head"
 MODEL_FORMS = (
-    "a zoo name (mobilenet, cnn, mlp, resnet34), torchvision:NAME, path/to/file.py:factory or package.module:factory"
+    "a zoo name (mobilenet, cnn, mlp, resnet34; transformer, lstm; har-cnn), torchvision:NAME, path/to/file.py:factory"
+    " or package.module:factory"
 )
 
 
@@ -70,7 +72,7 @@ class LoadedModel:
 
 def parse_model(text: str) -> ModelSource:
     """Recognise the MODEL string's form, or one line listing the forms."""
-    if text in MODEL_NAMES:
+    if text in MODEL_NAMES + SEQUENCE_MODELS:
         return ModelSource(text, "zoo")
     if text.startswith(TORCHVISION_PREFIX):
         name = text[len(TORCHVISION_PREFIX) :]
@@ -136,6 +138,10 @@ def rebuild_module(description: dict) -> nn.Module:
     from edgepfl.export.models import ModelSpec, build_model
     from edgepfl.export.prepare import without_random_layers
 
+    if description.get("name") in SEQUENCE_MODELS:
+        from edgepfl.export.textmodels import build_sequence_model, spec_from_description
+
+        return build_sequence_model(spec_from_description(description))
     if "source" not in description:
         return build_model(ModelSpec(**description))
     module = load_source(parse_model(description["source"])).module

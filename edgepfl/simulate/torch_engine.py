@@ -124,21 +124,21 @@ class TorchEngine(Engine):
         """A training-mode forward without gradients: the running statistics move, no weight does."""
         self.model.train()
         with self._torch.no_grad():
-            self.model(self._input(x, np.float32))
+            self.model(self._input(x, self.manifest.input.dtype))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32."""
         torch = self._torch
         self.model.eval()
         with torch.no_grad():
-            return self.model(self._input(x, np.float32)).cpu().numpy().copy()
+            return self.model(self._input(x, self.manifest.input.dtype)).cpu().numpy().copy()
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Summed loss and correct count in inference mode (running BatchNorm statistics)."""
         torch = self._torch
         self.model.eval()
         with torch.no_grad():
-            logits = self.model(self._input(x, np.float32))
+            logits = self.model(self._input(x, self.manifest.input.dtype))
             labels = self._input(y, np.int64)
             loss_sum = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
             correct = int((logits.argmax(dim=1) == labels).sum())
@@ -153,7 +153,7 @@ class TorchEngine(Engine):
         for name, param in self._params.items():
             param.requires_grad_(name in chosen)
             param.grad = None
-        loss = loss_of(self.model(self._input(x, np.float32)))
+        loss = loss_of(self.model(self._input(x, self.manifest.input.dtype)))
         loss.backward()
         with torch.no_grad():
             for name in chosen:
@@ -163,7 +163,7 @@ class TorchEngine(Engine):
                     param.grad = None
         return float(loss.detach())
 
-    def _input(self, array: np.ndarray, dtype: type) -> object:
+    def _input(self, array: np.ndarray, dtype: type | str) -> object:
         """A batch (inputs, labels, teacher logits) as a tensor on the engine's device."""
         return self._torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
 

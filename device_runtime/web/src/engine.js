@@ -14,7 +14,8 @@ import { checkSha256 } from './sha256.js';
 /** @typedef {import('./safetensors.js').Tensor} Tensor */
 /** @typedef {import('./safetensors.js').Tensors} Tensors */
 /** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
-/** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string}} InputSpec */
+/** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string, dtype?: string}} InputSpec */
+/** A batch of model inputs: float32 pixels or sensor values, or int64 token ids (a text bundle). @typedef {Float32Array | BigInt64Array} ModelInput */
 /** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
 /** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (batch_size: the predict graph's 1, up_to: how many inputs it takes one by one). @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number, up_to?: number}} Graph */
 /**
@@ -147,9 +148,10 @@ export class Engine {
     this.baked = new Map();
     this.variantSteps = 0; // steps run on a frozen variant, for tests and benchmarks
     this.batchSize = Number(entry.batch_size);
-    const [channels, height, width] = manifest.input.shape;
-    this.sampleSize = channels * height * width;
-    this.sampleShape = [channels, height, width];
+    // one sample: (C, H, W) pixels, (C, T) sensor values or (T) token ids, of the manifest's input dtype
+    this.sampleShape = manifest.input.shape.slice();
+    this.sampleSize = this.sampleShape.reduce((size, dim) => size * dim, 1);
+    this.inputType = inputType(manifest.input);
     // graph inputs and outputs list the state tensors in this order: params, then buffers
     this.stateNames = [...entry.params, ...entry.buffers];
     this.specs = new Map(manifest.tensors.map((t) => [t.name, t]));
@@ -253,7 +255,7 @@ export class Engine {
   }
 
   /** One SGD step on `count` <= batchSize samples of x (float32 NCHW) and y; a short batch is padded and masked. */
-  async trainStep(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count, /** @type {number} */ lr, trainable = 'full') {
+  async trainStep(/** @type {ModelInput} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count, /** @type {number} */ lr, trainable = 'full') {
     if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     const results = await this.runStep(x, y, count, lr, trainable);
     for (const [name, tensor] of results.state) this.replace(name, tensor);
@@ -261,7 +263,7 @@ export class Engine {
   }
 
   /** A training-mode pass that moves the BatchNorm running statistics and no weight (engine.py statistics_step). */
-  async statisticsStep(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
+  async statisticsStep(/** @type {ModelInput} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
     const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
     const buffers = new Set(this.entry.buffers);
@@ -286,7 +288,7 @@ export class Engine {
    * Run one step graph on the current state; returns the loss and the new state by tensor name. A step with a
    * frozen variant leaves out its frozen tensors (they pass through unchanged), so that the state keeps the very
    * same tensor objects and the next step can tell they did not change (portable_engine.py _run_step).
-   * @param {Float32Array} x
+   * @param {ModelInput} x
    * @param {Int32Array | BigInt64Array} y
    * @param {number} count
    * @param {number} lr
@@ -366,7 +368,7 @@ export class Engine {
 
   /**
    * Summed loss and correct count of the current model over any number of samples (run in graph-sized chunks).
-   * @param {Float32Array} x
+   * @param {ModelInput} x
    * @param {Int32Array | BigInt64Array} y
    * @param {number} count
    * @returns {Promise<EvalResult>}
@@ -392,7 +394,7 @@ export class Engine {
    * Class probabilities (count x classes, float32, row by row) of the model on `count` pre-processed inputs, in
    * inference mode: the eval graph's logits, softmax in float64 (engine.py predict). `held` (a `snapshot()`)
    * predicts with the tensors held then instead of the current ones, e.g. while a round trains.
-   * @param {Float32Array} x
+   * @param {ModelInput} x
    * @param {number} count
    * @param {Map<string, OrtTensor>} [held]
    */
@@ -463,10 +465,11 @@ export class Engine {
     }
   }
 
-  checkBatch(/** @type {Float32Array} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
+  checkBatch(/** @type {ModelInput} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
     if (!Number.isInteger(count) || count < 1) throw new EngineError(`batch count ${count} is not a positive integer`, 'pass at least one sample');
-    if (!(x instanceof Float32Array) || x.length !== count * this.sampleSize) {
-      throw new EngineError(`inputs hold ${x && x.length} values for ${count} samples of [${this.sampleShape}]`, 'pass a Float32Array of count*C*H*W pre-processed values');
+    if (!(x instanceof this.inputType.array) || x.length !== count * this.sampleSize) {
+      const given = x instanceof this.inputType.array ? `${x.length} values` : `a ${x && x.constructor.name}`;
+      throw new EngineError(`inputs hold ${given} for ${count} samples of [${this.sampleShape}] ${this.inputType.dtype}`, `pass a ${this.inputType.array.name} of ${count} x ${this.sampleSize} pre-processed values`);
     }
     if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count) {
       throw new EngineError(`labels are not an Int32Array or BigInt64Array of ${count}`, 'pass one label per input');
@@ -485,7 +488,7 @@ export class Engine {
    * @param {Opened} opened
    * @param {[string, string][]} stateInputs
    * @param {string[]} batchInputs
-   * @param {Float32Array} x
+   * @param {ModelInput} x
    * @param {Int32Array | BigInt64Array} y
    * @param {number} start
    * @param {number} count
@@ -499,8 +502,8 @@ export class Engine {
       const t = /** @type {OrtTensor} */ (state.get(name));
       feeds[input] = opened.backend === 'webgpu' ? t : await inMemory(t);
     }
-    const bx = new Float32Array(size * this.sampleSize);
-    bx.set(x.subarray(start * this.sampleSize, (start + count) * this.sampleSize));
+    const bx = new this.inputType.array(size * this.sampleSize); // padding: zeros (<pad> for token ids)
+    bx.set(/** @type {any} */ (x).subarray(start * this.sampleSize, (start + count) * this.sampleSize));
     const labels = this.labelType;
     const by = new labels.array(size);
     const bw = new Float32Array(size);
@@ -508,7 +511,7 @@ export class Engine {
       by[i] = labels.of(Number(y[start + i]));
       bw[i] = 1;
     }
-    feeds[batchInputs[0]] = new this.ort.Tensor('float32', bx, [size, ...this.sampleShape]);
+    feeds[batchInputs[0]] = new this.ort.Tensor(/** @type {'float32'} */ (this.inputType.dtype), /** @type {Float32Array} */ (bx), [size, ...this.sampleShape]);
     feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), [size]);
     feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
     return feeds;
@@ -626,4 +629,18 @@ export function topClasses(probabilities, names, k) {
 /** Whether two lists hold the very same tensor objects (state is replaced, never written in place; portable_engine.py _same). */
 function sameTensors(/** @type {OrtTensor[]} */ held, /** @type {OrtTensor[]} */ current) {
   return held.length === current.length && held.every((t, i) => t === current[i]);
+}
+
+/**
+ * The typed array and ONNX type of a bundle's model input: int64 token ids (BigInt64Array) for a text bundle,
+ * else float32.
+ * @param {InputSpec} input
+ * @returns {{dtype: 'float32' | 'int64', array: Float32ArrayConstructor | BigInt64ArrayConstructor}}
+ */
+export function inputType(input) {
+  if (input.dtype === 'int64') return { dtype: 'int64', array: BigInt64Array };
+  if (input.dtype && input.dtype !== 'float32') {
+    throw new EngineError(`the bundle's model input is ${input.dtype}`, 'export it again: a page runs float32 or int64 (token id) inputs');
+  }
+  return { dtype: 'float32', array: Float32Array };
 }

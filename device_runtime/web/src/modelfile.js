@@ -23,7 +23,8 @@ import { pythonFloat } from './protocol.js';
  * @property {{input: string, logits: string, probabilities: string}} names
  * @property {[string, string | null][]} metadata every key in file order, with its fixed value or null
  * @property {{standardized: string, scaled: string}} normalization
- * @property {string} doc_string a template: {model}, {description}, {input_shape}, {outputs}
+ * @property {string} doc_string a template: {model}, {description} and metadata keys such as {input_shape}
+ * @property {Record<string, Record<string, string>>} [input_kinds] keys a non-image input's file says instead
  * @property {number} check_tolerance
  */
 /** Which model of the device this is. @typedef {{trained: boolean, lastCompletedRound: number | null, description: string}} DeviceModelInfo */
@@ -149,7 +150,12 @@ export function metadataProps(manifest, spec, device) {
     last_completed_round: device.lastCompletedRound == null ? '' : String(device.lastCompletedRound),
     quantization: 'none',
   };
-  return new Map(spec.metadata.map(([key, fixed]) => [key, fixed ?? values[key]]));
+  const props = new Map(spec.metadata.map(([key, fixed]) => [key, fixed ?? values[key]]));
+  // a text or sensor bundle's file names its own input instead of the image keys (model_metadata.py INPUT_KINDS)
+  const { layout = 'NCHW', dtype = 'float32' } = /** @type {{layout?: string, dtype?: string}} */ (manifest.input);
+  const kind = spec.input_kinds?.[layout];
+  if (kind) for (const [key, value] of Object.entries({ input_layout: layout, input_dtype: dtype, ...kind })) props.set(key, value);
+  return props;
 }
 
 /**

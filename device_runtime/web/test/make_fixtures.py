@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # tests.conftest holds the one bundle-export helper the test suite uses
 
 import make_secagg_fixtures  # noqa: E402  (beside this file)
+import make_text_fixtures  # noqa: E402  (beside this file)
 from safetensors.numpy import save_file  # noqa: E402
 
 from edgepfl.data import make_local_data, normalize  # noqa: E402
@@ -108,6 +109,7 @@ def main(out: Path) -> None:
     write_text(out, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
     make_secagg_fixtures.main(out)
+    make_text_fixtures.main(out / "text")
 
 
 # strings whose tokens the page (src/text.js) must give exactly as Python: punctuation, apostrophes, Unicode, NFKC,

@@ -1,0 +1,60 @@
+"""`edgepfl export`'s knobs of the text and sensor models (importable without torch, so the CLI reads it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, field_validator
+
+from edgepfl.options import comma_separated, titled
+
+TEXT_MODELS = ("transformer", "lstm")
+SENSOR_MODELS = ("har-cnn",)
+SEQUENCE_MODELS = TEXT_MODELS + SENSOR_MODELS
+# UCI HAPT: the phone's accelerometer and gyroscope at 50 Hz, windows of 2.56 s, six activities
+HAPT_CHANNELS = ("acc_x", "acc_y", "acc_z", "gyro_x", "gyro_y", "gyro_z")
+HAPT_WINDOW = 128
+HAPT_RATE_HZ = 50.0
+HAPT_ACTIVITIES = 6
+
+
+class SequenceOptions(BaseModel):
+    """Text and sensor models: the vocabulary's corpus and window (transformer, lstm), the channels (har-cnn)."""
+
+    model_config = titled("Text and sensor models")
+
+    vocab: Annotated[
+        Path | None,
+        Field(description="UTF-8 corpus whose most frequent words are a text model's vocabulary (one line a text)"),
+    ] = None
+    vocab_size: Annotated[
+        int | None, Field(ge=1, description="words in the vocabulary besides pad/oov/bos/eos (default 10000)")
+    ] = None
+    seq_len: Annotated[int | None, Field(ge=1, description="tokens a text model reads before a word (default 20)")] = (
+        None
+    )
+    layers: Annotated[
+        int | None, Field(ge=1, le=24, description="transformer layers (default 4) or LSTM layers (default 2)")
+    ] = None
+    channels: Annotated[
+        tuple[str, ...] | None,
+        Field(
+            min_length=1,
+            description="comma list of a sensor model's channel names, in input order (default HAPT's six)",
+            examples=[",".join(HAPT_CHANNELS)],
+        ),
+    ] = None
+    window: Annotated[int | None, Field(ge=8, description="time steps per sensor window (default 128)")] = None
+    rate_hz: Annotated[float | None, Field(gt=0, description="the sensors' sampling rate in Hz (default 50)")] = None
+
+    @field_validator("channels", mode="before")
+    @classmethod
+    def _channels(cls, value: Any) -> Any:
+        return comma_separated(value)
+
+    def given(self, kind: tuple[str, ...] = ("text", "sensor")) -> list[str]:
+        """The flags that were set among those of `kind` (text: vocabulary and window; sensor: channels)."""
+        fields = {"text": ("vocab", "vocab_size", "seq_len", "layers"), "sensor": ("channels", "window", "rate_hz")}
+        names = [name for part in kind for name in fields[part]]
+        return ["--" + name.replace("_", "-") for name in names if getattr(self, name) is not None]

@@ -1,0 +1,306 @@
+"""The zoo's sequence models (transformer, lstm, har-cnn): export, every engine, predict --text, export-model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from edgepfl import text
+from edgepfl.device_runtime.cli import device_app
+from edgepfl.device_runtime.engine import open_engine
+from edgepfl.errors import BundleError, DataError, UsageError
+from edgepfl.manifest import load_manifest
+from edgepfl.ortbuild import training_build_installed
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+
+CORPUS = "\n".join(
+    [
+        "to be or not to be that is the question",
+        "whether tis nobler in the mind to suffer",
+        "the slings and arrows of outrageous fortune",
+        "or to take arms against a sea of troubles",
+        "and by opposing end them to die to sleep",
+    ]
+)
+ENGINES = ("portable", "ort-training") if training_build_installed() else ("portable",)
+SEQ_LEN = 4
+
+
+def export_sequence(out: Path, name: str, kp: int = 1, **knobs) -> Path:
+    """A tiny sequence-model bundle exported as `edgepfl export NAME` does."""
+    from edgepfl.export.bundle import ExportOptions, export_target
+    from edgepfl.export.sequence_options import SequenceOptions
+    from edgepfl.export.textmodels import sequence_target
+
+    torch.set_num_threads(2)
+    options = SequenceOptions(**knobs)
+    target = sequence_target(name, options, seed=0, width=0.25)
+    export_options = ExportOptions(engines=ENGINES, force=True, portable_batch=8)
+    export_target(target, kp, out, export_options, notice=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(CORPUS, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def transformer_bundle(tmp_path_factory, corpus) -> Path:
+    out = tmp_path_factory.mktemp("transformer") / "bundle"
+    return export_sequence(out, "transformer", vocab=corpus, seq_len=SEQ_LEN, layers=1)
+
+
+@pytest.fixture(scope="module")
+def lstm_bundle(tmp_path_factory, corpus) -> Path:
+    out = tmp_path_factory.mktemp("lstm") / "bundle"
+    return export_sequence(out, "lstm", vocab=corpus, vocab_size=12, seq_len=3, layers=1)
+
+
+@pytest.fixture(scope="module")
+def har_bundle(tmp_path_factory) -> Path:
+    return export_sequence(tmp_path_factory.mktemp("har") / "bundle", "har-cnn", window=16)
+
+
+@pytest.fixture
+def bundles(request) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+def batch(manifest, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded model input of the bundle's kind (token ids or sensor values) and labels."""
+    rng = np.random.default_rng(seed)
+    shape = (count, *manifest.input.shape)
+    if manifest.input.dtype == "int64":
+        x = rng.integers(0, manifest.num_classes, shape)
+    else:
+        x = rng.normal(size=shape).astype(np.float32)
+    return x, rng.integers(0, manifest.num_classes, count)
+
+
+def test_the_transformer_defaults_are_fedalts_stackoverflow_model_and_width_scales_it():
+    from edgepfl.export.textmodels import build_sequence_model, default_sequence_spec
+
+    spec = default_sequence_spec("transformer")
+    model = build_sequence_model(spec)
+    assert (spec.layers, spec.seq_len, spec.vocab_size) == (4, 20, 10_004)
+    assert model.embedding.tokens.weight.shape == (10_004, 256)
+    assert model.layers[0].attention.heads == 4 and model.layers[0].ff[0].out_features == 1024
+    assert model.block_names() == ["embedding", "layer1", "layer2", "layer3", "layer4", "output"]
+    assert model.adapter_axis(1) == -1
+    small = build_sequence_model(type(spec)(width=0.25))
+    assert small.embedding.tokens.weight.shape == (10_004, 64) and small.layers[0].ff[0].out_features == 256
+    logits = small(torch.randint(0, 10_004, (2, 20)))
+    assert logits.shape == (2, 10_004)
+
+
+def test_the_lstm_cell_computes_what_nn_lstm_computes():
+    from edgepfl.export.textmodels import _LSTMLayer
+
+    torch.manual_seed(0)
+    cell = _LSTMLayer(5, 7)
+    reference = torch.nn.LSTM(5, 7, batch_first=True)
+    with torch.no_grad():
+        reference.weight_ih_l0.copy_(cell.input.weight)
+        reference.bias_ih_l0.copy_(cell.input.bias)
+        reference.weight_hh_l0.copy_(cell.recurrent.weight)
+        reference.bias_hh_l0.zero_()
+    x = torch.randn(3, 6, 5)
+    torch.testing.assert_close(cell(x), reference(x)[0])
+
+
+def test_a_text_bundle_says_its_token_input_vocabulary_and_blocks(transformer_bundle):
+    manifest = load_manifest(transformer_bundle, verify_files=True)
+    assert (manifest.input.dtype, manifest.input.layout, manifest.input.shape) == ("int64", "tokens", (SEQ_LEN,))
+    assert manifest.blocks == ("embedding", "layer1", "output")
+    assert {t.block for t in manifest.by_role("personal")} == {2}  # --kp 1: the output layer is personal
+    task = manifest.task
+    vocabulary = text.load_vocabulary(transformer_bundle, task)
+    assert task["kind"] == "next-word" and task["seq_len"] == SEQ_LEN
+    assert len(vocabulary) == manifest.num_classes == task["vocab_size"]
+    assert vocabulary.words[:4] == text.SPECIALS and "to" in vocabulary.words
+    assert manifest.files["vocab.json"] == task["vocab_sha256"]
+    # the page learns why the step runs on WebAssembly: WebGPU takes no int64
+    assert "int64" in manifest.engines["portable"]["steps"]["full"]["webgpu_problems"][0]
+
+
+def test_the_embeddings_gradient_is_standard_onnx_that_plain_onnxruntime_runs(transformer_bundle):
+    from edgepfl.export.portable import default_domain_violations
+
+    manifest = load_manifest(transformer_bundle)
+    proto = onnx.load(str(transformer_bundle / manifest.engines["portable"]["steps"]["full"]["model"]))
+    onnx.checker.check_model(proto, full_check=True)
+    assert default_domain_violations(proto) == []
+    scatters = [n for n in proto.graph.node if n.op_type == "ScatterND"]
+    assert scatters and all(
+        onnx.helper.get_attribute_value(a) == b"add" for n in scatters for a in n.attribute if a.name == "reduction"
+    )
+    engine = open_engine(transformer_bundle, "portable")
+    x, y = batch(manifest, 5)
+    before = engine.get_tensors(["embedding.tokens.weight"])["embedding.tokens.weight"]
+    engine.train_step(x, y, 0.5)
+    after = engine.get_tensors(["embedding.tokens.weight"])["embedding.tokens.weight"]
+    moved = np.flatnonzero(np.abs(after - before).sum(1))
+    assert set(moved) == set(np.unique(x))  # exactly the rows of the ids the batch read
+
+
+@pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle", "har_bundle"], indirect=True)
+def test_every_engine_trains_the_sequence_models_alike(bundles):
+    from edgepfl.simulate.torch_engine import TorchEngine
+
+    manifest = load_manifest(bundles)
+    x, y = batch(manifest, 6)
+    initial = open_engine(bundles, "portable").get_tensors()
+    engines = [open_engine(bundles, name, threads=2) for name in ENGINES]
+    engines.append(TorchEngine(bundles, manifest, initial, threads=2))
+    results = []
+    for engine in engines:
+        losses = [engine.train_step(x, y, 0.1, "full")]
+        # three personal steps on the same base: the portable engine's third runs the step's frozen variant
+        losses += [engine.train_step(x[:3], y[:3], 0.1, "personal") for _ in range(3)]
+        results.append((losses, engine.get_tensors(), engine.logits(x)))
+    reference = results[0]
+    for engine, (losses, tensors, logits) in zip(engines[1:], results[1:]):
+        np.testing.assert_allclose(losses, reference[0], rtol=1e-5, err_msg=engine.name)
+        for name, value in tensors.items():
+            np.testing.assert_allclose(value, reference[1][name], rtol=1e-4, atol=1e-6, err_msg=f"{engine.name} {name}")
+        np.testing.assert_allclose(logits, reference[2], rtol=1e-4, atol=1e-5, err_msg=engine.name)
+    assert "step_personal" in engines[0]._baked or not engines[0].bake_frozen, "the portable engine baked a variant"
+    base = manifest.names("base")
+    assert any(not np.array_equal(reference[1][n], initial[n]) for n in base), "the full step trains the base"
+
+
+def test_predict_text_gives_the_top_next_words_and_never_pad_oov_or_bos(transformer_bundle, tmp_path):
+    from edgepfl.device_runtime.sequences import next_words, phrase_context
+
+    engine = open_engine(transformer_bundle, "portable")
+    vocabulary = text.load_vocabulary(transformer_bundle, engine.manifest.task)
+    context = phrase_context("To be, or NOT", vocabulary, SEQ_LEN)
+    assert context.tolist() == [vocabulary.encode(["be", ",", "or", "not"]).tolist()]
+    short = phrase_context("to", vocabulary, SEQ_LEN)
+    assert short.tolist() == [[text.PAD_ID, text.PAD_ID, text.BOS_ID, vocabulary.encode(["to"])[0]]]
+    words = next_words(engine, "to be or not", len(vocabulary))
+    assert len(words) == len(vocabulary) - 3 and not {i for i, _, _ in words} & {0, 1, 2}
+    probabilities = engine.predict(phrase_context("to be or not", vocabulary, SEQ_LEN))[0]
+    assert [p for _, _, p in words] == sorted((float(p) for p in np.delete(probabilities, [0, 1, 2])), reverse=True)
+    result = CliRunner().invoke(
+        device_app,
+        ["predict", "--bundle", str(transformer_bundle), "--state", str(tmp_path / "s"), "--text", "to be", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    top = json.loads(result.output)["predictions"][0]["top"]
+    assert len(top) == 3 and top[0]["name"] == next_words(engine, "to be", 1)[0][1]
+
+
+def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle, transformer_bundle, tmp_path):
+    from edgepfl.device_runtime.predict import read_inputs
+
+    engine = open_engine(har_bundle, "portable")
+    x, _ = batch(engine.manifest, 3)
+    np.savez(tmp_path / "windows.npz", x=x)
+    names, model_input = read_inputs([tmp_path / "windows.npz"], engine)
+    assert names == [f"{tmp_path / 'windows.npz'}[{i}]" for i in range(3)]
+    np.testing.assert_array_equal(model_input, x)  # the export's identity normalisation
+    for bad, message in ((x[:, :5], "shape"), (np.where(x > 1, np.nan, x), "NaN")):
+        np.savez(tmp_path / "bad.npz", x=bad)
+        with pytest.raises(DataError, match=message):
+            read_inputs([tmp_path / "bad.npz"], engine)
+    text_engine = open_engine(transformer_bundle, "portable")
+    np.savez(tmp_path / "ids.npz", x=np.full((2, SEQ_LEN), text_engine.manifest.num_classes))
+    with pytest.raises(DataError, match="token ids"):
+        read_inputs([tmp_path / "ids.npz"], text_engine)
+    result = CliRunner().invoke(
+        device_app, ["predict", "--bundle", str(har_bundle), "--state", str(tmp_path / "s"), "--text", "hi"]
+    )
+    assert result.exit_code != 0 and "next-word bundle" in result.output
+
+
+class _Windows:
+    """A device's data as model input (what export-model reads of LocalData), for int8's calibration."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        self.x, self.y = x, y
+        self.num_train, self.num_val = len(x), len(x)
+
+    def train_batches_in_order(self, size: int):
+        yield self.x, self.y
+
+    def val_batches(self, size: int):
+        yield self.x, self.y
+
+
+@pytest.mark.parametrize("bundles", ["transformer_bundle", "har_bundle"], indirect=True)
+def test_export_model_fp32_equals_the_engine_and_int8_loads(bundles, tmp_path):
+    import onnxruntime
+
+    from edgepfl.device_runtime.model_export import export_device_model
+    from edgepfl.device_runtime.predict import open_device_model
+
+    model = open_device_model(bundles, tmp_path / "state", "portable")
+    manifest = model.engine.manifest
+    x, y = batch(manifest, 16, seed=1)
+    fp32 = export_device_model(model, tmp_path / "fp32.onnx")
+    assert fp32.max_difference <= 1e-4
+    session = onnxruntime.InferenceSession(str(tmp_path / "fp32.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].type == ("tensor(int64)" if manifest.input.dtype == "int64" else "tensor(float)")
+    np.testing.assert_allclose(session.run(["probabilities"], {"input": x})[0], model.engine.predict(x), atol=1e-5)
+    metadata = onnx.load(str(tmp_path / "fp32.onnx")).metadata_props
+    props = {entry.key: entry.value for entry in metadata}
+    assert (props["input_layout"], props["input_dtype"], props["resize"]) == (
+        manifest.input.layout,
+        manifest.input.dtype,
+        "none",
+    )
+    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y), 16)  # type: ignore[arg-type]
+    assert int8.calibration_samples == 16 and int8.val_accuracy is not None
+    quantized = onnxruntime.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    probabilities = quantized.run(["probabilities"], {"input": x})[0]
+    np.testing.assert_allclose(probabilities.sum(1), 1, atol=1e-4)
+
+
+def test_a_vocabulary_that_does_not_match_the_manifest_is_refused(transformer_bundle, tmp_path):
+    from edgepfl.device_runtime.sequences import bundle_vocabulary
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(transformer_bundle, copy)
+    vocabulary = text.load_vocabulary(copy, load_manifest(copy).task)
+    swapped = text.Vocabulary(vocabulary.words[:4] + tuple(reversed(vocabulary.words[4:])))
+    text.write_vocabulary(copy, swapped)
+    with pytest.raises(BundleError, match="vocab.json"):
+        open_engine(copy, "portable")  # the bundle's file list names its sha256
+    manifest = load_manifest(copy)  # read without checking files: the device's own check of the vocabulary
+    engine = type(open_engine(transformer_bundle, "portable"))(copy, manifest)
+    with pytest.raises(BundleError, match="not the vocabulary this bundle was exported with"):
+        bundle_vocabulary(engine)
+
+
+def test_export_refuses_a_text_model_without_its_corpus_and_knobs_of_the_other_kind(tmp_path, corpus):
+    from edgepfl.cli import app
+    from edgepfl.export.sequence_options import SequenceOptions
+    from edgepfl.export.textmodels import sequence_target
+
+    runner = CliRunner()
+    for args, message in (
+        (["export", "transformer"], "needs its vocabulary's corpus"),
+        (["export", "lstm", "--vocab", str(corpus), "--channels", "a,b"], "--channels does not apply"),
+        (["export", "har-cnn", "--vocab", str(corpus)], "--vocab does not apply"),
+        (["export", "cnn", "--seq-len", "5"], "--seq-len applies to text and sensor models only"),
+        (["export", "har-cnn", "--window", "20"], "multiple of 8"),
+    ):
+        result = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
+        assert result.exit_code != 0 and message in result.output, (args, result.output)
+        assert "Traceback" not in result.output
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8"):
+        sequence_target("transformer", SequenceOptions(vocab=tmp_path / "latin1.txt"), 0)
+    with pytest.raises(UsageError, match="names a channel twice"):
+        sequence_target("har-cnn", SequenceOptions(channels=("a", "a")), 0)
