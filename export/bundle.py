@@ -331,12 +331,14 @@ def _export_ort_training(
 
 
 def _webgpu_notes(entry: dict) -> list[str]:
-    """One note per portable graph that a browser's GPU cannot run whole (export/webgpu.py), naming its first node."""
+    """One note per reason a browser's GPU cannot run portable graphs whole (export/webgpu.py), naming the graphs."""
     graphs = {**{f"step_{name}": step for name, step in entry["steps"].items()}, "eval": entry["eval"]}
+    by_reason: dict[str, list[str]] = {}
+    for name, graph in graphs.items():
+        if graph.get("webgpu_problems"):
+            by_reason.setdefault(graph["webgpu_problems"][0], []).append(name)
     return [
-        f"note: browsers train {name} on WebAssembly, not the GPU: {graph['webgpu_problems'][0]}"
-        for name, graph in graphs.items()
-        if graph.get("webgpu_problems")
+        f"note: browsers run {', '.join(names)} on WebAssembly, not the GPU: {why}" for why, names in by_reason.items()
     ]
 
 

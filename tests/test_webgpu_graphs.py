@@ -78,15 +78,20 @@ def test_a_mobilenet_step_has_no_known_webgpu_problem():
     assert webgpu_problems(proto) == []
 
 
-def test_the_export_notes_each_graph_browsers_train_on_webassembly():
+def test_the_export_notes_once_per_reason_the_graphs_browsers_run_on_webassembly():
     from edgepfl.export.bundle import _webgpu_notes
 
     entry = {
-        "steps": {"full": {"webgpu_problems": ["node a (LogSoftmax): no WebGPU kernel", "and 1 more"]}, "personal": {}},
-        "eval": {"webgpu_problems": []},
+        "steps": {
+            "full": {"webgpu_problems": ["node a (LogSoftmax): no WebGPU kernel", "and 1 more"]},
+            "personal": {},
+            "base": {"webgpu_problems": ["node a (LogSoftmax): no WebGPU kernel"]},
+        },
+        "eval": {"webgpu_problems": ["node e (Gather): x is int64, which no WebGPU kernel takes"]},
     }
     assert _webgpu_notes(entry) == [
-        "note: browsers train step_full on WebAssembly, not the GPU: node a (LogSoftmax): no WebGPU kernel"
+        "note: browsers run step_full, step_base on WebAssembly, not the GPU: node a (LogSoftmax): no WebGPU kernel",
+        "note: browsers run eval on WebAssembly, not the GPU: node e (Gather): x is int64, which no WebGPU kernel takes",
     ]
 
 
