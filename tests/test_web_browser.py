@@ -756,6 +756,11 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
     wait(page, "body[data-stage=done]")
     assert float(page.get_attribute("#score", "data-accuracy")) >= 0.5
     assert "Guessing among your 4 classes would get 25.0%." == page.text_content("#score-chance")
+    assert page.get_attribute("#score-chance", "data-below") == "false"
+    assert page.text_content("#score-what") == (  # what was measured, on what
+        "of the 8 examples kept aside are recognised by your model (the final shared model with the part this phone "
+        "trained)."
+    )
     assert page.locator("#round").is_hidden(), "no progress is left on the page once the run is over"
 
     # "Try it" and "Save the model" on the model kept at the end (its round 2, with the server's final base)
