@@ -21,6 +21,7 @@ from edgepfl.device_runtime.options import (
     LocalOptions,
     RunCommand,
     ServerAccess,
+    StatusCommand,
     TeacherCommand,
     TrainCommand,
 )
@@ -88,17 +89,19 @@ def run(options: RunCommand) -> None:
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient
     from edgepfl.device_runtime.progress import RichEvents
     from edgepfl.device_runtime.runner import run_device
+    from edgepfl.device_runtime.waiting import WaitLog
 
     device_engine, local_data, device_state = _open(options.files, options.local)
     connection, as_json = options.connection, options.output.as_json
     device = options.device.model_copy(update={"seed": options.local.seed})
     with RichEvents(quiet=as_json) as events:
+        waits = WaitLog(device_state.folder, events.waiting)
         client = ServerClient(
             options.access.server, device_token, RetryPolicy(attempts=connection.retries),
-            timeout=connection.timeout, on_retry=events.message,
+            timeout=connection.timeout, on_retry=lambda failure: waits.waiting("the server", failure),
         )  # fmt: skip
         try:
-            summary = run_device(device_engine, local_data, device_state, client, device, events)
+            summary = run_device(device_engine, local_data, device_state, client, device, events, waits=waits)
         finally:
             client.close()
     _print_result(
@@ -310,6 +313,44 @@ def evaluate_command(options: EvalCommand) -> None:
         },
         options.output.as_json,
         "device eval",
+    )
+
+
+@device_app.command()
+@command(StatusCommand)
+def status(options: StatusCommand) -> None:
+    """What a device's state folder says now: its rounds, an update not yet delivered, and what it waits for and why.
+
+    Reads without the folder's lock or a bundle, so it works while `edgepfl device run` holds the folder.
+    """
+    import time
+
+    from edgepfl.device_runtime.state import read_state
+    from edgepfl.device_runtime.waiting import read_wait
+    from edgepfl.errors import StateError
+
+    folder = options.state
+    state, wait = read_state(folder), read_wait(folder)  # a device that never trained has a wait and no state.json
+    if state is None and wait is None:
+        raise StateError(f"{folder} holds no device state", "pass the --state folder of `edgepfl device run`")
+    pending = state.pending_upload if state is not None else None
+    history = state.history if state is not None else ()
+    last = next((entry for entry in reversed(history) if entry.get("val_accuracy") is not None), {})
+    _print_result(
+        {
+            "last_completed_round": state.last_completed_round if state is not None else None,
+            "last_uploaded_round": state.last_uploaded_round if state is not None else None,
+            "pending_upload_round": None if pending is None else pending.round_id,
+            "pending_upload_deadline": None if pending is None else pending.deadline,
+            "waiting_for": None if wait is None else wait.what,
+            "waiting_why": None if wait is None else wait.why,
+            "waiting_seconds": None if wait is None else round(time.time() - wait.since, 1),
+            "val_accuracy": last.get("val_accuracy"),
+            "engine": state.engine if state is not None else None,
+            "state": str(folder),
+        },
+        options.output.as_json,
+        "device status",
     )
 
 

@@ -42,7 +42,11 @@ class ServerError(EdgePFLError):
 
 
 class ServerUnreachable(ServerError):
-    """Connection errors or 5xx answers outlasted every retry."""
+    """Connection errors or 5xx answers outlasted every retry; `reason` is the last failure, as retries said it."""
+
+    def __init__(self, problem: str, fix: str, reason: str = ""):
+        super().__init__(problem, fix)
+        self.reason = reason or problem
 
 
 class ServerRefused(ServerError):
@@ -219,12 +223,13 @@ class ServerClient:
                 problem = f"HTTP {response.status_code} {_error_body(response).get('detail', '')}".strip()
                 retry_after = response.headers.get("retry-after")
             if attempt + 1 < self.retry.attempts:
-                delay = self._backoff(attempt, retry_after)
-                self._notify(f"{method} {url} failed ({problem}); retry {attempt + 1} in {delay:.1f} s")
-                self._sleep(delay)
+                # the same words on every retry, so a listener can say a lasting failure once (waiting.WaitLog)
+                self._notify(_failed(method, url, problem))
+                self._sleep(self._backoff(attempt, retry_after))
         raise ServerUnreachable(
             f"{method} {url} failed {self.retry.attempts} times (last: {problem})",
             "check --server and the network; the device resumes where it stopped when run again",
+            _failed(method, url, problem),
         )
 
     def _check_origin(self, url: str) -> None:
@@ -283,6 +288,13 @@ def upload_body(
     return encode_round_upload(residuals, round_id, delta, encoding, seed, settings.clip_norm).to_bytes(
         meta.to_metadata()
     )
+
+
+def _failed(method: str, url: str, problem: str) -> str:
+    """A failed request in words: 'GET /v1/task answered HTTP 500 …', or 'got no answer (ConnectError: …)'."""
+    if problem.startswith("HTTP "):
+        return f"{method} {url} answered {problem}"
+    return f"{method} {url} got no answer ({problem})"
 
 
 def _refusal(method: str, url: str, response: httpx.Response) -> ServerRefused:

@@ -263,6 +263,15 @@ class EvalCommand(Composed):
     output: Output = Output()
 
 
+class StatusCommand(Composed):
+    """`edgepfl device status`."""
+
+    model_config = OPTIONS
+
+    state: Path = DeviceFiles.model_fields["state"]
+    output: Output = Output()
+
+
 class ModelFiles(BaseModel):
     """The device's bundle and state folder."""
 

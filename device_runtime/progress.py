@@ -42,6 +42,10 @@ class RichEvents(DeviceEvents):
         if not self._quiet:
             self._progress.console.print(text)
 
+    def waiting(self, text: str) -> None:
+        """What the device waits for and why: on stderr even under --json, so a daemon never waits in silence."""
+        self._progress.console.print(text)
+
     def start_bar(self, description: str, total: int) -> None:
         """A fresh bar for one round or one local training run."""
         if self._bar is not None:

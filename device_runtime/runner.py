@@ -6,7 +6,9 @@ as pending) -> upload -> mark delivered. After a `kill -9`, a pending upload is 
 idempotent on the server) or dropped when its round is gone; a round is never trained twice. A base holding
 NaN/Inf, or a round whose training diverges, is refused: the last good model stays, nothing is saved or sent,
 and the device waits for the next round. In a secure round (the task names its steps) the pending upload is never
-sent: the device masks it through the round's steps (`secure_round.py`), resumably as well.
+sent: the device masks it through the round's steps (`secure_round.py`), resumably as well. A server that answers
+5xx or nothing is waited out, never quit: polls and a kept update are retried with growing pauses (the update
+until its round's deadline), and what the device waits for, and why, is said once, then sparsely (`waiting.py`).
 """
 
 from __future__ import annotations
@@ -15,22 +17,25 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from edgepfl.data import LocalData
 from edgepfl.device_runtime import secure_round
 from edgepfl.device_runtime.algorithms import ClientResult, TrainingDiverged, divergence, evaluate
-from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError
+from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, ServerUnreachable
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.round import check_global_model, offer_teacher, train_round
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.device_runtime.statistics import receive
+from edgepfl.device_runtime.waiting import WaitLog
 from edgepfl.encoding import drop_residual
 from edgepfl.errors import BundleError, SecAggError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 
 MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
+RESEND_FIRST = 1.0  # seconds before a kept update is sent again after an outage outlasted the client's retries; doubled
 
 
 class DeviceEvents:
@@ -38,6 +43,10 @@ class DeviceEvents:
 
     def message(self, text: str) -> None:
         """A one-line status message."""
+
+    def waiting(self, text: str) -> None:
+        """What the device waits for and why (`waiting.WaitLog` says it once, then sparsely): a message here."""
+        self.message(text)
 
     def round_started(self, round_id: int, settings: RoundSettings, total_steps: int) -> None:
         """Training of a round begins."""
@@ -77,46 +86,63 @@ def run_device(
     options: DeviceOptions,
     events: DeviceEvents | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    waits: WaitLog | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> RunSummary:
-    """Take part in rounds until the server says done (or `options.max_rounds` rounds are trained)."""
+    """Take part in rounds until the server says done (or `options.max_rounds` rounds are trained).
+
+    A server that cannot be used (5xx, no answer) is waited out with growing pauses, never quit; `waits` says what
+    the device waits for and why (a client whose `on_retry` feeds the same WaitLog says its retries there too).
+    """
     events = events or DeviceEvents()
+    waits = waits or WaitLog(state.folder, events.waiting, clock)
     manifest = engine.manifest
     restore(engine, state)
     if state.state.pending_upload is not None:
-        _deliver_pending(state, client, events, options.seed, sleep)
+        _deliver_pending(state, client, events, options.seed, sleep, waits, clock)
     trained = 0
-    told_waiting = False
-    refused: set[int] = set()  # rounds whose base or result this device refused: it waits for the next one
+    failures = 0  # polls in a row the server did not answer
+    refused: dict[int, str] = {}  # rounds whose base or result this device refused, and why: it waits for the next
     while options.max_rounds is None or trained < options.max_rounds:
-        task = client.task()
-        if task.base_layout_hash != manifest.base_layout_hash:
-            raise BundleError(
-                f"the server trains a base with layout {task.base_layout_hash[:12]}…, "
-                f"this bundle has {manifest.base_layout_hash[:12]}…",
-                "use the bundle the server was started with",
-            )
-        if task.action == "done":
-            accuracy = _finish(engine, data, state, client, task, options, events)
-            return _summary(trained, True, accuracy, client)
-        round_id = task.round_id
-        last = state.state.last_completed_round
-        if task.action == "train" and round_id is not None and (last is None or round_id > last):
-            if round_id not in refused:
+        try:
+            task = client.task()
+            if failures:
+                failures = 0
+                waits.clear()
+                events.message("the server answers again")
+            if task.base_layout_hash != manifest.base_layout_hash:
+                raise BundleError(
+                    f"the server trains a base with layout {task.base_layout_hash[:12]}…, "
+                    f"this bundle has {manifest.base_layout_hash[:12]}…",
+                    "use the bundle the server was started with",
+                )
+            if task.action == "done":
+                accuracy = _finish(engine, data, state, client, task, options, events)
+                waits.clear()
+                return _summary(trained, True, accuracy, client)
+            round_id = task.round_id
+            last = state.state.last_completed_round
+            fresh = task.action == "train" and round_id is not None and (last is None or round_id > last)
+            if fresh and round_id not in refused:
                 try:
-                    if _train_round(engine, data, state, client, task, options, events, sleep):
+                    if _train_round(engine, data, state, client, task, options, events, sleep, waits, clock):
                         trained += 1
-                        told_waiting = False
+                        waits.clear()
                         continue
                 except TrainingDiverged as error:
-                    refused.add(round_id)
-                    events.message(str(error))
+                    refused[round_id] = str(error)
                     _report_refusal(client, round_id, error.problem, events)
-                told_waiting = True
-        if task.action == "train" and not told_waiting:
-            events.message(f"round {round_id} is already trained on this device; waiting for the next round")
-        elif not told_waiting:
-            events.message("waiting for a round")
-        told_waiting = True
+        except ServerUnreachable as error:
+            failures += 1
+            waits.waiting("the server", error.reason)
+            sleep(min(options.poll_interval * 2 ** min(failures - 1, 16), MAX_WAIT))
+            continue
+        if fresh and round_id in refused:
+            waits.waiting("the next round", refused[round_id])
+        elif task.action == "train" and not fresh:
+            waits.waiting("the next round", f"round {round_id} is already trained on this device")
+        elif task.action != "train":
+            waits.waiting("a round", "the server has no round for this device now")
         sleep(min(task.retry_after or options.poll_interval, MAX_WAIT))
     return _summary(trained, False, None, client)
 
@@ -130,6 +156,8 @@ def _train_round(
     options: DeviceOptions,
     events: DeviceEvents,
     sleep: Callable[[float], None],
+    waits: WaitLog,
+    clock: Callable[[], float],
 ) -> bool:
     """Fetch the base, train (`train_round`) and deliver one round; False when the round was gone before training."""
     round_id = task.round_id
@@ -147,7 +175,11 @@ def _train_round(
     except TrainingDiverged:
         secure_round.forget(state.folder, round_id)
         raise
-    upload = _deliver_pending(state, client, events, options.seed, sleep) if outcome.payload is not None else "none"
+    if outcome.payload is not None and task.deadline is not None:
+        state.keep_deadline(round_id, task.deadline)
+    upload = "none"
+    if outcome.payload is not None:
+        upload = _deliver_pending(state, client, events, options.seed, sleep, waits, clock)
     if outcome.payload is None:
         _post_metrics(client, round_id, outcome.record, events)
     events.round_finished(round_id, outcome.result, upload)
@@ -155,36 +187,75 @@ def _train_round(
 
 
 def _deliver_pending(
-    state: StateFolder, client: ServerClient, events: DeviceEvents, seed: int, sleep: Callable[[float], None]
+    state: StateFolder,
+    client: ServerClient,
+    events: DeviceEvents,
+    seed: int,
+    sleep: Callable[[float], None],
+    waits: WaitLog,
+    clock: Callable[[], float],
 ) -> str:
     """Upload the saved update of the pending round, or take its secure steps (it stays on the device then);
-    returns delivered or dropped."""
+    returns delivered or dropped.
+
+    Through an outage the update is kept and sent again with growing pauses for as long as its round can take it
+    (its deadline, as the task gave it), then dropped, as a round the server closed is.
+    """
     pending = state.state.pending_upload
     assert pending is not None
     payload = state.pending_payload()
     assert payload is not None
     secure = secure_round.holds(state.folder, pending.round_id)
-    try:
-        if secure:
-            secure_round.deliver(state.folder, pending.round_id, payload, client, seed, sleep)
-        else:
-            client.upload(pending.round_id, payload)
-    except (RoundGone, SecAggError) as gone:
-        drop_residual(state.residuals, pending.round_id)  # first: a kill in between drops it again on the retry
-        state.settle_upload(pending.round_id, delivered=False)
-        secure_round.forget(state.folder, pending.round_id)
-        what = "its masked update" if secure else "its update"
-        why = gone.error if isinstance(gone, RoundGone) else f"the device refused the server's message: {gone}"
-        events.message(
-            f"round {pending.round_id} closed before {what} arrived ({why}); "
-            "the update is dropped, the device rejoins the next round"
-        )
-        return "dropped"
+    what = "its masked update" if secure else "its update"
+    failures = 0
+    while True:
+        try:
+            if secure:
+                secure_round.deliver(state.folder, pending.round_id, payload, client, seed, sleep)
+            else:
+                client.upload(pending.round_id, payload)
+            break
+        except (RoundGone, SecAggError) as gone:
+            why = gone.error if isinstance(gone, RoundGone) else f"the device refused the server's message: {gone}"
+            return _drop_pending(state, pending.round_id, f"round {pending.round_id} closed before {what} arrived "
+                                 f"({why})", events)  # fmt: skip
+        except ServerUnreachable as error:
+            left = math.inf if pending.deadline is None else pending.deadline - clock()
+            if left <= 0:
+                return _drop_pending(state, pending.round_id, f"round {pending.round_id}'s deadline passed before "
+                                     f"{what} could be sent ({error.reason})", events)  # fmt: skip
+            deadline = pending.deadline
+            until = "the server answers" if deadline is None else f"its deadline, {_clock_time(deadline)}"
+            waits.waiting(
+                f"the server to take round {pending.round_id}'s update",
+                f"{error.reason}; the update is kept and sent again until {until}",
+            )
+            failures += 1
+            sleep(min(RESEND_FIRST * 2 ** min(failures - 1, 16), MAX_WAIT, left))
     state.settle_upload(pending.round_id, delivered=True)
     secure_round.forget(state.folder, pending.round_id)
+    if failures:
+        waits.clear()
+        events.message(f"round {pending.round_id}'s update is delivered after the outage")
     record = next((r for r in reversed(state.state.history) if r.get("round") == pending.round_id), {})
     _post_metrics(client, pending.round_id, record, events)
     return "delivered"
+
+
+def _drop_pending(state: StateFolder, round_id: int, why: str, events: DeviceEvents) -> str:
+    """The pending round can no longer take its update: forget it (and its residual), say so; returns dropped."""
+    drop_residual(state.residuals, round_id)  # first: a kill in between drops it again on the retry
+    state.settle_upload(round_id, delivered=False)
+    secure_round.forget(state.folder, round_id)
+    events.message(f"{why}; the update is dropped, the device rejoins the next round")
+    return "dropped"
+
+
+def _clock_time(unix_seconds: float) -> str:
+    """A deadline as a person reads it on this device's clock: 19:03:10 (today) or 2026-11-29 19:03:10."""
+    moment = datetime.fromtimestamp(unix_seconds)
+    today = datetime.now().date()
+    return moment.strftime("%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S")
 
 
 def _report_refusal(client: ServerClient, round_id: int, problem: str, events: DeviceEvents) -> None:

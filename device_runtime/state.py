@@ -41,6 +41,7 @@ class PendingUpload:
     round_id: int
     file: str  # name inside the state folder
     sha256: str
+    deadline: float | None = None  # unix seconds after which the server refuses it (the task's), when known
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ class DeviceState:
             last_uploaded_round=_optional_int(data.get("last_uploaded_round")),
             pending_upload=None
             if pending is None
-            else PendingUpload(int(pending["round_id"]), str(pending["file"]), str(pending["sha256"])),
+            else PendingUpload(
+                int(pending["round_id"]), str(pending["file"]), str(pending["sha256"]), _optional_float(pending)
+            ),
             history=tuple(data.get("history", ())),
         )
 
@@ -198,6 +201,12 @@ class StateFolder:
         last_uploaded = round_id if delivered else self.state.last_uploaded_round
         self._write(replace(self.state, pending_upload=None, last_uploaded_round=last_uploaded, history=history))
 
+    def keep_deadline(self, round_id: int, deadline: float) -> None:
+        """Record the pending upload's deadline, so that a device that restarts in an outage knows when to give up."""
+        pending = self.state.pending_upload
+        if pending is not None and pending.round_id == round_id and pending.deadline != deadline:
+            self._write(replace(self.state, pending_upload=replace(pending, deadline=deadline)))
+
     def _write(self, new_state: DeviceState) -> None:
         write_text_atomic(self.path, json.dumps(new_state.to_json(), indent=2) + "\n")
         self.state = new_state
@@ -245,14 +254,10 @@ def read_saved_model(
 
     A commit replaces the tensors file after state.json names the new one: a file gone between the two reads is
     read again from the new state.json."""
-    path = Path(folder) / STATE_NAME
     for attempt in range(attempts):
-        if not path.is_file():
+        state = read_state(folder)
+        if state is None:
             return None, None
-        try:
-            state = DeviceState.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"{path} cannot be read ({exc!r})", "remove the --state folder to start over") from None
         _check_layout(state, manifest, Path(folder))
         try:
             return state, _read_tensors(Path(folder), state, manifest)
@@ -260,6 +265,17 @@ def read_saved_model(
             if attempt == attempts - 1 or (Path(folder) / (state.tensors_file or "")).is_file():
                 raise
     raise AssertionError("unreachable")
+
+
+def read_state(folder: str | os.PathLike) -> DeviceState | None:
+    """state.json as it is now, read without the folder's lock or a bundle; None where there is no state yet."""
+    path = Path(folder) / STATE_NAME
+    if not path.is_file():
+        return None
+    try:
+        return DeviceState.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise StateError(f"{path} cannot be read ({exc!r})", "remove the --state folder to start over") from None
 
 
 def _read_tensors(folder: Path, state: DeviceState, manifest: Manifest) -> dict[str, np.ndarray] | None:
@@ -326,3 +342,9 @@ def _finite(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _optional_float(pending: dict[str, Any]) -> float | None:
+    """A pending upload's deadline; state.json written before deadlines were kept has none."""
+    value = pending.get("deadline")
+    return None if value is None else float(value)

@@ -576,12 +576,13 @@ def test_webgpu_steps_place_every_node_on_the_gpu_and_equal_wasm_and_python(chro
 def test_webgpu_page_trains_a_round_on_the_gpu_and_without_an_adapter_on_webassembly(
     chromium, bundle, tmp_path
 ) -> None:
-    """Two phones in one round: one whose browser gives a WebGPU adapter (asked for with ?backend=webgpu), one whose
-    browser gives none; each says where it trains, and both deliver."""
+    """Two phones in one round: one whose browser gives a WebGPU adapter (SwiftShader, forced with ?backend=webgpu),
+    one whose browser gives none; each says where it trains, and both deliver. A third, on SwiftShader with the
+    default `auto`, trains on WebAssembly and says why (it adds no examples, so it takes no part in the round)."""
     from playwright.sync_api import sync_playwright
 
     state = tmp_path / "server"
-    tokens = enroll(state, "gpu-phone", "cpu-phone")
+    tokens = enroll(state, "gpu-phone", "cpu-phone", "auto-phone")
     options = ("--min-clients", "2", "--rounds", "1", "--poll-interval", "0.3", "--lr", "0.05", "--batch-size", "16")
     with LiveServer(bundle, state, *options, "--epochs", "1", "--round-timeout", "600") as server:
         with sync_playwright() as playwright:
@@ -598,6 +599,18 @@ def test_webgpu_page_trains_a_round_on_the_gpu_and_without_an_adapter_on_webasse
                 wait(page, "body[data-stage=examples]")
                 page.set_input_files("#npz", str(write_npz(tmp_path / f"{name}.npz", 48, seed=len(phones))))
                 phones[name] = (browser, page, errors)
+            auto_browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_WEBGPU_ARGS))
+            try:
+                auto = auto_browser.new_context(**PHONE).new_page()
+                auto.goto(f"{server.url}/device/#token={tokens['auto-phone']}")
+                wait(auto, "body[data-stage=examples]")
+                assert auto.get_attribute("body", "data-backend") == "wasm"
+                assert auto.text_content("#backend") == (
+                    "Training on the processor (WebAssembly: this browser's GPU is a software renderer (swiftshader) "
+                    "on the processor, slower than WebAssembly; ?backend=webgpu uses it all the same)."
+                )
+            finally:
+                auto_browser.close()
             try:
                 for _, page, errors in phones.values():
                     wait(page, "#history tr[data-round='1'][data-upload=delivered]", timeout=600_000)
@@ -614,9 +627,9 @@ def test_webgpu_page_trains_a_round_on_the_gpu_and_without_an_adapter_on_webasse
             finally:
                 for browser, _, _ in phones.values():
                     browser.close()
-    held = {name: updates_of(state, name) for name in tokens}
+    held = {name: updates_of(state, name) for name in ("gpu-phone", "cpu-phone")}
     assert {name: {r: len(b) for r, b in rounds.items()} for name, rounds in held.items()} == {
-        n: {1: 1} for n in tokens
+        n: {1: 1} for n in held
     }
 
 
@@ -743,6 +756,11 @@ def live_with_the_page(browser, origin: str, bundle: Path, state: Path, tmp_path
     wait(page, "body[data-stage=done]")
     assert float(page.get_attribute("#score", "data-accuracy")) >= 0.5
     assert "Guessing among your 4 classes would get 25.0%." == page.text_content("#score-chance")
+    assert page.get_attribute("#score-chance", "data-below") == "false"
+    assert page.text_content("#score-what") == (  # what was measured, on what
+        "of the 8 examples kept aside are recognised by your model (the final shared model with the part this phone "
+        "trained)."
+    )
     assert page.locator("#round").is_hidden(), "no progress is left on the page once the run is over"
 
     # "Try it" and "Save the model" on the model kept at the end (its round 2, with the server's final base)

@@ -4,6 +4,7 @@
 // hand the round loop (runner.js, as device_runtime/runner.py runs it) to the page (ui.js, tryit.js).
 
 import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
+import { guardFirstStep, pageMemory, rememberFallback, rememberedFallback, watchFirstStep } from './gpucheck.js';
 import { fetchContract } from './contract.js';
 import { emptyExamples } from './data.js';
 import { openEngine, personalSpec, portableFiles } from './engine.js';
@@ -73,15 +74,23 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   const files = await bundleFiles(store, client, manifest, keep);
   status('Starting the model…');
   const threads = crossOriginIsolated ? Math.max(1, Math.min(4, navigator.hardwareConcurrency || 1)) : 1;
-  // the GPU where the browser gives a WebGPU adapter (?backend=wasm|webgpu overrides), else WebAssembly
+  // the GPU where the browser gives a hardware WebGPU adapter (?backend=wasm|webgpu overrides), else WebAssembly
   const gpu = /** @type {{gpu?: import('./backend.js').Gpu}} */ (/** @type {unknown} */ (navigator)).gpu; // WebGPU's types are not in TypeScript's dom lib
-  const backend = await chooseBackend(gpu, requestedBackend(location.search));
+  const memory = pageMemory();
+  const backend = await chooseBackend(gpu, requestedBackend(location.search), rememberedFallback(memory));
   const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url));
   const placed = () => {
     showBackend(backend.name, backendLine(backend, engine.placements));
   };
   const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: placed });
   placed();
+  if (backend.name === 'webgpu' && !backend.forced) { // a GPU whose first step does not come: WebAssembly, saying why
+    const onTooSlow = (/** @type {string} */ reason) => {
+      rememberFallback(memory, reason);
+      location.reload();
+    };
+    guardFirstStep(engine, watchFirstStep({ setTimer: setTimeout, clearTimer: clearTimeout, onTooSlow }));
+  }
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`);
   const examples = setUpExamples({ store, manifest, contract, examples: saved.examples || emptyExamples(manifest.input.shape) });

@@ -1,15 +1,16 @@
 // @ts-check
-// Where the page trains: on the GPU through onnxruntime-web's WebGPU back end where the browser gives a WebGPU
-// adapter, else on the processor through WebAssembly; the onnxruntime-web build that carries it; the line that
+// Where the page trains: on the GPU through onnxruntime-web's WebGPU back end where the browser gives a hardware
+// WebGPU adapter (or WebGPU is asked for), else on the processor through WebAssembly (gpucheck.js says why); the onnxruntime-web build that carries it; the line that
 // says so. Which graphs the GPU then takes whole is the engine's business (engine.js openSession).
 
 import { EngineError } from './engine.js';
+import { softwareAdapter, softwareReason } from './gpucheck.js';
 
 /** @typedef {import('./engine.js').Backend} Backend */
 /** @typedef {import('./engine.js').Placement} Placement */
-/** The back end chosen for this page. @typedef {{name: 'webgpu', adapter: string} | {name: 'wasm', reason: string}} Choice */
-/** The part of navigator.gpu the page uses. @typedef {{requestAdapter: () => Promise<{info?: AdapterInfo} | null>}} Gpu */
-/** What a browser tells of its adapter. @typedef {{vendor?: string, architecture?: string, description?: string}} AdapterInfo */
+/** The back end chosen for this page. @typedef {{name: 'webgpu', adapter: string, forced: boolean} | {name: 'wasm', reason: string}} Choice */
+/** The part of navigator.gpu the page uses. @typedef {{requestAdapter: () => Promise<import('./gpucheck.js').Adapter | null>}} Gpu */
+/** @typedef {import('./gpucheck.js').AdapterInfo} AdapterInfo */
 
 export const BACKENDS = ['auto', 'webgpu', 'wasm'];
 /** @type {Record<Backend, string>} */
@@ -23,14 +24,18 @@ export function requestedBackend(search) {
 }
 
 /**
- * {name: 'webgpu', adapter} where WebGPU is asked for or left to choose ('auto') and `gpu` (navigator.gpu) gives an
- * adapter; else {name: 'wasm', reason}.
+ * {name: 'webgpu', adapter, forced} where WebGPU is asked for, or left to choose ('auto') and `gpu` (navigator.gpu)
+ * gives a hardware adapter (gpucheck.js) and this browser's first step on it was not too slow (`remembered`: why
+ * not); else {name: 'wasm', reason}. `forced`: asked for, so no first-step watch sends it back to WebAssembly.
  * @param {Gpu | undefined} gpu
+ * @param {string} [requested]
+ * @param {string | null} [remembered] why an earlier first step on the GPU sent this browser to WebAssembly
  * @returns {Promise<Choice>}
  */
-export async function chooseBackend(gpu, requested = 'auto') {
+export async function chooseBackend(gpu, requested = 'auto', remembered = null) {
   if (requested === 'wasm') return { name: 'wasm', reason: 'WebAssembly was asked for' };
   if (!gpu) return { name: 'wasm', reason: 'this browser has no WebGPU' };
+  if (requested === 'auto' && remembered) return { name: 'wasm', reason: remembered };
   let adapter = null;
   try {
     adapter = await gpu.requestAdapter();
@@ -38,7 +43,9 @@ export async function chooseBackend(gpu, requested = 'auto') {
     adapter = null; // a browser that refuses (blocklisted GPU, policy) trains on the processor all the same
   }
   if (!adapter) return { name: 'wasm', reason: 'the browser gives no WebGPU adapter' };
-  return { name: 'webgpu', adapter: adapterName(adapter.info) };
+  const software = softwareAdapter(adapter);
+  if (requested === 'auto' && software) return { name: 'wasm', reason: softwareReason(software) };
+  return { name: 'webgpu', adapter: adapterName(adapter.info), forced: requested === 'webgpu' };
 }
 
 /** The adapter as people know it: vendor, architecture and description where the browser tells them. */

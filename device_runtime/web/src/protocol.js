@@ -72,10 +72,17 @@ export class Refusal extends DeviceError {
   }
 }
 
-/** Network errors or 5xx answers outlasted every retry. */
+/** Network errors or 5xx answers outlasted every retry; `busy`: the server did answer, with an error (5xx, 429). */
 export class Unreachable extends DeviceError {
-  constructor(/** @type {string} */ detail) {
-    super('no connection to the server', 'check the Wi-Fi or mobile data; the page goes on by itself when the server answers again', detail);
+  constructor(/** @type {string} */ detail, busy = false) {
+    super(
+      busy ? 'the server answers, but with an error (it may be busy or broken)' : 'no connection to the server',
+      busy
+        ? 'nothing to do on this phone: the page tries again by itself; if this lasts, tell the person who runs the server'
+        : 'check the Wi-Fi or mobile data; the page goes on by itself when the server answers again',
+      detail,
+    );
+    this.busy = busy;
   }
 }
 
@@ -216,10 +223,11 @@ export class ApiClient {
     }
     if (contentType) headers['Content-Type'] = contentType;
     let problem = '';
+    let busy = false; // the server answered, but not now (5xx, 429); else there was no connection
     for (let attempt = 0; attempt < this.attempts; attempt++) {
       let retryAfter = null;
       let reply = null;
-      let busy = false; // the server answered, but not now (5xx, 429); else there was no connection
+      busy = false;
       try {
         reply = await this.fetch(url.href, { method, headers, body, cache: 'no-store', credentials: 'omit', redirect: 'manual', referrerPolicy: 'no-referrer' });
       } catch (err) {
@@ -246,7 +254,7 @@ export class ApiClient {
         await this.sleep(delay);
       }
     }
-    throw new Unreachable(`${method} ${path} failed ${this.attempts} times (last: ${problem})`);
+    throw new Unreachable(`${method} ${path} failed ${this.attempts} times (last: ${problem})`, busy);
   }
 
   /** Seconds before the next try: the server's Retry-After (capped), else exponential backoff with jitter. */

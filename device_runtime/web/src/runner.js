@@ -12,6 +12,7 @@ import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRa
 import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
+import { scoreSentence } from './results.js';
 import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
@@ -135,7 +136,7 @@ export class DeviceRunner {
       } catch (err) {
         if (!(err instanceof Unreachable)) throw err; // a refusal or a bad reply is shown once: the page stops
         events.problem(err);
-        events.stage('offline', retryLine(false, OFFLINE_WAIT));
+        events.stage('offline', retryLine(err.busy, OFFLINE_WAIT)); // what the page waits for, and why: the problem above
         told = '';
         await this.sleep(OFFLINE_WAIT);
       }
@@ -361,7 +362,8 @@ export class DeviceRunner {
     }
     const result = await evaluate(engine, val);
     events.runFinished(task.round ?? null, result);
-    const shown = result.count ? `your model gets ${pct(result.correct / result.count)} of the ${result.count} examples kept aside right` : 'no examples are kept aside to check it';
+    const measured = { accuracy: result.correct / result.count, count: result.count, final: true, roundsHere: this.history.length, round: task.round ?? null };
+    const shown = result.count ? scoreSentence(measured) : 'no examples are kept aside to check it';
     events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
   }
 
@@ -406,9 +408,4 @@ const NO_SAMPLES = { x: new Float32Array(0), y: new Int32Array(0), count: 0 };
 /** Summed loss, correct count and count over held-out samples (none: all zero). */
 async function evaluate(/** @type {Engine} */ engine, /** @type {Samples} */ part) {
   return part.count ? engine.evaluate(part.x, part.y, part.count) : { lossSum: 0, correct: 0, count: 0 };
-}
-
-/** A fraction as a percentage with one decimal, or a dash. */
-export function pct(/** @type {number | null | undefined} */ value) {
-  return value == null || Number.isNaN(value) ? '–' : `${(100 * value).toFixed(1)}%`;
 }

@@ -9,8 +9,8 @@ import { topClasses } from './engine.js';
 import { DeviceError } from './errors.js';
 import { checkModelFile, deviceModelFile } from './modelfile.js';
 import { normalizePixels } from './preprocess.js';
-import { pct } from './runner.js';
-import { $, fatal, showProblem, status } from './ui.js';
+import { pct, SHARED_UNTRAINED } from './results.js';
+import { $, fatal, sentence, showProblem, status } from './ui.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').Engine} Engine */
@@ -48,7 +48,9 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
     const { trained, lastCompletedRound } = info();
     $('try-model').textContent = !trained
       ? "The model has not learned from your examples yet (no round so far): these are the untrained model's answers."
-      : `Your model${lastCompletedRound == null ? '' : ` after round ${lastCompletedRound}`}. It works offline.`;
+      : lastCompletedRound == null // saved, yet no round here: the run's final model, taken after it ended
+        ? `${sentence(SHARED_UNTRAINED)}. It works offline.`
+        : `Your model after round ${lastCompletedRound}. It works offline.`;
   };
 
   const tryPhoto = async (/** @type {File} */ file) => {

@@ -7,7 +7,7 @@
 
 import { appendExamples, classCounts, classNames, keepExamples, readFolder, readNpz, readPhotos, shortfallLine, shortfallReason, splitSizes, withoutClass, withoutLastAdded } from './data.js';
 import { DeviceError, describe } from './errors.js';
-import { pct } from './runner.js';
+import { chanceWords, pct, plural, scoreWhat } from './results.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').EvalResult} EvalResult */
@@ -277,23 +277,25 @@ export function renderHistory(/** @type {RoundRecord[]} */ history) {
   renderScore();
 }
 
-/** One number with its meaning: the latest measurement of the device's model, chance for reference, and the chart. */
+/** One number with its meaning: the latest measurement of the device's model (of which model, on what), guessing for
+ * reference with a result below it flagged, and the chart. */
 function renderScore() {
   const measured = shown.history.filter((r) => r.accuracy != null);
   const last = measured.at(-1);
   const final = shown.final && shown.final.result.count ? shown.final : null;
-  const [accuracy, count, when] = final
-    ? [final.result.correct / final.result.count, final.result.count, 'now that training is over']
+  const roundsHere = shown.history.length;
+  const score = final
+    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round }
     : last
-      ? [/** @type {number} */ (last.accuracy), last.samples, `after round ${last.round}`]
-      : [null, 0, ''];
-  $('score').textContent = accuracy == null ? '–' : pct(accuracy);
-  $('score').dataset.accuracy = String(accuracy ?? '');
-  $('score-what').textContent = accuracy == null ? 'not measured yet' : `of the ${plural(count, 'example')} kept aside are recognised ${when}.`;
+      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round }
+      : null;
+  $('score').textContent = score ? pct(score.accuracy) : '–';
+  $('score').dataset.accuracy = String(score ? score.accuracy : '');
+  $('score-what').textContent = score ? `${scoreWhat(score)}.` : 'not measured yet';
   const classes = shown.classesHeld;
-  $('score-chance').textContent = classes > 1
-    ? `Guessing among your ${classes} classes would get ${pct(1 / classes)}.`
-    : 'All your examples show one class: add another class to make the number mean something.';
+  const chance = chanceWords(score && score.accuracy, score ? score.count : 0, classes);
+  $('score-chance').textContent = chance.text;
+  $('score-chance').dataset.below = String(chance.below);
   drawChart(measured, classes > 1 ? 1 / classes : null);
 }
 
@@ -373,13 +375,8 @@ function showProgress(roundId, phase, step, steps, loss) {
 }
 
 /** A line as a sentence: its first letter capitalised. */
-function sentence(/** @type {string} */ text) {
+export function sentence(/** @type {string} */ text) {
   return text ? text[0].toUpperCase() + text.slice(1) : text;
-}
-
-/** "1 example", "3 examples". */
-export function plural(/** @type {number} */ n, /** @type {string} */ word, many = `${word}s`) {
-  return `${n} ${n === 1 ? word : many}`;
 }
 
 /**

@@ -69,6 +69,14 @@ test('a server that stays unreachable ends in Unreachable after every attempt', 
   assert.equal(calls.length, 4);
 });
 
+test('a server answering 5xx on every attempt is Unreachable in other words: it answers, with an error', { skip: NEEDS_FIXTURES }, async () => {
+  const broken = () => json({ error: 'server_error', detail: 'database is locked', fix: '' }, 500);
+  const { client } = scripted([broken(), broken(), broken(), broken()]);
+  await assert.rejects(client.task(), (err) => err instanceof Unreachable && err.busy
+    && err.problem === 'the server answers, but with an error (it may be busy or broken)'
+    && /tell the person who runs the server/.test(err.fix) && /HTTP 500 database is locked/.test(err.detail));
+});
+
 test('a 4xx is one Refusal in a person\'s words, the server\'s own words kept as its detail; the round-over ones say so', { skip: NEEDS_FIXTURES }, async () => {
   const bearer = 'send `Authorization: Bearer <token>` with a token from `edgepfl serve tokens add NAME`';
   const { client, calls } = scripted([

@@ -137,6 +137,17 @@ test('a round trains, commits its tensors with the upload, uploads once and repo
   assert.deepEqual(said('roundStarted').map(([round, , total]) => [round, total]), [[1, 3]]);
 });
 
+test('the run\'s last line says which model was measured on what: a phone that never trained is told so', { skip: NEEDS_FIXTURES }, async () => {
+  const late = await device({ tasks: [] }); // joined after training ended: the server says done at once
+  await late.runner.run();
+  const [, lateLine] = late.said('stage').at(-1);
+  assert.match(lateLine, /^Training is over \(after round 9\): \d+\.\d% of the 5 examples kept aside are recognised by the shared model, which never trained on your examples \(this phone took part in no round\)\.$/);
+  const trained = await device({ tasks: [{ action: 'train', round: 1 }] });
+  await trained.runner.run();
+  const [, trainedLine] = trained.said('stage').at(-1);
+  assert.match(trainedLine, /recognised by your model \(the final shared model with the part this phone trained\)\.$/);
+});
+
 test('a base holding NaN is refused: nothing is committed or sent, the model stays, the device waits', { skip: NEEDS_FIXTURES }, async () => {
   const { manifest, files } = fixtureBundle();
   const names = travellingNames(manifest, {});
