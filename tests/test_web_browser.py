@@ -54,6 +54,7 @@ SIDE = BN_BUNDLE["input_size"]
 # else into a scratch folder, so that a test run leaves the work tree as it was
 SCREENSHOTS_TO_DOCS = os.environ.get("EDGEPFL_WEB_SCREENSHOTS") == "1"
 SHOTS = REPO / "docs" / "img" if SCREENSHOTS_TO_DOCS else Path(tempfile.gettempdir()) / "edgepfl-web-screenshots"
+SHOTS.mkdir(parents=True, exist_ok=True)  # here, not in one test: any test may run alone
 SERVER_OPTIONS = ("--min-clients", "3", "--rounds", "3", "--poll-interval", "0.3", "--lr", "0.05")
 SERVER_OPTIONS += ("--batch-size", "16", "--epochs", "2", "--round-timeout", "300", "--enroll-secret-file")
 
@@ -114,7 +115,6 @@ def test_a_phone_joins_trains_resumes_and_never_uploads_twice(chromium, bundle, 
     state = tmp_path / "server"
     tokens = enroll(state, "py-a", "py-b")
     devices: list[subprocess.Popen] = []
-    SHOTS.mkdir(parents=True, exist_ok=True)
     with LiveServer(bundle, state, *SERVER_OPTIONS, str(tmp_path / "secret")) as server:
         origin = server.url
         for i, name in enumerate(tokens):
