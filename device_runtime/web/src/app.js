@@ -4,7 +4,7 @@
 // hand the round loop (runner.js, as device_runtime/runner.py runs it) to the page (ui.js, tryit.js).
 
 import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
-import { guardFirstStep, pageMemory, rememberFallback, rememberedFallback, watchFirstStep } from './gpucheck.js';
+import { guardFirstStep, guardGpuSpeed, pageMemory, rememberFallback, rememberedFallback, wasmStepSeconds, watchFirstStep } from './gpucheck.js';
 import { fetchContract } from './contract.js';
 import { emptyExamples } from './data.js';
 import { openEngine, personalSpec, portableFiles } from './engine.js';
@@ -90,6 +90,11 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
       location.reload();
     };
     guardFirstStep(engine, watchFirstStep({ setTimer: setTimeout, clearTimer: clearTimeout, onTooSlow }));
+    // a GPU that steps, but slower than the processor: one step of the same graph on a wasm copy, compared
+    const now = () => performance.now() / 1000;
+    const wasmSeconds = async (/** @type {Parameters<typeof engine.trainStep>} */ args) =>
+      wasmStepSeconds(engine, await openEngine(ort, manifest, files, { threads, backend: 'wasm' }), args, now);
+    guardGpuSpeed(engine, { now, wasmSeconds, onSlower: onTooSlow });
   }
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`);

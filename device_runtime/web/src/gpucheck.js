@@ -5,6 +5,10 @@
 // training step is timed: when it has not finished FIRST_STEP_LIMIT seconds after the GPU's first work began, the
 // page remembers why (for this browser) and reloads on WebAssembly. A reload is the one way to stop GPU work that
 // never finishes without running the engine in a Worker; the page resumes after a reload (the round starts again).
+// A GPU that finishes its steps but trains slower than the processor is caught too: after GPU_STEPS_TIMED training
+// steps on WebGPU, the same step is timed on a WebAssembly copy of the engine (its result thrown away, so the model
+// trains on exactly the GPU's steps), and when the processor is WASM_MARGIN times faster the page remembers why and
+// reloads on WebAssembly, as above.
 // `?backend=webgpu` forces the GPU all the same, software or slow.
 
 /** @typedef {import('./engine.js').Engine} Engine */
@@ -15,6 +19,8 @@
 
 export const FIRST_STEP_LIMIT = 60; // seconds from the GPU's first work in a round to the end of its first step
 export const FALLBACK_KEY = 'edgepfl-webgpu-fallback'; // localStorage: why this browser trains on the processor
+export const GPU_STEPS_TIMED = 4; // GPU training steps timed before the comparison; the first (shader compilation) is left out
+export const WASM_MARGIN = 1.2; // how much faster WebAssembly must be to move there: timings of a few steps are noisy
 const SOFTWARE = /swiftshader|llvmpipe|lavapipe|softpipe|warp|basic render|software/i; // renderers on the processor
 
 /** Why `adapter` is a software renderer (the name it goes by), or null for a hardware GPU. @param {Adapter} adapter @returns {string | null} */
@@ -114,4 +120,88 @@ export function guardFirstStep(engine, watch) {
     watch.began();
     return evaluate.apply(engine, args);
   };
+}
+
+/**
+ * Why this device should train on WebAssembly, or null: `gpuSeconds` are the first training steps on WebGPU (the
+ * first, which compiles the shaders, is left out; the rest's median is the GPU's step), `wasmSeconds` one step of the
+ * same graph on WebAssembly; the GPU loses when it is slower than `margin` times the processor.
+ * @param {number[]} gpuSeconds
+ * @param {number} wasmSeconds
+ * @param {number} [margin]
+ * @returns {string | null}
+ */
+export function slowerThanWasm(gpuSeconds, wasmSeconds, margin = WASM_MARGIN) {
+  const steady = gpuSeconds.slice(1);
+  if (!steady.length || !steady.every((s) => Number.isFinite(s) && s >= 0) || !(Number.isFinite(wasmSeconds) && wasmSeconds > 0)) return null;
+  const gpu = median(steady);
+  if (gpu <= margin * wasmSeconds) return null;
+  return `on this device the GPU took ${spoken(gpu)} a training step and the processor ${spoken(wasmSeconds)}, so this browser trains on the processor from now on; ?backend=webgpu tries the GPU again`;
+}
+
+/**
+ * Seconds of one training step (`args`, as trainStep takes them) on `wasm`, an engine of the same bundle on
+ * WebAssembly given `engine`'s tensors; the second of two steps is timed, since the first opens the session. The
+ * wasm engine's sessions are released after; `engine` is not changed (its GPU tensors are read back, unchanged).
+ * @param {Engine} engine
+ * @param {Engine} wasm
+ * @param {Parameters<Engine['trainStep']>} args
+ * @param {() => number} now seconds on a monotonic clock
+ */
+export async function wasmStepSeconds(engine, wasm, args, now) {
+  try {
+    const tensors = await engine.getTensors();
+    wasm.setTensors(tensors, { exact: true });
+    await wasm.trainStep(...args);
+    wasm.setTensors(tensors, { exact: true }); // the same step again, on the same tensors
+    const start = now();
+    await wasm.trainStep(...args);
+    return now() - start;
+  } finally {
+    const opened = [...wasm.sessions.values(), ...[...wasm.baked.values()].map((variant) => variant.opened)];
+    for (const session of opened) (await session).session.release();
+  }
+}
+
+/**
+ * Time `engine`'s first `steps` training steps (on WebGPU); then, where some graph runs on the GPU, `wasmSeconds`
+ * (given the last step's arguments) times the same step on WebAssembly and `onSlower(reason)` is called when
+ * slowerThanWasm says so. A comparison that fails (no memory for the wasm copy) keeps the GPU. The engine's own
+ * trainStep is replaced on the instance.
+ * @param {Engine} engine
+ * @param {{steps?: number, now: () => number, wasmSeconds: (args: Parameters<Engine['trainStep']>) => Promise<number>, onSlower: (reason: string) => void}} parts
+ */
+export function guardGpuSpeed(engine, { steps = GPU_STEPS_TIMED, now, wasmSeconds, onSlower }) {
+  const { trainStep } = engine;
+  /** @type {number[]} */
+  const gpu = [];
+  /** @type {Engine['trainStep']} */
+  engine.trainStep = async function (...args) {
+    const start = now();
+    const result = await trainStep.apply(engine, args);
+    if (gpu.length >= steps) return result;
+    gpu.push(now() - start);
+    if (gpu.length < steps || ![...engine.placements.values()].some((p) => p.backend === 'webgpu')) return result;
+    let wasm = NaN;
+    try {
+      wasm = await wasmSeconds(args);
+    } catch {
+      return result; // the comparison is an optimisation: without it the GPU, which works, keeps training
+    }
+    const reason = slowerThanWasm(gpu, wasm);
+    if (reason) onSlower(reason);
+    return result;
+  };
+}
+
+/** The middle of `values` (the mean of the two middle ones for an even count). @param {number[]} values */
+function median(values) {
+  const sorted = values.slice().sort((a, b) => a - b);
+  const half = Math.floor(sorted.length / 2);
+  return sorted.length % 2 ? sorted[half] : (sorted[half - 1] + sorted[half]) / 2;
+}
+
+/** Seconds for a person: one decimal from a tenth of a second on, else milliseconds. @param {number} seconds */
+function spoken(seconds) {
+  return seconds >= 0.1 ? `${seconds.toFixed(1)} s` : `${Math.max(1, Math.round(seconds * 1000))} ms`;
 }
