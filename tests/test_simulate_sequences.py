@@ -90,3 +90,17 @@ def test_har_subjects_train_har_cnn_with_the_training_parts_channel_statistics(t
     assert manifest.input.std != (1.0,) * 6 and all(s > 0 for s in manifest.input.std)  # not the identity
     accuracy = json.loads((out / "results.json").read_text())["rounds"][0]["test_accuracy"]
     assert len(accuracy["per_client"]) == 2 and accuracy["p10"] is not None
+
+
+def test_fedalt_trains_the_tiny_transformers_adapters_as_the_personal_part(text_folder, tmp_path):
+    out = tmp_path / "adapters"
+    run_simulation(text_config(text_folder, out, algorithm="fedalt", personal="adapters:8", rounds=1))
+    manifest = load_manifest(out / "bundle")
+    assert str(manifest.personal_spec) == "adapters:8"
+    personal = manifest.names("personal")  # the adapters, and the norms beside them (edgepfl/personal.py)
+    assert any(".adapter." in name for name in personal)
+    assert all(".adapter." in name or "norm" in name for name in personal), personal
+    assert not any("attention" in name or "output" in name for name in personal)  # the base is shared
+    document = json.loads((out / "results.json").read_text())
+    assert document["info"]["personal"] == "adapters:8"
+    assert len(document["rounds"][0]["test_accuracy"]["per_client"]) == 3
