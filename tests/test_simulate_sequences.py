@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from edgepfl import text  # noqa: E402
-from edgepfl.errors import UsageError  # noqa: E402
+from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import load_manifest  # noqa: E402
 from edgepfl.sensordata import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW  # noqa: E402
 from edgepfl.simulate.bundle import check_model_kind  # noqa: E402
@@ -104,3 +105,14 @@ def test_fedalt_trains_the_tiny_transformers_adapters_as_the_personal_part(text_
     document = json.loads((out / "results.json").read_text())
     assert document["info"]["personal"] == "adapters:8"
     assert len(document["rounds"][0]["test_accuracy"]["per_client"]) == 3
+
+
+def test_a_rerun_over_text_with_another_vocabulary_is_refused_not_resumed(text_folder, tmp_path):
+    folder = tmp_path / "texts"
+    shutil.copytree(text_folder, folder)
+    out = tmp_path / "run"
+    run_simulation(text_config(folder, out, rounds=1))
+    for path in folder.glob("*.txt"):  # another word for one of them: a vocabulary of the same size
+        path.write_text(path.read_text(encoding="utf-8").replace("cat", "owl"), encoding="utf-8")
+    with pytest.raises(StateError, match="holds a different model, personal part or vocabulary"):
+        run_simulation(text_config(folder, out, rounds=2))

@@ -151,9 +151,10 @@ def _export_run_bundle(
     kp = {"zero": 0, "all": len(target.blocks), "given": given}[config.plan.kp]
     if (folder / "manifest.json").is_file():
         manifest = load_manifest(folder)
-        if manifest.model == target.description and manifest.personal_spec == as_spec(kp)[0]:
+        same_task = manifest.task == target.task  # a text run over another vocabulary needs another bundle
+        if manifest.model == target.description and manifest.personal_spec == as_spec(kp)[0] and same_task:
             return manifest
-        raise StateError(f"{folder} holds a different model or personal part", "use a new --out")
+        raise StateError(f"{folder} holds a different model, personal part or vocabulary", "use a new --out")
     from edgepfl.device_runtime.engine import training_build_installed
     from edgepfl.export.bundle import ExportOptions, export_target
 
