@@ -24,8 +24,7 @@ def predict(options: PredictCommand) -> None:
     Images are pre-processed exactly as training data. The state folder is only read, so this also works
     while `device run` uses it; without a trained model it says so and uses the bundle's initial one.
     """
-    from edgepfl.device_runtime.predict import Prediction, open_device_model, predict_inputs, top_classes
-    from edgepfl.device_runtime.sequences import next_words
+    from edgepfl.device_runtime.predict import Prediction, next_words, open_device_model, predict_inputs, top_classes
     from edgepfl.errors import UsageError
 
     local, phrase = options.local, options.predict.text

@@ -10,15 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl.data import check_pixels, normalize, to_model_layout
+from edgepfl import text
+from edgepfl.data import check_inputs, normalize
 from edgepfl.device_runtime.data import IMAGE_SUFFIXES, read_image, read_npz
 from edgepfl.device_runtime.engine import Engine, open_engine
-from edgepfl.device_runtime.sequences import task_kind, window_inputs
 from edgepfl.device_runtime.state import read_saved_model
-from edgepfl.errors import DataError
+from edgepfl.device_runtime.task_data import task_kind
+from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest
 
 CHUNK = 256  # inputs per engine call: bounds the memory of a large folder
+IMAGE, NEXT_WORD = "image", "next-word"  # task_kind of an image and of a text bundle
+NEVER_SUGGESTED = (text.PAD_ID, text.OOV_ID, text.BOS_ID)  # tokens nobody types
 
 
 @dataclass
@@ -95,12 +98,10 @@ def iter_inputs(paths: Sequence[str | os.PathLike], engine: Engine) -> Iterator[
     if not sources:
         raise DataError("no inputs to predict", "pass image files, folders of images or .npz files")
     for path, content in sources:
-        if isinstance(content, np.ndarray):  # an .npz's images as stored, or its windows as model input
+        if isinstance(content, np.ndarray):  # an .npz's images or windows as stored, normalised a chunk at a time
             for start in range(0, len(content), CHUNK):
                 rows = range(start, min(start + CHUNK, len(content)))
-                chunk = content[start : rows.stop]
-                model_input = chunk if task_kind(manifest) else normalize(chunk, manifest.input)
-                yield [f"{path}[{row}]" for row in rows], model_input
+                yield [f"{path}[{row}]" for row in rows], normalize(content[start : rows.stop], manifest.input)
             continue
         for start in range(0, len(content), CHUNK):
             files = content[start : start + CHUNK]
@@ -123,13 +124,10 @@ def top_classes(names: Sequence[str], probabilities: np.ndarray, labels: Sequenc
 
 
 def _source(path: Path, manifest: Manifest) -> tuple[Path, list[Path] | np.ndarray]:
-    """What one input path holds: its image files, or an .npz's images (checked against the model), or a text or
-    sensor bundle's .npz windows (device_runtime/sequences.py)."""
-    if task_kind(manifest) and not (path.is_file() and path.suffix.lower() == ".npz"):
+    """What one input path holds: its image files, or an .npz's samples (images, or a text or sensor bundle's
+    windows) checked against the model as training data is (edgepfl.data.check_inputs)."""
+    if task_kind(manifest) != IMAGE and not (path.is_file() and path.suffix.lower() == ".npz"):
         raise DataError(f"{path} is not an .npz of windows", "pass .npz files with the windows as x (or --text)")
-    if task_kind(manifest):
-        (x,) = read_npz(path, keys=("x",))
-        return path, window_inputs(np.asarray(x), manifest, f"{path} x")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if _is_image(p, path))
         if not files:
@@ -137,11 +135,10 @@ def _source(path: Path, manifest: Manifest) -> tuple[Path, list[Path] | np.ndarr
         return path, files
     if path.is_file() and path.suffix.lower() == ".npz":
         (x,) = read_npz(path, keys=("x",))
-        images = to_model_layout(np.asarray(x), manifest.input, what=f"{path} x")
-        check_pixels(images, what=f"{path} x")
-        if not len(images):
-            raise DataError(f"{path} x holds no images", "save at least one image as x")
-        return path, images
+        samples = check_inputs(np.asarray(x), manifest, what=f"{path} x")
+        if not len(samples):
+            raise DataError(f"{path} x holds no samples", "save at least one image or window as x")
+        return path, samples
     if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
         return path, [path]
     if path.is_file():
@@ -162,3 +159,29 @@ def _image_input(path: Path, engine: Engine) -> np.ndarray:
     """One image file as a (1, C, H, W) model input."""
     pixels = read_image(path, engine.manifest)  # (H, W, C)
     return normalize(pixels.transpose(2, 0, 1)[None], engine.manifest.input)
+
+
+def bundle_vocabulary(engine: Engine) -> text.Vocabulary:
+    """The text bundle's vocabulary, refused when it is not the one its manifest names or does not fit the model."""
+    manifest = engine.manifest
+    if task_kind(manifest) != NEXT_WORD:
+        name = manifest.model.get("name", "model")
+        raise UsageError(f"--text needs a next-word bundle, and this one's {name} is not", "pass image or window files")
+    vocabulary = text.load_vocabulary(engine.bundle_dir, manifest.task)
+    if len(vocabulary) != manifest.num_classes:
+        raise BundleError(
+            f"vocab.json holds {len(vocabulary)} words and the model predicts {manifest.num_classes}",
+            "copy vocab.json from the same export as manifest.json",
+        )
+    return vocabulary
+
+
+def next_words(engine: Engine, phrase: str, k: int) -> tuple[tuple[int, str, float], ...]:
+    """The `k` most likely next words of `phrase` as (id, word, probability), most likely first (ties: lower id);
+    <pad>, <oov> and <bos> are never suggested."""
+    vocabulary = bundle_vocabulary(engine)
+    context = text.phrase_context(phrase, vocabulary, int(engine.manifest.task["seq_len"]))
+    probabilities = engine.predict(context[None])[0]
+    candidates = np.setdiff1d(np.arange(len(probabilities)), NEVER_SUGGESTED)
+    order = candidates[np.argsort(-probabilities[candidates], kind="stable")][:k]
+    return tuple((int(i), vocabulary.words[i], float(probabilities[i])) for i in order)

@@ -87,14 +87,20 @@ def check_samples(
     x: np.ndarray, y: np.ndarray, manifest: Manifest, what: str = "data"
 ) -> tuple[np.ndarray, np.ndarray]:
     """The samples in the model's layout and their int64 labels, every value checked; one DataError otherwise."""
-    samples = to_model_layout(np.asarray(x), manifest.input, what=f"{what} x")
-    if manifest.input.layout == TOKEN_LAYOUT:
-        check_token_ids(samples, int(manifest.task.get("vocab_size") or manifest.num_classes), f"{what} x")
-    elif manifest.input.layout == SENSOR_LAYOUT:
-        check_readings(samples, f"{what} x")
-    else:
-        check_pixels(samples, what=f"{what} x")
+    samples = check_inputs(x, manifest, what=f"{what} x")
     return samples, check_labels(np.asarray(y), manifest.num_classes, len(samples), what=f"{what} y")
+
+
+def check_inputs(x: np.ndarray, manifest: Manifest, what: str = "x") -> np.ndarray:
+    """The samples (no labels) in the model's layout, as stored, every value checked; one DataError otherwise."""
+    samples = to_model_layout(np.asarray(x), manifest.input, what=what)
+    if manifest.input.layout == TOKEN_LAYOUT:
+        check_token_ids(samples, int(manifest.task.get("vocab_size") or manifest.num_classes), what)
+    elif manifest.input.layout == SENSOR_LAYOUT:
+        check_readings(samples, what)
+    else:
+        check_pixels(samples, what=what)
+    return samples
 
 
 def check_token_ids(x: np.ndarray, vocab_size: int, what: str = "x") -> None:

@@ -8,15 +8,15 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, field_validator
 
 from edgepfl.options import comma_separated, titled
+from edgepfl.sensordata import HAR_ACTIVITIES, HAR_CHANNELS, HAR_RATE_HZ, HAR_WINDOW
 
 TEXT_MODELS = ("transformer", "lstm")
 SENSOR_MODELS = ("har-cnn",)
 SEQUENCE_MODELS = TEXT_MODELS + SENSOR_MODELS
-# UCI HAPT: the phone's accelerometer and gyroscope at 50 Hz, windows of 2.56 s, six activities
-HAPT_CHANNELS = ("acc_x", "acc_y", "acc_z", "gyro_x", "gyro_y", "gyro_z")
-HAPT_WINDOW = 128
-HAPT_RATE_HZ = 50.0
-HAPT_ACTIVITIES = 6
+# UCI HAPT, as `--dataset har` reads it: the phone's accelerometer and gyroscope at 50 Hz, windows of 2.56 s, six
+# activities; the same channel names, so a har-cnn bundle exported with the defaults reads the dataset's windows
+HAPT_CHANNELS, HAPT_WINDOW, HAPT_RATE_HZ = HAR_CHANNELS, HAR_WINDOW, HAR_RATE_HZ
+HAPT_ACTIVITIES = len(HAR_ACTIVITIES)
 
 
 class SequenceOptions(BaseModel):

@@ -30,6 +30,7 @@ from edgepfl.export.sequence_options import (
     TEXT_MODELS,
     SequenceOptions,
 )
+from edgepfl.sensordata import sensor_entry
 
 if TYPE_CHECKING:
     from edgepfl.export.bundle import ExportTarget
@@ -415,7 +416,7 @@ def sensor_target(
         num_classes=base.num_classes if num_classes is None else num_classes,
         norm=norm or base.norm,
     )
-    task = {"kind": "sensor", "channels": list(channels), "window": spec.window, "rate_hz": rate_hz or HAPT_RATE_HZ}
+    task = sensor_entry(tuple(channels), spec.window, rate_hz or HAPT_RATE_HZ)
     return _target(spec, seed, task)
 
 

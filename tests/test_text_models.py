@@ -180,17 +180,18 @@ def test_every_engine_trains_the_sequence_models_alike(bundles):
 
 
 def test_predict_text_gives_the_top_next_words_and_never_pad_oov_or_bos(transformer_bundle, tmp_path):
-    from edgepfl.device_runtime.sequences import next_words, phrase_context
+    from edgepfl.device_runtime.predict import next_words
+    from edgepfl.text import phrase_context
 
     engine = open_engine(transformer_bundle, "portable")
     vocabulary = text.load_vocabulary(transformer_bundle, engine.manifest.task)
     context = phrase_context("To be, or NOT", vocabulary, SEQ_LEN)
-    assert context.tolist() == [vocabulary.encode(["be", ",", "or", "not"]).tolist()]
+    assert context.tolist() == vocabulary.encode(["be", ",", "or", "not"]).tolist()
     short = phrase_context("to", vocabulary, SEQ_LEN)
-    assert short.tolist() == [[text.PAD_ID, text.PAD_ID, text.BOS_ID, vocabulary.encode(["to"])[0]]]
+    assert short.tolist() == [text.PAD_ID, text.PAD_ID, text.BOS_ID, vocabulary.encode(["to"])[0]]
     words = next_words(engine, "to be or not", len(vocabulary))
     assert len(words) == len(vocabulary) - 3 and not {i for i, _, _ in words} & {0, 1, 2}
-    probabilities = engine.predict(phrase_context("to be or not", vocabulary, SEQ_LEN))[0]
+    probabilities = engine.predict(phrase_context("to be or not", vocabulary, SEQ_LEN)[None])[0]
     assert [p for _, _, p in words] == sorted((float(p) for p in np.delete(probabilities, [0, 1, 2])), reverse=True)
     result = CliRunner().invoke(
         device_app,
@@ -210,7 +211,7 @@ def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle,
     names, model_input = read_inputs([tmp_path / "windows.npz"], engine)
     assert names == [f"{tmp_path / 'windows.npz'}[{i}]" for i in range(3)]
     np.testing.assert_array_equal(model_input, x)  # the export's identity normalisation
-    for bad, message in ((x[:, :5], "shape"), (np.where(x > 1, np.nan, x), "NaN")):
+    for bad, message in ((x[:, :5], "channel"), (np.where(x > 1, np.nan, x), "NaN")):
         np.savez(tmp_path / "bad.npz", x=bad)
         with pytest.raises(DataError, match=message):
             read_inputs([tmp_path / "bad.npz"], engine)
@@ -268,7 +269,7 @@ def test_export_model_fp32_equals_the_engine_and_int8_loads(bundles, tmp_path):
 
 
 def test_a_vocabulary_that_does_not_match_the_manifest_is_refused(transformer_bundle, tmp_path):
-    from edgepfl.device_runtime.sequences import bundle_vocabulary
+    from edgepfl.device_runtime.predict import bundle_vocabulary
 
     copy = tmp_path / "bundle"
     shutil.copytree(transformer_bundle, copy)

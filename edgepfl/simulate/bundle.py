@@ -6,37 +6,50 @@ ServerApp and the demo read its initial tensors through `initial_tensors`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import edgepfl
 from edgepfl import errors
 from edgepfl.device_runtime.engine import Engine
-from edgepfl.errors import EdgePFLError, StateError
+from edgepfl.errors import EdgePFLError, StateError, UsageError
+from edgepfl.export.sequence_options import SENSOR_MODELS, SEQUENCE_MODELS, TEXT_MODELS
 from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.natural import NATURAL_DATASETS
 from edgepfl.personal import as_spec, personal_choice
 from edgepfl.simulate.config import SimulateConfig
+from edgepfl.text import Vocabulary
 from edgepfl.wire import save_tensors
 
 
 def ensure_bundle(
-    config: SimulateConfig, folder: Path, sample_shape: tuple[int, int, int], num_classes: int
+    config: SimulateConfig,
+    folder: Path,
+    sample_shape: tuple[int, ...],
+    num_classes: int,
+    facts: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Export the run's bundle once (reused on resume); its input and classes follow the dataset.
+    """Export the run's bundle once (reused on resume); its input and classes follow the dataset, and a text or
+    sensor dataset's `facts` (`dataset_facts`: vocabulary, task, sensor mean/std, class names) go into it.
 
     The export runs in a child Python: tracing the model and the ONNX libraries take ~300 MB that would
     otherwise stay resident in the driver for the whole run (bench/simulate.py, MNIST mlp). Its one-line
     errors come back as they were raised.
     """
+    facts = facts or {}
+    check_model_kind(config.model, str(facts.get("task", {}).get("kind", "")))
     job = {
         "config": config.model_dump(mode="json"),
         "folder": str(folder),
         "sample_shape": list(sample_shape),
         "num_classes": num_classes,
+        "facts": facts,
     }
     # the child imports the edgepfl this process runs, not one in its working folder (`python -c` puts the
     # folder first on sys.path: from a source checkout, that is a tree without the installed package layout)
@@ -59,14 +72,45 @@ def ensure_bundle(
     return load_manifest(folder)
 
 
+def dataset_facts(dataset: Any) -> dict[str, Any]:
+    """What the bundle must carry of a dataset with its own clients (edgepfl.natural.NaturalDataset), as JSON: its
+    task, a text dataset's vocabulary, a sensor dataset's per-channel mean and std and its class names; {} for
+    an image dataset (its input and classes come from its sample shape)."""
+    task = dict(getattr(dataset, "task", None) or {})
+    if not task:
+        return {}
+    spec, vocabulary = dataset.input, dataset.vocabulary
+    return {
+        "task": task,
+        "vocabulary": vocabulary.to_json().decode() if vocabulary is not None else None,
+        "mean": list(spec.mean),
+        "std": list(spec.std),
+        "class_names": list(dataset.class_names),
+    }
+
+
+def check_model_kind(model: str, kind: str) -> None:
+    """Refuse, in one line, a model that cannot read the dataset's samples (`kind`: the task's, "" for images)."""
+    readers = {"next-word": TEXT_MODELS, "sensor": SENSOR_MODELS}.get(kind)
+    if readers is not None and model not in readers:
+        what = "next-word text" if kind == "next-word" else "sensor windows"
+        raise UsageError(
+            f"--model {model} cannot read this dataset's {what}", f"use --model {' or --model '.join(readers)}"
+        )
+    if readers is None and model in SEQUENCE_MODELS:
+        raise UsageError(
+            f"--model {model} reads text or sensor windows, not this dataset's images",
+            f"use an image model (mobilenet, cnn, mlp, resnet34), or --dataset {', '.join(NATURAL_DATASETS)}",
+        )
+
+
 def export_job() -> None:
     """The child side of ensure_bundle: the job as JSON on stdin; an EdgePFLError as one JSON line, exit 2."""
     job = json.loads(sys.stdin.read())
     folder = Path(job["folder"])
     try:
-        _export_run_bundle(
-            SimulateConfig.model_validate(job["config"]), folder, tuple(job["sample_shape"]), job["num_classes"]
-        )
+        config = SimulateConfig.model_validate(job["config"])
+        _export_run_bundle(config, folder, tuple(job["sample_shape"]), job["num_classes"], job.get("facts") or {})
         if not (folder / "portable").is_dir() and not initial_file(folder).is_file():  # kept from an earlier run
             from edgepfl.device_runtime.engine import open_engine
 
@@ -76,19 +120,41 @@ def export_job() -> None:
         sys.exit(2)
 
 
-def _export_run_bundle(
-    config: SimulateConfig, folder: Path, sample_shape: tuple[int, int, int], num_classes: int
-) -> Manifest:
+def _run_target(config: SimulateConfig, sample_shape: tuple[int, ...], num_classes: int, facts: dict[str, Any]):
+    """The run's model (an ExportTarget): a text or sensor model made for the dataset's facts, else the image one."""
+    task = facts.get("task") or {}
+    if task.get("kind") == "next-word":
+        from edgepfl.export.textmodels import text_target
+
+        vocabulary = Vocabulary.from_json(str(facts["vocabulary"]).encode())
+        return text_target(config.model, vocabulary, config.seed, config.width, seq_len=int(sample_shape[0]))
+    if task.get("kind") == "sensor":
+        from edgepfl.export.textmodels import sensor_target
+
+        channels, window = task["channels"], int(sample_shape[1])
+        target = sensor_target(
+            config.model, channels, config.seed, config.width, window, task.get("rate_hz"), num_classes, config.norm
+        )
+        if facts.get("mean"):  # the training part's per-channel statistics, as the devices normalise with them
+            target = dataclasses.replace(target, normalization=(tuple(facts["mean"]), tuple(facts["std"])))
+        return target
     from edgepfl.export.bundle import simulation_target
 
-    target = simulation_target(config.model, sample_shape, num_classes, config.seed, config.width, config.norm)
+    return simulation_target(config.model, sample_shape, num_classes, config.seed, config.width, config.norm)
+
+
+def _export_run_bundle(
+    config: SimulateConfig, folder: Path, sample_shape: tuple[int, ...], num_classes: int, facts: dict[str, Any]
+) -> Manifest:
+    target = _run_target(config, sample_shape, num_classes, facts)
     given = personal_choice(config.kp, config.personal)
     kp = {"zero": 0, "all": len(target.blocks), "given": given}[config.plan.kp]
     if (folder / "manifest.json").is_file():
         manifest = load_manifest(folder)
-        if manifest.model == target.description and manifest.personal_spec == as_spec(kp)[0]:
+        same_task = manifest.task == target.task  # a text run over another vocabulary needs another bundle
+        if manifest.model == target.description and manifest.personal_spec == as_spec(kp)[0] and same_task:
             return manifest
-        raise StateError(f"{folder} holds a different model or personal part", "use a new --out")
+        raise StateError(f"{folder} holds a different model, personal part or vocabulary", "use a new --out")
     from edgepfl.device_runtime.engine import training_build_installed
     from edgepfl.export.bundle import ExportOptions, export_target
 
@@ -97,7 +163,14 @@ def _export_run_bundle(
     else:
         engines = ("ort-training",)  # fast to export; the torch engine takes its initial tensors from it
     batch, distill = config.round.batch_size, config.plan.persfl
-    options = ExportOptions(engines=engines, seed=config.seed, force=True, portable_batch=batch, distill=distill)
+    options = ExportOptions(
+        engines=engines,
+        seed=config.seed,
+        force=True,
+        portable_batch=batch,
+        distill=distill,
+        class_names=tuple(facts.get("class_names") or ()),
+    )
     return export_target(target, kp, folder, options)
 
 

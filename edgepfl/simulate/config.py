@@ -152,7 +152,10 @@ class SimulateConfig(Composed):
             "or package.module:factory"
         ),
     ] = "mobilenet"
-    width: Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="MobileNet width: 0.25|0.5|0.75|1.0")] = 0.25
+    width: Annotated[
+        float,
+        Field(gt=0.0, allow_inf_nan=False, description="mobilenet, transformer, lstm, har-cnn width: 0.25|0.5|0.75|1"),
+    ] = 0.25
     kp: Annotated[
         int | None, Field(ge=0, description="personal blocks, counted from the classifier (default 2): output:K")
     ] = None

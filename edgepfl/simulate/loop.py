@@ -44,7 +44,7 @@ from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
 from edgepfl.server.config import secure_clip
-from edgepfl.simulate.bundle import ensure_bundle, open_sim_engine
+from edgepfl.simulate.bundle import dataset_facts, ensure_bundle, open_sim_engine
 from edgepfl.simulate.client_state import load_state, save_state
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
 from edgepfl.simulate.fleet import Fleet, FleetSpec
@@ -99,7 +99,8 @@ def run_simulation(
     status("loading data")
     dataset, parts = load_partition(config.data, config.seed)
     status("exporting the model")
-    manifest = ensure_bundle(config, out / BUNDLE_DIR, dataset.sample_shape, dataset.num_classes)
+    facts = dataset_facts(dataset)
+    manifest = ensure_bundle(config, out / BUNDLE_DIR, dataset.sample_shape, dataset.num_classes, facts)
     engine = open_sim_engine(config.engine, out / BUNDLE_DIR, manifest, config.threads, config.device)
     settings = round_settings(config)
     initial = engine.get_tensors()
