@@ -13,6 +13,7 @@ from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
 from edgepfl.export.options import ExportCommand, read_class_names_file
 from edgepfl.export.sequence_options import SEQUENCE_MODELS
+from edgepfl.sensordata import HAR_ACTIVITIES
 from edgepfl.server.cli import serve_app
 from edgepfl.simulate.config import PartitionCommand, SimulateConfig, read_config_file
 from edgepfl.simulate.demo import DemoOptions
@@ -62,6 +63,9 @@ def export(command_options: ExportCommand) -> None:
         from edgepfl.export.textmodels import sequence_target
 
         target = sequence_target(model, chosen.sequence, options.seed, zoo.width, zoo.norm, chosen.num_classes)
+        hapt = target.task.get("kind") == "sensor" and target.num_classes == len(HAR_ACTIVITIES)
+        if hapt and not options.class_names:  # UCI HAPT's activities, as `--dataset har` names them
+            options = options.model_copy(update={"class_names": HAR_ACTIVITIES})
     elif parsed.is_zoo:
         if chosen.input_shape is not None:
             raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")

@@ -305,3 +305,14 @@ def test_export_refuses_a_text_model_without_its_corpus_and_knobs_of_the_other_k
         sequence_target("transformer", SequenceOptions(vocab=tmp_path / "latin1.txt"), 0)
     with pytest.raises(UsageError, match="names a channel twice"):
         sequence_target("har-cnn", SequenceOptions(channels=("a", "a")), 0)
+
+
+def test_export_names_a_sensor_models_six_classes_as_uci_hapts_activities(tmp_path):
+    from edgepfl.cli import app
+    from edgepfl.sensordata import HAR_ACTIVITIES
+
+    out = tmp_path / "har"
+    args = ["export", "har-cnn", "--window", "16", "--width", "0.25", "--engines", "portable", "--portable-batch", "8"]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_manifest(out).class_names == HAR_ACTIVITIES
