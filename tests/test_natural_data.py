@@ -180,6 +180,8 @@ def test_partition_shows_a_text_folders_clients_by_name(tmp_path):
     texts = {f"{name}.txt": f"{name} writes a line of words here\n" * 6 for name in ("ann", "bo")}
     folder = _text_folder(tmp_path, texts)
     args = ["partition", "--dataset", f"textdir:{folder}", "--min-words", "5", "--show"]
-    shown = subprocess.run([sys.executable, "-m", "edgepfl.cli", *args], capture_output=True, text=True, timeout=120)
+    wide = {**os.environ, "COLUMNS": "200"}  # rich squeezes the table to 80 columns without a terminal
+    command = [sys.executable, "-m", "edgepfl.cli", *args]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=120, env=wide)
     assert shown.returncode == 0, shown.stderr
     assert "ann" in shown.stdout and "bo" in shown.stdout and "natural, 2 clients" in shown.stdout
