@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,7 +17,7 @@ import numpy as np
 import pytest
 from test_device_e2e import device_command
 from test_device_hostile import Recorder
-from test_device_replies import _Bridge
+from test_device_replies import loopback  # noqa: F401 (a fixture: the real HTTP server on loopback)
 from test_device_runtime import DEVICE_BUNDLE, ScriptedServer, _open_device, save_npz
 from typer.testing import CliRunner
 
@@ -36,18 +33,6 @@ START = 1_800_000_000.0  # the virtual clock's start, unix seconds
 @pytest.fixture(scope="module")
 def mlp_bundle(bundle_factory) -> Path:
     return bundle_factory(**DEVICE_BUNDLE)
-
-
-@pytest.fixture
-def loopback() -> Iterator[ThreadingHTTPServer]:
-    """A real HTTP server on 127.0.0.1 answering with the `handle` the test gives it."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Bridge)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join()
 
 
 class Stop(Exception):
@@ -210,7 +195,7 @@ def test_a_restarted_device_knows_its_pending_updates_deadline(mlp_bundle, tmp_p
     assert read_wait(state.folder) is not None
 
 
-def test_device_run_against_a_server_answering_500_says_so_on_stderr_and_in_status(mlp_bundle, tmp_path, loopback):
+def test_device_run_against_a_server_answering_500_says_so_on_stderr_and_in_status(mlp_bundle, tmp_path, loopback):  # noqa: F811
     calls: list[str] = []
 
     def answer(request: httpx.Request) -> httpx.Response:

@@ -31,7 +31,11 @@ export function fixtureContract() {
 
 /** The fixture bundle as the page holds it: its manifest and a Map of bundle-relative path -> bytes. */
 export function fixtureBundle() {
-  const root = join(FIXTURES, 'bundle');
+  return bundleAt(join(FIXTURES, 'bundle'));
+}
+
+/** A bundle folder as the page holds it: its manifest and a Map of bundle-relative path -> bytes. */
+export function bundleAt(root) {
   const manifest = JSON.parse(readFileSync(join(root, 'manifest.json'), 'utf8'));
   const files = new Map();
   const walk = (dir) => {

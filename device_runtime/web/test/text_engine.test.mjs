@@ -1,34 +1,20 @@
 // The browser engine on a text bundle: int64 token ids in (BigInt64Array), against the Python portable engine.
 
 import assert from 'node:assert/strict';
-import { readFileSync, readdirSync, statSync } from 'node:fs';
-import { join, relative } from 'node:path';
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
 import { openEngine } from '../src/engine.js';
 import { decodeSafetensors } from '../src/safetensors.js';
-import { FIXTURES, NEEDS_FIXTURES, maxAbsDiff } from './fixtures.mjs';
+import { FIXTURES, NEEDS_FIXTURES, bundleAt, maxAbsDiff } from './fixtures.mjs';
 
 const TOLERANCE = 1e-5;
 const TEXT = join(FIXTURES, 'text');
 const tensors = (name) => decodeSafetensors(new Uint8Array(readFileSync(join(TEXT, name))), name).tensors;
 
-function textBundle() {
-  const root = join(TEXT, 'bundle');
-  const files = new Map();
-  const walk = (dir) => {
-    for (const name of readdirSync(dir)) {
-      const path = join(dir, name);
-      if (statSync(path).isDirectory()) walk(path);
-      else files.set(relative(root, path).split('\\').join('/'), new Uint8Array(readFileSync(path)));
-    }
-  };
-  walk(root);
-  return { manifest: JSON.parse(readFileSync(join(root, 'manifest.json'), 'utf8')), files };
-}
-
 test('a text bundle trains on int64 token ids as Python does, and predicts the same next-word logits', { skip: NEEDS_FIXTURES }, async () => {
-  const { manifest, files } = textBundle();
+  const { manifest, files } = bundleAt(join(TEXT, 'bundle'));
   assert.equal(manifest.input.dtype, 'int64');
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
   const feeds = tensors('feeds.safetensors');
