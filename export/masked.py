@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edgepfl.export import fanout
 from edgepfl.export.personal import carry_personal
 from edgepfl.export.smallmaps import SMALL_MAP
 
@@ -243,15 +244,15 @@ def _update_running_statistics(
         return
     stats = ("running_mean", "running_var")
     running = [state[f"{layer_names[id(layer)]}.{stat}"] for layer, _, _ in statistics for stat in stats]
-    batch = torch.cat([s for _, mean, var in statistics for s in (mean, var)], dim=1).view(-1)
+    batch = fanout.cat([s for _, mean, var in statistics for s in (mean, var)], dim=1).view(-1)
     momenta = {layer.momentum for layer, _, _ in statistics}
     if len(momenta) == 1:
         momentum = momenta.pop()
     else:  # one per element, a constant of the graph
-        momentum = torch.cat(
+        momentum = torch.cat(  # a constant: folded at export
             [torch.full((2 * layer.running_mean.numel(),), layer.momentum) for layer, _, _ in statistics]
         ).to(batch.dtype)
     with torch.no_grad():
-        updated = torch.cat(running) * (1 - momentum) + momentum * batch
-        for tensor, piece in zip(running, updated.split([t.numel() for t in running])):
+        updated = fanout.cat(running) * (1 - momentum) + momentum * batch
+        for tensor, piece in zip(running, fanout.split(updated, [t.numel() for t in running])):
             tensor.copy_(piece)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
+from edgepfl.export import fanout
 from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
@@ -182,8 +183,9 @@ def _sgd_updates(
         by_dtype.setdefault(params[name].dtype, []).append(name)
     updated = {}
     for names in by_dtype.values():
-        flat = torch.cat([params[n].reshape(-1) for n in names]) - lr * torch.cat([grads[n].reshape(-1) for n in names])
-        pieces = flat.split([params[n].numel() for n in names])
+        flat = fanout.cat([params[n].reshape(-1) for n in names])
+        flat = flat - lr * fanout.cat([grads[n].reshape(-1) for n in names])
+        pieces = fanout.split(flat, [params[n].numel() for n in names])
         updated.update({n: piece.reshape(params[n].shape) for n, piece in zip(names, pieces)})
     return updated
 

@@ -50,6 +50,19 @@ def test_the_check_names_each_node_the_gpu_would_leave_to_the_cpu_and_why():
     assert len(listed) == MAX_LISTED + 1 and listed[-1] == "and 2 more"
 
 
+def test_the_flat_update_concatenates_and_splits_through_nodes_of_few_tensors():
+    torch = pytest.importorskip("torch")
+    from edgepfl.export import fanout
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = [int(n) for n in torch.randint(1, 9, (23,), generator=generator)]
+    tensors = [torch.randn(n, generator=generator) for n in sizes]
+    flat = fanout.cat(tensors)
+    assert torch.equal(flat, torch.cat(tensors))
+    assert all(torch.equal(a, b) for a, b in zip(fanout.split(flat, sizes), tensors))
+    assert len(fanout.split(flat, sizes)) == len(sizes) and fanout.split(flat, [flat.numel()])[0] is flat
+
+
 def test_the_cnn_bundle_has_int32_labels_and_no_graph_with_a_known_webgpu_problem(bundle_factory):
     bundle = bundle_factory("cnn", 2, engines=("portable",), norm="batch")
     entry = json.loads((bundle / "manifest.json").read_text())["engines"]["portable"]
