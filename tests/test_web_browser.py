@@ -569,7 +569,7 @@ def test_webgpu_steps_place_every_node_on_the_gpu_and_equal_wasm_and_python(chro
         else:
             # MobileNet's float32 step at initialisation is ill-conditioned: any two engines, Python and wasm
             # included, differ by up to ~4e-3 on some step (docs/web-device.md). WebGPU must be as exact as them, within
-            # 5 % of their distance from float64 (measured after the flat update of issue 39: 2.8591e-3 against 2.8582e-3)
+            # 5 % of their distance from float64 (after the flat update of issue 39: 2.8591e-3 against 2.8582e-3)
             cpu = max(*python_vs_exact(data, trainable), worst["wasmVsExact"])
             assert worst["vsExact"] <= max(WEBGPU_TOLERANCE, 1.05 * cpu), (trainable, got["vsExact"], cpu)
 
