@@ -348,7 +348,9 @@ def test_training_mode_batchnorm_is_not_rewritten_to_inference(case_bundle):
 
 
 # each node of a step graph is one dispatch on WebGPU: these bounds fail when per-tensor chains come back
-CNN_STEP_NODES = {"step_full": 330, "step_personal": 155}  # 318 and 148 when pinned (401 and 167 before)
+# 336 and 148 when pinned (401 and 167 before the flat updates; 318 and 148 before export/fanout.py bounded their
+# Concat and Split nodes to 7 tensors, which a WebGPU shader needs)
+CNN_STEP_NODES = {"step_full": 345, "step_personal": 155}
 
 
 def _consumers(graph, name: str) -> list:
@@ -663,9 +665,10 @@ def test_mobilenet_step_graph_is_default_domain_only(mobilenet_step):
 
 
 def test_mobilenet_full_step_stays_within_its_node_budget(mobilenet_step):
-    # 1,722 nodes when pinned (2,809 before the flat updates, the written-out BatchNorm backward and the shape
-    # copies' removal); issue 39 aims at 1,000: each node is one dispatch on WebGPU
-    assert len(mobilenet_step[3].graph.node) <= 1750
+    # 1,881 nodes when pinned (2,809 before the flat updates, the written-out BatchNorm backward and the shape
+    # copies' removal; 1,722 before export/fanout.py bounded the flat updates' Concat and Split nodes to 7 tensors,
+    # which a WebGPU shader needs); issue 39 aims at 1,000: each node is one dispatch on WebGPU
+    assert len(mobilenet_step[3].graph.node) <= 1900
 
 
 def main(argv: list[str]) -> int:
