@@ -58,7 +58,14 @@ import { sha256Hex } from './sha256.js';
  * @property {(url: string, what: string) => Promise<{text: string | null, wait: number}>} secureFetch
  */
 
-/** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
+/**
+ * The person's examples as the loop reads them: the current ones (photos, or a text or sensor bundle's file), a
+ * promise of more, and their train/held-out split when it is not the photos' (tasks.js splitRecording).
+ * @typedef {object} ExampleSource
+ * @property {() => Examples | import('./tasks.js').Recording | {count: number}} current
+ * @property {() => Promise<void>} added
+ * @property {(valFraction: number, seed: number) => {train: Samples, val: Samples}} [split]
+ */
 
 const OFFLINE_WAIT = 30; // seconds before trying again after the server stayed unreachable (the page's own)
 
@@ -370,7 +377,8 @@ export class DeviceRunner {
   /** The seeded train/held-out split of the current examples, normalised, as the contract sets it. */
   split() {
     const { val_fraction: valFraction, split_seed: seed } = this.contract.device;
-    return splitExamples(this.examples.current(), this.manifest.input, valFraction, seed);
+    if (this.examples.split) return this.examples.split(valFraction, seed);
+    return splitExamples(/** @type {Examples} */ (this.examples.current()), this.manifest.input, valFraction, seed);
   }
 
   /** How a refusal names the model it keeps (state.py kept). */

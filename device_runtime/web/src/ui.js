@@ -28,6 +28,8 @@ const shown = {
   /** @type {{round: number | null, result: EvalResult} | null} */
   final: null,
   classesHeld: 0,
+  /** @type {import('./tasks.js').TaskKind} the bundle's kind of sample */
+  kind: 'image',
 };
 /** The round being trained: when its first step ended and how many images a step takes, for the speed. */
 const speed = { round: -1, batch: 1, firstStep: 0, firstAt: 0 };
@@ -255,6 +257,12 @@ function renderExamples(examples, names, contract, remove) {
   renderScore();
 }
 
+/** What a text or sensor bundle's data holds (recording.js): the kind of sample, and the classes its samples show. */
+export function showHeld(/** @type {import('./tasks.js').TaskKind} */ kind, /** @type {number} */ classesHeld) {
+  Object.assign(shown, { kind, classesHeld });
+  renderScore();
+}
+
 /** The rounds: the table (held-out accuracy before and after training, whether the update was sent), the score and chart. */
 export function renderHistory(/** @type {RoundRecord[]} */ history) {
   shown.history = history;
@@ -293,7 +301,9 @@ function renderScore() {
   $('score').dataset.accuracy = String(score ? score.accuracy : '');
   $('score-what').textContent = score ? `${scoreWhat(score)}.` : 'not measured yet';
   const classes = shown.classesHeld;
-  const chance = chanceWords(score && score.accuracy, score ? score.count : 0, classes);
+  const chance = shown.kind === 'next-word'
+    ? { text: 'This counts how often the word you wrote next is the model\'s first guess (words the model does not know are not counted).', below: false }
+    : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
   $('score-chance').textContent = chance.text;
   $('score-chance').dataset.below = String(chance.below);
   drawChart(measured, classes > 1 ? 1 / classes : null);
@@ -369,7 +379,8 @@ function showProgress(roundId, phase, step, steps, loss) {
   const seconds = (now - speed.firstAt) / 1000;
   if (step > speed.firstStep && seconds > 0) {
     const rate = ((step - speed.firstStep) * speed.batch) / seconds;
-    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} images per second`;
+    const unit = { image: 'images', 'next-word': 'words', sensor: 'windows' }[shown.kind];
+    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} ${unit} per second`;
     $('speed').dataset.imagesPerSecond = String(rate);
   }
 }

@@ -1,0 +1,80 @@
+// The page on a text bundle against the Python device (make_text_fixtures.py): a person's .txt file gives the
+// samples and the time-order split of device_runtime/task_data.py, a step on them the portable engine's tensors,
+// and "Try it" the words `device predict --text` suggests. Then what the page says to a wrong file.
+
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { test } from 'node:test';
+import * as ort from 'onnxruntime-web';
+import { openEngine } from '../src/engine.js';
+import { DeviceError } from '../src/errors.js';
+import { decodeSafetensors } from '../src/safetensors.js';
+import { RecordingError, readRecording, recordingSamples, splitRecording, textTask } from '../src/tasks.js';
+import { Vocabulary, loadVocabulary, suggestWords } from '../src/text.js';
+import { FIXTURES, NEEDS_FIXTURES, bundleAt, maxAbsDiff } from './fixtures.mjs';
+
+const TOLERANCE = 1e-5; // as text_engine.test.mjs
+const TEXT = join(FIXTURES, 'text');
+
+/** The fixture's text bundle as the page holds it, its vocabulary checked, and what Python made of notes.txt. */
+async function textBundle() {
+  const { manifest, files } = bundleAt(join(TEXT, 'bundle'));
+  const vocabulary = await loadVocabulary(files.get(textTask(manifest).vocab), textTask(manifest));
+  const want = JSON.parse(readFileSync(join(TEXT, 'expected.json'), 'utf8'));
+  return { manifest, files, vocabulary, task: { kind: 'next-word', manifest, vocabulary }, want };
+}
+
+const notes = () => new Uint8Array(readFileSync(join(TEXT, 'notes.txt')));
+
+test('a person\'s text gives Python\'s next-word samples and time-order split, <oov> targets not counted', { skip: NEEDS_FIXTURES }, async () => {
+  const { task, want } = await textBundle();
+  const recording = readRecording(notes(), 'notes.txt', task);
+  assert.equal(recording.count, want.notes.y.length);
+  const samples = recordingSamples(recording, task);
+  assert.deepEqual(Array.from(samples.x, Number), want.notes.x.flat());
+  assert.deepEqual(Array.from(samples.y), want.notes.y);
+  const { train, val } = splitRecording(recording, task, want.notes.val_fraction, 0);
+  assert.deepEqual(Array.from(train.y), want.notes.train.map((i) => want.notes.y[i]));
+  assert.deepEqual(Array.from(val.y), want.notes.held_out.map((i) => want.notes.y[i]));
+  assert.deepEqual(Array.from(val.x, Number), want.notes.held_out.flatMap((i) => want.notes.x[i]));
+  assert.ok(val.y.every((id) => !task.manifest.task.metric_ignores.includes(id)));
+});
+
+test('a step on the page\'s samples of the text gives the Python portable engine\'s tensors', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files, task, want } = await textBundle();
+  const engine = await openEngine(ort, manifest, files, { threads: 1 });
+  const { train } = splitRecording(readRecording(notes(), 'notes.txt', task), task, want.notes.val_fraction, 0);
+  const count = want.notes.step.count;
+  const loss = await engine.trainStep(train.x.subarray(0, count * engine.sampleSize), train.y.subarray(0, count), count, want.lr, 'full');
+  assert.ok(Math.abs(loss - want.notes.step.loss) <= TOLERANCE, `loss ${loss} vs ${want.notes.step.loss}`);
+  const after = decodeSafetensors(new Uint8Array(readFileSync(join(TEXT, 'after-notes.safetensors'))), 'after').tensors;
+  const got = await engine.getTensors();
+  for (const name of Object.keys(after)) assert.ok(maxAbsDiff(got[name].data, after[name].data) <= TOLERANCE, `${name} differs from Python`);
+});
+
+test('"Try it" suggests the words `device predict --text` suggests for a phrase', { skip: NEEDS_FIXTURES }, async () => {
+  const { manifest, files, vocabulary, want } = await textBundle();
+  const engine = await openEngine(ort, manifest, files, { threads: 1 });
+  for (const [phrase, expected] of Object.entries(want.notes.suggestions)) {
+    const words = await suggestWords(engine, phrase, vocabulary, 3);
+    assert.deepEqual(words.map((w) => [w.index, w.word]), expected.map(([id, word]) => [id, word]), JSON.stringify(phrase));
+    assert.ok(maxAbsDiff(words.map((w) => w.probability), expected.map((e) => e[2])) <= TOLERANCE, JSON.stringify(phrase));
+  }
+});
+
+test('a file that is not text, not UTF-8 or too short is refused in words a person can act on', () => {
+  const manifest = { task: { kind: 'next-word', seq_len: 3, metric_ignores: [0, 1] } };
+  const vocabulary = new Vocabulary(['<pad>', '<oov>', '<bos>', '<eos>', 'hello']);
+  const task = /** @type {any} */ ({ kind: 'next-word', manifest, vocabulary });
+  const refused = (/** @type {RegExp} */ problem, /** @type {RegExp} */ fix) => (/** @type {unknown} */ err) =>
+    err instanceof DeviceError && problem.test(err.problem) && fix.test(err.fix);
+  const utf8 = (/** @type {string} */ text) => new TextEncoder().encode(text);
+  assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), refused(/photo\.jpg is not a \.txt file/, /plain-text/));
+  assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), RecordingError);
+  assert.throws(() => readRecording(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt', task), refused(/notes\.txt is not UTF-8 text/, /UTF-8/));
+  assert.throws(() => readRecording(utf8('hello hello.\n'), 'notes.txt', task), refused(/holds only 3 words; the model needs at least 10/, /longer text/));
+  assert.throws(() => readRecording(utf8('\n \n'), 'notes.txt', task), refused(/holds no words/, /longer text/));
+  const recording = readRecording(utf8('hello there, hello you. hello!\nhello hello'), 'notes.txt', task);
+  assert.equal(recording.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
+});
