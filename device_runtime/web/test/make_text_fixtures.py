@@ -29,7 +29,10 @@ PORTABLE_BATCH = 4
 CORPUS = "to be or not to be\nthat is the question\nwhether tis nobler in the mind to suffer\n"
 # a person's own text: a byte-order mark, CRLF and blank lines, words the vocabulary lacks (<oov> targets, not
 # counted by the held-out accuracy), punctuation and a curly apostrophe
-NOTES = "\ufeffTo be, or not to be?\r\n\r\nThat is the question:\nwhether \u2019tis nobler in the mind\n\nto sleep, perchance to dream\u2014ay, there\u2019s the rub\n"
+NOTES = (
+    "\ufeffTo be, or not to be?\r\n\r\nThat is the question:\nwhether \u2019tis nobler in the mind\n\n"
+    "to sleep, perchance to dream\u2014ay, there\u2019s the rub\n"
+)
 VAL_FRACTION = 0.3
 PHRASES = ["", "to be or", "That is the", "whether 'tis nobler in", "perchance to dream"]
 
@@ -44,7 +47,9 @@ def main(out: Path) -> None:
     torch.set_num_threads(2)
     options = SequenceOptions(vocab=corpus, seq_len=4, layers=1)
     target = sequence_target("transformer", options, seed=0, width=0.25)
-    export_options = ExportOptions(engines=("portable",), force=True, portable_batch=PORTABLE_BATCH, frozen_variants=False)
+    export_options = ExportOptions(
+        engines=("portable",), force=True, portable_batch=PORTABLE_BATCH, frozen_variants=False
+    )
     export_target(target, 1, out / "bundle", export_options, notice=lambda _: None)
     manifest = load_manifest(out / "bundle")
     rng = np.random.default_rng(0)
