@@ -4,10 +4,9 @@
 // removing it. The round loop reads it as its ExampleSource (runner.js), split as the Python device splits it.
 
 import { shortfallLine, shortfallReason } from './data.js';
-import { DeviceError } from './errors.js';
 import { plural } from './results.js';
 import { RECORDING_WORDS, readRecording, splitRecording } from './tasks.js';
-import { $, clearProblem, fatal, showHeld, showProblem, status } from './ui.js';
+import { $, fatal, keeper, readPicked, showHeld } from './ui.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
@@ -22,17 +21,10 @@ import { $, clearProblem, fatal, showHeld, showProblem, status } from './ui.js';
  */
 export function setUpRecording({ store, contract, task, recording }) {
   const words = RECORDING_WORDS[task.kind];
-  /** @type {(() => void)[]} */
-  let waiting = [];
-  const keep = async (/** @type {Recording | null} */ changed, /** @type {string} */ said) => {
-    await store.commit({ examples: changed || undefined });
+  const { keep, added } = keeper(store, (/** @type {Recording | null} */ changed) => {
     recording = changed;
-    clearProblem();
-    status(said);
     render();
-    for (const resolve of waiting) resolve();
-    waiting = [];
-  };
+  });
   const render = () => {
     const count = recording ? recording.count : 0;
     const unit = words.unit;
@@ -54,23 +46,12 @@ export function setUpRecording({ store, contract, task, recording }) {
   const input = $('recording-file', HTMLInputElement);
   input.accept = words.accept;
   input.addEventListener('change', () => {
-    const file = input.files && input.files[0];
-    if (!file) return;
-    const before = $('status').textContent || '';
-    (async () => {
-      status(`Reading ${file.name}…`);
-      try {
-        const read = readRecording(new Uint8Array(await file.arrayBuffer()), file.name, task);
-        const replaced = recording ? ` in place of ${recording.name}` : '';
-        await keep(read, `Kept ${read.name}${replaced}: ${plural(read.count, words.unit)} to learn from.`);
-      } catch (err) {
-        if (!(err instanceof DeviceError)) throw err;
-        showProblem(err);
-        status(before); // the headline goes back to what the page does
-      } finally {
-        input.value = '';
-      }
-    })().catch(fatal);
+    const reading = `Reading ${input.files && input.files[0] ? input.files[0].name : 'the file'}…`;
+    readPicked(input, reading, async (files) => {
+      const read = readRecording(new Uint8Array(await files[0].arrayBuffer()), files[0].name, task);
+      const replaced = recording ? ` in place of ${recording.name}` : '';
+      await keep(read, `Kept ${read.name}${replaced}: ${plural(read.count, words.unit)} to learn from.`);
+    }).catch(fatal);
   });
   $('recording-remove').addEventListener('click', () => {
     if (!recording) return;
@@ -81,7 +62,7 @@ export function setUpRecording({ store, contract, task, recording }) {
   render();
   return {
     current: () => recording || { count: 0 },
-    added: () => new Promise((resolve) => waiting.push(resolve)),
+    added,
     split: (valFraction, seed) => splitRecording(/** @type {Recording} */ (recording), task, valFraction, seed),
   };
 }

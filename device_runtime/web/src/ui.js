@@ -153,42 +153,24 @@ export function setUpReset(store, held) {
  */
 export function setUpExamples({ store, manifest, contract, examples }) {
   const names = classNames(manifest);
-  /** @type {(() => void)[]} */
-  let waiting = [];
   const select = $('class-select', HTMLSelectElement);
   select.replaceChildren(...names.map((name, i) => new Option(name, String(i))));
-  /** Keep a change of the examples, show it, and wake the round loop where it waits for more. */
-  const keep = async (/** @type {Examples} */ changed, /** @type {string} */ said) => {
-    await store.commit({ examples: changed });
+  const kept = keeper(store, (/** @type {Examples} */ changed) => {
     examples = changed;
-    clearProblem();
-    status(said);
     render();
-    for (const resolve of waiting) resolve();
-    waiting = [];
-  };
+  });
+  const keep = kept.keep;
   const render = () => renderExamples(examples, names, contract, remove);
   const remove = async (/** @type {number} */ label) => {
     const count = classCounts(examples, names.length)[label];
     if (!confirm(`Remove the ${plural(count, 'example')} of "${names[label]}"? They are deleted from this phone; what the model already learned from them stays.`)) return;
     await keep(withoutClass(examples, label), `Removed the ${plural(count, 'example')} of "${names[label]}".`);
   };
-  const add = async (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) => {
-    const files = input.files;
-    if (!files || !files.length) return;
-    const before = $('status').textContent || '';
-    try {
-      status('Reading the examples…');
+  const add = (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) =>
+    readPicked(input, 'Reading the examples…', async (files) => {
       const more = await read(files);
       await keep(appendExamples(examples, more), `Added ${plural(more.count, 'example')}.`);
-    } catch (err) {
-      if (!(err instanceof DeviceError)) throw err;
-      showProblem(err);
-      status(before); // the headline goes back to what the page does
-    } finally {
-      input.value = '';
-    }
-  };
+    });
   /** @param {string} id @param {(files: FileList) => Promise<NewExamples>} read */
   const picker = (id, read) => {
     const input = $(id, HTMLInputElement);
@@ -211,10 +193,52 @@ export function setUpExamples({ store, manifest, contract, examples }) {
   });
   $('examples').hidden = false;
   render();
-  return {
-    current: () => examples,
-    added: () => new Promise((resolve) => waiting.push(resolve)),
+  return { current: () => examples, added: kept.added };
+}
+
+/**
+ * The person's data as the page keeps it (photos, or a text or sensor bundle's file): `keep` saves a change (none:
+ * null), shows it (`shown` draws it) and wakes the round loop where it waits for more (`added`).
+ * @template T
+ * @param {DeviceStore} store
+ * @param {(changed: T) => void} shown
+ * @returns {{keep: (changed: T, said: string) => Promise<void>, added: () => Promise<void>}}
+ */
+export function keeper(store, shown) {
+  /** @type {(() => void)[]} */
+  let waiting = [];
+  const keep = async (/** @type {T} */ changed, /** @type {string} */ said) => {
+    await store.commit({ examples: /** @type {any} */ (changed ?? undefined) });
+    clearProblem();
+    status(said);
+    shown(changed);
+    for (const resolve of waiting) resolve();
+    waiting = [];
   };
+  return { keep, added: () => new Promise((resolve) => waiting.push(resolve)) };
+}
+
+/**
+ * Read what a picker picked (`read` keeps it): the headline says `reading` meanwhile; a DeviceError shows with its
+ * fix and the headline goes back to what the page does. The picker is emptied, so the same file can be picked again.
+ * @param {HTMLInputElement} input
+ * @param {string} reading
+ * @param {(files: FileList) => Promise<void>} read
+ */
+export async function readPicked(input, reading, read) {
+  const files = input.files;
+  if (!files || !files.length) return;
+  const before = $('status').textContent || '';
+  try {
+    status(reading);
+    await read(files);
+  } catch (err) {
+    if (!(err instanceof DeviceError)) throw err;
+    showProblem(err);
+    status(before);
+  } finally {
+    input.value = '';
+  }
 }
 
 /**
