@@ -4,7 +4,7 @@
 // removing it. The round loop reads it as its ExampleSource (runner.js), split as the Python device splits it.
 
 import { shortfallLine, shortfallReason } from './data.js';
-import { plural } from './results.js';
+import { plural, SAMPLE_WORDS } from './results.js';
 import { RECORDING_WORDS, readRecording, splitRecording } from './tasks.js';
 import { $, fatal, keeper, readPicked, showHeld } from './ui.js';
 
@@ -21,14 +21,14 @@ import { $, fatal, keeper, readPicked, showHeld } from './ui.js';
  */
 export function setUpRecording({ store, contract, task, recording }) {
   const words = RECORDING_WORDS[task.kind];
+  const unit = SAMPLE_WORDS[task.kind].one;
   const { keep, added } = keeper(store, (/** @type {Recording | null} */ changed) => {
     recording = changed;
     render();
   });
   const render = () => {
     const count = recording ? recording.count : 0;
-    const unit = words.unit;
-    const short = [shortfallLine(count, contract.device), shortfallReason(count, contract.device)].join(' ').trim();
+    const short = [shortfallLine(count, contract.device, task.kind), shortfallReason(count, contract.device, task.kind)].join(' ').trim();
     const { train, val } = recording ? split() : { train: { count: 0 }, val: { count: 0 } };
     $('recording-held').textContent = recording
       ? `${recording.name}: ${plural(count, unit)}, ${train.count} to learn from and ${val.count} kept aside to check how well the model does.${short ? ` ${short}` : ''}`
@@ -50,7 +50,7 @@ export function setUpRecording({ store, contract, task, recording }) {
     readPicked(input, reading, async (files) => {
       const read = readRecording(new Uint8Array(await files[0].arrayBuffer()), files[0].name, task);
       const replaced = recording ? ` in place of ${recording.name}` : '';
-      await keep(read, `Kept ${read.name}${replaced}: ${plural(read.count, words.unit)} to learn from.`);
+      await keep(read, `Kept ${read.name}${replaced}: ${plural(read.count, unit)} to learn from.`);
     }).catch(fatal);
   });
   $('recording-remove').addEventListener('click', () => {

@@ -13,6 +13,7 @@ import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
 import { scoreSentence } from './results.js';
+import { taskKind } from './tasks.js';
 import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
@@ -92,6 +93,7 @@ export class DeviceRunner {
     this.engine = engine;
     this.manifest = engine.manifest;
     this.layout = engine.manifest.base_layout_hash;
+    this.kind = taskKind(engine.manifest);
     this.contract = contract;
     this.events = events;
     this.sleep = sleep;
@@ -110,7 +112,7 @@ export class DeviceRunner {
     for (;;) {
       try {
         if (this.progress.pending) await this.deliverPending();
-        const more = shortfallLine(this.examples.current().count, contract.device);
+        const more = shortfallLine(this.examples.current().count, contract.device, this.kind);
         if (more) { // the page asks for no round it has nothing to learn from (or nothing to measure with)
           events.stage('examples', more);
           told = '';
@@ -369,7 +371,7 @@ export class DeviceRunner {
     }
     const result = await evaluate(engine, val);
     events.runFinished(task.round ?? null, result);
-    const measured = { accuracy: result.correct / result.count, count: result.count, final: true, roundsHere: this.history.length, round: task.round ?? null };
+    const measured = { accuracy: result.correct / result.count, count: result.count, final: true, roundsHere: this.history.length, round: task.round ?? null, kind: this.kind };
     const shown = result.count ? scoreSentence(measured) : 'no examples are kept aside to check it';
     events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
   }

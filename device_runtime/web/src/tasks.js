@@ -14,7 +14,7 @@ import { nextWordSamples, readText, timeOrderSplit } from './text.js';
 /** @typedef {import('./algorithms.js').Samples} Samples */
 /** @typedef {import('./text.js').Vocabulary} Vocabulary */
 /** @typedef {import('./text.js').TextTask} TextTask */
-/** The kind of sample a bundle's model reads. @typedef {'image' | 'next-word' | 'sensor'} TaskKind */
+/** The kind of sample a bundle's model reads. @typedef {import('./results.js').SampleKind} TaskKind */
 /**
  * A text or sensor bundle's data: the file a person picked (its name and text) with how many samples it makes
  * and how many classes its samples show (a sensor file's activities; 0 for text).
@@ -31,7 +31,6 @@ export const RECORDING_WORDS = {
     accept: '.txt,text/plain',
     suffix: '.txt',
     notFix: 'pick a plain-text (.txt) file, saved as UTF-8',
-    unit: 'next word',
   },
   sensor: {
     title: 'Your recordings',
@@ -40,7 +39,6 @@ export const RECORDING_WORDS = {
     accept: '.csv,text/csv',
     suffix: '.csv',
     notFix: 'pick a .csv of windows (header: window,label,<channels>); save an .npz as CSV first',
-    unit: 'window',
   },
 };
 

@@ -317,9 +317,9 @@ function renderScore() {
   const final = shown.final && shown.final.result.count ? shown.final : null;
   const roundsHere = shown.history.length;
   const score = final
-    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round }
+    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round, kind: shown.kind }
     : last
-      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round }
+      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round, kind: shown.kind }
       : null;
   $('score').textContent = score ? pct(score.accuracy) : '–';
   $('score').dataset.accuracy = String(score ? score.accuracy : '');

@@ -7,8 +7,10 @@ import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
+import { shortfallLine, shortfallReason } from '../src/data.js';
 import { openEngine } from '../src/engine.js';
 import { DeviceError } from '../src/errors.js';
+import { scoreSentence } from '../src/results.js';
 import { decodeSafetensors } from '../src/safetensors.js';
 import { RecordingError, readRecording, recordingSamples, splitRecording, textTask } from '../src/tasks.js';
 import { Vocabulary, loadVocabulary, suggestWords } from '../src/text.js';
@@ -77,4 +79,14 @@ test('a file that is not text, not UTF-8 or too short is refused in words a pers
   assert.throws(() => readRecording(utf8('\n \n'), 'notes.txt', task), refused(/holds no words/, /longer text/));
   const recording = readRecording(utf8('hello there, hello you. hello!\nhello hello'), 'notes.txt', task);
   assert.equal(recording.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
+});
+
+test('the page counts a text bundle\'s samples as next words, and asks for a longer text', () => {
+  const device = { val_fraction: 0.2, min_train_examples: 8, min_held_out: 2 };
+  assert.equal(shortfallLine(7, device, 'next-word'), 'Add 3 more next words (pick a longer text) to take part in the rounds.');
+  assert.equal(shortfallReason(7, device, 'next-word'), 'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.');
+  assert.equal(shortfallLine(0, device, 'sensor'), 'Add 10 windows (pick a longer recording) to take part in the rounds.');
+  const measured = { accuracy: 0.25, count: 16, final: false, roundsHere: 1, round: 1 };
+  assert.equal(scoreSentence({ ...measured, kind: 'next-word' }), '25.0% of the 16 next words kept aside are guessed right by your model after round 1');
+  assert.equal(scoreSentence({ ...measured, kind: 'sensor' }), '25.0% of the 16 windows kept aside are recognised by your model after round 1');
 });
