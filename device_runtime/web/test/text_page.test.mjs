@@ -9,12 +9,13 @@ import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
 import { shortfallLine, shortfallReason } from '../src/data.js';
 import { openEngine } from '../src/engine.js';
+import { checkModelFile, deviceModelFile } from '../src/modelfile.js';
 import { DeviceError } from '../src/errors.js';
 import { scoreSentence } from '../src/results.js';
 import { decodeSafetensors } from '../src/safetensors.js';
 import { RecordingError, readRecording, recordingSamples, splitRecording, textTask } from '../src/tasks.js';
 import { Vocabulary, loadVocabulary, suggestWords } from '../src/text.js';
-import { FIXTURES, NEEDS_FIXTURES, bundleAt, maxAbsDiff } from './fixtures.mjs';
+import { FIXTURES, NEEDS_FIXTURES, bundleAt, fixtureContract, maxAbsDiff } from './fixtures.mjs';
 
 const TOLERANCE = 1e-5; // as text_engine.test.mjs
 const TEXT = join(FIXTURES, 'text');
@@ -53,6 +54,11 @@ test('a step on the page\'s samples of the text gives the Python portable engine
   const after = decodeSafetensors(new Uint8Array(readFileSync(join(TEXT, 'after-notes.safetensors'))), 'after').tensors;
   const got = await engine.getTensors();
   for (const name of Object.keys(after)) assert.ok(maxAbsDiff(got[name].data, after[name].data) <= TOLERANCE, `${name} differs from Python`);
+  // "Save the model" on a text bundle: the file takes token ids and answers as the engine does on the person's text
+  const { model_file: spec } = fixtureContract();
+  const device = { trained: true, lastCompletedRound: 1, description: 'trained: after round 1' };
+  const file = deviceModelFile(files.get('model.onnx'), await engine.getTensors(), manifest, spec, device);
+  assert.ok((await checkModelFile(ort, file, engine, train.x.subarray(0, 8 * engine.sampleSize), 8, spec)) <= spec.check_tolerance);
 });
 
 test('"Try it" suggests the words `device predict --text` suggests for a phrase', { skip: NEEDS_FIXTURES }, async () => {
