@@ -68,8 +68,8 @@ export function textTask(/** @type {Manifest} */ manifest) {
  */
 export function readRecording(bytes, name, task) {
   const words = RECORDING_WORDS[task.kind];
-  if (!name.toLowerCase().endsWith(words.suffix)) throw new RecordingError(`${name} is not a ${words.suffix} file`, words.notFix);
-  const text = readText(bytes, name);
+  if (!name.toLowerCase().endsWith(words.suffix)) throw new RecordingError(`the file ${name} is not a ${words.suffix} file`, words.notFix);
+  const text = readText(bytes, fileWords(name));
   /** @type {Recording} */
   const recording = { kind: task.kind, name, text, count: 0, classesHeld: 0 };
   const samples = recordingSamples(recording, task);
@@ -84,9 +84,9 @@ export function readRecording(bytes, name, task) {
  */
 export function recordingSamples(recording, task) {
   if (task.kind === 'next-word') {
-    return nextWordSamples(recording.text, /** @type {Vocabulary} */ (task.vocabulary), textTask(task.manifest).seq_len, recording.name);
+    return nextWordSamples(recording.text, /** @type {Vocabulary} */ (task.vocabulary), textTask(task.manifest).seq_len, fileWords(recording.name));
   }
-  const windows = readSensorCsv(recording.text, task.manifest, recording.name);
+  const windows = readSensorCsv(recording.text, task.manifest, fileWords(recording.name));
   return { ...windows, x: normalizeReadings(windows.x, task.manifest.input) };
 }
 
@@ -107,6 +107,11 @@ export function splitRecording(recording, task, valFraction, seed) {
     : splitTrainVal(samples.count, valFraction, seed);
   const counted = task.kind === 'next-word' ? val : val.filter((i) => !ignores.includes(samples.y[i]));
   return { train: pick(samples, train), val: pick(samples, counted) };
+}
+
+/** A picked file as the page's lines name it ("the file notes.txt": a line starts in capitals, a file's name not). */
+export function fileWords(/** @type {string} */ name) {
+  return `the file ${name}`;
 }
 
 /** The samples at `positions`, in their order. */

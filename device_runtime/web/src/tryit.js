@@ -13,7 +13,7 @@ import { checkModelFile, deviceModelFile } from './modelfile.js';
 import { normalizePixels } from './preprocess.js';
 import { pct, SHARED_UNTRAINED } from './results.js';
 import { normalizeReadings, readSensorCsv } from './sensors.js';
-import { recordingSamples } from './tasks.js';
+import { fileWords, recordingSamples } from './tasks.js';
 import { readText, suggestWords } from './text.js';
 import { $, fatal, sentence, showProblem, status } from './ui.js';
 
@@ -158,7 +158,7 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
   const tryWindows = async (/** @type {File} */ file) => {
     let windows;
     try {
-      windows = readSensorCsv(readText(new Uint8Array(await file.arrayBuffer()), file.name), manifest, file.name);
+      windows = readSensorCsv(readText(new Uint8Array(await file.arrayBuffer()), fileWords(file.name)), manifest, fileWords(file.name));
     } catch (err) {
       if (!(err instanceof DeviceError)) throw err;
       showProblem(err);
@@ -215,6 +215,7 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
     modelChanged: () => {
       held = engine.snapshot();
       describeModel();
+      if (task && task.kind === 'next-word') queue(suggest); // the words of the line typed, by the new model
     },
     describeModel,
   };
