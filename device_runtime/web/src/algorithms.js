@@ -14,7 +14,10 @@ import { numel } from './safetensors.js';
 /** @typedef {import('./engine.js').Engine} Engine */
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./safetensors.js').Tensors} Tensors */
-/** Pre-processed examples: `count` samples of x (float32 C*H*W or C*T each, or int64 token ids) and their labels. @typedef {{x: import('./engine.js').ModelInput, y: Int32Array, count: number}} Samples */
+/**
+ * Pre-processed examples: `count` samples of x (float32 C*H*W or C*T each, or int64 token ids) and their labels.
+ * @typedef {{x: import('./engine.js').ModelInput, y: Int32Array, count: number}} Samples
+ */
 /** @typedef {{name: string, trainable: string, epochs: number}} Phase */
 /** @typedef {{name: string, trainable: string, epochs: number, steps: number, meanLoss: number}} PhaseLog */
 /** @typedef {{trainLoss: number, numSamples: number, uploads: boolean, phases: PhaseLog[]}} ClientResult */

@@ -103,12 +103,14 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`);
   const kind = taskKind(manifest);
   // a text bundle's vocabulary comes with the bundle, its sha256 checked against the manifest's
-  const vocabulary = kind === 'next-word' ? await loadVocabulary(await bundleFile(store, client, manifest, textTask(manifest).vocab, keep), textTask(manifest)) : null;
+  const text = kind === 'next-word' ? textTask(manifest) : null;
+  const vocabulary = text && (await loadVocabulary(await bundleFile(store, client, manifest, text.vocab, keep), text));
   const task = kind === 'image' ? null : { kind, manifest, vocabulary };
   const held = /** @type {any} */ (saved.examples); // a text or sensor bundle keeps its file (tasks.js Recording)
+  const photos = (/** @type {any} */ kept) => (kept && !kept.kind ? kept : null); // an image bundle keeps Examples
   const examples = task
     ? setUpRecording({ store, contract, task, recording: held && held.kind === kind ? held : null })
-    : setUpExamples({ store, manifest, contract, examples: held && !held.kind ? held : emptyExamples(manifest.input.shape) });
+    : setUpExamples({ store, manifest, contract, examples: photos(held) || emptyExamples(manifest.input.shape) });
   renderHistory(saved.history || []);
   let trained = Boolean(saved.tensors);
   /** @type {DeviceRunner | null} */

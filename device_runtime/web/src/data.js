@@ -132,20 +132,30 @@ export function examplesShortfall(count, device) {
 }
 
 /** The headline that asks for more examples (of a text or sensor bundle: `kind`), or '' when there are enough. */
-export function shortfallLine(/** @type {number} */ count, /** @type {Contract['device']} */ device, /** @type {SampleKind} */ kind = 'image') {
+export function shortfallLine(
+  /** @type {number} */ count,
+  /** @type {Contract['device']} */ device,
+  /** @type {SampleKind} */ kind = 'image',
+) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
   const words = SAMPLE_WORDS[kind];
-  return `Add ${more} ${count ? 'more ' : ''}${more === 1 ? words.one : `${words.one}s`}${words.more} to take part in the rounds.`;
+  const noun = more === 1 ? words.one : `${words.one}s`;
+  return `Add ${more} ${count ? 'more ' : ''}${noun}${words.more} to take part in the rounds.`;
 }
 
 /** Why: how many examples the model needs, to learn from and kept aside ('' when there are enough). */
-export function shortfallReason(/** @type {number} */ count, /** @type {Contract['device']} */ device, /** @type {SampleKind} */ kind = 'image') {
+export function shortfallReason(
+  /** @type {number} */ count,
+  /** @type {Contract['device']} */ device,
+  /** @type {SampleKind} */ kind = 'image',
+) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
   const total = count + more;
   const held = heldOutCount(total, device.val_fraction);
-  return `The model needs ${plural(total, SAMPLE_WORDS[kind].one)}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
+  const needs = `The model needs ${plural(total, SAMPLE_WORDS[kind].one)}`;
+  return `${needs}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 
 /** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */

@@ -28,10 +28,13 @@ export function setUpRecording({ store, contract, task, recording }) {
   });
   const render = () => {
     const count = recording ? recording.count : 0;
-    const short = [shortfallLine(count, contract.device, task.kind), shortfallReason(count, contract.device, task.kind)].join(' ').trim();
+    const short = [shortfallLine(count, contract.device, task.kind), shortfallReason(count, contract.device, task.kind)]
+      .join(' ')
+      .trim();
     const { train, val } = recording ? split() : { train: { count: 0 }, val: { count: 0 } };
     $('recording-held').textContent = recording
-      ? `${recording.name}: ${plural(count, unit)}, ${train.count} to learn from and ${val.count} kept aside to check how well the model does.${short ? ` ${short}` : ''}`
+      ? `${recording.name}: ${plural(count, unit)}, ${train.count} to learn from and ${val.count} kept aside to ` +
+        `check how well the model does.${short ? ` ${short}` : ''}`
       : short;
     $('recording-remove').hidden = !recording;
     showHeld(task.kind, recording ? recording.classesHeld : 0);

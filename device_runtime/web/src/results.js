@@ -8,7 +8,13 @@
  * What was measured. `final`: the run is over and the model is the final shared one (with this phone's own part);
  * `roundsHere`: how many rounds this phone trained; `round`: the round after which it was measured; `kind`: the
  * bundle's kind of sample (tasks.js TaskKind; photos when absent).
- * @typedef {{accuracy: number, count: number, final: boolean, roundsHere: number, round: number | null, kind?: SampleKind}} Measured
+ * @typedef {object} Measured
+ * @property {number} accuracy
+ * @property {number} count
+ * @property {boolean} final
+ * @property {number} roundsHere
+ * @property {number | null} round
+ * @property {SampleKind} [kind]
  */
 /** @typedef {'image' | 'next-word' | 'sensor'} SampleKind */
 

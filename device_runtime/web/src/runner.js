@@ -371,7 +371,14 @@ export class DeviceRunner {
     }
     const result = await evaluate(engine, val);
     events.runFinished(task.round ?? null, result);
-    const measured = { accuracy: result.correct / result.count, count: result.count, final: true, roundsHere: this.history.length, round: task.round ?? null, kind: this.kind };
+    const measured = {
+      accuracy: result.correct / result.count,
+      count: result.count,
+      final: true,
+      roundsHere: this.history.length,
+      round: task.round ?? null,
+      kind: this.kind,
+    };
     const shown = result.count ? scoreSentence(measured) : 'no examples are kept aside to check it';
     events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
   }

@@ -9,8 +9,14 @@ import { DeviceError } from './errors.js';
 
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
-/** Windows of readings (N*C*T float32, channels first) and their labels. @typedef {{x: Float32Array, y: Int32Array, count: number}} Windows */
-/** What a sensor bundle's manifest says of its windows (manifest.json `task`). @typedef {{kind: string, channels: string[], window?: number, rate?: number}} SensorTask */
+/**
+ * Windows of readings (N*C*T float32, channels first) and their labels.
+ * @typedef {{x: Float32Array, y: Int32Array, count: number}} Windows
+ */
+/**
+ * What a sensor bundle's manifest says of its windows (manifest.json `task`).
+ * @typedef {{kind: string, channels: string[], window?: number, rate_hz?: number}} SensorTask
+ */
 
 const CSV_COLUMNS = ['window', 'label']; // the columns before the channels
 const NUMBER = /^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i; // a finite number as Python's float() reads it
@@ -36,10 +42,18 @@ export function checkChannels(channels, manifest, source) {
   const missing = expected.filter((name) => !channels.includes(name));
   const extra = channels.filter((name) => !expected.includes(name));
   if (missing.length || extra.length) {
-    const problem = missing.length ? `lacks the channel "${missing[0]}"` : `has the channel "${extra[0]}", which the model does not read`;
-    throw new SensorError(`${source} ${problem} (the model reads ${expected.join(', ')})`, `record exactly these channels: ${expected.join(', ')}`);
+    const problem = missing.length
+      ? `lacks the channel "${missing[0]}"`
+      : `has the channel "${extra[0]}", which the model does not read`;
+    throw new SensorError(
+      `${source} ${problem} (the model reads ${expected.join(', ')})`,
+      `record exactly these channels: ${expected.join(', ')}`,
+    );
   }
-  throw new SensorError(`${source} has the model's channels in another order (${channels.join(', ')})`, `order the columns as the model reads them: ${expected.join(', ')}`);
+  throw new SensorError(
+    `${source} has the model's channels in another order (${channels.join(', ')})`,
+    `order the columns as the model reads them: ${expected.join(', ')}`,
+  );
 }
 
 /**
@@ -53,7 +67,10 @@ export function checkChannels(channels, manifest, source) {
 export function readSensorCsv(text, manifest, source) {
   const rows = text.split(/\r\n|\n|\r/).map(csvCells);
   if (!rows.length || rows[0].slice(0, 2).map((cell) => cell.trim()).join() !== CSV_COLUMNS.join()) {
-    throw new SensorError(`${source} does not start with the header window,label,<channel>,...`, 'write the header row first, then one row per reading');
+    throw new SensorError(
+      `${source} does not start with the header window,label,<channel>,...`,
+      'write the header row first, then one row per reading',
+    );
   }
   const header = rows[0];
   const channels = header.slice(2).map((cell) => cell.trim());
@@ -64,7 +81,10 @@ export function readSensorCsv(text, manifest, source) {
   const windows = new Map();
   rows.slice(1).forEach((row, i) => {
     if (!row.some((cell) => cell.trim())) return;
-    if (row.length !== header.length) throw new SensorError(`${source} line ${i + 2} has ${row.length} cells, the header ${header.length}`, 'fill every cell of every row');
+    if (row.length !== header.length) {
+      const problem = `${source} line ${i + 2} has ${row.length} cells, the header ${header.length}`;
+      throw new SensorError(problem, 'fill every cell of every row');
+    }
     const id = row[0].trim();
     if (!windows.has(id)) windows.set(id, { rows: [], line: i + 2 });
     /** @type {{rows: string[][]}} */ (windows.get(id)).rows.push(row);
@@ -76,10 +96,15 @@ export function readSensorCsv(text, manifest, source) {
   let n = 0;
   for (const [id, { rows: readings }] of windows) {
     if (readings.length !== steps) {
-      throw new SensorError(`${source}: window ${id} has ${readings.length} readings, the model takes ${steps}`, `cut the recording into windows of ${steps} readings`);
+      throw new SensorError(
+        `${source}: window ${id} has ${readings.length} readings, the model takes ${steps}`,
+        `cut the recording into windows of ${steps} readings`,
+      );
     }
     const labels = new Set(readings.map((row) => row[1].trim()));
-    if (labels.size !== 1) throw new SensorError(`${source}: window ${id} has more than one label`, 'give each window one label');
+    if (labels.size !== 1) {
+      throw new SensorError(`${source}: window ${id} has more than one label`, 'give each window one label');
+    }
     y[n] = classIndex([...labels][0], names, `${source}: window ${id}`);
     readings.forEach((row, t) => {
       row.slice(2).forEach((cell, c) => {
@@ -92,7 +117,8 @@ export function readSensorCsv(text, manifest, source) {
 }
 
 /**
- * Windows as the model reads them: float32 (x - mean) / std per channel where the bundle normalises (data.py normalize).
+ * Windows as the model reads them: float32 (x - mean) / std per channel where the bundle normalises (data.py
+ * normalize).
  * @param {Float32Array} x N*C*T readings
  * @param {InputSpec} inputSpec
  */
@@ -115,7 +141,8 @@ function reading(/** @type {string} */ cell, /** @type {string} */ where) {
   }
   const value = Number(cell);
   if (!Number.isFinite(value) || !Number.isFinite(Math.fround(value))) {
-    throw new SensorError(`${where} holds NaN or Inf readings`, 'drop or fill the gaps in the recording (e.g. interpolate) before cutting windows');
+    const fix = 'drop or fill the gaps in the recording (e.g. interpolate) before cutting windows';
+    throw new SensorError(`${where} holds NaN or Inf readings`, fix);
   }
   return Math.fround(value);
 }

@@ -20,13 +20,18 @@ import { nextWordSamples, readText, timeOrderSplit } from './text.js';
  * and how many classes its samples show (a sensor file's activities; 0 for text).
  * @typedef {{kind: 'next-word' | 'sensor', name: string, text: string, count: number, classesHeld: number}} Recording
  */
-/** How a recording becomes samples: the bundle's manifest and, for text, its vocabulary. @typedef {{kind: 'next-word' | 'sensor', manifest: Manifest, vocabulary: Vocabulary | null}} RecordingTask */
+/**
+ * How a recording becomes samples: the bundle's manifest and, for text, its vocabulary.
+ * @typedef {{kind: 'next-word' | 'sensor', manifest: Manifest, vocabulary: Vocabulary | null}} RecordingTask
+ */
 
 /** The words the page shows for a kind of file: the section's title, what to give, the picker, the file types. */
 export const RECORDING_WORDS = {
   'next-word': {
     title: 'Your text',
-    needs: 'The model learns to suggest your next word from text you wrote: pick a UTF-8 .txt file, one message or sentence a line (notes, messages you sent). The last part of it is kept aside to check the suggestions.',
+    needs:
+      'The model learns to suggest your next word from text you wrote: pick a UTF-8 .txt file, one message or ' +
+      'sentence a line (notes, messages you sent). The last part of it is kept aside to check the suggestions.',
     pick: 'Pick a text file (.txt)',
     accept: '.txt,text/plain',
     suffix: '.txt',
@@ -34,7 +39,9 @@ export const RECORDING_WORDS = {
   },
   sensor: {
     title: 'Your recordings',
-    needs: 'The model learns your activities from motion recordings: pick a .csv file whose header is window,label, then the model\'s channels; each row is one reading, each window has its label.',
+    needs:
+      'The model learns your activities from motion recordings: pick a .csv file whose header is window,label, ' +
+      'then the model\'s channels; each row is one reading, each window has its label.',
     pick: 'Pick a recording (.csv)',
     accept: '.csv,text/csv',
     suffix: '.csv',
@@ -49,7 +56,10 @@ export class RecordingError extends DeviceError {}
 export function taskKind(/** @type {Manifest} */ manifest) {
   const kind = String((/** @type {{task?: {kind?: string}}} */ (manifest).task || {}).kind || 'image');
   if (kind !== 'image' && kind !== 'next-word' && kind !== 'sensor') {
-    throw new RecordingError(`the server's model reads samples of kind "${kind}", which this page cannot`, 'ask whoever runs the server to update the page');
+    throw new RecordingError(
+      `the server's model reads samples of kind "${kind}", which this page cannot`,
+      'ask whoever runs the server to update the page',
+    );
   }
   return /** @type {TaskKind} */ (kind);
 }
@@ -68,7 +78,9 @@ export function textTask(/** @type {Manifest} */ manifest) {
  */
 export function readRecording(bytes, name, task) {
   const words = RECORDING_WORDS[task.kind];
-  if (!name.toLowerCase().endsWith(words.suffix)) throw new RecordingError(`the file ${name} is not a ${words.suffix} file`, words.notFix);
+  if (!name.toLowerCase().endsWith(words.suffix)) {
+    throw new RecordingError(`the file ${name} is not a ${words.suffix} file`, words.notFix);
+  }
   const text = readText(bytes, fileWords(name));
   /** @type {Recording} */
   const recording = { kind: task.kind, name, text, count: 0, classesHeld: 0 };
@@ -84,7 +96,8 @@ export function readRecording(bytes, name, task) {
  */
 export function recordingSamples(recording, task) {
   if (task.kind === 'next-word') {
-    return nextWordSamples(recording.text, /** @type {Vocabulary} */ (task.vocabulary), textTask(task.manifest).seq_len, fileWords(recording.name));
+    const vocabulary = /** @type {Vocabulary} */ (task.vocabulary);
+    return nextWordSamples(recording.text, vocabulary, textTask(task.manifest).seq_len, fileWords(recording.name));
   }
   const windows = readSensorCsv(recording.text, task.manifest, fileWords(recording.name));
   return { ...windows, x: normalizeReadings(windows.x, task.manifest.input) };

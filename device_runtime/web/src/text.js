@@ -148,7 +148,8 @@ export function readText(bytes, name) {
   try {
     return new TextDecoder('utf-8', { fatal: true }).decode(bytes);
   } catch {
-    throw new TextError(`${name} is not UTF-8 text`, 'save it as UTF-8 (most editors: Save As… → encoding UTF-8) and pick it again');
+    const fix = 'save it as UTF-8 (most editors: Save As… → encoding UTF-8) and pick it again';
+    throw new TextError(`${name} is not UTF-8 text`, fix);
   }
 }
 
@@ -166,7 +167,8 @@ export function nextWordSamples(text, vocabulary, seqLen, name) {
   const words = lines.reduce((sum, tokens) => sum + tokens.length, 0);
   if (words < MIN_DEVICE_WORDS) {
     const what = words ? `only ${words} word${words === 1 ? '' : 's'}` : 'no words';
-    throw new TextError(`${name} holds ${what}; the model needs at least ${MIN_DEVICE_WORDS}`, 'pick a longer text (a line per message or sentence)');
+    const problem = `${name} holds ${what}; the model needs at least ${MIN_DEVICE_WORDS}`;
+    throw new TextError(problem, 'pick a longer text (a line per message or sentence)');
   }
   /** @type {number[]} */
   const windows = [];
@@ -223,5 +225,6 @@ export async function suggestWords(engine, phrase, vocabulary, k, held) {
 export function nextWords(probabilities, vocabulary, k) {
   const candidates = Float32Array.from(probabilities);
   for (const id of NEVER_SUGGESTED) candidates[id] = -Infinity;
-  return topClasses(candidates, vocabulary.words, k).map(({ index, name }) => ({ index, word: name, probability: probabilities[index] }));
+  const top = topClasses(candidates, vocabulary.words, k);
+  return top.map(({ index, name }) => ({ index, word: name, probability: probabilities[index] }));
 }

@@ -151,14 +151,16 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
       }),
     );
     // for people's tools and the browser test: the words, their probabilities, and how long it took
-    Object.assign(list.dataset, { phrase, words: JSON.stringify(words.map((w) => w.word)), ms: String(performance.now() - started) });
+    const ms = String(performance.now() - started);
+    Object.assign(list.dataset, { phrase, words: JSON.stringify(words.map((w) => w.word)), ms });
   };
 
   /** The activity of each window of a recording (the first WINDOWS_SHOWN). */
   const tryWindows = async (/** @type {File} */ file) => {
     let windows;
     try {
-      windows = readSensorCsv(readText(new Uint8Array(await file.arrayBuffer()), fileWords(file.name)), manifest, fileWords(file.name));
+      const source = fileWords(file.name);
+      windows = readSensorCsv(readText(new Uint8Array(await file.arrayBuffer()), source), manifest, source);
     } catch (err) {
       if (!(err instanceof DeviceError)) throw err;
       showProblem(err);
@@ -167,7 +169,8 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
     const count = Math.min(windows.count, WINDOWS_SHOWN);
     const x = normalizeReadings(windows.x, manifest.input).subarray(0, count * engine.sampleSize);
     const probabilities = await engine.predict(x, count, await held);
-    const rows = Array.from({ length: count }, (_, i) => probabilities.subarray(i * names.length, (i + 1) * names.length));
+    const classes = names.length;
+    const rows = Array.from({ length: count }, (_, i) => probabilities.subarray(i * classes, (i + 1) * classes));
     const list = $('try-activities');
     list.replaceChildren(
       ...rows.map((row, i) => {
@@ -233,7 +236,9 @@ function probeInputs(examples, engine, task) {
   const held = examples.current();
   const size = engine.sampleSize;
   const count = Math.min(PROBES, held.count) || PROBES;
-  if (task && held.count) return { x: recordingSamples(/** @type {Recording} */ (held), task).x.subarray(0, count * size), count };
+  if (task && held.count) {
+    return { x: recordingSamples(/** @type {Recording} */ (held), task).x.subarray(0, count * size), count };
+  }
   if (engine.inputType.dtype === 'int64') {
     const classes = engine.manifest.num_classes;
     return { x: BigInt64Array.from({ length: count * size }, (_, i) => BigInt((i * 7919) % classes)), count };

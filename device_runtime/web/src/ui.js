@@ -21,6 +21,8 @@ import { chanceWords, pct, plural, scoreWhat } from './results.js';
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 
 const SVG = 'http://www.w3.org/2000/svg';
+const NEXT_WORD_MEASURE = 'This counts how often the word you wrote next is the model\'s first guess ' +
+  '(words the model does not know are not counted).';
 /** What the results show: the rounds, the evaluation at the run's end, the classes the examples hold. */
 const shown = {
   /** @type {RoundRecord[]} */
@@ -317,16 +319,16 @@ function renderScore() {
   const final = shown.final && shown.final.result.count ? shown.final : null;
   const roundsHere = shown.history.length;
   const score = final
-    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round, kind: shown.kind }
+    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round }
     : last
-      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round, kind: shown.kind }
+      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round }
       : null;
   $('score').textContent = score ? pct(score.accuracy) : '–';
   $('score').dataset.accuracy = String(score ? score.accuracy : '');
-  $('score-what').textContent = score ? `${scoreWhat(score)}.` : 'not measured yet';
+  $('score-what').textContent = score ? `${scoreWhat({ ...score, kind: shown.kind })}.` : 'not measured yet';
   const classes = shown.classesHeld;
   const chance = shown.kind === 'next-word'
-    ? { text: 'This counts how often the word you wrote next is the model\'s first guess (words the model does not know are not counted).', below: false }
+    ? { text: NEXT_WORD_MEASURE, below: false }
     : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
   $('score-chance').textContent = chance.text;
   $('score-chance').dataset.below = String(chance.below);

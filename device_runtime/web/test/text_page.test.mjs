@@ -30,7 +30,9 @@ async function textBundle() {
 
 const notes = () => new Uint8Array(readFileSync(join(TEXT, 'notes.txt')));
 
-test('a person\'s text gives Python\'s next-word samples and time-order split, <oov> targets not counted', { skip: NEEDS_FIXTURES }, async () => {
+const FIXTURED = { skip: NEEDS_FIXTURES };
+
+test('a person\'s text gives Python\'s next-word samples and time-order split, <oov> targets not counted', FIXTURED, async () => {
   const { task, want } = await textBundle();
   const recording = readRecording(notes(), 'notes.txt', task);
   assert.equal(recording.count, want.notes.y.length);
@@ -44,30 +46,35 @@ test('a person\'s text gives Python\'s next-word samples and time-order split, <
   assert.ok(val.y.every((id) => !task.manifest.task.metric_ignores.includes(id)));
 });
 
-test('a step on the page\'s samples of the text gives the Python portable engine\'s tensors', { skip: NEEDS_FIXTURES }, async () => {
+test('a step on the page\'s samples of the text gives the Python portable engine\'s tensors', FIXTURED, async () => {
   const { manifest, files, task, want } = await textBundle();
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
   const { train } = splitRecording(readRecording(notes(), 'notes.txt', task), task, want.notes.val_fraction, 0);
   const count = want.notes.step.count;
-  const loss = await engine.trainStep(train.x.subarray(0, count * engine.sampleSize), train.y.subarray(0, count), count, want.lr, 'full');
+  const x = train.x.subarray(0, count * engine.sampleSize);
+  const loss = await engine.trainStep(x, train.y.subarray(0, count), count, want.lr, 'full');
   assert.ok(Math.abs(loss - want.notes.step.loss) <= TOLERANCE, `loss ${loss} vs ${want.notes.step.loss}`);
   const after = decodeSafetensors(new Uint8Array(readFileSync(join(TEXT, 'after-notes.safetensors'))), 'after').tensors;
   const got = await engine.getTensors();
-  for (const name of Object.keys(after)) assert.ok(maxAbsDiff(got[name].data, after[name].data) <= TOLERANCE, `${name} differs from Python`);
+  for (const name of Object.keys(after)) {
+    assert.ok(maxAbsDiff(got[name].data, after[name].data) <= TOLERANCE, `${name} differs from Python`);
+  }
   // "Save the model" on a text bundle: the file takes token ids and answers as the engine does on the person's text
   const { model_file: spec } = fixtureContract();
   const device = { trained: true, lastCompletedRound: 1, description: 'trained: after round 1' };
   const file = deviceModelFile(files.get('model.onnx'), await engine.getTensors(), manifest, spec, device);
-  assert.ok((await checkModelFile(ort, file, engine, train.x.subarray(0, 8 * engine.sampleSize), 8, spec)) <= spec.check_tolerance);
+  const probes = train.x.subarray(0, 8 * engine.sampleSize);
+  assert.ok((await checkModelFile(ort, file, engine, probes, 8, spec)) <= spec.check_tolerance);
 });
 
-test('"Try it" suggests the words `device predict --text` suggests for a phrase', { skip: NEEDS_FIXTURES }, async () => {
+test('"Try it" suggests the words `device predict --text` suggests for a phrase', FIXTURED, async () => {
   const { manifest, files, vocabulary, want } = await textBundle();
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
   for (const [phrase, expected] of Object.entries(want.notes.suggestions)) {
     const words = await suggestWords(engine, phrase, vocabulary, 3);
-    assert.deepEqual(words.map((w) => [w.index, w.word]), expected.map(([id, word]) => [id, word]), JSON.stringify(phrase));
-    assert.ok(maxAbsDiff(words.map((w) => w.probability), expected.map((e) => e[2])) <= TOLERANCE, JSON.stringify(phrase));
+    const shown = JSON.stringify(phrase);
+    assert.deepEqual(words.map((w) => [w.index, w.word]), expected.map(([id, word]) => [id, word]), shown);
+    assert.ok(maxAbsDiff(words.map((w) => w.probability), expected.map((e) => e[2])) <= TOLERANCE, shown);
   }
 });
 
@@ -78,10 +85,12 @@ test('a file that is not text, not UTF-8 or too short is refused in words a pers
   const refused = (/** @type {RegExp} */ problem, /** @type {RegExp} */ fix) => (/** @type {unknown} */ err) =>
     err instanceof DeviceError && problem.test(err.problem) && fix.test(err.fix);
   const utf8 = (/** @type {string} */ text) => new TextEncoder().encode(text);
-  assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), refused(/photo\.jpg is not a \.txt file/, /plain-text/));
+  const read = (/** @type {Uint8Array} */ bytes, /** @type {string} */ name) => () => readRecording(bytes, name, task);
+  assert.throws(read(utf8('hello'), 'photo.jpg'), refused(/photo\.jpg is not a \.txt file/, /plain-text/));
   assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), RecordingError);
-  assert.throws(() => readRecording(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt', task), refused(/notes\.txt is not UTF-8 text/, /UTF-8/));
-  assert.throws(() => readRecording(utf8('hello hello.\n'), 'notes.txt', task), refused(/holds only 3 words; the model needs at least 10/, /longer text/));
+  assert.throws(read(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt'), refused(/notes\.txt is not UTF-8 text/, /UTF-8/));
+  const short = /holds only 3 words; the model needs at least 10/;
+  assert.throws(read(utf8('hello hello.\n'), 'notes.txt'), refused(short, /longer text/));
   assert.throws(() => readRecording(utf8('\n \n'), 'notes.txt', task), refused(/holds no words/, /longer text/));
   const recording = readRecording(utf8('hello there, hello you. hello!\nhello hello'), 'notes.txt', task);
   assert.equal(recording.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
@@ -90,9 +99,13 @@ test('a file that is not text, not UTF-8 or too short is refused in words a pers
 test('the page counts a text bundle\'s samples as next words, and asks for a longer text', () => {
   const device = { val_fraction: 0.2, min_train_examples: 8, min_held_out: 2 };
   assert.equal(shortfallLine(7, device, 'next-word'), 'Add 3 more next words (pick a longer text) to take part in the rounds.');
-  assert.equal(shortfallReason(7, device, 'next-word'), 'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.');
+  assert.equal(
+    shortfallReason(7, device, 'next-word'),
+    'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.',
+  );
   assert.equal(shortfallLine(0, device, 'sensor'), 'Add 10 windows (pick a longer recording) to take part in the rounds.');
   const measured = { accuracy: 0.25, count: 16, final: false, roundsHere: 1, round: 1 };
-  assert.equal(scoreSentence({ ...measured, kind: 'next-word' }), '25.0% of the 16 next words kept aside are guessed right by your model after round 1');
-  assert.equal(scoreSentence({ ...measured, kind: 'sensor' }), '25.0% of the 16 windows kept aside are recognised by your model after round 1');
+  const after = 'by your model after round 1';
+  assert.equal(scoreSentence({ ...measured, kind: 'next-word' }), `25.0% of the 16 next words kept aside are guessed right ${after}`);
+  assert.equal(scoreSentence({ ...measured, kind: 'sensor' }), `25.0% of the 16 windows kept aside are recognised ${after}`);
 });
