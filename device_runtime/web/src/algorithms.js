@@ -14,7 +14,10 @@ import { numel } from './safetensors.js';
 /** @typedef {import('./engine.js').Engine} Engine */
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./safetensors.js').Tensors} Tensors */
-/** Pre-processed examples: `count` samples of x (float32, C*H*W each) and their labels. @typedef {{x: Float32Array, y: Int32Array, count: number}} Samples */
+/**
+ * Pre-processed examples: `count` samples of x (float32 C*H*W or C*T each, or int64 token ids) and their labels.
+ * @typedef {{x: import('./engine.js').ModelInput, y: Int32Array, count: number}} Samples
+ */
 /** @typedef {{name: string, trainable: string, epochs: number}} Phase */
 /** @typedef {{name: string, trainable: string, epochs: number, steps: number, meanLoss: number}} PhaseLog */
 /** @typedef {{trainLoss: number, numSamples: number, uploads: boolean, phases: PhaseLog[]}} ClientResult */
@@ -157,10 +160,10 @@ export async function runClientRound(contract, engine, train, settingsJson, { se
     const losses = [];
     for (let e = epoch; e < epoch + phase.epochs; e++) {
       for (const positions of batchOrder(train.count, settings.batch_size, shuffleSeed, e)) {
-        const x = new Float32Array(positions.length * sample);
+        const x = new engine.inputType.array(positions.length * sample);
         const y = new Int32Array(positions.length);
         positions.forEach((p, i) => {
-          x.set(train.x.subarray(p * sample, (p + 1) * sample), i * sample);
+          x.set(/** @type {any} */ (train.x).subarray(p * sample, (p + 1) * sample), i * sample);
           y[i] = Number(train.y[p]);
         });
         const loss = await engine.trainStep(x, y, positions.length, settings.lr, phase.trainable);
@@ -278,7 +281,7 @@ function mean(/** @type {number[]} */ values) {
 }
 
 /** Python's round(): halves go to the even neighbour. */
-function roundHalfEven(/** @type {number} */ v) {
+export function roundHalfEven(/** @type {number} */ v) {
   const floor = Math.floor(v);
   const diff = v - floor;
   if (diff > 0.5) return floor + 1;

@@ -10,9 +10,12 @@ import { emptyExamples } from './data.js';
 import { openEngine, personalSpec, portableFiles } from './engine.js';
 import { DeviceError, StartOver } from './errors.js';
 import { ApiClient, Refusal } from './protocol.js';
+import { setUpRecording } from './recording.js';
 import { DeviceRunner } from './runner.js';
 import { sha256Hex } from './sha256.js';
 import { openStore } from './store.js';
+import { taskKind, textTask } from './tasks.js';
+import { loadVocabulary } from './text.js';
 import { setUpTryIt } from './tryit.js';
 import { fatal, offerStartOver, pageEvents, renderHistory, setUpExamples, setUpReset, showBackend, showDevice, showProblem, showStorage, stage, status } from './ui.js';
 
@@ -98,7 +101,16 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   }
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`);
-  const examples = setUpExamples({ store, manifest, contract, examples: saved.examples || emptyExamples(manifest.input.shape) });
+  const kind = taskKind(manifest);
+  // a text bundle's vocabulary comes with the bundle, its sha256 checked against the manifest's
+  const text = kind === 'next-word' ? textTask(manifest) : null;
+  const vocabulary = text && (await loadVocabulary(await bundleFile(store, client, manifest, text.vocab, keep), text));
+  const task = kind === 'image' ? null : { kind, manifest, vocabulary };
+  const held = /** @type {any} */ (saved.examples); // a text or sensor bundle keeps its file (tasks.js Recording)
+  const photos = (/** @type {any} */ kept) => (kept && !kept.kind ? kept : null); // an image bundle keeps Examples
+  const examples = task
+    ? setUpRecording({ store, contract, task, recording: held && held.kind === kind ? held : null })
+    : setUpExamples({ store, manifest, contract, examples: photos(held) || emptyExamples(manifest.input.shape) });
   renderHistory(saved.history || []);
   let trained = Boolean(saved.tensors);
   /** @type {DeviceRunner | null} */
@@ -112,7 +124,7 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
     return { trained, lastCompletedRound: last, description };
   };
   const inferenceGraph = () => bundleFile(store, client, manifest, INFERENCE_GRAPH, keep);
-  const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, examples });
+  const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, examples, task });
   setUpReset(store, () => ({ examples: examples.current().count, rounds: (runner ? runner.history : saved.history || []).length }));
   if (saved.round) status(`Round ${saved.round.round} was interrupted; it starts again from the shared model.`);
   const sleep = (/** @type {number} */ seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000));

@@ -7,11 +7,13 @@
 import { heldOutCount, splitTrainVal } from './algorithms.js';
 import { DeviceError, describe } from './errors.js';
 import { normalizePixels, toModelPixels } from './preprocess.js';
+import { plural, SAMPLE_WORDS } from './results.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./algorithms.js').Samples} Samples */
+/** @typedef {import('./results.js').SampleKind} SampleKind */
 /**
  * The person's examples: uint8 pixels (C*H*W each) at the model's input size and their labels; `lastAdded`: how
  * many of the last ones came in the last addition (0 once any was removed), for "remove the last added".
@@ -129,19 +131,31 @@ export function examplesShortfall(count, device) {
   throw new DataError("no number of examples meets the server's minimum with its held-out fraction", 'reload the page; if it persists, tell whoever runs the server');
 }
 
-/** The headline that asks for more examples, or '' when there are enough. */
-export function shortfallLine(/** @type {number} */ count, /** @type {Contract['device']} */ device) {
+/** The headline that asks for more examples (of a text or sensor bundle: `kind`), or '' when there are enough. */
+export function shortfallLine(
+  /** @type {number} */ count,
+  /** @type {Contract['device']} */ device,
+  /** @type {SampleKind} */ kind = 'image',
+) {
   const more = examplesShortfall(count, device);
-  return more ? `Add ${more} ${count ? 'more ' : ''}example${more === 1 ? '' : 's'} to take part in the rounds.` : '';
+  if (!more) return '';
+  const words = SAMPLE_WORDS[kind];
+  const noun = more === 1 ? words.one : `${words.one}s`;
+  return `Add ${more} ${count ? 'more ' : ''}${noun}${words.more} to take part in the rounds.`;
 }
 
 /** Why: how many examples the model needs, to learn from and kept aside ('' when there are enough). */
-export function shortfallReason(/** @type {number} */ count, /** @type {Contract['device']} */ device) {
+export function shortfallReason(
+  /** @type {number} */ count,
+  /** @type {Contract['device']} */ device,
+  /** @type {SampleKind} */ kind = 'image',
+) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
   const total = count + more;
   const held = heldOutCount(total, device.val_fraction);
-  return `The model needs ${total} examples: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
+  const needs = `The model needs ${plural(total, SAMPLE_WORDS[kind].one)}`;
+  return `${needs}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 
 /** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */

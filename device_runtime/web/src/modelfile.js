@@ -164,7 +164,7 @@ export function metadataProps(manifest, spec, device) {
  * @param {typeof import('onnxruntime-web')} ort
  * @param {Uint8Array} file
  * @param {Engine} engine holding the tensors baked into the file
- * @param {Float32Array} x
+ * @param {import('./engine.js').ModelInput} x
  * @param {number} count
  * @param {ModelFileSpec} spec
  * @param {Map<string, import('onnxruntime-web').Tensor>} [held] the engine's snapshot baked into the file (default: its current tensors)
@@ -172,7 +172,7 @@ export function metadataProps(manifest, spec, device) {
 export async function checkModelFile(ort, file, engine, x, count, spec, held = engine.state) {
   const session = await ort.InferenceSession.create(file, { executionProviders: ['wasm'] });
   try {
-    const feeds = { [spec.names.input]: new ort.Tensor('float32', x, [count, ...engine.sampleShape]) };
+    const feeds = { [spec.names.input]: new ort.Tensor(engine.inputType.dtype, x, [count, ...engine.sampleShape]) };
     const got = /** @type {Float32Array} */ ((await session.run(feeds, [spec.names.probabilities]))[spec.names.probabilities].data);
     const want = await engine.predict(x, count, held);
     let worst = 0;

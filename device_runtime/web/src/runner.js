@@ -13,6 +13,7 @@ import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
 import { scoreSentence } from './results.js';
+import { taskKind } from './tasks.js';
 import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
@@ -58,7 +59,14 @@ import { sha256Hex } from './sha256.js';
  * @property {(url: string, what: string) => Promise<{text: string | null, wait: number}>} secureFetch
  */
 
-/** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
+/**
+ * The person's examples as the loop reads them: the current ones (photos, or a text or sensor bundle's file), a
+ * promise of more, and their train/held-out split when it is not the photos' (tasks.js splitRecording).
+ * @typedef {object} ExampleSource
+ * @property {() => Examples | import('./tasks.js').Recording | {count: number}} current
+ * @property {() => Promise<void>} added
+ * @property {(valFraction: number, seed: number) => {train: Samples, val: Samples}} [split]
+ */
 
 const OFFLINE_WAIT = 30; // seconds before trying again after the server stayed unreachable (the page's own)
 
@@ -85,6 +93,7 @@ export class DeviceRunner {
     this.engine = engine;
     this.manifest = engine.manifest;
     this.layout = engine.manifest.base_layout_hash;
+    this.kind = taskKind(engine.manifest);
     this.contract = contract;
     this.events = events;
     this.sleep = sleep;
@@ -103,7 +112,7 @@ export class DeviceRunner {
     for (;;) {
       try {
         if (this.progress.pending) await this.deliverPending();
-        const more = shortfallLine(this.examples.current().count, contract.device);
+        const more = shortfallLine(this.examples.current().count, contract.device, this.kind);
         if (more) { // the page asks for no round it has nothing to learn from (or nothing to measure with)
           events.stage('examples', more);
           told = '';
@@ -362,7 +371,14 @@ export class DeviceRunner {
     }
     const result = await evaluate(engine, val);
     events.runFinished(task.round ?? null, result);
-    const measured = { accuracy: result.correct / result.count, count: result.count, final: true, roundsHere: this.history.length, round: task.round ?? null };
+    const measured = {
+      accuracy: result.correct / result.count,
+      count: result.count,
+      final: true,
+      roundsHere: this.history.length,
+      round: task.round ?? null,
+      kind: this.kind,
+    };
     const shown = result.count ? scoreSentence(measured) : 'no examples are kept aside to check it';
     events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
   }
@@ -370,7 +386,8 @@ export class DeviceRunner {
   /** The seeded train/held-out split of the current examples, normalised, as the contract sets it. */
   split() {
     const { val_fraction: valFraction, split_seed: seed } = this.contract.device;
-    return splitExamples(this.examples.current(), this.manifest.input, valFraction, seed);
+    if (this.examples.split) return this.examples.split(valFraction, seed);
+    return splitExamples(/** @type {Examples} */ (this.examples.current()), this.manifest.input, valFraction, seed);
   }
 
   /** How a refusal names the model it keeps (state.py kept). */

@@ -33,7 +33,8 @@ import { DeviceError } from './errors.js';
  * @property {Progress} [progress] the last rounds completed and uploaded, and the upload not yet acknowledged
  * @property {{round: number, startedAt: number}} [round] the round being trained (restarted from its base after a reload)
  * @property {RoundRecord[]} [history] the rounds trained, newest last
- * @property {Examples} [examples] the person's examples
+ * @property {Examples | import('./tasks.js').Recording} [examples] the person's examples (photos), or a text or
+ *   sensor bundle's file
  * @property {Delta} [residual] what the encoded uploads owe (error feedback), committed with its round; a pending
  *   upload keeps the one before it (`residualBefore`), restored if the server drops that upload
  */

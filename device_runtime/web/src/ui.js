@@ -21,6 +21,8 @@ import { chanceWords, pct, plural, scoreWhat } from './results.js';
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 
 const SVG = 'http://www.w3.org/2000/svg';
+const NEXT_WORD_MEASURE = 'This counts how often the word you wrote next is the model\'s first guess ' +
+  '(words the model does not know are not counted).';
 /** What the results show: the rounds, the evaluation at the run's end, the classes the examples hold. */
 const shown = {
   /** @type {RoundRecord[]} */
@@ -28,6 +30,8 @@ const shown = {
   /** @type {{round: number | null, result: EvalResult} | null} */
   final: null,
   classesHeld: 0,
+  /** @type {import('./tasks.js').TaskKind} the bundle's kind of sample */
+  kind: 'image',
 };
 /** The round being trained: when its first step ended and how many images a step takes, for the speed. */
 const speed = { round: -1, batch: 1, firstStep: 0, firstAt: 0 };
@@ -151,42 +155,24 @@ export function setUpReset(store, held) {
  */
 export function setUpExamples({ store, manifest, contract, examples }) {
   const names = classNames(manifest);
-  /** @type {(() => void)[]} */
-  let waiting = [];
   const select = $('class-select', HTMLSelectElement);
   select.replaceChildren(...names.map((name, i) => new Option(name, String(i))));
-  /** Keep a change of the examples, show it, and wake the round loop where it waits for more. */
-  const keep = async (/** @type {Examples} */ changed, /** @type {string} */ said) => {
-    await store.commit({ examples: changed });
+  const kept = keeper(store, (/** @type {Examples} */ changed) => {
     examples = changed;
-    clearProblem();
-    status(said);
     render();
-    for (const resolve of waiting) resolve();
-    waiting = [];
-  };
+  });
+  const keep = kept.keep;
   const render = () => renderExamples(examples, names, contract, remove);
   const remove = async (/** @type {number} */ label) => {
     const count = classCounts(examples, names.length)[label];
     if (!confirm(`Remove the ${plural(count, 'example')} of "${names[label]}"? They are deleted from this phone; what the model already learned from them stays.`)) return;
     await keep(withoutClass(examples, label), `Removed the ${plural(count, 'example')} of "${names[label]}".`);
   };
-  const add = async (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) => {
-    const files = input.files;
-    if (!files || !files.length) return;
-    const before = $('status').textContent || '';
-    try {
-      status('Reading the examples…');
+  const add = (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) =>
+    readPicked(input, 'Reading the examples…', async (files) => {
       const more = await read(files);
       await keep(appendExamples(examples, more), `Added ${plural(more.count, 'example')}.`);
-    } catch (err) {
-      if (!(err instanceof DeviceError)) throw err;
-      showProblem(err);
-      status(before); // the headline goes back to what the page does
-    } finally {
-      input.value = '';
-    }
-  };
+    });
   /** @param {string} id @param {(files: FileList) => Promise<NewExamples>} read */
   const picker = (id, read) => {
     const input = $(id, HTMLInputElement);
@@ -209,10 +195,52 @@ export function setUpExamples({ store, manifest, contract, examples }) {
   });
   $('examples').hidden = false;
   render();
-  return {
-    current: () => examples,
-    added: () => new Promise((resolve) => waiting.push(resolve)),
+  return { current: () => examples, added: kept.added };
+}
+
+/**
+ * The person's data as the page keeps it (photos, or a text or sensor bundle's file): `keep` saves a change (none:
+ * null), shows it (`shown` draws it) and wakes the round loop where it waits for more (`added`).
+ * @template T
+ * @param {DeviceStore} store
+ * @param {(changed: T) => void} shown
+ * @returns {{keep: (changed: T, said: string) => Promise<void>, added: () => Promise<void>}}
+ */
+export function keeper(store, shown) {
+  /** @type {(() => void)[]} */
+  let waiting = [];
+  const keep = async (/** @type {T} */ changed, /** @type {string} */ said) => {
+    await store.commit({ examples: /** @type {any} */ (changed ?? undefined) });
+    clearProblem();
+    status(said);
+    shown(changed);
+    for (const resolve of waiting) resolve();
+    waiting = [];
   };
+  return { keep, added: () => new Promise((resolve) => waiting.push(resolve)) };
+}
+
+/**
+ * Read what a picker picked (`read` keeps it): the headline says `reading` meanwhile; a DeviceError shows with its
+ * fix and the headline goes back to what the page does. The picker is emptied, so the same file can be picked again.
+ * @param {HTMLInputElement} input
+ * @param {string} reading
+ * @param {(files: FileList) => Promise<void>} read
+ */
+export async function readPicked(input, reading, read) {
+  const files = input.files;
+  if (!files || !files.length) return;
+  const before = $('status').textContent || '';
+  try {
+    status(reading);
+    await read(files);
+  } catch (err) {
+    if (!(err instanceof DeviceError)) throw err;
+    showProblem(err);
+    status(before);
+  } finally {
+    input.value = '';
+  }
 }
 
 /**
@@ -255,6 +283,12 @@ function renderExamples(examples, names, contract, remove) {
   renderScore();
 }
 
+/** What a text or sensor bundle's data holds (recording.js): the kind of sample, and the classes its samples show. */
+export function showHeld(/** @type {import('./tasks.js').TaskKind} */ kind, /** @type {number} */ classesHeld) {
+  Object.assign(shown, { kind, classesHeld });
+  renderScore();
+}
+
 /** The rounds: the table (held-out accuracy before and after training, whether the update was sent), the score and chart. */
 export function renderHistory(/** @type {RoundRecord[]} */ history) {
   shown.history = history;
@@ -291,9 +325,11 @@ function renderScore() {
       : null;
   $('score').textContent = score ? pct(score.accuracy) : '–';
   $('score').dataset.accuracy = String(score ? score.accuracy : '');
-  $('score-what').textContent = score ? `${scoreWhat(score)}.` : 'not measured yet';
+  $('score-what').textContent = score ? `${scoreWhat({ ...score, kind: shown.kind })}.` : 'not measured yet';
   const classes = shown.classesHeld;
-  const chance = chanceWords(score && score.accuracy, score ? score.count : 0, classes);
+  const chance = shown.kind === 'next-word'
+    ? { text: NEXT_WORD_MEASURE, below: false }
+    : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
   $('score-chance').textContent = chance.text;
   $('score-chance').dataset.below = String(chance.below);
   drawChart(measured, classes > 1 ? 1 / classes : null);
@@ -369,7 +405,8 @@ function showProgress(roundId, phase, step, steps, loss) {
   const seconds = (now - speed.firstAt) / 1000;
   if (step > speed.firstStep && seconds > 0) {
     const rate = ((step - speed.firstStep) * speed.batch) / seconds;
-    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} images per second`;
+    const unit = { image: 'images', 'next-word': 'words', sensor: 'windows' }[shown.kind];
+    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} ${unit} per second`;
     $('speed').dataset.imagesPerSecond = String(rate);
   }
 }
