@@ -21,6 +21,12 @@ Settings (issue 6):
                  mixing weights hardly move at the default 5e-3 in 30 rounds), beside its FedAvg, Local and FedRep
   pfedla-mnist   issue 18's MNIST setting: 10 clients, classes:2, 75/25 train/test, `mlp`: FedAvg, Local, FedPer
                  (K_P 1), pFedLA, HeurpFedLA (K_P 0)
+  fedalt-text    FedAlt's StackOverflow table (issue 38) on `shakespeare` (a client per speaking role, the 10 largest
+                 roles): a `transformer` (--width) next-word model, FedAvg and Local, then FedAlt and FedSim with the
+                 input layer, the output layer (output:1) or adapters (adapters:16) personal; FedAvg followed by
+                 local fine-tuning is FedAvg's "after local training" column, shown as its own row
+  har            issue 38's sensor table: UCI HAPT (a client per subject, all 30), `har-cnn`, FedAvg, Local, FedPer
+                 (FedSim) and FedAlt with the output layer personal
 The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
 
 Every run is a folder under --out holding results.json; rerunning resumes. `--report` reads every
@@ -62,9 +68,18 @@ PAPER = {
     ("pfedla", "fedrep"): {"k4": 58.01},
     ("pfedla", "pfedla"): {"k4": 61.43},
     ("pfedla", "heurpfedla"): {"k4": 60.02},
+    # FedAlt's StackOverflow table (Pillutla et al. 2022), mean accuracy, seed 1, as quoted in issue 38
+    ("fedalt-text", "fedavg"): {"none": 23.82},
+    ("fedalt-text", "fedalt"): {"input": 24.47, "output": 25.04, "adapters16": 24.81},
+    ("fedalt-text", "fedsim"): {"input": 24.78, "output": 24.77, "adapters16": 24.40},
+}
+PAPER_SOURCE = {
+    "persfl-cifar": "PersFL",
+    "persfl-mnist": "PersFL",
+    "pfedla": "pFedLA",
+    "fedalt-text": "FedAlt, StackOverflow, its transformer",
 }
 NOTES_FILE = "NOTES.md"  # under --out: appended to the report
-PAPER_SOURCE = {"persfl-cifar": "PersFL", "persfl-mnist": "PersFL", "pfedla": "pFedLA"}
 # rows whose config is identical to another setting's run: read from (and run into) that run's folder
 SAME_RUN = {
     "fedper-kp/kp2/fedper": "fedper-k/k4/fedper",
@@ -74,6 +89,12 @@ SAME_RUN = {
 }
 # pfedla-hn's hypernetwork learning rates (the default, 5e-3, is the pfedla table's)
 PFEDLA_HN_RATES = (0.05, 0.5)
+# fedalt-text's personal parts (issue 38): FedAlt's input, output and adapter-16 rows
+TEXT_PERSONAL = {"input": "input", "output": "output:1", "adapters16": "adapters:16"}
+# fedalt-text's data: the 10 largest roles, a 2,000-word vocabulary (FedAlt's is 10,000: two cores), 20-token windows
+TEXT_DATA = {"dataset": "shakespeare", "partition": "natural", "vocab_size": 2000, "seq_len": 20}
+FINETUNED = "fedavg+ft"  # fedalt-text's row read from FedAvg's "after local training" scores
+SCALED_MODELS = ("mobilenet", "transformer", "lstm", "har-cnn")  # the zoo models --width scales
 # FedPer's paper budget per round (issue 18): MobileNet width 1.0, 4 local epochs, batch 128, lr 0.01
 FEDPER_PAPER = {"width": 1.0, "epochs": 4, "batch_size": 128, "lr": 0.01}
 
@@ -145,6 +166,21 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             ("heurpfedla", "heurpfedla", 0),
         ):
             runs.append((f"{setting}/c2/{label}", mlp.updated(algorithm=algorithm, kp=kp)))
+    elif setting == "fedalt-text":
+        text = base.updated(model="transformer", **TEXT_DATA)
+        runs += [
+            (f"{setting}/none/{algorithm}", text.updated(algorithm=algorithm)) for algorithm in ("fedavg", "local")
+        ]
+        for part, spec in TEXT_PERSONAL.items():
+            for algorithm in ("fedalt", "fedsim"):
+                runs.append((f"{setting}/{part}/{algorithm}", text.updated(algorithm=algorithm, personal=spec)))
+    elif setting == "har":
+        har = base.updated(model="har-cnn", width=1.0, dataset="har", partition="natural", clients=None)
+        runs += [
+            (f"{setting}/subjects/{algorithm}", har.updated(algorithm=algorithm)) for algorithm in ("fedavg", "local")
+        ]
+        for algorithm in ("fedsim", "fedalt"):
+            runs.append((f"{setting}/subjects/{algorithm}", har.updated(algorithm=algorithm, personal="output:1")))
     else:
         raise SystemExit(f"unknown setting {setting!r}")
     return runs
@@ -227,7 +263,7 @@ def report(out: Path, figures: Path | None = None) -> str:
         info = groups[labels[0]][0].info
         norm = f", norm {config.norm}" if config.norm else ""
         lines.append(
-            f"Config: `{config.model}`{f' width {config.width}' if config.model == 'mobilenet' else ''}{norm} on "
+            f"Config: `{config.model}`{f' width {config.width}' if config.model in SCALED_MODELS else ''}{norm} on "
             f"{info.get('dataset', config.data.dataset)}, {info.get('clients')} clients, split "
             f"{'/'.join(str(int(100 * s)) for s in config.data.split)}, {config.rounds} rounds x "
             f"{config.round.epochs} local epoch(s), batch {config.round.batch_size}, lr {config.round.lr}, fraction "
@@ -236,15 +272,15 @@ def report(out: Path, figures: Path | None = None) -> str:
         source = f" ({PAPER_SOURCE[setting]})" if setting in PAPER_SOURCE else ""
         lines += [
             "",
-            f"| run | K_P | seeds | rounds done | last round | last round, mean per seed | last round, after local "
-            f"training | best round (by validation) | paper{source} |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"| run | personal | seeds | rounds done | last round | last round, mean per seed | last round, 10th "
+            f"percentile per seed | last round, after local training | best round (by validation) | paper{source} |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for label in labels:
             runs = groups[label]
             _, part, algorithm = label.split("/")
             paper = PAPER.get((setting, algorithm), {}).get(part)
-            kp = "all" if runs[0].config.algorithm == "local" else runs[0].info.get("kp", runs[0].config.kp)
+            kp = _personal(runs[0])
             done = ",".join(str(len(r.rounds)) for r in runs)
             same = f" (= {SAME_RUN[label]})" if label in SAME_RUN else ""
             same += _dagger(stale.get(label, set()), {r.config.seed for r in runs})
@@ -254,11 +290,11 @@ def report(out: Path, figures: Path | None = None) -> str:
                 teachers = [[c["teacher"]["test_accuracy"] for c in run if "teacher" in c] for run in clients]
                 lines.append(
                     f"| {label} (student) | {kp} | {len(runs)} | {done} | {_pm(sum(students, []))} | "
-                    f"{_per_seed(students)} | - | - | {'' if paper is None else paper} |"
+                    f"{_per_seed(students)} | {_p10_per_seed(students)} | - | - | {'' if paper is None else paper} |"
                 )
                 lines.append(
                     f"| {label} (its teacher) | {kp} | {len(runs)} | {done} | {_pm(sum(teachers, []))} | "
-                    f"{_per_seed(teachers)} | - | - |  |"
+                    f"{_per_seed(teachers)} | {_p10_per_seed(teachers)} | - | - |  |"
                 )
                 continue
             per_run = [[v for v in r.rounds[-1].test_accuracy["per_client"] if v is not None] for r in runs]
@@ -270,9 +306,17 @@ def report(out: Path, figures: Path | None = None) -> str:
             trained = [(r.rounds[-1].trained_test_accuracy or {}).get("per_client") for r in runs]
             after = _pm([v for t in trained if t for v in t if v is not None]) if all(trained) else "-"
             lines.append(
-                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | {after} | "
-                f"{_pm(best)} | {'' if paper is None else paper} |"
+                f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | "
+                f"{_p10_per_seed(per_run)} | {after} | {_pm(best)} | {'' if paper is None else paper} |"
             )
+            if setting == "fedalt-text" and algorithm == "fedavg" and all(trained):
+                # FedAvg + fine-tuning: each device's global model after its local epochs of the last round
+                tuned = [[v for v in t if v is not None] for t in trained]
+                lines.append(
+                    f"| {setting}/{part}/{FINETUNED} (= fedavg, after local training) | all, after FedAvg | "
+                    f"{len(runs)} | {done} | {_pm(sum(tuned, []))} | {_per_seed(tuned)} | {_p10_per_seed(tuned)} | "
+                    f"- | - |  |"
+                )
         if any(label in stale for label in labels):
             lines += [
                 "",
@@ -438,6 +482,18 @@ def _has_batchnorm(config: SimulateConfig) -> bool:
     return config.norm == "batch" or (config.model == "mobilenet" and config.norm is None)
 
 
+def _personal(run) -> str:
+    """What a run kept on the devices: its --personal spec, K_P, "all" for local training, 0 for FedAvg."""
+    if run.config.algorithm == "local":
+        return "all"
+    return run.config.personal or str(run.info.get("kp", run.config.kp))
+
+
+def _p10_per_seed(per_run: list[list[float]]) -> str:
+    """Each seed's 10th percentile over its clients (FedAlt's worst-off clients), in seed order."""
+    return " / ".join(f"{100 * np.percentile(values, 10):.1f}" for values in per_run if values) or "-"
+
+
 def _pm(values: list[float]) -> str:
     array = 100 * np.asarray(values, dtype=np.float64)
     return f"{array.mean():.1f} ± {array.std():.1f}" if len(array) else "-"
@@ -464,6 +520,8 @@ def main() -> None:
             "pfedla",
             "pfedla-hn",
             "pfedla-mnist",
+            "fedalt-text",
+            "har",
         ],
     )
     parser.add_argument("--out", default="bench/results")
