@@ -59,7 +59,9 @@ export function keepExamples(/** @type {Examples} */ examples, /** @type {(label
   const size = examples.shape.reduce((a, b) => a * b, 1);
   const kept = Array.from(examples.labels.keys()).filter((i) => !drop(examples.labels[i], i));
   const pixels = new Uint8Array(kept.length * size);
-  kept.forEach((at, i) => pixels.set(examples.pixels.subarray(at * size, (at + 1) * size), i * size));
+  kept.forEach((at, i) => {
+    pixels.set(examples.pixels.subarray(at * size, (at + 1) * size), i * size);
+  });
   /** @type {Examples} */
   const left = { pixels, labels: Int32Array.from(kept, (i) => examples.labels[i]), count: kept.length, shape: examples.shape, lastAdded: 0 };
   return left;

@@ -19,6 +19,7 @@ export const VOCAB_FORMAT = 'edgepfl-vocab/1';
 // among them are spaces already
 const SPACE = '\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000';
 const TOKEN = new RegExp(`[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*|_|[^\\p{L}\\p{N}_${SPACE}]`, 'gu');
+// biome-ignore lint/suspicious/noControlCharactersInRegex: the control characters are what this removes
 const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
 
 /** A problem with a text or its vocabulary, with the fix. */

@@ -326,7 +326,9 @@ function drawChart(rounds, chance) {
   if (rounds.length) {
     const points = rounds.map((r, i) => `${x(i).toFixed(1)},${y(/** @type {number} */ (r.accuracy)).toFixed(1)}`);
     parts.push(shape('polyline', { class: 'line', points: points.join(' ') }));
-    rounds.forEach((r, i) => parts.push(shape('circle', { class: 'dot', cx: x(i), cy: y(/** @type {number} */ (r.accuracy)), r: 3.5 })));
+    rounds.forEach((r, i) => {
+      parts.push(shape('circle', { class: 'dot', cx: x(i), cy: y(/** @type {number} */ (r.accuracy)), r: 3.5 }));
+    });
     const labels = rounds.length < 2 ? [[0, 'middle']] : [[0, 'start'], [rounds.length - 1, 'end']];
     for (const [i, anchor] of labels) parts.push(shape('text', { x: x(Number(i)), y: bottom + 18, 'text-anchor': anchor }, `round ${rounds[Number(i)].round}`));
   }

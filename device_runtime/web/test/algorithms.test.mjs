@@ -66,7 +66,9 @@ test("split and a whole fedalt round equal the Python device's", { skip: NEEDS_F
   assert.equal(result.numSamples, want.train_index.length);
   assert.equal(result.uploads, true);
   assert.deepEqual(result.phases.map((p) => [p.name, p.steps]), want.phases.map((p) => [p.name, p.steps]));
-  result.phases.forEach((p, i) => assert.ok(Math.abs(p.meanLoss - want.phases[i].mean_loss) <= 1e-5, `${p.name} mean loss ${p.meanLoss}`));
+  result.phases.forEach((p, i) => {
+    assert.ok(Math.abs(p.meanLoss - want.phases[i].mean_loss) <= 1e-5, `${p.name} mean loss ${p.meanLoss}`);
+  });
   assert.ok(Math.abs(result.trainLoss - want.train_loss) <= 1e-5, `${result.trainLoss} vs ${want.train_loss}`);
   assert.equal(progress.length, progress[progress.length - 1].steps);
   assert.deepEqual(progress.map((p) => p.epoch).filter((e, i, a) => a.indexOf(e) === i), [0, 1, 2]);

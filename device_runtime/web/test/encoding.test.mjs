@@ -35,6 +35,7 @@ test('labels parse as the server spells them and others are refused', () => {
 
 test('fp16 bits equal numpy\'s float32 -> float16 cast', { skip: NEEDS_PYTHON }, () => {
   const next = uniformRandom([7]);
+  // biome-ignore lint/suspicious/noApproximativeNumericConstant: an ordinary float32 value, not pi
   const specials = [0, 1, -1, 65504, -65504, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 2 ** -14, 2 ** -14 * (1 - 2 ** -11), 1 + 2 ** -11, 1 + 3 * 2 ** -11, 1e-8, 0.1, 3.14159];
   const values = Float32Array.from([...specials, ...Array.from({ length: 400 }, () => (next() - 0.5) * 10 ** Math.floor(next() * 12 - 8))]);
   const bits = Array.from(values, halfBits);

@@ -137,7 +137,7 @@ test('enrollment sends the secret as the bearer and the same key every time', { 
 });
 
 test('upload metadata is UploadMeta.to_metadata(): Python\'s str() of every number', () => {
-  const cases = [[0.1, '0.1'], [1, '1.0'], [1e-5, '1e-05'], [0.0001, '0.0001'], [1e16, '1e+16'], [123456.789, '123456.789'], [NaN, 'nan'], [-Infinity, '-inf'], [0.6931471805599453, '0.6931471805599453']];
+  const cases = [[0.1, '0.1'], [1, '1.0'], [1e-5, '1e-05'], [0.0001, '0.0001'], [1e16, '1e+16'], [123456.789, '123456.789'], [NaN, 'nan'], [-Infinity, '-inf'], [Math.LN2, '0.6931471805599453']];
   for (const [value, python] of cases) assert.equal(pythonFloat(value), python, String(value));
   const tensors = { 'w': { dtype: 'float32', shape: [2], data: Float32Array.of(1, 2) } };
   const body = encodeUpdate(tensors, { baseLayoutHash: 'abc', numSamples: 58, trainLoss: 0.25, valAccuracy: 1, valLoss: NaN, startValAccuracy: 0.5 });

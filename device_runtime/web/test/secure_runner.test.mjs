@@ -53,7 +53,7 @@ function peerServer(folder, reloadAfter = null) {
       }
       return receipt;
     },
-    async secureFetch(url, what) {
+    async secureFetch(_url, what) {
       return { text: peer('fetch', { what }).text, wait: 0.01 };
     },
   };
