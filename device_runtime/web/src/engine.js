@@ -4,6 +4,7 @@
 // or the WebGPU build on a GPU) and under Node (tests, wasm only). Tensors are addressed by manifest name; state
 // stays as ort.Tensor, on the GPU between WebGPU steps (read back only by getTensors: the upload and the save).
 
+import { concat } from './bytes.js';
 import { DeviceError, describe } from './errors.js';
 import { decodeSafetensors, numel, typedArrayOf } from './safetensors.js';
 import { checkSha256 } from './sha256.js';
@@ -349,12 +350,7 @@ export class Engine {
     if (!held || !sameTensors(held.values, values) || held.steps < BAKE_AFTER_STEPS) return null;
     for (const t of values) await inMemory(t); // read back once: the variant holds them from now on
     const arrays = values.map((t) => /** @type {import('./safetensors.js').TypedArray} */ (t.data));
-    const data = new Uint8Array(arrays.reduce((sum, a) => sum + a.byteLength, 0));
-    let offset = 0;
-    for (const a of arrays) {
-      data.set(new Uint8Array(a.buffer, a.byteOffset, a.byteLength), offset);
-      offset += a.byteLength;
-    }
+    const data = concat(...arrays.map((a) => new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
     let opened;
     try {
       const extra = { externalData: [{ path: frozen.data_location, data }] };

@@ -7,6 +7,7 @@
 // writes them, so the page writes the very bytes Python writes for the same tensors. The texts and the order of
 // the metadata come from the device contract (device_runtime/model_metadata.py).
 
+import { concat } from './bytes.js';
 import { classNames } from './data.js';
 import { DeviceError } from './errors.js';
 import { pythonFloat } from './protocol.js';
@@ -221,13 +222,7 @@ export function writeFields(/** @type {Field[]} */ fields) {
     if (wire === LENGTH_DELIMITED) parts.push(varint(bytes.length));
     parts.push(bytes);
   }
-  const out = new Uint8Array(parts.reduce((sum, p) => sum + p.length, 0));
-  let offset = 0;
-  for (const part of parts) {
-    out.set(part, offset);
-    offset += part.length;
-  }
-  return out;
+  return concat(...parts);
 }
 
 /** `fields` without those of the numbers given, plus `added`, in field-number order (protobuf's own order). */

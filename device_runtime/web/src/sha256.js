@@ -4,6 +4,7 @@
 // WebCrypto's crypto.subtle exists only in secure contexts (https, localhost); a phone opening the page
 // over plain http on a LAN has none, so a small pure-JS SHA-256 (FIPS 180-4) takes over there.
 
+import { hex } from './bytes.js';
 import { DeviceError } from './errors.js';
 
 const K = new Uint32Array([
@@ -55,7 +56,7 @@ export async function sha256Hex(/** @type {Uint8Array} */ bytes) {
   const subtle = globalThis.crypto && globalThis.crypto.subtle;
   if (!subtle) return sha256HexPortable(bytes);
   const digest = new Uint8Array(await subtle.digest('SHA-256', /** @type {Uint8Array<ArrayBuffer>} */ (bytes)));
-  return Array.from(digest, (v) => v.toString(16).padStart(2, '0')).join('');
+  return hex(digest);
 }
 
 /** Throws a DeviceError naming `what` when bytes do not hash to the expected hex digest. */
