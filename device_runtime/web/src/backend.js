@@ -1,7 +1,7 @@
 // @ts-check
 // Where the page trains: on the GPU through onnxruntime-web's WebGPU back end where the browser gives a hardware
 // WebGPU adapter (or WebGPU is asked for), else on the processor through WebAssembly (gpucheck.js says why); the onnxruntime-web build that carries it; the line that
-// says so. Which graphs the GPU then takes whole is the engine's business (engine.js openSession).
+// says so. Which graphs the GPU then takes whole is the engine's business (sessions.js Sessions.open).
 
 import { EngineError } from './engine.js';
 import { softwareAdapter, softwareReason } from './gpucheck.js';

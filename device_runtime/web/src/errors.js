@@ -26,6 +26,9 @@ export class DeviceError extends Error {
 /** A problem whose fix is to forget this device's state and join again (the page offers a button for it). */
 export class StartOver extends DeviceError {}
 
+/** A problem of the bundle, the model or its inputs, with the fix (engine.js exports it too). */
+export class EngineError extends DeviceError {}
+
 /** A secure-aggregation message or state that breaks the protocol (edgepfl's SecAggError); nothing held is lost. */
 export class SecAggError extends DeviceError {}
 

@@ -158,8 +158,8 @@ export async function wasmStepSeconds(engine, wasm, args, now) {
     await wasm.trainStep(...args);
     return now() - start;
   } finally {
-    const opened = [...wasm.sessions.values(), ...[...wasm.baked.values()].map((variant) => variant.opened)];
-    for (const session of opened) (await session).session.release();
+    await wasm.sessions.release(); // the copy's tensors stay readable
+    await wasm.frozen.release();
   }
 }
 

@@ -1,15 +1,13 @@
 // @ts-check
 // A device's secure round (edgepfl/secagg/client.py): the client state machine, with JSON state that Python's
-// ClientSession reads as well, and the steps that take a saved delta through it.
+// ClientSession reads as well (secagg_round.js takes a saved delta through it).
 
 import { concat, equalBytes, hex } from './bytes.js';
-import { uniformRandom } from './encoding.js';
 import { SecAggError } from './errors.js';
 import { checkPlan, vectorLength } from './secagg_config.js';
-import { neighbourMap, graphSeed } from './secagg_graph.js';
+import { graphSeed, neighbourMap } from './secagg_graph.js';
 import { NONCE_BYTES, TAG_BYTES, agree, decrypt, derive, encrypt, info, lengthPrefixed, publicKey, sha256, systemRandomBytes } from './secagg_keys.js';
-import { b64, b64Map, checkName, compareIds, keyBookFromDict, keyBookToDict, maskedInputBytes, messageFromJson, messageToJson, sameJson, unb64 } from './secagg_messages.js';
-import { quantizeDelta } from './secagg_quantize.js';
+import { b64, b64Map, checkName, compareIds, keyBookFromDict, keyBookToDict, sameJson, unb64 } from './secagg_messages.js';
 import { maskVector, pack } from './secagg_ring.js';
 import { PRIME, SECRET_BYTES, SHARE_BYTES, shamirSplit, toBigInt } from './secagg_shamir.js';
 
@@ -20,7 +18,6 @@ import { PRIME, SECRET_BYTES, SHARE_BYTES, shamirSplit, toBigInt } from './secag
 /** @typedef {import('./secagg_messages.js').UnmaskRequest} UnmaskRequest */
 /** @typedef {import('./secagg_messages.js').UnmaskShares} UnmaskShares */
 /** @typedef {import('./secagg_keys.js').RandomBytes} RandomBytes */
-/** @typedef {import('./secagg_quantize.js').Tensor} Tensor */
 
 export const SEALED_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + TAG_BYTES;
 const PARALLEL_MASKS = 8; // partner masks expanded at once: 8 vectors of 4 bytes per value in memory
@@ -268,34 +265,4 @@ export async function inboxDigest(inbox) {
   const all = [...parts];
   for (const peer of Object.keys(inbox.sealed).sort(compareIds)) all.push(peer, inbox.sealed[peer]);
   return hex(await sha256(lengthPrefixed(all)));
-}
-
-/**
- * How a device's secure steps reach the server and keep their state (runner.js gives the page's).
- * @typedef {object} SecureIO
- * @property {(kind: string, body: string | Uint8Array) => Promise<unknown>} send POST advert, shares, masked, reveal
- * @property {(what: string) => Promise<string>} fetch the book, inbox or unmask request (JSON) once the server has it
- * @property {(state: string) => Promise<void>} save keep the session's state (private keys and shares) durably
- */
-/**
- * A device's secure round once its clipped delta is saved (device_runtime/secure_round.py's `deliver`): advertise
- * its keys, then answer the key book, the share inbox and the unmask request, the session saved before each answer
- * is sent. Taken again from `state` after a reload, the same server messages get the same answers (the rounding is
- * seeded by `seed`, e.g. [device seed, round]), and the server acknowledges what it holds as a duplicate.
- * @param {SecureIO} io @param {string} state the session's JSON @param {Record<string, Tensor>} delta
- * @param {number} weight the sample count @param {number[]} seed
- */
-export async function takeSecureSteps(io, state, delta, weight, seed) {
-  const session = await ClientSession.fromJSON(state);
-  await io.send('advert', messageToJson('KeyAdvert', session.advert()));
-  const bundle = await session.receiveBook(/** @type {KeyBook} */ (messageFromJson(await io.fetch('book'), 'KeyBook')));
-  await io.save(session.toJSON());
-  await io.send('shares', messageToJson('ShareBundle', bundle));
-  const inbox = /** @type {ShareBundle} */ (messageFromJson(await io.fetch('inbox'), 'ShareInbox'));
-  const masked = await session.receiveInbox(inbox, await quantizeDelta(delta, weight, session.book, uniformRandom(seed)));
-  await io.save(session.toJSON());
-  await io.send('masked', maskedInputBytes(masked));
-  const reveal = session.receiveUnmask(/** @type {UnmaskRequest} */ (messageFromJson(await io.fetch('unmask'), 'UnmaskRequest')));
-  await io.save(session.toJSON());
-  await io.send('reveal', messageToJson('UnmaskShares', reveal));
 }
