@@ -11,9 +11,10 @@ import { shortfallLine, splitExamples } from './data.js';
 import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
 import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
+import { postMetrics, reportRefusal, sendPending } from './delivery.js';
 import { decodeSafetensors } from './safetensors.js';
 import { scoreSentence } from './results.js';
-import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
+import { ClientSession } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
@@ -26,8 +27,9 @@ import { sha256Hex } from './sha256.js';
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').Progress} Progress */
 /** @typedef {import('./store.js').PendingUpload} PendingUpload */
-/** A secure round's saved update (never sent: masked in the steps) and its session's state. @typedef {PendingUpload & {secure?: import('./protocol.js').SecureTask & {session: string}}} SecurePending */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
+/** @typedef {import('./delivery.js').DeviceClient} DeviceClient */
+/** @typedef {import('./delivery.js').SecurePending} SecurePending */
 /** @typedef {import('./encoding.js').Delta} Delta */
 /** What the page is doing, as `body[data-stage]` shows it. @typedef {'loading' | 'join' | 'examples' | 'waiting' | 'training' | 'uploading' | 'offline' | 'done' | 'problem'} Stage */
 
@@ -43,19 +45,6 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number, record: RoundRecord) => void} roundFinished a round is saved and its upload delivered, dropped or none
  * @property {(history: RoundRecord[]) => void} historyChanged the saved history of rounds changed
  * @property {(roundId: number | null, result: EvalResult) => void} runFinished the run is over: the held-out evaluation of the model kept
- */
-
-/**
- * The calls the loop makes to the server (protocol.js ApiClient).
- * @typedef {object} DeviceClient
- * @property {() => Promise<Task>} task
- * @property {(path: string, sha256?: string | null) => Promise<Uint8Array>} bytes
- * @property {(roundId: number) => string} basePath
- * @property {(roundId: number, payload: Uint8Array) => Promise<unknown>} upload
- * @property {(roundId: number, metrics: {accuracy: number, num_samples: number, loss: number | null}) => Promise<unknown>} postMetrics
- * @property {(roundId: number, reason: string) => Promise<unknown>} reportRefusal
- * @property {(url: string, kind: string, body: string | Uint8Array) => Promise<unknown>} secureSend
- * @property {(url: string, what: string) => Promise<{text: string | null, wait: number}>} secureFetch
  */
 
 /** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
@@ -124,7 +113,7 @@ export class DeviceRunner {
           } catch (err) {
             if (!(err instanceof TrainingDiverged)) throw err;
             refused.add(task.round);
-            await this.reportRefusal(task.round, err);
+            await reportRefusal(client, events, task.round, err);
             events.problem(err);
             events.stage('waiting', err.problem);
             told = waiting;
@@ -219,7 +208,7 @@ export class DeviceRunner {
         residual = encoded.residual;
         pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
         const secure = task.secure_aggregation;
-        if (secure) { // a secure round: the clipped delta stays here, masked in the steps (deliverSecure)
+        if (secure) { // a secure round: the clipped delta stays here, masked in the steps (delivery.js sendPending)
           pending.secure = { ...secure, session: (await ClientSession.start(secure.device, secure.context)).toJSON() };
         }
       } else {
@@ -249,31 +238,21 @@ export class DeviceRunner {
     });
     events.historyChanged(this.history);
     if (pending) await this.deliverPending();
-    else await this.postMetrics(record);
+    else await postMetrics(client, events, record);
     events.roundFinished(roundId, /** @type {RoundRecord} */ (this.history.find((r) => r.round === roundId)));
     return true;
   }
 
   /** Upload the saved bytes of the pending round (the same bytes after any reload), then its metrics. */
   async deliverPending() {
-    const { events, store } = this;
+    const { client, events, sleep, store } = this;
     const pending = this.progress.pending;
     if (!pending) return;
-    if ((await sha256Hex(pending.payload)) !== pending.sha256) {
-      throw new DeviceError(`the saved upload of round ${pending.round} does not match its sha256`, 'start over');
-    }
-    const secure = /** @type {SecurePending} */ (pending).secure;
-    events.stage('uploading', secure ? `Round ${pending.round}: masking what this phone learned with the other phones…` : `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`);
-    let delivered = true;
-    try {
-      if (secure) await this.deliverSecure(/** @type {SecurePending} */ (pending));
-      else await this.client.upload(pending.round, pending.payload);
-    } catch (err) {
-      if (!(err instanceof Refusal && err.roundGone) && !(secure && err instanceof SecAggError)) throw err;
-      delivered = false;
-      const why = err instanceof SecAggError ? ` (this phone refused the server's message: ${err.problem})` : '';
-      events.message(`Round ${pending.round} closed before this phone's part arrived${why}; it joins the next round.`);
-    }
+    const save = async (/** @type {SecurePending} */ saved) => {
+      this.progress = { ...this.progress, pending: saved };
+      await store.commit({ progress: this.progress });
+    };
+    const delivered = await sendPending({ client, events, sleep, seed: this.contract.device.seed }, pending, save);
     const upload = delivered ? 'delivered' : 'dropped';
     this.history = this.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
     this.progress = { ...this.progress, pending: null, lastUploadedRound: delivered ? pending.round : this.progress.lastUploadedRound };
@@ -282,56 +261,7 @@ export class DeviceRunner {
     await store.commit({ progress: this.progress, history: this.history, ...restored });
     events.historyChanged(this.history);
     const record = this.history.find((r) => r.round === pending.round);
-    if (delivered && record) await this.postMetrics(record);
-  }
-
-  /**
-   * A secure round's steps with the saved clipped delta (secagg.js takeSecureSteps); the session's state is saved
-   * with the pending upload before each answer is sent, so a reload takes the steps again with the same answers.
-   * @param {SecurePending} pending
-   */
-  async deliverSecure(pending) {
-    const { client, store } = this;
-    const secure = /** @type {NonNullable<SecurePending['secure']>} */ (pending.secure);
-    const { tensors, metadata } = decodeSafetensors(pending.payload, 'the saved update');
-    const delta = Object.fromEntries(Object.entries(tensors).map(([name, t]) => [name, { shape: t.shape, data: /** @type {Float32Array} */ (t.data) }]));
-    const fetch = async (/** @type {string} */ what) => {
-      for (;;) {
-        const { text, wait } = await client.secureFetch(secure.url, what);
-        if (text !== null) return text;
-        await this.sleep(wait);
-      }
-    };
-    const save = async (/** @type {string} */ state) => {
-      /** @type {SecurePending} */
-      const saved = { ...pending, secure: { ...secure, session: state } };
-      this.progress = { ...this.progress, pending: saved };
-      await store.commit({ progress: this.progress });
-    };
-    const send = (/** @type {string} */ kind, /** @type {string | Uint8Array} */ body) => client.secureSend(secure.url, kind, body);
-    await takeSecureSteps({ send, fetch, save }, secure.session, delta, Number(metadata?.num_samples), [this.contract.device.seed, pending.round]);
-  }
-
-  /** Report the personalised model's held-out evaluation; advisory, so a failure only shows a note. */
-  async postMetrics(/** @type {RoundRecord} */ record) {
-    if (record.accuracy == null || !record.samples) return;
-    try {
-      await this.client.postMetrics(record.round, { accuracy: record.accuracy, num_samples: record.samples, loss: record.loss });
-    } catch (err) {
-      if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
-      this.events.message(`The results of round ${record.round} did not reach the server (${err.problem}); the page goes on.`);
-    }
-  }
-
-  /** Tell the server this device refused the round's base, so a base most devices refuse is rolled back (runner.py
-   * _report_refusal); advisory, like metrics. */
-  async reportRefusal(/** @type {number} */ roundId, /** @type {TrainingDiverged} */ refusal) {
-    try {
-      await this.client.reportRefusal(roundId, refusal.detail || refusal.problem);
-    } catch (err) {
-      if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
-      this.events.message(`The server was not told that round ${roundId} was skipped (${err.problem}); the page goes on.`);
-    }
+    if (delivered && record) await postMetrics(client, events, record);
   }
 
   /**
