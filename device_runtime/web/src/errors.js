@@ -29,6 +29,9 @@ export class StartOver extends DeviceError {}
 /** A problem of the bundle, the model or its inputs, with the fix (engine.js exports it too). */
 export class EngineError extends DeviceError {}
 
+/** A problem with the person's examples, and what to do about it (data.js exports it too). */
+export class DataError extends DeviceError {}
+
 /** A secure-aggregation message or state that breaks the protocol (edgepfl's SecAggError); nothing held is lost. */
 export class SecAggError extends DeviceError {}
 
