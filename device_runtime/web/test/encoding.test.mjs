@@ -25,6 +25,9 @@ function python(script, ...args) {
   return JSON.parse(execFileSync(PYTHON, ['-c', script, ...args], { encoding: 'utf8' }));
 }
 
+// biome-ignore lint/suspicious/noApproximativeNumericConstant: an ordinary float32 value near pi, not pi
+const NEAR_PI = 3.14159;
+
 test('labels parse as the server spells them and others are refused', () => {
   assert.deepEqual(parseEncoding('int8-block256-sr'), { name: 'int8', blockSize: 256, stochastic: true, label: 'int8-block256-sr' });
   for (const bad of ['int4', 'fp16-sr', 'fp32-block8', 'int8-block0', '']) assert.throws(() => parseEncoding(bad), /unknown encoding/);
@@ -35,8 +38,7 @@ test('labels parse as the server spells them and others are refused', () => {
 
 test('fp16 bits equal numpy\'s float32 -> float16 cast', { skip: NEEDS_PYTHON }, () => {
   const next = uniformRandom([7]);
-  // biome-ignore lint/suspicious/noApproximativeNumericConstant: an ordinary float32 value, not pi
-  const specials = [0, 1, -1, 65504, -65504, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 2 ** -14, 2 ** -14 * (1 - 2 ** -11), 1 + 2 ** -11, 1 + 3 * 2 ** -11, 1e-8, 0.1, 3.14159];
+  const specials = [0, 1, -1, 65504, -65504, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 2 ** -14, 2 ** -14 * (1 - 2 ** -11), 1 + 2 ** -11, 1 + 3 * 2 ** -11, 1e-8, 0.1, NEAR_PI];
   const values = Float32Array.from([...specials, ...Array.from({ length: 400 }, () => (next() - 0.5) * 10 ** Math.floor(next() * 12 - 8))]);
   const bits = Array.from(values, halfBits);
   const expected = python('import json, sys, numpy as np; v = np.array(json.loads(sys.argv[1]), np.float32); print(json.dumps(v.astype(np.float16).view(np.uint16).tolist()))', JSON.stringify(Array.from(values)));
