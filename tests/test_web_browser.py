@@ -968,3 +968,50 @@ def test_a_phone_trains_against_a_fedbuff_server(chromium, bundle, tmp_path: Pat
     finally:
         store.close()
     assert len(steps) == 3, [(r.round_id, r.state) for r in steps]
+
+
+TEXT_CORPUS = "to be or not to be\nthat is the question\nwhether tis nobler in the mind to suffer\n"
+TEXT_PHRASE = "to be or"
+
+
+def test_a_text_bundle_takes_a_text_file_trains_and_suggests_the_next_words(chromium, tmp_path: Path) -> None:
+    """A next-word bundle on the page: "Your text" refuses a file that is not UTF-8 and keeps a .txt; Try it's box
+    suggests, as the person types, the words `device predict --text` gives; a round trains on the text."""
+    from playwright.sync_api import sync_playwright
+
+    from edgepfl.device_runtime.predict import next_words, open_device_model
+    from edgepfl.export.bundle import ExportOptions, export_target
+    from edgepfl.export.sequence_options import SequenceOptions
+    from edgepfl.export.textmodels import sequence_target
+
+    (tmp_path / "corpus.txt").write_text(TEXT_CORPUS, encoding="utf-8")
+    sequence = SequenceOptions(vocab=tmp_path / "corpus.txt", seq_len=4, layers=1)
+    target = sequence_target("transformer", sequence, seed=0, width=0.25)
+    export = ExportOptions(engines=("portable",), force=True, portable_batch=8, frozen_variants=False)
+    export_target(target, 1, tmp_path / "bundle", export, notice=lambda _: None)
+    model = open_device_model(tmp_path / "bundle", tmp_path / "untrained", "portable")
+    want = [word for _, word, _ in next_words(model.engine, TEXT_PHRASE, 3)]
+    (tmp_path / "notes.txt").write_text(TEXT_CORPUS * 4, encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (tmp_path / "secret").write_text(SECRET)
+    options = ("--min-clients", "1", "--rounds", "1", "--poll-interval", "0.3", "--lr", "0.05", "--batch-size", "8")
+    options += ("--epochs", "1", "--enroll-secret-file", str(tmp_path / "secret"))
+    with LiveServer(tmp_path / "bundle", tmp_path / "server", *options) as server, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=list(CHROMIUM_ARGS))
+        try:
+            page = browser.new_context(**PHONE).new_page()
+            page.goto(f"{server.url}/device/#enroll={SECRET}")
+            wait(page, "body[data-stage=examples]")
+            assert page.is_visible("#recording") and not page.is_visible("#examples") and page.is_visible("#try-phrase")
+            page.fill("#try-phrase", TEXT_PHRASE)  # the model as it came: the words Python's untrained one suggests
+            wait(page, f"#try-words[data-phrase='{TEXT_PHRASE}']")
+            assert json.loads(page.get_attribute("#try-words", "data-words")) == want
+            page.set_input_files("#recording-file", str(tmp_path / "latin1.txt"))
+            wait(page, "#problem:not([hidden])")
+            assert page.text_content("#problem-text") == "The file latin1.txt is not UTF-8 text", said(page)
+            page.set_input_files("#recording-file", str(tmp_path / "notes.txt"))
+            wait(page, "body[data-stage=done]")
+            assert page.get_attribute("#history tr[data-round='1']", "data-upload") == "delivered", said(page)
+            assert "next words kept aside are guessed right" in page.text_content("#status"), said(page)
+        finally:
+            browser.close()

@@ -177,6 +177,17 @@ def test_a_bundle_without_model_onnx_serves_the_rest(tmp_path: Path) -> None:
     assert http.get("/device/bundle/portable/eval.onnx", headers=auth).status_code == 200
 
 
+def test_a_text_bundle_serves_its_vocabulary_to_the_page(tmp_path: Path) -> None:
+    manifest = portable_bundle(tmp_path / "bundle")
+    (tmp_path / "bundle" / "vocab.json").write_bytes(b'{"format": "edgepfl-vocab/1"}')
+    Manifest(**{**vars(manifest), "task": {"kind": "next-word", "vocab": "vocab.json"}}).save(tmp_path / "bundle")
+    tokens = enroll(tmp_path / "state", "phone")
+    http = TestClient(create_app(create_engine(ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state"))))
+    assert http.get("/device/bundle/vocab.json").status_code == 401
+    reply = http.get("/device/bundle/vocab.json", headers={"Authorization": f"Bearer {tokens['phone']}"})
+    assert reply.status_code == 200 and reply.content == (tmp_path / "bundle" / "vocab.json").read_bytes()
+
+
 def test_a_missing_runtime_turns_the_page_off_with_one_line_naming_the_fix(tmp_path, monkeypatch, caplog) -> None:
     folder = tmp_path / "web"
     (folder / "src").mkdir(parents=True)

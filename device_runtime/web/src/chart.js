@@ -14,7 +14,8 @@ const SVG = 'http://www.w3.org/2000/svg';
  */
 export function drawChart(chart, rounds, chance) {
   const [left, right, top, bottom] = [34, 312, 8, 108];
-  const x = (/** @type {number} */ i) => (rounds.length < 2 ? (left + right) / 2 : left + ((right - left) * i) / (rounds.length - 1));
+  const x = (/** @type {number} */ i) =>
+    rounds.length < 2 ? (left + right) / 2 : left + ((right - left) * i) / (rounds.length - 1);
   const y = (/** @type {number} */ v) => bottom - (bottom - top) * v;
   const shape = (/** @type {string} */ tag, /** @type {Record<string, string | number>} */ attributes, text = '') => {
     const element = document.createElementNS(SVG, tag);
@@ -35,8 +36,17 @@ export function drawChart(chart, rounds, chance) {
     rounds.forEach((r, i) => {
       parts.push(shape('circle', { class: 'dot', cx: x(i), cy: y(/** @type {number} */ (r.accuracy)), r: 3.5 }));
     });
-    const labels = rounds.length < 2 ? [[0, 'middle']] : [[0, 'start'], [rounds.length - 1, 'end']];
-    for (const [i, anchor] of labels) parts.push(shape('text', { x: x(Number(i)), y: bottom + 18, 'text-anchor': anchor }, `round ${rounds[Number(i)].round}`));
+    const labels =
+      rounds.length < 2
+        ? [[0, 'middle']]
+        : [
+            [0, 'start'],
+            [rounds.length - 1, 'end'],
+          ];
+    for (const [i, anchor] of labels)
+      parts.push(
+        shape('text', { x: x(Number(i)), y: bottom + 18, 'text-anchor': anchor }, `round ${rounds[Number(i)].round}`),
+      );
   }
   chart.replaceChildren(...parts);
 }

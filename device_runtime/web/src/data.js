@@ -7,11 +7,13 @@
 import { heldOutCount, splitTrainVal } from './algorithms.js';
 import { DataError, describe } from './errors.js';
 import { normalizePixels } from './preprocess.js';
+import { plural, SAMPLE_WORDS } from './results.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./algorithms.js').Samples} Samples */
+/** @typedef {import('./results.js').SampleKind} SampleKind */
 /**
  * The person's examples: uint8 pixels (C*H*W each) at the model's input size and their labels; `lastAdded`: how
  * many of the last ones came in the last addition (0 once any was removed), for "remove the last added".
@@ -26,7 +28,8 @@ export { readFolder, readPhotoInput, readPhotos } from './photos.js';
 /** The class names to show: manifest.class_names when the bundle has them, else "0".."n-1" (Manifest.class_labels). */
 export function classNames(/** @type {Manifest} */ manifest) {
   const names = manifest.class_names;
-  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string')) return /** @type {string[]} */ (names);
+  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string'))
+    return /** @type {string[]} */ (names);
   return Array.from({ length: manifest.num_classes }, (_, i) => String(i));
 }
 
@@ -51,7 +54,10 @@ export function appendExamples(/** @type {Examples} */ examples, /** @type {NewE
 }
 
 /** The examples without those at the positions `drop` says (a removal: nothing says what was last added then). */
-export function keepExamples(/** @type {Examples} */ examples, /** @type {(label: number, index: number) => boolean} */ drop) {
+export function keepExamples(
+  /** @type {Examples} */ examples,
+  /** @type {(label: number, index: number) => boolean} */ drop,
+) {
   const size = examples.shape.reduce((a, b) => a * b, 1);
   const kept = Array.from(examples.labels.keys()).filter((i) => !drop(examples.labels[i], i));
   const pixels = new Uint8Array(kept.length * size);
@@ -59,7 +65,13 @@ export function keepExamples(/** @type {Examples} */ examples, /** @type {(label
     pixels.set(examples.pixels.subarray(at * size, (at + 1) * size), i * size);
   });
   /** @type {Examples} */
-  const left = { pixels, labels: Int32Array.from(kept, (i) => examples.labels[i]), count: kept.length, shape: examples.shape, lastAdded: 0 };
+  const left = {
+    pixels,
+    labels: Int32Array.from(kept, (i) => examples.labels[i]),
+    count: kept.length,
+    shape: examples.shape,
+    lastAdded: 0,
+  };
   return left;
 }
 
@@ -124,27 +136,46 @@ export function examplesShortfall(count, device) {
     const held = heldOutCount(n, device.val_fraction);
     if (n - held >= device.min_train_examples && held >= heldOut) return n - count;
   }
-  throw new DataError("no number of examples meets the server's minimum with its held-out fraction", 'reload the page; if it persists, tell whoever runs the server');
+  throw new DataError(
+    "no number of examples meets the server's minimum with its held-out fraction",
+    'reload the page; if it persists, tell whoever runs the server',
+  );
 }
 
-/** The headline that asks for more examples, or '' when there are enough. */
-export function shortfallLine(/** @type {number} */ count, /** @type {Contract['device']} */ device) {
+/** The headline that asks for more examples (of a text or sensor bundle: `kind`), or '' when there are enough. */
+export function shortfallLine(
+  /** @type {number} */ count,
+  /** @type {Contract['device']} */ device,
+  /** @type {SampleKind} */ kind = 'image',
+) {
   const more = examplesShortfall(count, device);
-  return more ? `Add ${more} ${count ? 'more ' : ''}example${more === 1 ? '' : 's'} to take part in the rounds.` : '';
+  if (!more) return '';
+  const words = SAMPLE_WORDS[kind];
+  const noun = more === 1 ? words.one : `${words.one}s`;
+  return `Add ${more} ${count ? 'more ' : ''}${noun}${words.more} to take part in the rounds.`;
 }
 
 /** Why: how many examples the model needs, to learn from and kept aside ('' when there are enough). */
-export function shortfallReason(/** @type {number} */ count, /** @type {Contract['device']} */ device) {
+export function shortfallReason(
+  /** @type {number} */ count,
+  /** @type {Contract['device']} */ device,
+  /** @type {SampleKind} */ kind = 'image',
+) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
   const total = count + more;
   const held = heldOutCount(total, device.val_fraction);
-  return `The model needs ${total} examples: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
+  const needs = `The model needs ${plural(total, SAMPLE_WORDS[kind].one)}`;
+  return `${needs}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 
 /** An .npz with uint8 images `x` (N,C,H,W | N,H,W,C | N,H,W) and class indices `y`, at the model's input size. */
 /** @returns {Promise<NewExamples>} */
-export async function readNpz(/** @type {Uint8Array} */ bytes, /** @type {InputSpec} */ inputSpec, /** @type {number} */ numClasses) {
+export async function readNpz(
+  /** @type {Uint8Array} */ bytes,
+  /** @type {InputSpec} */ inputSpec,
+  /** @type {number} */ numClasses,
+) {
   const { unzipSync } = await import('./vendor/fflate.mjs');
   let entries;
   try {
@@ -153,11 +184,16 @@ export async function readNpz(/** @type {Uint8Array} */ bytes, /** @type {InputS
     throw new DataError(`the file is not a readable .npz (${describe(err)})`, 'choose an .npz written by numpy.savez');
   }
   for (const key of ['x', 'y']) {
-    if (!entries[`${key}.npy`]) throw new DataError(`the .npz has no array "${key}"`, 'save the images as x and the labels as y: np.savez(path, x=images, y=labels)');
+    if (!entries[`${key}.npy`])
+      throw new DataError(
+        `the .npz has no array "${key}"`,
+        'save the images as x and the labels as y: np.savez(path, x=images, y=labels)',
+      );
   }
   const x = readNpy(entries['x.npy'], 'x');
   const y = readNpy(entries['y.npy'], 'y');
-  if (!(x.data instanceof Uint8Array)) throw new DataError(`x holds ${x.descr} values`, 'save x as uint8 pixels (0..255)');
+  if (!(x.data instanceof Uint8Array))
+    throw new DataError(`x holds ${x.descr} values`, 'save x as uint8 pixels (0..255)');
   const count = x.shape[0];
   const pixels = toChannelsFirst(x, inputSpec);
   const labels = checkLabels(y, count, numClasses);
@@ -165,12 +201,26 @@ export async function readNpz(/** @type {Uint8Array} */ bytes, /** @type {InputS
 }
 
 /** @type {Record<string, import('./safetensors.js').TypedArrayConstructor>} */
-const NPY_TYPES = { u1: Uint8Array, i1: Int8Array, u2: Uint16Array, i2: Int16Array, u4: Uint32Array, i4: Int32Array, u8: BigUint64Array, i8: BigInt64Array, f4: Float32Array, f8: Float64Array, b1: Uint8Array };
+const NPY_TYPES = {
+  u1: Uint8Array,
+  i1: Int8Array,
+  u2: Uint16Array,
+  i2: Int16Array,
+  u4: Uint32Array,
+  i4: Int32Array,
+  u8: BigUint64Array,
+  i8: BigInt64Array,
+  f4: Float32Array,
+  f8: Float64Array,
+  b1: Uint8Array,
+};
 
 /** One .npy array: {descr, shape, data}; refuses big-endian, Fortran order and pickled objects. */
 function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
-  const bad = (/** @type {string} */ problem) => new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
-  if (bytes.length < 10 || bytes[0] !== 0x93 || String.fromCharCode(...bytes.subarray(1, 6)) !== 'NUMPY') throw bad('is not an .npy array');
+  const bad = (/** @type {string} */ problem) =>
+    new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
+  if (bytes.length < 10 || bytes[0] !== 0x93 || String.fromCharCode(...bytes.subarray(1, 6)) !== 'NUMPY')
+    throw bad('is not an .npy array');
   const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   const major = bytes[6];
   const headerLength = major === 1 ? view.getUint16(8, true) : view.getUint32(8, true);
@@ -183,7 +233,11 @@ function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
   if (fortran) throw bad('is stored in Fortran order');
   const type = NPY_TYPES[descr.slice(1)];
   if (!type || descr[0] === '>' || (descr[0] === '|' && type.BYTES_PER_ELEMENT > 1)) throw bad(`has dtype ${descr}`);
-  const shape = shapeText.split(',').map((s) => s.trim()).filter(Boolean).map(Number);
+  const shape = shapeText
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean)
+    .map(Number);
   const count = shape.reduce((a, b) => a * b, 1);
   const dataStart = start + headerLength;
   if (bytes.length - dataStart < count * type.BYTES_PER_ELEMENT) throw bad('is shorter than its shape');
@@ -193,10 +247,14 @@ function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
 
 /** x as N*C*H*W uint8 at the model's shape, reading the layouts edgepfl/data.py to_model_layout reads. */
 /** @returns {Uint8Array} */
-function toChannelsFirst(/** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ x, /** @type {InputSpec} */ inputSpec) {
+function toChannelsFirst(
+  /** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ x,
+  /** @type {InputSpec} */ inputSpec,
+) {
   const [channels, height, width] = inputSpec.shape;
   const [n, ...rest] = x.shape;
-  const same = (/** @type {number[]} */ a, /** @type {number[]} */ b) => a.length === b.length && a.every((v, i) => v === b[i]);
+  const same = (/** @type {number[]} */ a, /** @type {number[]} */ b) =>
+    a.length === b.length && a.every((v, i) => v === b[i]);
   const pixels = /** @type {Uint8Array} */ (x.data);
   if (rest.length === 2 && channels === 1 && same(rest, [height, width])) return pixels;
   if (rest.length === 3) {
@@ -207,20 +265,27 @@ function toChannelsFirst(/** @type {{shape: number[], data: import('./safetensor
       const out = new Uint8Array(pixels.length);
       const plane = height * width;
       for (let i = 0; i < n; i++) {
-        for (let p = 0; p < plane; p++) for (let c = 0; c < channels; c++) out[(i * channels + c) * plane + p] = pixels[(i * plane + p) * channels + c];
+        for (let p = 0; p < plane; p++)
+          for (let c = 0; c < channels; c++)
+            out[(i * channels + c) * plane + p] = pixels[(i * plane + p) * channels + c];
       }
       return out;
     }
   }
   throw new DataError(
     `x has shape (${x.shape.join(', ')}), the model takes images of (${channels}, ${height}, ${width}) (NCHW) or (${height}, ${width}, ${channels}) (NHWC)`,
-    'save x at the model\'s input size, or add the photos one by one (they are resized)',
+    "save x at the model's input size, or add the photos one by one (they are resized)",
   );
 }
 
 /** y as class indices 0..numClasses-1, one per image (check_labels). */
-function checkLabels(/** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ y, /** @type {number} */ count, /** @type {number} */ numClasses) {
-  if (y.shape.length !== 1 || y.shape[0] !== count) throw new DataError(`y has shape (${y.shape.join(', ')}), expected (${count},)`, 'store one class index per image');
+function checkLabels(
+  /** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ y,
+  /** @type {number} */ count,
+  /** @type {number} */ numClasses,
+) {
+  if (y.shape.length !== 1 || y.shape[0] !== count)
+    throw new DataError(`y has shape (${y.shape.join(', ')}), expected (${count},)`, 'store one class index per image');
   const labels = new Int32Array(count);
   for (let i = 0; i < count; i++) {
     const value = Number(y.data[i]);

@@ -45,12 +45,22 @@ export async function sendPending({ client, events, sleep, seed }, pending, save
     throw new DeviceError(`the saved upload of round ${pending.round} does not match its sha256`, 'start over');
   }
   const secure = pending.secure;
-  events.stage('uploading', secure ? `Round ${pending.round}: masking what this phone learned with the other phones…` : `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`);
+  events.stage(
+    'uploading',
+    secure
+      ? `Round ${pending.round}: masking what this phone learned with the other phones…`
+      : `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`,
+  );
   try {
     if (!secure) await client.upload(pending.round, pending.payload);
     else {
       const { tensors, metadata } = decodeSafetensors(pending.payload, 'the saved update');
-      const delta = Object.fromEntries(Object.entries(tensors).map(([name, t]) => [name, { shape: t.shape, data: /** @type {Float32Array} */ (t.data) }]));
+      const delta = Object.fromEntries(
+        Object.entries(tensors).map(([name, t]) => [
+          name,
+          { shape: t.shape, data: /** @type {Float32Array} */ (t.data) },
+        ]),
+      );
       const fetch = async (/** @type {string} */ what) => {
         for (;;) {
           const { text, wait } = await client.secureFetch(secure.url, what);
@@ -59,8 +69,12 @@ export async function sendPending({ client, events, sleep, seed }, pending, save
         }
       };
       const keep = (/** @type {string} */ state) => save({ ...pending, secure: { ...secure, session: state } });
-      const send = (/** @type {string} */ kind, /** @type {string | Uint8Array} */ body) => client.secureSend(secure.url, kind, body);
-      await takeSecureSteps({ send, fetch, save: keep }, secure.session, delta, Number(metadata?.num_samples), [seed, pending.round]);
+      const send = (/** @type {string} */ kind, /** @type {string | Uint8Array} */ body) =>
+        client.secureSend(secure.url, kind, body);
+      await takeSecureSteps({ send, fetch, save: keep }, secure.session, delta, Number(metadata?.num_samples), [
+        seed,
+        pending.round,
+      ]);
     }
     return true;
   } catch (err) {
@@ -72,10 +86,18 @@ export async function sendPending({ client, events, sleep, seed }, pending, save
 }
 
 /** Report the personalised model's held-out evaluation; advisory, so a failure only shows a note. */
-export async function postMetrics(/** @type {DeviceClient} */ client, /** @type {DeviceEvents} */ events, /** @type {RoundRecord} */ record) {
+export async function postMetrics(
+  /** @type {DeviceClient} */ client,
+  /** @type {DeviceEvents} */ events,
+  /** @type {RoundRecord} */ record,
+) {
   if (record.accuracy == null || !record.samples) return;
   try {
-    await client.postMetrics(record.round, { accuracy: record.accuracy, num_samples: record.samples, loss: record.loss });
+    await client.postMetrics(record.round, {
+      accuracy: record.accuracy,
+      num_samples: record.samples,
+      loss: record.loss,
+    });
   } catch (err) {
     if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
     events.message(`The results of round ${record.round} did not reach the server (${err.problem}); the page goes on.`);
@@ -84,7 +106,12 @@ export async function postMetrics(/** @type {DeviceClient} */ client, /** @type 
 
 /** Tell the server this device refused the round's base, so a base most devices refuse is rolled back (runner.py
  * _report_refusal); advisory, like metrics. */
-export async function reportRefusal(/** @type {DeviceClient} */ client, /** @type {DeviceEvents} */ events, /** @type {number} */ roundId, /** @type {TrainingDiverged} */ refusal) {
+export async function reportRefusal(
+  /** @type {DeviceClient} */ client,
+  /** @type {DeviceEvents} */ events,
+  /** @type {number} */ roundId,
+  /** @type {TrainingDiverged} */ refusal,
+) {
   try {
     await client.reportRefusal(roundId, refusal.detail || refusal.problem);
   } catch (err) {

@@ -38,10 +38,10 @@ const ROLES = ['base', 'personal', 'buffer'];
 
 /** @typedef {{dtype: 'int64', array: BigInt64ArrayConstructor, of: (n: number) => bigint} | {dtype: 'int32', array: Int32ArrayConstructor, of: (n: number) => number}} LabelType */
 /** @type {Record<string, LabelType>} */
-const LABEL_TYPES = { int64: { dtype: 'int64', array: BigInt64Array, of: BigInt }, int32: { dtype: 'int32', array: Int32Array, of: Number } };
-
-
-
+const LABEL_TYPES = {
+  int64: { dtype: 'int64', array: BigInt64Array, of: BigInt },
+  int32: { dtype: 'int32', array: Int32Array, of: Number },
+};
 
 /**
  * Open the portable graphs of a bundle. `files` maps bundle-relative paths to bytes and holds at least the
@@ -56,13 +56,20 @@ const LABEL_TYPES = { int64: { dtype: 'int64', array: BigInt64Array, of: BigInt 
  * @param {Map<string, Uint8Array>} files
  * @param {{threads?: number, bakeFrozen?: boolean, backend?: Backend, onPlacement?: (path: string, placement: Placement) => void, logSeverityLevel?: 0 | 1 | 2 | 3 | 4}} [options]
  */
-export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen = true, backend = 'wasm', onPlacement, logSeverityLevel } = {}) {
-  if (!['wasm', 'webgpu'].includes(backend)) throw new EngineError(`unknown back end ${JSON.stringify(backend)}`, "use 'wasm' or 'webgpu'");
+export async function openEngine(
+  ort,
+  manifest,
+  files,
+  { threads = 1, bakeFrozen = true, backend = 'wasm', onPlacement, logSeverityLevel } = {},
+) {
+  if (!['wasm', 'webgpu'].includes(backend))
+    throw new EngineError(`unknown back end ${JSON.stringify(backend)}`, "use 'wasm' or 'webgpu'");
   const { required, variants } = portableFiles(manifest);
   const present = bakeFrozen ? variants.filter((path) => files.has(path)) : [];
   const file = (/** @type {string} */ path) => {
     const bytes = files.get(path);
-    if (!bytes) throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
+    if (!bytes)
+      throw new EngineError(`bundle file ${path} was not loaded`, 'download every file of manifest.engines.portable');
     return bytes;
   };
   for (const path of [...required, ...present]) {
@@ -78,7 +85,6 @@ export async function openEngine(ort, manifest, files, { threads = 1, bakeFrozen
   engine.setTensors(decodeSafetensors(file(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }
-
 
 /** The portable graphs of one bundle in onnxruntime-web sessions, with the model's state (every param and buffer). */
 export class Engine {
@@ -105,7 +111,11 @@ export class Engine {
     this.stateNames = [...entry.params, ...entry.buffers];
     this.model = new ModelState(ort, manifest, this.stateNames);
     const labels = LABEL_TYPES[entry.label_dtype || 'int64']; // int32 since the graphs run on WebGPU
-    if (!labels) throw new EngineError(`the bundle's labels are ${entry.label_dtype}`, 're-export the bundle with this edgepfl version');
+    if (!labels)
+      throw new EngineError(
+        `the bundle's labels are ${entry.label_dtype}`,
+        're-export the bundle with this edgepfl version',
+      );
     this.labelType = labels;
   }
 
@@ -136,7 +146,8 @@ export class Engine {
 
   /** Tensor names of one manifest role ('base' | 'personal' | 'buffer'), in manifest order. */
   namesByRole(/** @type {string} */ role) {
-    if (!ROLES.includes(role)) throw new EngineError(`unknown tensor role ${JSON.stringify(role)}`, `use one of ${ROLES.join(', ')}`);
+    if (!ROLES.includes(role))
+      throw new EngineError(`unknown tensor role ${JSON.stringify(role)}`, `use one of ${ROLES.join(', ')}`);
     return this.manifest.tensors.filter((t) => t.role === role).map((t) => t.name);
   }
 
@@ -144,7 +155,11 @@ export class Engine {
   trainableSets() {
     const hasBase = this.namesByRole('base').length > 0;
     const hasPersonal = this.namesByRole('personal').length > 0;
-    return [...(hasBase || hasPersonal ? ['full'] : []), ...(hasPersonal ? ['personal'] : []), ...(hasBase ? ['base'] : [])];
+    return [
+      ...(hasBase || hasPersonal ? ['full'] : []),
+      ...(hasPersonal ? ['personal'] : []),
+      ...(hasBase ? ['base'] : []),
+    ];
   }
 
   /**
@@ -165,15 +180,26 @@ export class Engine {
   }
 
   /** One SGD step on `count` <= batchSize samples of x (float32 NCHW) and y; a short batch is padded and masked. */
-  async trainStep(/** @type {ModelInput} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count, /** @type {number} */ lr, trainable = 'full') {
-    if (!(Number.isFinite(lr) && lr > 0)) throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
+  async trainStep(
+    /** @type {ModelInput} */ x,
+    /** @type {Int32Array | BigInt64Array} */ y,
+    /** @type {number} */ count,
+    /** @type {number} */ lr,
+    trainable = 'full',
+  ) {
+    if (!(Number.isFinite(lr) && lr > 0))
+      throw new EngineError(`learning rate ${lr} is not a positive number`, 'the round settings must give lr > 0');
     const results = await this.runStep(x, y, count, lr, trainable);
     for (const [name, tensor] of results.state) this.model.replace(name, tensor);
     return results.loss;
   }
 
   /** A training-mode pass that moves the BatchNorm running statistics and no weight (engine.py statistics_step). */
-  async statisticsStep(/** @type {ModelInput} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
+  async statisticsStep(
+    /** @type {ModelInput} */ x,
+    /** @type {Int32Array | BigInt64Array} */ y,
+    /** @type {number} */ count,
+  ) {
     const sets = this.trainableSets(); // the cheapest set whose step runs the whole forward (engine.py statistics_set)
     const results = await this.runStep(x, y, count, 0, sets.includes('personal') ? 'personal' : sets[0]);
     const buffers = new Set(this.entry.buffers);
@@ -188,10 +214,18 @@ export class Engine {
    * @returns {Record<string, number>}
    */
   statisticsMomenta() {
-    const names = this.manifest.tensors.filter((t) => t.role === 'buffer' && /\.running_(mean|var)$/.test(t.name)).map((t) => t.name);
+    const names = this.manifest.tensors
+      .filter((t) => t.role === 'buffer' && /\.running_(mean|var)$/.test(t.name))
+      .map((t) => t.name);
     const momentum = this.entry.bn_momentum ?? 0.1;
-    if (Array.isArray(momentum)) throw new EngineError('the bundle lists its BatchNorm momenta without their layers (an older export)', 're-export the bundle with this edgepfl version');
-    return Object.fromEntries(names.map((name) => [name, Number(typeof momentum === 'object' ? momentum[name] : momentum)]));
+    if (Array.isArray(momentum))
+      throw new EngineError(
+        'the bundle lists its BatchNorm momenta without their layers (an older export)',
+        're-export the bundle with this edgepfl version',
+      );
+    return Object.fromEntries(
+      names.map((name) => [name, Number(typeof momentum === 'object' ? momentum[name] : momentum)]),
+    );
   }
 
   /**
@@ -209,28 +243,46 @@ export class Engine {
     this.checkSet(trainable);
     this.checkBatch(x, y, count);
     if (count > this.batchSize) {
-      throw new EngineError(`a batch of ${count} samples exceeds the portable graphs' batch size ${this.batchSize}`, `train with batches of at most ${this.batchSize}`);
+      throw new EngineError(
+        `a batch of ${count} samples exceeds the portable graphs' batch size ${this.batchSize}`,
+        `train with batches of at most ${this.batchSize}`,
+      );
     }
     const key = `step_${trainable}`;
     const graph = this.entry.steps[trainable];
     const n = this.stateNames.length;
     const byInput = new Map(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]));
     const byOutput = new Map(graph.outputs.slice(1, n + 1).map((output, i) => [output, this.stateNames[i]]));
-    const stateOf = (/** @type {Map<string, string>} */ by, /** @type {string} */ name) => /** @type {string} */ (by.get(name));
+    const stateOf = (/** @type {Map<string, string>} */ by, /** @type {string} */ name) =>
+      /** @type {string} */ (by.get(name));
     // the frozen tensors stay as they are (a plain graph's copies of them are not fetched), with or without a variant
     const kept = new Set(graph.frozen ? graph.frozen.initializers.map((input) => stateOf(byInput, input)) : []);
     const frozen = graph.frozen && this.frozen.has(graph.frozen) ? graph.frozen : null;
     const values = frozen ? [...kept].map((name) => /** @type {OrtTensor} */ (this.state.get(name))) : [];
     const baked = frozen && (await this.frozen.session(key, frozen, values));
-    const [opened, inputs, outputs] = baked && frozen ? [baked, frozen.inputs, frozen.outputs] : [await this.session(key, graph), graph.inputs, graph.outputs];
+    const [opened, inputs, outputs] =
+      baked && frozen
+        ? [baked, frozen.inputs, frozen.outputs]
+        : [await this.session(key, graph), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
-    const feeds = await this.feeds(opened, stateInputs.map((input) => [input, stateOf(byInput, input)]), batchInputs, x, y, 0, count);
+    const feeds = await this.feeds(
+      opened,
+      stateInputs.map((input) => [input, stateOf(byInput, input)]),
+      batchInputs,
+      x,
+      y,
+      0,
+      count,
+    );
     feeds[batchInputs[3]] = new this.ort.Tensor('float32', Float32Array.of(lr), []);
     const fetched = outputs.filter((output, i) => i === 0 || !kept.has(stateOf(byOutput, output)));
     const results = await opened.session.run(feeds, fetched);
     if (frozen) this.frozen.ran(key, values, Boolean(baked));
-    return { loss: Number(results[outputs[0]].data[0]), state: new Map(fetched.slice(1).map((output) => [stateOf(byOutput, output), results[output]])) };
+    return {
+      loss: Number(results[outputs[0]].data[0]),
+      state: new Map(fetched.slice(1).map((output) => [stateOf(byOutput, output), results[output]])),
+    };
   }
 
   /**
@@ -249,7 +301,15 @@ export class Engine {
     let correct = 0;
     for (let start = 0; start < count; start += this.batchSize) {
       const chunk = Math.min(this.batchSize, count - start);
-      const feeds = await this.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk);
+      const feeds = await this.feeds(
+        opened,
+        graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]),
+        graph.inputs.slice(n),
+        x,
+        y,
+        start,
+        chunk,
+      );
       const results = await opened.session.run(feeds, graph.outputs.slice(1));
       lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
@@ -304,15 +364,22 @@ export class Engine {
 
   checkSet(/** @type {string} */ trainable) {
     if (!this.trainableSets().includes(trainable)) {
-      throw new EngineError(`this bundle (personal ${personalSpec(this.manifest)}) has no ${JSON.stringify(trainable)} trainable set`, `choose one of: ${this.trainableSets().join(', ')}`);
+      throw new EngineError(
+        `this bundle (personal ${personalSpec(this.manifest)}) has no ${JSON.stringify(trainable)} trainable set`,
+        `choose one of: ${this.trainableSets().join(', ')}`,
+      );
     }
   }
 
   checkBatch(/** @type {ModelInput} */ x, /** @type {Int32Array | BigInt64Array} */ y, /** @type {number} */ count) {
-    if (!Number.isInteger(count) || count < 1) throw new EngineError(`batch count ${count} is not a positive integer`, 'pass at least one sample');
+    if (!Number.isInteger(count) || count < 1)
+      throw new EngineError(`batch count ${count} is not a positive integer`, 'pass at least one sample');
     if (!(x instanceof this.inputType.array) || x.length !== count * this.sampleSize) {
       const given = x instanceof this.inputType.array ? `${x.length} values` : `a ${x && x.constructor.name}`;
-      throw new EngineError(`inputs hold ${given} for ${count} samples of [${this.sampleShape}] ${this.inputType.dtype}`, `pass a ${this.inputType.array.name} of ${count} x ${this.sampleSize} pre-processed values`);
+      throw new EngineError(
+        `inputs hold ${given} for ${count} samples of [${this.sampleShape}] ${this.inputType.dtype}`,
+        `pass a ${this.inputType.array.name} of ${count} x ${this.sampleSize} pre-processed values`,
+      );
     }
     if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count) {
       throw new EngineError(`labels are not an Int32Array or BigInt64Array of ${count}`, 'pass one label per input');
@@ -320,7 +387,11 @@ export class Engine {
     const classes = this.manifest.num_classes;
     for (let i = 0; i < count; i++) {
       const label = Number(y[i]);
-      if (!(label >= 0 && label < classes)) throw new EngineError(`label ${label} is not a class of this model (0..${classes - 1})`, 'relabel the examples');
+      if (!(label >= 0 && label < classes))
+        throw new EngineError(
+          `label ${label} is not a class of this model (0..${classes - 1})`,
+          'relabel the examples',
+        );
     }
   }
 
@@ -354,7 +425,11 @@ export class Engine {
       by[i] = labels.of(Number(y[start + i]));
       bw[i] = 1;
     }
-    feeds[batchInputs[0]] = new this.ort.Tensor(/** @type {'float32'} */ (this.inputType.dtype), /** @type {Float32Array} */ (bx), [size, ...this.sampleShape]);
+    feeds[batchInputs[0]] = new this.ort.Tensor(
+      /** @type {'float32'} */ (this.inputType.dtype),
+      /** @type {Float32Array} */ (bx),
+      [size, ...this.sampleShape],
+    );
     feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), [size]);
     feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
     return feeds;

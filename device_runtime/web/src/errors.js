@@ -29,7 +29,7 @@ export class StartOver extends DeviceError {}
 /** A problem of the bundle, the model or its inputs, with the fix (engine.js exports it too). */
 export class EngineError extends DeviceError {}
 
-/** A problem with the person's examples, and what to do about it (data.js exports it too). */
+/** A problem with the person's data (photos, an .npz, a text or sensor file), with the fix (data.js exports it). */
 export class DataError extends DeviceError {}
 
 /** A secure-aggregation message or state that breaks the protocol (edgepfl's SecAggError); nothing held is lost. */

@@ -63,9 +63,17 @@ export class FrozenVariants {
     let opened;
     try {
       const extra = { externalData: [{ path: frozen.data_location, data }] };
-      opened = await this.sessions.open(frozen.model, /** @type {Uint8Array} */ (this.variants.get(frozen.model)), frozen, extra);
+      opened = await this.sessions.open(
+        frozen.model,
+        /** @type {Uint8Array} */ (this.variants.get(frozen.model)),
+        frozen,
+        extra,
+      );
     } catch (err) {
-      throw new EngineError(`the frozen variant ${frozen.model} does not load (${describe(err).split('\n')[0].slice(0, 200)})`, 're-export the bundle, or export it with --no-frozen-variants');
+      throw new EngineError(
+        `the frozen variant ${frozen.model} does not load (${describe(err).split('\n')[0].slice(0, 200)})`,
+        're-export the bundle, or export it with --no-frozen-variants',
+      );
     }
     this.baked.set(key, { opened, values });
     return opened;

@@ -35,6 +35,7 @@ import { EngineError } from './errors.js';
  * @property {string} base_layout_hash
  * @property {Record<string, string>} [files] bundle path -> sha256
  * @property {{portable?: PortableEntry}} [engines]
+ * @property {{kind?: string, metric_ignores?: number[]}} [task] a text or sensor bundle's task (tasks.js reads it)
  */
 
 /** The bundle's personal spec as manifest.py writes it: its `personal`, or output:kp for bundles before specs. */
@@ -50,7 +51,12 @@ export function portableFiles(/** @type {Manifest} */ manifest) {
   const entry = portableEntry(manifest);
   const steps = Object.values(entry.steps);
   return {
-    required: [entry.initial, entry.eval.model, ...(entry.predict ? [entry.predict.model] : []), ...steps.map((step) => step.model)],
+    required: [
+      entry.initial,
+      entry.eval.model,
+      ...(entry.predict ? [entry.predict.model] : []),
+      ...steps.map((step) => step.model),
+    ],
     variants: steps.flatMap((step) => (step.frozen && step.frozen.data_location ? [step.frozen.model] : [])),
   };
 }
@@ -58,7 +64,8 @@ export function portableFiles(/** @type {Manifest} */ manifest) {
 /** The manifest's portable engine entry; a bundle without one throws. */
 export function portableEntry(/** @type {Manifest} */ manifest) {
   const entry = manifest.engines && manifest.engines.portable;
-  if (!entry) throw new EngineError('the bundle has no portable graphs', 'ask the operator to export it with --engines portable');
+  if (!entry)
+    throw new EngineError('the bundle has no portable graphs', 'ask the operator to export it with --engines portable');
   return entry;
 }
 
@@ -71,7 +78,10 @@ export function portableEntry(/** @type {Manifest} */ manifest) {
 export function inputType(input) {
   if (input.dtype === 'int64') return { dtype: 'int64', array: BigInt64Array };
   if (input.dtype && input.dtype !== 'float32') {
-    throw new EngineError(`the bundle's model input is ${input.dtype}`, 'export it again: a page runs float32 or int64 (token id) inputs');
+    throw new EngineError(
+      `the bundle's model input is ${input.dtype}`,
+      'export it again: a page runs float32 or int64 (token id) inputs',
+    );
   }
   return { dtype: 'float32', array: Float32Array };
 }

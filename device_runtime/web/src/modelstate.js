@@ -45,12 +45,20 @@ export class ModelState {
    */
   async get(names, state = this.tensors) {
     const unknown = names.filter((n) => !state.has(n));
-    if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
+    if (unknown.length)
+      throw new EngineError(
+        `unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`,
+        "use names listed in the bundle's manifest.json",
+      );
     /** @type {Tensors} */
     const out = {};
     for (const name of names) {
       const t = await inMemory(/** @type {OrtTensor} */ (state.get(name)));
-      out[name] = { dtype: t.type, shape: Array.from(t.dims), data: /** @type {import('./safetensors.js').TypedArray} */ (t.data).slice() };
+      out[name] = {
+        dtype: t.type,
+        shape: Array.from(t.dims),
+        data: /** @type {import('./safetensors.js').TypedArray} */ (t.data).slice(),
+      };
     }
     return out;
   }
@@ -59,10 +67,15 @@ export class ModelState {
   set(/** @type {Tensors} */ tensors, { exact = false } = {}) {
     const names = Object.keys(tensors);
     const unknown = names.filter((n) => !this.names.includes(n));
-    if (unknown.length) throw new EngineError(`unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`, "use names listed in the bundle's manifest.json");
+    if (unknown.length)
+      throw new EngineError(
+        `unknown tensor(s) ${unknown.slice(0, 3).join(', ')}`,
+        "use names listed in the bundle's manifest.json",
+      );
     if (exact) {
       const missing = this.names.filter((n) => !(n in tensors));
-      if (missing.length) throw new EngineError(`tensor(s) ${missing.slice(0, 3).join(', ')} are missing`, 're-export the bundle');
+      if (missing.length)
+        throw new EngineError(`tensor(s) ${missing.slice(0, 3).join(', ')} are missing`, 're-export the bundle');
     }
     const checked = names.map((name) => /** @type {const} */ ([name, this.check(name, tensors[name])]));
     for (const [name, t] of checked) {
@@ -82,15 +95,31 @@ export class ModelState {
   /** `t` if its shape, dtype and values suit the manifest's tensor `name`; else one EngineError. */
   check(/** @type {string} */ name, /** @type {Tensor} */ t) {
     const spec = this.spec(name);
-    if (!t || !Array.isArray(t.shape) || t.shape.length !== spec.shape.length || t.shape.some((d, i) => d !== spec.shape[i])) {
-      throw new EngineError(`tensor ${name} has shape [${t && t.shape}], the manifest says [${spec.shape}]`, 'export and train from the same bundle');
+    if (
+      !t ||
+      !Array.isArray(t.shape) ||
+      t.shape.length !== spec.shape.length ||
+      t.shape.some((d, i) => d !== spec.shape[i])
+    ) {
+      throw new EngineError(
+        `tensor ${name} has shape [${t && t.shape}], the manifest says [${spec.shape}]`,
+        'export and train from the same bundle',
+      );
     }
-    if (t.dtype !== spec.dtype || !(t.data instanceof typedArrayOf(spec.dtype)) || t.data.length !== numel(spec.shape)) {
-      throw new EngineError(`tensor ${name} has dtype ${t.dtype}, the manifest says ${spec.dtype}`, "send tensors in the manifest's dtype");
+    if (
+      t.dtype !== spec.dtype ||
+      !(t.data instanceof typedArrayOf(spec.dtype)) ||
+      t.data.length !== numel(spec.shape)
+    ) {
+      throw new EngineError(
+        `tensor ${name} has dtype ${t.dtype}, the manifest says ${spec.dtype}`,
+        "send tensors in the manifest's dtype",
+      );
     }
     if (t.data instanceof Float32Array || t.data instanceof Float64Array) {
       for (let i = 0; i < t.data.length; i++) {
-        if (!Number.isFinite(t.data[i])) throw new EngineError(`tensor ${name} contains NaN or Inf`, 'lower the learning rate and retrain');
+        if (!Number.isFinite(t.data[i]))
+          throw new EngineError(`tensor ${name} contains NaN or Inf`, 'lower the learning rate and retrain');
       }
     }
     return t;

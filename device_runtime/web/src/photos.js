@@ -14,10 +14,17 @@ const IMAGE_NAME = /\.(png|jpe?g|bmp|gif|webp|tiff?)$/i; // device_runtime/data.
 const LARGEST_DECODED_SIDE = 2048; // bigger photos are scaled down by the browser first (memory on phones)
 
 /** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */
-export async function readPhotos(/** @type {Iterable<File>} */ files, /** @type {number} */ label, /** @type {InputSpec} */ inputSpec) {
+export async function readPhotos(
+  /** @type {Iterable<File>} */ files,
+  /** @type {number} */ label,
+  /** @type {InputSpec} */ inputSpec,
+) {
   const list = Array.from(files).filter((file) => IMAGE_NAME.test(file.name) || (file.type || '').startsWith('image/'));
   if (!list.length) throw new DataError('none of the chosen files is an image', 'choose photos (PNG, JPEG, WebP, ...)');
-  return collect(list.map((file) => /** @type {[File, number]} */ ([file, label])), inputSpec);
+  return collect(
+    list.map((file) => /** @type {[File, number]} */ ([file, label])),
+    inputSpec,
+  );
 }
 
 /**
@@ -36,9 +43,18 @@ export async function readFolder(files, inputSpec, names, decode = decodeImage) 
   const paths = list.map((file) => (file.webkitRelativePath || file.name).split('/'));
   const root = paths.length ? paths[0][0] : '';
   const byPath = new Map(list.map((file, i) => [paths[i].slice(1).join('/'), file]));
-  const labelled = labelFolderFiles(root, paths.map((parts) => parts.slice(1)), labels, inputSpec);
+  const labelled = labelFolderFiles(
+    root,
+    paths.map((parts) => parts.slice(1)),
+    labels,
+    inputSpec,
+  );
   /** @type {Labelled[]} */
-  const entries = labelled.map(([parts, label]) => [/** @type {File} */ (byPath.get(parts.join('/'))), label, `${root}/${parts.join('/')}`]);
+  const entries = labelled.map(([parts, label]) => [
+    /** @type {File} */ (byPath.get(parts.join('/'))),
+    label,
+    `${root}/${parts.join('/')}`,
+  ]);
   return collect(entries, inputSpec, decode);
 }
 
@@ -57,14 +73,24 @@ export function labelFolderFiles(root, files, labels, inputSpec) {
   const visible = files.filter((parts) => !parts.some((part) => part.startsWith('.'))).sort(comparePaths);
   const images = visible.filter((parts) => IMAGE_NAME.test(parts[parts.length - 1]));
   for (const parts of images) {
-    if (parts.length === 1) throw new DataError(`${root}/${parts[0]} is outside the class folders`, `move it into the folder of its class: ${root}/<class>/${parts[0]}`);
-    if (parts.length > 2) throw new DataError(`${root}/${parts.join('/')} is in a folder inside class folder ${parts[0]}`, 'put each class\'s images directly in its class folder');
+    if (parts.length === 1)
+      throw new DataError(
+        `${root}/${parts[0]} is outside the class folders`,
+        `move it into the folder of its class: ${root}/<class>/${parts[0]}`,
+      );
+    if (parts.length > 2)
+      throw new DataError(
+        `${root}/${parts.join('/')} is in a folder inside class folder ${parts[0]}`,
+        "put each class's images directly in its class folder",
+      );
   }
   const index = new Map(labels.map((name, label) => [name.normalize('NFC'), label]));
   const folders = [...new Set(visible.filter((parts) => parts.length > 1).map((parts) => parts[0]))].sort(compareText);
   for (const folder of folders) {
-    if (!index.has(folder.normalize('NFC'))) throw new DataError(`folder ${root}/${folder} is not named as a class of this model`, namingFix(labels));
-    if (!images.some((parts) => parts[0] === folder)) throw new DataError(`class folder ${root}/${folder} holds no images`, 'add images (.png, .jpg, …) or remove it');
+    if (!index.has(folder.normalize('NFC')))
+      throw new DataError(`folder ${root}/${folder} is not named as a class of this model`, namingFix(labels));
+    if (!images.some((parts) => parts[0] === folder))
+      throw new DataError(`class folder ${root}/${folder} holds no images`, 'add images (.png, .jpg, …) or remove it');
   }
   if (!images.length) throw new DataError(`${root} has no class folders with images`, namingFix(labels));
   return images.map((parts) => /** @type {[string[], number]} */ ([parts, index.get(parts[0].normalize('NFC'))]));
@@ -73,7 +99,8 @@ export function labelFolderFiles(root, files, labels, inputSpec) {
 /** The channel count of a model that takes image files (1 grey, 3 colour); others are refused as Python does. */
 function imageChannels(/** @type {InputSpec} */ inputSpec) {
   const channels = inputSpec.shape[0];
-  if (channels !== 1 && channels !== 3) throw new DataError(`the model takes ${channels}-channel images`, 'use an .npz for this model');
+  if (channels !== 1 && channels !== 3)
+    throw new DataError(`the model takes ${channels}-channel images`, 'use an .npz for this model');
   return channels;
 }
 
@@ -119,7 +146,10 @@ async function collect(labelled, inputSpec, decode = decodeImage) {
     try {
       decoded = await decode(file);
     } catch (err) {
-      throw new DataError(`${shown || file.name} is not a readable image (${describe(err)})`, 'remove or replace the file');
+      throw new DataError(
+        `${shown || file.name} is not a readable image (${describe(err)})`,
+        'remove or replace the file',
+      );
     }
     const { rgba, width, height } = decoded;
     pixels.set(toModelPixels(rgba, width, height, inputSpec), i * size);
@@ -134,7 +164,10 @@ export async function readPhotoInput(/** @type {File} */ file, /** @type {InputS
   try {
     decoded = await decodeImage(file);
   } catch (err) {
-    throw new DataError(`${file.name} is not a photo this browser can read (${describe(err)})`, 'choose a PNG or JPEG photo');
+    throw new DataError(
+      `${file.name} is not a photo this browser can read (${describe(err)})`,
+      'choose a PNG or JPEG photo',
+    );
   }
   return normalizePixels(toModelPixels(decoded.rgba, decoded.width, decoded.height, inputSpec), inputSpec);
 }
@@ -153,8 +186,13 @@ async function decodeImage(/** @type {File} */ file) {
     bitmap = resized;
   }
   const { width, height } = bitmap;
-  const canvas = typeof OffscreenCanvas === 'function' ? new OffscreenCanvas(width, height) : Object.assign(document.createElement('canvas'), { width, height });
-  const context = /** @type {OffscreenCanvasRenderingContext2D | CanvasRenderingContext2D | null} */ (canvas.getContext('2d', { willReadFrequently: true }));
+  const canvas =
+    typeof OffscreenCanvas === 'function'
+      ? new OffscreenCanvas(width, height)
+      : Object.assign(document.createElement('canvas'), { width, height });
+  const context = /** @type {OffscreenCanvasRenderingContext2D | CanvasRenderingContext2D | null} */ (
+    canvas.getContext('2d', { willReadFrequently: true })
+  );
   if (!context) throw new DataError('this browser draws no images for the page', 'use a current Chrome or Safari');
   context.drawImage(bitmap, 0, 0);
   bitmap.close();

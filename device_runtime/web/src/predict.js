@@ -27,9 +27,22 @@ export async function predictWith(engine, x, count, held) {
   const probabilities = new Float32Array(count * classes);
   for (let start = 0; start < count; start += size) {
     const chunk = Math.min(size, count - start);
-    const feeds = await engine.feeds(opened, graph.inputs.slice(0, n).map((input, i) => [input, engine.stateNames[i]]), graph.inputs.slice(n), x, y, start, chunk, held, size);
-    const logits = /** @type {Float32Array} */ ((await opened.session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data);
-    for (let row = 0; row < chunk; row++) probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
+    const feeds = await engine.feeds(
+      opened,
+      graph.inputs.slice(0, n).map((input, i) => [input, engine.stateNames[i]]),
+      graph.inputs.slice(n),
+      x,
+      y,
+      start,
+      chunk,
+      held,
+      size,
+    );
+    const logits = /** @type {Float32Array} */ (
+      (await opened.session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data
+    );
+    for (let row = 0; row < chunk; row++)
+      probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
   }
   return probabilities;
 }
@@ -52,6 +65,10 @@ export function softmax(/** @type {ArrayLike<number>} */ logits) {
  * @returns {{index: number, name: string, probability: number}[]}
  */
 export function topClasses(probabilities, names, k) {
-  const order = Array.from({ length: probabilities.length }, (_, i) => i).sort((a, b) => probabilities[b] - probabilities[a] || a - b);
-  return order.slice(0, Math.min(k, order.length)).map((index) => ({ index, name: names[index], probability: probabilities[index] }));
+  const order = Array.from({ length: probabilities.length }, (_, i) => i).sort(
+    (a, b) => probabilities[b] - probabilities[a] || a - b,
+  );
+  return order
+    .slice(0, Math.min(k, order.length))
+    .map((index) => ({ index, name: names[index], probability: probabilities[index] }));
 }

@@ -6,11 +6,31 @@
 
 /**
  * What was measured. `final`: the run is over and the model is the final shared one (with this phone's own part);
- * `roundsHere`: how many rounds this phone trained; `round`: the round after which it was measured.
- * @typedef {{accuracy: number, count: number, final: boolean, roundsHere: number, round: number | null}} Measured
+ * `roundsHere`: how many rounds this phone trained; `round`: the round after which it was measured; `kind`: the
+ * bundle's kind of sample (tasks.js TaskKind; photos when absent).
+ * @typedef {object} Measured
+ * @property {number} accuracy
+ * @property {number} count
+ * @property {boolean} final
+ * @property {number} roundsHere
+ * @property {number | null} round
+ * @property {SampleKind} [kind]
  */
+/** @typedef {'image' | 'next-word' | 'sensor'} SampleKind */
 
-export const SHARED_UNTRAINED = 'the shared model, which never trained on your examples (this phone took part in no round)';
+/**
+ * How the page names one sample of each kind of bundle, what the model does right with it, and how a person adds
+ * more (a text or sensor bundle keeps one file: a longer one).
+ * @type {Record<SampleKind, {one: string, right: string, more: string}>}
+ */
+export const SAMPLE_WORDS = {
+  image: { one: 'example', right: 'recognised', more: '' },
+  'next-word': { one: 'next word', right: 'guessed right', more: ' (pick a longer text)' },
+  sensor: { one: 'window', right: 'recognised', more: ' (pick a longer recording)' },
+};
+
+export const SHARED_UNTRAINED =
+  'the shared model, which never trained on your examples (this phone took part in no round)';
 const ROUGH_BELOW = 30; // examples kept aside: with fewer, one example more or less moves the number by 3 points or more
 
 /** A fraction as a percentage with one decimal, or a dash. */
@@ -19,7 +39,9 @@ export function pct(/** @type {number | null | undefined} */ value) {
 }
 
 /** Which model a number is of, in words: "the shared model, not trained on your examples", or "your model after round 3". */
-export function measuredModel(/** @type {Pick<Measured, 'final' | 'roundsHere' | 'round'>} */ { final, roundsHere, round }) {
+export function measuredModel(
+  /** @type {Pick<Measured, 'final' | 'roundsHere' | 'round'>} */ { final, roundsHere, round },
+) {
   if (!roundsHere) return final ? SHARED_UNTRAINED : 'the model as it came, untrained';
   if (final) return 'your model (the final shared model with the part this phone trained)';
   return `your model after round ${round}`;
@@ -32,7 +54,8 @@ export function scoreSentence(measured) {
 
 /** What follows the number: "of the 15 examples kept aside are recognised by …". @param {Measured} measured */
 export function scoreWhat(measured) {
-  return `of the ${plural(measured.count, 'example')} kept aside are recognised by ${measuredModel(measured)}`;
+  const words = SAMPLE_WORDS[measured.kind || 'image'];
+  return `of the ${plural(measured.count, words.one)} kept aside are ${words.right} by ${measuredModel(measured)}`;
 }
 
 /**
@@ -43,7 +66,11 @@ export function scoreWhat(measured) {
  * @returns {{text: string, below: boolean}}
  */
 export function chanceWords(accuracy, count, classes) {
-  if (classes < 2) return { text: 'All your examples show one class: add another class to make the number mean something.', below: false };
+  if (classes < 2)
+    return {
+      text: 'All your examples show one class: add another class to make the number mean something.',
+      below: false,
+    };
   const chance = 1 / classes;
   const guess = `Guessing among your ${classes} classes would get ${pct(chance)}.`;
   if (accuracy == null || accuracy >= chance) return { text: guess, below: false };

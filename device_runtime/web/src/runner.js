@@ -5,15 +5,32 @@
 // holding NaN/Inf, or a round whose training diverges, is refused: the model held before the round stays,
 // nothing is saved or sent, and the device waits for the next round. What happens is told through DeviceEvents.
 
-import { divergence, nonfiniteNames, receive, roundLosses, roundPhases, roundUploads, runClientRound, travellingNames } from './algorithms.js';
+import {
+  divergence,
+  nonfiniteNames,
+  receive,
+  roundLosses,
+  roundPhases,
+  roundUploads,
+  runClientRound,
+  travellingNames,
+} from './algorithms.js';
 import { checkedSettings } from './contract.js';
 import { shortfallLine, splitExamples } from './data.js';
-import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
+import {
+  baseDelta,
+  decodeDownload,
+  encodeWithFeedback,
+  parseEncoding,
+  uniformRandom,
+  uploadsDelta,
+} from './encoding.js';
 import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
 import { postMetrics, reportRefusal, sendPending } from './delivery.js';
 import { decodeSafetensors } from './safetensors.js';
 import { scoreSentence } from './results.js';
+import { taskKind } from './tasks.js';
 import { ClientSession } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
@@ -47,7 +64,14 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number | null, result: EvalResult) => void} runFinished the run is over: the held-out evaluation of the model kept
  */
 
-/** The person's examples as the loop reads them: the current ones, and a promise of more. @typedef {{current: () => Examples, added: () => Promise<void>}} ExampleSource */
+/**
+ * The person's examples as the loop reads them: the current ones (photos, or a text or sensor bundle's file), a
+ * promise of more, and their train/held-out split when it is not the photos' (tasks.js splitRecording).
+ * @typedef {object} ExampleSource
+ * @property {() => Examples | import('./tasks.js').Recording | {count: number}} current
+ * @property {() => Promise<void>} added
+ * @property {(valFraction: number, seed: number) => {train: Samples, val: Samples}} [split]
+ */
 
 const OFFLINE_WAIT = 30; // seconds before trying again after the server stayed unreachable (the page's own)
 
@@ -74,12 +98,18 @@ export class DeviceRunner {
     this.engine = engine;
     this.manifest = engine.manifest;
     this.layout = engine.manifest.base_layout_hash;
+    this.kind = taskKind(engine.manifest);
     this.contract = contract;
     this.events = events;
     this.sleep = sleep;
     this.examples = examples;
     /** @type {Progress} */
-    this.progress = saved.progress || { layout: this.layout, lastCompletedRound: null, lastUploadedRound: null, pending: null };
+    this.progress = saved.progress || {
+      layout: this.layout,
+      lastCompletedRound: null,
+      lastUploadedRound: null,
+      pending: null,
+    };
     /** @type {RoundRecord[]} */
     this.history = saved.history || [];
   }
@@ -92,8 +122,9 @@ export class DeviceRunner {
     for (;;) {
       try {
         if (this.progress.pending) await this.deliverPending();
-        const more = shortfallLine(this.examples.current().count, contract.device);
-        if (more) { // the page asks for no round it has nothing to learn from (or nothing to measure with)
+        const more = shortfallLine(this.examples.current().count, contract.device, this.kind);
+        if (more) {
+          // the page asks for no round it has nothing to learn from (or nothing to measure with)
           events.stage('examples', more);
           told = '';
           await this.examples.added();
@@ -101,13 +132,24 @@ export class DeviceRunner {
         }
         const task = await client.task();
         if (task.base_layout_hash !== this.layout) {
-          throw new StartOver('the server trains another model than the one this page loaded', 'reload the page; start over if that does not help');
+          throw new StartOver(
+            'the server trains another model than the one this page loaded',
+            'reload the page; start over if that does not help',
+          );
         }
         const settings = checkedSettings(contract, task.settings);
         if (task.action === 'done') return await this.finish(task, settings);
         const last = this.progress.lastCompletedRound;
-        const waiting = task.action === 'train' ? `Round ${task.round} is trained on this device; waiting for the next round.` : 'Waiting for the next round…';
-        if (task.action === 'train' && task.round != null && (last == null || task.round > last) && !refused.has(task.round)) {
+        const waiting =
+          task.action === 'train'
+            ? `Round ${task.round} is trained on this device; waiting for the next round.`
+            : 'Waiting for the next round…';
+        if (
+          task.action === 'train' &&
+          task.round != null &&
+          (last == null || task.round > last) &&
+          !refused.has(task.round)
+        ) {
           try {
             if (await this.trainRound(task, task.round, settings)) continue;
           } catch (err) {
@@ -157,10 +199,18 @@ export class DeviceRunner {
     }
     const base = decodeDownload(baseBytes, settings.download_encoding, `the base of round ${roundId}`);
     const poisoned = nonfiniteNames(base);
-    if (poisoned.length) throw await this.skipped(roundId, 'came with a broken shared model', `the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`);
+    if (poisoned.length)
+      throw await this.skipped(
+        roundId,
+        'came with a broken shared model',
+        `the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`,
+      );
     const expected = travellingNames(manifest, settings);
     if (Object.keys(base).length !== expected.length || expected.some((name) => !(name in base))) {
-      throw new DeviceError(`the base of round ${roundId} holds other tensors than this model shares`, 'the server must run with the bundle this page loaded');
+      throw new DeviceError(
+        `the base of round ${roundId} holds other tensors than this model shares`,
+        'the server must run with the bundle this page loaded',
+      );
     }
     const { train, val } = this.split();
     events.stage('training', `Round ${roundId}: fitting the shared model to your examples…`);
@@ -169,7 +219,9 @@ export class DeviceRunner {
     // re-estimated under the new base
     await receive(contract, engine, base, train, settings);
     const before = await evaluate(engine, val);
-    const steps = roundPhases(contract, settings, engine.trainableSets()).reduce((sum, p) => sum + p.epochs, 0) * Math.ceil(train.count / settings.batch_size);
+    const steps =
+      roundPhases(contract, settings, engine.trainableSets()).reduce((sum, p) => sum + p.epochs, 0) *
+      Math.ceil(train.count / settings.batch_size);
     events.roundStarted(roundId, settings, steps);
     const yielding = Object.create(engine);
     yielding.trainStep = async (/** @type {Parameters<Engine['trainStep']>} */ ...args) => {
@@ -183,10 +235,19 @@ export class DeviceRunner {
     });
     events.stage('training', `Round ${roundId}: checking the model on the examples kept aside…`);
     const after = await evaluate(engine, val);
-    const why = divergence(roundLosses(result, after), await engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
+    const why = divergence(
+      roundLosses(result, after),
+      await engine.getTensors(),
+      manifest.num_classes,
+      contract.divergence.loss_factor,
+    );
     if (why !== null) {
       engine.setTensors(kept);
-      throw await this.skipped(roundId, 'went wrong while training (the numbers blew up)', `training diverged in round ${roundId} (${why})`);
+      throw await this.skipped(
+        roundId,
+        'went wrong while training (the numbers blew up)',
+        `training diverged in round ${roundId} (${why})`,
+      );
     }
     const valAccuracy = after.count ? after.correct / after.count : NaN;
     const valLoss = after.count ? after.lossSum / after.count : NaN;
@@ -196,19 +257,31 @@ export class DeviceRunner {
     let residual;
     if (roundUploads(contract, settings)) {
       const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
-      const meta = { baseLayoutHash: this.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss, startValAccuracy };
+      const meta = {
+        baseLayoutHash: this.layout,
+        numSamples: result.numSamples,
+        trainLoss: result.trainLoss,
+        valAccuracy,
+        valLoss,
+        startValAccuracy,
+      };
       const trained = await engine.getTensors(travellingNames(manifest, settings));
       let payload;
-      if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
+      if (uploadsDelta(settings)) {
+        // the base delta, encoded as the round asks, with what earlier rounds owe
         const owed = (await store.get('residual')).residual;
         const encoding = parseEncoding(settings.upload_encoding);
         const rng = encoding.stochastic ? uniformRandom([contract.device.seed, roundId]) : null;
-        const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, { rng, clipNorm: settings.clip_norm });
+        const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, {
+          rng,
+          clipNorm: settings.clip_norm,
+        });
         payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
         residual = encoded.residual;
         pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
         const secure = task.secure_aggregation;
-        if (secure) { // a secure round: the clipped delta stays here, masked in the steps (delivery.js sendPending)
+        if (secure) {
+          // a secure round: the clipped delta stays here, masked in the steps (delivery.js sendPending)
           pending.secure = { ...secure, session: (await ClientSession.start(secure.device, secure.context)).toJSON() };
         }
       } else {
@@ -255,7 +328,11 @@ export class DeviceRunner {
     const delivered = await sendPending({ client, events, sleep, seed: this.contract.device.seed }, pending, save);
     const upload = delivered ? 'delivered' : 'dropped';
     this.history = this.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
-    this.progress = { ...this.progress, pending: null, lastUploadedRound: delivered ? pending.round : this.progress.lastUploadedRound };
+    this.progress = {
+      ...this.progress,
+      pending: null,
+      lastUploadedRound: delivered ? pending.round : this.progress.lastUploadedRound,
+    };
     // a dropped encoded upload owes nothing: the residual goes back to the one before it
     const restored = !delivered && 'residualBefore' in pending ? { residual: pending.residualBefore || undefined } : {};
     await store.commit({ progress: this.progress, history: this.history, ...restored });
@@ -281,18 +358,37 @@ export class DeviceRunner {
       if (why === null) {
         await receive(contract, engine, final, train, settings);
         const result = await evaluate(engine, val);
-        const loss = divergence(result.count ? [result.lossSum / result.count] : [], {}, manifest.num_classes, contract.divergence.loss_factor);
+        const loss = divergence(
+          result.count ? [result.lossSum / result.count] : [],
+          {},
+          manifest.num_classes,
+          contract.divergence.loss_factor,
+        );
         why = loss && `gives a held-out ${loss}`;
       }
-      if (why === null) await this.store.commit({ tensors: { layout: this.layout, tensors: await engine.getTensors() } });
+      if (why === null)
+        await this.store.commit({ tensors: { layout: this.layout, tensors: await engine.getTensors() } });
       else {
         engine.setTensors(kept);
-        events.problem(new DeviceError(`the server's final shared model was broken, so this phone kept ${this.keptInWords()}`, 'nothing to do', `the final base ${why}: kept ${this.kept()} as this device's model`));
+        events.problem(
+          new DeviceError(
+            `the server's final shared model was broken, so this phone kept ${this.keptInWords()}`,
+            'nothing to do',
+            `the final base ${why}: kept ${this.kept()} as this device's model`,
+          ),
+        );
       }
     }
     const result = await evaluate(engine, val);
     events.runFinished(task.round ?? null, result);
-    const measured = { accuracy: result.correct / result.count, count: result.count, final: true, roundsHere: this.history.length, round: task.round ?? null };
+    const measured = {
+      accuracy: result.correct / result.count,
+      count: result.count,
+      final: true,
+      roundsHere: this.history.length,
+      round: task.round ?? null,
+      kind: this.kind,
+    };
     const shown = result.count ? scoreSentence(measured) : 'no examples are kept aside to check it';
     events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
   }
@@ -300,7 +396,8 @@ export class DeviceRunner {
   /** The seeded train/held-out split of the current examples, normalised, as the contract sets it. */
   split() {
     const { val_fraction: valFraction, split_seed: seed } = this.contract.device;
-    return splitExamples(this.examples.current(), this.manifest.input, valFraction, seed);
+    if (this.examples.split) return this.examples.split(valFraction, seed);
+    return splitExamples(/** @type {Examples} */ (this.examples.current()), this.manifest.input, valFraction, seed);
   }
 
   /** How a refusal names the model it keeps (state.py kept). */

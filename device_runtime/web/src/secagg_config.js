@@ -18,7 +18,8 @@ export function bitLength(n) {
 /** q: each value quantizes to [-q, q]. @param {number} devices @param {number} bits */
 export function levels(devices, bits) {
   const q = Math.floor((2 ** (bits - 1) - 1) / devices);
-  if (q < 1) throw new SecAggError(`a ring of ${bits} bits cannot sum ${devices} devices`, 'ask the operator for more bits');
+  if (q < 1)
+    throw new SecAggError(`a ring of ${bits} bits cannot sum ${devices} devices`, 'ask the operator for more bits');
   return q;
 }
 
@@ -48,13 +49,23 @@ export function vectorLength(book) {
 /** A device's check that the server's plan follows from its settings (config.py check_plan). @param {KeyBook} book */
 export function checkPlan(book) {
   const { plan, config } = book;
-  const n = plan.devices, k = plan.neighbours;
+  const n = plan.devices,
+    k = plan.neighbours;
   let ok = k === n - 1 || (k % 2 === 0 && k >= 2 && k < n - 2);
   if (config.neighbours === 'all' && k !== n - 1) ok = false;
   const t = Math.max(2, Math.ceil(config.threshold * (k + 1)));
   const bits = config.bits ?? Math.max(MIN_BITS, 1 + bitLength(INT8_LEVELS * n));
-  if (!ok || plan.threshold !== t || plan.min_survivors !== Math.max(t, Math.ceil(config.threshold * n)) || plan.bits !== bits || n !== book.adverts.length) {
-    throw new SecAggError(`the server's plan ${JSON.stringify(plan)} does not follow from its settings`, 'the server must send a consistent key book');
+  if (
+    !ok ||
+    plan.threshold !== t ||
+    plan.min_survivors !== Math.max(t, Math.ceil(config.threshold * n)) ||
+    plan.bits !== bits ||
+    n !== book.adverts.length
+  ) {
+    throw new SecAggError(
+      `the server's plan ${JSON.stringify(plan)} does not follow from its settings`,
+      'the server must send a consistent key book',
+    );
   }
   levels(n, bits);
 }

@@ -25,7 +25,9 @@ export async function neighbourMap(devices, seed, k) {
     for (const d of devices) graph[d] = devices.filter((o) => o !== d).sort(compareIds);
     return graph;
   }
-  const keyed = await Promise.all(devices.map(async (d) => ({ d, key: await sha256(concat(seed, encoder.encode(d))) })));
+  const keyed = await Promise.all(
+    devices.map(async (d) => ({ d, key: await sha256(concat(seed, encoder.encode(d))) })),
+  );
   keyed.sort((a, b) => compareBytes(a.key, b.key) || compareIds(a.d, b.d));
   const order = keyed.map((e) => e.d);
   const half = k / 2;

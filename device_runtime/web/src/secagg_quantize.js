@@ -19,7 +19,8 @@ function hadamard(values, block) {
     for (let half = 1; half < block; half *= 2) {
       for (let i = start; i < start + block; i += 2 * half) {
         for (let j = i; j < i + half; j++) {
-          const a = values[j], b = values[j + half];
+          const a = values[j],
+            b = values[j + half];
           values[j] = a + b;
           values[j + half] = a - b;
         }
@@ -56,9 +57,15 @@ export async function quantizeDelta(delta, weight, book, rng = null) {
   const { config, plan } = book;
   const names = Object.keys(delta).sort(compareIds);
   const size = names.reduce((n, name) => n + delta[name].data.length, 0);
-  if (size !== book.base_size) throw new SecAggError(`the delta has ${size} values, the round sums ${book.base_size}`, 'send every shared tensor of the round\'s base');
-  if (!Number.isInteger(weight) || weight < 0) throw new SecAggError(`weight ${weight} is not a non-negative integer`, 'pass the device\'s sample count');
-  if (names.some((name) => delta[name].data.some((v) => !Number.isFinite(v)))) throw new SecAggError('the delta has NaN or Inf values', 'lower the learning rate; the device sits this round out');
+  if (size !== book.base_size)
+    throw new SecAggError(
+      `the delta has ${size} values, the round sums ${book.base_size}`,
+      "send every shared tensor of the round's base",
+    );
+  if (!Number.isInteger(weight) || weight < 0)
+    throw new SecAggError(`weight ${weight} is not a non-negative integer`, "pass the device's sample count");
+  if (names.some((name) => delta[name].data.some((v) => !Number.isFinite(v))))
+    throw new SecAggError('the delta has NaN or Inf values', 'lower the learning rate; the device sits this round out');
   const w = Math.min(weight, config.max_weight);
   // the contribution (w / W) delta must fit the ring: clip it to C (quantize.py, the same float64 expressions)
   const scale = w / (config.weight_scale ?? config.max_weight);

@@ -9,9 +9,14 @@ const LITTLE_ENDIAN = new Uint8Array(new Uint32Array([1]).buffer)[0] === 1;
 
 /** `length` ring elements < 2^bits: AES-256-CTR keystream of the seed from a zero 128-bit counter, little-endian words. @param {Uint8Array} seed @param {number} length */
 export async function maskVector(seed, length, bits = 32) {
-  if (seed.length !== 32) throw new SecAggError(`a mask seed has ${seed.length} bytes, not 32`, 'derive seeds with HKDF-SHA256');
+  if (seed.length !== 32)
+    throw new SecAggError(`a mask seed has ${seed.length} bytes, not 32`, 'derive seeds with HKDF-SHA256');
   const key = await subtle().importKey('raw', buffer(seed), 'AES-CTR', false, ['encrypt']);
-  const stream = await subtle().encrypt({ name: 'AES-CTR', counter: new Uint8Array(16), length: 128 }, key, new Uint8Array(4 * length));
+  const stream = await subtle().encrypt(
+    { name: 'AES-CTR', counter: new Uint8Array(16), length: 128 },
+    key,
+    new Uint8Array(4 * length),
+  );
   let words;
   if (LITTLE_ENDIAN) words = new Uint32Array(stream);
   else {
@@ -28,7 +33,9 @@ export async function maskVector(seed, length, bits = 32) {
 /** Ring elements packed at `bits` bits each, least significant bit first (ring.py pack). @param {Uint32Array} values @param {number} bits */
 export function pack(values, bits) {
   const out = new Uint8Array(Math.ceil((values.length * bits) / 8));
-  let acc = 0, held = 0, pos = 0;
+  let acc = 0,
+    held = 0,
+    pos = 0;
   for (let i = 0; i < values.length; i++) {
     acc += values[i] * 2 ** held;
     held += bits;
@@ -45,7 +52,9 @@ export function pack(values, bits) {
 /** The inverse of `pack`. @param {Uint8Array} payload @param {number} length @param {number} bits */
 export function unpack(payload, length, bits) {
   const out = new Uint32Array(length);
-  let acc = 0, held = 0, pos = 0;
+  let acc = 0,
+    held = 0,
+    pos = 0;
   for (let i = 0; i < length; i++) {
     while (held < bits) {
       acc += payload[pos++] * 2 ** held;

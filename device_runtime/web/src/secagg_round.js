@@ -34,10 +34,15 @@ export async function takeSecureSteps(io, state, delta, weight, seed) {
   await io.save(session.toJSON());
   await io.send('shares', messageToJson('ShareBundle', bundle));
   const inbox = /** @type {ShareBundle} */ (messageFromJson(await io.fetch('inbox'), 'ShareInbox'));
-  const masked = await session.receiveInbox(inbox, await quantizeDelta(delta, weight, session.book, uniformRandom(seed)));
+  const masked = await session.receiveInbox(
+    inbox,
+    await quantizeDelta(delta, weight, session.book, uniformRandom(seed)),
+  );
   await io.save(session.toJSON());
   await io.send('masked', maskedInputBytes(masked));
-  const reveal = session.receiveUnmask(/** @type {UnmaskRequest} */ (messageFromJson(await io.fetch('unmask'), 'UnmaskRequest')));
+  const reveal = session.receiveUnmask(
+    /** @type {UnmaskRequest} */ (messageFromJson(await io.fetch('unmask'), 'UnmaskRequest')),
+  );
   await io.save(session.toJSON());
   await io.send('reveal', messageToJson('UnmaskShares', reveal));
 }

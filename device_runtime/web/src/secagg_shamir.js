@@ -23,9 +23,17 @@ function fromBigInt(value, length) {
 
 /** Shares {holder index: 33 bytes} of a 32-byte secret; any `threshold` of them give it back. @param {Uint8Array} secret @param {number[]} holders @param {number} threshold @param {RandomBytes} randomBytes */
 export function shamirSplit(secret, holders, threshold, randomBytes) {
-  if (secret.length !== SECRET_BYTES) throw new SecAggError(`a shared secret has ${secret.length} bytes, not 32`, 'share 32-byte secrets');
-  if (!(threshold >= 1 && threshold <= holders.length) || new Set(holders).size !== holders.length || Math.min(...holders) < 1) {
-    throw new SecAggError(`cannot share among ${holders.length} holders with threshold ${threshold}`, 'use distinct indices from 1');
+  if (secret.length !== SECRET_BYTES)
+    throw new SecAggError(`a shared secret has ${secret.length} bytes, not 32`, 'share 32-byte secrets');
+  if (
+    !(threshold >= 1 && threshold <= holders.length) ||
+    new Set(holders).size !== holders.length ||
+    Math.min(...holders) < 1
+  ) {
+    throw new SecAggError(
+      `cannot share among ${holders.length} holders with threshold ${threshold}`,
+      'use distinct indices from 1',
+    );
   }
   const coefficients = [toBigInt(secret)];
   for (let j = 1; j < threshold; j++) coefficients.push(toBigInt(randomBytes(SECRET_BYTES)));

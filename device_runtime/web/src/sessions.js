@@ -57,7 +57,10 @@ export class Sessions {
         },
         (err) => {
           this.opened.delete(key); // a later call may retry, e.g. after memory was freed
-          throw new EngineError(`onnxruntime-web cannot load ${path} (${describe(err)})`, 'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory');
+          throw new EngineError(
+            `onnxruntime-web cannot load ${path} (${describe(err)})`,
+            'reload the page; if it persists, this browser lacks WebAssembly SIMD or memory',
+          );
         },
       );
       this.opened.set(key, created);
@@ -87,12 +90,23 @@ export class Sessions {
       reason = problems.join('; ');
       if (!problems.length) {
         /** @type {Record<string, import('onnxruntime-web').Tensor.DataLocation>} */
-        const outputs = Object.fromEntries(graph.outputs.map((output, i) => [output, i === 0 || !output.startsWith('new_') ? 'cpu' : 'gpu-buffer']));
+        const outputs = Object.fromEntries(
+          graph.outputs.map((output, i) => [output, i === 0 || !output.startsWith('new_') ? 'cpu' : 'gpu-buffer']),
+        );
         /** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
-        const options = { executionProviders: [{ ...WEBGPU_PROVIDER }], graphOptimizationLevel: 'all', preferredOutputLocation: outputs, ...logging, ...extra };
+        const options = {
+          executionProviders: [{ ...WEBGPU_PROVIDER }],
+          graphOptimizationLevel: 'all',
+          preferredOutputLocation: outputs,
+          ...logging,
+          ...extra,
+        };
         options.extra = { session: { disable_cpu_ep_fallback: '1' } };
         try {
-          return this.placed(path, { session: await this.ort.InferenceSession.create(bytes, options), backend: 'webgpu' });
+          return this.placed(path, {
+            session: await this.ort.InferenceSession.create(bytes, options),
+            backend: 'webgpu',
+          });
         } catch (err) {
           reason = `onnxruntime-web did not place every node on WebGPU (${describe(err).split('\n')[0].slice(0, 300)})`;
         }

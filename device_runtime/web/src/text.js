@@ -3,9 +3,12 @@
 // curly apostrophes made straight, control characters as spaces; a word is a run of letters and digits joined by
 // inner apostrophes, any other visible character a token of its own), the bundle's vocab.json checked against its
 // manifest, and the window of ids the model reads. A fixture written by Python (test/make_fixtures.py) pins
-// tokens, ids and windows of tricky strings on both sides.
+// tokens, ids and windows of tricky strings on both sides. A person's own text becomes next-word samples as
+// device_runtime/task_data.py makes them (in time order, the last part held out), and a phrase the word suggestions.
 
-import { DeviceError } from './errors.js';
+import { roundHalfEven } from './algorithms.js';
+import { topClasses } from './engine.js';
+import { DataError, DeviceError } from './errors.js';
 import { checkSha256 } from './sha256.js';
 
 export const SPECIALS = ['<pad>', '<oov>', '<bos>', '<eos>'];
@@ -21,8 +24,13 @@ const SPACE = '\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a\\u202
 const TOKEN = new RegExp(`[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*|_|[^\\p{L}\\p{N}_${SPACE}]`, 'gu');
 // biome-ignore lint/suspicious/noControlCharactersInRegex: the control characters are what this removes
 const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
+// Python's str.splitlines boundaries, control characters among them
+// biome-ignore lint/suspicious/noControlCharactersInRegex: Python splits lines at these control characters
+const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
+export const MIN_DEVICE_WORDS = 10; // task_data.py: fewer words make too few samples to train on and hold some out
+const NEVER_SUGGESTED = [PAD_ID, OOV_ID, BOS_ID]; // predict.py: tokens nobody types
 
-/** A problem with a text or its vocabulary, with the fix. */
+/** A problem with a text bundle's vocabulary, with the fix (a person's own text is refused as a DataError). */
 export class TextError extends DeviceError {}
 
 /**
@@ -130,4 +138,98 @@ export async function loadVocabulary(bytes, task) {
     );
   }
   return vocabulary;
+}
+
+/**
+ * A person's text file as text: UTF-8 (a leading byte-order mark dropped, as Python's utf-8-sig), else refused.
+ * @param {Uint8Array} bytes
+ * @param {string} name the file's name, for the error
+ * @returns {string}
+ */
+export function readText(bytes, name) {
+  try {
+    return new TextDecoder('utf-8', { fatal: true }).decode(bytes);
+  } catch {
+    const fix = 'save it as UTF-8 (most editors: Save As… → encoding UTF-8) and pick it again';
+    throw new DataError(`${name} is not UTF-8 text`, fix);
+  }
+}
+
+/**
+ * The next-word samples of a person's text (task_data.py load_text_data): every position after <bos> of every
+ * line with words, in the text's order; refused when the text holds fewer than MIN_DEVICE_WORDS words.
+ * @param {string} text
+ * @param {Vocabulary} vocabulary
+ * @param {number} seqLen
+ * @param {string} name the file's name, for the error
+ * @returns {{x: BigInt64Array, y: Int32Array, count: number}}
+ */
+export function nextWordSamples(text, vocabulary, seqLen, name) {
+  const lines = text
+    .split(LINE_BREAK)
+    .map(tokenize)
+    .filter((tokens) => tokens.length);
+  const words = lines.reduce((sum, tokens) => sum + tokens.length, 0);
+  if (words < MIN_DEVICE_WORDS) {
+    const what = words ? `only ${words} word${words === 1 ? '' : 's'}` : 'no words';
+    const problem = `${name} holds ${what}; the model needs at least ${MIN_DEVICE_WORDS}`;
+    throw new DataError(problem, 'pick a longer text (a line per message or sentence)');
+  }
+  /** @type {number[]} */
+  const windows = [];
+  /** @type {number[]} */
+  const targets = [];
+  for (const tokens of lines) {
+    const ids = [BOS_ID, ...vocabulary.encode(tokens), EOS_ID];
+    for (let k = 1; k < ids.length; k++) {
+      windows.push(...context(ids.slice(0, k), seqLen));
+      targets.push(ids[k]);
+    }
+  }
+  return { x: BigInt64Array.from(windows, BigInt), y: Int32Array.from(targets), count: targets.length };
+}
+
+/**
+ * The time-order split of `count` next-word samples (task_data.py): the first ones train, the last `valFraction`
+ * (at least one sample trains) are held out, and of those only the targets accuracy counts (not `ignores`).
+ * @param {Int32Array} targets
+ * @param {number} valFraction
+ * @param {number[]} ignores the manifest's `metric_ignores`
+ * @returns {{train: Int32Array, val: Int32Array}}
+ */
+export function timeOrderSplit(targets, valFraction, ignores) {
+  const count = targets.length;
+  const cut = count - Math.min(roundHalfEven(count * valFraction), count - 1);
+  const positions = Array.from({ length: count }, (_, i) => i);
+  const val = positions.slice(cut).filter((i) => !ignores.includes(targets[i]));
+  return { train: Int32Array.from(positions.slice(0, cut)), val: Int32Array.from(val) };
+}
+
+/**
+ * The `k` words the model suggests after `phrase` (a line typed so far), as `device predict --text` gives them:
+ * the predict graph on phraseContext, then nextWords. `held`: the tensors to predict with (engine.snapshot()).
+ * @param {import('./engine.js').Engine} engine
+ * @param {string} phrase
+ * @param {Vocabulary} vocabulary
+ * @param {number} k
+ * @param {Map<string, import('onnxruntime-web').Tensor>} [held]
+ */
+export async function suggestWords(engine, phrase, vocabulary, k, held) {
+  const seqLen = engine.sampleSize;
+  const ids = BigInt64Array.from(phraseContext(phrase, vocabulary, seqLen), BigInt);
+  return nextWords(await engine.predict(ids, 1, held), vocabulary, k);
+}
+
+/**
+ * The `k` most likely next words of one row of probabilities, most likely first, ties the lower id first; <pad>,
+ * <oov> and <bos> are never suggested (predict.py next_words).
+ * @param {Float32Array} probabilities
+ * @param {Vocabulary} vocabulary
+ * @param {number} k
+ */
+export function nextWords(probabilities, vocabulary, k) {
+  const candidates = Float32Array.from(probabilities);
+  for (const id of NEVER_SUGGESTED) candidates[id] = -Infinity;
+  const top = topClasses(candidates, vocabulary.words, k);
+  return top.map(({ index, name }) => ({ index, word: name, probability: probabilities[index] }));
 }

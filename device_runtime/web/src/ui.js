@@ -1,26 +1,24 @@
 // @ts-check
 // Everything the device page draws (index.html's elements) but "Try it" (tryit.js): the headline and its stage,
 // a problem with its fix (any DeviceError the same way, the technical detail folded away), the round's progress
-// with its speed, the results (one number, chance for reference, a chart, the rounds), the examples with their
-// pickers and removers, and "reset this device". `pageEvents` is the round loop's DeviceEvents (runner.js) drawn
-// on the page. Words are for the person holding the phone: no HTTP, no flags.
+// with its speed, the results (one number, chance for reference, a chart, the rounds), keeping and reading what a
+// person gives (examples.js and recording.js draw their sections), and "reset this device". `pageEvents` is the
+// round loop's DeviceEvents (runner.js) drawn on the page. Words are for the person holding the phone: no HTTP, no
+// flags.
 
-import { appendExamples, classCounts, classNames, keepExamples, readFolder, readNpz, readPhotos, shortfallLine, shortfallReason, splitSizes, withoutClass, withoutLastAdded } from './data.js';
 import { drawChart } from './chart.js';
 import { DeviceError, describe } from './errors.js';
 import { chanceWords, pct, plural, scoreWhat } from './results.js';
 
-/** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').EvalResult} EvalResult */
-/** @typedef {import('./data.js').Examples} Examples */
-/** @typedef {import('./data.js').NewExamples} NewExamples */
-/** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./runner.js').DeviceEvents} DeviceEvents */
-/** @typedef {import('./runner.js').ExampleSource} ExampleSource */
 /** @typedef {import('./runner.js').Stage} Stage */
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 
+const NEXT_WORD_MEASURE =
+  "This counts how often the word you wrote next is the model's first guess " +
+  '(words the model does not know are not counted).';
 /** What the results show: the rounds, the evaluation at the run's end, the classes the examples hold. */
 const shown = {
   /** @type {RoundRecord[]} */
@@ -28,6 +26,8 @@ const shown = {
   /** @type {{round: number | null, result: EvalResult} | null} */
   final: null,
   classesHeld: 0,
+  /** @type {import('./tasks.js').TaskKind} the bundle's kind of sample */
+  kind: 'image',
 };
 /** The round being trained: when its first step ended and how many images a step takes, for the speed. */
 const speed = { round: -1, batch: 1, firstStep: 0, firstAt: 0 };
@@ -62,7 +62,8 @@ export function pageEvents(modelChanged = () => {}) {
 /** Show what the page does now (`body[data-stage]`, for people's tools and the browser test) and its headline. */
 export function stage(/** @type {Stage} */ name, /** @type {string} */ text = '') {
   const training = name === 'training';
-  if (training && $('round').hidden) { // a round begins: its bar says "working" until its first step
+  if (training && $('round').hidden) {
+    // a round begins: its bar says "working" until its first step
     $('progress', HTMLProgressElement).removeAttribute('value');
     $('round-text').textContent = '';
     $('speed').textContent = '';
@@ -94,7 +95,10 @@ export function clearProblem() {
 
 /** Anything that stops the page: its problem and fix (an unexpected error's message, and "reload the page"). */
 export function fatal(/** @type {unknown} */ err) {
-  const error = err instanceof DeviceError ? err : { problem: 'something went wrong on this page', fix: 'reload the page', detail: describe(err) };
+  const error =
+    err instanceof DeviceError
+      ? err
+      : { problem: 'something went wrong on this page', fix: 'reload the page', detail: describe(err) };
   stage('problem', showProblem({ problem: error.problem, fix: error.fix || 'reload the page', detail: error.detail }));
 }
 
@@ -122,8 +126,8 @@ export function showBackend(/** @type {string} */ name, /** @type {string} */ li
 /** The footer line on whether the browser keeps the page's data (navigator.storage.persist()). */
 export function showStorage(/** @type {boolean} */ persisted) {
   $('storage').textContent = persisted
-    ? 'This browser keeps this page\'s data (your examples and model) until you reset the device.'
-    : 'This browser may delete this page\'s data (your examples and model) when the phone runs low on space. To keep it, add the page to your home screen.';
+    ? "This browser keeps this page's data (your examples and model) until you reset the device."
+    : "This browser may delete this page's data (your examples and model) when the phone runs low on space. To keep it, add the page to your home screen.";
 }
 
 /**
@@ -136,122 +140,70 @@ export function setUpReset(store, held) {
   button.hidden = false;
   button.addEventListener('click', async () => {
     const { examples, rounds } = held();
-    const lost = [`your ${plural(examples, 'example')}`, rounds ? `the model it trained in ${plural(rounds, 'round')}` : 'its model', 'its place on the server'];
-    if (!confirm(`Reset this device? This deletes everything this page keeps: ${lost.join(', ')}. To take part again you need the join link.`)) return;
+    const lost = [
+      `your ${plural(examples, 'example')}`,
+      rounds ? `the model it trained in ${plural(rounds, 'round')}` : 'its model',
+      'its place on the server',
+    ];
+    if (
+      !confirm(
+        `Reset this device? This deletes everything this page keeps: ${lost.join(', ')}. To take part again you need the join link.`,
+      )
+    )
+      return;
     await store.clear();
     location.replace(location.pathname);
   });
 }
 
 /**
- * The examples section: the model's classes with how many examples of each (each with a remover), the pickers
- * that add more and the removers (each change committed to the store). Returns the round loop's source of examples.
- * @param {{store: DeviceStore, manifest: Manifest, contract: Contract, examples: Examples}} parts
- * @returns {ExampleSource}
+ * The person's data as the page keeps it (photos, or a text or sensor bundle's file): `keep` saves a change (none:
+ * null), shows it (`shown` draws it) and wakes the round loop where it waits for more (`added`).
+ * @template T
+ * @param {DeviceStore} store
+ * @param {(changed: T) => void} shown
+ * @returns {{keep: (changed: T, said: string) => Promise<void>, added: () => Promise<void>}}
  */
-export function setUpExamples({ store, manifest, contract, examples }) {
-  const names = classNames(manifest);
+export function keeper(store, shown) {
   /** @type {(() => void)[]} */
   let waiting = [];
-  const select = $('class-select', HTMLSelectElement);
-  select.replaceChildren(...names.map((name, i) => new Option(name, String(i))));
-  /** Keep a change of the examples, show it, and wake the round loop where it waits for more. */
-  const keep = async (/** @type {Examples} */ changed, /** @type {string} */ said) => {
-    await store.commit({ examples: changed });
-    examples = changed;
+  const keep = async (/** @type {T} */ changed, /** @type {string} */ said) => {
+    await store.commit({ examples: /** @type {any} */ (changed ?? undefined) });
     clearProblem();
     status(said);
-    render();
+    shown(changed);
     for (const resolve of waiting) resolve();
     waiting = [];
   };
-  const render = () => renderExamples(examples, names, contract, remove);
-  const remove = async (/** @type {number} */ label) => {
-    const count = classCounts(examples, names.length)[label];
-    if (!confirm(`Remove the ${plural(count, 'example')} of "${names[label]}"? They are deleted from this phone; what the model already learned from them stays.`)) return;
-    await keep(withoutClass(examples, label), `Removed the ${plural(count, 'example')} of "${names[label]}".`);
-  };
-  const add = async (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) => {
-    const files = input.files;
-    if (!files || !files.length) return;
-    const before = $('status').textContent || '';
-    try {
-      status('Reading the examples…');
-      const more = await read(files);
-      await keep(appendExamples(examples, more), `Added ${plural(more.count, 'example')}.`);
-    } catch (err) {
-      if (!(err instanceof DeviceError)) throw err;
-      showProblem(err);
-      status(before); // the headline goes back to what the page does
-    } finally {
-      input.value = '';
-    }
-  };
-  /** @param {string} id @param {(files: FileList) => Promise<NewExamples>} read */
-  const picker = (id, read) => {
-    const input = $(id, HTMLInputElement);
-    input.addEventListener('change', () => add(input, read).catch(fatal));
-  };
-  const photos = (/** @type {FileList} */ files) => readPhotos(files, Number(select.value), manifest.input);
-  picker('camera', photos);
-  picker('photos', photos);
-  picker('folder', (files) => readFolder(files, manifest.input, classNames(manifest)));
-  picker('npz', async (files) => readNpz(new Uint8Array(await files[0].arrayBuffer()), manifest.input, manifest.num_classes));
-  $('remove-last').addEventListener('click', () => {
-    const count = examples.lastAdded || 0;
-    if (!confirm(`Remove the last ${plural(count, 'example')} you added? They are deleted from this phone; what the model already learned from them stays.`)) return;
-    keep(withoutLastAdded(examples), `Removed the last ${plural(count, 'example')} added.`).catch(fatal);
-  });
-  $('remove-all').addEventListener('click', () => {
-    const { count } = examples;
-    if (!confirm(`Remove all ${plural(count, 'example')}? They are deleted from this phone; what the model already learned from them stays. The phone takes part in rounds again once it has enough examples.`)) return;
-    keep(keepExamples(examples, () => true), `Removed all ${plural(count, 'example')}.`).catch(fatal);
-  });
-  $('examples').hidden = false;
-  render();
-  return {
-    current: () => examples,
-    added: () => new Promise((resolve) => waiting.push(resolve)),
-  };
+  return { keep, added: () => new Promise((resolve) => waiting.push(resolve)) };
 }
 
 /**
- * The classes with their counts and removers, what is missing, how the examples split, and the removers.
- * @param {Examples} examples
- * @param {string[]} names
- * @param {Contract} contract
- * @param {(label: number) => void} remove
+ * Read what a picker picked (`read` keeps it): the headline says `reading` meanwhile; a DeviceError shows with its
+ * fix and the headline goes back to what the page does. The picker is emptied, so the same file can be picked again.
+ * @param {HTMLInputElement} input
+ * @param {string} reading
+ * @param {(files: FileList) => Promise<void>} read
  */
-function renderExamples(examples, names, contract, remove) {
-  const counts = classCounts(examples, names.length);
-  shown.classesHeld = counts.filter((n) => n > 0).length;
-  $('needs').textContent = `The model knows ${plural(names.length, 'class', 'classes')}: add labelled photos of each one you have.`;
-  $('classes').replaceChildren(
-    ...names.map((name, i) => {
-      const item = document.createElement('li');
-      item.append(`${name}: ${counts[i]}`);
-      Object.assign(item.dataset, { label: String(i), count: String(counts[i]) });
-      item.classList.toggle('missing', counts[i] === 0);
-      if (counts[i]) {
-        const button = document.createElement('button'); // its "×" is drawn by style.css: the chip's text stays "name: count"
-        button.type = 'button';
-        button.className = 'remove';
-        button.setAttribute('aria-label', `remove the examples of ${name}`);
-        button.dataset.label = String(i);
-        button.addEventListener('click', () => remove(i));
-        item.append(button);
-      }
-      return item;
-    }),
-  );
-  const { count } = examples;
-  const last = $('remove-last');
-  last.hidden = !examples.lastAdded || examples.lastAdded === count;
-  last.textContent = `Remove the last ${plural(examples.lastAdded || 0, 'example')} added`;
-  $('remove-all').hidden = !count;
-  const short = [shortfallLine(count, contract.device), shortfallReason(count, contract.device)].join(' ').trim();
-  const { train, val } = count ? splitSizes(count, contract.device.val_fraction, contract.device.split_seed) : { train: 0, val: 0 };
-  $('split').textContent = short || `${plural(count, 'example')}: ${train} to learn from, ${val} kept aside to check how well the model does.`;
+export async function readPicked(input, reading, read) {
+  const files = input.files;
+  if (!files || !files.length) return;
+  const before = $('status').textContent || '';
+  try {
+    status(reading);
+    await read(files);
+  } catch (err) {
+    if (!(err instanceof DeviceError)) throw err;
+    showProblem(err);
+    status(before);
+  } finally {
+    input.value = '';
+  }
+}
+
+/** What a text or sensor bundle's data holds (recording.js): the kind of sample, and the classes its samples show. */
+export function showHeld(/** @type {import('./tasks.js').TaskKind} */ kind, /** @type {number} */ classesHeld) {
+  Object.assign(shown, { kind, classesHeld });
   renderScore();
 }
 
@@ -285,15 +237,30 @@ function renderScore() {
   const final = shown.final && shown.final.result.count ? shown.final : null;
   const roundsHere = shown.history.length;
   const score = final
-    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round }
+    ? {
+        accuracy: final.result.correct / final.result.count,
+        count: final.result.count,
+        final: true,
+        roundsHere,
+        round: final.round,
+      }
     : last
-      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round }
+      ? {
+          accuracy: /** @type {number} */ (last.accuracy),
+          count: last.samples,
+          final: false,
+          roundsHere,
+          round: last.round,
+        }
       : null;
   $('score').textContent = score ? pct(score.accuracy) : '–';
   $('score').dataset.accuracy = String(score ? score.accuracy : '');
-  $('score-what').textContent = score ? `${scoreWhat(score)}.` : 'not measured yet';
+  $('score-what').textContent = score ? `${scoreWhat({ ...score, kind: shown.kind })}.` : 'not measured yet';
   const classes = shown.classesHeld;
-  const chance = chanceWords(score && score.accuracy, score ? score.count : 0, classes);
+  const chance =
+    shown.kind === 'next-word'
+      ? { text: NEXT_WORD_MEASURE, below: false }
+      : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
   $('score-chance').textContent = chance.text;
   $('score-chance').dataset.below = String(chance.below);
   drawChart($('chart'), measured, classes > 1 ? 1 / classes : null);
@@ -327,7 +294,8 @@ function showProgress(roundId, phase, step, steps, loss) {
   Object.assign(document.body.dataset, { round: roundId, step }); // for people's tools and the browser test
   Object.assign($('round').dataset, { phase, loss: String(loss) });
   const now = performance.now();
-  if (speed.round !== roundId || !speed.firstAt) Object.assign(speed, { round: roundId, firstStep: step, firstAt: now });
+  if (speed.round !== roundId || !speed.firstAt)
+    Object.assign(speed, { round: roundId, firstStep: step, firstAt: now });
   const progress = $('progress', HTMLProgressElement);
   progress.max = steps;
   progress.value = step;
@@ -335,7 +303,8 @@ function showProgress(roundId, phase, step, steps, loss) {
   const seconds = (now - speed.firstAt) / 1000;
   if (step > speed.firstStep && seconds > 0) {
     const rate = ((step - speed.firstStep) * speed.batch) / seconds;
-    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} images per second`;
+    const unit = { image: 'images', 'next-word': 'words', sensor: 'windows' }[shown.kind];
+    $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} ${unit} per second`;
     $('speed').dataset.imagesPerSecond = String(rate);
   }
 }
@@ -354,6 +323,7 @@ export function sentence(/** @type {string} */ text) {
  */
 export function $(id, kind) {
   const element = document.getElementById(id);
-  if (!element || (kind && !(element instanceof kind))) throw new Error(`the page has no ${kind ? kind.name : 'element'} #${id}`);
+  if (!element || (kind && !(element instanceof kind)))
+    throw new Error(`the page has no ${kind ? kind.name : 'element'} #${id}`);
   return /** @type {T} */ (/** @type {unknown} */ (element));
 }

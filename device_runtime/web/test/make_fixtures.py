@@ -35,9 +35,11 @@ from edgepfl.device_runtime.model_export import export_device_model  # noqa: E40
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
 from edgepfl.device_runtime.predict import DeviceModel  # noqa: E402
 from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
+from edgepfl.device_runtime.task_data import read_sensor_csv  # noqa: E402
 from edgepfl.errors import DataError, WireError  # noqa: E402
-from edgepfl.manifest import InputSpec, load_manifest  # noqa: E402
+from edgepfl.manifest import InputSpec, Manifest, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
+from edgepfl.sensordata import sensor_entry  # noqa: E402
 from edgepfl.text import Vocabulary, manifest_entry, phrase_context, tokenize, write_vocabulary  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
 from tests.conftest import export_test_bundle  # noqa: E402
@@ -107,6 +109,7 @@ def main(out: Path) -> None:
     write_images(out, manifest, results)
     write_folders(out, manifest, results)
     write_text(out, results)
+    write_sensor(out, results)
     (out / "expected.json").write_text(json.dumps(results, indent=1))
     make_secagg_fixtures.main(out)
     make_text_fixtures.main(out / "text")
@@ -150,6 +153,44 @@ def write_text(out: Path, results: dict) -> None:
             }
             for text in TEXT_CASES
         ],
+    }
+
+
+# a sensor CSV the page (src/sensors.js) must read as task_data.py does: CRLF, a blank row, quoted cells, labels
+# by name and by index, windows not in order of their names, exponents, signs and spaces around numbers
+SENSOR_CSV = (
+    "window , label,acc-x,acc-y,gyro-z\r\n"
+    "b,moving,0.5,-1.25e-1, 3\r\n"
+    'b,moving,1e2,+2,"4.75"\r\n'
+    "\r\n"
+    "a,0,.5,0,-0\r\n"
+    "a,0,7,8,9.000001\r\n"
+    'c,"moving",1,2,3\r\n'
+    "c,moving,-4,5.,6\r\n"
+)
+
+
+def write_sensor(out: Path, results: dict) -> None:
+    """A sensor bundle's manifest (no model: the page reads its windows only), SENSOR_CSV, and Python's windows,
+    normalised, and labels of it."""
+    channels = ("acc-x", "acc-y", "gyro-z")
+    spec = InputSpec(shape=(3, 2), dtype="float32", layout="CT", mean=(0.5, 1, 2), std=(1, 2, 4))
+    manifest = Manifest(
+        model={},
+        input=spec,
+        num_classes=2,
+        kp=0,
+        blocks=(),
+        tensors=(),
+        class_names=("still", "moving"),
+        task=sensor_entry(channels, 2, 50),
+    )
+    (out / "sensor.csv").write_text(SENSOR_CSV, encoding="utf-8", newline="")
+    x, y, _ = read_sensor_csv(out / "sensor.csv", manifest)
+    results["sensor"] = {
+        "manifest": manifest.to_json(),
+        "x": normalize(x, manifest.input).ravel().tolist(),
+        "y": y.tolist(),
     }
 
 
