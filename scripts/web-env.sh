@@ -2,9 +2,10 @@
 # The browser device's tests (device_runtime/web): JavaScript unit tests under Node against fixtures that the
 # Python device writes, then (appended below) the real-browser tests.
 #
-# 1. `npm ci` in device_runtime/web: onnxruntime-web, fflate, and pngjs and typescript (tests only) at the
+# 1. `npm ci` in device_runtime/web: onnxruntime-web, fflate, and pngjs, typescript and biome (tests only) at the
 #    lockfile's exact versions and integrity hashes (npm registry only; node >= 20 and npm must be installed).
-#    `tsc` then checks the types of every module of the page (tsconfig.json: JSDoc types, strict, no output).
+#    `biome ci` then lints and checks the formatting of src/, test/ and types/ (biome.json: 120 columns, the
+#    Python's line length), and `tsc` the types of every module of the page (tsconfig.json: JSDoc types, strict).
 # 2. PYTHON (default .venv/bin/python, with the export extra) writes the fixtures into a temporary folder:
 #    the device contract (contract.json) and Python's verdict on sample round settings, a tiny BatchNorm cnn
 #    bundle, the Python portable engine's tensors after steps and a round, files written by Python's
@@ -20,7 +21,8 @@ case "$PYTHON" in /*) ;; *) PYTHON="$ROOT/$PYTHON" ;; esac
 WEB_TMP="$(mktemp -d)"
 trap 'rm -rf "$WEB_TMP"' EXIT
 
-(cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error && node_modules/.bin/tsc -p .)
+(cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error && node_modules/.bin/biome ci --error-on-warnings . &&
+    node_modules/.bin/tsc -p .)
 
 export EDGEPFL_WEB_FIXTURES="$WEB_TMP/fixtures"
 export EDGEPFL_WEB_PYTHON="$PYTHON"

@@ -27,7 +27,10 @@ import { numel } from './safetensors.js';
 export function clientAlgorithm(/** @type {Contract} */ contract, /** @type {string} */ name) {
   const algorithm = Object.hasOwn(contract.algorithms, name) ? contract.algorithms[name] : undefined;
   if (!algorithm) {
-    throw new EngineError(`unknown client algorithm ${JSON.stringify(name)}`, `the server must send one of: ${Object.keys(contract.algorithms).join(', ')}`);
+    throw new EngineError(
+      `unknown client algorithm ${JSON.stringify(name)}`,
+      `the server must send one of: ${Object.keys(contract.algorithms).join(', ')}`,
+    );
   }
   return algorithm;
 }
@@ -47,9 +50,16 @@ export function roundUploads(/** @type {Contract} */ contract, /** @type {object
 export function roundPhases(contract, settingsJson, availableSets) {
   const settings = roundSettings(contract, settingsJson);
   const algorithm = clientAlgorithm(contract, settings.algorithm);
-  const planned = [contract.finetune_phase, ...algorithm.phases].map((p) => ({ name: p.name, trainable: p.trainable, epochs: Number(settings[p.epochs]) }));
+  const planned = [contract.finetune_phase, ...algorithm.phases].map((p) => ({
+    name: p.name,
+    trainable: p.trainable,
+    epochs: Number(settings[p.epochs]),
+  }));
   if (settings.algorithm === 'local' && !availableSets.includes('personal')) {
-    throw new EngineError('the local algorithm trains personal tensors, and this bundle has none (kp=0)', 'export with --kp 1 or more (or a --personal spec)');
+    throw new EngineError(
+      'the local algorithm trains personal tensors, and this bundle has none (kp=0)',
+      'export with --kp 1 or more (or a --personal spec)',
+    );
   }
   return planned.filter(({ trainable, epochs }) => epochs > 0 && availableSets.includes(trainable));
 }
@@ -78,7 +88,8 @@ export function baseBuffers(manifest) {
   /** @type {Map<string, boolean>} */
   const layerPersonal = new Map();
   for (const t of manifest.tensors) {
-    if (t.role !== 'buffer') layerPersonal.set(layerOf(t.name), Boolean(layerPersonal.get(layerOf(t.name))) || t.role === 'personal');
+    if (t.role !== 'buffer')
+      layerPersonal.set(layerOf(t.name), Boolean(layerPersonal.get(layerOf(t.name))) || t.role === 'personal');
   }
   const personalBlocks = new Set(manifest.tensors.filter((t) => t.role === 'personal').map((t) => t.block));
   return manifest.tensors.filter((t) => {
@@ -100,7 +111,8 @@ export function roundSeed(/** @type {number} */ seed, /** @type {number} */ roun
  * @param {number} seed
  */
 export function splitTrainVal(n, valFraction, seed) {
-  if (!(valFraction >= 0 && valFraction < 1)) throw new EngineError(`validation fraction ${valFraction} is outside [0, 1)`, 'use e.g. 0.2');
+  if (!(valFraction >= 0 && valFraction < 1))
+    throw new EngineError(`validation fraction ${valFraction} is outside [0, 1)`, 'use e.g. 0.2');
   if (n < 1) throw new EngineError('the data holds no samples', 'add at least one labelled example');
   const nVal = heldOutCount(n, valFraction);
   const order = permutation(n, seed);
@@ -141,10 +153,21 @@ export function batchOrder(n, batchSize, seed, epoch) {
  */
 export async function runClientRound(contract, engine, train, settingsJson, { seed, roundId = 0, onProgress = null }) {
   const settings = roundSettings(contract, settingsJson);
-  if (!Number.isSafeInteger(seed) || seed < 0) throw new EngineError(`device seed ${seed} is not a non-negative integer`, 'pass the seed the device was set up with');
-  if (!(Number.isInteger(settings.batch_size) && settings.batch_size >= 1)) throw new EngineError(`batch size ${settings.batch_size} is not positive`, 'the server must send a batch size of at least 1');
+  if (!Number.isSafeInteger(seed) || seed < 0)
+    throw new EngineError(
+      `device seed ${seed} is not a non-negative integer`,
+      'pass the seed the device was set up with',
+    );
+  if (!(Number.isInteger(settings.batch_size) && settings.batch_size >= 1))
+    throw new EngineError(
+      `batch size ${settings.batch_size} is not positive`,
+      'the server must send a batch size of at least 1',
+    );
   if (settings.batch_size > engine.batchSize) {
-    throw new EngineError(`the round's batch size ${settings.batch_size} exceeds the portable graphs' batch size ${engine.batchSize}`, `run rounds with batch_size <= ${engine.batchSize} or re-export with a larger portable batch`);
+    throw new EngineError(
+      `the round's batch size ${settings.batch_size} exceeds the portable graphs' batch size ${engine.batchSize}`,
+      `run rounds with batch_size <= ${engine.batchSize} or re-export with a larger portable batch`,
+    );
   }
   const phases = roundPhases(contract, settings, engine.trainableSets());
   const perEpoch = Math.ceil(train.count / settings.batch_size);
@@ -173,7 +196,13 @@ export async function runClientRound(contract, engine, train, settingsJson, { se
       }
     }
     epoch += phase.epochs;
-    logs.push({ name: phase.name, trainable: phase.trainable, epochs: phase.epochs, steps: losses.length, meanLoss: mean(losses) });
+    logs.push({
+      name: phase.name,
+      trainable: phase.trainable,
+      epochs: phase.epochs,
+      steps: losses.length,
+      meanLoss: mean(losses),
+    });
   }
   return {
     trainLoss: logs.length ? logs[logs.length - 1].meanLoss : NaN,
@@ -195,7 +224,8 @@ export async function runClientRound(contract, engine, train, settingsJson, { se
 export function divergence(losses, tensors, numClasses, lossFactor) {
   const limit = lossFactor * Math.max(Math.log(numClasses), 1);
   for (const loss of losses) {
-    if (!Number.isFinite(loss) || loss > limit) return Number.isNaN(loss) ? 'loss NaN' : `loss ${Number(loss.toPrecision(3))}`;
+    if (!Number.isFinite(loss) || loss > limit)
+      return Number.isNaN(loss) ? 'loss NaN' : `loss ${Number(loss.toPrecision(3))}`;
   }
   const bad = nonfiniteNames(tensors);
   return bad.length ? `NaN or Inf in ${JSON.stringify(bad[0])}` : null;
@@ -216,7 +246,8 @@ export function nonfiniteNames(/** @type {Tensors} */ tensors) {
 function finite(/** @type {import('./safetensors.js').Tensor} */ { dtype, data }) {
   if (dtype === 'float16') return /** @type {Uint16Array} */ (data).every((bits) => (bits & 0x7c00) !== 0x7c00);
   if (dtype === 'bfloat16') return /** @type {Uint16Array} */ (data).every((bits) => (bits & 0x7f80) !== 0x7f80);
-  if (dtype === 'float32' || dtype === 'float64') return /** @type {Float32Array | Float64Array} */ (data).every(Number.isFinite);
+  if (dtype === 'float32' || dtype === 'float64')
+    return /** @type {Float32Array | Float64Array} */ (data).every(Number.isFinite);
   return true;
 }
 
@@ -233,10 +264,12 @@ export async function recomputeStatistics(engine, train, batchSize) {
   const names = Object.keys(momenta);
   if (!names.length || train.count < 2) return 0; // one sample has no variance on a 1x1 map
   /** @type {Tensors} */
-  const zeros = Object.fromEntries(names.map((name) => {
-    const { shape } = engine.spec(name);
-    return [name, { dtype: 'float32', shape: shape.slice(), data: new Float32Array(numel(shape)) }];
-  }));
+  const zeros = Object.fromEntries(
+    names.map((name) => {
+      const { shape } = engine.spec(name);
+      return [name, { dtype: 'float32', shape: shape.slice(), data: new Float32Array(numel(shape)) }];
+    }),
+  );
   const sums = Object.fromEntries(names.map((name) => [name, new Float64Array(zeros[name].data.length)]));
   const sample = engine.sampleSize;
   const end = train.count >= batchSize ? train.count - (train.count % batchSize) : train.count;
@@ -251,7 +284,9 @@ export async function recomputeStatistics(engine, train, batchSize) {
     for (const name of names) {
       const scale = size / momenta[name];
       const sum = sums[name];
-      /** @type {Float32Array} */ (got[name].data).forEach((v, i) => { sum[i] += v * scale; });
+      /** @type {Float32Array} */ (got[name].data).forEach((v, i) => {
+        sum[i] += v * scale;
+      });
     }
     count += size;
   }
@@ -273,7 +308,8 @@ export async function recomputeStatistics(engine, train, batchSize) {
 export async function receive(contract, engine, tensors, train, settingsJson) {
   const settings = roundSettings(contract, settingsJson);
   engine.setTensors(tensors);
-  if (Object.keys(tensors).length && settings.recompute_bn) await recomputeStatistics(engine, train, settings.batch_size);
+  if (Object.keys(tensors).length && settings.recompute_bn)
+    await recomputeStatistics(engine, train, settings.batch_size);
 }
 
 function mean(/** @type {number[]} */ values) {

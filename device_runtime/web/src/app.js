@@ -4,11 +4,20 @@
 // hand the round loop (runner.js, as device_runtime/runner.py runs it) to the page (ui.js, tryit.js).
 
 import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
-import { guardFirstStep, guardGpuSpeed, pageMemory, rememberFallback, rememberedFallback, wasmStepSeconds, watchFirstStep } from './gpucheck.js';
+import {
+  guardFirstStep,
+  guardGpuSpeed,
+  pageMemory,
+  rememberFallback,
+  rememberedFallback,
+  wasmStepSeconds,
+  watchFirstStep,
+} from './gpucheck.js';
 import { fetchContract } from './contract.js';
 import { emptyExamples } from './data.js';
 import { openEngine, personalSpec, portableFiles } from './engine.js';
 import { DeviceError, StartOver } from './errors.js';
+import { setUpExamples } from './examples.js';
 import { ApiClient, Refusal } from './protocol.js';
 import { setUpRecording } from './recording.js';
 import { DeviceRunner } from './runner.js';
@@ -17,7 +26,19 @@ import { openStore } from './store.js';
 import { taskKind, textTask } from './tasks.js';
 import { loadVocabulary } from './text.js';
 import { setUpTryIt } from './tryit.js';
-import { fatal, offerStartOver, pageEvents, renderHistory, setUpExamples, setUpReset, showBackend, showDevice, showProblem, showStorage, stage, status } from './ui.js';
+import {
+  fatal,
+  offerStartOver,
+  pageEvents,
+  renderHistory,
+  setUpReset,
+  showBackend,
+  showDevice,
+  showProblem,
+  showStorage,
+  stage,
+  status,
+} from './ui.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').Manifest} Manifest */
@@ -36,7 +57,15 @@ async function main() {
   if (!locks) return run();
   // one tab per browser trains: two would each train the same round from the same saved state
   return locks.request('edgepfl-device', { ifAvailable: true }, (lock) =>
-    lock ? run() : stage('problem', showProblem({ problem: 'this device is already open in another tab of this browser', fix: 'close this tab, or close the other one and reload' })),
+    lock
+      ? run()
+      : stage(
+          'problem',
+          showProblem({
+            problem: 'this device is already open in another tab of this browser',
+            fix: 'close this tab, or close the other one and reload',
+          }),
+        ),
   );
 }
 
@@ -62,7 +91,11 @@ async function run() {
 }
 
 /** Join, load the model and take part in rounds until the run is over. */
-async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ store, /** @type {Credentials & {token: string}} */ creds) {
+async function takePart(
+  /** @type {Contract} */ contract,
+  /** @type {Store} */ store,
+  /** @type {Credentials & {token: string}} */ creds,
+) {
   const client = new ApiClient({ origin: location.origin, contract, token: creds.token, onRetry: status });
   stage('loading', 'Downloading the model…');
   /** @type {Manifest} */
@@ -71,7 +104,10 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   const saved = await store.get('tensors', 'progress', 'history', 'examples', 'round');
   const layout = manifest.base_layout_hash;
   if ((saved.tensors && saved.tensors.layout !== layout) || (saved.progress && saved.progress.layout !== layout)) {
-    throw new StartOver('this browser holds the state of another model than the one the server trains now', 'start over to join with the new model');
+    throw new StartOver(
+      'this browser holds the state of another model than the one the server trains now',
+      'start over to join with the new model',
+    );
   }
   const keep = new Set(Object.values(manifest.files || {})); // bundle files of this manifest stay cached
   const files = await bundleFiles(store, client, manifest, keep);
@@ -87,7 +123,8 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   };
   const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: placed });
   placed();
-  if (backend.name === 'webgpu' && !backend.forced) { // a GPU whose first step does not come: WebAssembly, saying why
+  if (backend.name === 'webgpu' && !backend.forced) {
+    // a GPU whose first step does not come: WebAssembly, saying why
     const onTooSlow = (/** @type {string} */ reason) => {
       rememberFallback(memory, reason);
       location.reload();
@@ -100,7 +137,9 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
     guardGpuSpeed(engine, { now, wasmSeconds, onSlower: onTooSlow });
   }
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
-  showDevice(`Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`);
+  showDevice(
+    `Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`,
+  );
   const kind = taskKind(manifest);
   // a text bundle's vocabulary comes with the bundle, its sha256 checked against the manifest's
   const text = kind === 'next-word' ? textTask(manifest) : null;
@@ -115,7 +154,8 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   let trained = Boolean(saved.tensors);
   /** @type {DeviceRunner | null} */
   let runner = null;
-  const lastRound = () => (runner ? runner.progress.lastCompletedRound : saved.progress ? saved.progress.lastCompletedRound : null);
+  const lastRound = () =>
+    runner ? runner.progress.lastCompletedRound : saved.progress ? saved.progress.lastCompletedRound : null;
   const info = () => {
     const last = lastRound();
     const description = !trained
@@ -125,7 +165,10 @@ async function takePart(/** @type {Contract} */ contract, /** @type {Store} */ s
   };
   const inferenceGraph = () => bundleFile(store, client, manifest, INFERENCE_GRAPH, keep);
   const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, examples, task });
-  setUpReset(store, () => ({ examples: examples.current().count, rounds: (runner ? runner.history : saved.history || []).length }));
+  setUpReset(store, () => ({
+    examples: examples.current().count,
+    rounds: (runner ? runner.history : saved.history || []).length,
+  }));
   if (saved.round) status(`Round ${saved.round.round} was interrupted; it starts again from the shared model.`);
   const sleep = (/** @type {number} */ seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000));
   const events = pageEvents(async () => {
@@ -155,7 +198,11 @@ async function credentials(contract, store) {
     creds = { device: 'token link', token };
     await store.commit({ creds });
   } else if (secret && !(creds && creds.token)) {
-    creds = { device: (creds && creds.device) || `web-${randomHex(4)}`, key: (creds && creds.key) || randomHex(16), secret };
+    creds = {
+      device: (creds && creds.device) || `web-${randomHex(4)}`,
+      key: (creds && creds.key) || randomHex(16),
+      secret,
+    };
     await store.commit({ creds }); // the key survives a reload, so a retried enrollment gets a token
   }
   if (creds && !creds.token && creds.secret && creds.key) {
@@ -173,7 +220,13 @@ async function credentials(contract, store) {
     await store.commit({ creds }); // the secret is not kept once the token is
   }
   if (!creds || !creds.token) {
-    stage('join', showProblem({ problem: 'this page has not joined a server yet', fix: 'open the join link (or scan the QR code) you were given' }));
+    stage(
+      'join',
+      showProblem({
+        problem: 'this page has not joined a server yet',
+        fix: 'open the join link (or scan the QR code) you were given',
+      }),
+    );
     return null;
   }
   return { creds: { ...creds, token: creds.token }, fresh };
@@ -203,7 +256,10 @@ async function bundleFiles(store, client, manifest, keep) {
   /** @type {Map<string, Uint8Array>} */
   const files = new Map();
   for (const [i, path] of paths.entries()) {
-    files.set(path, await bundleFile(store, client, manifest, path, keep, `Downloading the model (${i + 1} of ${paths.length})…`));
+    files.set(
+      path,
+      await bundleFile(store, client, manifest, path, keep, `Downloading the model (${i + 1} of ${paths.length})…`),
+    );
   }
   return files;
 }
@@ -220,7 +276,11 @@ async function bundleFiles(store, client, manifest, keep) {
 async function bundleFile(store, client, manifest, path, keep, downloading = '') {
   const sha256 = (manifest.files || {})[path];
   if (path === INFERENCE_GRAPH && !sha256) {
-    throw new DeviceError("this server's model cannot be saved as a file", 'ask whoever runs the server to export the model again with this edgepfl version', 'manifest.json lists no model.onnx');
+    throw new DeviceError(
+      "this server's model cannot be saved as a file",
+      'ask whoever runs the server to export the model again with this edgepfl version',
+      'manifest.json lists no model.onnx',
+    );
   }
   let bytes = sha256 && (await store.file(sha256));
   if (!bytes || (await sha256Hex(bytes)) !== sha256) {

@@ -1,7 +1,7 @@
 // @ts-check
 // Where the page trains: on the GPU through onnxruntime-web's WebGPU back end where the browser gives a hardware
 // WebGPU adapter (or WebGPU is asked for), else on the processor through WebAssembly (gpucheck.js says why); the onnxruntime-web build that carries it; the line that
-// says so. Which graphs the GPU then takes whole is the engine's business (engine.js openSession).
+// says so. Which graphs the GPU then takes whole is the engine's business (sessions.js Sessions.open).
 
 import { EngineError } from './engine.js';
 import { softwareAdapter, softwareReason } from './gpucheck.js';
@@ -19,7 +19,8 @@ const RUNTIMES = { webgpu: 'ort.webgpu.min.mjs', wasm: 'ort.wasm.min.mjs' }; // 
 /** The back end a page asks for with `?backend=auto|webgpu|wasm` (default auto). @param {string} search @returns {string} */
 export function requestedBackend(search) {
   const value = new URLSearchParams(search).get('backend') || 'auto';
-  if (!BACKENDS.includes(value)) throw new EngineError(`?backend=${value} is not a back end`, `use one of ${BACKENDS.join(', ')}`);
+  if (!BACKENDS.includes(value))
+    throw new EngineError(`?backend=${value} is not a back end`, `use one of ${BACKENDS.join(', ')}`);
   return value;
 }
 
@@ -67,9 +68,15 @@ export async function loadRuntime(backend, vendor) {
 }
 
 /** The page's line about the back end: where it trains, and each graph refused by the GPU with its reason. */
-export function backendLine(/** @type {Choice} */ backend, /** @type {Map<string, Placement>} */ placements = new Map()) {
-  if (backend.name !== 'webgpu') return `Training on the processor (WebAssembly${backend.reason ? `: ${backend.reason}` : ''}).`;
+export function backendLine(
+  /** @type {Choice} */ backend,
+  /** @type {Map<string, Placement>} */ placements = new Map(),
+) {
+  if (backend.name !== 'webgpu')
+    return `Training on the processor (WebAssembly${backend.reason ? `: ${backend.reason}` : ''}).`;
   const refused = [...placements].filter(([, placement]) => placement.backend !== 'webgpu');
   const line = `Training on the GPU (WebGPU: ${backend.adapter}).`;
-  return refused.length ? `${line} On the processor instead: ${refused.map(([graph, p]) => `${graph} (${p.reason})`).join('; ')}.` : line;
+  return refused.length
+    ? `${line} On the processor instead: ${refused.map(([graph, p]) => `${graph} (${p.reason})`).join('; ')}.`
+    : line;
 }

@@ -55,9 +55,17 @@ export const CONTRACT_VERSION = 1;
 /** The contract from its JSON (as fetched, or read from the Node tests' fixtures); one it cannot read throws. */
 export function parseContract(/** @type {unknown} */ json) {
   const contract = /** @type {Contract} */ (json);
-  if (!isObject(json) || contract.version !== CONTRACT_VERSION || !isObject(contract.settings) || !isObject(contract.algorithms)) {
+  if (
+    !isObject(json) ||
+    contract.version !== CONTRACT_VERSION ||
+    !isObject(contract.settings) ||
+    !isObject(contract.algorithms)
+  ) {
     const version = isObject(json) ? contract.version : undefined;
-    throw new DeviceError(`the server's device contract (version ${version}) is not the one this page reads (version ${CONTRACT_VERSION})`, 'reload the page; if that does not help, the server and its page come from different edgepfl versions');
+    throw new DeviceError(
+      `the server's device contract (version ${version}) is not the one this page reads (version ${CONTRACT_VERSION})`,
+      'reload the page; if that does not help, the server and its page come from different edgepfl versions',
+    );
   }
   return contract;
 }
@@ -70,7 +78,10 @@ export async function fetchContract(/** @type {URL | string} */ url, fetchImpl =
     if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
     json = await reply.json();
   } catch (err) {
-    throw new DeviceError(`the page could not load its contract.json from the server (${describe(err)})`, 'reload the page once the network is back');
+    throw new DeviceError(
+      `the page could not load its contract.json from the server (${describe(err)})`,
+      'reload the page once the network is back',
+    );
   }
   return parseContract(json);
 }
@@ -80,7 +91,8 @@ export function roundSettings(/** @type {Contract} */ contract, /** @type {objec
   const given = /** @type {Record<string, unknown>} */ (json || {});
   /** @type {Record<string, unknown>} */
   const settings = {};
-  for (const [name, spec] of Object.entries(contract.settings)) settings[name] = name in given ? given[name] : structuredClone(spec.default);
+  for (const [name, spec] of Object.entries(contract.settings))
+    settings[name] = name in given ? given[name] : structuredClone(spec.default);
   return /** @type {RoundSettings} */ (settings);
 }
 
@@ -104,9 +116,15 @@ export function settingsProblem(/** @type {Contract} */ contract, /** @type {Rec
 export function checkedSettings(/** @type {Contract} */ contract, /** @type {unknown} */ json) {
   const given = isObject(json) || json == null ? /** @type {object | null | undefined} */ (json) : null;
   const settings = roundSettings(contract, given);
-  const problem = given === null && json != null ? `settings are ${Array.isArray(json) ? 'a list' : typeof json}, not an object` : settingsProblem(contract, settings);
+  const problem =
+    given === null && json != null
+      ? `settings are ${Array.isArray(json) ? 'a list' : typeof json}, not an object`
+      : settingsProblem(contract, settings);
   if (problem !== null) {
-    throw new DeviceError(`the server's round settings are invalid: ${problem}`, "ask the operator to check the server's round settings, or use a matching edgepfl version");
+    throw new DeviceError(
+      `the server's round settings are invalid: ${problem}`,
+      "ask the operator to check the server's round settings, or use a matching edgepfl version",
+    );
   }
   return settings;
 }
@@ -114,7 +132,12 @@ export function checkedSettings(/** @type {Contract} */ contract, /** @type {unk
 /** Whether a value has a setting's type and lies within its choices and bounds. */
 function fits(/** @type {unknown} */ value, /** @type {SettingSpec} */ spec) {
   if (!hasType(value, spec.type)) return false;
-  if (spec.type === 'array' && spec.items && !(/** @type {unknown[]} */ (value)).every((item) => hasType(item, /** @type {SettingSpec['type']} */ (spec.items)))) return false;
+  if (
+    spec.type === 'array' &&
+    spec.items &&
+    !(/** @type {unknown[]} */ (value).every((item) => hasType(item, /** @type {SettingSpec['type']} */ (spec.items))))
+  )
+    return false;
   if (spec.enum && !spec.enum.includes(value)) return false;
   const number = /** @type {number} */ (value);
   if (spec.minimum !== undefined && !(number >= spec.minimum)) return false;

@@ -2,11 +2,11 @@
 // A person's labelled examples as the model sees them: photos (camera or library), a folder with one sub-folder
 // per class, or an .npz with `x`/`y` (as device_runtime/data.py reads them). Examples are kept as uint8 pixels at
 // the model's input size (C*H*W each, 1 byte per value); the seeded train/held-out split and the normalisation
-// happen when a round trains, exactly as the Python device does them (edgepfl/data.py).
+// happen when a round trains, exactly as the Python device does them (edgepfl/data.py). photos.js reads the photos.
 
 import { heldOutCount, splitTrainVal } from './algorithms.js';
-import { DeviceError, describe } from './errors.js';
-import { normalizePixels, toModelPixels } from './preprocess.js';
+import { DataError, describe } from './errors.js';
+import { normalizePixels } from './preprocess.js';
 import { plural, SAMPLE_WORDS } from './results.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
@@ -20,19 +20,16 @@ import { plural, SAMPLE_WORDS } from './results.js';
  * @typedef {{pixels: Uint8Array, labels: Int32Array, count: number, shape: number[], lastAdded?: number}} Examples
  */
 /** Examples read from files, before they join the kept ones. @typedef {{pixels: Uint8Array, labels: Int32Array, count: number}} NewExamples */
-/** An image file with the webkitRelativePath of a folder pick. @typedef {File & {webkitRelativePath?: string}} PickedFile */
-/** A decoded image: RGBA pixels at its size. @typedef {{rgba: Uint8ClampedArray | Uint8Array, width: number, height: number}} Decoded */
-/** An image to read: its file, its label and the name shown in errors. @typedef {[File, number, string?]} Labelled */
-const IMAGE_NAME = /\.(png|jpe?g|bmp|gif|webp|tiff?)$/i; // device_runtime/data.py IMAGE_SUFFIXES
-const LARGEST_DECODED_SIDE = 2048; // bigger photos are scaled down by the browser first (memory on phones)
 
-/** A problem with the person's examples, and what to do about it. */
-export class DataError extends DeviceError {}
+// reading photos and folders of them is photos.js's; the page's modules import them from here
+export { DataError } from './errors.js';
+export { readFolder, readPhotoInput, readPhotos } from './photos.js';
 
 /** The class names to show: manifest.class_names when the bundle has them, else "0".."n-1" (Manifest.class_labels). */
 export function classNames(/** @type {Manifest} */ manifest) {
   const names = manifest.class_names;
-  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string')) return /** @type {string[]} */ (names);
+  if (Array.isArray(names) && names.length === manifest.num_classes && names.every((n) => typeof n === 'string'))
+    return /** @type {string[]} */ (names);
   return Array.from({ length: manifest.num_classes }, (_, i) => String(i));
 }
 
@@ -57,13 +54,24 @@ export function appendExamples(/** @type {Examples} */ examples, /** @type {NewE
 }
 
 /** The examples without those at the positions `drop` says (a removal: nothing says what was last added then). */
-export function keepExamples(/** @type {Examples} */ examples, /** @type {(label: number, index: number) => boolean} */ drop) {
+export function keepExamples(
+  /** @type {Examples} */ examples,
+  /** @type {(label: number, index: number) => boolean} */ drop,
+) {
   const size = examples.shape.reduce((a, b) => a * b, 1);
   const kept = Array.from(examples.labels.keys()).filter((i) => !drop(examples.labels[i], i));
   const pixels = new Uint8Array(kept.length * size);
-  kept.forEach((at, i) => pixels.set(examples.pixels.subarray(at * size, (at + 1) * size), i * size));
+  kept.forEach((at, i) => {
+    pixels.set(examples.pixels.subarray(at * size, (at + 1) * size), i * size);
+  });
   /** @type {Examples} */
-  const left = { pixels, labels: Int32Array.from(kept, (i) => examples.labels[i]), count: kept.length, shape: examples.shape, lastAdded: 0 };
+  const left = {
+    pixels,
+    labels: Int32Array.from(kept, (i) => examples.labels[i]),
+    count: kept.length,
+    shape: examples.shape,
+    lastAdded: 0,
+  };
   return left;
 }
 
@@ -128,7 +136,10 @@ export function examplesShortfall(count, device) {
     const held = heldOutCount(n, device.val_fraction);
     if (n - held >= device.min_train_examples && held >= heldOut) return n - count;
   }
-  throw new DataError("no number of examples meets the server's minimum with its held-out fraction", 'reload the page; if it persists, tell whoever runs the server');
+  throw new DataError(
+    "no number of examples meets the server's minimum with its held-out fraction",
+    'reload the page; if it persists, tell whoever runs the server',
+  );
 }
 
 /** The headline that asks for more examples (of a text or sensor bundle: `kind`), or '' when there are enough. */
@@ -158,98 +169,13 @@ export function shortfallReason(
   return `${needs}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 
-/** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */
-export async function readPhotos(/** @type {Iterable<File>} */ files, /** @type {number} */ label, /** @type {InputSpec} */ inputSpec) {
-  const list = Array.from(files).filter((file) => IMAGE_NAME.test(file.name) || (file.type || '').startsWith('image/'));
-  if (!list.length) throw new DataError('none of the chosen files is an image', 'choose photos (PNG, JPEG, WebP, ...)');
-  return collect(list.map((file) => /** @type {[File, number]} */ ([file, label])), inputSpec);
-}
-
-/**
- * A folder with one sub-folder per class (`<input webkitdirectory>`), labelled by `labelFolderFiles`. `names` are the
- * class folders' names, classNames(manifest) (a class count stands for "0".."n-1"); `decode` turns a file into
- * {rgba, width, height} (the browser's decoder unless a test gives another).
- * @param {Iterable<PickedFile>} files
- * @param {InputSpec} inputSpec
- * @param {string[] | number} names
- * @param {(file: File) => Promise<Decoded>} [decode]
- * @returns {Promise<NewExamples>}
- */
-export async function readFolder(files, inputSpec, names, decode = decodeImage) {
-  const labels = typeof names === 'number' ? Array.from({ length: names }, (_, i) => String(i)) : names;
-  const list = Array.from(files);
-  const paths = list.map((file) => (file.webkitRelativePath || file.name).split('/'));
-  const root = paths.length ? paths[0][0] : '';
-  const byPath = new Map(list.map((file, i) => [paths[i].slice(1).join('/'), file]));
-  const labelled = labelFolderFiles(root, paths.map((parts) => parts.slice(1)), labels, inputSpec);
-  /** @type {Labelled[]} */
-  const entries = labelled.map(([parts, label]) => [/** @type {File} */ (byPath.get(parts.join('/'))), label, `${root}/${parts.join('/')}`]);
-  return collect(entries, inputSpec, decode);
-}
-
-/**
- * The images of a folder `root` and their labels: device_runtime/data.py label_folder_files, line for line.
- * `files` are paths inside the folder as arrays of parts; hidden entries and files that are not images are ignored;
- * every image sits directly in a class folder named as its class (`labels`); anything else is one DataError.
- * @param {string} root
- * @param {string[][]} files
- * @param {string[]} labels
- * @param {InputSpec} inputSpec
- * @returns {[string[], number][]}
- */
-export function labelFolderFiles(root, files, labels, inputSpec) {
-  imageChannels(inputSpec);
-  const visible = files.filter((parts) => !parts.some((part) => part.startsWith('.'))).sort(comparePaths);
-  const images = visible.filter((parts) => IMAGE_NAME.test(parts[parts.length - 1]));
-  for (const parts of images) {
-    if (parts.length === 1) throw new DataError(`${root}/${parts[0]} is outside the class folders`, `move it into the folder of its class: ${root}/<class>/${parts[0]}`);
-    if (parts.length > 2) throw new DataError(`${root}/${parts.join('/')} is in a folder inside class folder ${parts[0]}`, 'put each class\'s images directly in its class folder');
-  }
-  const index = new Map(labels.map((name, label) => [name.normalize('NFC'), label]));
-  const folders = [...new Set(visible.filter((parts) => parts.length > 1).map((parts) => parts[0]))].sort(compareText);
-  for (const folder of folders) {
-    if (!index.has(folder.normalize('NFC'))) throw new DataError(`folder ${root}/${folder} is not named as a class of this model`, namingFix(labels));
-    if (!images.some((parts) => parts[0] === folder)) throw new DataError(`class folder ${root}/${folder} holds no images`, 'add images (.png, .jpg, …) or remove it');
-  }
-  if (!images.length) throw new DataError(`${root} has no class folders with images`, namingFix(labels));
-  return images.map((parts) => /** @type {[string[], number]} */ ([parts, index.get(parts[0].normalize('NFC'))]));
-}
-
-/** The channel count of a model that takes image files (1 grey, 3 colour); others are refused as Python does. */
-function imageChannels(/** @type {InputSpec} */ inputSpec) {
-  const channels = inputSpec.shape[0];
-  if (channels !== 1 && channels !== 3) throw new DataError(`the model takes ${channels}-channel images`, 'use an .npz for this model');
-  return channels;
-}
-
-/** How to name class folders (data.py _naming_fix); `labels` are names unless they are "0".."n-1". */
-function namingFix(/** @type {string[]} */ labels) {
-  if (!labels.every((name, i) => name === String(i))) {
-    return `name each class folder exactly as its class: ${labels.slice(0, 12).join(', ')}${labels.length > 12 ? ', …' : ''}`;
-  }
-  return `name each class folder by its class index, 0 to ${labels.length - 1} (the bundle has no class names: \`edgepfl export --class-names\` adds them)`;
-}
-
-/** Python's str order: by Unicode code points (JavaScript's < compares UTF-16 units). */
-function compareText(/** @type {string} */ a, /** @type {string} */ b) {
-  const x = Array.from(a, (c) => /** @type {number} */ (c.codePointAt(0)));
-  const y = Array.from(b, (c) => /** @type {number} */ (c.codePointAt(0)));
-  for (let i = 0; i < Math.min(x.length, y.length); i++) if (x[i] !== y[i]) return x[i] - y[i];
-  return x.length - y.length;
-}
-
-/** Python's tuple order of two paths given as parts. */
-function comparePaths(/** @type {string[]} */ a, /** @type {string[]} */ b) {
-  for (let i = 0; i < Math.min(a.length, b.length); i++) {
-    const order = compareText(a[i], b[i]);
-    if (order) return order;
-  }
-  return a.length - b.length;
-}
-
 /** An .npz with uint8 images `x` (N,C,H,W | N,H,W,C | N,H,W) and class indices `y`, at the model's input size. */
 /** @returns {Promise<NewExamples>} */
-export async function readNpz(/** @type {Uint8Array} */ bytes, /** @type {InputSpec} */ inputSpec, /** @type {number} */ numClasses) {
+export async function readNpz(
+  /** @type {Uint8Array} */ bytes,
+  /** @type {InputSpec} */ inputSpec,
+  /** @type {number} */ numClasses,
+) {
   const { unzipSync } = await import('./vendor/fflate.mjs');
   let entries;
   try {
@@ -258,83 +184,43 @@ export async function readNpz(/** @type {Uint8Array} */ bytes, /** @type {InputS
     throw new DataError(`the file is not a readable .npz (${describe(err)})`, 'choose an .npz written by numpy.savez');
   }
   for (const key of ['x', 'y']) {
-    if (!entries[`${key}.npy`]) throw new DataError(`the .npz has no array "${key}"`, 'save the images as x and the labels as y: np.savez(path, x=images, y=labels)');
+    if (!entries[`${key}.npy`])
+      throw new DataError(
+        `the .npz has no array "${key}"`,
+        'save the images as x and the labels as y: np.savez(path, x=images, y=labels)',
+      );
   }
   const x = readNpy(entries['x.npy'], 'x');
   const y = readNpy(entries['y.npy'], 'y');
-  if (!(x.data instanceof Uint8Array)) throw new DataError(`x holds ${x.descr} values`, 'save x as uint8 pixels (0..255)');
+  if (!(x.data instanceof Uint8Array))
+    throw new DataError(`x holds ${x.descr} values`, 'save x as uint8 pixels (0..255)');
   const count = x.shape[0];
   const pixels = toChannelsFirst(x, inputSpec);
   const labels = checkLabels(y, count, numClasses);
   return { pixels, labels, count };
 }
 
-/**
- * Examples of [file, label, shown name] entries: each decoded, then pre-processed as the Python loader does.
- * @param {Labelled[]} labelled
- * @param {InputSpec} inputSpec
- * @param {(file: File) => Promise<Decoded>} [decode]
- * @returns {Promise<NewExamples>}
- */
-async function collect(labelled, inputSpec, decode = decodeImage) {
-  const size = inputSpec.shape.reduce((a, b) => a * b, 1);
-  const pixels = new Uint8Array(labelled.length * size);
-  const labels = new Int32Array(labelled.length);
-  for (let i = 0; i < labelled.length; i++) {
-    const [file, label, shown] = labelled[i];
-    let decoded;
-    try {
-      decoded = await decode(file);
-    } catch (err) {
-      throw new DataError(`${shown || file.name} is not a readable image (${describe(err)})`, 'remove or replace the file');
-    }
-    const { rgba, width, height } = decoded;
-    pixels.set(toModelPixels(rgba, width, height, inputSpec), i * size);
-    labels[i] = label;
-  }
-  return { pixels, labels, count: labelled.length };
-}
-
-/** One photo as the model's float32 input (C*H*W), pre-processed exactly as an example is ("Try it"). */
-export async function readPhotoInput(/** @type {File} */ file, /** @type {InputSpec} */ inputSpec) {
-  let decoded;
-  try {
-    decoded = await decodeImage(file);
-  } catch (err) {
-    throw new DataError(`${file.name} is not a photo this browser can read (${describe(err)})`, 'choose a PNG or JPEG photo');
-  }
-  return normalizePixels(toModelPixels(decoded.rgba, decoded.width, decoded.height, inputSpec), inputSpec);
-}
-
-/** RGBA pixels of an image file at its natural size (scaled down first only beyond LARGEST_DECODED_SIDE). */
-async function decodeImage(/** @type {File} */ file) {
-  let bitmap = await createImageBitmap(file, { colorSpaceConversion: 'none', premultiplyAlpha: 'none' });
-  const scale = Math.min(1, LARGEST_DECODED_SIDE / Math.max(bitmap.width, bitmap.height));
-  if (scale < 1) {
-    const resized = await createImageBitmap(bitmap, {
-      resizeWidth: Math.round(bitmap.width * scale),
-      resizeHeight: Math.round(bitmap.height * scale),
-      resizeQuality: 'high',
-    });
-    bitmap.close();
-    bitmap = resized;
-  }
-  const { width, height } = bitmap;
-  const canvas = typeof OffscreenCanvas === 'function' ? new OffscreenCanvas(width, height) : Object.assign(document.createElement('canvas'), { width, height });
-  const context = /** @type {OffscreenCanvasRenderingContext2D | CanvasRenderingContext2D | null} */ (canvas.getContext('2d', { willReadFrequently: true }));
-  if (!context) throw new DataError('this browser draws no images for the page', 'use a current Chrome or Safari');
-  context.drawImage(bitmap, 0, 0);
-  bitmap.close();
-  return { rgba: context.getImageData(0, 0, width, height).data, width, height };
-}
-
 /** @type {Record<string, import('./safetensors.js').TypedArrayConstructor>} */
-const NPY_TYPES = { u1: Uint8Array, i1: Int8Array, u2: Uint16Array, i2: Int16Array, u4: Uint32Array, i4: Int32Array, u8: BigUint64Array, i8: BigInt64Array, f4: Float32Array, f8: Float64Array, b1: Uint8Array };
+const NPY_TYPES = {
+  u1: Uint8Array,
+  i1: Int8Array,
+  u2: Uint16Array,
+  i2: Int16Array,
+  u4: Uint32Array,
+  i4: Int32Array,
+  u8: BigUint64Array,
+  i8: BigInt64Array,
+  f4: Float32Array,
+  f8: Float64Array,
+  b1: Uint8Array,
+};
 
 /** One .npy array: {descr, shape, data}; refuses big-endian, Fortran order and pickled objects. */
 function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
-  const bad = (/** @type {string} */ problem) => new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
-  if (bytes.length < 10 || bytes[0] !== 0x93 || String.fromCharCode(...bytes.subarray(1, 6)) !== 'NUMPY') throw bad('is not an .npy array');
+  const bad = (/** @type {string} */ problem) =>
+    new DataError(`${name} in the .npz ${problem}`, 'save it with numpy.savez (little-endian, C order, no objects)');
+  if (bytes.length < 10 || bytes[0] !== 0x93 || String.fromCharCode(...bytes.subarray(1, 6)) !== 'NUMPY')
+    throw bad('is not an .npy array');
   const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   const major = bytes[6];
   const headerLength = major === 1 ? view.getUint16(8, true) : view.getUint32(8, true);
@@ -347,7 +233,11 @@ function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
   if (fortran) throw bad('is stored in Fortran order');
   const type = NPY_TYPES[descr.slice(1)];
   if (!type || descr[0] === '>' || (descr[0] === '|' && type.BYTES_PER_ELEMENT > 1)) throw bad(`has dtype ${descr}`);
-  const shape = shapeText.split(',').map((s) => s.trim()).filter(Boolean).map(Number);
+  const shape = shapeText
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean)
+    .map(Number);
   const count = shape.reduce((a, b) => a * b, 1);
   const dataStart = start + headerLength;
   if (bytes.length - dataStart < count * type.BYTES_PER_ELEMENT) throw bad('is shorter than its shape');
@@ -357,10 +247,14 @@ function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
 
 /** x as N*C*H*W uint8 at the model's shape, reading the layouts edgepfl/data.py to_model_layout reads. */
 /** @returns {Uint8Array} */
-function toChannelsFirst(/** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ x, /** @type {InputSpec} */ inputSpec) {
+function toChannelsFirst(
+  /** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ x,
+  /** @type {InputSpec} */ inputSpec,
+) {
   const [channels, height, width] = inputSpec.shape;
   const [n, ...rest] = x.shape;
-  const same = (/** @type {number[]} */ a, /** @type {number[]} */ b) => a.length === b.length && a.every((v, i) => v === b[i]);
+  const same = (/** @type {number[]} */ a, /** @type {number[]} */ b) =>
+    a.length === b.length && a.every((v, i) => v === b[i]);
   const pixels = /** @type {Uint8Array} */ (x.data);
   if (rest.length === 2 && channels === 1 && same(rest, [height, width])) return pixels;
   if (rest.length === 3) {
@@ -371,20 +265,27 @@ function toChannelsFirst(/** @type {{shape: number[], data: import('./safetensor
       const out = new Uint8Array(pixels.length);
       const plane = height * width;
       for (let i = 0; i < n; i++) {
-        for (let p = 0; p < plane; p++) for (let c = 0; c < channels; c++) out[(i * channels + c) * plane + p] = pixels[(i * plane + p) * channels + c];
+        for (let p = 0; p < plane; p++)
+          for (let c = 0; c < channels; c++)
+            out[(i * channels + c) * plane + p] = pixels[(i * plane + p) * channels + c];
       }
       return out;
     }
   }
   throw new DataError(
     `x has shape (${x.shape.join(', ')}), the model takes images of (${channels}, ${height}, ${width}) (NCHW) or (${height}, ${width}, ${channels}) (NHWC)`,
-    'save x at the model\'s input size, or add the photos one by one (they are resized)',
+    "save x at the model's input size, or add the photos one by one (they are resized)",
   );
 }
 
 /** y as class indices 0..numClasses-1, one per image (check_labels). */
-function checkLabels(/** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ y, /** @type {number} */ count, /** @type {number} */ numClasses) {
-  if (y.shape.length !== 1 || y.shape[0] !== count) throw new DataError(`y has shape (${y.shape.join(', ')}), expected (${count},)`, 'store one class index per image');
+function checkLabels(
+  /** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ y,
+  /** @type {number} */ count,
+  /** @type {number} */ numClasses,
+) {
+  if (y.shape.length !== 1 || y.shape[0] !== count)
+    throw new DataError(`y has shape (${y.shape.join(', ')}), expected (${count},)`, 'store one class index per image');
   const labels = new Int32Array(count);
   for (let i = 0; i < count; i++) {
     const value = Number(y.data[i]);

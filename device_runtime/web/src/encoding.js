@@ -25,9 +25,17 @@ export class EncodingError extends DeviceError {}
 export function parseEncoding(/** @type {unknown} */ label) {
   const match = LABEL.exec(String(label));
   if (!match || (match[1] !== 'int8' && (match[2] || match[3]))) {
-    throw new EncodingError(`the round asks for the unknown encoding ${JSON.stringify(label)}`, 'ask the operator to use fp32, fp16, int8, int8-block<N> or int8[-block<N>]-sr');
+    throw new EncodingError(
+      `the round asks for the unknown encoding ${JSON.stringify(label)}`,
+      'ask the operator to use fp32, fp16, int8, int8-block<N> or int8[-block<N>]-sr',
+    );
   }
-  return { name: match[1], blockSize: match[2] ? Number(match[2]) : 0, stochastic: Boolean(match[3]), label: String(label) };
+  return {
+    name: match[1],
+    blockSize: match[2] ? Number(match[2]) : 0,
+    stochastic: Boolean(match[3]),
+    label: String(label),
+  };
 }
 
 /** Whether a round's settings make the device upload its base delta instead of its base (encoding.py uploads_delta). */
@@ -77,15 +85,21 @@ export function encodeWithFeedback(delta, residual, encoding, { rng = null, clip
   let total = delta;
   if (residual) {
     const held = residual;
-    const same = Object.keys(residual).length === Object.keys(delta).length && Object.keys(delta).every((n) => residual[n] && residual[n].data.length === delta[n].data.length);
-    if (!same) throw new EncodingError('the saved residual does not match this round\'s tensors', 'start over');
+    const same =
+      Object.keys(residual).length === Object.keys(delta).length &&
+      Object.keys(delta).every((n) => residual[n] && residual[n].data.length === delta[n].data.length);
+    if (!same) throw new EncodingError("the saved residual does not match this round's tensors", 'start over');
     total = mapValues(delta, (value, name, i) => value + held[name].data[i]);
   }
   if (clipNorm != null) total = clipDelta(total, clipNorm);
   let encoded = encodeDelta(total, encoding, rng);
   let decoded = decodeDelta(encoded.tensors, encoded.metadata, encoding);
   for (let attempt = 0; clipNorm != null && deltaNorm(decoded) > clipNorm; attempt++) {
-    if (attempt === 4) throw new EncodingError(`the encoded delta stays above the clip norm ${clipNorm}`, 'ask the operator for the fp32 encoding');
+    if (attempt === 4)
+      throw new EncodingError(
+        `the encoded delta stays above the clip norm ${clipNorm}`,
+        'ask the operator for the fp32 encoding',
+      );
     encoded = shrink(encoded, encoding, clipNorm / deltaNorm(decoded));
     decoded = decodeDelta(encoded.tensors, encoded.metadata, encoding);
   }
@@ -122,14 +136,23 @@ export function encodeDelta(delta, encoding, rng = null) {
 export function decodeDelta(tensors, metadata, encoding, what = 'the payload') {
   const sent = metadata && metadata.encoding;
   if (sent !== encoding.label) {
-    throw new EncodingError(`${what} is encoded as ${JSON.stringify(sent ?? 'nothing')}, not ${encoding.label} as this round asked`, 'ask the operator to check the server');
+    throw new EncodingError(
+      `${what} is encoded as ${JSON.stringify(sent ?? 'nothing')}, not ${encoding.label} as this round asked`,
+      'ask the operator to check the server',
+    );
   }
-  const wire = /** @type {Record<string, string>} */ ({ fp32: 'float32', fp16: 'float16', int8: 'int8' })[encoding.name];
+  const wire = /** @type {Record<string, string>} */ ({ fp32: 'float32', fp16: 'float16', int8: 'int8' })[
+    encoding.name
+  ];
   /** @type {Delta} */
   const decoded = {};
   for (const [name, t] of Object.entries(tensors)) {
     if (name.endsWith(SCALE_SUFFIX)) continue;
-    if (t.dtype !== wire) throw new EncodingError(`${what} tensor ${JSON.stringify(name)} is ${t.dtype}, not ${wire}`, 'ask the operator to check the server');
+    if (t.dtype !== wire)
+      throw new EncodingError(
+        `${what} tensor ${JSON.stringify(name)} is ${t.dtype}, not ${wire}`,
+        'ask the operator to check the server',
+      );
     let data;
     if (encoding.name === 'fp32') data = Float32Array.from(/** @type {Float32Array} */ (t.data));
     else if (encoding.name === 'fp16') data = Float32Array.from(/** @type {Uint16Array} */ (t.data), halfToNumber);
@@ -150,14 +173,20 @@ export function decodeDownload(bytes, label, what) {
   const { tensors, metadata } = decodeSafetensors(bytes, what);
   if ((label || 'fp32') === 'fp32') return tensors;
   const decoded = decodeDelta(tensors, metadata, parseEncoding(label), what);
-  return Object.fromEntries(Object.entries(decoded).map(([name, t]) => [name, { dtype: 'float32', shape: t.shape, data: t.data }]));
+  return Object.fromEntries(
+    Object.entries(decoded).map(([name, t]) => [name, { dtype: 'float32', shape: t.shape, data: t.data }]),
+  );
 }
 
 /** The float16 bits (round to nearest even, as numpy's astype) of float32 values; beyond ±65504 is an error. */
 export function toHalf(/** @type {string} */ name, /** @type {Float32Array} */ data) {
   const bits = new Uint16Array(data.length);
   for (let i = 0; i < data.length; i++) {
-    if (Math.abs(data[i]) > FP16_MAX) throw new EncodingError(`tensor ${JSON.stringify(name)} has a value beyond fp16's range (±${FP16_MAX})`, 'lower the learning rate, or ask for the fp32 or int8 encoding');
+    if (Math.abs(data[i]) > FP16_MAX)
+      throw new EncodingError(
+        `tensor ${JSON.stringify(name)} has a value beyond fp16's range (±${FP16_MAX})`,
+        'lower the learning rate, or ask for the fp32 or int8 encoding',
+      );
     bits[i] = halfBits(data[i]);
   }
   return bits;
@@ -176,7 +205,8 @@ export function halfBits(/** @type {number} */ value) {
   if (exponent === 0xff) return sign | 0x7c00 | (mantissa ? 0x200 : 0);
   const e = exponent - 112; // rebias 127 -> 15
   if (e >= 0x1f) return sign | 0x7c00;
-  if (e <= 0) { // a half subnormal (or zero): the 24-bit significand shifted right by 14 - e
+  if (e <= 0) {
+    // a half subnormal (or zero): the 24-bit significand shifted right by 14 - e
     if (e < -10) return sign;
     const full = mantissa | 0x800000;
     const shift = 14 - e;
@@ -233,7 +263,10 @@ function quantize(name, shape, data, encoding, rng) {
     const rounded = rng && encoding.stochastic ? Math.floor(ratio + rng()) : roundHalfEven(ratio);
     values[i] = Math.max(-127, Math.min(127, rounded));
   }
-  return { [name]: { dtype: 'int8', shape, data: values }, [name + SCALE_SUFFIX]: { dtype: 'float32', shape: [blocks], data: scale } };
+  return {
+    [name]: { dtype: 'int8', shape, data: values },
+    [name + SCALE_SUFFIX]: { dtype: 'float32', shape: [blocks], data: scale },
+  };
 }
 
 /**
@@ -247,7 +280,10 @@ function dequantize(name, values, scale, encoding, what) {
   const block = encoding.blockSize || Math.max(values.length, 1);
   const blocks = Math.max(Math.ceil(values.length / block), 1);
   if (!scale || scale.dtype !== 'float32' || scale.data.length !== blocks) {
-    throw new EncodingError(`${what} lacks a float32[${blocks}] scale for ${JSON.stringify(name)}`, 'ask the operator to check the server');
+    throw new EncodingError(
+      `${what} lacks a float32[${blocks}] scale for ${JSON.stringify(name)}`,
+      'ask the operator to check the server',
+    );
   }
   const scales = /** @type {Float32Array} */ (scale.data);
   const out = new Float32Array(values.length);
@@ -265,7 +301,8 @@ function shrink(/** @type {Encoded} */ encoded, /** @type {Encoding} */ encoding
     let data = t.data;
     const floats = /** @type {Float32Array} */ (t.data);
     if (encoding.name === 'int8' && name.endsWith(SCALE_SUFFIX)) data = floats.map((s) => s * f);
-    else if (encoding.name === 'fp16') data = /** @type {Uint16Array} */ (t.data).map((bits) => halfBits(halfToNumber(bits) * f));
+    else if (encoding.name === 'fp16')
+      data = /** @type {Uint16Array} */ (t.data).map((bits) => halfBits(halfToNumber(bits) * f));
     else if (encoding.name === 'fp32') data = floats.map((value) => value * f);
     tensors[name] = { ...t, data };
   }

@@ -26,6 +26,15 @@ export class DeviceError extends Error {
 /** A problem whose fix is to forget this device's state and join again (the page offers a button for it). */
 export class StartOver extends DeviceError {}
 
+/** A problem of the bundle, the model or its inputs, with the fix (engine.js exports it too). */
+export class EngineError extends DeviceError {}
+
+/** A problem with the person's data (photos, an .npz, a text or sensor file), with the fix (data.js exports it). */
+export class DataError extends DeviceError {}
+
+/** A secure-aggregation message or state that breaks the protocol (edgepfl's SecAggError); nothing held is lost. */
+export class SecAggError extends DeviceError {}
+
 /** The message of anything thrown (an Error's, else its text), for a line that quotes it. */
 export function describe(/** @type {unknown} */ err) {
   if (err instanceof DeviceError) return err.problem;

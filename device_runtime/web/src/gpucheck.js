@@ -26,7 +26,9 @@ const SOFTWARE = /swiftshader|llvmpipe|lavapipe|softpipe|warp|basic render|softw
 /** Why `adapter` is a software renderer (the name it goes by), or null for a hardware GPU. @param {Adapter} adapter @returns {string | null} */
 export function softwareAdapter(adapter) {
   const info = adapter.info || {};
-  const named = [info.vendor, info.architecture, info.description, info.device].find((part) => part && SOFTWARE.test(part));
+  const named = [info.vendor, info.architecture, info.description, info.device].find(
+    (part) => part && SOFTWARE.test(part),
+  );
   if (named) return /** @type {RegExpMatchArray} */ (named.match(SOFTWARE))[0];
   if (adapter.isFallbackAdapter || info.isFallbackAdapter) return 'a fallback adapter';
   return null;
@@ -133,7 +135,12 @@ export function guardFirstStep(engine, watch) {
  */
 export function slowerThanWasm(gpuSeconds, wasmSeconds, margin = WASM_MARGIN) {
   const steady = gpuSeconds.slice(1);
-  if (!steady.length || !steady.every((s) => Number.isFinite(s) && s >= 0) || !(Number.isFinite(wasmSeconds) && wasmSeconds > 0)) return null;
+  if (
+    !steady.length ||
+    !steady.every((s) => Number.isFinite(s) && s >= 0) ||
+    !(Number.isFinite(wasmSeconds) && wasmSeconds > 0)
+  )
+    return null;
   const gpu = median(steady);
   if (gpu <= margin * wasmSeconds) return null;
   return `on this device the GPU took ${spoken(gpu)} a training step and the processor ${spoken(wasmSeconds)}, so this browser trains on the processor from now on; ?backend=webgpu tries the GPU again`;
@@ -158,8 +165,8 @@ export async function wasmStepSeconds(engine, wasm, args, now) {
     await wasm.trainStep(...args);
     return now() - start;
   } finally {
-    const opened = [...wasm.sessions.values(), ...[...wasm.baked.values()].map((variant) => variant.opened)];
-    for (const session of opened) (await session).session.release();
+    await wasm.sessions.release(); // the copy's tensors stay readable
+    await wasm.frozen.release();
   }
 }
 

@@ -7,6 +7,7 @@
 // writes them, so the page writes the very bytes Python writes for the same tensors. The texts and the order of
 // the metadata come from the device contract (device_runtime/model_metadata.py).
 
+import { concat } from './bytes.js';
 import { classNames } from './data.js';
 import { DeviceError } from './errors.js';
 import { pythonFloat } from './protocol.js';
@@ -38,7 +39,20 @@ const MODEL = { producerName: 2, producerVersion: 3, docString: 6, graph: 7, met
 const GRAPH = { node: 1, name: 2, initializer: 5, input: 11, output: 12, valueInfo: 13 };
 const NODE = { input: 1, output: 2, name: 3, opType: 4, attribute: 5 };
 const TENSOR = { dims: 1, dataType: 2, name: 8, rawData: 9 };
-const DATA_TYPES = { float32: 1, uint8: 2, int8: 3, uint16: 4, int16: 5, int32: 6, int64: 7, bool: 9, float16: 10, float64: 11, uint32: 12, uint64: 13 };
+const DATA_TYPES = {
+  float32: 1,
+  uint8: 2,
+  int8: 3,
+  uint16: 4,
+  int16: 5,
+  int32: 6,
+  int64: 7,
+  bool: 9,
+  float16: 10,
+  float64: 11,
+  uint32: 12,
+  uint64: 13,
+};
 const FLOAT = 1;
 const ATTRIBUTE_INT = 2;
 const LENGTH_DELIMITED = 2;
@@ -59,8 +73,12 @@ export function deviceModelFile(modelOnnx, tensors, manifest, spec, device) {
   const graphField = model.find((f) => f.number === MODEL.graph);
   if (!graphField) throw new ModelFileError("the bundle's model.onnx holds no graph", 're-export the bundle');
   const graph = readFields(graphField.bytes, 'the graph of model.onnx');
-  const all = (/** @type {Field[]} */ fields, /** @type {number} */ number) => fields.filter((f) => f.number === number);
-  const initializers = all(graph, GRAPH.initializer).map((f) => ({ field: f, name: stringOf(readFields(f.bytes, 'an initializer'), TENSOR.name) }));
+  const all = (/** @type {Field[]} */ fields, /** @type {number} */ number) =>
+    fields.filter((f) => f.number === number);
+  const initializers = all(graph, GRAPH.initializer).map((f) => ({
+    field: f,
+    name: stringOf(readFields(f.bytes, 'an initializer'), TENSOR.name),
+  }));
   const named = new Set(initializers.map((i) => i.name));
   if (!manifest.tensors.every((t) => named.has(t.name))) {
     throw new ModelFileError(
@@ -71,9 +89,13 @@ export function deviceModelFile(modelOnnx, tensors, manifest, spec, device) {
   const { input, logits, probabilities } = spec.names;
   const [imageInput] = all(graph, GRAPH.input);
   const [logitsOutput] = all(graph, GRAPH.output);
-  if (!imageInput || !logitsOutput) throw new ModelFileError("the bundle's model.onnx has no input or output", 're-export the bundle');
+  if (!imageInput || !logitsOutput)
+    throw new ModelFileError("the bundle's model.onnx has no input or output", 're-export the bundle');
   /** @type {[string, string][]} */
-  const pairs = [[nameOf(imageInput), input], [nameOf(logitsOutput), logits]];
+  const pairs = [
+    [nameOf(imageInput), input],
+    [nameOf(logitsOutput), logits],
+  ];
   const renames = new Map(pairs.filter(([from, to]) => from !== to));
 
   // nodes: renamed, the softmax added, then only those the outputs depend on (model_export.py _prune)
@@ -99,30 +121,46 @@ export function deviceModelFile(modelOnnx, tensors, manifest, spec, device) {
   const produced = new Set(kept.flatMap((node) => node.outputs));
 
   // initializers: the graph's own constants in their order, then the device's tensors in their order
-  const baked = Object.entries(tensors).filter(([name]) => used.has(name)).map(([name, tensor]) => ({ field: tensorField(name, tensor), name }));
+  const baked = Object.entries(tensors)
+    .filter(([name]) => used.has(name))
+    .map(([name, tensor]) => ({ field: tensorField(name, tensor), name }));
   const ownConstants = initializers.filter((i) => !Object.hasOwn(tensors, i.name));
   const image = valueInfo(renamed(imageInput, renames), input, ['batch', ...manifest.input.shape]);
   const outputInfo = readFields(renamed(logitsOutput, renames).bytes, 'an output');
-  const newGraph = replaceFields(graph, [GRAPH.node, GRAPH.name, GRAPH.initializer, GRAPH.input, GRAPH.output, GRAPH.valueInfo], [
-    ...kept.map((node) => node.field),
-    stringField(GRAPH.name, spec.graph_name),
-    ...[...ownConstants, ...baked].filter((i) => used.has(i.name)).map((i) => i.field),
-    image,
-    messageField(GRAPH.output, outputInfo),
-    valueInfo(null, probabilities, ['batch', manifest.num_classes]),
-    ...all(graph, GRAPH.valueInfo).map((f) => renamed(f, renames)).filter((f) => produced.has(nameOf(f))),
-  ]);
+  const newGraph = replaceFields(
+    graph,
+    [GRAPH.node, GRAPH.name, GRAPH.initializer, GRAPH.input, GRAPH.output, GRAPH.valueInfo],
+    [
+      ...kept.map((node) => node.field),
+      stringField(GRAPH.name, spec.graph_name),
+      ...[...ownConstants, ...baked].filter((i) => used.has(i.name)).map((i) => i.field),
+      image,
+      messageField(GRAPH.output, outputInfo),
+      valueInfo(null, probabilities, ['batch', manifest.num_classes]),
+      ...all(graph, GRAPH.valueInfo)
+        .map((f) => renamed(f, renames))
+        .filter((f) => produced.has(nameOf(f))),
+    ],
+  );
 
   const props = metadataProps(manifest, spec, device);
-  const docString = spec.doc_string.replace(/\{(\w+)\}/g, (_, key) => (key === 'description' ? device.description : (props.get(key) ?? '')));
+  const docString = spec.doc_string.replace(/\{(\w+)\}/g, (_, key) =>
+    key === 'description' ? device.description : (props.get(key) ?? ''),
+  );
   return writeFields(
-    replaceFields(model, [MODEL.producerName, MODEL.producerVersion, MODEL.docString, MODEL.graph, MODEL.metadataProps], [
-      stringField(MODEL.producerName, spec.producer_name),
-      stringField(MODEL.producerVersion, spec.producer_version),
-      stringField(MODEL.docString, docString),
-      messageField(MODEL.graph, newGraph),
-      ...[...props].map(([key, value]) => messageField(MODEL.metadataProps, [stringField(1, key), stringField(2, value)])),
-    ]),
+    replaceFields(
+      model,
+      [MODEL.producerName, MODEL.producerVersion, MODEL.docString, MODEL.graph, MODEL.metadataProps],
+      [
+        stringField(MODEL.producerName, spec.producer_name),
+        stringField(MODEL.producerVersion, spec.producer_version),
+        stringField(MODEL.docString, docString),
+        messageField(MODEL.graph, newGraph),
+        ...[...props].map(([key, value]) =>
+          messageField(MODEL.metadataProps, [stringField(1, key), stringField(2, value)]),
+        ),
+      ],
+    ),
   );
 }
 
@@ -154,7 +192,9 @@ export function metadataProps(manifest, spec, device) {
   // a text or sensor bundle's file names its own input instead of the image keys (model_metadata.py INPUT_KINDS)
   const { layout = 'NCHW', dtype = 'float32' } = /** @type {{layout?: string, dtype?: string}} */ (manifest.input);
   const kind = spec.input_kinds?.[layout];
-  if (kind) for (const [key, value] of Object.entries({ input_layout: layout, input_dtype: dtype, ...kind })) props.set(key, value);
+  if (kind)
+    for (const [key, value] of Object.entries({ input_layout: layout, input_dtype: dtype, ...kind }))
+      props.set(key, value);
   return props;
 }
 
@@ -173,12 +213,17 @@ export async function checkModelFile(ort, file, engine, x, count, spec, held = e
   const session = await ort.InferenceSession.create(file, { executionProviders: ['wasm'] });
   try {
     const feeds = { [spec.names.input]: new ort.Tensor(engine.inputType.dtype, x, [count, ...engine.sampleShape]) };
-    const got = /** @type {Float32Array} */ ((await session.run(feeds, [spec.names.probabilities]))[spec.names.probabilities].data);
+    const got = /** @type {Float32Array} */ (
+      (await session.run(feeds, [spec.names.probabilities]))[spec.names.probabilities].data
+    );
     const want = await engine.predict(x, count, held);
     let worst = 0;
     for (let i = 0; i < want.length; i++) worst = Math.max(worst, Math.abs(got[i] - want[i]));
     if (!(worst <= spec.check_tolerance)) {
-      throw new ModelFileError(`the model file's answers differ from the model's by ${worst.toPrecision(3)}`, 'reload the page and try again; if it persists, tell whoever runs the server');
+      throw new ModelFileError(
+        `the model file's answers differ from the model's by ${worst.toPrecision(3)}`,
+        'reload the page and try again; if it persists, tell whoever runs the server',
+      );
     }
     return worst;
   } finally {
@@ -204,8 +249,13 @@ export function readFields(/** @type {Uint8Array} */ bytes, what = 'the model fi
       const [length, after] = readVarint(bytes, start, what);
       content = after;
       end = after + length;
-    } else throw new ModelFileError(`${what} is not a protobuf message this page reads (wire type ${wire})`, 're-export the bundle');
-    if (end > bytes.length || number < 1) throw new ModelFileError(`${what} is cut short or damaged`, 're-export the bundle');
+    } else
+      throw new ModelFileError(
+        `${what} is not a protobuf message this page reads (wire type ${wire})`,
+        're-export the bundle',
+      );
+    if (end > bytes.length || number < 1)
+      throw new ModelFileError(`${what} is cut short or damaged`, 're-export the bundle');
     fields.push({ number, wire, bytes: bytes.subarray(content, end) });
     at = end;
   }
@@ -221,35 +271,44 @@ export function writeFields(/** @type {Field[]} */ fields) {
     if (wire === LENGTH_DELIMITED) parts.push(varint(bytes.length));
     parts.push(bytes);
   }
-  const out = new Uint8Array(parts.reduce((sum, p) => sum + p.length, 0));
-  let offset = 0;
-  for (const part of parts) {
-    out.set(part, offset);
-    offset += part.length;
-  }
-  return out;
+  return concat(...parts);
 }
 
 /** `fields` without those of the numbers given, plus `added`, in field-number order (protobuf's own order). */
 function replaceFields(/** @type {Field[]} */ fields, /** @type {number[]} */ numbers, /** @type {Field[]} */ added) {
   const dropped = new Set(numbers);
   const all = [...fields.filter((f) => !dropped.has(f.number)), ...added];
-  return all.map((field, i) => ({ field, i })).sort((a, b) => a.field.number - b.field.number || a.i - b.i).map(({ field }) => field);
+  return all
+    .map((field, i) => ({ field, i }))
+    .sort((a, b) => a.field.number - b.field.number || a.i - b.i)
+    .map(({ field }) => field);
 }
 
 /** A node with its inputs and outputs renamed, and their names. */
 function renamedNode(/** @type {Field} */ field, /** @type {Map<string, string>} */ renames) {
   const original = readFields(field.bytes, 'a node');
-  const fields = original.map((f) => (f.number === NODE.input || f.number === NODE.output ? renamedString(f, renames) : f));
-  const names = (/** @type {number} */ number) => fields.filter((f) => f.number === number).map((f) => text.decode(f.bytes));
+  const fields = original.map((f) =>
+    f.number === NODE.input || f.number === NODE.output ? renamedString(f, renames) : f,
+  );
+  const names = (/** @type {number} */ number) =>
+    fields.filter((f) => f.number === number).map((f) => text.decode(f.bytes));
   const changed = fields.some((f, i) => f !== original[i]);
-  return { field: changed ? messageField(GRAPH.node, fields) : field, inputs: names(NODE.input), outputs: names(NODE.output) };
+  return {
+    field: changed ? messageField(GRAPH.node, fields) : field,
+    inputs: names(NODE.input),
+    outputs: names(NODE.output),
+  };
 }
 
 /** A value info (graph input, output) with its name renamed. */
 function renamed(/** @type {Field} */ field, /** @type {Map<string, string>} */ renames) {
   if (!renames.has(nameOf(field))) return field;
-  return { ...field, bytes: writeFields(readFields(field.bytes, 'a value info').map((f) => (f.number === 1 ? renamedString(f, renames) : f))) };
+  return {
+    ...field,
+    bytes: writeFields(
+      readFields(field.bytes, 'a value info').map((f) => (f.number === 1 ? renamedString(f, renames) : f)),
+    ),
+  };
 }
 
 function renamedString(/** @type {Field} */ field, /** @type {Map<string, string>} */ renames) {
@@ -266,7 +325,11 @@ function renamedString(/** @type {Field} */ field, /** @type {Map<string, string
  */
 function valueInfo(from, name, dims) {
   const shape = dims.map((d) => messageField(1, [typeof d === 'string' ? stringField(2, d) : varintField(1, d)]));
-  if (!from) return messageField(GRAPH.output, [stringField(1, name), messageField(2, [messageField(1, [varintField(1, FLOAT), messageField(2, shape)])])]);
+  if (!from)
+    return messageField(GRAPH.output, [
+      stringField(1, name),
+      messageField(2, [messageField(1, [varintField(1, FLOAT), messageField(2, shape)])]),
+    ]);
   const info = readFields(from.bytes, 'a value info');
   const type = readFields(fieldOf(info, 2).bytes, 'a type');
   const tensorType = readFields(fieldOf(type, 1).bytes, 'a tensor type');
@@ -278,19 +341,28 @@ function valueInfo(from, name, dims) {
 /** A TensorProto as onnx.numpy_helper.from_array makes it: dims, data type, name, raw little-endian bytes. */
 function tensorField(/** @type {string} */ name, /** @type {import('./safetensors.js').Tensor} */ tensor) {
   const dataType = /** @type {Record<string, number>} */ (DATA_TYPES)[tensor.dtype];
-  if (!dataType) throw new ModelFileError(`tensor ${name} has dtype ${tensor.dtype}, which the model file cannot hold`, 're-export the bundle');
+  if (!dataType)
+    throw new ModelFileError(
+      `tensor ${name} has dtype ${tensor.dtype}, which the model file cannot hold`,
+      're-export the bundle',
+    );
   const data = tensor.data;
   return messageField(GRAPH.initializer, [
     ...tensor.shape.map((d) => varintField(TENSOR.dims, d)),
     varintField(TENSOR.dataType, dataType),
     stringField(TENSOR.name, name),
-    { number: TENSOR.rawData, wire: LENGTH_DELIMITED, bytes: new Uint8Array(data.buffer, data.byteOffset, data.byteLength) },
+    {
+      number: TENSOR.rawData,
+      wire: LENGTH_DELIMITED,
+      bytes: new Uint8Array(data.buffer, data.byteOffset, data.byteLength),
+    },
   ]);
 }
 
 function fieldOf(/** @type {Field[]} */ fields, /** @type {number} */ number) {
   const found = fields.find((f) => f.number === number);
-  if (!found) throw new ModelFileError(`the bundle's model.onnx lacks field ${number} of a graph input`, 're-export the bundle');
+  if (!found)
+    throw new ModelFileError(`the bundle's model.onnx lacks field ${number} of a graph input`, 're-export the bundle');
   return found;
 }
 
@@ -320,7 +392,8 @@ function varintField(/** @type {number} */ number, /** @type {number} */ value) 
 
 /** A non-negative integer (below 2^53) as a protobuf varint. */
 function varint(/** @type {number} */ value) {
-  if (!(Number.isSafeInteger(value) && value >= 0)) throw new ModelFileError(`${value} cannot be written as a protobuf varint`, 're-export the bundle');
+  if (!(Number.isSafeInteger(value) && value >= 0))
+    throw new ModelFileError(`${value} cannot be written as a protobuf varint`, 're-export the bundle');
   const bytes = [];
   while (value >= 0x80) {
     bytes.push((value % 0x80) | 0x80);

@@ -19,15 +19,27 @@ export class PreprocessError extends DeviceError {}
  */
 export function toModelPixels(rgba, width, height, inputSpec) {
   const [channels, outHeight, outWidth] = inputSpec.shape;
-  if (channels !== 1 && channels !== 3) throw new PreprocessError(`the model takes ${channels}-channel images`, 'use an .npz for this model');
-  if (!Number.isInteger(width) || !Number.isInteger(height) || width < 1 || height < 1 || rgba.length !== width * height * 4) {
-    throw new PreprocessError(`an image of ${width}x${height} has ${rgba.length} RGBA values`, 'pass width*height*4 RGBA bytes');
+  if (channels !== 1 && channels !== 3)
+    throw new PreprocessError(`the model takes ${channels}-channel images`, 'use an .npz for this model');
+  if (
+    !Number.isInteger(width) ||
+    !Number.isInteger(height) ||
+    width < 1 ||
+    height < 1 ||
+    rgba.length !== width * height * 4
+  ) {
+    throw new PreprocessError(
+      `an image of ${width}x${height} has ${rgba.length} RGBA values`,
+      'pass width*height*4 RGBA bytes',
+    );
   }
   const out = new Uint8Array(channels * outHeight * outWidth);
   const plane = new Float64Array(width * height);
   for (let c = 0; c < channels; c++) {
     for (let p = 0; p < width * height; p++) {
-      const r = rgba[4 * p], g = rgba[4 * p + 1], b = rgba[4 * p + 2];
+      const r = rgba[4 * p],
+        g = rgba[4 * p + 1],
+        b = rgba[4 * p + 2];
       // Pillow's RGB -> L: 16-bit fixed point of 0.299, 0.587, 0.114 with rounding
       plane[p] = channels === 1 ? (r * 19595 + g * 38470 + b * 7471 + 0x8000) >>> 16 : rgba[4 * p + c];
     }
@@ -42,7 +54,11 @@ export function toModelPixels(rgba, width, height, inputSpec) {
 export function normalizePixels(/** @type {Uint8Array} */ pixels, /** @type {InputSpec} */ inputSpec) {
   const [channels, height, width] = inputSpec.shape;
   const plane = height * width;
-  if (pixels.length !== channels * plane) throw new PreprocessError(`${pixels.length} pixels for an input of [${inputSpec.shape}]`, 'pre-process with toModelPixels first');
+  if (pixels.length !== channels * plane)
+    throw new PreprocessError(
+      `${pixels.length} pixels for an input of [${inputSpec.shape}]`,
+      'pre-process with toModelPixels first',
+    );
   const out = new Float32Array(pixels.length);
   const scale = Math.fround(1 / 255);
   const mean = inputSpec.mean && inputSpec.mean.length ? inputSpec.mean : null;
@@ -59,7 +75,12 @@ export function normalizePixels(/** @type {Uint8Array} */ pixels, /** @type {Inp
 }
 
 /** The model's float32 input (C*H*W) from RGBA pixels (w*h*4) of any size: toModelPixels then normalizePixels. */
-export function toModelInput(/** @type {Uint8Array | Uint8ClampedArray} */ rgba, /** @type {number} */ width, /** @type {number} */ height, /** @type {InputSpec} */ inputSpec) {
+export function toModelInput(
+  /** @type {Uint8Array | Uint8ClampedArray} */ rgba,
+  /** @type {number} */ width,
+  /** @type {number} */ height,
+  /** @type {InputSpec} */ inputSpec,
+) {
   return normalizePixels(toModelPixels(rgba, width, height, inputSpec), inputSpec);
 }
 

@@ -34,11 +34,20 @@ import { sha256Hex } from './sha256.js';
  * @type {Record<string, [string, string]>}
  */
 const FOR_PEOPLE = {
-  unauthorized: ['the server no longer lets this phone in', 'ask whoever runs it for a new join link and open it on this phone; your photos and your model stay'],
+  unauthorized: [
+    'the server no longer lets this phone in',
+    'ask whoever runs it for a new join link and open it on this phone; your photos and your model stay',
+  ],
   enrollment_closed: ['the server takes no new phones through a link', 'ask whoever runs it for a join link'],
-  too_many_attempts: ['too many wrong join links were tried from this network', 'wait a few minutes, then open the join link again'],
+  too_many_attempts: [
+    'too many wrong join links were tried from this network',
+    'wait a few minutes, then open the join link again',
+  ],
   already_enrolled: ['the server already knows a phone of this name', 'open the join link again'],
-  not_sampled: ['the server did not pick this phone for this round', 'nothing to do: the phone waits for the next round'],
+  not_sampled: [
+    'the server did not pick this phone for this round',
+    'nothing to do: the phone waits for the next round',
+  ],
   layout_mismatch: ['the server now trains another model than the one this page holds', 'reload the page'],
 };
 const JOIN_LINK_CLOSED = ['join_link_expired', 'join_link_used_up', 'join_link_revoked'];
@@ -58,8 +67,10 @@ export class Refusal extends DeviceError {
     const error = String(body.error);
     const enrolling = path.endsWith('/enroll');
     let [problem, fix] = FOR_PEOPLE[error] || [`the server refused what this phone sent (${error})`, TELL_OPERATOR];
-    if (JOIN_LINK_CLOSED.includes(error)) [problem, fix] = [body.detail, NEW_LINK]; // "this join link expired at …"
-    else if (enrolling && error === 'unauthorized') [problem, fix] = ['the server did not accept this join link', NEW_LINK];
+    if (JOIN_LINK_CLOSED.includes(error))
+      [problem, fix] = [body.detail, NEW_LINK]; // "this join link expired at …"
+    else if (enrolling && error === 'unauthorized')
+      [problem, fix] = ['the server did not accept this join link', NEW_LINK];
     const detail = `${method} ${path}: ${status} ${error}: ${body.detail}${body.fix ? `; the server says: ${body.fix}` : ''}`;
     super(problem, fix, detail);
     this.status = status;
@@ -115,7 +126,15 @@ export class ApiClient {
    * @param {((seconds: number) => Promise<unknown>) | null} [options.sleep]
    * @param {((text: string) => void) | null} [options.onRetry]
    */
-  constructor({ origin, contract, token = null, retry = contract.timing.retry, fetchImpl = null, sleep = null, onRetry = null }) {
+  constructor({
+    origin,
+    contract,
+    token = null,
+    retry = contract.timing.retry,
+    fetchImpl = null,
+    sleep = null,
+    onRetry = null,
+  }) {
     this.origin = new URL(origin).origin;
     this.prefix = contract.api_prefix;
     this.roundGoneErrors = new Set(contract.round_gone_errors);
@@ -125,7 +144,8 @@ export class ApiClient {
     this.maxDelay = retry.max_delay;
     /** @type {typeof globalThis.fetch} */
     this.fetch = fetchImpl || ((input, init) => globalThis.fetch(input, init));
-    this.sleep = sleep || ((/** @type {number} */ seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000)));
+    this.sleep =
+      sleep || ((/** @type {number} */ seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000)));
     this.onRetry = onRetry;
   }
 
@@ -134,7 +154,8 @@ export class ApiClient {
     const path = `${this.prefix}/enroll`;
     const reply = await this.request('POST', path, { json: { device, key }, bearer: secret });
     const body = await this.json(reply, 'POST', path);
-    if (typeof body.token !== 'string' || !body.token) throw new NotTheServer('POST', path, reply.status, 'a reply without a token');
+    if (typeof body.token !== 'string' || !body.token)
+      throw new NotTheServer('POST', path, reply.status, 'a reply without a token');
     return body.token;
   }
 
@@ -164,7 +185,10 @@ export class ApiClient {
   /** POST /v1/rounds/{r}/update with a body from encodeUpdate; an identical retry gets the same receipt. */
   async upload(/** @type {number} */ roundId, /** @type {Uint8Array} */ payload) {
     const path = `${this.prefix}/rounds/${roundId}/update`;
-    const reply = await this.request('POST', path, { body: /** @type {Uint8Array<ArrayBuffer>} */ (payload), contentType: 'application/octet-stream' });
+    const reply = await this.request('POST', path, {
+      body: /** @type {Uint8Array<ArrayBuffer>} */ (payload),
+      contentType: 'application/octet-stream',
+    });
     return this.json(reply, 'POST', path);
   }
 
@@ -175,7 +199,10 @@ export class ApiClient {
   }
 
   /** POST /v1/rounds/{r}/metrics: the personalised model's held-out evaluation. */
-  async postMetrics(/** @type {number} */ roundId, /** @type {{accuracy: number, num_samples: number, loss: number | null}} */ metrics) {
+  async postMetrics(
+    /** @type {number} */ roundId,
+    /** @type {{accuracy: number, num_samples: number, loss: number | null}} */ metrics,
+  ) {
     const path = `${this.prefix}/rounds/${roundId}/metrics`;
     return this.json(await this.request('POST', path, { json: metrics }), 'POST', path);
   }
@@ -185,7 +212,10 @@ export class ApiClient {
     const path = `${url}/${kind}`;
     const binary = typeof body !== 'string';
     const sent = /** @type {BodyInit} */ (body);
-    const reply = await this.request('POST', path, { body: sent, contentType: binary ? 'application/octet-stream' : 'application/json' });
+    const reply = await this.request('POST', path, {
+      body: sent,
+      contentType: binary ? 'application/octet-stream' : 'application/json',
+    });
     return this.json(reply, 'POST', path);
   }
 
@@ -211,7 +241,10 @@ export class ApiClient {
   async request(method, path, { json = undefined, body = undefined, contentType = null, bearer = null } = {}) {
     const url = new URL(path, this.origin);
     if (url.origin !== this.origin) {
-      throw new DeviceError(`refusing to send the device token to ${url.origin}: the page talks to ${this.origin} only`, 'ask the operator to check the server; a reply named another address');
+      throw new DeviceError(
+        `refusing to send the device token to ${url.origin}: the page talks to ${this.origin} only`,
+        'ask the operator to check the server; a reply named another address',
+      );
     }
     /** @type {Record<string, string>} */
     const headers = {};
@@ -229,7 +262,15 @@ export class ApiClient {
       let reply = null;
       busy = false;
       try {
-        reply = await this.fetch(url.href, { method, headers, body, cache: 'no-store', credentials: 'omit', redirect: 'manual', referrerPolicy: 'no-referrer' });
+        reply = await this.fetch(url.href, {
+          method,
+          headers,
+          body,
+          cache: 'no-store',
+          credentials: 'omit',
+          redirect: 'manual',
+          referrerPolicy: 'no-referrer',
+        });
       } catch (err) {
         problem = err instanceof Error ? `${err.name}: ${err.message}` : describe(err);
       }
@@ -329,5 +370,7 @@ async function errorBody(/** @type {Response} */ reply, /** @type {string} */ me
   } catch {
     throw new NotTheServer(method, path, reply.status, reply.headers.get('content-type'));
   }
-  return body && typeof body === 'object' ? { error: body.error || 'http_error', detail: body.detail || '', fix: body.fix || '' } : { error: 'http_error', detail: String(body), fix: '' };
+  return body && typeof body === 'object'
+    ? { error: body.error || 'http_error', detail: body.detail || '', fix: body.fix || '' }
+    : { error: 'http_error', detail: String(body), fix: '' };
 }

@@ -4,8 +4,14 @@
 // (edgepfl/data.py split_train_val, iterate_batches; algorithms.py round_seed) for the same seeds.
 
 const MASK32 = 0xffffffff;
-const INIT_A = 0x43b0d7e5, MULT_A = 0x931e8875, INIT_B = 0x8b51f9dd, MULT_B = 0x58f38ded;
-const MIX_MULT_L = 0xca01f9dd, MIX_MULT_R = 0x4973f715, XSHIFT = 16, POOL_SIZE = 4;
+const INIT_A = 0x43b0d7e5,
+  MULT_A = 0x931e8875,
+  INIT_B = 0x8b51f9dd,
+  MULT_B = 0x58f38ded;
+const MIX_MULT_L = 0xca01f9dd,
+  MIX_MULT_R = 0x4973f715,
+  XSHIFT = 16,
+  POOL_SIZE = 4;
 const MASK64 = (1n << 64n) - 1n;
 const MASK128 = (1n << 128n) - 1n;
 const PCG_MULT = (0x2360ed051fc65da4n << 64n) | 0x4385df649fccf645n;

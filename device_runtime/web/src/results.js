@@ -29,7 +29,8 @@ export const SAMPLE_WORDS = {
   sensor: { one: 'window', right: 'recognised', more: ' (pick a longer recording)' },
 };
 
-export const SHARED_UNTRAINED = 'the shared model, which never trained on your examples (this phone took part in no round)';
+export const SHARED_UNTRAINED =
+  'the shared model, which never trained on your examples (this phone took part in no round)';
 const ROUGH_BELOW = 30; // examples kept aside: with fewer, one example more or less moves the number by 3 points or more
 
 /** A fraction as a percentage with one decimal, or a dash. */
@@ -38,7 +39,9 @@ export function pct(/** @type {number | null | undefined} */ value) {
 }
 
 /** Which model a number is of, in words: "the shared model, not trained on your examples", or "your model after round 3". */
-export function measuredModel(/** @type {Pick<Measured, 'final' | 'roundsHere' | 'round'>} */ { final, roundsHere, round }) {
+export function measuredModel(
+  /** @type {Pick<Measured, 'final' | 'roundsHere' | 'round'>} */ { final, roundsHere, round },
+) {
   if (!roundsHere) return final ? SHARED_UNTRAINED : 'the model as it came, untrained';
   if (final) return 'your model (the final shared model with the part this phone trained)';
   return `your model after round ${round}`;
@@ -63,7 +66,11 @@ export function scoreWhat(measured) {
  * @returns {{text: string, below: boolean}}
  */
 export function chanceWords(accuracy, count, classes) {
-  if (classes < 2) return { text: 'All your examples show one class: add another class to make the number mean something.', below: false };
+  if (classes < 2)
+    return {
+      text: 'All your examples show one class: add another class to make the number mean something.',
+      below: false,
+    };
   const chance = 1 / classes;
   const guess = `Guessing among your ${classes} classes would get ${pct(chance)}.`;
   if (accuracy == null || accuracy >= chance) return { text: guess, below: false };

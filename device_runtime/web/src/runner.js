@@ -5,16 +5,33 @@
 // holding NaN/Inf, or a round whose training diverges, is refused: the model held before the round stays,
 // nothing is saved or sent, and the device waits for the next round. What happens is told through DeviceEvents.
 
-import { divergence, nonfiniteNames, receive, roundLosses, roundPhases, roundUploads, runClientRound, travellingNames } from './algorithms.js';
+import {
+  divergence,
+  nonfiniteNames,
+  receive,
+  roundLosses,
+  roundPhases,
+  roundUploads,
+  runClientRound,
+  travellingNames,
+} from './algorithms.js';
 import { checkedSettings } from './contract.js';
 import { shortfallLine, splitExamples } from './data.js';
-import { baseDelta, decodeDownload, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
+import {
+  baseDelta,
+  decodeDownload,
+  encodeWithFeedback,
+  parseEncoding,
+  uniformRandom,
+  uploadsDelta,
+} from './encoding.js';
 import { DeviceError, StartOver } from './errors.js';
 import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
+import { postMetrics, reportRefusal, sendPending } from './delivery.js';
 import { decodeSafetensors } from './safetensors.js';
 import { scoreSentence } from './results.js';
 import { taskKind } from './tasks.js';
-import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
+import { ClientSession } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
@@ -27,8 +44,9 @@ import { sha256Hex } from './sha256.js';
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').Progress} Progress */
 /** @typedef {import('./store.js').PendingUpload} PendingUpload */
-/** A secure round's saved update (never sent: masked in the steps) and its session's state. @typedef {PendingUpload & {secure?: import('./protocol.js').SecureTask & {session: string}}} SecurePending */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
+/** @typedef {import('./delivery.js').DeviceClient} DeviceClient */
+/** @typedef {import('./delivery.js').SecurePending} SecurePending */
 /** @typedef {import('./encoding.js').Delta} Delta */
 /** What the page is doing, as `body[data-stage]` shows it. @typedef {'loading' | 'join' | 'examples' | 'waiting' | 'training' | 'uploading' | 'offline' | 'done' | 'problem'} Stage */
 
@@ -44,19 +62,6 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number, record: RoundRecord) => void} roundFinished a round is saved and its upload delivered, dropped or none
  * @property {(history: RoundRecord[]) => void} historyChanged the saved history of rounds changed
  * @property {(roundId: number | null, result: EvalResult) => void} runFinished the run is over: the held-out evaluation of the model kept
- */
-
-/**
- * The calls the loop makes to the server (protocol.js ApiClient).
- * @typedef {object} DeviceClient
- * @property {() => Promise<Task>} task
- * @property {(path: string, sha256?: string | null) => Promise<Uint8Array>} bytes
- * @property {(roundId: number) => string} basePath
- * @property {(roundId: number, payload: Uint8Array) => Promise<unknown>} upload
- * @property {(roundId: number, metrics: {accuracy: number, num_samples: number, loss: number | null}) => Promise<unknown>} postMetrics
- * @property {(roundId: number, reason: string) => Promise<unknown>} reportRefusal
- * @property {(url: string, kind: string, body: string | Uint8Array) => Promise<unknown>} secureSend
- * @property {(url: string, what: string) => Promise<{text: string | null, wait: number}>} secureFetch
  */
 
 /**
@@ -99,7 +104,12 @@ export class DeviceRunner {
     this.sleep = sleep;
     this.examples = examples;
     /** @type {Progress} */
-    this.progress = saved.progress || { layout: this.layout, lastCompletedRound: null, lastUploadedRound: null, pending: null };
+    this.progress = saved.progress || {
+      layout: this.layout,
+      lastCompletedRound: null,
+      lastUploadedRound: null,
+      pending: null,
+    };
     /** @type {RoundRecord[]} */
     this.history = saved.history || [];
   }
@@ -113,7 +123,8 @@ export class DeviceRunner {
       try {
         if (this.progress.pending) await this.deliverPending();
         const more = shortfallLine(this.examples.current().count, contract.device, this.kind);
-        if (more) { // the page asks for no round it has nothing to learn from (or nothing to measure with)
+        if (more) {
+          // the page asks for no round it has nothing to learn from (or nothing to measure with)
           events.stage('examples', more);
           told = '';
           await this.examples.added();
@@ -121,19 +132,30 @@ export class DeviceRunner {
         }
         const task = await client.task();
         if (task.base_layout_hash !== this.layout) {
-          throw new StartOver('the server trains another model than the one this page loaded', 'reload the page; start over if that does not help');
+          throw new StartOver(
+            'the server trains another model than the one this page loaded',
+            'reload the page; start over if that does not help',
+          );
         }
         const settings = checkedSettings(contract, task.settings);
         if (task.action === 'done') return await this.finish(task, settings);
         const last = this.progress.lastCompletedRound;
-        const waiting = task.action === 'train' ? `Round ${task.round} is trained on this device; waiting for the next round.` : 'Waiting for the next round…';
-        if (task.action === 'train' && task.round != null && (last == null || task.round > last) && !refused.has(task.round)) {
+        const waiting =
+          task.action === 'train'
+            ? `Round ${task.round} is trained on this device; waiting for the next round.`
+            : 'Waiting for the next round…';
+        if (
+          task.action === 'train' &&
+          task.round != null &&
+          (last == null || task.round > last) &&
+          !refused.has(task.round)
+        ) {
           try {
             if (await this.trainRound(task, task.round, settings)) continue;
           } catch (err) {
             if (!(err instanceof TrainingDiverged)) throw err;
             refused.add(task.round);
-            await this.reportRefusal(task.round, err);
+            await reportRefusal(client, events, task.round, err);
             events.problem(err);
             events.stage('waiting', err.problem);
             told = waiting;
@@ -177,10 +199,18 @@ export class DeviceRunner {
     }
     const base = decodeDownload(baseBytes, settings.download_encoding, `the base of round ${roundId}`);
     const poisoned = nonfiniteNames(base);
-    if (poisoned.length) throw await this.skipped(roundId, 'came with a broken shared model', `the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`);
+    if (poisoned.length)
+      throw await this.skipped(
+        roundId,
+        'came with a broken shared model',
+        `the base of round ${roundId} holds NaN or Inf in ${JSON.stringify(poisoned[0])}`,
+      );
     const expected = travellingNames(manifest, settings);
     if (Object.keys(base).length !== expected.length || expected.some((name) => !(name in base))) {
-      throw new DeviceError(`the base of round ${roundId} holds other tensors than this model shares`, 'the server must run with the bundle this page loaded');
+      throw new DeviceError(
+        `the base of round ${roundId} holds other tensors than this model shares`,
+        'the server must run with the bundle this page loaded',
+      );
     }
     const { train, val } = this.split();
     events.stage('training', `Round ${roundId}: fitting the shared model to your examples…`);
@@ -189,7 +219,9 @@ export class DeviceRunner {
     // re-estimated under the new base
     await receive(contract, engine, base, train, settings);
     const before = await evaluate(engine, val);
-    const steps = roundPhases(contract, settings, engine.trainableSets()).reduce((sum, p) => sum + p.epochs, 0) * Math.ceil(train.count / settings.batch_size);
+    const steps =
+      roundPhases(contract, settings, engine.trainableSets()).reduce((sum, p) => sum + p.epochs, 0) *
+      Math.ceil(train.count / settings.batch_size);
     events.roundStarted(roundId, settings, steps);
     const yielding = Object.create(engine);
     yielding.trainStep = async (/** @type {Parameters<Engine['trainStep']>} */ ...args) => {
@@ -203,10 +235,19 @@ export class DeviceRunner {
     });
     events.stage('training', `Round ${roundId}: checking the model on the examples kept aside…`);
     const after = await evaluate(engine, val);
-    const why = divergence(roundLosses(result, after), await engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
+    const why = divergence(
+      roundLosses(result, after),
+      await engine.getTensors(),
+      manifest.num_classes,
+      contract.divergence.loss_factor,
+    );
     if (why !== null) {
       engine.setTensors(kept);
-      throw await this.skipped(roundId, 'went wrong while training (the numbers blew up)', `training diverged in round ${roundId} (${why})`);
+      throw await this.skipped(
+        roundId,
+        'went wrong while training (the numbers blew up)',
+        `training diverged in round ${roundId} (${why})`,
+      );
     }
     const valAccuracy = after.count ? after.correct / after.count : NaN;
     const valLoss = after.count ? after.lossSum / after.count : NaN;
@@ -216,19 +257,31 @@ export class DeviceRunner {
     let residual;
     if (roundUploads(contract, settings)) {
       const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
-      const meta = { baseLayoutHash: this.layout, numSamples: result.numSamples, trainLoss: result.trainLoss, valAccuracy, valLoss, startValAccuracy };
+      const meta = {
+        baseLayoutHash: this.layout,
+        numSamples: result.numSamples,
+        trainLoss: result.trainLoss,
+        valAccuracy,
+        valLoss,
+        startValAccuracy,
+      };
       const trained = await engine.getTensors(travellingNames(manifest, settings));
       let payload;
-      if (uploadsDelta(settings)) { // the base delta, encoded as the round asks, with what earlier rounds owe
+      if (uploadsDelta(settings)) {
+        // the base delta, encoded as the round asks, with what earlier rounds owe
         const owed = (await store.get('residual')).residual;
         const encoding = parseEncoding(settings.upload_encoding);
         const rng = encoding.stochastic ? uniformRandom([contract.device.seed, roundId]) : null;
-        const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, { rng, clipNorm: settings.clip_norm });
+        const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, {
+          rng,
+          clipNorm: settings.clip_norm,
+        });
         payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
         residual = encoded.residual;
         pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
         const secure = task.secure_aggregation;
-        if (secure) { // a secure round: the clipped delta stays here, masked in the steps (deliverSecure)
+        if (secure) {
+          // a secure round: the clipped delta stays here, masked in the steps (delivery.js sendPending)
           pending.secure = { ...secure, session: (await ClientSession.start(secure.device, secure.context)).toJSON() };
         }
       } else {
@@ -258,89 +311,34 @@ export class DeviceRunner {
     });
     events.historyChanged(this.history);
     if (pending) await this.deliverPending();
-    else await this.postMetrics(record);
+    else await postMetrics(client, events, record);
     events.roundFinished(roundId, /** @type {RoundRecord} */ (this.history.find((r) => r.round === roundId)));
     return true;
   }
 
   /** Upload the saved bytes of the pending round (the same bytes after any reload), then its metrics. */
   async deliverPending() {
-    const { events, store } = this;
+    const { client, events, sleep, store } = this;
     const pending = this.progress.pending;
     if (!pending) return;
-    if ((await sha256Hex(pending.payload)) !== pending.sha256) {
-      throw new DeviceError(`the saved upload of round ${pending.round} does not match its sha256`, 'start over');
-    }
-    const secure = /** @type {SecurePending} */ (pending).secure;
-    events.stage('uploading', secure ? `Round ${pending.round}: masking what this phone learned with the other phones…` : `Round ${pending.round}: sending what this phone learned (the shared part of the model)…`);
-    let delivered = true;
-    try {
-      if (secure) await this.deliverSecure(/** @type {SecurePending} */ (pending));
-      else await this.client.upload(pending.round, pending.payload);
-    } catch (err) {
-      if (!(err instanceof Refusal && err.roundGone) && !(secure && err instanceof SecAggError)) throw err;
-      delivered = false;
-      const why = err instanceof SecAggError ? ` (this phone refused the server's message: ${err.problem})` : '';
-      events.message(`Round ${pending.round} closed before this phone's part arrived${why}; it joins the next round.`);
-    }
+    const save = async (/** @type {SecurePending} */ saved) => {
+      this.progress = { ...this.progress, pending: saved };
+      await store.commit({ progress: this.progress });
+    };
+    const delivered = await sendPending({ client, events, sleep, seed: this.contract.device.seed }, pending, save);
     const upload = delivered ? 'delivered' : 'dropped';
     this.history = this.history.map((r) => (r.round === pending.round ? { ...r, upload } : r));
-    this.progress = { ...this.progress, pending: null, lastUploadedRound: delivered ? pending.round : this.progress.lastUploadedRound };
+    this.progress = {
+      ...this.progress,
+      pending: null,
+      lastUploadedRound: delivered ? pending.round : this.progress.lastUploadedRound,
+    };
     // a dropped encoded upload owes nothing: the residual goes back to the one before it
     const restored = !delivered && 'residualBefore' in pending ? { residual: pending.residualBefore || undefined } : {};
     await store.commit({ progress: this.progress, history: this.history, ...restored });
     events.historyChanged(this.history);
     const record = this.history.find((r) => r.round === pending.round);
-    if (delivered && record) await this.postMetrics(record);
-  }
-
-  /**
-   * A secure round's steps with the saved clipped delta (secagg.js takeSecureSteps); the session's state is saved
-   * with the pending upload before each answer is sent, so a reload takes the steps again with the same answers.
-   * @param {SecurePending} pending
-   */
-  async deliverSecure(pending) {
-    const { client, store } = this;
-    const secure = /** @type {NonNullable<SecurePending['secure']>} */ (pending.secure);
-    const { tensors, metadata } = decodeSafetensors(pending.payload, 'the saved update');
-    const delta = Object.fromEntries(Object.entries(tensors).map(([name, t]) => [name, { shape: t.shape, data: /** @type {Float32Array} */ (t.data) }]));
-    const fetch = async (/** @type {string} */ what) => {
-      for (;;) {
-        const { text, wait } = await client.secureFetch(secure.url, what);
-        if (text !== null) return text;
-        await this.sleep(wait);
-      }
-    };
-    const save = async (/** @type {string} */ state) => {
-      /** @type {SecurePending} */
-      const saved = { ...pending, secure: { ...secure, session: state } };
-      this.progress = { ...this.progress, pending: saved };
-      await store.commit({ progress: this.progress });
-    };
-    const send = (/** @type {string} */ kind, /** @type {string | Uint8Array} */ body) => client.secureSend(secure.url, kind, body);
-    await takeSecureSteps({ send, fetch, save }, secure.session, delta, Number(metadata?.num_samples), [this.contract.device.seed, pending.round]);
-  }
-
-  /** Report the personalised model's held-out evaluation; advisory, so a failure only shows a note. */
-  async postMetrics(/** @type {RoundRecord} */ record) {
-    if (record.accuracy == null || !record.samples) return;
-    try {
-      await this.client.postMetrics(record.round, { accuracy: record.accuracy, num_samples: record.samples, loss: record.loss });
-    } catch (err) {
-      if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
-      this.events.message(`The results of round ${record.round} did not reach the server (${err.problem}); the page goes on.`);
-    }
-  }
-
-  /** Tell the server this device refused the round's base, so a base most devices refuse is rolled back (runner.py
-   * _report_refusal); advisory, like metrics. */
-  async reportRefusal(/** @type {number} */ roundId, /** @type {TrainingDiverged} */ refusal) {
-    try {
-      await this.client.reportRefusal(roundId, refusal.detail || refusal.problem);
-    } catch (err) {
-      if (!(err instanceof Refusal || err instanceof Unreachable)) throw err;
-      this.events.message(`The server was not told that round ${roundId} was skipped (${err.problem}); the page goes on.`);
-    }
+    if (delivered && record) await postMetrics(client, events, record);
   }
 
   /**
@@ -360,13 +358,25 @@ export class DeviceRunner {
       if (why === null) {
         await receive(contract, engine, final, train, settings);
         const result = await evaluate(engine, val);
-        const loss = divergence(result.count ? [result.lossSum / result.count] : [], {}, manifest.num_classes, contract.divergence.loss_factor);
+        const loss = divergence(
+          result.count ? [result.lossSum / result.count] : [],
+          {},
+          manifest.num_classes,
+          contract.divergence.loss_factor,
+        );
         why = loss && `gives a held-out ${loss}`;
       }
-      if (why === null) await this.store.commit({ tensors: { layout: this.layout, tensors: await engine.getTensors() } });
+      if (why === null)
+        await this.store.commit({ tensors: { layout: this.layout, tensors: await engine.getTensors() } });
       else {
         engine.setTensors(kept);
-        events.problem(new DeviceError(`the server's final shared model was broken, so this phone kept ${this.keptInWords()}`, 'nothing to do', `the final base ${why}: kept ${this.kept()} as this device's model`));
+        events.problem(
+          new DeviceError(
+            `the server's final shared model was broken, so this phone kept ${this.keptInWords()}`,
+            'nothing to do',
+            `the final base ${why}: kept ${this.kept()} as this device's model`,
+          ),
+        );
       }
     }
     const result = await evaluate(engine, val);

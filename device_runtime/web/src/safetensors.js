@@ -41,7 +41,11 @@ export class SafetensorsError extends DeviceError {}
 /** The TypedArray constructor of a numpy-style dtype name ('float32', ...); throws for unknown names. */
 export function typedArrayOf(/** @type {string} */ dtype) {
   const code = CODE_OF[dtype];
-  if (!code) throw new SafetensorsError(`unknown dtype ${JSON.stringify(dtype)}`, `use one of ${Object.keys(CODE_OF).join(', ')}`);
+  if (!code)
+    throw new SafetensorsError(
+      `unknown dtype ${JSON.stringify(dtype)}`,
+      `use one of ${Object.keys(CODE_OF).join(', ')}`,
+    );
   return DTYPES[code][1];
 }
 
@@ -59,20 +63,35 @@ export function encodeSafetensors(tensors, metadata = null) {
   const entries = Object.entries(tensors).map(([name, t]) => {
     if (name === '__metadata__') throw new SafetensorsError('a tensor is named __metadata__', 'rename the tensor');
     const code = CODE_OF[t.dtype];
-    if (!code) throw new SafetensorsError(`tensor ${JSON.stringify(name)} has unknown dtype ${JSON.stringify(t.dtype)}`, `use one of ${Object.keys(CODE_OF).join(', ')}`);
+    if (!code)
+      throw new SafetensorsError(
+        `tensor ${JSON.stringify(name)} has unknown dtype ${JSON.stringify(t.dtype)}`,
+        `use one of ${Object.keys(CODE_OF).join(', ')}`,
+      );
     checkShape(t.shape, name);
     if (!(t.data instanceof DTYPES[code][1]) || t.data.length !== numel(t.shape)) {
-      throw new SafetensorsError(`tensor ${JSON.stringify(name)} data is not a ${DTYPES[code][1].name} of ${numel(t.shape)} elements`, 'pass data matching dtype and shape');
+      throw new SafetensorsError(
+        `tensor ${JSON.stringify(name)} data is not a ${DTYPES[code][1].name} of ${numel(t.shape)} elements`,
+        'pass data matching dtype and shape',
+      );
     }
     return { name, code, tensor: t };
   });
   // Python's safetensors orders tensors by dtype alignment (largest first), then by name
-  entries.sort((a, b) => DTYPES[b.code][1].BYTES_PER_ELEMENT - DTYPES[a.code][1].BYTES_PER_ELEMENT || (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
+  entries.sort(
+    (a, b) =>
+      DTYPES[b.code][1].BYTES_PER_ELEMENT - DTYPES[a.code][1].BYTES_PER_ELEMENT ||
+      (a.name < b.name ? -1 : a.name > b.name ? 1 : 0),
+  );
   /** @type {Record<string, unknown>} */
   const header = {};
   if (metadata) {
     for (const [k, v] of Object.entries(metadata)) {
-      if (typeof v !== 'string') throw new SafetensorsError(`metadata ${JSON.stringify(k)} is not a string`, 'convert metadata values with String()');
+      if (typeof v !== 'string')
+        throw new SafetensorsError(
+          `metadata ${JSON.stringify(k)} is not a string`,
+          'convert metadata values with String()',
+        );
     }
     header.__metadata__ = metadata;
   }
@@ -103,10 +122,12 @@ export function encodeSafetensors(tensors, metadata = null) {
  */
 export function decodeSafetensors(input, what = 'safetensors file') {
   const bytes = input instanceof Uint8Array ? input : new Uint8Array(input);
-  const bad = (/** @type {string} */ problem) => new SafetensorsError(`${what}: ${problem}`, 'download the file again; it is not a valid safetensors file');
+  const bad = (/** @type {string} */ problem) =>
+    new SafetensorsError(`${what}: ${problem}`, 'download the file again; it is not a valid safetensors file');
   if (bytes.length < 8) throw bad(`only ${bytes.length} bytes`);
   const headerLength = new DataView(bytes.buffer, bytes.byteOffset, 8).getBigUint64(0, true);
-  if (headerLength > BigInt(Math.min(MAX_HEADER, bytes.length - 8))) throw bad(`header length ${headerLength} exceeds the file`);
+  if (headerLength > BigInt(Math.min(MAX_HEADER, bytes.length - 8)))
+    throw bad(`header length ${headerLength} exceeds the file`);
   const headerText = new TextDecoder('utf-8', { fatal: false }).decode(bytes.subarray(8, 8 + Number(headerLength)));
   let header;
   try {
@@ -124,20 +145,31 @@ export function decodeSafetensors(input, what = 'safetensors file') {
   const spans = [];
   for (const [name, entry] of Object.entries(header)) {
     if (name === '__metadata__') {
-      if (entry === null || typeof entry !== 'object' || Array.isArray(entry) || Object.values(entry).some((v) => typeof v !== 'string')) {
+      if (
+        entry === null ||
+        typeof entry !== 'object' ||
+        Array.isArray(entry) ||
+        Object.values(entry).some((v) => typeof v !== 'string')
+      ) {
         throw bad('__metadata__ is not a map of strings');
       }
       metadata = entry;
       continue;
     }
-    if (entry === null || typeof entry !== 'object' || !DTYPES[entry.dtype]) throw bad(`tensor ${JSON.stringify(name)} has an unknown dtype`);
+    if (entry === null || typeof entry !== 'object' || !DTYPES[entry.dtype])
+      throw bad(`tensor ${JSON.stringify(name)} has an unknown dtype`);
     try {
       checkShape(entry.shape, name);
     } catch (err) {
       throw bad(describe(err));
     }
     const offsets = entry.data_offsets;
-    if (!Array.isArray(offsets) || offsets.length !== 2 || !offsets.every((o) => Number.isSafeInteger(o) && o >= 0) || offsets[0] > offsets[1]) {
+    if (
+      !Array.isArray(offsets) ||
+      offsets.length !== 2 ||
+      !offsets.every((o) => Number.isSafeInteger(o) && o >= 0) ||
+      offsets[0] > offsets[1]
+    ) {
       throw bad(`tensor ${JSON.stringify(name)} has bad data_offsets`);
     }
     if (offsets[1] > dataLength) throw bad(`tensor ${JSON.stringify(name)} lies beyond the end of the file`);
@@ -169,7 +201,10 @@ export function decodeSafetensors(input, what = 'safetensors file') {
 
 function checkShape(/** @type {unknown} */ shape, /** @type {string} */ name) {
   if (!Array.isArray(shape) || !shape.every((d) => Number.isSafeInteger(d) && d >= 0)) {
-    throw new SafetensorsError(`tensor ${JSON.stringify(name)} has a bad shape ${JSON.stringify(shape)}`, 'use an array of non-negative integers');
+    throw new SafetensorsError(
+      `tensor ${JSON.stringify(name)} has a bad shape ${JSON.stringify(shape)}`,
+      'use an array of non-negative integers',
+    );
   }
 }
 

@@ -5,7 +5,7 @@
 // channel as edgepfl/data.py normalize does (float32 (x - mean) / std).
 
 import { classNames } from './data.js';
-import { DeviceError } from './errors.js';
+import { DataError } from './errors.js';
 
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
@@ -22,12 +22,9 @@ const CSV_COLUMNS = ['window', 'label']; // the columns before the channels
 const NUMBER = /^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i; // a finite number as Python's float() reads it
 const NOT_FINITE = /^[+-]?(nan|inf|infinity)$/i; // what it reads as NaN or Inf
 
-/** A problem with a person's sensor recordings, with the fix. */
-export class SensorError extends DeviceError {}
-
 /** The sensor bundle's `task` entry. */
 export function sensorTask(/** @type {Manifest} */ manifest) {
-  return /** @type {SensorTask} */ (/** @type {{task?: unknown}} */ (manifest).task);
+  return /** @type {SensorTask} */ (manifest.task);
 }
 
 /**
@@ -45,12 +42,12 @@ export function checkChannels(channels, manifest, source) {
     const problem = missing.length
       ? `lacks the channel "${missing[0]}"`
       : `has the channel "${extra[0]}", which the model does not read`;
-    throw new SensorError(
+    throw new DataError(
       `${source} ${problem} (the model reads ${expected.join(', ')})`,
       `record exactly these channels: ${expected.join(', ')}`,
     );
   }
-  throw new SensorError(
+  throw new DataError(
     `${source} has the model's channels in another order (${channels.join(', ')})`,
     `order the columns as the model reads them: ${expected.join(', ')}`,
   );
@@ -58,7 +55,7 @@ export function checkChannels(channels, manifest, source) {
 
 /**
  * The windows of a sensor CSV (task_data.py read_sensor_csv): windows in the order they first appear, each of the
- * model's window length and one label (a class name, or its index); anything else is one SensorError.
+ * model's window length and one label (a class name, or its index); anything else is one DataError.
  * @param {string} text the file's text
  * @param {Manifest} manifest
  * @param {string} source the file's name
@@ -66,8 +63,14 @@ export function checkChannels(channels, manifest, source) {
  */
 export function readSensorCsv(text, manifest, source) {
   const rows = text.split(/\r\n|\n|\r/).map(csvCells);
-  if (!rows.length || rows[0].slice(0, 2).map((cell) => cell.trim()).join() !== CSV_COLUMNS.join()) {
-    throw new SensorError(
+  if (
+    !rows.length ||
+    rows[0]
+      .slice(0, 2)
+      .map((cell) => cell.trim())
+      .join() !== CSV_COLUMNS.join()
+  ) {
+    throw new DataError(
       `${source} does not start with the header window,label,<channel>,...`,
       'write the header row first, then one row per reading',
     );
@@ -83,27 +86,27 @@ export function readSensorCsv(text, manifest, source) {
     if (!row.some((cell) => cell.trim())) return;
     if (row.length !== header.length) {
       const problem = `${source} line ${i + 2} has ${row.length} cells, the header ${header.length}`;
-      throw new SensorError(problem, 'fill every cell of every row');
+      throw new DataError(problem, 'fill every cell of every row');
     }
     const id = row[0].trim();
     if (!windows.has(id)) windows.set(id, { rows: [], line: i + 2 });
     /** @type {{rows: string[][]}} */ (windows.get(id)).rows.push(row);
   });
-  if (!windows.size) throw new SensorError(`${source} holds no readings`, 'add one row per reading under the header');
+  if (!windows.size) throw new DataError(`${source} holds no readings`, 'add one row per reading under the header');
   const size = channels.length * steps;
   const x = new Float32Array(windows.size * size);
   const y = new Int32Array(windows.size);
   let n = 0;
   for (const [id, { rows: readings }] of windows) {
     if (readings.length !== steps) {
-      throw new SensorError(
+      throw new DataError(
         `${source}: window ${id} has ${readings.length} readings, the model takes ${steps}`,
         `cut the recording into windows of ${steps} readings`,
       );
     }
     const labels = new Set(readings.map((row) => row[1].trim()));
     if (labels.size !== 1) {
-      throw new SensorError(`${source}: window ${id} has more than one label`, 'give each window one label');
+      throw new DataError(`${source}: window ${id} has more than one label`, 'give each window one label');
     }
     y[n] = classIndex([...labels][0], names, `${source}: window ${id}`);
     readings.forEach((row, t) => {
@@ -137,12 +140,12 @@ export function normalizeReadings(x, inputSpec) {
 /** One reading: a finite number, else refused (as Python's float(), then check_readings). */
 function reading(/** @type {string} */ cell, /** @type {string} */ where) {
   if (!NUMBER.test(cell) && !NOT_FINITE.test(cell)) {
-    throw new SensorError(`${where} has a reading that is not a number (${JSON.stringify(cell)})`, 'write numbers');
+    throw new DataError(`${where} has a reading that is not a number (${JSON.stringify(cell)})`, 'write numbers');
   }
   const value = Number(cell);
   if (!Number.isFinite(value) || !Number.isFinite(Math.fround(value))) {
     const fix = 'drop or fill the gaps in the recording (e.g. interpolate) before cutting windows';
-    throw new SensorError(`${where} holds NaN or Inf readings`, fix);
+    throw new DataError(`${where} holds NaN or Inf readings`, fix);
   }
   return Math.fround(value);
 }
@@ -152,7 +155,7 @@ function classIndex(/** @type {string} */ label, /** @type {string[]} */ names, 
   const named = names.indexOf(label);
   if (named >= 0) return named;
   if (/^\d+$/.test(label) && Number(label) < names.length) return Number(label);
-  throw new SensorError(`${where} has the label ${JSON.stringify(label)}`, `use one of: ${names.join(', ')}`);
+  throw new DataError(`${where} has the label ${JSON.stringify(label)}`, `use one of: ${names.join(', ')}`);
 }
 
 /** The cells of one CSV line (Python's csv module, default dialect: commas, double quotes, "" inside quotes). */

@@ -52,7 +52,11 @@ const FILES = 'files'; // sha256 -> bytes of a bundle file (downloaded once, che
 
 /** The page's IndexedDB database; resolves once it is open (and upgraded if new). */
 export async function openStore(indexedDB = globalThis.indexedDB) {
-  if (!indexedDB) throw new DeviceError('this browser keeps no IndexedDB storage for the page', 'leave private browsing mode, or use a current Chrome or Safari');
+  if (!indexedDB)
+    throw new DeviceError(
+      'this browser keeps no IndexedDB storage for the page',
+      'leave private browsing mode, or use a current Chrome or Safari',
+    );
   const db = await request(
     (() => {
       const opening = indexedDB.open(DB_NAME, DB_VERSION);
@@ -93,7 +97,9 @@ class Store {
 
   /** A cached bundle file by its sha256, or undefined. */
   async file(/** @type {string} */ sha256) {
-    return /** @type {Uint8Array | undefined} */ (await request(this.db.transaction(FILES, 'readonly').objectStore(FILES).get(sha256)));
+    return /** @type {Uint8Array | undefined} */ (
+      await request(this.db.transaction(FILES, 'readonly').objectStore(FILES).get(sha256))
+    );
   }
 
   /** Keep a bundle file under its sha256 and drop cached files no longer in `keep` (a new bundle's leftovers). */
@@ -128,17 +134,21 @@ function request(req) {
 }
 
 function done(/** @type {IDBTransaction} */ tx) {
-  return /** @type {Promise<void>} */ (new Promise((resolve, reject) => {
-    tx.oncomplete = () => resolve();
-    tx.onerror = () => reject(storageError(tx.error));
-    tx.onabort = () => reject(storageError(tx.error));
-  }));
+  return /** @type {Promise<void>} */ (
+    new Promise((resolve, reject) => {
+      tx.oncomplete = () => resolve();
+      tx.onerror = () => reject(storageError(tx.error));
+      tx.onabort = () => reject(storageError(tx.error));
+    })
+  );
 }
 
 function storageError(/** @type {DOMException | null} */ error) {
   const quota = error && error.name === 'QuotaExceededError';
   return new DeviceError(
     `the browser could not save the device's state (${error ? error.name : 'unknown error'})`,
-    quota ? 'free some storage on the phone, or remove examples, then reload' : 'reload the page; nothing half-written was kept',
+    quota
+      ? 'free some storage on the phone, or remove examples, then reload'
+      : 'reload the page; nothing half-written was kept',
   );
 }

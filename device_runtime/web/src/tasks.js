@@ -6,7 +6,7 @@
 // accuracy counting only the targets the manifest's `metric_ignores` leaves; sensor windows by the seeded split.
 
 import { splitTrainVal } from './algorithms.js';
-import { DeviceError } from './errors.js';
+import { DataError, EngineError } from './errors.js';
 import { normalizeReadings, readSensorCsv } from './sensors.js';
 import { nextWordSamples, readText, timeOrderSplit } from './text.js';
 
@@ -41,7 +41,7 @@ export const RECORDING_WORDS = {
     title: 'Your recordings',
     needs:
       'The model learns your activities from motion recordings: pick a .csv file whose header is window,label, ' +
-      'then the model\'s channels; each row is one reading, each window has its label.',
+      "then the model's channels; each row is one reading, each window has its label.",
     pick: 'Pick a recording (.csv)',
     accept: '.csv,text/csv',
     suffix: '.csv',
@@ -49,14 +49,11 @@ export const RECORDING_WORDS = {
   },
 };
 
-/** A problem with the file a person picked, and what to do about it. */
-export class RecordingError extends DeviceError {}
-
 /** The bundle's kind of sample: "next-word", "sensor", or "image" (no task entry: task_data.py task_kind). */
 export function taskKind(/** @type {Manifest} */ manifest) {
-  const kind = String((/** @type {{task?: {kind?: string}}} */ (manifest).task || {}).kind || 'image');
+  const kind = String(manifest.task?.kind || 'image');
   if (kind !== 'image' && kind !== 'next-word' && kind !== 'sensor') {
-    throw new RecordingError(
+    throw new EngineError(
       `the server's model reads samples of kind "${kind}", which this page cannot`,
       'ask whoever runs the server to update the page',
     );
@@ -66,7 +63,7 @@ export function taskKind(/** @type {Manifest} */ manifest) {
 
 /** A text bundle's `task` entry. */
 export function textTask(/** @type {Manifest} */ manifest) {
-  return /** @type {TextTask} */ (/** @type {{task?: unknown}} */ (manifest).task);
+  return /** @type {TextTask} */ (manifest.task);
 }
 
 /**
@@ -79,7 +76,7 @@ export function textTask(/** @type {Manifest} */ manifest) {
 export function readRecording(bytes, name, task) {
   const words = RECORDING_WORDS[task.kind];
   if (!name.toLowerCase().endsWith(words.suffix)) {
-    throw new RecordingError(`the file ${name} is not a ${words.suffix} file`, words.notFix);
+    throw new DataError(`the file ${name} is not a ${words.suffix} file`, words.notFix);
   }
   const text = readText(bytes, fileWords(name));
   /** @type {Recording} */
@@ -114,10 +111,11 @@ export function recordingSamples(recording, task) {
  */
 export function splitRecording(recording, task, valFraction, seed) {
   const samples = recordingSamples(recording, task);
-  const ignores = (/** @type {{task?: {metric_ignores?: number[]}}} */ (task.manifest).task || {}).metric_ignores || [];
-  const { train, val } = task.kind === 'next-word'
-    ? timeOrderSplit(samples.y, valFraction, ignores)
-    : splitTrainVal(samples.count, valFraction, seed);
+  const ignores = task.manifest.task?.metric_ignores || [];
+  const { train, val } =
+    task.kind === 'next-word'
+      ? timeOrderSplit(samples.y, valFraction, ignores)
+      : splitTrainVal(samples.count, valFraction, seed);
   const counted = task.kind === 'next-word' ? val : val.filter((i) => !ignores.includes(samples.y[i]));
   return { train: pick(samples, train), val: pick(samples, counted) };
 }

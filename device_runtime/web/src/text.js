@@ -8,7 +8,7 @@
 
 import { roundHalfEven } from './algorithms.js';
 import { topClasses } from './engine.js';
-import { DeviceError } from './errors.js';
+import { DataError, DeviceError } from './errors.js';
 import { checkSha256 } from './sha256.js';
 
 export const SPECIALS = ['<pad>', '<oov>', '<bos>', '<eos>'];
@@ -22,13 +22,15 @@ export const VOCAB_FORMAT = 'edgepfl-vocab/1';
 // among them are spaces already
 const SPACE = '\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000';
 const TOKEN = new RegExp(`[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*|_|[^\\p{L}\\p{N}_${SPACE}]`, 'gu');
+// biome-ignore lint/suspicious/noControlCharactersInRegex: the control characters are what this removes
 const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
-// Python's str.splitlines boundaries
+// Python's str.splitlines boundaries, control characters among them
+// biome-ignore lint/suspicious/noControlCharactersInRegex: Python splits lines at these control characters
 const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
 export const MIN_DEVICE_WORDS = 10; // task_data.py: fewer words make too few samples to train on and hold some out
 const NEVER_SUGGESTED = [PAD_ID, OOV_ID, BOS_ID]; // predict.py: tokens nobody types
 
-/** A problem with a text or its vocabulary, with the fix. */
+/** A problem with a text bundle's vocabulary, with the fix (a person's own text is refused as a DataError). */
 export class TextError extends DeviceError {}
 
 /**
@@ -149,7 +151,7 @@ export function readText(bytes, name) {
     return new TextDecoder('utf-8', { fatal: true }).decode(bytes);
   } catch {
     const fix = 'save it as UTF-8 (most editors: Save As… → encoding UTF-8) and pick it again';
-    throw new TextError(`${name} is not UTF-8 text`, fix);
+    throw new DataError(`${name} is not UTF-8 text`, fix);
   }
 }
 
@@ -163,12 +165,15 @@ export function readText(bytes, name) {
  * @returns {{x: BigInt64Array, y: Int32Array, count: number}}
  */
 export function nextWordSamples(text, vocabulary, seqLen, name) {
-  const lines = text.split(LINE_BREAK).map(tokenize).filter((tokens) => tokens.length);
+  const lines = text
+    .split(LINE_BREAK)
+    .map(tokenize)
+    .filter((tokens) => tokens.length);
   const words = lines.reduce((sum, tokens) => sum + tokens.length, 0);
   if (words < MIN_DEVICE_WORDS) {
     const what = words ? `only ${words} word${words === 1 ? '' : 's'}` : 'no words';
     const problem = `${name} holds ${what}; the model needs at least ${MIN_DEVICE_WORDS}`;
-    throw new TextError(problem, 'pick a longer text (a line per message or sentence)');
+    throw new DataError(problem, 'pick a longer text (a line per message or sentence)');
   }
   /** @type {number[]} */
   const windows = [];

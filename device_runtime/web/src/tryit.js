@@ -110,7 +110,9 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, exampl
       await checkModelFile(ort, file, engine, probe.x, probe.count, contract.model_file, await held);
       const link = $('model-link', HTMLAnchorElement);
       if (link.href.startsWith('blob:')) URL.revokeObjectURL(link.href);
-      link.href = URL.createObjectURL(new Blob([/** @type {Uint8Array<ArrayBuffer>} */ (file)], { type: 'application/octet-stream' }));
+      link.href = URL.createObjectURL(
+        new Blob([/** @type {Uint8Array<ArrayBuffer>} */ (file)], { type: 'application/octet-stream' }),
+      );
       link.download = `edgepfl-model-${device.lastCompletedRound == null ? (device.trained ? 'trained' : 'untrained') : `round-${device.lastCompletedRound}`}.onnx`;
       link.textContent = `${link.download} (${(file.length / 1e6).toFixed(1)} MB)`;
       link.hidden = false;
@@ -245,7 +247,8 @@ function probeInputs(examples, engine, task) {
   }
   const x = new Float32Array(count * size);
   if (held.count && 'pixels' in held) {
-    for (let i = 0; i < count; i++) x.set(normalizePixels(held.pixels.subarray(i * size, (i + 1) * size), engine.manifest.input), i * size);
+    for (let i = 0; i < count; i++)
+      x.set(normalizePixels(held.pixels.subarray(i * size, (i + 1) * size), engine.manifest.input), i * size);
   } else {
     let state = 12345;
     for (let i = 0; i < x.length; i++) {

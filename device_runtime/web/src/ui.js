@@ -1,27 +1,23 @@
 // @ts-check
 // Everything the device page draws (index.html's elements) but "Try it" (tryit.js): the headline and its stage,
 // a problem with its fix (any DeviceError the same way, the technical detail folded away), the round's progress
-// with its speed, the results (one number, chance for reference, a chart, the rounds), the examples with their
-// pickers and removers, and "reset this device". `pageEvents` is the round loop's DeviceEvents (runner.js) drawn
-// on the page. Words are for the person holding the phone: no HTTP, no flags.
+// with its speed, the results (one number, chance for reference, a chart, the rounds), keeping and reading what a
+// person gives (examples.js and recording.js draw their sections), and "reset this device". `pageEvents` is the
+// round loop's DeviceEvents (runner.js) drawn on the page. Words are for the person holding the phone: no HTTP, no
+// flags.
 
-import { appendExamples, classCounts, classNames, keepExamples, readFolder, readNpz, readPhotos, shortfallLine, shortfallReason, splitSizes, withoutClass, withoutLastAdded } from './data.js';
+import { drawChart } from './chart.js';
 import { DeviceError, describe } from './errors.js';
 import { chanceWords, pct, plural, scoreWhat } from './results.js';
 
-/** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').EvalResult} EvalResult */
-/** @typedef {import('./data.js').Examples} Examples */
-/** @typedef {import('./data.js').NewExamples} NewExamples */
-/** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./runner.js').DeviceEvents} DeviceEvents */
-/** @typedef {import('./runner.js').ExampleSource} ExampleSource */
 /** @typedef {import('./runner.js').Stage} Stage */
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 
-const SVG = 'http://www.w3.org/2000/svg';
-const NEXT_WORD_MEASURE = 'This counts how often the word you wrote next is the model\'s first guess ' +
+const NEXT_WORD_MEASURE =
+  "This counts how often the word you wrote next is the model's first guess " +
   '(words the model does not know are not counted).';
 /** What the results show: the rounds, the evaluation at the run's end, the classes the examples hold. */
 const shown = {
@@ -66,7 +62,8 @@ export function pageEvents(modelChanged = () => {}) {
 /** Show what the page does now (`body[data-stage]`, for people's tools and the browser test) and its headline. */
 export function stage(/** @type {Stage} */ name, /** @type {string} */ text = '') {
   const training = name === 'training';
-  if (training && $('round').hidden) { // a round begins: its bar says "working" until its first step
+  if (training && $('round').hidden) {
+    // a round begins: its bar says "working" until its first step
     $('progress', HTMLProgressElement).removeAttribute('value');
     $('round-text').textContent = '';
     $('speed').textContent = '';
@@ -98,7 +95,10 @@ export function clearProblem() {
 
 /** Anything that stops the page: its problem and fix (an unexpected error's message, and "reload the page"). */
 export function fatal(/** @type {unknown} */ err) {
-  const error = err instanceof DeviceError ? err : { problem: 'something went wrong on this page', fix: 'reload the page', detail: describe(err) };
+  const error =
+    err instanceof DeviceError
+      ? err
+      : { problem: 'something went wrong on this page', fix: 'reload the page', detail: describe(err) };
   stage('problem', showProblem({ problem: error.problem, fix: error.fix || 'reload the page', detail: error.detail }));
 }
 
@@ -126,8 +126,8 @@ export function showBackend(/** @type {string} */ name, /** @type {string} */ li
 /** The footer line on whether the browser keeps the page's data (navigator.storage.persist()). */
 export function showStorage(/** @type {boolean} */ persisted) {
   $('storage').textContent = persisted
-    ? 'This browser keeps this page\'s data (your examples and model) until you reset the device.'
-    : 'This browser may delete this page\'s data (your examples and model) when the phone runs low on space. To keep it, add the page to your home screen.';
+    ? "This browser keeps this page's data (your examples and model) until you reset the device."
+    : "This browser may delete this page's data (your examples and model) when the phone runs low on space. To keep it, add the page to your home screen.";
 }
 
 /**
@@ -140,62 +140,20 @@ export function setUpReset(store, held) {
   button.hidden = false;
   button.addEventListener('click', async () => {
     const { examples, rounds } = held();
-    const lost = [`your ${plural(examples, 'example')}`, rounds ? `the model it trained in ${plural(rounds, 'round')}` : 'its model', 'its place on the server'];
-    if (!confirm(`Reset this device? This deletes everything this page keeps: ${lost.join(', ')}. To take part again you need the join link.`)) return;
+    const lost = [
+      `your ${plural(examples, 'example')}`,
+      rounds ? `the model it trained in ${plural(rounds, 'round')}` : 'its model',
+      'its place on the server',
+    ];
+    if (
+      !confirm(
+        `Reset this device? This deletes everything this page keeps: ${lost.join(', ')}. To take part again you need the join link.`,
+      )
+    )
+      return;
     await store.clear();
     location.replace(location.pathname);
   });
-}
-
-/**
- * The examples section: the model's classes with how many examples of each (each with a remover), the pickers
- * that add more and the removers (each change committed to the store). Returns the round loop's source of examples.
- * @param {{store: DeviceStore, manifest: Manifest, contract: Contract, examples: Examples}} parts
- * @returns {ExampleSource}
- */
-export function setUpExamples({ store, manifest, contract, examples }) {
-  const names = classNames(manifest);
-  const select = $('class-select', HTMLSelectElement);
-  select.replaceChildren(...names.map((name, i) => new Option(name, String(i))));
-  const kept = keeper(store, (/** @type {Examples} */ changed) => {
-    examples = changed;
-    render();
-  });
-  const keep = kept.keep;
-  const render = () => renderExamples(examples, names, contract, remove);
-  const remove = async (/** @type {number} */ label) => {
-    const count = classCounts(examples, names.length)[label];
-    if (!confirm(`Remove the ${plural(count, 'example')} of "${names[label]}"? They are deleted from this phone; what the model already learned from them stays.`)) return;
-    await keep(withoutClass(examples, label), `Removed the ${plural(count, 'example')} of "${names[label]}".`);
-  };
-  const add = (/** @type {HTMLInputElement} */ input, /** @type {(files: FileList) => Promise<NewExamples>} */ read) =>
-    readPicked(input, 'Reading the examples…', async (files) => {
-      const more = await read(files);
-      await keep(appendExamples(examples, more), `Added ${plural(more.count, 'example')}.`);
-    });
-  /** @param {string} id @param {(files: FileList) => Promise<NewExamples>} read */
-  const picker = (id, read) => {
-    const input = $(id, HTMLInputElement);
-    input.addEventListener('change', () => add(input, read).catch(fatal));
-  };
-  const photos = (/** @type {FileList} */ files) => readPhotos(files, Number(select.value), manifest.input);
-  picker('camera', photos);
-  picker('photos', photos);
-  picker('folder', (files) => readFolder(files, manifest.input, classNames(manifest)));
-  picker('npz', async (files) => readNpz(new Uint8Array(await files[0].arrayBuffer()), manifest.input, manifest.num_classes));
-  $('remove-last').addEventListener('click', () => {
-    const count = examples.lastAdded || 0;
-    if (!confirm(`Remove the last ${plural(count, 'example')} you added? They are deleted from this phone; what the model already learned from them stays.`)) return;
-    keep(withoutLastAdded(examples), `Removed the last ${plural(count, 'example')} added.`).catch(fatal);
-  });
-  $('remove-all').addEventListener('click', () => {
-    const { count } = examples;
-    if (!confirm(`Remove all ${plural(count, 'example')}? They are deleted from this phone; what the model already learned from them stays. The phone takes part in rounds again once it has enough examples.`)) return;
-    keep(keepExamples(examples, () => true), `Removed all ${plural(count, 'example')}.`).catch(fatal);
-  });
-  $('examples').hidden = false;
-  render();
-  return { current: () => examples, added: kept.added };
 }
 
 /**
@@ -243,46 +201,6 @@ export async function readPicked(input, reading, read) {
   }
 }
 
-/**
- * The classes with their counts and removers, what is missing, how the examples split, and the removers.
- * @param {Examples} examples
- * @param {string[]} names
- * @param {Contract} contract
- * @param {(label: number) => void} remove
- */
-function renderExamples(examples, names, contract, remove) {
-  const counts = classCounts(examples, names.length);
-  shown.classesHeld = counts.filter((n) => n > 0).length;
-  $('needs').textContent = `The model knows ${plural(names.length, 'class', 'classes')}: add labelled photos of each one you have.`;
-  $('classes').replaceChildren(
-    ...names.map((name, i) => {
-      const item = document.createElement('li');
-      item.append(`${name}: ${counts[i]}`);
-      Object.assign(item.dataset, { label: String(i), count: String(counts[i]) });
-      item.classList.toggle('missing', counts[i] === 0);
-      if (counts[i]) {
-        const button = document.createElement('button'); // its "×" is drawn by style.css: the chip's text stays "name: count"
-        button.type = 'button';
-        button.className = 'remove';
-        button.setAttribute('aria-label', `remove the examples of ${name}`);
-        button.dataset.label = String(i);
-        button.addEventListener('click', () => remove(i));
-        item.append(button);
-      }
-      return item;
-    }),
-  );
-  const { count } = examples;
-  const last = $('remove-last');
-  last.hidden = !examples.lastAdded || examples.lastAdded === count;
-  last.textContent = `Remove the last ${plural(examples.lastAdded || 0, 'example')} added`;
-  $('remove-all').hidden = !count;
-  const short = [shortfallLine(count, contract.device), shortfallReason(count, contract.device)].join(' ').trim();
-  const { train, val } = count ? splitSizes(count, contract.device.val_fraction, contract.device.split_seed) : { train: 0, val: 0 };
-  $('split').textContent = short || `${plural(count, 'example')}: ${train} to learn from, ${val} kept aside to check how well the model does.`;
-  renderScore();
-}
-
 /** What a text or sensor bundle's data holds (recording.js): the kind of sample, and the classes its samples show. */
 export function showHeld(/** @type {import('./tasks.js').TaskKind} */ kind, /** @type {number} */ classesHeld) {
   Object.assign(shown, { kind, classesHeld });
@@ -319,54 +237,33 @@ function renderScore() {
   const final = shown.final && shown.final.result.count ? shown.final : null;
   const roundsHere = shown.history.length;
   const score = final
-    ? { accuracy: final.result.correct / final.result.count, count: final.result.count, final: true, roundsHere, round: final.round }
+    ? {
+        accuracy: final.result.correct / final.result.count,
+        count: final.result.count,
+        final: true,
+        roundsHere,
+        round: final.round,
+      }
     : last
-      ? { accuracy: /** @type {number} */ (last.accuracy), count: last.samples, final: false, roundsHere, round: last.round }
+      ? {
+          accuracy: /** @type {number} */ (last.accuracy),
+          count: last.samples,
+          final: false,
+          roundsHere,
+          round: last.round,
+        }
       : null;
   $('score').textContent = score ? pct(score.accuracy) : '–';
   $('score').dataset.accuracy = String(score ? score.accuracy : '');
   $('score-what').textContent = score ? `${scoreWhat({ ...score, kind: shown.kind })}.` : 'not measured yet';
   const classes = shown.classesHeld;
-  const chance = shown.kind === 'next-word'
-    ? { text: NEXT_WORD_MEASURE, below: false }
-    : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
+  const chance =
+    shown.kind === 'next-word'
+      ? { text: NEXT_WORD_MEASURE, below: false }
+      : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
   $('score-chance').textContent = chance.text;
   $('score-chance').dataset.below = String(chance.below);
-  drawChart(measured, classes > 1 ? 1 / classes : null);
-}
-
-/**
- * A small chart of the held-out accuracy after each round, with chance as a dashed line (SVG drawn by script:
- * the page's CSP allows no inline styles, so the look is in style.css).
- * @param {RoundRecord[]} rounds
- * @param {number | null} chance
- */
-function drawChart(rounds, chance) {
-  const chart = $('chart');
-  const [left, right, top, bottom] = [34, 312, 8, 108];
-  const x = (/** @type {number} */ i) => (rounds.length < 2 ? (left + right) / 2 : left + ((right - left) * i) / (rounds.length - 1));
-  const y = (/** @type {number} */ v) => bottom - (bottom - top) * v;
-  const shape = (/** @type {string} */ tag, /** @type {Record<string, string | number>} */ attributes, text = '') => {
-    const element = document.createElementNS(SVG, tag);
-    for (const [name, value] of Object.entries(attributes)) element.setAttribute(name, String(value));
-    if (text) element.textContent = text;
-    return element;
-  };
-  const parts = [
-    shape('line', { class: 'axis', x1: left, x2: right, y1: bottom, y2: bottom }),
-    shape('line', { class: 'axis', x1: left, x2: right, y1: top, y2: top }),
-    shape('text', { x: 0, y: top + 4 }, '100%'),
-    shape('text', { x: 12, y: bottom + 4 }, '0%'),
-  ];
-  if (chance != null) parts.push(shape('line', { class: 'chance', x1: left, x2: right, y1: y(chance), y2: y(chance) }));
-  if (rounds.length) {
-    const points = rounds.map((r, i) => `${x(i).toFixed(1)},${y(/** @type {number} */ (r.accuracy)).toFixed(1)}`);
-    parts.push(shape('polyline', { class: 'line', points: points.join(' ') }));
-    rounds.forEach((r, i) => parts.push(shape('circle', { class: 'dot', cx: x(i), cy: y(/** @type {number} */ (r.accuracy)), r: 3.5 })));
-    const labels = rounds.length < 2 ? [[0, 'middle']] : [[0, 'start'], [rounds.length - 1, 'end']];
-    for (const [i, anchor] of labels) parts.push(shape('text', { x: x(Number(i)), y: bottom + 18, 'text-anchor': anchor }, `round ${rounds[Number(i)].round}`));
-  }
-  chart.replaceChildren(...parts);
+  drawChart($('chart'), measured, classes > 1 ? 1 / classes : null);
 }
 
 /**
@@ -397,7 +294,8 @@ function showProgress(roundId, phase, step, steps, loss) {
   Object.assign(document.body.dataset, { round: roundId, step }); // for people's tools and the browser test
   Object.assign($('round').dataset, { phase, loss: String(loss) });
   const now = performance.now();
-  if (speed.round !== roundId || !speed.firstAt) Object.assign(speed, { round: roundId, firstStep: step, firstAt: now });
+  if (speed.round !== roundId || !speed.firstAt)
+    Object.assign(speed, { round: roundId, firstStep: step, firstAt: now });
   const progress = $('progress', HTMLProgressElement);
   progress.max = steps;
   progress.value = step;
@@ -425,6 +323,7 @@ export function sentence(/** @type {string} */ text) {
  */
 export function $(id, kind) {
   const element = document.getElementById(id);
-  if (!element || (kind && !(element instanceof kind))) throw new Error(`the page has no ${kind ? kind.name : 'element'} #${id}`);
+  if (!element || (kind && !(element instanceof kind)))
+    throw new Error(`the page has no ${kind ? kind.name : 'element'} #${id}`);
   return /** @type {T} */ (/** @type {unknown} */ (element));
 }

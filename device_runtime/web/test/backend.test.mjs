@@ -11,19 +11,30 @@ test('?backend= asks for a back end; auto by default; anything else is refused w
   assert.equal(requestedBackend(''), 'auto');
   assert.equal(requestedBackend('?backend=wasm'), 'wasm');
   assert.equal(requestedBackend('?x=1&backend=webgpu'), 'webgpu');
-  assert.throws(() => requestedBackend('?backend=gpu'), (err) => err.name === 'EngineError' && /auto, webgpu, wasm/.test(err.fix));
+  assert.throws(
+    () => requestedBackend('?backend=gpu'),
+    (err) => err.name === 'EngineError' && /auto, webgpu, wasm/.test(err.fix),
+  );
 });
 
 test('WebGPU where the browser gives a hardware adapter, else WebAssembly with the reason', async () => {
   const gpu = adapter({ vendor: 'apple', architecture: 'metal-3', description: 'Apple M2' });
   assert.deepEqual(await chooseBackend(gpu), { name: 'webgpu', adapter: 'apple metal-3 Apple M2', forced: false });
-  assert.deepEqual(await chooseBackend(gpu, 'webgpu'), { name: 'webgpu', adapter: 'apple metal-3 Apple M2', forced: true });
+  assert.deepEqual(await chooseBackend(gpu, 'webgpu'), {
+    name: 'webgpu',
+    adapter: 'apple metal-3 Apple M2',
+    forced: true,
+  });
   assert.equal((await chooseBackend(gpu, 'wasm')).name, 'wasm');
   assert.deepEqual(await chooseBackend(undefined), { name: 'wasm', reason: 'this browser has no WebGPU' });
   assert.deepEqual(await chooseBackend(undefined, 'webgpu'), { name: 'wasm', reason: 'this browser has no WebGPU' });
   const none = { requestAdapter: async () => null };
   assert.deepEqual(await chooseBackend(none), { name: 'wasm', reason: 'the browser gives no WebGPU adapter' });
-  const refusing = { requestAdapter: async () => { throw new Error('blocked'); } };
+  const refusing = {
+    requestAdapter: async () => {
+      throw new Error('blocked');
+    },
+  };
   assert.equal((await chooseBackend(refusing)).name, 'wasm');
 });
 
@@ -31,9 +42,19 @@ test('auto never takes a software GPU on its own; ?backend=webgpu still does', a
   const swiftshader = adapter({ vendor: 'google', architecture: 'swiftshader', description: '' });
   const chosen = await chooseBackend(swiftshader);
   assert.equal(chosen.name, 'wasm');
-  assert.match(chosen.reason, /^this browser's GPU is a software renderer \(swiftshader\) on the processor, slower than WebAssembly; \?backend=webgpu uses it all the same$/);
-  assert.deepEqual(await chooseBackend(swiftshader, 'webgpu'), { name: 'webgpu', adapter: 'google swiftshader', forced: true });
-  for (const info of [{ vendor: 'mesa', description: 'llvmpipe (LLVM 15.0.6, 256 bits)' }, { vendor: 'mesa', device: 'lavapipe' }]) {
+  assert.match(
+    chosen.reason,
+    /^this browser's GPU is a software renderer \(swiftshader\) on the processor, slower than WebAssembly; \?backend=webgpu uses it all the same$/,
+  );
+  assert.deepEqual(await chooseBackend(swiftshader, 'webgpu'), {
+    name: 'webgpu',
+    adapter: 'google swiftshader',
+    forced: true,
+  });
+  for (const info of [
+    { vendor: 'mesa', description: 'llvmpipe (LLVM 15.0.6, 256 bits)' },
+    { vendor: 'mesa', device: 'lavapipe' },
+  ]) {
     assert.equal((await chooseBackend(adapter(info))).name, 'wasm', JSON.stringify(info));
   }
   // a fallback adapter, told by the adapter itself (older browsers) or in its info (newer ones), whatever its name
@@ -52,13 +73,19 @@ test('a first step remembered as too slow keeps auto on WebAssembly, saying why;
 });
 
 test("the adapter's name: vendor, architecture, description, each once", () => {
-  assert.equal(adapterName({ vendor: 'apple', architecture: 'common-3', description: 'Apple M2' }), 'apple common-3 Apple M2');
+  assert.equal(
+    adapterName({ vendor: 'apple', architecture: 'common-3', description: 'Apple M2' }),
+    'apple common-3 Apple M2',
+  );
   assert.equal(adapterName({ vendor: 'arm', architecture: 'arm', description: '' }), 'arm');
   assert.equal(adapterName(undefined), 'unnamed adapter');
 });
 
 test('the line says where the page trains, and each graph the GPU refused with its reason', () => {
-  assert.equal(backendLine({ name: 'wasm', reason: 'this browser has no WebGPU' }), 'Training on the processor (WebAssembly: this browser has no WebGPU).');
+  assert.equal(
+    backendLine({ name: 'wasm', reason: 'this browser has no WebGPU' }),
+    'Training on the processor (WebAssembly: this browser has no WebGPU).',
+  );
   const gpu = { name: 'webgpu', adapter: 'google swiftshader' };
   const placed = new Map([['portable/step_full.onnx', { backend: 'webgpu' }]]);
   assert.equal(backendLine(gpu, placed), 'Training on the GPU (WebGPU: google swiftshader).');

@@ -7,7 +7,9 @@ import { checkedSettings, parseContract, roundSettings } from '../src/contract.j
 import { DeviceError } from '../src/errors.js';
 import { NEEDS_FIXTURES, expected, fixtureContract } from './fixtures.mjs';
 
-test("round settings are refused exactly where the Python device refuses them, naming the same setting", { skip: NEEDS_FIXTURES }, () => {
+test('round settings are refused exactly where the Python device refuses them, naming the same setting', {
+  skip: NEEDS_FIXTURES,
+}, () => {
   const contract = fixtureContract();
   const cases = expected().settings_cases;
   assert.ok(cases.length > 30 && cases.some((c) => c.problem === null) && cases.some((c) => c.problem !== null));
@@ -15,16 +17,20 @@ test("round settings are refused exactly where the Python device refuses them, n
     const what = JSON.stringify(settings);
     if (problem === null) {
       const taken = checkedSettings(contract, settings);
-      for (const [name, value] of Object.entries(settings)) if (name in contract.settings) assert.deepEqual(taken[name], value, what);
+      for (const [name, value] of Object.entries(settings))
+        if (name in contract.settings) assert.deepEqual(taken[name], value, what);
       continue;
     }
-    assert.throws(() => checkedSettings(contract, settings), (err) => {
-      assert.ok(err instanceof DeviceError, what);
-      const field = (line) => line.replace("the server's round settings are invalid: ", '').split(' ')[0];
-      assert.equal(field(err.problem), field(problem), `${what}: ${err.problem} vs Python's ${problem}`);
-      assert.equal(err.problem.split(' ').slice(0, 5).join(' '), "the server's round settings are", what);
-      return true;
-    });
+    assert.throws(
+      () => checkedSettings(contract, settings),
+      (err) => {
+        assert.ok(err instanceof DeviceError, what);
+        const field = (line) => line.replace("the server's round settings are invalid: ", '').split(' ')[0];
+        assert.equal(field(err.problem), field(problem), `${what}: ${err.problem} vs Python's ${problem}`);
+        assert.equal(err.problem.split(' ').slice(0, 5).join(' '), "the server's round settings are", what);
+        return true;
+      },
+    );
   }
   assert.throws(() => checkedSettings(contract, [1]), /settings are a list, not an object/);
 });
@@ -40,6 +46,9 @@ test("absent settings take the contract's defaults; unknown ones are dropped", {
 });
 
 test('a contract of another version is refused with one line naming the fix', { skip: NEEDS_FIXTURES }, () => {
-  assert.throws(() => parseContract({ ...fixtureContract(), version: 99 }), (err) => err instanceof DeviceError && /version 99/.test(err.problem) && /reload the page/.test(err.fix));
+  assert.throws(
+    () => parseContract({ ...fixtureContract(), version: 99 }),
+    (err) => err instanceof DeviceError && /version 99/.test(err.problem) && /reload the page/.test(err.fix),
+  );
   assert.throws(() => parseContract('<html>'), DeviceError);
 });

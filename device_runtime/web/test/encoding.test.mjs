@@ -7,7 +7,18 @@ import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'node:test';
-import { baseDelta, decodeDelta, decodeDownload, deltaNorm, encodeDelta, encodeWithFeedback, halfBits, parseEncoding, uniformRandom, uploadsDelta } from '../src/encoding.js';
+import {
+  baseDelta,
+  decodeDelta,
+  decodeDownload,
+  deltaNorm,
+  encodeDelta,
+  encodeWithFeedback,
+  halfBits,
+  parseEncoding,
+  uniformRandom,
+  uploadsDelta,
+} from '../src/encoding.js';
 import { encodeUpdate } from '../src/protocol.js';
 import { encodeSafetensors } from '../src/safetensors.js';
 
@@ -25,25 +36,58 @@ function python(script, ...args) {
   return JSON.parse(execFileSync(PYTHON, ['-c', script, ...args], { encoding: 'utf8' }));
 }
 
+// biome-ignore lint/suspicious/noApproximativeNumericConstant: an ordinary float32 value near pi, not pi
+const NEAR_PI = 3.14159;
+
 test('labels parse as the server spells them and others are refused', () => {
-  assert.deepEqual(parseEncoding('int8-block256-sr'), { name: 'int8', blockSize: 256, stochastic: true, label: 'int8-block256-sr' });
-  for (const bad of ['int4', 'fp16-sr', 'fp32-block8', 'int8-block0', '']) assert.throws(() => parseEncoding(bad), /unknown encoding/);
+  assert.deepEqual(parseEncoding('int8-block256-sr'), {
+    name: 'int8',
+    blockSize: 256,
+    stochastic: true,
+    label: 'int8-block256-sr',
+  });
+  for (const bad of ['int4', 'fp16-sr', 'fp32-block8', 'int8-block0', ''])
+    assert.throws(() => parseEncoding(bad), /unknown encoding/);
   assert.equal(uploadsDelta({}), false);
   assert.equal(uploadsDelta({ upload_encoding: 'fp32', clip_norm: 1 }), true);
   assert.equal(uploadsDelta({ upload_encoding: 'fp16' }), true);
 });
 
-test('fp16 bits equal numpy\'s float32 -> float16 cast', { skip: NEEDS_PYTHON }, () => {
+test("fp16 bits equal numpy's float32 -> float16 cast", { skip: NEEDS_PYTHON }, () => {
   const next = uniformRandom([7]);
-  const specials = [0, 1, -1, 65504, -65504, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 2 ** -14, 2 ** -14 * (1 - 2 ** -11), 1 + 2 ** -11, 1 + 3 * 2 ** -11, 1e-8, 0.1, 3.14159];
-  const values = Float32Array.from([...specials, ...Array.from({ length: 400 }, () => (next() - 0.5) * 10 ** Math.floor(next() * 12 - 8))]);
+  const specials = [
+    0,
+    1,
+    -1,
+    65504,
+    -65504,
+    2 ** -24,
+    2 ** -25,
+    3 * 2 ** -26,
+    2 ** -14,
+    2 ** -14 * (1 - 2 ** -11),
+    1 + 2 ** -11,
+    1 + 3 * 2 ** -11,
+    1e-8,
+    0.1,
+    NEAR_PI,
+  ];
+  const values = Float32Array.from([
+    ...specials,
+    ...Array.from({ length: 400 }, () => (next() - 0.5) * 10 ** Math.floor(next() * 12 - 8)),
+  ]);
   const bits = Array.from(values, halfBits);
-  const expected = python('import json, sys, numpy as np; v = np.array(json.loads(sys.argv[1]), np.float32); print(json.dumps(v.astype(np.float16).view(np.uint16).tolist()))', JSON.stringify(Array.from(values)));
+  const expected = python(
+    'import json, sys, numpy as np; v = np.array(json.loads(sys.argv[1]), np.float32); print(json.dumps(v.astype(np.float16).view(np.uint16).tolist()))',
+    JSON.stringify(Array.from(values)),
+  );
   assert.deepEqual(bits, expected);
   assert.equal(halfBits(-0), 0x8000); // JSON has no -0: numpy's answer, checked here
 });
 
-test('fp16, int8 and int8-sr payloads are bit for bit those of edgepfl/encoding.py (same seed)', { skip: NEEDS_PYTHON }, () => {
+test('fp16, int8 and int8-sr payloads are bit for bit those of edgepfl/encoding.py (same seed)', {
+  skip: NEEDS_PYTHON,
+}, () => {
   const delta = sampleDelta();
   const script = [
     'import json, sys, numpy as np',
@@ -56,22 +100,30 @@ test('fp16, int8 and int8-sr payloads are bit for bit those of edgepfl/encoding.
     '    out[label] = {k: (v.view(np.uint16) if v.dtype == np.float16 else v).astype(np.float64).ravel().tolist() for k, v in t.items()}',
     'print(json.dumps(out))',
   ].join('\n');
-  const plain = Object.fromEntries(Object.entries(delta).map(([k, t]) => [k, { shape: t.shape, data: Array.from(t.data) }]));
+  const plain = Object.fromEntries(
+    Object.entries(delta).map(([k, t]) => [k, { shape: t.shape, data: Array.from(t.data) }]),
+  );
   const expected = python(script, JSON.stringify(plain));
   for (const [label, tensors] of Object.entries(expected)) {
     const encoding = parseEncoding(label);
     const ours = encodeDelta(delta, encoding, encoding.stochastic ? uniformRandom([5, 3]) : null).tensors;
     assert.deepEqual(Object.keys(ours).sort(), Object.keys(tensors).sort(), label);
-    for (const [name, values] of Object.entries(tensors)) assert.deepEqual(Array.from(ours[name].data, Number), values, `${label} ${name}`);
+    for (const [name, values] of Object.entries(tensors))
+      assert.deepEqual(Array.from(ours[name].data, Number), values, `${label} ${name}`);
   }
 });
 
-test('an encoded, clipped upload is accepted by the server\'s decoder and checks, within the clip norm', { skip: NEEDS_PYTHON }, () => {
+test("an encoded, clipped upload is accepted by the server's decoder and checks, within the clip norm", {
+  skip: NEEDS_PYTHON,
+}, () => {
   const folder = mkdtempSync(join(tmpdir(), 'edgepfl-web-enc-'));
   const meta = { baseLayoutHash: 'ab', numSamples: 12, trainLoss: 0.5, valAccuracy: 0.75, valLoss: 0.6 };
   for (const label of ['fp32', 'fp16', 'int8', 'int8-block16-sr']) {
     const encoding = parseEncoding(label);
-    const encoded = encodeWithFeedback(sampleDelta(2, 1), null, encoding, { rng: uniformRandom([1, 1]), clipNorm: 0.25 });
+    const encoded = encodeWithFeedback(sampleDelta(2, 1), null, encoding, {
+      rng: uniformRandom([1, 1]),
+      clipNorm: 0.25,
+    });
     const path = join(folder, `${label}.safetensors`);
     writeFileSync(path, encodeUpdate(encoded.tensors, meta, encoded.metadata));
     const script = [
@@ -92,7 +144,8 @@ test('an encoded, clipped upload is accepted by the server\'s decoder and checks
     assert.ok(read.norm <= 0.25 * (1 + 1e-6), `${label}: ${read.norm}`);
     assert.ok(read.norm > 0.24, `${label}: clipped to the norm, not below it (${read.norm})`);
     const ours = decodeDelta(encoded.tensors, encoded.metadata, encoding);
-    for (const [name, values] of Object.entries(read.values)) assert.deepEqual(Array.from(ours[name].data), values, `${label} ${name}`);
+    for (const [name, values] of Object.entries(read.values))
+      assert.deepEqual(Array.from(ours[name].data), values, `${label} ${name}`);
   }
 });
 
@@ -116,7 +169,10 @@ test('error feedback: over rounds what was sent is what was trained, less the re
     }
     for (const name of Object.keys(sent)) {
       for (let i = 0; i < sent[name].data.length; i++) {
-        assert.ok(Math.abs(sent[name].data[i] + residual[name].data[i] - trained[name].data[i]) < 1e-6, `${label} ${name}[${i}]`);
+        assert.ok(
+          Math.abs(sent[name].data[i] + residual[name].data[i] - trained[name].data[i]) < 1e-6,
+          `${label} ${name}[${i}]`,
+        );
       }
     }
     assert.ok(deltaNorm(residual) < deltaNorm(trained) / 20, label); // and what is owed stays one round's error

@@ -22,7 +22,9 @@ function assertTensorsClose(got, want, what) {
   }
 }
 
-test('full steps (a padded short batch, then a full one) equal Python for every parameter and buffer', { skip: NEEDS_FIXTURES }, async () => {
+test('full steps (a padded short batch, then a full one) equal Python for every parameter and buffer', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { engine } = await freshEngine();
   const feeds = fixtureTensors('feeds.safetensors');
   const want = expected();
@@ -55,16 +57,22 @@ test('a personal step equals Python and leaves the base bit-identical', { skip: 
   assertTensorsClose(got, fixtureTensors('personal_after.safetensors'), 'personal');
   const initial = fixtureTensors('bundle/portable/initial.safetensors');
   for (const name of engine.namesByRole('base')) assert.deepEqual(got[name].data, initial[name].data, `${name} frozen`);
-  for (const name of engine.namesByRole('personal')) assert.ok(maxAbsDiff(got[name].data, initial[name].data) > 0, `${name} trained`);
+  for (const name of engine.namesByRole('personal'))
+    assert.ok(maxAbsDiff(got[name].data, initial[name].data) > 0, `${name} trained`);
 });
 
 async function personalSteps(engine, feeds, lr, order) {
   const losses = [];
-  for (const i of order) losses.push(await engine.trainStep(feeds[`x${i}`].data, feeds[`y${i}`].data, feeds[`y${i}`].shape[0], lr, 'personal'));
+  for (const i of order)
+    losses.push(
+      await engine.trainStep(feeds[`x${i}`].data, feeds[`y${i}`].data, feeds[`y${i}`].shape[0], lr, 'personal'),
+    );
   return losses;
 }
 
-test('from the third step on the same base the personal step runs its frozen variant, equal to Python and the base bit-identical', { skip: NEEDS_FIXTURES }, async () => {
+test('from the third step on the same base the personal step runs its frozen variant, equal to Python and the base bit-identical', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { engine } = await freshEngine();
   const feeds = fixtureTensors('feeds.safetensors');
   const want = expected();
@@ -78,18 +86,24 @@ test('from the third step on the same base the personal step runs its frozen var
 
   // a new base (as a round delivers) is not the one the variant was built on: two plain steps, then a new variant
   const base = await engine.getTensors(engine.namesByRole('base'));
-  for (const t of Object.values(base)) t.data.forEach((v, i) => { t.data[i] = v * 0.5; });
+  for (const t of Object.values(base))
+    t.data.forEach((v, i) => {
+      t.data[i] = v * 0.5;
+    });
   engine.setTensors(base);
   await personalSteps(engine, feeds, want.lr, [1, 2]);
   assert.equal(engine.variantSteps, 2, 'no variant on a changed base before two plain steps');
   await personalSteps(engine, feeds, want.lr, [1]);
   assert.equal(engine.variantSteps, 3, 'rebuilt on the new base');
   const after = await engine.getTensors(engine.namesByRole('base'));
-  for (const name of Object.keys(base)) assert.deepEqual(after[name].data, base[name].data, `${name} is the received base`);
+  for (const name of Object.keys(base))
+    assert.deepEqual(after[name].data, base[name].data, `${name} is the received base`);
   await engine.release();
 });
 
-test('without its frozen variants (not downloaded, or bakeFrozen false) the engine gives the same numbers on the plain graphs', { skip: NEEDS_FIXTURES }, async () => {
+test('without its frozen variants (not downloaded, or bakeFrozen false) the engine gives the same numbers on the plain graphs', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { manifest, files } = fixtureBundle();
   const feeds = fixtureTensors('feeds.safetensors');
   const want = expected();
@@ -102,11 +116,17 @@ test('without its frozen variants (not downloaded, or bakeFrozen false) the engi
     const losses = await personalSteps(engine, feeds, want.lr, [1, 2, 1, 2]);
     assert.equal(engine.variantSteps, 0);
     assert.ok(maxAbsDiff(losses, [want.personal_loss, ...want.personal_more_losses]) <= TOLERANCE, `losses ${losses}`);
-    assertTensorsClose(await engine.getTensors(), fixtureTensors('personal_baked_after.safetensors'), 'personal, plain');
+    assertTensorsClose(
+      await engine.getTensors(),
+      fixtureTensors('personal_baked_after.safetensors'),
+      'personal, plain',
+    );
   }
 });
 
-test('a frozen variant that does not load is one EngineError naming it and the fix', { skip: NEEDS_FIXTURES }, async () => {
+test('a frozen variant that does not load is one EngineError naming it and the fix', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { manifest, files } = fixtureBundle();
   const feeds = fixtureTensors('feeds.safetensors');
   const path = manifest.engines.portable.steps.personal.frozen.model;
@@ -118,7 +138,12 @@ test('a frozen variant that does not load is one EngineError naming it and the f
   await personalSteps(engine, feeds, 0.01, [1, 2]);
   await assert.rejects(personalSteps(engine, feeds, 0.01, [1]), (err) => {
     assert.equal(err.name, 'EngineError');
-    assert.match(err.message, new RegExp(`the frozen variant ${path} does not load .* — re-export the bundle, or export it with --no-frozen-variants`));
+    assert.match(
+      err.message,
+      new RegExp(
+        `the frozen variant ${path} does not load .* — re-export the bundle, or export it with --no-frozen-variants`,
+      ),
+    );
     assert.ok(!err.message.includes('\n'), 'one line');
     return true;
   });
@@ -131,13 +156,19 @@ test('evaluate of the initial model equals Python eval over two chunks', { skip:
   const result = await engine.evaluate(feeds.xe.data, feeds.ye.data, feeds.ye.shape[0]);
   assert.equal(result.count, want.count);
   assert.equal(result.correct, want.correct);
-  assert.ok(Math.abs(result.lossSum - want.loss_sum) <= TOLERANCE * result.count, `${result.lossSum} vs ${want.loss_sum}`);
+  assert.ok(
+    Math.abs(result.lossSum - want.loss_sum) <= TOLERANCE * result.count,
+    `${result.lossSum} vs ${want.loss_sum}`,
+  );
 });
 
 test('roles, trainable sets and tensor checks follow the manifest', { skip: NEEDS_FIXTURES }, async () => {
   const { manifest, engine } = await freshEngine();
   assert.deepEqual(engine.trainableSets(), ['full', 'personal', 'base']);
-  assert.deepEqual(engine.namesByRole('personal'), manifest.tensors.filter((t) => t.role === 'personal').map((t) => t.name));
+  assert.deepEqual(
+    engine.namesByRole('personal'),
+    manifest.tensors.filter((t) => t.role === 'personal').map((t) => t.name),
+  );
   assert.ok(engine.namesByRole('buffer').every((n) => n.includes('running_')));
   const [name] = engine.namesByRole('personal');
   const copy = await engine.getTensors([name]);
@@ -148,19 +179,31 @@ test('roles, trainable sets and tensor checks follow the manifest', { skip: NEED
   const shape = copy[name].shape;
   assert.throws(() => engine.setTensors({ nope: copy[name] }), /unknown tensor\(s\) nope/);
   assert.throws(() => engine.setTensors({ [name]: { ...copy[name], shape: [...shape, 1] } }), /has shape/);
-  assert.throws(() => engine.setTensors({ [name]: { ...copy[name], dtype: 'float64', data: new Float64Array(copy[name].data) } }), /has dtype float64/);
+  assert.throws(
+    () => engine.setTensors({ [name]: { ...copy[name], dtype: 'float64', data: new Float64Array(copy[name].data) } }),
+    /has dtype float64/,
+  );
   const bad = copy[name].data.slice();
   bad[0] = NaN;
   assert.throws(() => engine.setTensors({ [name]: { ...copy[name], data: bad } }), /NaN or Inf/);
   const feeds = fixtureTensors('feeds.safetensors');
   const tooMany = new Float32Array(feeds.xe.data.subarray(0, (engine.batchSize + 1) * engine.sampleSize));
-  await assert.rejects(engine.trainStep(tooMany, new Int32Array(engine.batchSize + 1), engine.batchSize + 1, 0.1), /exceeds the portable graphs' batch size/);
+  await assert.rejects(
+    engine.trainStep(tooMany, new Int32Array(engine.batchSize + 1), engine.batchSize + 1, 0.1),
+    /exceeds the portable graphs' batch size/,
+  );
   await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, 2, 0.1), /inputs hold/);
   const badLabel = Int32Array.from(feeds.y1.data, Number);
   badLabel[3] = manifest.num_classes;
-  await assert.rejects(engine.trainStep(feeds.x1.data, badLabel, badLabel.length, 0.1), new RegExp(`label ${manifest.num_classes} is not a class`));
+  await assert.rejects(
+    engine.trainStep(feeds.x1.data, badLabel, badLabel.length, 0.1),
+    new RegExp(`label ${manifest.num_classes} is not a class`),
+  );
   await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], NaN), /learning rate NaN/);
-  await assert.rejects(engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], 0.1, 'everything'), /no "everything" trainable set/);
+  await assert.rejects(
+    engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], 0.1, 'everything'),
+    /no "everything" trainable set/,
+  );
 });
 
 test('a bundle file that does not match the manifest sha256 is refused', { skip: NEEDS_FIXTURES }, async () => {
@@ -174,28 +217,42 @@ test('a bundle file that does not match the manifest sha256 is refused', { skip:
   await assert.rejects(openEngine(ort, manifest, files), new RegExp(`bundle file ${graph} was not loaded`));
 });
 
-test('asked for WebGPU where there is none (Node), each graph runs on WebAssembly with the reason and the same numbers', { skip: NEEDS_FIXTURES }, async () => {
+test('asked for WebGPU where there is none (Node), each graph runs on WebAssembly with the reason and the same numbers', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { manifest, files } = fixtureBundle();
   const heard = [];
-  const engine = await openEngine(ort, manifest, files, { threads: 1, backend: 'webgpu', onPlacement: (path, placement) => heard.push([path, placement]) });
+  const engine = await openEngine(ort, manifest, files, {
+    threads: 1,
+    backend: 'webgpu',
+    onPlacement: (path, placement) => heard.push([path, placement]),
+  });
   const feeds = fixtureTensors('feeds.safetensors');
   const want = expected();
   const loss = await engine.trainStep(feeds.x1.data, feeds.y1.data, feeds.y1.shape[0], want.lr, 'personal');
   assert.ok(Math.abs(loss - want.personal_loss) <= TOLERANCE);
   assertTensorsClose(await engine.getTensors(), fixtureTensors('personal_after.safetensors'), 'personal');
   const step = manifest.engines.portable.steps.personal.model;
-  assert.deepEqual(heard.map(([path]) => path), [step]);
+  assert.deepEqual(
+    heard.map(([path]) => path),
+    [step],
+  );
   assert.equal(engine.placements.get(step).backend, 'wasm');
   assert.match(engine.placements.get(step).reason, /did not place every node on WebGPU/);
 });
 
-test("a graph the exporter found problems in is not tried on WebGPU: the problems are the reason", { skip: NEEDS_FIXTURES }, async () => {
+test('a graph the exporter found problems in is not tried on WebGPU: the problems are the reason', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { manifest, files } = fixtureBundle();
   manifest.engines.portable.eval.webgpu_problems = ['node n (LogSoftmax): no WebGPU kernel'];
   const engine = await openEngine(ort, manifest, files, { threads: 1, backend: 'webgpu' });
   const feeds = fixtureTensors('feeds.safetensors');
   const result = await engine.evaluate(feeds.xe.data, feeds.ye.data, feeds.ye.shape[0]);
   assert.equal(result.correct, expected().eval_initial.correct);
-  assert.deepEqual(engine.placements.get(manifest.engines.portable.eval.model), { backend: 'wasm', reason: 'node n (LogSoftmax): no WebGPU kernel' });
+  assert.deepEqual(engine.placements.get(manifest.engines.portable.eval.model), {
+    backend: 'wasm',
+    reason: 'node n (LogSoftmax): no WebGPU kernel',
+  });
   await assert.rejects(openEngine(ort, manifest, files, { backend: 'cuda' }), /unknown back end "cuda"/);
 });

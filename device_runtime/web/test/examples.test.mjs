@@ -7,7 +7,9 @@ import { appendExamples, emptyExamples, keepExamples, withoutClass, withoutLastA
 /** `count` 2x1 grey examples, example i's pixels [i, i], of the given labels. */
 function batch(labels, first = 0) {
   const pixels = new Uint8Array(labels.length * 2);
-  labels.forEach((_, i) => pixels.fill(first + i, 2 * i, 2 * i + 2));
+  labels.forEach((_, i) => {
+    pixels.fill(first + i, 2 * i, 2 * i + 2);
+  });
   return { pixels, labels: Int32Array.from(labels), count: labels.length };
 }
 

@@ -16,7 +16,7 @@ async function probabilities(file, x) {
   return (await session.run(feeds)).probabilities.data;
 }
 
-test('the exported fp32 model gives the device engine\'s probabilities', { skip: NEEDS_FIXTURES }, async () => {
+test("the exported fp32 model gives the device engine's probabilities", { skip: NEEDS_FIXTURES }, async () => {
   const x = fixtureTensors('feeds.safetensors').xe;
   const want = fixtureTensors('exported_expected.safetensors');
   const got = await probabilities('exported_none.onnx', x);
@@ -24,7 +24,9 @@ test('the exported fp32 model gives the device engine\'s probabilities', { skip:
   assert.ok(maxAbsDiff(got, want.engine.data) <= 1e-5, `vs the engine: ${maxAbsDiff(got, want.engine.data)}`);
 });
 
-test('the exported int8 model (QDQ) loads and agrees with onnxruntime in Python', { skip: NEEDS_FIXTURES }, async () => {
+test('the exported int8 model (QDQ) loads and agrees with onnxruntime in Python', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const x = fixtureTensors('feeds.safetensors').xe;
   const want = fixtureTensors('exported_expected.safetensors').int8.data;
   const got = await probabilities('exported_int8.onnx', x);

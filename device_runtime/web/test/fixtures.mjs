@@ -7,7 +7,9 @@ import { decodeSafetensors } from '../src/safetensors.js';
 
 export const FIXTURES = process.env.EDGEPFL_WEB_FIXTURES || '';
 /** node:test `skip` value for tests that need the fixtures: false when present, else the reason. */
-export const NEEDS_FIXTURES = FIXTURES ? false : 'EDGEPFL_WEB_FIXTURES is unset: run scripts/web-env.sh, which writes the Python fixtures first';
+export const NEEDS_FIXTURES = FIXTURES
+  ? false
+  : 'EDGEPFL_WEB_FIXTURES is unset: run scripts/web-env.sh, which writes the Python fixtures first';
 
 /** Bytes of a fixture file. */
 export function fixtureBytes(path) {

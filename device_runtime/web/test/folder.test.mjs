@@ -20,10 +20,16 @@ function chosenFolder(entry) {
 /** The test's decoder in place of the browser's createImageBitmap: PNG bytes -> RGBA (pngjs expands every PNG type). */
 async function decodePng(file) {
   const png = PNG.sync.read(Buffer.from(file.bytes));
-  return { rgba: new Uint8Array(png.data.buffer, png.data.byteOffset, png.data.length), width: png.width, height: png.height };
+  return {
+    rgba: new Uint8Array(png.data.buffer, png.data.byteOffset, png.data.length),
+    width: png.width,
+    height: png.height,
+  };
 }
 
-test('every folder case gets the Python loader labels and pixels, or its refusal line', { skip: NEEDS_FIXTURES }, async () => {
+test('every folder case gets the Python loader labels and pixels, or its refusal line', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const cases = expected().folders;
   const pixels = fixtureTensors('folders_expected.safetensors');
   assert.ok(cases.length >= 10);
@@ -36,7 +42,11 @@ test('every folder case gets the Python loader labels and pixels, or its refusal
       await assert.rejects(reading, (err) => {
         assert.ok(err instanceof DataError, `${entry.case}: ${err}`);
         // a file that does not decode: the same line up to the decoder's own words
-        assert.equal(decoding ? err.problem.split(' (')[0] : err.problem, decoding ? problem.split(' (')[0] : problem, entry.case);
+        assert.equal(
+          decoding ? err.problem.split(' (')[0] : err.problem,
+          decoding ? problem.split(' (')[0] : problem,
+          entry.case,
+        );
         assert.equal(err.fix, fix, entry.case);
         return true;
       });
@@ -48,7 +58,9 @@ test('every folder case gets the Python loader labels and pixels, or its refusal
   }
 });
 
-test('the trial folder 3/5/7 is classes 3, 5 and 7; a class count stands for the names 0..n-1', { skip: NEEDS_FIXTURES }, async () => {
+test('the trial folder 3/5/7 is classes 3, 5 and 7; a class count stands for the names 0..n-1', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const entry = expected().folders.find((c) => c.case === 'numbers');
   assert.deepEqual(entry.labels, [3, 5, 7]);
   const examples = await readFolder(chosenFolder(entry), { shape: entry.shape }, entry.num_classes, decodePng);

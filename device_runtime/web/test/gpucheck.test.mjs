@@ -6,8 +6,19 @@ import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
 import { openEngine } from '../src/engine.js';
 import {
-  FALLBACK_KEY, FIRST_STEP_LIMIT, GPU_STEPS_TIMED, WASM_MARGIN, guardFirstStep, guardGpuSpeed, rememberFallback, rememberedFallback,
-  slowStepReason, slowerThanWasm, softwareAdapter, wasmStepSeconds, watchFirstStep,
+  FALLBACK_KEY,
+  FIRST_STEP_LIMIT,
+  GPU_STEPS_TIMED,
+  WASM_MARGIN,
+  guardFirstStep,
+  guardGpuSpeed,
+  rememberFallback,
+  rememberedFallback,
+  slowStepReason,
+  slowerThanWasm,
+  softwareAdapter,
+  wasmStepSeconds,
+  watchFirstStep,
 } from '../src/gpucheck.js';
 import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureTensors } from './fixtures.mjs';
 
@@ -17,7 +28,10 @@ test('software renderers are told by name or by the fallback flag; hardware adap
   assert.equal(softwareAdapter({ info: { device: 'Lavapipe' } }), 'Lavapipe');
   assert.equal(softwareAdapter({ info: { description: 'Microsoft Basic Render Driver' } }), 'Basic Render');
   assert.equal(softwareAdapter({ isFallbackAdapter: true }), 'a fallback adapter');
-  assert.equal(softwareAdapter({ info: { vendor: 'qualcomm', architecture: 'adreno-7xx', isFallbackAdapter: false } }), null);
+  assert.equal(
+    softwareAdapter({ info: { vendor: 'qualcomm', architecture: 'adreno-7xx', isFallbackAdapter: false } }),
+    null,
+  );
   assert.equal(softwareAdapter({}), null);
 });
 
@@ -27,26 +41,49 @@ function timers() {
   let next = 0;
   return {
     armed,
-    setTimer: (run, ms) => { armed.set(++next, { run, ms }); return next; },
+    setTimer: (run, ms) => {
+      armed.set(++next, { run, ms });
+      return next;
+    },
     clearTimer: (id) => armed.delete(id),
-    fire: () => { for (const [id, { run }] of [...armed]) { armed.delete(id); run(); } },
+    fire: () => {
+      for (const [id, { run }] of [...armed]) {
+        armed.delete(id);
+        run();
+      }
+    },
   };
 }
 
 test('the first step watch fires once when no step comes within the limit, never after a step', () => {
   const clock = timers();
   const reasons = [];
-  const watch = watchFirstStep({ limit: 5, setTimer: clock.setTimer, clearTimer: clock.clearTimer, onTooSlow: (r) => reasons.push(r) });
+  const watch = watchFirstStep({
+    limit: 5,
+    setTimer: clock.setTimer,
+    clearTimer: clock.clearTimer,
+    onTooSlow: (r) => reasons.push(r),
+  });
   watch.began();
   watch.began(); // the statistics step, then the evaluation: one timer
-  assert.deepEqual([...clock.armed.values()].map((t) => t.ms), [5000]);
+  assert.deepEqual(
+    [...clock.armed.values()].map((t) => t.ms),
+    [5000],
+  );
   clock.fire();
   assert.deepEqual(reasons, [slowStepReason(5)]);
-  assert.match(reasons[0], /^the GPU had not finished its first training step after 5 s, so this browser trains on the processor/);
+  assert.match(
+    reasons[0],
+    /^the GPU had not finished its first training step after 5 s, so this browser trains on the processor/,
+  );
   watch.began();
   assert.equal(clock.armed.size, 0); // over: a later round is not watched again
 
-  const stepped = watchFirstStep({ setTimer: clock.setTimer, clearTimer: clock.clearTimer, onTooSlow: (r) => reasons.push(r) });
+  const stepped = watchFirstStep({
+    setTimer: clock.setTimer,
+    clearTimer: clock.clearTimer,
+    onTooSlow: (r) => reasons.push(r),
+  });
   stepped.began();
   assert.equal([...clock.armed.values()][0].ms, FIRST_STEP_LIMIT * 1000);
   stepped.stepped();
@@ -63,7 +100,14 @@ test('a fallback is remembered in storage, and storage that throws remembers not
   rememberFallback(memory, 'too slow');
   assert.equal(items.get(FALLBACK_KEY), 'too slow');
   assert.equal(rememberedFallback(memory), 'too slow');
-  const denied = { getItem: () => { throw new Error('SecurityError'); }, setItem: () => { throw new Error('QuotaExceeded'); } };
+  const denied = {
+    getItem: () => {
+      throw new Error('SecurityError');
+    },
+    setItem: () => {
+      throw new Error('QuotaExceeded');
+    },
+  };
   assert.equal(rememberedFallback(denied), null);
   rememberFallback(denied, 'x');
   assert.equal(rememberedFallback(undefined), null);
@@ -72,10 +116,21 @@ test('a fallback is remembered in storage, and storage that throws remembers not
 test("the guard wraps the engine's graph runs in place: the first work begins the watch, the first step ends it", async () => {
   const calls = [];
   class FakeEngine {
-    constructor() { this.steps = 0; }
-    async trainStep(x) { this.steps += 1; calls.push(['train', x]); return { loss: 1 }; }
-    async statisticsStep(x) { calls.push(['statistics', x]); }
-    async evaluate(x) { calls.push(['evaluate', x]); return { count: 0 }; }
+    constructor() {
+      this.steps = 0;
+    }
+    async trainStep(x) {
+      this.steps += 1;
+      calls.push(['train', x]);
+      return { loss: 1 };
+    }
+    async statisticsStep(x) {
+      calls.push(['statistics', x]);
+    }
+    async evaluate(x) {
+      calls.push(['evaluate', x]);
+      return { count: 0 };
+    }
   }
   const engine = new FakeEngine();
   const seen = [];
@@ -84,16 +139,25 @@ test("the guard wraps the engine's graph runs in place: the first work begins th
   await engine.evaluate(2);
   assert.deepEqual(await engine.trainStep(3), { loss: 1 });
   assert.equal(engine.steps, 1); // `this` is still the engine
-  assert.deepEqual(calls, [['statistics', 1], ['evaluate', 2], ['train', 3]]);
+  assert.deepEqual(calls, [
+    ['statistics', 1],
+    ['evaluate', 2],
+    ['train', 3],
+  ]);
   assert.deepEqual(seen, ['began', 'began', 'began', 'stepped']);
 });
 
 test('the GPU loses to WebAssembly only when slower than the margin, its first (compiling) step left out', () => {
   assert.equal(WASM_MARGIN, 1.2);
   // slower: median of the steps after the first is 2.1 s, the processor 0.8 s
-  assert.equal(slowerThanWasm([9, 2.1, 2.0, 2.2], 0.8),
-    'on this device the GPU took 2.1 s a training step and the processor 0.8 s, so this browser trains on the processor from now on; ?backend=webgpu tries the GPU again');
-  assert.match(/** @type {string} */ (slowerThanWasm([1, 0.05, 0.05], 0.02)), /GPU took 50 ms a training step and the processor 20 ms/);
+  assert.equal(
+    slowerThanWasm([9, 2.1, 2.0, 2.2], 0.8),
+    'on this device the GPU took 2.1 s a training step and the processor 0.8 s, so this browser trains on the processor from now on; ?backend=webgpu tries the GPU again',
+  );
+  assert.match(
+    /** @type {string} */ (slowerThanWasm([1, 0.05, 0.05], 0.02)),
+    /GPU took 50 ms a training step and the processor 20 ms/,
+  );
   assert.equal(slowerThanWasm([9, 0.2, 0.2, 0.2], 0.8), null); // faster
   assert.equal(slowerThanWasm([9, 1.1, 1.1, 1.1], 1.0), null); // slower, within the margin
   assert.notEqual(slowerThanWasm([9, 1.3, 1.3, 1.3], 1.0), null); // beyond it
@@ -112,7 +176,11 @@ function timedEngine(gpu, placements = [['step_full.onnx', { backend: 'webgpu' }
   const engine = {
     steps: 0,
     placements: new Map(placements),
-    async trainStep(x) { clock.t += gpu[this.steps]; this.steps += 1; return x * 10; },
+    async trainStep(x) {
+      clock.t += gpu[this.steps];
+      this.steps += 1;
+      return x * 10;
+    },
   };
   return { clock, engine };
 }
@@ -123,7 +191,10 @@ test('the speed guard times the first GPU steps, then compares one wasm step onc
   const reasons = [];
   guardGpuSpeed(/** @type {any} */ (engine), {
     now: () => clock.t,
-    wasmSeconds: async (args) => { asked.push(args); return 0.8; },
+    wasmSeconds: async (args) => {
+      asked.push(args);
+      return 0.8;
+    },
     onSlower: (reason) => reasons.push(reason),
   });
   const losses = [];
@@ -138,7 +209,13 @@ test('the speed guard keeps the GPU when it is faster, when no graph runs on it,
   for (const [gpu, placements, wasmSeconds] of [
     [[9, 0.1, 0.1, 0.1], undefined, async () => 0.8],
     [[9, 2, 2, 2], [['step_full.onnx', { backend: 'wasm', reason: 'int64' }]], async () => 0.8],
-    [[9, 2, 2, 2], undefined, async () => { throw new Error('out of memory'); }],
+    [
+      [9, 2, 2, 2],
+      undefined,
+      async () => {
+        throw new Error('out of memory');
+      },
+    ],
   ]) {
     const { clock, engine } = timedEngine(gpu, placements);
     let asked = 0;
@@ -146,7 +223,10 @@ test('the speed guard keeps the GPU when it is faster, when no graph runs on it,
     guardGpuSpeed(/** @type {any} */ (engine), {
       steps: 4,
       now: () => clock.t,
-      wasmSeconds: (args) => { asked += 1; return wasmSeconds(args); },
+      wasmSeconds: (args) => {
+        asked += 1;
+        return wasmSeconds(args);
+      },
       onSlower: (reason) => reasons.push(reason),
     });
     for (let i = 0; i < 4; i++) await engine.trainStep(i);
@@ -155,7 +235,9 @@ test('the speed guard keeps the GPU when it is faster, when no graph runs on it,
   }
 });
 
-test('a wasm step is timed on a copy given the engine tensors; the engine is not changed and the copy steps like it', { skip: NEEDS_FIXTURES }, async () => {
+test('a wasm step is timed on a copy given the engine tensors; the engine is not changed and the copy steps like it', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { manifest, files } = fixtureBundle();
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
   const copy = await openEngine(ort, manifest, files, { threads: 1 });

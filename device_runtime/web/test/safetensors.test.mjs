@@ -46,7 +46,14 @@ test('malformed files are refused with a line naming the problem', () => {
   const cases = [
     [new Uint8Array(5), /only 5 bytes/],
     [rawFile({ a: f32([0, 8]) }, 8).subarray(0, 12), /header length \d+ exceeds the file/],
-    [(() => { const f = rawFile({ a: f32([0, 8]) }, 8); f[8] = 0x5b; return f; })(), /header is not JSON|not a JSON object/],
+    [
+      (() => {
+        const f = rawFile({ a: f32([0, 8]) }, 8);
+        f[8] = 0x5b;
+        return f;
+      })(),
+      /header is not JSON|not a JSON object/,
+    ],
     [rawFile({ a: f32([0, 8]), b: f32([4, 12]) }, 12), /overlaps another tensor/],
     [rawFile({ a: f32([0, 8]), b: f32([8, 24]) }, 16), /lies beyond the end of the file/],
     [rawFile({ a: f32([0, 12]) }, 12), /has 12 bytes for shape \[2\]/],
@@ -57,14 +64,21 @@ test('malformed files are refused with a line naming the problem', () => {
   ];
   for (const [bytes, message] of cases) assert.throws(() => decodeSafetensors(bytes, 'upload'), message);
   // JSON.parse would keep the second "a" silently
-  const text = '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}';
+  const text =
+    '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}';
   const json = new TextEncoder().encode(text);
   const dup = new Uint8Array(8 + json.length + 4);
   new DataView(dup.buffer).setBigUint64(0, BigInt(json.length), true);
   dup.set(json, 8);
   assert.throws(() => decodeSafetensors(dup), /tensor "a" appears twice/);
-  assert.throws(() => encodeSafetensors({ a: { dtype: 'float32', shape: [3], data: new Float32Array(2) } }), /not a Float32Array of 3 elements/);
-  assert.throws(() => encodeSafetensors({ a: { dtype: 'complex64', shape: [1], data: new Float32Array(2) } }), /unknown dtype/);
+  assert.throws(
+    () => encodeSafetensors({ a: { dtype: 'float32', shape: [3], data: new Float32Array(2) } }),
+    /not a Float32Array of 3 elements/,
+  );
+  assert.throws(
+    () => encodeSafetensors({ a: { dtype: 'complex64', shape: [1], data: new Float32Array(2) } }),
+    /unknown dtype/,
+  );
   assert.throws(() => encodeSafetensors({}, { n: 3 }), /metadata "n" is not a string/);
 });
 
@@ -76,8 +90,13 @@ test('a file written by Python safetensors decodes to the same values', { skip: 
   for (const [name, spec] of Object.entries(want)) {
     assert.equal(tensors[name].dtype, spec.dtype, name);
     assert.deepEqual(tensors[name].shape, spec.shape, name);
-    const values = spec.dtype === 'float16' ? Array.from(tensors[name].data, halfToNumber) : Array.from(tensors[name].data, Number);
-    assert.deepEqual(values, spec.values.map((v) => (spec.dtype === 'float32' ? Math.fround(v) : v)), name);
+    const values =
+      spec.dtype === 'float16' ? Array.from(tensors[name].data, halfToNumber) : Array.from(tensors[name].data, Number);
+    assert.deepEqual(
+      values,
+      spec.values.map((v) => (spec.dtype === 'float32' ? Math.fround(v) : v)),
+      name,
+    );
   }
 });
 
@@ -87,7 +106,9 @@ test("an upload encoded in JS is byte-identical to the Python device's encoding"
   assert.deepEqual(encodeSafetensors(tensors, metadata), python);
 });
 
-test('a file written in JS is read by Python safetensors and the server decoder', { skip: NEEDS_FIXTURES || (!PYTHON && 'EDGEPFL_WEB_PYTHON is unset: run scripts/web-env.sh') }, () => {
+test('a file written in JS is read by Python safetensors and the server decoder', {
+  skip: NEEDS_FIXTURES || (!PYTHON && 'EDGEPFL_WEB_PYTHON is unset: run scripts/web-env.sh'),
+}, () => {
   const path = join(mkdtempSync(join(tmpdir(), 'edgepfl-web-')), 'js.safetensors');
   writeFileSync(path, encodeSafetensors(sample(), { base_layout_hash: 'ab', num_samples: '3' }));
   const script = [

@@ -24,7 +24,13 @@ const RELOADED = 'the tab was closed'; // what a page closed after a message "th
 
 /** The server the page talks to: the peer's engine for the secure steps, its task and base for the round. */
 function peerServer(folder, reloadAfter = null) {
-  const peer = (step, argument) => JSON.parse(execFileSync(PYTHON, [join(HERE, 'secure_peer.py'), folder, step], { input: JSON.stringify(argument), encoding: 'utf8' }));
+  const peer = (step, argument) =>
+    JSON.parse(
+      execFileSync(PYTHON, [join(HERE, 'secure_peer.py'), folder, step], {
+        input: JSON.stringify(argument),
+        encoding: 'utf8',
+      }),
+    );
   const opened = peer('open', { bundle: join(FIXTURES, 'bundle') });
   const server = {
     peer,
@@ -33,7 +39,14 @@ function peerServer(folder, reloadAfter = null) {
     tasks: [opened.task],
     reloadAfter,
     async task() {
-      return server.tasks.shift() || { action: 'done', round: 1, base_url: null, base_layout_hash: opened.task.base_layout_hash };
+      return (
+        server.tasks.shift() || {
+          action: 'done',
+          round: 1,
+          base_url: null,
+          base_layout_hash: opened.task.base_layout_hash,
+        }
+      );
     },
     basePath: (roundId) => `/v1/rounds/${roundId}/base`,
     async bytes() {
@@ -53,7 +66,7 @@ function peerServer(folder, reloadAfter = null) {
       }
       return receipt;
     },
-    async secureFetch(url, what) {
+    async secureFetch(_url, what) {
       return { text: peer('fetch', { what }).text, wait: 0.01 };
     },
   };
@@ -83,7 +96,8 @@ function examples() {
   const pixels = new Uint8Array(images.data.length);
   for (let i = 0; i < n; i++) {
     for (let p = 0; p < height * width; p++) {
-      for (let c = 0; c < channels; c++) pixels[(i * channels + c) * height * width + p] = images.data[(i * height * width + p) * channels + c];
+      for (let c = 0; c < channels; c++)
+        pixels[(i * channels + c) * height * width + p] = images.data[(i * height * width + p) * channels + c];
     }
   }
   const current = { pixels, labels: Int32Array.from(labels.data, Number), count: n, shape: [channels, height, width] };
@@ -97,7 +111,16 @@ async function page(server, store) {
   const saved = await store.get('tensors', 'progress', 'history');
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
   const events = new Proxy({}, { get: () => () => {} });
-  const runner = new DeviceRunner({ client: server, store, engine, contract: fixtureContract(), events, sleep: async () => {}, examples: examples(), saved });
+  const runner = new DeviceRunner({
+    client: server,
+    store,
+    engine,
+    contract: fixtureContract(),
+    events,
+    sleep: async () => {},
+    examples: examples(),
+    saved,
+  });
   return { runner, engine, manifest };
 }
 
@@ -117,27 +140,47 @@ async function secureRound(reloadAfter) {
   assert.equal(server.uploads, 0, 'the update never travels');
   const names = travellingNames(manifest, {});
   const trained = await engine.getTensors(names);
-  const delta = Object.fromEntries(names.map((name) => [name, Array.from(trained[name].data, (v, i) => v - base[name].data[i])]));
+  const delta = Object.fromEntries(
+    names.map((name) => [name, Array.from(trained[name].data, (v, i) => v - base[name].data[i])]),
+  );
   const result = server.peer('check', { delta, weight: 21 });
   assert.deepEqual([result.state, result.masked, result.dropped, result.uploads], ['closed', 4, 0, 0]);
-  assert.ok(result.error <= result.bound, `the mean is off by ${result.error}, more than the rounding allows (${result.bound})`);
+  assert.ok(
+    result.error <= result.bound,
+    `the mean is off by ${result.error}, more than the rounding allows (${result.bound})`,
+  );
   const progress = store.kv.get('progress');
   assert.deepEqual([progress.lastCompletedRound, progress.lastUploadedRound, progress.pending], [1, 1, null]);
-  assert.deepEqual(store.kv.get('history').map((r) => [r.round, r.upload]), [[1, 'delivered']]);
+  assert.deepEqual(
+    store.kv.get('history').map((r) => [r.round, r.upload]),
+    [[1, 'delivered']],
+  );
   return server.sent;
 }
 
-test('the page masks its update with three Python devices, and the engine unmasks the four devices\' mean', { skip: SKIP }, async () => {
+test("the page masks its update with three Python devices, and the engine unmasks the four devices' mean", {
+  skip: SKIP,
+}, async () => {
   const sent = await secureRound(null);
-  assert.deepEqual(sent, [['advert', false], ['shares', false], ['masked', false], ['reveal', false]]);
+  assert.deepEqual(sent, [
+    ['advert', false],
+    ['shares', false],
+    ['masked', false],
+    ['reveal', false],
+  ]);
 });
 
 for (const kind of ['advert', 'shares', 'masked']) {
-  test(`a page reloaded after its ${kind} message takes the steps again and is counted once`, { skip: SKIP }, async () => {
+  test(`a page reloaded after its ${kind} message takes the steps again and is counted once`, {
+    skip: SKIP,
+  }, async () => {
     const sent = await secureRound(kind);
     const index = sent.findIndex(([k]) => k === kind);
     assert.deepEqual(sent[index], [kind, false]);
     // the reloaded page sends each message up to that one again, and the engine knows them all
-    assert.deepEqual(sent.filter(([, duplicate]) => duplicate).map(([k]) => k), sent.slice(0, index + 1).map(([k]) => k));
+    assert.deepEqual(
+      sent.filter(([, duplicate]) => duplicate).map(([k]) => k),
+      sent.slice(0, index + 1).map(([k]) => k),
+    );
   });
 }

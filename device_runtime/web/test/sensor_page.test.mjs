@@ -18,10 +18,19 @@ const MANIFEST = /** @type {any} */ ({
   task: { kind: 'sensor', channels: ['acc_x', 'acc_y'], window: 3, rate_hz: 50 },
 });
 const HEADER = 'window,label,acc_x,acc_y';
-const CSV = [HEADER, 'w1,walking,1,4', 'w1,walking,2,5', 'w1,walking,3,6', '', 'w2,2,-1.5,0', 'w2,2,0.25,1e1', 'w2,2,7,"8"', '']
-  .join('\r\n');
+const CSV = [
+  HEADER,
+  'w1,walking,1,4',
+  'w1,walking,2,5',
+  'w1,walking,3,6',
+  '',
+  'w2,2,-1.5,0',
+  'w2,2,0.25,1e1',
+  'w2,2,7,"8"',
+  '',
+].join('\r\n');
 
-test('a sensor CSV gives exactly the Python device\'s normalised windows and labels', { skip: NEEDS_FIXTURES }, () => {
+test("a sensor CSV gives exactly the Python device's normalised windows and labels", { skip: NEEDS_FIXTURES }, () => {
   const { manifest, x, y } = expected().sensor;
   const windows = readSensorCsv(readFileSync(join(FIXTURES, 'sensor.csv'), 'utf8'), manifest, 'sensor.csv');
   assert.deepEqual(Array.from(normalizeReadings(windows.x, manifest.input)), x);
@@ -39,13 +48,16 @@ test('a CSV of windows gives windows x channels x time, labels by name or index'
   assert.equal(normalizeReadings(windows.x, untouched), windows.x);
 });
 
-test('channels other than the bundle\'s are refused by name and order', () => {
+test("channels other than the bundle's are refused by name and order", () => {
   const refused = (/** @type {RegExp} */ problem, /** @type {RegExp} */ fix) => (/** @type {unknown} */ err) =>
     err instanceof DeviceError && problem.test(err.problem) && fix.test(err.fix);
   const check = (/** @type {string[]} */ channels) => () => checkChannels(channels, MANIFEST, 'a.csv');
   const lacks = /a\.csv lacks the channel "acc_y" \(the model reads acc_x, acc_y\)/;
   assert.throws(check(['acc_x']), refused(lacks, /record exactly these channels: acc_x, acc_y/));
-  assert.throws(check(['acc_x', 'acc_y', 'gyro_z']), refused(/has the channel "gyro_z", which the model does not read/, /acc_x, acc_y/));
+  assert.throws(
+    check(['acc_x', 'acc_y', 'gyro_z']),
+    refused(/has the channel "gyro_z", which the model does not read/, /acc_x, acc_y/),
+  );
   const order = /order the columns as the model reads them: acc_x, acc_y/;
   assert.throws(check(['acc_y', 'acc_x']), refused(/in another order \(acc_y, acc_x\)/, order));
   assert.throws(() => readSensorCsv('window,label,acc_y,acc_x\nw,walking,1,2', MANIFEST, 'a.csv'), /another order/);
@@ -79,7 +91,10 @@ test('a sensor bundle keeps a .csv and splits its windows by the seeded split', 
   assert.deepEqual([recording.count, recording.classesHeld], [10, 3]);
   const { train, val } = splitRecording(recording, task, 0.2, 7);
   const want = splitTrainVal(10, 0.2, 7);
-  assert.deepEqual(Array.from(val.y), Array.from(want.val, (w) => w % 3));
+  assert.deepEqual(
+    Array.from(val.y),
+    Array.from(want.val, (w) => w % 3),
+  );
   const first = (want.train[0] - 1) / 2; // acc_x of the first training window, normalised
   assert.deepEqual(Array.from(train.x.subarray(0, 3)), [first, first, first]);
   const npz = () => readRecording(new TextEncoder().encode(rows.join('\n')), 'walk.npz', task);

@@ -6,7 +6,7 @@ import { DeviceError } from '../src/errors.js';
 import { BOS_ID, OOV_ID, PAD_ID, Vocabulary, context, loadVocabulary, phraseContext, tokenize } from '../src/text.js';
 import { NEEDS_FIXTURES, expected, fixtureBytes } from './fixtures.mjs';
 
-test('tricky strings give exactly Python\'s tokens, ids and next-word windows', { skip: NEEDS_FIXTURES }, async () => {
+test("tricky strings give exactly Python's tokens, ids and next-word windows", { skip: NEEDS_FIXTURES }, async () => {
   const { task, cases } = expected().text;
   const vocabulary = await loadVocabulary(fixtureBytes('text/vocab.json'), task);
   assert.equal(vocabulary.words.length, task.vocab_size);
@@ -17,12 +17,15 @@ test('tricky strings give exactly Python\'s tokens, ids and next-word windows', 
   }
 });
 
-test('a vocabulary other than the manifest\'s is refused in one line', { skip: NEEDS_FIXTURES }, async () => {
+test("a vocabulary other than the manifest's is refused in one line", { skip: NEEDS_FIXTURES }, async () => {
   const { task } = expected().text;
   const bytes = fixtureBytes('text/vocab.json');
   const changed = bytes.slice();
   changed[changed.length - 3] ^= 1;
-  await assert.rejects(loadVocabulary(changed, task), (err) => err instanceof DeviceError && /sha256/.test(err.problem));
+  await assert.rejects(
+    loadVocabulary(changed, task),
+    (err) => err instanceof DeviceError && /sha256/.test(err.problem),
+  );
   await assert.rejects(
     loadVocabulary(bytes, { ...task, vocab_size: task.vocab_size + 1 }),
     (err) => err instanceof DeviceError && /the manifest says/.test(err.problem),

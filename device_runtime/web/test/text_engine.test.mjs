@@ -13,7 +13,9 @@ const TOLERANCE = 1e-5;
 const TEXT = join(FIXTURES, 'text');
 const tensors = (name) => decodeSafetensors(new Uint8Array(readFileSync(join(TEXT, name))), name).tensors;
 
-test('a text bundle trains on int64 token ids as Python does, and predicts the same next-word logits', { skip: NEEDS_FIXTURES }, async () => {
+test('a text bundle trains on int64 token ids as Python does, and predicts the same next-word logits', {
+  skip: NEEDS_FIXTURES,
+}, async () => {
   const { manifest, files } = bundleAt(join(TEXT, 'bundle'));
   assert.equal(manifest.input.dtype, 'int64');
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
@@ -36,7 +38,13 @@ test('a text bundle trains on int64 token ids as Python does, and predicts the s
     const top = Math.max(...logits);
     const total = logits.reduce((sum, v) => sum + Math.exp(v - top), 0);
     const expectedRow = logits.map((v) => Math.exp(v - top) / total);
-    assert.ok(maxAbsDiff(probabilities.subarray(row * classes, (row + 1) * classes), expectedRow) <= TOLERANCE, `row ${row}`);
+    assert.ok(
+      maxAbsDiff(probabilities.subarray(row * classes, (row + 1) * classes), expectedRow) <= TOLERANCE,
+      `row ${row}`,
+    );
   }
-  await assert.rejects(engine.trainStep(new Float32Array(feeds.x.data.length), feeds.y.data, count, want.lr), /BigInt64Array/);
+  await assert.rejects(
+    engine.trainStep(new Float32Array(feeds.x.data.length), feeds.y.data, count, want.lr),
+    /BigInt64Array/,
+  );
 });

@@ -10,10 +10,10 @@ import * as ort from 'onnxruntime-web';
 import { shortfallLine, shortfallReason } from '../src/data.js';
 import { openEngine } from '../src/engine.js';
 import { checkModelFile, deviceModelFile } from '../src/modelfile.js';
-import { DeviceError } from '../src/errors.js';
+import { DataError, DeviceError } from '../src/errors.js';
 import { scoreSentence } from '../src/results.js';
 import { decodeSafetensors } from '../src/safetensors.js';
-import { RecordingError, readRecording, recordingSamples, splitRecording, textTask } from '../src/tasks.js';
+import { readRecording, recordingSamples, splitRecording, textTask } from '../src/tasks.js';
 import { Vocabulary, loadVocabulary, suggestWords } from '../src/text.js';
 import { FIXTURES, NEEDS_FIXTURES, bundleAt, fixtureContract, maxAbsDiff } from './fixtures.mjs';
 
@@ -32,21 +32,34 @@ const notes = () => new Uint8Array(readFileSync(join(TEXT, 'notes.txt')));
 
 const FIXTURED = { skip: NEEDS_FIXTURES };
 
-test('a person\'s text gives Python\'s next-word samples and time-order split, <oov> targets not counted', FIXTURED, async () => {
-  const { task, want } = await textBundle();
-  const recording = readRecording(notes(), 'notes.txt', task);
-  assert.equal(recording.count, want.notes.y.length);
-  const samples = recordingSamples(recording, task);
-  assert.deepEqual(Array.from(samples.x, Number), want.notes.x.flat());
-  assert.deepEqual(Array.from(samples.y), want.notes.y);
-  const { train, val } = splitRecording(recording, task, want.notes.val_fraction, 0);
-  assert.deepEqual(Array.from(train.y), want.notes.train.map((i) => want.notes.y[i]));
-  assert.deepEqual(Array.from(val.y), want.notes.held_out.map((i) => want.notes.y[i]));
-  assert.deepEqual(Array.from(val.x, Number), want.notes.held_out.flatMap((i) => want.notes.x[i]));
-  assert.ok(val.y.every((id) => !task.manifest.task.metric_ignores.includes(id)));
-});
+test(
+  "a person's text gives Python's next-word samples and time-order split, <oov> targets not counted",
+  FIXTURED,
+  async () => {
+    const { task, want } = await textBundle();
+    const recording = readRecording(notes(), 'notes.txt', task);
+    assert.equal(recording.count, want.notes.y.length);
+    const samples = recordingSamples(recording, task);
+    assert.deepEqual(Array.from(samples.x, Number), want.notes.x.flat());
+    assert.deepEqual(Array.from(samples.y), want.notes.y);
+    const { train, val } = splitRecording(recording, task, want.notes.val_fraction, 0);
+    assert.deepEqual(
+      Array.from(train.y),
+      want.notes.train.map((i) => want.notes.y[i]),
+    );
+    assert.deepEqual(
+      Array.from(val.y),
+      want.notes.held_out.map((i) => want.notes.y[i]),
+    );
+    assert.deepEqual(
+      Array.from(val.x, Number),
+      want.notes.held_out.flatMap((i) => want.notes.x[i]),
+    );
+    assert.ok(val.y.every((id) => !task.manifest.task.metric_ignores.includes(id)));
+  },
+);
 
-test('a step on the page\'s samples of the text gives the Python portable engine\'s tensors', FIXTURED, async () => {
+test("a step on the page's samples of the text gives the Python portable engine's tensors", FIXTURED, async () => {
   const { manifest, files, task, want } = await textBundle();
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
   const { train } = splitRecording(readRecording(notes(), 'notes.txt', task), task, want.notes.val_fraction, 0);
@@ -73,8 +86,18 @@ test('"Try it" suggests the words `device predict --text` suggests for a phrase'
   for (const [phrase, expected] of Object.entries(want.notes.suggestions)) {
     const words = await suggestWords(engine, phrase, vocabulary, 3);
     const shown = JSON.stringify(phrase);
-    assert.deepEqual(words.map((w) => [w.index, w.word]), expected.map(([id, word]) => [id, word]), shown);
-    assert.ok(maxAbsDiff(words.map((w) => w.probability), expected.map((e) => e[2])) <= TOLERANCE, shown);
+    assert.deepEqual(
+      words.map((w) => [w.index, w.word]),
+      expected.map(([id, word]) => [id, word]),
+      shown,
+    );
+    assert.ok(
+      maxAbsDiff(
+        words.map((w) => w.probability),
+        expected.map((e) => e[2]),
+      ) <= TOLERANCE,
+      shown,
+    );
   }
 });
 
@@ -87,8 +110,11 @@ test('a file that is not text, not UTF-8 or too short is refused in words a pers
   const utf8 = (/** @type {string} */ text) => new TextEncoder().encode(text);
   const read = (/** @type {Uint8Array} */ bytes, /** @type {string} */ name) => () => readRecording(bytes, name, task);
   assert.throws(read(utf8('hello'), 'photo.jpg'), refused(/photo\.jpg is not a \.txt file/, /plain-text/));
-  assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), RecordingError);
-  assert.throws(read(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt'), refused(/notes\.txt is not UTF-8 text/, /UTF-8/));
+  assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), DataError);
+  assert.throws(
+    read(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt'),
+    refused(/notes\.txt is not UTF-8 text/, /UTF-8/),
+  );
   const short = /holds only 3 words; the model needs at least 10/;
   assert.throws(read(utf8('hello hello.\n'), 'notes.txt'), refused(short, /longer text/));
   assert.throws(() => readRecording(utf8('\n \n'), 'notes.txt', task), refused(/holds no words/, /longer text/));
@@ -96,16 +122,28 @@ test('a file that is not text, not UTF-8 or too short is refused in words a pers
   assert.equal(recording.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
 });
 
-test('the page counts a text bundle\'s samples as next words, and asks for a longer text', () => {
+test("the page counts a text bundle's samples as next words, and asks for a longer text", () => {
   const device = { val_fraction: 0.2, min_train_examples: 8, min_held_out: 2 };
-  assert.equal(shortfallLine(7, device, 'next-word'), 'Add 3 more next words (pick a longer text) to take part in the rounds.');
+  assert.equal(
+    shortfallLine(7, device, 'next-word'),
+    'Add 3 more next words (pick a longer text) to take part in the rounds.',
+  );
   assert.equal(
     shortfallReason(7, device, 'next-word'),
     'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.',
   );
-  assert.equal(shortfallLine(0, device, 'sensor'), 'Add 10 windows (pick a longer recording) to take part in the rounds.');
+  assert.equal(
+    shortfallLine(0, device, 'sensor'),
+    'Add 10 windows (pick a longer recording) to take part in the rounds.',
+  );
   const measured = { accuracy: 0.25, count: 16, final: false, roundsHere: 1, round: 1 };
   const after = 'by your model after round 1';
-  assert.equal(scoreSentence({ ...measured, kind: 'next-word' }), `25.0% of the 16 next words kept aside are guessed right ${after}`);
-  assert.equal(scoreSentence({ ...measured, kind: 'sensor' }), `25.0% of the 16 windows kept aside are recognised ${after}`);
+  assert.equal(
+    scoreSentence({ ...measured, kind: 'next-word' }),
+    `25.0% of the 16 next words kept aside are guessed right ${after}`,
+  );
+  assert.equal(
+    scoreSentence({ ...measured, kind: 'sensor' }),
+    `25.0% of the 16 windows kept aside are recognised ${after}`,
+  );
 });

@@ -1,0 +1,74 @@
+// @ts-check
+// What the model says of inputs (edgepfl's predict.py and engine.py predict): class probabilities in inference
+// mode, the softmax of the eval graph's logits in float64, and the most likely classes.
+
+/** @typedef {import('onnxruntime-web').Tensor} OrtTensor */
+/** @typedef {import('./engine.js').Engine} Engine */
+/** @typedef {import('./manifest.js').Graph} Graph */
+/** @typedef {import('./manifest.js').ModelInput} ModelInput */
+
+/**
+ * Class probabilities (count x classes, float32, row by row) of `engine`'s model on `count` pre-processed inputs,
+ * with the tensors `held` (a snapshot, or the current ones): Engine.predict.
+ * @param {Engine} engine
+ * @param {ModelInput} x
+ * @param {number} count
+ * @param {Map<string, OrtTensor>} held
+ */
+export async function predictWith(engine, x, count, held) {
+  const y = new Int32Array(count);
+  engine.checkBatch(x, y, count);
+  const key = engine.predictGraph(count);
+  const graph = /** @type {Graph} */ (engine.entry[key]);
+  const size = graph.batch_size ?? engine.batchSize;
+  const opened = await engine.session(key, graph);
+  const n = engine.stateNames.length;
+  const classes = engine.manifest.num_classes;
+  const probabilities = new Float32Array(count * classes);
+  for (let start = 0; start < count; start += size) {
+    const chunk = Math.min(size, count - start);
+    const feeds = await engine.feeds(
+      opened,
+      graph.inputs.slice(0, n).map((input, i) => [input, engine.stateNames[i]]),
+      graph.inputs.slice(n),
+      x,
+      y,
+      start,
+      chunk,
+      held,
+      size,
+    );
+    const logits = /** @type {Float32Array} */ (
+      (await opened.session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data
+    );
+    for (let row = 0; row < chunk; row++)
+      probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
+  }
+  return probabilities;
+}
+
+/** Softmax of one row of logits, computed in float64 and rounded to float32 (engine.py softmax). */
+export function softmax(/** @type {ArrayLike<number>} */ logits) {
+  let max = -Infinity;
+  for (let i = 0; i < logits.length; i++) max = Math.max(max, logits[i]);
+  const exponentials = Float64Array.from(logits, (v) => Math.exp(v - max));
+  const total = exponentials.reduce((sum, v) => sum + v, 0);
+  return Float32Array.from(exponentials, (v) => v / total);
+}
+
+/**
+ * The `k` most likely classes of one row of probabilities, most likely first; ties: the lower class first
+ * (predict.py top_classes).
+ * @param {ArrayLike<number>} probabilities
+ * @param {string[]} names the classes' names (classNames(manifest))
+ * @param {number} k
+ * @returns {{index: number, name: string, probability: number}[]}
+ */
+export function topClasses(probabilities, names, k) {
+  const order = Array.from({ length: probabilities.length }, (_, i) => i).sort(
+    (a, b) => probabilities[b] - probabilities[a] || a - b,
+  );
+  return order
+    .slice(0, Math.min(k, order.length))
+    .map((index) => ({ index, name: names[index], probability: probabilities[index] }));
+}
