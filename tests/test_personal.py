@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_stand_in_digits
 
 from edgepfl.errors import BundleError, UsageError
 from edgepfl.manifest import Manifest, load_manifest
@@ -325,17 +326,9 @@ def _assert_agree(after: dict, reference_engine: str = "torch") -> None:
 
 @pytest.fixture(scope="module")
 def digits_npz(tmp_path_factory):
-    """Tiny 6x6 'digits': a fixed random prototype per class plus noise (learnable, seeded)."""
+    """Tiny 6x6 stand-in digits of 4 classes (learnable, seeded)."""
     path = tmp_path_factory.mktemp("digits") / "digits.npz"
-    rng = np.random.default_rng(0)
-    prototypes = rng.integers(0, 256, (4, 6, 6))
-
-    def images(labels: np.ndarray) -> np.ndarray:
-        return np.clip(prototypes[labels] + rng.normal(0, 30, (len(labels), 6, 6)), 0, 255).astype(np.uint8)
-
-    y_train, y_test = np.arange(160) % 4, np.arange(40) % 4
-    np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
-    return path
+    return write_stand_in_digits(path, classes=4, side=6, train=160, test=40, noise=30.0)
 
 
 @pytest.mark.parametrize(("algorithm", "engine"), [("fedalt", "portable"), ("fedsim", "torch")])
