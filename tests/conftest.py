@@ -19,16 +19,17 @@ BUNDLES_ENV = "EDGEPFL_TEST_BUNDLES"  # a folder of bundles exported beforehand,
 
 
 def bundle_folder(
-    root: str | Path, name: str, kp: int, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
+    root: str | Path, name: str, kp: int | str, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
 ) -> Path:
-    """Where a bundle made with these arguments lives under `root` (one folder per argument set)."""
+    """Where a bundle made with these arguments lives under `root` (one folder per argument set); `kp`: --kp K
+    or a --personal spec."""
     parts = [name, f"kp{kp}", "+".join(engines), f"seed{seed}", *(f"{k}{v}" for k, v in sorted(fields.items()))]
     parts += ["distill"] if distill else []
     return Path(root) / "-".join(parts)
 
 
 def export_test_bundle(
-    out: Path, name: str, kp: int, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
+    out: Path, name: str, kp: int | str, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
 ) -> Path:
     """Export a zoo model into `out` (needs torch)."""
     import torch
@@ -54,7 +55,12 @@ def bundle_factory(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def export(
-        name: str, kp: int, engines: tuple[str, ...] = ("ort-training",), seed: int = 0, distill: bool = False, **fields
+        name: str,
+        kp: int | str,
+        engines: tuple[str, ...] = ("ort-training",),
+        seed: int = 0,
+        distill: bool = False,
+        **fields,
     ):
         key = (name, kp, engines, seed, distill, tuple(sorted(fields.items())))
         if key in cache:

@@ -1,7 +1,7 @@
 """Personal parts that are not the last blocks (`input`, `adapters:DIM`, `lora:RANK`) through the served round
-engine's paths: FedBuff steps, secure aggregation and DP. Only the manifest's base tensors leave a client (the
-uploads and the secure vector), personal tensors change on the clients only, and a spec naming the last block
-(`names:classifier.*`) runs exactly as `--kp 1` does."""
+engine's paths: FedBuff steps, secure aggregation, DP and int8 uploads. Only the manifest's base tensors leave a
+client (the uploads and the secure vector), personal tensors change on the clients only, and a spec naming the
+last block (`names:classifier.*`) runs exactly as `--kp 1` does."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 - tiny_npz i
 from test_simulate_sequences import text_config, text_folder  # noqa: E402, F401 - text_folder is a fixture
 
 from edgepfl.device_runtime import secure_round  # noqa: E402
+from edgepfl.encoding import SCALE_SUFFIX  # noqa: E402
 from edgepfl.manifest import load_manifest  # noqa: E402
 from edgepfl.server.uploads import Upload  # noqa: E402
 from edgepfl.simulate import loop  # noqa: E402
@@ -29,6 +30,7 @@ PATHS = {
     "fedbuff": {"aggregation": "fedbuff", "buffer_size": 2, "max_staleness": 10, "fleet": FLEET, "round_timeout": 60.0},
     "secure": {"secure_aggregation": True, "min_clients": 3},
     "dp": {"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "min_clients": 3},
+    "int8": {"upload_encoding": "int8", "min_clients": 3},  # int8 deltas with error feedback
 }
 # (model, spec): the tiny image mlp with each item, the tiny transformer's adapters and the lstm's input layer + LoRA
 CASES = [("mlp", "input"), ("mlp", "adapters:4,lora:2"), ("transformer", "adapters:4"), ("lstm", "input,lora:2")]
@@ -72,7 +74,7 @@ class Leaving:
 
         def parsed(cls, payload, *args, **kwargs):
             upload = parse(cls, payload, *args, **kwargs)
-            self.uploads.append(set(upload.tensors))
+            self.uploads.append({name.removesuffix(SCALE_SUFFIX) for name in upload.tensors})  # int8's scales
             return upload
 
         def quantized(delta, weight, book, rng=None):
