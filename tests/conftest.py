@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,16 +19,17 @@ BUNDLES_ENV = "EDGEPFL_TEST_BUNDLES"  # a folder of bundles exported beforehand,
 
 
 def bundle_folder(
-    root: str | Path, name: str, kp: int, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
+    root: str | Path, name: str, kp: int | str, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
 ) -> Path:
-    """Where a bundle made with these arguments lives under `root` (one folder per argument set)."""
+    """Where a bundle made with these arguments lives under `root` (one folder per argument set); `kp`: --kp K
+    or a --personal spec."""
     parts = [name, f"kp{kp}", "+".join(engines), f"seed{seed}", *(f"{k}{v}" for k, v in sorted(fields.items()))]
     parts += ["distill"] if distill else []
     return Path(root) / "-".join(parts)
 
 
 def export_test_bundle(
-    out: Path, name: str, kp: int, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
+    out: Path, name: str, kp: int | str, engines: tuple[str, ...], seed: int, distill: bool = False, **fields
 ) -> Path:
     """Export a zoo model into `out` (needs torch)."""
     import torch
@@ -53,7 +55,12 @@ def bundle_factory(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def export(
-        name: str, kp: int, engines: tuple[str, ...] = ("ort-training",), seed: int = 0, distill: bool = False, **fields
+        name: str,
+        kp: int | str,
+        engines: tuple[str, ...] = ("ort-training",),
+        seed: int = 0,
+        distill: bool = False,
+        **fields,
     ):
         key = (name, kp, engines, seed, distill, tuple(sorted(fields.items())))
         if key in cache:
@@ -73,6 +80,28 @@ def bundle_factory(tmp_path_factory):
         return cache[key]
 
     return export
+
+
+def write_stand_in_digits(
+    path: Path, classes: int = 10, side: int = 28, train: int = 600, test: int = 200, noise: float = 40.0
+) -> Path:
+    """An .npz of learnable stand-in digits (x_train, y_train, x_test, y_test; uint8 side x side): a fixed random
+    prototype per class plus seeded noise, labels cycling through the classes."""
+    rng = np.random.default_rng(0)
+    prototypes = rng.integers(0, 256, (classes, side, side))
+
+    def digits(labels: np.ndarray) -> np.ndarray:
+        return np.clip(prototypes[labels] + rng.normal(0, noise, (len(labels), side, side)), 0, 255).astype(np.uint8)
+
+    y_train, y_test = np.arange(train) % classes, np.arange(test) % classes
+    np.savez(path, x_train=digits(y_train), y_train=y_train, x_test=digits(y_test), y_test=y_test)
+    return path
+
+
+@pytest.fixture(scope="session")
+def stand_in_digits(tmp_path_factory) -> Path:
+    """600 + 200 stand-in 28x28 digits of 10 classes (`write_stand_in_digits`), written once per session."""
+    return write_stand_in_digits(tmp_path_factory.mktemp("digits") / "tiny.npz")
 
 
 def run_without_torch(code: str, timeout: int = 120) -> subprocess.CompletedProcess:

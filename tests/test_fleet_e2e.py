@@ -1,6 +1,6 @@
 """Issue 32 with real device processes against a real `edgepfl serve`: over-selection survives killed devices
 without waiting for the deadline, and FedBuff's served run equals the in-process engine on the same event order,
-through a kill -9 of the server between uploads."""
+through a kill -9 of the server between uploads, with the output layer or adapters personal."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from test_device_runtime import DEVICE_BUNDLE, save_npz
 
 from edgepfl.device_runtime.data import load_device_data
 from edgepfl.device_runtime.engine import open_engine
+from edgepfl.manifest import load_manifest
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.driver import ManualClock
 from edgepfl.server.engine import create_engine
@@ -53,6 +54,12 @@ DEVICE = ("--engine", "portable", "--seed", "5", "--retries", "10")  # retries: 
 @pytest.fixture(scope="module")
 def bundle(bundle_factory) -> Path:
     return bundle_factory(**{**DEVICE_BUNDLE, "engines": ("portable",)})
+
+
+@pytest.fixture(scope="module", params=[1, "adapters:4"], ids=["output-layer", "adapters"])
+def fedbuff_bundle(request, bundle_factory) -> Path:
+    """The mlp with its output layer personal, or with adapters personal (the whole original network shared)."""
+    return bundle_factory(**{**DEVICE_BUNDLE, "engines": ("portable",), "kp": request.param})
 
 
 def stored(state: Path):
@@ -137,7 +144,8 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
         assert [h["round"] for h in history(tmp_path / name) if not h.get("final")] == [2]
 
 
-def test_fedbuff_served_run_equals_the_engine_in_process_through_a_server_kill(bundle, tmp_path):
+def test_fedbuff_served_run_equals_the_engine_in_process_through_a_server_kill(fedbuff_bundle, tmp_path):
+    bundle = fedbuff_bundle
     names = ["slow", "mid", "fast"]
     tokens = enroll(tmp_path / "server", *names)
     sizes = {"slow": 2400, "mid": 160, "fast": 48}  # more samples: a slower device (its uploads arrive stale)
@@ -178,8 +186,11 @@ def test_fedbuff_served_run_equals_the_engine_in_process_through_a_server_kill(b
         assert len([u for u in applied if u.applied_in == step]) >= 2
     assert all(u.applied_in - u.round_id == u.staleness <= 8 for u in applied)
 
+    store = Store(tmp_path / "server")
+    base = set(load_manifest(bundle).names("base"))  # only the base left the devices, whatever is personal
+    assert all(set(decode_tensors(store.blobs.read(u.blob_sha))) == base for u in accepted)
     replayed = replay(bundle, tmp_path, accepted, data, options_for(bundle, tmp_path))
-    served = decode_tensors(Store(tmp_path / "server").blobs.read(closed[-1].result_sha))
+    served = decode_tensors(store.blobs.read(closed[-1].result_sha))
     assert sorted(replayed) == sorted(served)
     for name, value in served.items():
         np.testing.assert_array_equal(replayed[name], value, err_msg=name)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_stand_in_digits
 
 from edgepfl.errors import BundleError, UsageError
 from edgepfl.manifest import Manifest, load_manifest
@@ -252,16 +253,51 @@ def test_the_page_shares_the_same_buffers_as_python(tmp_path):
 # --- every engine trains it ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(MLP, "adapters:4,lora:2"), (MLP, "input,names:classifier.bias"), (BN_CNN, "adapters:2,lora:1")],
-    ids=["mlp-adapters-lora", "mlp-input-names", "bn-cnn-adapters-lora"],
-)
-def personal_bundle(request, tmp_path_factory):
-    model, text = request.param
-    folder = tmp_path_factory.mktemp("personal") / "bundle"
-    export_bundle(model, text, folder, ExportOptions(engines=ENGINES, portable_batch=8, seed=3))
-    return folder
+IMAGE_CASES = {
+    "mlp-adapters-lora": (MLP, "adapters:4,lora:2"),
+    "mlp-input-names": (MLP, "input,names:classifier.bias"),
+    "bn-cnn-adapters-lora": (BN_CNN, "adapters:2,lora:1"),
+}
+TEXT_CASES = {  # tiny text models over tests/test_text_models.py's corpus
+    "transformer-adapters": ("transformer", "adapters:4", {"layers": 1, "seq_len": 4}),
+    "lstm-input-lora": ("lstm", "input,lora:2", {"seq_len": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def personal_bundles(tmp_path_factory):
+    """case id -> its bundle (both engines), exported on first use."""
+    from test_text_models import CORPUS, export_sequence
+
+    folders: dict[str, Path] = {}
+
+    def bundle(case: str) -> Path:
+        if case not in folders:
+            folder = tmp_path_factory.mktemp("personal") / "bundle"
+            if case in IMAGE_CASES:
+                model, text = IMAGE_CASES[case]
+                export_bundle(model, text, folder, ExportOptions(engines=ENGINES, portable_batch=8, seed=3))
+            else:
+                name, text, knobs = TEXT_CASES[case]
+                corpus = folder.parent / "corpus.txt"
+                corpus.write_text(CORPUS, encoding="utf-8")
+                export_sequence(folder, name, text, vocab=corpus, **knobs)
+            folders[case] = folder
+        return folders[case]
+
+    return bundle
+
+
+@pytest.fixture(params=list(IMAGE_CASES))
+def personal_bundle(request, personal_bundles):
+    """An image bundle with a personal part that is not its last blocks."""
+    return personal_bundles(request.param)
+
+
+@pytest.fixture(params=[*IMAGE_CASES, *TEXT_CASES])
+def any_personal_bundle(request, personal_bundles):
+    """Each image and each text bundle with a personal part that is not its last blocks."""
+    return personal_bundles(request.param)
 
 
 def _engines(folder: Path) -> dict:
@@ -274,9 +310,10 @@ def _engines(folder: Path) -> dict:
 
 
 def _batch(manifest: Manifest, seed: int, count: int = 8):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((count, *manifest.input.shape)).astype(np.float32)
-    return x, rng.integers(0, manifest.num_classes, count)
+    """Seeded input of the bundle's kind (pixels or token ids) and labels: tests/test_text_models.py's."""
+    from test_text_models import batch
+
+    return batch(manifest, count, seed)
 
 
 def test_the_exported_graphs_start_equal_to_the_original_model(personal_bundle):
@@ -288,8 +325,8 @@ def test_the_exported_graphs_start_equal_to_the_original_model(personal_bundle):
     np.testing.assert_allclose(engine.logits(x), original(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_every_engine_trains_the_personal_part_alone_and_they_agree(personal_bundle):
-    engines = _engines(personal_bundle)
+def test_every_engine_trains_the_personal_part_alone_and_they_agree(any_personal_bundle):
+    engines = _engines(any_personal_bundle)
     manifest = engines["portable"].manifest
     assert "personal" in engines["portable"].available_sets()
     initial = engines["portable"].get_tensors()
@@ -320,22 +357,43 @@ def _assert_agree(after: dict, reference_engine: str = "torch") -> None:
             assert error <= RTOL, f"{name} {tensor}: relative error {error:.1e}"
 
 
+def test_export_model_carries_the_trained_personal_part_in_fp32_and_int8(any_personal_bundle, tmp_path):
+    """`device export-model` of a device whose personal part moved: fp32 is the engine's model, adapters and LoRA
+    included; int8 (calibrated on the device's samples) loads and gives probabilities."""
+    import onnxruntime
+    from test_text_models import _Windows
+
+    from edgepfl.device_runtime.model_export import export_device_model
+    from edgepfl.device_runtime.predict import open_device_model
+
+    model = open_device_model(any_personal_bundle, tmp_path / "state", "portable")
+    manifest = model.engine.manifest
+    x, y = _batch(manifest, seed=1, count=16)
+    untrained = model.engine.predict(x)
+    # a personal part far from its start (a zero LoRA factor or adapter projection learns slowly in a few steps)
+    rng = np.random.default_rng(0)
+    personal = model.engine.get_tensors(manifest.names("personal"))
+    model.engine.set_tensors({n: v + rng.normal(0, 0.3, v.shape).astype(v.dtype) for n, v in personal.items()})
+    trained = model.engine.predict(x)
+    assert float(np.abs(trained - untrained).max()) > 1e-3, "the personal part changed nothing to export"
+    fp32 = export_device_model(model, tmp_path / "fp32.onnx")
+    assert fp32.max_difference <= 1e-4
+    session = onnxruntime.InferenceSession(str(tmp_path / "fp32.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["probabilities"], {"input": x})[0], trained, atol=1e-5)
+    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y), 16)  # type: ignore[arg-type]
+    assert int8.calibration_samples == 16 and int8.val_accuracy is not None
+    quantized = onnxruntime.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(quantized.run(["probabilities"], {"input": x})[0].sum(1), 1, atol=1e-4)
+
+
 # --- simulate ------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def digits_npz(tmp_path_factory):
-    """Tiny 6x6 'digits': a fixed random prototype per class plus noise (learnable, seeded)."""
+    """Tiny 6x6 stand-in digits of 4 classes (learnable, seeded)."""
     path = tmp_path_factory.mktemp("digits") / "digits.npz"
-    rng = np.random.default_rng(0)
-    prototypes = rng.integers(0, 256, (4, 6, 6))
-
-    def images(labels: np.ndarray) -> np.ndarray:
-        return np.clip(prototypes[labels] + rng.normal(0, 30, (len(labels), 6, 6)), 0, 255).astype(np.uint8)
-
-    y_train, y_test = np.arange(160) % 4, np.arange(40) % 4
-    np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
-    return path
+    return write_stand_in_digits(path, classes=4, side=6, train=160, test=40, noise=30.0)
 
 
 @pytest.mark.parametrize(("algorithm", "engine"), [("fedalt", "portable"), ("fedsim", "torch")])

@@ -1,5 +1,6 @@
 """Secure rounds over HTTP (issue 34): Python devices (the device runtime's own loop, in threads) mask their updates
-through a real `edgepfl serve` on loopback; the server and a device killed mid-protocol resume."""
+through a real `edgepfl serve` on loopback (the output layer or adapters personal); the server and a device killed
+mid-protocol resume."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from server_helpers import LocalServer, enroll
-from test_device_runtime import local_data, mlp_bundle  # noqa: F401 - the fixture
+from test_device_runtime import DEVICE_BUNDLE, local_data, mlp_bundle  # noqa: F401 - the fixture
 
 from edgepfl.device_runtime import secure_round
 from edgepfl.device_runtime.client import RetryPolicy, ServerClient
@@ -22,6 +23,7 @@ from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.runner import RunSummary, run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.encoding import Encoding, decode_payload
+from edgepfl.manifest import load_manifest
 from edgepfl.privacy import clip_delta
 from edgepfl.protocol import UploadMeta
 from edgepfl.secagg.config import levels, padded_size
@@ -141,14 +143,22 @@ def recorded(monkeypatch) -> Recorded:
     return recorder
 
 
-def test_three_python_devices_aggregate_two_rounds_securely(mlp_bundle, tmp_path, recorded):  # noqa: F811
+@pytest.fixture(params=[1, "adapters:4"], ids=["output-layer", "adapters"])
+def personal_bundle(request, bundle_factory) -> Path:
+    """The device mlp with its output layer personal, or with adapters personal (the whole original network summed)."""
+    return bundle_factory(**{**DEVICE_BUNDLE, "kp": request.param})
+
+
+def test_three_python_devices_aggregate_two_rounds_securely(personal_bundle, tmp_path, recorded):
     tokens = enroll(tmp_path / "server", *NAMES)
-    server = LocalServer(mlp_bundle, tmp_path / "server", *OPTIONS, log=tmp_path / "server.log")
+    server = LocalServer(personal_bundle, tmp_path / "server", *OPTIONS, log=tmp_path / "server.log")
     with server:
-        join(start_devices(mlp_bundle, server, tokens, tmp_path))
+        join(start_devices(personal_bundle, server, tokens, tmp_path))
         for name in NAMES:
             assert isinstance(OUTCOMES[name], RunSummary) and OUTCOMES[name].finished, OUTCOMES[name]
         check_rounds(server.url, tokens["a"], recorded)
+    base = set(load_manifest(personal_bundle).names("base"))  # what was masked: the base, whatever is personal
+    assert all(set(delta) == base for items in recorded.items.values() for delta, _ in items.values())
     for name in NAMES:  # no secure session is left on a device; its rounds were delivered
         assert not list((tmp_path / name).glob("secagg-r*.json"))
     store = Store(tmp_path / "server")

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import SHARED
+from conftest import SHARED, write_stand_in_digits
 
 pytest.importorskip("torch")
 
@@ -21,29 +21,21 @@ from edgepfl.wire import decode_tensors  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny_npz(tmp_path_factory):
-    """600 + 200 MNIST digits (or random 28x28 images when shared/data is absent)."""
+    """600 + 200 MNIST digits (or learnable stand-in digits when shared/data is absent)."""
     path = tmp_path_factory.mktemp("data") / "tiny.npz"
-    rng = np.random.default_rng(0)
     source = SHARED / "data" / "mnist.npz"
-    if source.is_file():
-        with np.load(source) as mnist:
-            train = rng.choice(len(mnist["y_train"]), 600, replace=False)
-            test = rng.choice(len(mnist["y_test"]), 200, replace=False)
-            arrays = {
-                "x_train": mnist["x_train"][train],
-                "y_train": mnist["y_train"][train],
-                "x_test": mnist["x_test"][test],
-                "y_test": mnist["y_test"][test],
-            }
-    else:  # learnable stand-in digits: a fixed random prototype per class plus noise
-        prototypes = rng.integers(0, 256, (10, 28, 28))
-
-        def digits(labels: np.ndarray) -> np.ndarray:
-            noisy = prototypes[labels] + rng.normal(0, 40, (len(labels), 28, 28))
-            return np.clip(noisy, 0, 255).astype(np.uint8)
-
-        y_train, y_test = np.arange(600) % 10, np.arange(200) % 10
-        arrays = {"x_train": digits(y_train), "y_train": y_train, "x_test": digits(y_test), "y_test": y_test}
+    if not source.is_file():
+        return write_stand_in_digits(path)
+    rng = np.random.default_rng(0)
+    with np.load(source) as mnist:
+        train = rng.choice(len(mnist["y_train"]), 600, replace=False)
+        test = rng.choice(len(mnist["y_test"]), 200, replace=False)
+        arrays = {
+            "x_train": mnist["x_train"][train],
+            "y_train": mnist["y_train"][train],
+            "x_test": mnist["x_test"][test],
+            "y_test": mnist["y_test"][test],
+        }
     np.savez(path, **arrays)
     return path
 

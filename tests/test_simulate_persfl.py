@@ -21,18 +21,9 @@ from edgepfl.simulate.results import load_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_npz(tmp_path_factory):
-    """600 + 200 learnable stand-in digits: a fixed random prototype per class plus noise (as in test_simulate)."""
-    path = tmp_path_factory.mktemp("data") / "tiny.npz"
-    rng = np.random.default_rng(0)
-    prototypes = rng.integers(0, 256, (10, 28, 28))
-
-    def digits(labels: np.ndarray) -> np.ndarray:
-        return np.clip(prototypes[labels] + rng.normal(0, 40, (len(labels), 28, 28)), 0, 255).astype(np.uint8)
-
-    y_train, y_test = np.arange(600) % 10, np.arange(200) % 10
-    np.savez(path, x_train=digits(y_train), y_train=y_train, x_test=digits(y_test), y_test=y_test)
-    return path
+def tiny_npz(stand_in_digits):
+    """600 + 200 learnable stand-in digits (conftest)."""
+    return stand_in_digits
 
 
 def persfl_config(tiny_npz, out, **changes):
