@@ -127,7 +127,7 @@ def open_server(
     from edgepfl.server.config import ServerConfig
     from edgepfl.server.driver import ManualClock
     from edgepfl.server.engine import create_engine
-    from edgepfl.server.strategies import strategy_options
+    from edgepfl.server.strategies import cohort_of, strategy_options
 
     folder = out / SERVER_DIR
     if fresh:
@@ -145,7 +145,7 @@ def open_server(
     config = ServerConfig(
         bundle=bundle or out / "bundle",
         state=folder,
-        strategy=strategy_options(strategy, **{**(knobs or {}), "pfedla_clients": len(names)}),
+        strategy=strategy_options(strategy, **{**(knobs or {}), **cohort_of(strategy, len(names))}),
         round=round_options,
         rounds=rounds,
         min_clients=quorum,
