@@ -20,12 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgepfl.errors import BundleError, EdgePFLError, StateError
 from edgepfl.manifest import Manifest, layout_hash, load_manifest
 from edgepfl.privacy import PrivacyLedger
-from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, SecureTask, Task
 from edgepfl.server.bounds import UpdateBounds, delta_norm
 from edgepfl.server.budget import PrivacyBudget, PrivateStrategy
 from edgepfl.server.config import ServerConfig
@@ -35,17 +35,19 @@ from edgepfl.server.enrollment import Enrollment
 from edgepfl.server.errors import Refused
 from edgepfl.server.history import History
 from edgepfl.server.lifecycle import RoundLifecycle
+from edgepfl.server.modes import make_mode
 from edgepfl.server.records import Assignment, EvalRecord, RoundRecord, UpdateRecord
 from edgepfl.server.round_uploads import RoundUploads
-from edgepfl.server.secure import SecureRounds
-from edgepfl.server.secure_calls import SecureCalls
-from edgepfl.server.secure_strategy import SecureStrategy
 from edgepfl.server.status import server_status
 from edgepfl.server.store import Store
 from edgepfl.server.strategies import make_strategy
 from edgepfl.server.strategy import Strategy
 from edgepfl.server.uploads import Upload, finite_or_none
 from edgepfl.wire import check_tensors, encode_tensors, load_tensors
+
+if TYPE_CHECKING:
+    from edgepfl.secagg import KeyBook, ShareInbox, UnmaskRequest
+    from edgepfl.server.secure import SecureRounds
 
 log = logging.getLogger("edgepfl.server")
 
@@ -64,7 +66,7 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     return engine
 
 
-class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
+class RoundEngine(RoundLifecycle, InProcessDriving):
     """Owns the rounds of one state folder; the HTTP app calls it, a background thread ticks it."""
 
     def __init__(
@@ -80,21 +82,23 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
-        self._closing: int | None = None  # round being aggregated outside the lock
-        self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
+        self.closing: int | None = None  # round being aggregated outside the lock
         self.enrollment = Enrollment(config, store, clock)
         bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
         self.uploads = RoundUploads(store, self.specs, bounds, self.settings_for)
         self.downloads = Downloads(store.blobs)
-        self.retention = History(store, config.fleet_rounds.retained(config.history))
         self.dp = config.privacy.dp_config()  # DP-FedAvg settings (None: off)
         self.budget: PrivacyBudget | None = None  # what a DP run has spent (bind_state binds it)
         # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)
         self.noise_seed: int | None = None
         self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
-        secagg = config.secure.config(config.privacy.clip_norm)  # secure aggregation (None: off)
-        self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, store, self.specs,
-                                   measured=config.secure.measured(config.privacy.clip_norm)) if secagg else None
+        self.mode = make_mode(self)  # how rounds open, take uploads and close (server/modes/)
+        self.retention = History(store, self.mode.retained(config.history))
+
+    @property
+    def secure(self) -> SecureRounds | None:
+        """Secure aggregation's sessions (None: the mode runs none), for the in-process drivers."""
+        return self.mode.secure
 
     # start-up
 
@@ -118,10 +122,9 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
             self.store.set_meta({**binding, "initial_base_sha": sha, "global_base_sha": sha})
         self.budget = PrivacyBudget.bind(self.dp, self.store, self.strategy.name, self.config.state)
         if self.budget is not None:  # DP-FedAvg wraps the strategy: it aggregates, the strategy plans
-            self.strategy = PrivateStrategy(self.strategy, self.budget, self._round_record, lambda: self.noise_seed)
-        if self.secure is not None:  # secure aggregation wraps both: it aggregates the unmasked sum
-            self.strategy = SecureStrategy(self.strategy, self.secure)
-        self._secure_mode_of_open_round()
+            self.strategy = PrivateStrategy(self.strategy, self.budget, self.round_or_404, lambda: self.noise_seed)
+        self.mode.bind()  # e.g. secure aggregation wraps both: it aggregates the unmasked sum
+        self._abandon_foreign()
         self._load_strategy_state()
         self.retention.apply()
         removed = self.store.blobs.remove_unreferenced(self.store.referenced_blobs())
@@ -163,22 +166,17 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
             if self._done():
                 return self._done_task(device)
             current = self.store.open_round()
-            if current is None and self._closing is None:
+            if current is None and self.closing is None:
                 current = self._maybe_open(now)
-            asynchronous = self.config.fleet_rounds.asynchronous
-            if asynchronous and current is not None and self.store.update(current.round_id, device) is None:
-                assignment = self.take_task(device, current)  # no barrier: a free device trains on the current base
-                return self._train_task(current, assignment, deadline=None)
-            if current is not None and current.round_id != self._closing and now < current.deadline:
-                assignment = self.store.assignment(current.round_id, device)
-                taking = self.secure is None or self.secure.takes_keys(current.round_id)  # a secure round's keys
-                if assignment is not None and self.store.update(current.round_id, device) is None and taking:
-                    return self._train_task(current, assignment, deadline=current.deadline)
+            task = self.mode.task(device, current, now) if current is not None else None
+            if task is not None:
+                return task
             return Task(
                 action="wait", base_layout_hash=self.manifest.base_layout_hash, retry_after=self.config.poll_interval
             )
 
-    def _train_task(self, record: RoundRecord, assignment: Assignment, deadline: float | None) -> Task:
+    def train_task(self, record: RoundRecord, assignment: Assignment, deadline: float | None) -> Task:
+        """A train task on `record` for the device `assignment` names (deadline None: no barrier)."""
         return Task(
             action="train",
             base_layout_hash=self.manifest.base_layout_hash,
@@ -186,12 +184,12 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
             settings=self._settings_of(assignment, record.round_id),
             base_url=f"{API_PREFIX}/rounds/{record.round_id}/base",
             deadline=deadline,
-            secure_aggregation=self.secure_task(assignment.device, record.round_id),
+            secure_aggregation=self.mode.secure_task(assignment.device, record.round_id),
         )
 
     def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
         """The base tensors a device gets for a round (safetensors bytes) and their sha256."""
-        record = self._round_or_404(round_id)
+        record = self.round_or_404(round_id)
         self.retention.check_retained(record)
         assignment = self.store.assignment(round_id, device)
         if assignment is not None:
@@ -208,7 +206,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
 
     def result_of(self, round_id: int) -> tuple[bytes, str]:
         """The aggregated base (global model) a closed round produced."""
-        record = self._round_or_404(round_id)
+        record = self.round_or_404(round_id)
         self.retention.check_retained(record)
         if record.result_sha is None:
             raise Refused(
@@ -230,14 +228,12 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
             rounds = self.store.rounds()
             available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
             training = self.store.open_round() is not None
-            state = "done" if self._done() else "closing" if self._closing else "training" if training else "waiting"
+            state = "done" if self._done() else "closing" if self.closing else "training" if training else "waiting"
         return server_status(self, rounds, available, state, names)
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late, secure."""
-        if self.secure is not None:
-            raise Refused("secure_round", f"round {round_id} is aggregated securely: the server takes no plain update",
-                          "update the device: it masks its update through the round's secure_aggregation steps")
+        self.mode.check_upload(device, round_id)
         with self._lock:
             if self.store.update(round_id, device) is not None:
                 return  # a retry: decided by comparing the bytes
@@ -289,7 +285,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
         never rolled back (there is nothing before it).
         """
         with self._lock:
-            record = self._round_or_404(round_id)
+            record = self.round_or_404(round_id)
             if self.store.assignment(round_id, device) is None:
                 raise Refused(
                     "not_sampled", f"device {device!r} was not given round {round_id}", "report refusals of your rounds"
@@ -300,7 +296,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
             needed = max(min(self.config.min_clients, given), math.ceil(given / 2))
             # the initial base has nothing before it to roll back to: its round goes on with those who train
             rollback = record.base_sha != self.store.get_meta("initial_base_sha")
-            rolled_back = rollback and record.state == "open" and refused >= needed and record.round_id != self._closing
+            rolled_back = rollback and record.state == "open" and refused >= needed and record.round_id != self.closing
             if rolled_back:
                 self._reject_base(record, refused)
         log.warning("round %d: device %s refused its base (%s)", round_id, device, reason[:200])
@@ -313,7 +309,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
         except EdgePFLError as error:
             raise Refused("bad_metrics", error.problem, error.fix) from None
         with self._lock:
-            self._round_or_404(round_id)
+            self.round_or_404(round_id)
             if self.store.assignment(round_id, device) is None:
                 raise Refused(
                     "not_sampled",
@@ -334,6 +330,39 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
                 EvalRecord(round_id, device, metrics.accuracy, metrics.loss, metrics.num_samples, self.clock())
             )
         return {"accepted": True, "round": round_id, "duplicate": False}
+
+    # a secure round's steps (the routes of server/secure_routes.py, the in-process drivers): the mode checks the
+    # round and the device as an upload is checked, the sessions take the step; a message wakes the tick
+
+    def secure_task(self, device: str, round_id: int) -> SecureTask | None:
+        """Where a device takes a round's secure steps (None: the round is not secure)."""
+        return self.mode.secure_task(device, round_id)
+
+    def secure_summary(self, round_id: int) -> dict[str, Any] | None:
+        """A secure round's counts (devices masked, dropped, recovered; its step), or None."""
+        return self.mode.secure_summary(round_id)
+
+    def secure_message(self, device: str, round_id: int, kind: str, body: bytes) -> dict[str, Any]:
+        """Take a device's advert, shares, masked vector or reveal (kind); its receipt (duplicate for a repeat)."""
+        with self._lock:
+            receipt = self.mode.secure_session(device, round_id).receive(round_id, device, kind, body)
+        self._wake.set()
+        return receipt
+
+    def secure_book(self, device: str, round_id: int) -> KeyBook | None:
+        """The round's key book (None: the keys step is open)."""
+        with self._lock:
+            return self.mode.secure_session(device, round_id).book(round_id, device)
+
+    def secure_inbox(self, device: str, round_id: int) -> ShareInbox | None:
+        """The device's share inbox (None: the shares step is open)."""
+        with self._lock:
+            return self.mode.secure_session(device, round_id).inbox(round_id, device)
+
+    def secure_request(self, device: str, round_id: int) -> UnmaskRequest | None:
+        """The round's unmask request (None: the inputs step is open)."""
+        with self._lock:
+            return self.mode.secure_session(device, round_id).request(round_id, device)
 
     def _shares_base(self, round_id: int) -> bool:
         """Whether every device sampled in a round was sent the round's shared base (not its own mix)."""
@@ -356,10 +385,8 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
 
     # checks
 
-    def _round_record(self, round_id: int) -> RoundRecord:
-        return self._round_or_404(round_id)
-
-    def _round_or_404(self, round_id: int) -> RoundRecord:
+    def round_or_404(self, round_id: int) -> RoundRecord:
+        """A round's record; Refused (404) for a round that does not exist."""
         record = self.store.round(round_id)
         if record is None:
             raise Refused(
@@ -380,40 +407,14 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
         return RoundSettings.from_json(json.loads(assignment.settings))
 
     def _check_open_for(self, device: str, round_id: int) -> None:
-        record = self._round_or_404(round_id)
+        record = self.round_or_404(round_id)
         if self.store.assignment(round_id, device) is None:
             raise Refused(
                 "not_sampled",
                 f"device {device!r} was not sampled in round {round_id}",
                 "poll /v1/task and train only when told to",
             )
-        if self.config.fleet_rounds.asynchronous:  # no deadline: an upload is refused only when too stale
-            self._check_fresh(record)
-            return
-        if self.clock() >= record.deadline:
-            raise Refused(
-                "deadline_passed",
-                f"round {round_id} stopped taking uploads at its deadline",
-                "poll /v1/task for the next round; this update was not stored",
-            )
-        if record.state != "open" or record.round_id == self._closing:
-            state = "closing" if record.state == "open" else record.state
-            raise Refused("round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
-
-    def _check_fresh(self, record: RoundRecord) -> None:
-        """Fedbuff: an upload trained on base version `record` is refused when that base was rejected, or when more
-        than --max-staleness steps were made since."""
-        if record.state == "abandoned":
-            raise Refused("round_closed", f"round {record.round_id}'s base was rejected", "poll /v1/task")
-        current = self.store.last_round_id()
-        staleness, limit = current - record.round_id, self.config.fleet_rounds.max_staleness
-        if staleness > limit:
-            raise Refused(
-                "too_stale",
-                f"the update was trained on base version {record.round_id}, {staleness} steps old (the server takes "
-                f"at most {limit})",
-                "poll /v1/task and train on the current base; this update was not stored",
-            )
+        self.mode.check_open(record)
 
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
         if previous.blob_sha != sha:
@@ -426,10 +427,4 @@ class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
 
     def _receipt(self, round_id: int, sha: str, duplicate: bool) -> dict[str, Any]:
         receipt = {"accepted": True, "round": round_id, "sha256": sha, "duplicate": duplicate}
-        if self.config.fleet_rounds.asynchronous:
-            receipt["buffered"] = len(self.store.buffered_updates())
-            receipt["buffer_size"] = self.config.fleet_rounds.buffer_size
-            return receipt
-        record = self._round_or_404(round_id)
-        return {**receipt, "uploads": len(self.store.updates(round_id)), "sampled": len(record.sampled),
-                "target": record.needed}  # fmt: skip
+        return {**receipt, **self.mode.receipt(round_id)}

@@ -73,11 +73,6 @@ class FleetOptions(BaseModel):
         """Whether rounds are FedBuff's steps."""
         return self.aggregation == "fedbuff"
 
-    def retained(self, history: int) -> int:
-        """The closed rounds whose tensors `--history N` keeps: under fedbuff at least max_staleness + 1, since an
-        upload is decoded and bounded against the base version it trained on (0 keeps every round)."""
-        return max(history, self.max_staleness + 1) if history and self.asynchronous else history
-
     def check_strategy(self, strategy: str) -> None:
         """Refuse, in one line, a strategy that cannot take steps of a few uploads."""
         # a step of a few uploads is well defined for a running weighted sum only (edgepfl.capabilities)

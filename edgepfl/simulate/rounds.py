@@ -162,8 +162,7 @@ def open_server(
     engine = create_engine(config, ManualClock())
     engine.enroll_devices(names)
     engine.noise_seed = seed  # a simulation is reproducible: its DP noise is drawn from --seed (serve: OS entropy)
-    if engine.secure is not None:
-        engine.secure.seeded(seed)  # ... and its secure rounds' graph randomness
+    engine.mode.seeded(seed)  # ... and its mode's (a secure round's graph randomness)
     return engine
 
 
