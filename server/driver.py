@@ -135,7 +135,7 @@ class InProcessDriving:
         For in-process drivers only (no HTTP route): a simulated run resumed after an interruption trains the
         round again, and a GPU's training does not repeat its bytes, which the one-upload-per-round rule refuses.
         """
-        with self._lock:  # type: ignore[attr-defined]
+        with self.lock:  # type: ignore[attr-defined]
             self.uploads.forget(round_id)  # type: ignore[attr-defined]
             return self.store.withdraw_updates(round_id)
 

@@ -1,4 +1,4 @@
-"""The round engine: deadlines, opening and closing rounds, and what is stored when.
+"""The round engine's core: the store, the strategy, the upload path and the clock, and what devices ask of them.
 
 The other concerns live in files of their own: `sampling.py` (who a round samples), `uploads.py` (what
 an upload must be), `bounds.py` (what one device can move), `round_uploads.py` (a round's uploads read back for
@@ -7,8 +7,9 @@ in), `history.py` (which rounds' models are kept), `enrollment.py` (tokens, the 
 (status), `store.py` and `blobs.py` (SQLite and blobs), `driver.py` (the API in-process drivers call),
 `http_errors.py` (refusal -> status), `secure.py` and its neighbours (secure aggregation's rounds).
 
-One engine per state folder and per process; the life of a round (when it opens, closes or is abandoned) is
-`lifecycle.py`'s, the rest is here: binding the state folder, and what devices ask of it.
+One engine per state folder and per process. How its rounds run is its round mode's (`modes/`: synchronous with
+over-selection, FedBuff, secure), the tick and a close's transaction `lifecycle.py`'s (an object the engine owns);
+the rest is here: binding the state folder, and what devices ask of it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from edgepfl.server.driver import InProcessDriving
 from edgepfl.server.enrollment import Enrollment
 from edgepfl.server.errors import Refused
 from edgepfl.server.history import History
-from edgepfl.server.lifecycle import RoundLifecycle
+from edgepfl.server.lifecycle import Lifecycle
 from edgepfl.server.modes import make_mode
 from edgepfl.server.records import Assignment, EvalRecord, RoundRecord, UpdateRecord
 from edgepfl.server.round_uploads import RoundUploads
@@ -66,7 +67,7 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     return engine
 
 
-class RoundEngine(RoundLifecycle, InProcessDriving):
+class RoundEngine(InProcessDriving):
     """Owns the rounds of one state folder; the HTTP app calls it, a background thread ticks it."""
 
     def __init__(
@@ -79,9 +80,9 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         self.clock = clock
         self.specs = strategy.specs
         self._shared_names = {spec.name for spec in self.specs}
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
-        self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
         self.closing: int | None = None  # round being aggregated outside the lock
         self.enrollment = Enrollment(config, store, clock)
         bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
@@ -93,7 +94,16 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         self.noise_seed: int | None = None
         self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
         self.mode = make_mode(self)  # how rounds open, take uploads and close (server/modes/)
+        self.lifecycle = Lifecycle(self)  # the tick, closing, abandoning and the rollback, for every mode
         self.retention = History(store, self.mode.retained(config.history))
+
+    def tick(self) -> None:
+        """Close the open round if its mode says so, then open the next one if devices wait (lifecycle.py)."""
+        self.lifecycle.tick()
+
+    def run(self, stop: threading.Event, interval: float = 0.25) -> None:
+        """Tick until `stop` is set; woken early by each accepted upload. Never dies on an error."""
+        self.lifecycle.run(stop, interval)
 
     @property
     def secure(self) -> SecureRounds | None:
@@ -124,8 +134,8 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         if self.budget is not None:  # DP-FedAvg wraps the strategy: it aggregates, the strategy plans
             self.strategy = PrivateStrategy(self.strategy, self.budget, self.round_or_404, lambda: self.noise_seed)
         self.mode.bind()  # e.g. secure aggregation wraps both: it aggregates the unmasked sum
-        self._abandon_foreign()
-        self._load_strategy_state()
+        self.lifecycle.abandon_foreign()
+        self.lifecycle.load_strategy_state()
         self.retention.apply()
         removed = self.store.blobs.remove_unreferenced(self.store.referenced_blobs())
         if removed:
@@ -156,18 +166,18 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
 
     def task(self, device: str) -> Task:
         """What a device should do now; polling also makes it available for sampling."""
-        with self._lock:
+        with self.lock:
             try:
                 self.strategy.check_device(device)
             except EdgePFLError as error:  # e.g. pfedla's N client places all belong to other devices
                 raise Refused("cannot_join", error.problem, error.fix) from None
             now = self.clock()
-            self._seen[device] = now
-            if self._done():
+            self.seen[device] = now
+            if self.lifecycle.done():
                 return self._done_task(device)
             current = self.store.open_round()
             if current is None and self.closing is None:
-                current = self._maybe_open(now)
+                current = self.lifecycle.maybe_open(now)
             task = self.mode.task(device, current, now) if current is not None else None
             if task is not None:
                 return task
@@ -218,23 +228,24 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
 
     def history(self) -> dict[str, Any]:
         """JSON: the closed rounds whose global model can still be fetched, oldest first, and the retention."""
-        with self._lock:
+        with self.lock:
             return self.retention.listing()
 
     def status(self, names: bool = False) -> dict[str, Any]:
         """JSON summary of the server and every round (no tensors; device names only with `names`: the operator)."""
-        with self._lock:
+        with self.lock:
             now = self.clock()
             rounds = self.store.rounds()
-            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
+            available = sum(1 for seen in self.seen.values() if now - seen <= self.config.available_for)
             training = self.store.open_round() is not None
-            state = "done" if self._done() else "closing" if self.closing else "training" if training else "waiting"
+            done = self.lifecycle.done()
+            state = "done" if done else "closing" if self.closing else "training" if training else "waiting"
         return server_status(self, rounds, available, state, names)
 
     def check_upload_allowed(self, device: str, round_id: int) -> None:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late, secure."""
         self.mode.check_upload(device, round_id)
-        with self._lock:
+        with self.lock:
             if self.store.update(round_id, device) is not None:
                 return  # a retry: decided by comparing the bytes
             self._check_open_for(device, round_id)
@@ -251,7 +262,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             return self._retry_receipt(previous, upload.sha256)
         norm = delta_norm(tensors, base)
         self.store.blobs.put(payload, upload.sha256)  # on disk (fsynced) before the row that names it is committed
-        with self._lock:
+        with self.lock:
             previous = self.store.update(round_id, device)
             if previous is not None:
                 return self._retry_receipt(previous, upload.sha256)
@@ -274,7 +285,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             )
             self.uploads.remember_norm(round_id, device, norm)
             receipt = self._receipt(round_id, upload.sha256, duplicate=False)
-        self._wake.set()
+        self.wake.set()
         return receipt
 
     def accept_refusal(self, device: str, round_id: int, reason: str) -> dict[str, Any]:
@@ -284,7 +295,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
         the base is rejected and the global base rolls back (lifecycle.py `_reject_base`); the initial base is
         never rolled back (there is nothing before it).
         """
-        with self._lock:
+        with self.lock:
             record = self.round_or_404(round_id)
             if self.store.assignment(round_id, device) is None:
                 raise Refused(
@@ -298,7 +309,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             rollback = record.base_sha != self.store.get_meta("initial_base_sha")
             rolled_back = rollback and record.state == "open" and refused >= needed and record.round_id != self.closing
             if rolled_back:
-                self._reject_base(record, refused)
+                self.lifecycle.reject_base(record, refused)
         log.warning("round %d: device %s refused its base (%s)", round_id, device, reason[:200])
         return {"accepted": True, "round": round_id, "duplicate": not new, "rolled_back": rolled_back}
 
@@ -308,7 +319,7 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
             metrics.check(self.config.max_samples)
         except EdgePFLError as error:
             raise Refused("bad_metrics", error.problem, error.fix) from None
-        with self._lock:
+        with self.lock:
             self.round_or_404(round_id)
             if self.store.assignment(round_id, device) is None:
                 raise Refused(
@@ -344,24 +355,24 @@ class RoundEngine(RoundLifecycle, InProcessDriving):
 
     def secure_message(self, device: str, round_id: int, kind: str, body: bytes) -> dict[str, Any]:
         """Take a device's advert, shares, masked vector or reveal (kind); its receipt (duplicate for a repeat)."""
-        with self._lock:
+        with self.lock:
             receipt = self.mode.secure_session(device, round_id).receive(round_id, device, kind, body)
-        self._wake.set()
+        self.wake.set()
         return receipt
 
     def secure_book(self, device: str, round_id: int) -> KeyBook | None:
         """The round's key book (None: the keys step is open)."""
-        with self._lock:
+        with self.lock:
             return self.mode.secure_session(device, round_id).book(round_id, device)
 
     def secure_inbox(self, device: str, round_id: int) -> ShareInbox | None:
         """The device's share inbox (None: the shares step is open)."""
-        with self._lock:
+        with self.lock:
             return self.mode.secure_session(device, round_id).inbox(round_id, device)
 
     def secure_request(self, device: str, round_id: int) -> UnmaskRequest | None:
         """The round's unmask request (None: the inputs step is open)."""
-        with self._lock:
+        with self.lock:
             return self.mode.secure_session(device, round_id).request(round_id, device)
 
     def _shares_base(self, round_id: int) -> bool:

@@ -42,68 +42,71 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgepfl.server")
 
 
-class RoundLifecycle:
-    """Opening, closing and abandoning rounds (a mixin of `RoundEngine`, whose state it uses)."""
+class Lifecycle:
+    """Opening, closing and abandoning rounds for one engine (its store, strategy, clock and mode)."""
 
-    def tick(self: RoundEngine) -> None:
+    def __init__(self, engine: RoundEngine):
+        self.engine = engine
+
+    def tick(self) -> None:
         """Close the open round if its mode says so (complete, past its deadline, a full buffer), then open the next
         one if devices wait."""
-        with self._lock:
-            now = self.clock()
-            current = self.store.open_round()
+        with self.engine.lock:
+            now = self.engine.clock()
+            current = self.engine.store.open_round()
             close = None
-            if current is not None and self.closing is None:
-                close = self.mode.tick(current, now)
+            if current is not None and self.engine.closing is None:
+                close = self.engine.mode.tick(current, now)
                 if close is not None:
-                    self.closing = current.round_id
+                    self.engine.closing = current.round_id
         if close is not None:
-            self._close(close)
-        with self._lock:
-            if self.closing is None and not self._done() and self.store.open_round() is None:
-                self._maybe_open(self.clock())
+            self.close(close)
+        with self.engine.lock:
+            if self.engine.closing is None and not self.done() and self.engine.store.open_round() is None:
+                self.maybe_open(self.engine.clock())
 
-    def run(self: RoundEngine, stop: threading.Event, interval: float = 0.25) -> None:
+    def run(self, stop: threading.Event, interval: float = 0.25) -> None:
         """Tick until `stop` is set; woken early by each accepted upload. Never dies on an error."""
         while not stop.is_set():
-            self._wake.wait(interval)
-            self._wake.clear()
+            self.engine.wake.wait(interval)
+            self.engine.wake.clear()
             try:
                 self.tick()
             except Exception:  # the loop must outlive any one round's failure; the round stays open
                 log.exception("round engine tick failed; retrying")
-                with self._lock:
-                    self.closing = None
+                with self.engine.lock:
+                    self.engine.closing = None
                 stop.wait(1.0)
 
-    def _close(self: RoundEngine, close: Close) -> None:
+    def close(self, close: Close) -> None:
         """Aggregate the round the mode closes (over the uploads `close` names) and commit it, or abandon it."""
         record = close.record
         started = time.perf_counter()
         try:
-            global_base = decode_tensors(self.store.blobs.read(record.base_sha))
-            new_base = self.strategy.aggregate(record.round_id, close.updates(global_base), global_base)
-            check_tensors(new_base, self.specs, what=f"aggregate of round {record.round_id}")
-            closing = self.strategy.closing(record)
+            global_base = decode_tensors(self.engine.store.blobs.read(record.base_sha))
+            new_base = self.engine.strategy.aggregate(record.round_id, close.updates(global_base), global_base)
+            check_tensors(new_base, self.engine.specs, what=f"aggregate of round {record.round_id}")
+            closing = self.engine.strategy.closing(record)
         except OSError:
-            with self._lock:
-                self._load_strategy_state()  # the round stays open and is aggregated again from the saved state
-                self.closing = None
+            with self.engine.lock:
+                self.load_strategy_state()  # the round stays open and is aggregated again from the saved state
+                self.engine.closing = None
             raise
         except (EdgePFLError, ValueError) as error:
             log.error("round %d cannot be aggregated: %s", record.round_id, error)
-            with self._lock:
-                self._load_strategy_state()
-                self.abandon(record, self.clock(), f"aggregation failed: {error}")
-                self.closing = None
+            with self.engine.lock:
+                self.load_strategy_state()
+                self.abandon(record, self.engine.clock(), f"aggregation failed: {error}")
+                self.engine.closing = None
             return
         try:
-            sha = self.store.blobs.put(encode_tensors(new_base))
-            strategy_state = self.strategy.state_bytes()
-            state_sha = self.store.blobs.put(strategy_state) if strategy_state is not None else None
+            sha = self.engine.store.blobs.put(encode_tensors(new_base))
+            strategy_state = self.engine.strategy.state_bytes()
+            state_sha = self.engine.store.blobs.put(strategy_state) if strategy_state is not None else None
             seconds = time.perf_counter() - started
-            with self._lock:
-                now = self.clock()
-                self.store.finish_round(
+            with self.engine.lock:
+                now = self.engine.clock()
+                self.engine.store.finish_round(
                     record.round_id,
                     "closed",
                     now,
@@ -117,111 +120,111 @@ class RoundLifecycle:
                     next_round=close.next_round(sha, now),
                 )
         except BaseException:
-            with self._lock:
-                self._load_strategy_state()
-                self.closing = None
+            with self.engine.lock:
+                self.load_strategy_state()
+                self.engine.closing = None
             raise
-        with self._lock:
-            self.closing = None
+        with self.engine.lock:
+            self.engine.closing = None
             close.done()
-            self.downloads.clear()
-            self.retention.apply()  # after the commit: a failed release leaves the round closed and the blobs kept
-        epsilon = closing.get("epsilon")
-        spent = f"; epsilon {epsilon:.4g} at delta {self.dp.delta:g}" if epsilon is not None and self.dp else ""
+            self.engine.downloads.clear()
+            self.engine.retention.apply()  # after the commit: a failed release leaves the round closed, blobs kept
+        epsilon, dp = closing.get("epsilon"), self.engine.dp
+        spent = f"; epsilon {epsilon:.4g} at delta {dp.delta:g}" if epsilon is not None and dp else ""
         accepted = close.accepted()
         log.info("round %d closed: %d update(s) aggregated in %.3f s%s", record.round_id, accepted, seconds, spent)
 
-    def _load_strategy_state(self: RoundEngine) -> None:
+    def load_strategy_state(self) -> None:
         """Bring the strategy back to its last saved state (a strategy that keeps none is left as is)."""
-        sha = self.store.get_meta("strategy_state_sha")
+        sha = self.engine.store.get_meta("strategy_state_sha")
         if sha is not None:
-            self.strategy.load_state(self.store.blobs.read(sha))
-        elif self.strategy.state_bytes() is not None:  # nothing saved yet: back to a fresh strategy
-            self.strategy = self.strategy.fresh()
+            self.engine.strategy.load_state(self.engine.store.blobs.read(sha))
+        elif self.engine.strategy.state_bytes() is not None:  # nothing saved yet: back to a fresh strategy
+            self.engine.strategy = self.engine.strategy.fresh()
 
-    def abandon(self: RoundEngine, record: RoundRecord, now: float, why: str) -> None:
+    def abandon(self, record: RoundRecord, now: float, why: str) -> None:
         """Abandon a round: nothing is aggregated, and the next round starts from the same global base."""
-        global_base = self.store.get_meta("global_base_sha") or record.base_sha
-        self.store.finish_round(record.round_id, "abandoned", now, global_base_sha=global_base, note=why)
+        global_base = self.engine.store.get_meta("global_base_sha") or record.base_sha
+        self.engine.store.finish_round(record.round_id, "abandoned", now, global_base_sha=global_base, note=why)
         log.warning("round %d abandoned: %s; the next round starts from the same base", record.round_id, why)
 
-    def _abandon_foreign(self: RoundEngine) -> None:
+    def abandon_foreign(self) -> None:
         """At start: abandon an open round that a mode other than this server's opened (every mode says)."""
-        current = self.store.open_round()
+        current = self.engine.store.open_round()
         for kind in MODES.values():
-            why = kind.foreign(self.store, current, isinstance(self.mode, kind))
+            why = kind.foreign(self.engine.store, current, isinstance(self.engine.mode, kind))
             if why is not None and current is not None:
-                self.abandon(current, self.clock(), why)
+                self.abandon(current, self.engine.clock(), why)
                 current = None
 
-    def _reject_base(self: RoundEngine, record: RoundRecord, refused: int) -> None:
+    def reject_base(self, record: RoundRecord, refused: int) -> None:
         """A majority of the round's devices refused its base: abandon the round, roll the global base back to the
         last base not rejected (the mode may open the next round from it, e.g. fedbuff's next version)."""
-        rejected = self.store.rejected_bases() | {record.base_sha}
-        chain = [r.base_sha for r in reversed(self.store.rounds()) if r.state == "closed"]
-        initial = self.store.get_meta("initial_base_sha")
+        rejected = self.engine.store.rejected_bases() | {record.base_sha}
+        chain = [r.base_sha for r in reversed(self.engine.store.rounds()) if r.state == "closed"]
+        initial = self.engine.store.get_meta("initial_base_sha")
         fallback = next((sha for sha in [*chain, initial] if sha not in rejected), initial)
         assert fallback is not None, "bind_state() stores the initial base"
-        now = self.clock()
+        now = self.engine.clock()
         note = f"its base was refused by {refused} device(s): rolled back to base {fallback[:12]}"
-        next_round = self.mode.rejected(record, fallback, now)
-        self.store.finish_round(
+        next_round = self.engine.mode.rejected(record, fallback, now)
+        self.engine.store.finish_round(
             record.round_id, "abandoned", now, global_base_sha=fallback, note=note, next_round=next_round,
             rejected=record.base_sha,
         )  # fmt: skip
-        self.downloads.clear()
+        self.engine.downloads.clear()
         log.warning("round %d abandoned: %s", record.round_id, note)
 
-    def _maybe_open(self: RoundEngine, now: float) -> RoundRecord | None:
+    def maybe_open(self, now: float) -> RoundRecord | None:
         """Open the next round if the mode finds the available devices enough."""
-        recent = sorted(d for d, seen in self._seen.items() if now - seen <= self.config.available_for)
-        return self.mode.open(now, self.strategy.admissible(recent))
+        recent = sorted(d for d, seen in self.engine.seen.items() if now - seen <= self.engine.config.available_for)
+        return self.engine.mode.open(now, self.engine.strategy.admissible(recent))
 
     def open_planned(
         self: RoundEngine, round_id: int, sampled: list[str], now: float, population: int, target: int
     ) -> RoundRecord:
         """Plan round `round_id` for the `sampled` devices and commit its opening with the strategy's state."""
-        base_sha = self.store.get_meta("global_base_sha")
+        base_sha = self.engine.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
         try:
-            assignments = self._plan_round(round_id, sampled, base_sha)
+            assignments = self.plan_round(round_id, sampled, base_sha)
             # planning may change the strategy (e.g. a device's first sight): saved with the round's opening
-            strategy_state = self.strategy.state_bytes()
-            state_sha = self.store.blobs.put(strategy_state) if strategy_state is not None else None
+            strategy_state = self.engine.strategy.state_bytes()
+            state_sha = self.engine.store.blobs.put(strategy_state) if strategy_state is not None else None
         except EdgePFLError as error:  # the strategy refuses this round
-            self._load_strategy_state()
+            self.load_strategy_state()
             log.error("round %d not opened: %s", round_id, error)
             raise Refused("round_not_opened", error.problem, error.fix) from None
         except BaseException:
-            self._load_strategy_state()
+            self.load_strategy_state()
             raise
-        deadline = now + self.config.round_timeout
+        deadline = now + self.engine.config.round_timeout
         record = RoundRecord(
             round_id, "open", base_sha, now, deadline, tuple(sampled), population=population, target=target
         )
         try:
-            self.store.create_round(record, assignments, strategy_state_sha=state_sha)
+            self.engine.store.create_round(record, assignments, strategy_state_sha=state_sha)
         except BaseException:
-            self._load_strategy_state()
+            self.load_strategy_state()
             raise
         return record
 
-    def _plan_round(self: RoundEngine, round_id: int, sampled: list[str], base_sha: str) -> list[Assignment]:
+    def plan_round(self, round_id: int, sampled: list[str], base_sha: str) -> list[Assignment]:
         """Ask the strategy for every sampled device's settings and base; each distinct base is stored once."""
-        global_base = decode_tensors(self.store.blobs.read(base_sha))
-        plans = self.strategy.configure_round(round_id, sampled, global_base)
+        global_base = decode_tensors(self.engine.store.blobs.read(base_sha))
+        plans = self.engine.strategy.configure_round(round_id, sampled, global_base)
         stored: dict[int, str] = {id(global_base): base_sha}  # the shared base is already a blob
         assignments = []
         for device in sampled:
             settings, payload = plans[device]
             if id(payload) not in stored:
-                check_plan(self.strategy.name, self.specs, device, settings, payload)
-                stored[id(payload)] = self.store.blobs.put(encode_tensors(payload))
+                check_plan(self.engine.strategy.name, self.engine.specs, device, settings, payload)
+                stored[id(payload)] = self.engine.store.blobs.put(encode_tensors(payload))
             assignments.append(
                 Assignment(round_id, device, stored[id(payload)], json.dumps(settings.to_json(), sort_keys=True))
             )
         return assignments
 
-    def _done(self: RoundEngine) -> bool:
-        return self.stopped is not None or self.store.count_closed() >= self.config.rounds
+    def done(self) -> bool:
+        return self.engine.stopped is not None or self.engine.store.count_closed() >= self.engine.config.rounds
 

@@ -108,7 +108,7 @@ class SecureMode(SyncMode):
         if verdict is not None and verdict[0] == "close":
             return SecureClose(self, current)
         if verdict is not None:
-            engine.abandon(current, now, str(verdict[1]))
+            engine.lifecycle.abandon(current, now, str(verdict[1]))
         return None
 
     def status(self, rounds: list[RoundRecord], names: bool) -> dict[str, Any]:

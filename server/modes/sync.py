@@ -81,7 +81,7 @@ class SyncMode(RoundMode):
             if engine.stopped is not None:
                 log.warning("%s", engine.stopped)
                 return None
-        record = engine.open_planned(round_id, sampled, now, population=len(available), target=target)
+        record = engine.lifecycle.open_planned(round_id, sampled, now, population=len(available), target=target)
         self.opened(record)
         log.info(
             "round %d opened: %d of %d available device(s) sampled, %d upload(s) close it",
@@ -132,5 +132,5 @@ class SyncMode(RoundMode):
         if accepted >= current.needed or now >= current.deadline:
             if accepted >= self.engine.config.min_clients:
                 return SyncClose(self, current)
-            self.engine.abandon(current, now, f"{accepted} of {current.needed} uploads by the deadline")
+            self.engine.lifecycle.abandon(current, now, f"{accepted} of {current.needed} uploads by the deadline")
         return None
