@@ -180,9 +180,7 @@ class Lifecycle:
         recent = sorted(d for d, seen in self.engine.seen.items() if now - seen <= self.engine.config.available_for)
         return self.engine.mode.open(now, self.engine.strategy.admissible(recent))
 
-    def open_planned(
-        self: RoundEngine, round_id: int, sampled: list[str], now: float, population: int, target: int
-    ) -> RoundRecord:
+    def open_planned(self, round_id: int, sampled: list[str], now: float, population: int, target: int) -> RoundRecord:
         """Plan round `round_id` for the `sampled` devices and commit its opening with the strategy's state."""
         base_sha = self.engine.store.get_meta("global_base_sha")
         assert base_sha is not None, "bind_state() stores the initial base"
@@ -226,5 +224,6 @@ class Lifecycle:
         return assignments
 
     def done(self) -> bool:
+        """Whether the run is over: stopped (the DP budget), or --rounds rounds closed."""
         return self.engine.stopped is not None or self.engine.store.count_closed() >= self.engine.config.rounds
 
