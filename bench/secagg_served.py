@@ -2,7 +2,7 @@
 
 For n devices (in one process), on MobileNet x0.25's base at K_P 2 (as bench/secagg.py builds it): one round through
 `edgepfl serve`'s RoundEngine (in-process, no HTTP) with --secure-aggregation, every message through the engine's
-secure calls (server/secure_calls.py), which check the round and the device, write the session's snapshot at each
+secure calls (server/engine.py), which check the round and the device, write the session's snapshot at each
 step and log every accepted message in SQLite (fsync'd); and one plain round in which each device uploads its int8
 delta (accept_update: decode, check, blob) and the engine aggregates. Measured: the engine's seconds in its calls
 (the devices' own work is not counted), the seconds of the round's close (unmasking and aggregation, or reading

@@ -26,11 +26,11 @@ from edgepfl.options import (
     ARGUMENT,
     RENAMED,
     Leaf,
-    _optional_inner,
     extra_of,
     field_help,
     flag_of,
     leaves,
+    optional_inner,
     shown_default,
     validated,
 )
@@ -111,7 +111,7 @@ def _parameter(leaf: Leaf) -> inspect.Parameter:
         argument = typer.Argument(... if required else leaf.default, help=text, show_default=False)
         return inspect.Parameter(leaf.name, _KEYWORD, default=argument, annotation=_cli_type(leaf))
     declaration = flag_of(leaf.name, leaf.info)
-    if _optional_inner(leaf.info.annotation) is bool and "/" not in declaration:
+    if optional_inner(leaf.info.annotation) is bool and "/" not in declaration:
         declaration = f"{declaration}/--no-{declaration.removeprefix('--')}"
     option = typer.Option(
         _typer_default(leaf),
@@ -134,7 +134,7 @@ def _typer_default(leaf: Leaf) -> Any:
 
 def _cli_type(leaf: Leaf) -> Any:
     """The type Typer parses a leaf's flag as: its scalar type; a choice, comma list or anything else as text."""
-    annotation = _optional_inner(leaf.info.annotation)
+    annotation = optional_inner(leaf.info.annotation)
     if typing.get_origin(annotation) is list:
         return list[typing.get_args(annotation)[0]]
     if annotation in (bool, int, float, Path):

@@ -103,7 +103,7 @@ def bounds_of(info: FieldInfo) -> dict[str, float]:
 
 def choices_of(info: FieldInfo) -> tuple[str, ...]:
     """The values a `Literal[...]` field (optional, or a tuple of them) allows; () for any other field."""
-    annotation = _optional_inner(info.annotation)
+    annotation = optional_inner(info.annotation)
     if typing.get_origin(annotation) is tuple:  # tuple[Literal[...], ...]: each item is one of the choices
         annotation = typing.get_args(annotation)[0]
     if typing.get_origin(annotation) is typing.Literal:
@@ -221,7 +221,7 @@ def titled(title: str) -> ConfigDict:
 
 def submodel(info: FieldInfo) -> type[BaseModel] | None:
     """The options model a field holds (a group of leaves), or None."""
-    annotation = _optional_inner(info.annotation)
+    annotation = optional_inner(info.annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return None
@@ -232,7 +232,7 @@ def union_members(info: FieldInfo) -> dict[str, type[BaseModel]]:
     if info.discriminator is None:
         return {}
     members = {}
-    for member in typing.get_args(_optional_inner(info.annotation)):
+    for member in typing.get_args(optional_inner(info.annotation)):
         tag_field = member.model_fields[str(info.discriminator)]
         for value in typing.get_args(tag_field.annotation):
             members[str(value)] = member
@@ -386,14 +386,14 @@ def _example(leaf: Leaf) -> str:
     return str(leaf.default) if leaf.default is not None else leaf.name.upper()
 
 
-def _optional_inner(annotation: Any) -> Any:
+def optional_inner(annotation: Any) -> Any:
     """X for `X | None` (and Optional[X]); the annotation itself otherwise."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
         if len(args) == 1:
             return args[0]
     if typing.get_origin(annotation) is typing.Annotated:
-        return _optional_inner(typing.get_args(annotation)[0])
+        return optional_inner(typing.get_args(annotation)[0])
     return annotation
 
 

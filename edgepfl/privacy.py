@@ -20,20 +20,12 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
+from edgepfl.capabilities import either, needs_of, strategies_where
 from edgepfl.errors import StateError, UsageError, WireError
 from edgepfl.options import titled
 
 SAMPLINGS = ("poisson", "fixed")
-DP_STRATEGIES = ("fedavg", "fedper")  # the strategies whose aggregate is one sum the noise is calibrated to
 NORM_TOLERANCE = 1e-6  # relative: two machines may sum the same float32 squares in a different order
-_REFUSED = {
-    "median": "the median is not a sum of clipped deltas, so Gaussian noise of sigma*C gives no stated epsilon",
-    "trimmed-mean": "the trimmed mean is not a sum of clipped deltas, so Gaussian noise of sigma*C gives no "
-    "stated epsilon",
-    "pfedla": "pfedla mixes a different, un-noised combination of the others' updates into each device's base",
-    "heurpfedla": "heurpfedla mixes a different, un-noised combination of the others' updates into each "
-    "device's base",
-}
 
 
 class PrivacyOptions(BaseModel):
@@ -106,12 +98,13 @@ class DPConfig:
 
 def check_dp_strategy(strategy: str, flag: str = "--strategy") -> None:
     """Refuse, in one line that says why, a strategy DP-FedAvg's noise does not cover (`flag`: the option that chose
-    it, e.g. simulate's --algorithm)."""
-    if strategy in DP_STRATEGIES:
+    it, e.g. simulate's --algorithm); what it covers follows from the strategy's needs (edgepfl.capabilities)."""
+    reason = needs_of(strategy).dp_refusal(strategy)
+    if reason is None:
         return
-    reason = _REFUSED.get(strategy, f"{strategy} is not one noised average of clipped deltas")
+    covered = either(strategies_where(lambda needs: needs.dp_refusal("") is None))
     raise UsageError(f"differential privacy cannot run with {flag} {strategy}: {reason}",
-                     f"use {flag} {' or '.join(DP_STRATEGIES)} with DP, or drop the --dp-* options")
+                     f"use {flag} {covered} with DP, or drop the --dp-* options")
 
 
 def delta_norm(delta: Mapping[str, np.ndarray]) -> float:

@@ -25,7 +25,7 @@ from pydantic.fields import FieldInfo
 from edgepfl.encoding import Encoding
 from edgepfl.errors import UsageError, WireError
 from edgepfl.manifest import TensorSpec
-from edgepfl.options import FLAG, RENAMED, bounds_of, choices_of, titled
+from edgepfl.options import FLAG, RENAMED, bounds_of, choices_of, extra_of, optional_inner, titled
 
 API_PREFIX = "/v1"
 ALGORITHMS = ("fedsim", "fedalt", "local")
@@ -36,9 +36,12 @@ MAX_EPOCHS = 1000
 MAX_BATCH = 1 << 20
 
 
+WIRE = "wire"  # a round setting's json_schema_extra key: "encoding" for a string that names an upload encoding
+
+
 def _setting(description: str, **constraints: Any) -> Any:
     """A round setting's field: its help (the flag's) and the bounds a device accepts."""
-    extra = {key: constraints.pop(key) for key in (FLAG, RENAMED) if key in constraints}
+    extra = {key: constraints.pop(key) for key in (FLAG, RENAMED, WIRE) if key in constraints}
     return Field(description=description, json_schema_extra=extra or None, **constraints)
 
 
@@ -91,7 +94,8 @@ class RoundOptions(BaseModel):
         str,
         _setting(
             "what a device uploads: fp32 (its trained base), or its base delta as fp16, int8, int8-block<N>, "
-            "int8[-block<N>]-sr (stochastic rounding), with error feedback"
+            "int8[-block<N>]-sr (stochastic rounding), with error feedback",
+            **{WIRE: "encoding"},
         ),
     ] = "fp32"
     download_encoding: Annotated[
@@ -162,22 +166,27 @@ def settings_problem(model: type[RoundSettings], values: dict[str, Any]) -> str 
             continue
         value = values[name]
         kind = setting_kind(info)
+        if value is None and nullable(info):
+            continue
         if kind == "choice":
             choices = choices_of(info)
             if value not in choices:
                 return f"{name} {value!r} is not one of {', '.join(choices)}"
         elif kind == "integer":
             low, high = (bounds_of(info).get(key) for key in ("ge", "le"))
-            if type(value) is not int or not low <= value <= high:
-                return f"{name} {value!r} is not an integer in {low}..{high}"
-        elif kind in ("number", "optional number"):
-            if value is None and kind == "optional number":
-                continue
+            inside = (low is None or low <= value) and (high is None or value <= high) if type(value) is int else False
+            if not inside:
+                within = f" in {low}..{high}" if low is not None and high is not None else ""
+                return f"{name} {value!r} is not an integer{within}"
+        elif kind == "number":
             if type(value) is not float or not (math.isfinite(value) and value > 0.0):
                 return f"{name} {value!r} is not a positive number"
         elif kind == "boolean":
             if type(value) is not bool:
                 return f"{name} {value!r} is not true or false"
+        elif kind == "text":
+            if type(value) is not str:
+                return f"{name} {value!r} is not text"
         elif kind == "object":
             if not isinstance(value, dict):
                 return f"{name} {value!r} is not an object"
@@ -193,24 +202,26 @@ def settings_problem(model: type[RoundSettings], values: dict[str, Any]) -> str 
 
 
 def setting_kind(info: FieldInfo) -> str:
-    """How a round setting is typed on the wire: choice, integer, number, optional number, boolean, encoding,
-    object or names (the browser's contract.json says the same)."""
-    annotation = info.annotation
+    """How a round setting is typed on the wire: choice, integer, number, boolean, encoding (a string marked so),
+    text, object or names (the browser's contract.json says the same; `nullable` says whether null is allowed too).
+    TypeError for a type no device reads, as the contract refuses it."""
     if choices_of(info):
         return "choice"
-    if annotation is bool:
-        return "boolean"
-    if annotation is int:
-        return "integer"
-    if annotation is float:
-        return "number"
-    if annotation == float | None:
-        return "optional number"
-    if annotation is str:
+    if extra_of(info).get(WIRE) == "encoding":
         return "encoding"
-    if typing.get_origin(annotation) is dict:
-        return "object"
-    return "names"
+    annotation = optional_inner(info.annotation)
+    origin = typing.get_origin(annotation)
+    for python, kind in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "text"), (dict, "object")):
+        if (origin or annotation) is python:
+            return kind
+    if origin is tuple and typing.get_args(annotation)[:1] == (str,):
+        return "names"
+    raise TypeError(f"round setting type {info.annotation!r} has no form a device reads")
+
+
+def nullable(info: FieldInfo) -> bool:
+    """Whether a round setting may be null (`X | None`)."""
+    return optional_inner(info.annotation) is not info.annotation
 
 
 @dataclass(frozen=True)

@@ -365,10 +365,7 @@ def create_app(engine: RoundEngine, limits: HttpLimits | None = None) -> FastAPI
         operator's token)."""
         return engine.status(names)
 
-    if engine.secure is not None:  # a secure round's steps (server/secure_routes.py)
-        from edgepfl.server.secure_routes import add_secure_routes
-
-        add_secure_routes(app, engine, _device, limits)
+    engine.mode.add_routes(app, _device, limits)  # e.g. a secure round's steps (server/secure_routes.py)
     app.state.device_note = note = _add_device_page(app, engine)
 
     @app.get("/", response_class=HTMLResponse, responses={401: _ERRORS[401]})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, WrappingStrategy
 from edgepfl.server.uploads import add_delta
+
+if TYPE_CHECKING:
+    from edgepfl.secagg.quantize import SecureSum
 
 SAMPLING = "fixed"  # server/sampling.py samples a fixed number of the available devices, without replacement
 LEDGER = "privacy_ledger"  # the meta key of the ledger, committed with every closed round
@@ -128,11 +131,11 @@ class PrivateStrategy(WrappingStrategy):
         average = dp_aggregate(deltas, self.budget.dp.clip_norm, self.budget.dp.noise_multiplier, denominator, rng)
         return add_delta(global_base, average, self.specs)
 
-    def noised_mean(self, round_id: int, total: Mapping[str, np.ndarray], sensitivity: float) -> dict[str, np.ndarray]:
-        """The noised mean of a sum whose one device moves it by at most `sensitivity` (secure aggregation's unmasked
-        sum of clipped, quantized deltas): (sum + N(0, (sigma * sensitivity)^2)) / m."""
+    def mean_of_sum(self, round_id: int, total: SecureSum, sensitivity: Callable[[], float]) -> dict[str, np.ndarray]:
+        """The noised mean of a sum whose one device moves it by at most `sensitivity()` (secure aggregation's
+        unmasked sum of clipped, quantized deltas): (sum + N(0, (sigma * sensitivity)^2)) / m."""
         denominator, rng = self._mechanism(round_id)
-        return noised_mean(total, self.budget.dp.noise_multiplier * sensitivity, denominator, rng)
+        return noised_mean(total.scaled_sum, self.budget.dp.noise_multiplier * sensitivity(), denominator, rng)
 
     def _mechanism(self, round_id: int) -> tuple[float, np.random.Generator]:
         """The round's fixed denominator m and its noise generator."""

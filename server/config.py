@@ -18,12 +18,12 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from edgepfl.credentials import read_secret_file
 from edgepfl.errors import UsageError
-from edgepfl.options import FLAG, HIDDEN, OPTIONS, Composed, titled
+from edgepfl.options import FLAG, HIDDEN, OPTIONS, Composed, flag_name, titled
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions, RoundSettings
 from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.fleet import FleetOptions, fleet_warnings
-from edgepfl.server.strategies import StrategyChoice, options_model
+from edgepfl.server.strategies import STRATEGIES, StrategyChoice, options_model
 
 MIN_ENROLL_SECRET = 16  # characters; shorter shared secrets are refused at start
 
@@ -130,11 +130,13 @@ class ServerConfig(Composed):
 
     @model_validator(mode="after")
     def _rounds_can_open(self) -> ServerConfig:
-        clients = getattr(self.strategy, "pfedla_clients", 0)
-        if clients and self.min_clients > clients:
+        strategy = STRATEGIES[self.strategy_name]
+        cohort = strategy.cohort_option  # a fixed cohort of client places (pfedla's N)
+        clients = getattr(self.strategy, cohort) if cohort is not None else 0
+        if cohort is not None and clients and self.min_clients > clients:
             raise UsageError(
-                f"--min-clients {self.min_clients} is more than the {clients} clients of --pfedla-clients, "
-                "so no round could open",
+                f"--min-clients {self.min_clients} is more than the {clients} clients of "
+                f"{flag_name(strategy.Options, cohort)}, so no round could open",
                 f"pass --min-clients {clients} or less",
             )
         settings = self.settings
@@ -148,11 +150,11 @@ class ServerConfig(Composed):
                 )
         check_secure(self.secure, self.strategy_name, self.privacy.clip_norm, self.fleet_rounds.asynchronous,
                      self.round.upload_encoding, self.min_clients)
-        if self.strategy_name == "heurpfedla" and settings.uploads_delta:
+        if strategy.needs.varying_tensors and settings.uploads_delta:
             raise UsageError(
-                "heurpfedla changes which tensors travel each round, and an encoded upload's error-feedback "
-                "residual belongs to one set of tensors",
-                "use --upload-encoding fp32 with heurpfedla",
+                f"{self.strategy_name} changes which tensors travel each round, and an encoded upload's "
+                "error-feedback residual belongs to one set of tensors",
+                f"use --upload-encoding fp32 with {self.strategy_name}",
             )
         if settings.download_encoding != "fp32" and settings.share_buffers:
             raise UsageError(

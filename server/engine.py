@@ -1,55 +1,31 @@
-"""The round engine: deadlines, opening and closing rounds, and what is stored when.
+"""The round engine: its core (`core.py`) with the calls the in-process drivers make instead of HTTP.
 
-The other concerns live in files of their own: `sampling.py` (who a round samples), `uploads.py` (what
-an upload must be), `bounds.py` (what one device can move), `round_uploads.py` (a round's uploads read back for
-aggregation), `budget.py` (DP-FedAvg, a wrapper around the strategy), `downloads.py` (the bytes a base travels
-in), `history.py` (which rounds' models are kept), `enrollment.py` (tokens, the shared secret), `status.py`
-(status), `store.py` and `blobs.py` (SQLite and blobs), `driver.py` (the API in-process drivers call),
-`http_errors.py` (refusal -> status), `secure.py` and its neighbours (secure aggregation's rounds).
-
-One engine per state folder and per process; the life of a round (when it opens, closes or is abandoned) is
-`lifecycle.py`'s, the rest is here: binding the state folder, and what devices ask of it.
+`edgepfl simulate` and the Flower strategy drive the engine in-process. Devices are enrolled names that never present
+a token; the engine's clock is a `ManualClock` (driver.py) that moves one second at each round's opening (and to the
+deadline when a round is closed at it). Each round every device polls `task()` (so, as in a served run where every
+enrolled device polls, the round opens once all of them are available), the engine samples and plans it,
+`open_round` hands each sampled device its settings and base (the bytes `base_for()` serves), the driver gives
+`accept_update()` the bytes a device would upload, and `close_round()` ticks the round closed. Sampling, planning,
+acceptance checks, aggregation and durable state are therefore the served ones, minus HTTP. Nobody outside the
+server package reads the engine's store.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping
 
-from edgepfl.errors import BundleError, EdgePFLError, StateError
-from edgepfl.manifest import Manifest, layout_hash, load_manifest
-from edgepfl.privacy import PrivacyLedger
-from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
-from edgepfl.server.bounds import UpdateBounds, delta_norm
-from edgepfl.server.budget import PrivacyBudget, PrivateStrategy
+import numpy as np
+
+from edgepfl.encoding import decode_download
+from edgepfl.errors import StateError
+from edgepfl.manifest import load_manifest
 from edgepfl.server.config import ServerConfig
-from edgepfl.server.downloads import Downloads
-from edgepfl.server.driver import InProcessDriving
-from edgepfl.server.enrollment import Enrollment
-from edgepfl.server.errors import Refused
-from edgepfl.server.history import History
-from edgepfl.server.lifecycle import RoundLifecycle
-from edgepfl.server.records import Assignment, EvalRecord, RoundRecord, UpdateRecord
-from edgepfl.server.round_uploads import RoundUploads
-from edgepfl.server.secure import SecureRounds
-from edgepfl.server.secure_calls import SecureCalls
-from edgepfl.server.secure_strategy import SecureStrategy
-from edgepfl.server.status import server_status
+from edgepfl.server.core import EngineCore
+from edgepfl.server.driver import DevicePlan, ManualClock, global_base_of
+from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
 from edgepfl.server.strategies import make_strategy
-from edgepfl.server.strategy import Strategy
-from edgepfl.server.uploads import Upload, finite_or_none
-from edgepfl.wire import check_tensors, encode_tensors, load_tensors
-
-log = logging.getLogger("edgepfl.server")
-
-INITIAL_TENSORS = Path("portable") / "initial.safetensors"
 
 
 def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) -> RoundEngine:
@@ -64,372 +40,131 @@ def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) 
     return engine
 
 
-class RoundEngine(RoundLifecycle, InProcessDriving, SecureCalls):
-    """Owns the rounds of one state folder; the HTTP app calls it, a background thread ticks it."""
+class RoundEngine(EngineCore):
+    """The engine core and the API of its in-process drivers (module docstring)."""
 
-    def __init__(
-        self, config: ServerConfig, manifest: Manifest, store: Store, strategy: Strategy, clock: Callable[[], float]
-    ):
-        self.config = config
-        self.manifest = manifest
-        self.store = store
-        self.strategy = strategy
-        self.clock = clock
-        self.specs = strategy.specs
-        self._shared_names = {spec.name for spec in self.specs}
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
-        self._seen: dict[str, float] = {}  # device -> last /v1/task poll (availability is not durable state)
-        self._closing: int | None = None  # round being aggregated outside the lock
-        self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
-        self.enrollment = Enrollment(config, store, clock)
-        bounds = UpdateBounds(config.clip_multiple, config.weight_multiple)
-        self.uploads = RoundUploads(store, self.specs, bounds, self.settings_for)
-        self.downloads = Downloads(store.blobs)
-        self.retention = History(store, config.fleet_rounds.retained(config.history))
-        self.dp = config.privacy.dp_config()  # DP-FedAvg settings (None: off)
-        self.budget: PrivacyBudget | None = None  # what a DP run has spent (bind_state binds it)
-        # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)
-        self.noise_seed: int | None = None
-        self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
-        secagg = config.secure.config(config.privacy.clip_norm)  # secure aggregation (None: off)
-        self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, store, self.specs,
-                                   measured=config.secure.measured(config.privacy.clip_norm)) if secagg else None
+    def open_round(self, round_id: int, devices: list[str], now: float | None = None) -> dict[str, DevicePlan] | None:
+        """`devices` poll (at virtual time `now`, else one second after the last round); round `round_id` opens;
+        each sampled device's plan (in sampled order). When not every enrolled device polls, they poll again one
+        --poll-interval later, as served devices do, and the round opens then.
 
-    # start-up
-
-    def bind_state(self) -> None:
-        """Tie the state folder to this bundle and strategy; store the round-1 base on first start."""
-        binding = {
-            "bundle_base_layout_hash": self.manifest.base_layout_hash,
-            "shared_layout_hash": layout_hash(self.specs),
-            "strategy": self.strategy.name,
-        }
-        for key, value in binding.items():
-            stored = self.store.get_meta(key)
-            if stored is not None and stored != value:
-                raise StateError(
-                    f"the state folder {self.config.state} was made with a different {key.replace('_', ' ')} "
-                    f"({stored[:16]}, now {value[:16]})",
-                    "restart with the same --bundle, --strategy and --share-bn-stats, or use a new --state folder",
-                )
-        if self.store.get_meta("initial_base_sha") is None:
-            sha = self.store.blobs.put(encode_tensors(self._initial_base()))
-            self.store.set_meta({**binding, "initial_base_sha": sha, "global_base_sha": sha})
-        self.budget = PrivacyBudget.bind(self.dp, self.store, self.strategy.name, self.config.state)
-        if self.budget is not None:  # DP-FedAvg wraps the strategy: it aggregates, the strategy plans
-            self.strategy = PrivateStrategy(self.strategy, self.budget, self._round_record, lambda: self.noise_seed)
-        if self.secure is not None:  # secure aggregation wraps both: it aggregates the unmasked sum
-            self.strategy = SecureStrategy(self.strategy, self.secure)
-        self._secure_mode_of_open_round()
-        self._load_strategy_state()
-        self.retention.apply()
-        removed = self.store.blobs.remove_unreferenced(self.store.referenced_blobs())
-        if removed:
-            log.info("removed %d unreferenced blob(s) left by an interrupted write", removed)
-
-    @property
-    def ledger(self) -> PrivacyLedger | None:
-        """The privacy budget spent so far (None without DP)."""
-        return self.budget.ledger if self.budget is not None else None
-
-    def close(self) -> None:
-        """Close the state folder's database."""
-        self.store.close()
-
-    def _initial_base(self) -> dict[str, Any]:
-        path = self.config.init or Path(self.config.bundle) / INITIAL_TENSORS
-        if not Path(path).is_file():
-            raise BundleError(
-                f"{path} does not exist, and devices start round 1 from the bundle's initial tensors",
-                "export the bundle with the portable engine, or pass --init FILE.safetensors with its initial tensors",
-            )
-        tensors = load_tensors(path)
-        shared = {name: value for name, value in tensors.items() if name in self._shared_names}
-        check_tensors(shared, self.specs, what=f"initial tensors {path}")
-        return shared
-
-    # device calls
-
-    def task(self, device: str) -> Task:
-        """What a device should do now; polling also makes it available for sampling."""
-        with self._lock:
-            try:
-                self.strategy.check_device(device)
-            except EdgePFLError as error:  # e.g. pfedla's N client places all belong to other devices
-                raise Refused("cannot_join", error.problem, error.fix) from None
-            now = self.clock()
-            self._seen[device] = now
-            if self._done():
-                return self._done_task(device)
-            current = self.store.open_round()
-            if current is None and self._closing is None:
-                current = self._maybe_open(now)
-            asynchronous = self.config.fleet_rounds.asynchronous
-            if asynchronous and current is not None and self.store.update(current.round_id, device) is None:
-                assignment = self.take_task(device, current)  # no barrier: a free device trains on the current base
-                return self._train_task(current, assignment, deadline=None)
-            if current is not None and current.round_id != self._closing and now < current.deadline:
-                assignment = self.store.assignment(current.round_id, device)
-                taking = self.secure is None or self.secure.takes_keys(current.round_id)  # a secure round's keys
-                if assignment is not None and self.store.update(current.round_id, device) is None and taking:
-                    return self._train_task(current, assignment, deadline=current.deadline)
-            return Task(
-                action="wait", base_layout_hash=self.manifest.base_layout_hash, retry_after=self.config.poll_interval
-            )
-
-    def _train_task(self, record: RoundRecord, assignment: Assignment, deadline: float | None) -> Task:
-        return Task(
-            action="train",
-            base_layout_hash=self.manifest.base_layout_hash,
-            round_id=record.round_id,
-            settings=self._settings_of(assignment, record.round_id),
-            base_url=f"{API_PREFIX}/rounds/{record.round_id}/base",
-            deadline=deadline,
-            secure_aggregation=self.secure_task(assignment.device, record.round_id),
-        )
-
-    def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
-        """The base tensors a device gets for a round (safetensors bytes) and their sha256."""
-        record = self._round_or_404(round_id)
-        self.retention.check_retained(record)
-        assignment = self.store.assignment(round_id, device)
-        if assignment is not None:
-            sha = assignment.base_sha
-        elif self._shares_base(round_id):
-            sha = record.base_sha
-        else:
-            raise Refused(
-                "not_sampled",
-                f"device {device!r} was not sampled in round {round_id}",
-                "poll /v1/task and fetch the base it names",
-            )
-        return self.downloads.base(sha, self._settings_of(assignment, round_id).download_encoding)
-
-    def result_of(self, round_id: int) -> tuple[bytes, str]:
-        """The aggregated base (global model) a closed round produced."""
-        record = self._round_or_404(round_id)
-        self.retention.check_retained(record)
-        if record.result_sha is None:
-            raise Refused(
-                "no_result",
-                f"round {round_id} is {record.state} and has no aggregated base",
-                "fetch the result of a closed round (see /v1/status)",
-            )
-        return self.store.blobs.read(record.result_sha), record.result_sha
-
-    def history(self) -> dict[str, Any]:
-        """JSON: the closed rounds whose global model can still be fetched, oldest first, and the retention."""
-        with self._lock:
-            return self.retention.listing()
-
-    def status(self, names: bool = False) -> dict[str, Any]:
-        """JSON summary of the server and every round (no tensors; device names only with `names`: the operator)."""
-        with self._lock:
-            now = self.clock()
-            rounds = self.store.rounds()
-            available = sum(1 for seen in self._seen.values() if now - seen <= self.config.available_for)
-            training = self.store.open_round() is not None
-            state = "done" if self._done() else "closing" if self._closing else "training" if training else "waiting"
-        return server_status(self, rounds, available, state, names)
-
-    def check_upload_allowed(self, device: str, round_id: int) -> None:
-        """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late, secure."""
-        if self.secure is not None:
-            raise Refused("secure_round", f"round {round_id} is aggregated securely: the server takes no plain update",
-                          "update the device: it masks its update through the round's secure_aggregation steps")
-        with self._lock:
-            if self.store.update(round_id, device) is not None:
-                return  # a retry: decided by comparing the bytes
-            self._check_open_for(device, round_id)
-
-    def accept_update(self, device: str, round_id: int, payload: bytes) -> dict[str, Any]:
-        """Check an upload against the manifest and the round, and store it durably; returns the receipt."""
-        self.check_upload_allowed(device, round_id)
-        upload = Upload.parse(payload, self.manifest, self.config.max_samples, self._shared_names)
-        settings = self.settings_for(device, round_id)
-        base = self.uploads.base_of(round_id, device)
-        tensors = upload.stands_for(settings, base, settings.travelling(self.specs))
-        previous = self.store.update(round_id, device)
-        if previous is not None:
-            return self._retry_receipt(previous, upload.sha256)
-        norm = delta_norm(tensors, base)
-        self.store.blobs.put(payload, upload.sha256)  # on disk (fsynced) before the row that names it is committed
-        with self._lock:
-            previous = self.store.update(round_id, device)
-            if previous is not None:
-                return self._retry_receipt(previous, upload.sha256)
-            self._check_open_for(device, round_id)
-            self.store.blobs.put(payload, upload.sha256)  # again: a release of history may have deleted equal bytes
-            meta = upload.meta
-            self.store.add_update(
-                UpdateRecord(
-                    round_id,
-                    device,
-                    upload.sha256,
-                    len(payload),
-                    meta.num_samples,
-                    finite_or_none(meta.train_loss),
-                    finite_or_none(meta.val_accuracy),
-                    finite_or_none(meta.val_loss),
-                    self.clock(),
-                    start_val_accuracy=finite_or_none(meta.start_val_accuracy),
-                )
-            )
-            self.uploads.remember_norm(round_id, device, norm)
-            receipt = self._receipt(round_id, upload.sha256, duplicate=False)
-        self._wake.set()
-        return receipt
-
-    def accept_refusal(self, device: str, round_id: int, reason: str) -> dict[str, Any]:
-        """A device refused the base of a round it was given (NaN or Inf in it, or training diverged from it).
-
-        When a majority of the round's devices (and at least min_clients of them, or all when fewer) refused it,
-        the base is rejected and the global base rolls back (lifecycle.py `_reject_base`); the initial base is
-        never rolled back (there is nothing before it).
+        None when the engine stops the run instead (--dp-target-epsilon: one more round would exceed it).
+        Uploads an interrupted run left in the round are withdrawn: every sampled device trains again.
         """
-        with self._lock:
-            record = self._round_or_404(round_id)
-            if self.store.assignment(round_id, device) is None:
-                raise Refused(
-                    "not_sampled", f"device {device!r} was not given round {round_id}", "report refusals of your rounds"
-                )
-            new = self.store.add_refusal(round_id, device, reason[:200], self.clock())
-            refused = len(self.store.refusals(round_id))
-            given = len(self.store.assigned_devices(round_id))
-            needed = max(min(self.config.min_clients, given), math.ceil(given / 2))
-            # the initial base has nothing before it to roll back to: its round goes on with those who train
-            rollback = record.base_sha != self.store.get_meta("initial_base_sha")
-            rolled_back = rollback and record.state == "open" and refused >= needed and record.round_id != self._closing
-            if rolled_back:
-                self._reject_base(record, refused)
-        log.warning("round %d: device %s refused its base (%s)", round_id, device, reason[:200])
-        return {"accepted": True, "round": round_id, "duplicate": not new, "rolled_back": rolled_back}
-
-    def accept_metrics(self, device: str, round_id: int, metrics: EvalMetrics) -> dict[str, Any]:
-        """Store a device's evaluation of its personalized model after a round."""
-        try:
-            metrics.check(self.config.max_samples)
-        except EdgePFLError as error:
-            raise Refused("bad_metrics", error.problem, error.fix) from None
-        with self._lock:
-            self._round_or_404(round_id)
-            if self.store.assignment(round_id, device) is None:
-                raise Refused(
-                    "not_sampled",
-                    f"device {device!r} was not sampled in round {round_id}",
-                    "report metrics for a round you trained in",
-                )
-            previous = self.store.eval_metrics(round_id, device)
-            if previous:
-                stored = (previous[0].accuracy, previous[0].loss, previous[0].num_samples)
-                if stored != (metrics.accuracy, metrics.loss, metrics.num_samples):
-                    raise Refused(
-                        "duplicate_metrics",
-                        f"device {device!r} already reported metrics for round {round_id}, with different values",
-                        "report each round's metrics once",
-                    )
-                return {"accepted": True, "round": round_id, "duplicate": True}
-            self.store.add_eval_metrics(
-                EvalRecord(round_id, device, metrics.accuracy, metrics.loss, metrics.num_samples, self.clock())
+        if isinstance(self.clock, ManualClock):  # one second a round, never back past a deadline
+            self.clock.now = now if now is not None else max(float(round_id), self.clock.now + 1.0)
+        for device in devices:
+            self.task(device)
+        if self.store.open_round() is None and self.stopped is None and isinstance(self.clock, ManualClock):
+            self.clock.now += self.config.poll_interval
+            for device in devices:
+                self.task(device)
+        current = self.store.open_round()
+        if current is None and self.stopped is not None:
+            return None
+        if current is None or current.round_id != round_id:
+            found = "none" if current is None else str(current.round_id)
+            raise StateError(
+                f"the in-process server opened round {found} where round {round_id} was due",
+                "the run folder's server state does not match its results: use a new --out",
             )
-        return {"accepted": True, "round": round_id, "duplicate": False}
+        if self.store.updates(round_id, status=None):  # a GPU's (or any nondeterministic) training sends new bytes
+            self.withdraw_uploads(round_id)
+        plans = {}
+        for device in current.sampled:
+            payload, _ = self.base_for(device, round_id)
+            settings = self.settings_for(device, round_id)
+            plans[device] = DevicePlan(settings, decode_download(payload, settings.download_encoding), len(payload))
+        return plans
 
-    def _shares_base(self, round_id: int) -> bool:
-        """Whether every device sampled in a round was sent the round's shared base (not its own mix)."""
+    def poll(self, device: str) -> tuple[int, DevicePlan] | None:
+        """One device polls (fedbuff: a free device takes a task on the current base): its round and plan, or None
+        when it is told to wait or that the run is over."""
+        task = self.task(device)
+        if task.action != "train" or task.round_id is None:
+            return None
+        payload, _ = self.base_for(device, task.round_id)
+        settings = self.settings_for(device, task.round_id)
+        return task.round_id, DevicePlan(settings, decode_download(payload, settings.download_encoding), len(payload))
+
+    def close_round(self, round_id: int, at_deadline: bool = False) -> dict[str, np.ndarray]:
+        """Aggregate the round (every sampled device has uploaded, or it is `at_deadline`); the new global base.
+
+        At its deadline the round closes with the uploads accepted so far if they are at least `min_clients`,
+        and is abandoned (StateError here) otherwise, exactly as a served round.
+        """
         record = self.store.round(round_id)
-        return record is not None and self.store.assigned_bases(round_id) <= {record.base_sha}
-
-    def _done_task(self, device: str) -> Task:
-        closed = [r for r in self.store.rounds() if r.state == "closed"]
-        last = closed[-1].round_id if closed else None
-        # with a per-device base (pFedLA) the round's result is no device's model: each keeps what it trained
-        shared_result = last is not None and self._shares_base(last)
-        return Task(
-            action="done",
-            base_layout_hash=self.manifest.base_layout_hash,
-            round_id=last,
-            base_url=f"{API_PREFIX}/rounds/{last}/result" if shared_result else None,
-            # how the device takes the final base (recompute_bn, batch_size): its settings of the last round
-            settings=self.settings_for(device, last) if shared_result else None,
-        )
-
-    # checks
-
-    def _round_record(self, round_id: int) -> RoundRecord:
-        return self._round_or_404(round_id)
-
-    def _round_or_404(self, round_id: int) -> RoundRecord:
+        if at_deadline and record is not None and isinstance(self.clock, ManualClock):
+            self.clock.now = max(self.clock.now, record.deadline)
+        self.tick()
         record = self.store.round(round_id)
-        if record is None:
-            raise Refused(
-                "no_such_round",
-                f"round {round_id} does not exist (last is {self.store.last_round_id()})",
-                "poll /v1/task for the current round",
-            )
-        return record
+        if record is None or record.state != "closed":
+            state = "missing" if record is None else f"{record.state} ({record.note})"
+            raise StateError(f"round {round_id} did not close: {state}", "see the log above; use a new --out")
+        return self.global_base()
 
-    def settings_for(self, device: str, round_id: int) -> RoundSettings:
-        """The settings `device` was given for a round (the strategy's default if it was not sampled)."""
-        return self._settings_of(self.store.assignment(round_id, device), round_id)
-
-    def _settings_of(self, assignment: Assignment | None, round_id: int) -> RoundSettings:
-        """The settings a sampled device was given for a round (every strategy's, stored with the assignment)."""
-        if assignment is None:
-            return self.strategy.settings(round_id)
-        return RoundSettings.from_json(json.loads(assignment.settings))
-
-    def _check_open_for(self, device: str, round_id: int) -> None:
-        record = self._round_or_404(round_id)
-        if self.store.assignment(round_id, device) is None:
-            raise Refused(
-                "not_sampled",
-                f"device {device!r} was not sampled in round {round_id}",
-                "poll /v1/task and train only when told to",
-            )
-        if self.config.fleet_rounds.asynchronous:  # no deadline: an upload is refused only when too stale
-            self._check_fresh(record)
+    def end_secure_step(self, round_id: int) -> None:
+        """A secure round's step is over for an in-process driver: every device that will answer has. The engine's
+        tick closes it; when some device did not answer, the clock moves to the step's end first (as a served step
+        closes at its time)."""
+        summary = self.secure_summary(round_id)
+        self.tick()
+        record = self.store.round(round_id)
+        after = self.secure_summary(round_id)
+        if summary is None or record is None or record.state != "open" or after["phase"] != summary["phase"]:
             return
-        if self.clock() >= record.deadline:
-            raise Refused(
-                "deadline_passed",
-                f"round {round_id} stopped taking uploads at its deadline",
-                "poll /v1/task for the next round; this update was not stored",
-            )
-        if record.state != "open" or record.round_id == self._closing:
-            state = "closing" if record.state == "open" else record.state
-            raise Refused("round_closed", f"round {round_id} is {state}", "poll /v1/task for the current round")
+        if isinstance(self.clock, ManualClock):
+            timeout = self.config.secure.secagg_step_timeout
+            self.clock.now = max(self.clock.now + timeout + 1, record.deadline if summary["phase"] == "keys" else 0)
+        self.tick()
 
-    def _check_fresh(self, record: RoundRecord) -> None:
-        """Fedbuff: an upload trained on base version `record` is refused when that base was rejected, or when more
-        than --max-staleness steps were made since."""
-        if record.state == "abandoned":
-            raise Refused("round_closed", f"round {record.round_id}'s base was rejected", "poll /v1/task")
-        current = self.store.last_round_id()
-        staleness, limit = current - record.round_id, self.config.fleet_rounds.max_staleness
-        if staleness > limit:
-            raise Refused(
-                "too_stale",
-                f"the update was trained on base version {record.round_id}, {staleness} steps old (the server takes "
-                f"at most {limit})",
-                "poll /v1/task and train on the current base; this update was not stored",
-            )
+    def withdraw_uploads(self, round_id: int) -> int:
+        """Forget an open round's uploads, so that its devices upload again; returns how many were forgotten.
 
-    def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
-        if previous.blob_sha != sha:
-            raise Refused(
-                "duplicate_update",
-                f"device {previous.device!r} already uploaded a different update for round {previous.round_id}",
-                "upload once per round; a retry must send the same bytes",
-            )
-        return self._receipt(previous.round_id, sha, duplicate=True)
+        For in-process drivers only (no HTTP route): a simulated run resumed after an interruption trains the
+        round again, and a GPU's training does not repeat its bytes, which the one-upload-per-round rule refuses.
+        """
+        with self.lock:
+            self.uploads.forget(round_id)
+            return self.store.withdraw_updates(round_id)
 
-    def _receipt(self, round_id: int, sha: str, duplicate: bool) -> dict[str, Any]:
-        receipt = {"accepted": True, "round": round_id, "sha256": sha, "duplicate": duplicate}
-        if self.config.fleet_rounds.asynchronous:
-            receipt["buffered"] = len(self.store.buffered_updates())
-            receipt["buffer_size"] = self.config.fleet_rounds.buffer_size
-            return receipt
-        record = self._round_or_404(round_id)
-        return {**receipt, "uploads": len(self.store.updates(round_id)), "sampled": len(record.sampled),
-                "target": record.needed}  # fmt: skip
+    def global_base(self) -> dict[str, np.ndarray]:
+        """The current global base (the last closed round's result, or the initial base)."""
+        return global_base_of(self.store)
+
+    def evaluation_base(self, device: str, global_base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The base a device is evaluated with after a round (the strategy's view; it changes nothing)."""
+        return self.strategy.evaluation_base(device, global_base)
+
+    def round(self, round_id: int) -> RoundRecord | None:
+        """One round's record, or None."""
+        return self.store.round(round_id)
+
+    def current_round(self) -> RoundRecord | None:
+        """The open round, if any."""
+        return self.store.open_round()
+
+    def next_round_id(self) -> int:
+        """The id the next round to open gets, or the open round's."""
+        current = self.store.open_round()
+        return current.round_id if current is not None else self.store.last_round_id() + 1
+
+    def closed_rounds(self) -> int:
+        """How many rounds were aggregated."""
+        return self.store.count_closed()
+
+    def epsilon(self, round_id: int) -> float | None:
+        """DP: the epsilon spent through a closed round (None without DP)."""
+        record = self.store.round(round_id)
+        return record.epsilon if record is not None else None
+
+    def enroll_devices(self, names: list[str]) -> None:
+        """Enroll in-process devices (they never present a token) that are not enrolled yet."""
+        from edgepfl.server.tokens import issue_token
+
+        enrolled = {device.name for device in self.store.devices()}
+        for name in names:
+            if name not in enrolled:
+                issue_token(self.store, name, self.clock())
+
+

@@ -24,13 +24,13 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
+from edgepfl.capabilities import either, needs_of, strategies_where
 from edgepfl.errors import UsageError
 from edgepfl.options import titled
 from edgepfl.server.sampling import sample_size
 from edgepfl.server.strategy import AcceptedUpdate
 
 AGGREGATIONS = ("sync", "fedbuff")
-ASYNC_STRATEGIES = ("fedavg", "fedper")  # a running weighted sum: steps of a few uploads are well defined
 
 
 class FleetOptions(BaseModel):
@@ -73,18 +73,15 @@ class FleetOptions(BaseModel):
         """Whether rounds are FedBuff's steps."""
         return self.aggregation == "fedbuff"
 
-    def retained(self, history: int) -> int:
-        """The closed rounds whose tensors `--history N` keeps: under fedbuff at least max_staleness + 1, since an
-        upload is decoded and bounded against the base version it trained on (0 keeps every round)."""
-        return max(history, self.max_staleness + 1) if history and self.asynchronous else history
-
     def check_strategy(self, strategy: str) -> None:
         """Refuse, in one line, a strategy that cannot take steps of a few uploads."""
-        if self.asynchronous and strategy not in ASYNC_STRATEGIES:
+        # a step of a few uploads is well defined for a running weighted sum only (edgepfl.capabilities)
+        if self.asynchronous and not needs_of(strategy).sum_of_deltas:
             raise UsageError(
                 f"--aggregation fedbuff cannot run --strategy {strategy}: it needs every device's update of a round "
                 "at once (median, trimmed mean) or one base per device planned at the round's start (pfedla)",
-                f"use --strategy {' or '.join(ASYNC_STRATEGIES)} with fedbuff, or --aggregation sync",
+                f"use --strategy {either(strategies_where(lambda needs: needs.sum_of_deltas))} with fedbuff, or "
+                "--aggregation sync",
             )
 
 

@@ -3,7 +3,7 @@ tick; the strategy then reads its unmasked sum (`secure_strategy.py`). The proto
 
 A secure round opens as any round (sampling, planning) and its devices train as in any round; then, instead of
 uploading their update, they take the protocol's steps (HTTP: `secure_routes.py`; in-process drivers: the
-engine's calls in `secure_calls.py`):
+engine's `secure_*` calls, checked by `modes/secure.py`):
 
   keys    each device advertises two public keys; the step closes when every device given the round (less those
           that refused its base) has, when the round's target has (over-selection), or at the round's deadline
@@ -263,7 +263,7 @@ class SecureRounds:
         """Every secure round's counts, by round."""
         return self.db.summaries()
 
-    # what devices send and ask for (the engine's device calls, secure_calls.py, check the round first)
+    # what devices send and ask for (the engine's device calls check the round first: modes/secure.py)
 
     def receive(self, round_id: int, device: str, kind: str, body: bytes) -> dict[str, Any]:
         """Take one message of `device` (JSON, or a masked vector's binary frame); its receipt."""

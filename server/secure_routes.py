@@ -1,6 +1,6 @@
 """A secure round's HTTP routes (`/v1/rounds/{r}/secagg/...`, docs/secure-aggregation.md): thin, over the engine's
-secure calls (`secure_calls.py`). Every call carries the device's token, and every message must name the token's
-device, so no one can advertise keys (or send anything else) in another device's name.
+secure calls (`engine.py`, checked by `modes/secure.py`). Every call carries the device's token, and every message
+must name the token's device, so no one can advertise keys (or send anything else) in another device's name.
 
     POST advert  <- KeyAdvert JSON                GET book   -> KeyBook JSON       (202 while the keys step is open)
     POST shares  <- ShareBundle JSON              GET inbox  -> ShareInbox JSON    (202 while the shares step is open)

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.server.budget import PrivateStrategy
 from edgepfl.server.secure import SecureRounds
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, WrappingStrategy
 from edgepfl.server.uploads import add_delta
@@ -36,10 +35,7 @@ class SecureStrategy(WrappingStrategy):
     ) -> BaseTensors:
         """The global base plus the round's securely summed mean delta."""
         total = self.secure.sum_of(round_id)
-        if isinstance(self.inner, PrivateStrategy):
-            average = self.inner.noised_mean(round_id, total.scaled_sum, self.secure.sensitivity(round_id))
-        else:
-            average = total.weighted_mean()
+        average = self.inner.mean_of_sum(round_id, total, lambda: self.secure.sensitivity(round_id))
         return add_delta(global_base, average, self.specs)
 
     def fresh(self) -> Strategy:

@@ -21,11 +21,9 @@ def server_status(
     the same things as counts: names are often personal ("alice-phone"), and a device has no need of others'.
     """
     rows = [round_summary(engine.store, record) for record in rounds]
-    secure = engine.secure.summaries() if engine.secure is not None else {}
-    for row in rows:  # a secure round: its step and how many devices were masked, dropped and recovered
-        if row["round"] in secure:
-            row["secure_aggregation"] = secure[row["round"]]
+    engine.mode.annotate(rows)  # e.g. a secure round: its step and how many devices were masked, dropped, recovered
     fleet = engine.config.fleet_rounds
+    mode = engine.mode.status(rounds, names)  # every mode's keys, None where a mode is off
     enrolled = engine.store.count_devices()
     return {
         "state": state,
@@ -44,11 +42,11 @@ def server_status(
         "upload_encoding": engine.config.settings.upload_encoding,
         "download_encoding": engine.config.settings.download_encoding,
         "privacy": privacy_status(engine, rounds),
-        "secure_aggregation": secure_status(engine),
+        "secure_aggregation": mode["secure_aggregation"],
         "aggregation": fleet.aggregation,
         "over_select": fleet.over_select,
         "fleet_warnings": engine.config.fleet_warnings(enrolled),
-        "fedbuff": fedbuff_status(engine, rounds, names) if fleet.asynchronous else None,
+        "fedbuff": mode["fedbuff"],
         "stopped": engine.stopped,
         "open_round": open_round_status(engine, rounds, rows, names),
         "rounds": rows,
@@ -66,56 +64,9 @@ def open_round_status(
     row = next(row for row in rows if row["round"] == record.round_id)
     refused = {device for device, _ in engine.store.refusals(record.round_id)}
     given = engine.store.assigned_devices(record.round_id)
-    if engine.secure is not None and engine.secure.holds(record.round_id):  # it waits for a step's messages
-        step, missing = engine.secure.waiting_for(record.round_id, given, sorted(refused))
-    else:
-        uploaded = {update.device for update in engine.store.updates(record.round_id)}
-        step, missing = None, [device for device in given if device not in uploaded]
-    deadline = engine.secure.step_deadline(record) if step is not None else record.deadline
+    step, missing, deadline = engine.mode.waiting(record, given, sorted(refused))  # secure: a step, its deadline
     waiting = {"waiting_for": len(missing), "refused_base": len(refused), "secure_step": step, "gives_up_at": deadline}
     return {**row, **waiting, **({"missing": missing, "refused": sorted(refused)} if names else {})}
-
-
-def fedbuff_status(engine: RoundEngine, rounds: list[RoundRecord], names: bool = False) -> dict[str, Any]:
-    """FedBuff: the current base version, the buffer's fill, how many devices last uploaded at each staleness, and
-    (`names`) each device's last upload."""
-    fleet = engine.config.fleet_rounds
-    current = next((record.round_id for record in rounds if record.state == "open"), engine.store.last_round_id())
-    last = {}
-    for update in engine.store.last_updates():
-        staleness = update.staleness if update.applied_in is not None else current - update.round_id
-        last[update.device] = {"round": update.round_id, "staleness": staleness, "applied": update.applied_in}
-    by_staleness: dict[int, int] = {}
-    for upload in last.values():
-        by_staleness[upload["staleness"]] = by_staleness.get(upload["staleness"], 0) + 1
-    return {
-        "base_version": current,
-        "buffered": len(engine.store.buffered_updates()),
-        "buffer_size": fleet.buffer_size,
-        "max_staleness": fleet.max_staleness,
-        "staleness_weight": fleet.staleness_weight,
-        "server_lr": fleet.server_lr,
-        "devices_by_staleness": dict(sorted(by_staleness.items())),
-        **({"devices": last} if names else {}),
-    }
-
-
-def secure_status(engine: RoundEngine) -> dict[str, Any] | None:
-    """Secure aggregation's settings (None: off); each secure round's row says what happened in it."""
-    if engine.secure is None:
-        return None
-    config = engine.secure.round_config()  # the clip and weight scale the next round opens with (measured)
-    return {
-        "protocol": "SecAgg+ (classic SecAgg when every device is every other's neighbour), double masking",
-        "clip_norm": config.clip_norm,
-        "threshold": config.threshold,
-        "neighbours": config.neighbours,
-        "bits": config.bits if config.bits is not None else "auto",
-        "max_weight": config.max_weight,
-        "weight_scale": config.scale_weight,
-        "measured": [name for name in ("clip", "weight") if getattr(engine.secure.measured, name)],
-        "step_timeout": engine.secure.step_timeout,
-    }
 
 
 def privacy_status(engine: RoundEngine, rounds: list[RoundRecord]) -> dict[str, Any] | None:

@@ -8,17 +8,21 @@ file in `strategies/` plus one line in the registry.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from pydantic import BaseModel
 
+from edgepfl.capabilities import StrategyNeeds, needs_of
 from edgepfl.errors import StateError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.options import OPTIONS
 from edgepfl.protocol import RoundSettings
+
+if TYPE_CHECKING:
+    from edgepfl.secagg.quantize import SecureSum
 
 BaseTensors = dict[str, np.ndarray]
 RoundPlan = tuple[RoundSettings, Mapping[str, np.ndarray]]  # what one sampled device is told and sent
@@ -51,6 +55,16 @@ class Strategy(ABC):
     streaming: ClassVar[bool] = True  # aggregate() holds O(model) memory, not O(devices x model)
     bounded: ClassVar[bool] = True  # updates arrive with what one device can move bounded (bounds.py)
     reads_deltas: ClassVar[bool] = False  # updates arrive as decoded deltas (`delta`), not as base tensors
+    # what the aggregate needs of a round (every update at once, a per-device plan, plaintext updates, a fixed
+    # cohort); DP's, secure aggregation's and fedbuff's refusals follow from it (edgepfl.capabilities)
+    needs: ClassVar[StrategyNeeds] = needs_of("")
+    cohort_option: ClassVar[str | None] = None  # the option a run's number of clients fills (needs.fixed_cohort)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A strategy's needs are those `edgepfl.capabilities` holds for its name (the core checks read them too)."""
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            cls.needs = needs_of(cls.name)
 
     def __init__(self, specs: list[TensorSpec], options: BaseModel, settings: RoundSettings, seed: int = 0):
         self.specs = specs  # the tensors that travel: the base (and base BatchNorm stats if shared)
@@ -114,6 +128,11 @@ class Strategy(ABC):
         (DP's budget, see budget.py); nothing by default. Called after aggregate(), before the commit."""
         return {}
 
+    def mean_of_sum(self, round_id: int, total: SecureSum, sensitivity: Callable[[], float]) -> dict[str, np.ndarray]:
+        """The mean delta a securely summed round gives (secure aggregation's unmasked sum; `sensitivity`: how far one
+        device can move it): the sample-weighted mean (DP's wrapper noises it instead)."""
+        return total.weighted_mean()
+
     @abstractmethod
     def aggregate(
         self, round_id: int, updates: Iterable[AcceptedUpdate], global_base: Mapping[str, np.ndarray]
@@ -130,6 +149,7 @@ class WrappingStrategy(Strategy):
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # an instance's name: the strategy it wraps
         self.personalized = inner.personalized  # type: ignore[misc]
+        self.needs = inner.needs  # type: ignore[misc]
 
     def check_manifest(self, manifest: Manifest) -> None:
         """The inner strategy's check."""
@@ -148,6 +168,10 @@ class WrappingStrategy(Strategy):
     def closing(self, record: Any) -> dict[str, Any]:
         """The inner strategy's (DP: the epsilon spent)."""
         return self.inner.closing(record)
+
+    def mean_of_sum(self, round_id: int, total: SecureSum, sensitivity: Callable[[], float]) -> dict[str, np.ndarray]:
+        """The inner strategy's (DP: the noised mean)."""
+        return self.inner.mean_of_sum(round_id, total, sensitivity)
 
 
 def cast_like(values: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> BaseTensors:

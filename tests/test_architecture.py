@@ -57,3 +57,57 @@ def test_the_map_names_every_module() -> None:
     text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
     missing = [name for name in modules if f"`{name}`" not in text]
     assert missing == [], f"modules docs/architecture.md does not name (as `path`): {missing}"
+
+
+# A round mode (synchronous, fedbuff, secure) is tested for in its own module under server/modes/ only
+# (docs/architecture.md, "How to add a round mode"): a condition that reads one of these names is a mode branch.
+MODE_WORDS = {"asynchronous", "aggregation", "fedbuff", "secure", "secure_aggregation", "sync"}
+# not the engine's: the CLI edge's option models refuse a mode's bad combinations before any engine runs, and the
+# status page renders /v1/status's JSON as any client may (a mode's section is shown when the mode put it there)
+OPTION_MODULES = {"server/config.py", "server/fleet.py", "server/page.py"}
+
+
+def _mode_branches(source: str) -> list[int]:
+    """The lines of `source` whose condition (if, while, a conditional expression, a comprehension's if) reads a
+    mode's name: an attribute, a variable or a string such as "fedbuff"."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            conditions = [node.test]
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            conditions = [test for generator in node.generators for test in generator.ifs]
+        else:
+            continue
+        for condition in conditions:
+            parts = list(ast.walk(condition))
+            words = {part.attr for part in parts if isinstance(part, ast.Attribute)}
+            words |= {part.id for part in parts if isinstance(part, ast.Name)}
+            words |= {part.value for part in parts if isinstance(part, ast.Constant) and isinstance(part.value, str)}
+            if words & MODE_WORDS:
+                found.append(node.lineno)
+    return found
+
+
+def test_the_mode_branch_check_finds_mode_branches() -> None:
+    assert _mode_branches("if self.config.fleet_rounds.asynchronous:\n    pass\n") == [1]
+    assert _mode_branches("x = None if engine.secure is None else 1\n") == [1]
+    assert _mode_branches("y = [r for r in rows if r.aggregation == 'fedbuff']\n") == [1]
+    assert _mode_branches("while current is not None and self.closing is None:\n    pass\n") == []
+    # the registry reads which mode a configuration runs: the one place outside a mode's module that may
+    modes = (REPO / "server" / "modes" / "__init__.py").read_text(encoding="utf-8")
+    assert _mode_branches(modes), "the registry's choice of mode is a branch the check sees"
+
+
+def test_no_server_module_outside_server_modes_branches_on_the_round_mode() -> None:
+    server = REPO / "server"
+    modules = [path for path in server.rglob("*.py") if server / "modes" not in path.parents]
+    assert len(modules) > 30 and (server / "engine.py") in modules and (server / "lifecycle.py") in modules
+    branches = {
+        f"{path.relative_to(REPO).as_posix()}:{line}"
+        for path in modules
+        if path.relative_to(REPO).as_posix() not in OPTION_MODULES
+        for line in _mode_branches(path.read_text(encoding="utf-8"))
+    }
+    assert branches == set(), "a round mode's branch belongs in its module under server/modes/ (docs/architecture.md)"

@@ -183,3 +183,30 @@ def test_a_setting_type_without_a_json_form_is_named() -> None:
 
     with pytest.raises(TypeError, match="complex"):
         device_contract(_Odd)
+
+
+class _WithTextAndCount(RoundSettings):
+    """A settings model with a plain-text setting and an optional integer, as a later version might add them."""
+
+    note: Annotated[str, Field(description="a plain-text note for the round")] = "hello"
+    warmup: Annotated[int | None, Field(ge=0, le=10, description="optional warm-up steps")] = None
+
+
+def test_a_plain_text_and_an_optional_integer_setting_are_what_the_page_and_a_python_device_take() -> None:
+    from edgepfl.errors import WireError
+
+    settings = device_contract(_WithTextAndCount)["settings"]
+    assert settings["note"] == {"type": "string", "nullable": False, "default": "hello",
+                                "help": "a plain-text note for the round"}  # fmt: skip
+    assert settings["warmup"] == {"type": "integer", "nullable": True, "default": None,
+                                  "help": "optional warm-up steps", "minimum": 0, "maximum": 10}  # fmt: skip
+    # a Python device takes what the contract lets the page take: any text (not an upload encoding), null or 0..10
+    taken = _WithTextAndCount.from_json({"note": "any words at all", "warmup": None})
+    assert (taken.note, taken.warmup) == ("any words at all", None)
+    assert _WithTextAndCount.from_json({"warmup": 3}).warmup == 3
+    for bad, match in (({"note": 3}, "note 3 is not text"), ({"warmup": 11}, "warmup 11 is not an integer in 0..10"),
+                       ({"warmup": "3"}, "warmup '3' is not an integer")):
+        with pytest.raises(WireError, match=match):
+            _WithTextAndCount.from_json(bad)
+    with pytest.raises(WireError, match="upload_encoding 'int9'"):  # the encoding is still checked as one
+        _WithTextAndCount.from_json({"upload_encoding": "int9"})

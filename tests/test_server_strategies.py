@@ -112,3 +112,25 @@ def test_integer_tensors_are_rounded_back() -> None:
     updates = [AcceptedUpdate("a", 1, {"count": np.array([1])}), AcceptedUpdate("b", 2, {"count": np.array([2])})]
     result = make_strategy("fedavg", specs).aggregate(1, updates, {})
     assert result["count"].dtype == np.int64 and result["count"][0] == 2
+
+
+def test_every_strategy_says_what_it_needs_and_the_refusals_follow() -> None:
+    from edgepfl.capabilities import UNKNOWN, needs_of
+    from edgepfl.privacy import check_dp_strategy
+    from edgepfl.server.fleet import FleetOptions
+
+    fedbuff = FleetOptions(aggregation="fedbuff")
+    for name, strategy in STRATEGIES.items():
+        assert strategy.needs is needs_of(name) and strategy.needs is not UNKNOWN, name
+        assert (strategy.cohort_option is not None) == strategy.needs.fixed_cohort, name
+        if strategy.needs.sum_of_deltas:  # DP, secure aggregation and fedbuff take a sum of deltas
+            check_dp_strategy(name)
+            fedbuff.check_strategy(name)
+        else:
+            with pytest.raises(UsageError, match=f"--strategy {name}"):
+                check_dp_strategy(name)
+            with pytest.raises(UsageError, match=f"cannot run --strategy {name}"):
+                fedbuff.check_strategy(name)
+    assert [name for name, s in STRATEGIES.items() if s.needs.sum_of_deltas] == ["fedavg", "fedper"]
+    with pytest.raises(UsageError, match="krum is not one noised average of clipped deltas"):  # nothing said: refused
+        check_dp_strategy("krum")

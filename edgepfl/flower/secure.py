@@ -1,7 +1,7 @@
 """A secure round over Flower's Grid: the train replies carry the nodes' key adverts (their updates stay on the
 nodes), then one query message per node and step (`query.edgepfl_secagg`) carries the engine's key book, share
 inbox and unmask request, and its reply the node's shares, masked vector and reveal, each through the engine's
-secure calls (server/secure_calls.py), as an HTTP device's message. A step the nodes that answered complete closes
+secure calls (server/engine.py), as an HTTP device's message. A step the nodes that answered complete closes
 at once; one a node did not answer closes at its time (`end_secure_step`), and the round goes on without it if the
 threshold allows.
 """

@@ -14,6 +14,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator
 
+from edgepfl.capabilities import either, needs_of, strategies_where
 from edgepfl.errors import UsageError
 from edgepfl.options import titled
 from edgepfl.secagg.config import (
@@ -29,15 +30,6 @@ from edgepfl.secagg.ring import MAX_BITS, MIN_BITS
 # the clip devices are told when each round's key book sets it (measured): it never binds, so the delta they keep
 # is whole and the key book's clip is the one applied (a delta body needs a clip, protocol.RoundSettings)
 UNBOUNDED_CLIP = 1e30
-SECURE_STRATEGIES = ("fedavg", "fedper")  # a (sample-weighted) sum of deltas: all the server learns is that sum
-_REFUSED = {
-    "median": "the median needs every device's update, and the server learns only their sum",
-    "trimmed-mean": "the trimmed mean needs every device's update, and the server learns only their sum",
-    "pfedla": "pfedla mixes each device's update into the others' bases with its own weights, and the server learns "
-    "only the sum",
-    "heurpfedla": "heurpfedla mixes each device's update into the others' bases with its own weights, and the "
-    "server learns only the sum",
-}
 
 
 class SecureAggregationOptions(BaseModel):
@@ -155,10 +147,11 @@ def check_secure(
                 raise UsageError(f"--{dashed} needs secure aggregation on",
                                  f"pass --secure-aggregation, or drop --{dashed}")
         return
-    if strategy not in SECURE_STRATEGIES:
-        reason = _REFUSED.get(strategy, f"{strategy} is not a sum of the devices' deltas")
+    reason = needs_of(strategy).secure_refusal(strategy)
+    if reason is not None:
+        summed = either(strategies_where(lambda needs: needs.secure_refusal("") is None))
         raise UsageError(f"secure aggregation cannot run with {flag} {strategy}: {reason}",
-                         f"use {flag} {' or '.join(SECURE_STRATEGIES)} with --secure-aggregation")
+                         f"use {flag} {summed} with --secure-aggregation")
     if asynchronous:
         raise UsageError("secure aggregation cannot run with --aggregation fedbuff: its masks cancel only in the sum "
                          "of one round's devices, and fedbuff's steps mix uploads of several rounds",

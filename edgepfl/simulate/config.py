@@ -64,6 +64,12 @@ ALGORITHMS: dict[str, AlgorithmPlan] = {
 }
 
 
+def personal_algorithms() -> str:
+    """The algorithms that keep the parameters --kp or --personal chooses on the device ("a, b or c")."""
+    names = [name for name, plan in ALGORITHMS.items() if plan.kp == "given"]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 class PartitionOptions(BaseModel):
     """The dataset and its split into clients (what a Flower node trains a part of); seeded by the run's --seed.
 
@@ -218,7 +224,7 @@ class SimulateConfig(Composed):
                 raise UsageError(
                     f"--algorithm {self.algorithm} keeps {'no' if self.plan.kp == 'zero' else 'every'} parameter "
                     "personal: --personal does not apply",
-                    "drop --personal, or choose fedper, fedalt, fedsim, fedper-ft, pfedla or heurpfedla",
+                    f"drop --personal, or choose {personal_algorithms()}",
                 )
         if self.plan.persfl:
             self.distill_config()

@@ -127,7 +127,7 @@ def open_server(
     from edgepfl.server.config import ServerConfig
     from edgepfl.server.driver import ManualClock
     from edgepfl.server.engine import create_engine
-    from edgepfl.server.strategies import strategy_options
+    from edgepfl.server.strategies import cohort_of, strategy_options
 
     folder = out / SERVER_DIR
     if fresh:
@@ -145,7 +145,7 @@ def open_server(
     config = ServerConfig(
         bundle=bundle or out / "bundle",
         state=folder,
-        strategy=strategy_options(strategy, **{**(knobs or {}), "pfedla_clients": len(names)}),
+        strategy=strategy_options(strategy, **{**(knobs or {}), **cohort_of(strategy, len(names))}),
         round=round_options,
         rounds=rounds,
         min_clients=quorum,
@@ -162,8 +162,7 @@ def open_server(
     engine = create_engine(config, ManualClock())
     engine.enroll_devices(names)
     engine.noise_seed = seed  # a simulation is reproducible: its DP noise is drawn from --seed (serve: OS entropy)
-    if engine.secure is not None:
-        engine.secure.seeded(seed)  # ... and its secure rounds' graph randomness
+    engine.mode.seeded(seed)  # ... and its mode's (a secure round's graph randomness)
     return engine
 
 

@@ -57,6 +57,12 @@ def strategy_options(name: str, **knobs: Any) -> BaseModel:
     return model(name=name, **{key: value for key, value in knobs.items() if key in model.model_fields})
 
 
+def cohort_of(name: str, clients: int) -> dict[str, int]:
+    """The option a strategy with a fixed cohort of client places takes a run's `clients` as (pfedla's N), or {}."""
+    option = STRATEGIES[name].cohort_option if name in STRATEGIES else None
+    return {option: clients} if option is not None else {}
+
+
 def make_strategy(
     options: BaseModel | str, specs: list[TensorSpec], settings: RoundSettings | None = None, seed: int = 0
 ) -> Strategy:

@@ -60,6 +60,7 @@ class PFedLA(Strategy):
 
     name = "pfedla"
     Options = PFedLAOptions
+    cohort_option = "pfedla_clients"  # its hypernetworks mix a fixed number of client places
     streaming = False  # keeps every client's latest tensors: O(clients x model)
 
     def __init__(self, specs: list[TensorSpec], options: PFedLAOptions, settings: RoundSettings, seed: int = 0):
