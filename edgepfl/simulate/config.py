@@ -31,6 +31,7 @@ from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.sampling import sample_size
+from edgepfl.server.strategies import strategy_options
 from edgepfl.server.strategies.heurpfedla import RetainOptions
 from edgepfl.server.strategies.pfedla import HypernetworkOptions
 from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
@@ -283,6 +284,14 @@ class SimulateConfig(Composed):
         personal fine-tuning only for fedper-ft."""
         finetune = self.round.finetune_epochs if self.plan.finetune else 0
         return self.round.model_copy(update={"algorithm": self.plan.client, "finetune_epochs": finetune})
+
+    def server_options(self) -> dict[str, Any]:
+        """Its round engine's `ServerConfig` fields (`open_server`'s): those it shares by name, the method's round
+        settings and its strategy's options (None: `local` aggregates nothing)."""
+        strategy = self.plan.strategy
+        knobs = {**self.hypernetworks.model_dump(), **self.retained.model_dump()}
+        chosen = None if strategy is None else strategy_options(strategy, **knobs)
+        return {**ServerConfig.shared_fields(self), "round": self.round_options(), "strategy": chosen}
 
     def updated(self, **changes: Any) -> SimulateConfig:
         """This config with `changes` (flat keys), validated again."""
