@@ -58,7 +58,7 @@ def flower_run_config(config, root) -> dict:
         "epochs": config.round.epochs,
         "batch-size": config.round.batch_size,
         "lr": config.round.lr,
-        **({"hn-lr": config.hypernetworks.hn_lr} if config.plan.strategy in ("pfedla", "heurpfedla") else {}),
+        **({"hn-lr": config.strategy_knobs.hn_lr} if config.plan.strategy in ("pfedla", "heurpfedla") else {}),
         "engine": config.engine,
         "threads": 1,
         "dataset": config.data.dataset,
