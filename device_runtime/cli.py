@@ -124,49 +124,17 @@ def run(options: RunCommand) -> None:
 @command(TrainCommand)
 def train(command_options: TrainCommand) -> None:
     """Train locally without a server (e.g. personal fine-tuning) and save the result in --state."""
-    options, as_json, seed = command_options.train, command_options.output.as_json, command_options.local.seed
-    epochs, trainable, lr, batch_size = options.epochs, options.trainable, options.lr, options.batch_size
-    from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
+    options, as_json = command_options.train, command_options.output.as_json
+    from edgepfl.device_runtime.algorithms import train_locally
     from edgepfl.device_runtime.progress import RichEvents
 
     device_engine, local_data, device_state = _open(command_options.files, command_options.local)
-    device_engine.check_set(trainable)
-    before = evaluate(device_engine, local_data)
+    device_engine.check_set(options.trainable)
     with RichEvents(quiet=as_json) as events:
-        events.start_bar(f"train {trainable}", epochs * -(-local_data.num_train // batch_size))
-        log = train_phase(
-            device_engine,
-            local_data,
-            Phase(trainable, trainable, epochs),
-            lr,
-            batch_size,
-            seed,
-            on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
-        )
-    after = evaluate(device_engine, local_data)
-    tensors = device_engine.get_tensors()
-    losses = [log.mean_loss] if log.steps else []
-    why = divergence(losses + ([after.loss] if after.count else []), tensors, device_engine.manifest.num_classes)
-    if why is not None:
-        raise TrainingDiverged(
-            f"training diverged ({why}): kept {device_state.kept}", f"lower --lr, e.g. --lr {lr / 10:g}"
-        )
-    record = {
-        "local_training": True,
-        "trainable": trainable,
-        "epochs": epochs,
-        "lr": lr,
-        "batch_size": batch_size,
-        "steps": log.steps,
-        "train_loss": log.mean_loss,
-        "num_samples": local_data.num_train,
-        "start_val_accuracy": before.accuracy if before.count else None,
-        "val_accuracy": after.accuracy if after.count else None,
-        "val_loss": after.loss if after.count else None,
-        "val_samples": after.count,
-        "engine": device_engine.name,
-    }
-    device_state.commit(tensors, record)
+        events.start_bar(f"train {options.trainable}", options.epochs * -(-local_data.num_train // options.batch_size))
+        record = train_locally(device_engine, local_data, options, command_options.local.seed, device_state.kept,
+                               on_step=lambda phase, loss: events.step(phase, 0, 0, loss))  # fmt: skip
+    device_state.commit(device_engine.get_tensors(), record)
     _print_result(record, as_json, "device train")
 
 
