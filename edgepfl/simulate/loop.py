@@ -197,7 +197,7 @@ def _round(
             losses.append(outcome.train_loss)
         if outcome.refused is not None:  # a device refuses a round's base or its diverged result, and says so
             server.accept_refusal(name, round_id, outcome.refused)
-        if outcome.payload is not None and _open(server, round_id) and config.secure.secure_aggregation:
+        if outcome.payload is not None and _open(server, round_id) and server.secure is not None:
             masked[name] = outcome.payload
             uploaded += 1
         elif outcome.payload is not None and _open(server, round_id):  # through the served acceptance checks

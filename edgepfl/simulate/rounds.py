@@ -37,6 +37,7 @@ class LocalRounds:
 
     strategy = None
     stopped = None
+    secure = None  # no round mode, so no secure rounds
 
     def __init__(self, options: RoundOptions, seed: int, fraction: float, min_clients: int):
         self.settings = options.settings()
