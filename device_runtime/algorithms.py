@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from edgepfl.errors import EdgePFLError, UsageError
 from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import RoundSettings, UploadMeta
 from edgepfl.wire import nonfinite_names
+
+if TYPE_CHECKING:  # options.py imports persfl, which imports this module
+    from edgepfl.device_runtime.options import TrainOptions
 
 # progress(phase, steps done, steps in the round, loss of the last step)
 Progress = Callable[[str, int, int, float], None]
@@ -254,6 +257,45 @@ def divergence(losses: Iterable[float], tensors: Mapping[str, np.ndarray], num_c
             return "loss NaN" if math.isnan(loss) else f"loss {loss:.3g}"
     bad = nonfinite_names(tensors)
     return f"NaN or Inf in {bad[0]!r}" if bad else None
+
+
+def train_locally(
+    engine: Engine,
+    data: LocalData,
+    options: TrainOptions,
+    seed: int,
+    kept: str,
+    on_step: Callable[[str, float], None] | None = None,
+) -> dict[str, Any]:
+    """`device train`: one phase of local training scored on the held-out data before and after; its record.
+
+    TrainingDiverged (the device keeps `kept`, its saved state) when a loss explodes or a tensor is NaN/Inf; the
+    engine then holds the diverged tensors, which the caller does not commit.
+    """
+    trainable, lr = options.trainable, options.lr
+    before = evaluate(engine, data)
+    log = train_phase(engine, data, Phase(trainable, trainable, options.epochs), lr, options.batch_size, seed,
+                      on_step=on_step)  # fmt: skip
+    after = evaluate(engine, data)
+    losses = ([log.mean_loss] if log.steps else []) + ([after.loss] if after.count else [])
+    why = divergence(losses, engine.get_tensors(), engine.manifest.num_classes)
+    if why is not None:
+        raise TrainingDiverged(f"training diverged ({why}): kept {kept}", f"lower --lr, e.g. --lr {lr / 10:g}")
+    return {
+        "local_training": True,
+        "trainable": trainable,
+        "epochs": options.epochs,
+        "lr": lr,
+        "batch_size": options.batch_size,
+        "steps": log.steps,
+        "train_loss": log.mean_loss,
+        "num_samples": data.num_train,
+        "start_val_accuracy": before.accuracy if before.count else None,
+        "val_accuracy": after.accuracy if after.count else None,
+        "val_loss": after.loss if after.count else None,
+        "val_samples": after.count,
+        "engine": engine.name,
+    }
 
 
 def round_losses(result: ClientResult) -> list[float]:

@@ -124,49 +124,17 @@ def run(options: RunCommand) -> None:
 @command(TrainCommand)
 def train(command_options: TrainCommand) -> None:
     """Train locally without a server (e.g. personal fine-tuning) and save the result in --state."""
-    options, as_json, seed = command_options.train, command_options.output.as_json, command_options.local.seed
-    epochs, trainable, lr, batch_size = options.epochs, options.trainable, options.lr, options.batch_size
-    from edgepfl.device_runtime.algorithms import Phase, TrainingDiverged, divergence, evaluate, train_phase
+    options, as_json = command_options.train, command_options.output.as_json
+    from edgepfl.device_runtime.algorithms import train_locally
     from edgepfl.device_runtime.progress import RichEvents
 
     device_engine, local_data, device_state = _open(command_options.files, command_options.local)
-    device_engine.check_set(trainable)
-    before = evaluate(device_engine, local_data)
+    device_engine.check_set(options.trainable)
     with RichEvents(quiet=as_json) as events:
-        events.start_bar(f"train {trainable}", epochs * -(-local_data.num_train // batch_size))
-        log = train_phase(
-            device_engine,
-            local_data,
-            Phase(trainable, trainable, epochs),
-            lr,
-            batch_size,
-            seed,
-            on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
-        )
-    after = evaluate(device_engine, local_data)
-    tensors = device_engine.get_tensors()
-    losses = [log.mean_loss] if log.steps else []
-    why = divergence(losses + ([after.loss] if after.count else []), tensors, device_engine.manifest.num_classes)
-    if why is not None:
-        raise TrainingDiverged(
-            f"training diverged ({why}): kept {device_state.kept}", f"lower --lr, e.g. --lr {lr / 10:g}"
-        )
-    record = {
-        "local_training": True,
-        "trainable": trainable,
-        "epochs": epochs,
-        "lr": lr,
-        "batch_size": batch_size,
-        "steps": log.steps,
-        "train_loss": log.mean_loss,
-        "num_samples": local_data.num_train,
-        "start_val_accuracy": before.accuracy if before.count else None,
-        "val_accuracy": after.accuracy if after.count else None,
-        "val_loss": after.loss if after.count else None,
-        "val_samples": after.count,
-        "engine": device_engine.name,
-    }
-    device_state.commit(tensors, record)
+        events.start_bar(f"train {options.trainable}", options.epochs * -(-local_data.num_train // options.batch_size))
+        record = train_locally(device_engine, local_data, options, command_options.local.seed, device_state.kept,
+                               on_step=lambda phase, loss: events.step(phase, 0, 0, loss))  # fmt: skip
+    device_state.commit(device_engine.get_tensors(), record)
     _print_result(record, as_json, "device train")
 
 
@@ -178,55 +146,25 @@ def teacher(options: TeacherCommand) -> None:
     Each round's global model (`GET /v1/history`) is scored on the held-out data exactly as in
     `device run --persfl-teacher`, and the one with the lowest loss is kept in --state for `device distill`.
     """
-    from edgepfl.errors import StateError
-
     connection, as_json = options.connection, options.output.as_json
     device_token = _device_token(options.access)
-    from edgepfl.device_runtime.algorithms import TrainingDiverged
-    from edgepfl.device_runtime.client import RetryPolicy, ServerClient, ServerRefused
-    from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
+    from edgepfl.device_runtime.client import RetryPolicy, ServerClient
+    from edgepfl.device_runtime.persfl import TeacherStore
     from edgepfl.device_runtime.progress import RichEvents
-    from edgepfl.device_runtime.round import check_global_model
+    from edgepfl.device_runtime.runner import teacher_from_history
 
     device_engine, local_data, _ = _open(options.files, options.local)
-    manifest = device_engine.manifest
-    store = TeacherStore(options.files.state, manifest)
-    losses: dict[str, float] = {}
+    store = TeacherStore(options.files.state, device_engine.manifest)
     with RichEvents(quiet=as_json) as events:
         client = ServerClient(
             options.access.server, device_token, RetryPolicy(attempts=connection.retries),
             timeout=connection.timeout, on_retry=events.message,
         )  # fmt: skip
         try:
-            entries = client.history()
-            if not entries:
-                raise StateError("the server keeps no global model yet", "run this after the server closed a round")
-            for entry in entries:
-                try:
-                    global_model = client.global_model(entry)
-                except ServerRefused as refused:
-                    if refused.error != "released":
-                        raise
-                    events.message(f"round {entry.round_id} was released meanwhile; skipped")
-                    continue
-                try:
-                    check_global_model(global_model, manifest, f"the global model of round {entry.round_id}")
-                except TrainingDiverged as refused:
-                    events.message(f"{refused.problem}; skipped")
-                    continue
-                # labelled like stage 1 in `device run`: the round that starts from this global model
-                kept, result = consider_global_model(
-                    device_engine, store, entry.round_id + 1, global_model, local_data
-                )
-                losses[str(entry.round_id)] = result.loss
-                events.message(
-                    f"global model of round {entry.round_id}: held-out loss {result.loss:.4f}"
-                    + (" (kept as teacher)" if kept else "")
-                )
+            losses = teacher_from_history(client, device_engine, store, local_data, events.message)
         finally:
             client.close()
-    if store.record is None:
-        raise StateError("no global model could be scored", "check the server's history and --val-fraction")
+    assert store.record is not None  # teacher_from_history kept one, or refused
     _print_result(
         {
             "teacher_round": store.record.round_id,

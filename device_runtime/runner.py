@@ -23,15 +23,16 @@ from typing import Any
 from edgepfl.data import LocalData
 from edgepfl.device_runtime import secure_round
 from edgepfl.device_runtime.algorithms import ClientResult, TrainingDiverged, divergence, evaluate
-from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, ServerUnreachable
+from edgepfl.device_runtime.client import RoundGone, ServerClient, ServerError, ServerRefused, ServerUnreachable
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
 from edgepfl.device_runtime.round import check_global_model, offer_teacher, train_round
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.device_runtime.statistics import receive
 from edgepfl.device_runtime.waiting import WaitLog
 from edgepfl.encoding import drop_residual
-from edgepfl.errors import BundleError, SecAggError
+from edgepfl.errors import BundleError, SecAggError, StateError
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 
 MAX_WAIT = 60.0  # seconds between polls at most, whatever the server says
@@ -341,3 +342,41 @@ def _take_final_base(
 
 def _summary(trained: int, finished: bool, accuracy: float | None, client: ServerClient) -> RunSummary:
     return RunSummary(trained, finished, accuracy, client.traffic.sent, client.traffic.received)
+
+
+def teacher_from_history(
+    client: ServerClient, engine: Engine, store: TeacherStore, data: LocalData, on_message: Callable[[str], None]
+) -> dict[str, float]:
+    """PersFL for a new participant (`device teacher`): score every global model the server keeps, keep the best.
+
+    Each one is scored on the held-out data as `device run --persfl-teacher` scores a round's (`store` keeps the one
+    with the lowest loss); a round released meanwhile or a global model holding NaN/Inf is skipped, said through
+    `on_message`. Returns the held-out loss of each round scored; StateError when there was none to score.
+    """
+    entries = client.history()
+    if not entries:
+        raise StateError("the server keeps no global model yet", "run this after the server closed a round")
+    losses: dict[str, float] = {}
+    for entry in entries:
+        try:
+            global_model = client.global_model(entry)
+        except ServerRefused as refused:
+            if refused.error != "released":
+                raise
+            on_message(f"round {entry.round_id} was released meanwhile; skipped")
+            continue
+        try:
+            check_global_model(global_model, engine.manifest, f"the global model of round {entry.round_id}")
+        except TrainingDiverged as refused:
+            on_message(f"{refused.problem}; skipped")
+            continue
+        # labelled like stage 1 in `device run`: the round that starts from this global model
+        kept, result = consider_global_model(engine, store, entry.round_id + 1, global_model, data)
+        losses[str(entry.round_id)] = result.loss
+        on_message(
+            f"global model of round {entry.round_id}: held-out loss {result.loss:.4f}"
+            + (" (kept as teacher)" if kept else "")
+        )
+    if store.record is None:
+        raise StateError("no global model could be scored", "check the server's history and --val-fraction")
+    return losses

@@ -11,9 +11,7 @@ from edgepfl.boundary import ErrorBoundary, fail
 from edgepfl.commands import command
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.errors import EdgePFLError
-from edgepfl.export.options import ExportCommand, read_class_names_file
-from edgepfl.export.sequence_options import SEQUENCE_MODELS
-from edgepfl.sensordata import HAR_ACTIVITIES
+from edgepfl.export.options import ExportCommand
 from edgepfl.server.cli import serve_app
 from edgepfl.simulate.config import PartitionCommand, SimulateConfig, read_config_file
 from edgepfl.simulate.demo import DemoOptions
@@ -42,73 +40,30 @@ def _root() -> None:
 def export(command_options: ExportCommand) -> None:
     """Export a model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
-        from edgepfl.export import bundle, source
+        from edgepfl.export import bundle
         from edgepfl.export.blocks import block_rows
-        from edgepfl.export.models import ModelSpec, default_spec
+        from edgepfl.export.target import command_target
     except ImportError as exc:
         fail(EdgePFLError(f"export needs torch and onnx ({exc.name} is missing)", "pip install 'edgepfl[export]'"))
-    from edgepfl.errors import UsageError
-
-    chosen, zoo, options = command_options, command_options.zoo, command_options.options
-    if chosen.class_names_file is not None:
-        options = options.model_copy(update={"class_names": read_class_names_file(chosen.class_names_file)})
-    model = chosen.model
-    parsed = source.parse_model(model)
-    if model not in SEQUENCE_MODELS and chosen.sequence.given():
-        raise UsageError(f"{chosen.sequence.given()[0]} applies to text and sensor models only", "drop it")
-    if parsed.is_zoo and model in SEQUENCE_MODELS:
-        if chosen.input_shape is not None or zoo.input_size is not None or zoo.in_channels is not None:
-            raise UsageError("--input-shape/--input-size/--in-channels do not apply to text and sensor models",
-                             "use --seq-len (text) or --channels/--window (sensors)")  # fmt: skip
-        from edgepfl.export.textmodels import sequence_target
-
-        target = sequence_target(model, chosen.sequence, options.seed, zoo.width, zoo.norm, chosen.num_classes)
-        hapt = target.task.get("kind") == "sensor" and target.num_classes == len(HAR_ACTIVITIES)
-        if hapt and not options.class_names:  # UCI HAPT's activities, as `--dataset har` names them
-            options = options.model_copy(update={"class_names": HAR_ACTIVITIES})
-    elif parsed.is_zoo:
-        if chosen.input_shape is not None:
-            raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")
-        base = default_spec(model)
-        spec = ModelSpec(
-            name=model,
-            width=base.width if zoo.width is None else zoo.width,
-            input_size=base.input_size if zoo.input_size is None else zoo.input_size,
-            in_channels=base.in_channels if zoo.in_channels is None else zoo.in_channels,
-            num_classes=base.num_classes if chosen.num_classes is None else chosen.num_classes,
-            norm=base.norm if zoo.norm is None else zoo.norm,
-        )
-        target = bundle.zoo_target(spec, options.seed)
-    else:
-        given = zoo.given()
-        if given:
-            raise UsageError(f"{given[0]} applies to zoo models only", "use --input-shape/--num-classes")
-        shape = source.parse_input_shape(chosen.input_shape) if chosen.input_shape is not None else None
-        loaded = source.build_from_string(parsed, shape, chosen.weights, chosen.num_classes, options.seed)
-        target = bundle.module_target(
-            loaded.module, loaded.input_shape, None, loaded.normalization, loaded.description
-        )
-    if parsed.is_zoo and chosen.weights is not None:
-        source.load_weights(target.module, source.read_state_dict(chosen.weights), f"weights file {chosen.weights}")
+    target, options = command_target(command_options)
     from rich.console import Console
 
     console = Console(stderr=False)
-    if chosen.show_blocks:
+    if command_options.show_blocks:
         rows = block_rows(target.module, target.blocks)
-        bundle.print_blocks(
-            rows, f"{model}: blocks from the input end ({target.description.get('blocks_from', 'zoo')})", console
-        )
+        origin = target.description.get("blocks_from", "zoo")
+        bundle.print_blocks(rows, f"{command_options.model}: blocks from the input end ({origin})", console)
         return
     with console.status("exporting") as status:
         manifest = bundle.export_target(
             target,
-            chosen.split(),
-            chosen.out,
+            command_options.split(),
+            command_options.out,
             options,
             progress=lambda step: status.update(f"exporting {step}"),
             notice=lambda line: console.print(line, markup=False, highlight=False),
         )
-    bundle.print_summary(manifest, chosen.out, console)
+    bundle.print_summary(manifest, command_options.out, console)
 
 
 @app.command("partition")

@@ -163,6 +163,11 @@ class ServerConfig(Composed):
             )
         return self
 
+    @classmethod
+    def shared_fields(cls, source: BaseModel) -> dict[str, Any]:
+        """The fields of a run's config (`source`: simulate's, Flower's) that are this model's, by the same name."""
+        return {name: getattr(source, name) for name in cls.model_fields if name in type(source).model_fields}
+
     def fleet_warnings(self, enrolled: int) -> list[str]:
         """This server's fleet settings that cannot work for `enrolled` devices, one line each with the fix."""
         return fleet_warnings(self.fleet_rounds, self.fraction, self.min_clients, self.round_timeout, enrolled)

@@ -26,11 +26,11 @@ from test_device_runtime import (
 )
 from typer.testing import CliRunner
 
-from edgepfl.device_runtime.algorithms import divergence
+from edgepfl.device_runtime.algorithms import TrainingDiverged, divergence, train_locally
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.client import ServerClient
 from edgepfl.device_runtime.engine import open_engine
-from edgepfl.device_runtime.options import DeviceOptions
+from edgepfl.device_runtime.options import DeviceOptions, TrainOptions
 from edgepfl.device_runtime.runner import DeviceEvents, run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import StateError
@@ -207,6 +207,17 @@ def test_device_train_with_a_diverging_lr_keeps_the_saved_state(mlp_bundle, tmp_
     evaluated = device("eval", *common)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout)["accuracy"] == json.loads(first.stdout)["val_accuracy"]
+
+
+def test_local_training_refuses_a_diverged_result_and_records_a_sane_one(mlp_bundle):
+    """`device train`'s step (algorithms.train_locally): a blown-up lr is one line naming what is kept and the fix."""
+    engine = open_engine(mlp_bundle, "portable")
+    data = local_data(engine.manifest)
+    record = train_locally(engine, data, TrainOptions(lr=0.1), seed=0, kept="the saved state")
+    assert record["steps"] > 0 and record["val_samples"] == data.num_val and record["engine"] == engine.name
+    with pytest.raises(TrainingDiverged, match=r"training diverged \(loss .*\): kept the saved state") as refused:
+        train_locally(engine, data, TrainOptions(lr=1e6), seed=0, kept="the saved state")
+    assert refused.value.fix == "lower --lr, e.g. --lr 100000"
 
 
 @pytest.mark.parametrize("content", [b"", b"not a zip"], ids=["empty", "garbage"])

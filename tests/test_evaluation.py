@@ -43,11 +43,7 @@ def _received(results, out, names):
     from edgepfl.simulate.rounds import open_server
 
     config = results.config
-    server = open_server(
-        out, config.plan.strategy, names, config.round_options(), {}, rounds=config.rounds, seed=config.seed,
-        fraction=config.fraction, min_clients=config.min_clients,
-        knobs={"hn_lr": config.hypernetworks.hn_lr, "retain_top_k": config.retained.retain_top_k}, fresh=False,
-    )  # fmt: skip
+    server = open_server(out, names, {}, config.server_options(), fresh=False)
     try:
         glob = server.global_base()
         return {name: dict(server.evaluation_base(name, glob)) for name in names}

@@ -35,6 +35,7 @@ from edgepfl.flower.config import node_config, server_config  # noqa: E402
 from edgepfl.flower.messages import BASE, UPLOAD  # noqa: E402
 from edgepfl.flower.strategy import EdgePFLStrategy  # noqa: E402
 from edgepfl.manifest import load_manifest  # noqa: E402
+from edgepfl.server.strategies import strategy_options  # noqa: E402
 from edgepfl.simulate.bundle import initial_tensors  # noqa: E402
 from edgepfl.simulate.loop import run_simulation  # noqa: E402
 from edgepfl.simulate.rounds import final_global_base, open_server  # noqa: E402
@@ -57,7 +58,7 @@ def flower_run_config(config, root) -> dict:
         "epochs": config.round.epochs,
         "batch-size": config.round.batch_size,
         "lr": config.round.lr,
-        **({"hn-lr": config.hypernetworks.hn_lr} if config.plan.strategy in ("pfedla", "heurpfedla") else {}),
+        **({"hn-lr": config.strategy_knobs.hn_lr} if config.plan.strategy in ("pfedla", "heurpfedla") else {}),
         "engine": config.engine,
         "threads": 1,
         "dataset": config.data.dataset,
@@ -133,10 +134,9 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper", run_opti
     run_config.update(run_options or {})
     server_options = server_config(run_config)
     bundle = server_options.bundle
-    server = open_server(
-        tmp_path, strategy_name, sorted(NODES.values()), server_options.round, initial_tensors(bundle),
-        rounds=2, seed=0, fraction=1.0, min_clients=1, fresh=True, bundle=bundle, round_timeout=60.0,
-    )  # fmt: skip
+    fields = {"strategy": strategy_options(strategy_name), "round": server_options.round, "rounds": 2, "seed": 0,
+              "fraction": 1.0, "min_clients": 1, "bundle": bundle, "round_timeout": 60.0}  # fmt: skip
+    server = open_server(tmp_path, sorted(NODES.values()), initial_tensors(bundle), fields, fresh=True)
     client_app = make_client_app(run_config)
     try:
         strategy = EdgePFLStrategy(server, NODES)

@@ -134,12 +134,28 @@ def test_a_strategy_owns_its_options_and_simulate_reads_them() -> None:
     from edgepfl.server.strategies.heurpfedla import HeurPFedLAOptions
     from edgepfl.server.strategies.pfedla import PFedLAOptions
 
-    assert SimulateConfig().hypernetworks.hn_lr == PFedLAOptions().hn_lr == strategy_options("pfedla").hn_lr
-    assert SimulateConfig().retained.retain_top_k == HeurPFedLAOptions().retain_top_k
+    assert SimulateConfig().strategy_knobs.hn_lr == PFedLAOptions().hn_lr == strategy_options("pfedla").hn_lr
+    assert SimulateConfig().strategy_knobs.retain_top_k == HeurPFedLAOptions().retain_top_k
     with pytest.raises(UsageError, match=r"--retain-top-k 0: input should be greater than or equal to 1"):
         validated(SimulateConfig, {"retain_top_k": 0})
     with pytest.raises(UsageError, match="unknown option 'colour'"):
         validated(ServerConfig, {"bundle": ".", "state": ".", "colour": "red"})
+
+
+def test_simulate_has_every_option_of_the_strategies_it_runs_but_their_cohort() -> None:
+    """A new option in a strategy's `Options` is a simulate flag (and reaches the strategy) with no simulate change."""
+    from edgepfl.server.strategies import STRATEGIES
+    from edgepfl.simulate.config import ALGORITHMS, StrategyKnobs
+
+    expected = {}
+    for name in {plan.strategy for plan in ALGORITHMS.values() if plan.strategy is not None}:
+        strategy = STRATEGIES[name]
+        expected |= {key: info.description for key, info in strategy.Options.model_fields.items()}
+        expected.pop(strategy.cohort_option, None)
+    assert {key: info.description for key, info in StrategyKnobs.model_fields.items()} == expected
+    config = validated(SimulateConfig, {"algorithm": "heurpfedla", "hn_lr": 0.02, "retain_top_k": 2})
+    chosen = config.server_options()["strategy"]
+    assert (chosen.name, chosen.hn_lr, chosen.retain_top_k) == ("heurpfedla", 0.02, 2)
     with pytest.raises(UsageError, match="--trim-fraction applies to --strategy trimmed-mean, not fedper"):
         validated(ServerConfig, {"bundle": ".", "state": ".", "trim_fraction": 0.2})
     chosen = validated(ServerConfig, {"bundle": ".", "state": ".", "strategy": "trimmed-mean", "trim_fraction": 0.2})
@@ -151,7 +167,7 @@ def test_flat_keys_round_trip_through_the_tree() -> None:
     from edgepfl.options import flatten
 
     config = validated(SimulateConfig, {"epochs": 2, "dp_noise_multiplier": 1.0, "dp_clip": 0.5, "hn_lr": 0.1})
-    assert (config.round.epochs, config.privacy.dp_clip, config.hypernetworks.hn_lr) == (2, 0.5, 0.1)
+    assert (config.round.epochs, config.privacy.dp_clip, config.strategy_knobs.hn_lr) == (2, 0.5, 0.1)
     assert validated(SimulateConfig, flatten(config)) == config
     assert flatten(config)["distill_lambdas"] == list(config.distill.lambdas)
 

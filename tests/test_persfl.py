@@ -158,3 +158,42 @@ def load_initial(engine):
     from edgepfl.wire import load_tensors
 
     return load_tensors(engine.bundle_dir / engine.manifest.engines["portable"]["initial"])
+
+
+def test_a_newcomer_scores_the_kept_global_models_and_skips_released_and_poisoned_ones(engine, digits, tmp_path):
+    """`device teacher`'s loop (runner.teacher_from_history): what it skips is said, what it scores is returned."""
+    from edgepfl.device_runtime.client import HistoryEntry, ServerRefused
+    from edgepfl.device_runtime.runner import teacher_from_history
+
+    x, y = digits
+    device_data = local_data(x, y, np.arange(300), np.arange(2000, 2200))
+    shared = engine.tensors_by_role("base")
+    poisoned = {name: np.full_like(value, np.nan) for name, value in shared.items()}
+
+    class History:
+        """A server whose history lists a released round, a poisoned model and a sane one."""
+
+        def __init__(self, rounds: dict[int, dict | None]):
+            self.rounds = rounds
+
+        def history(self) -> list[HistoryEntry]:
+            return [HistoryEntry(round_id, "", "") for round_id in self.rounds]
+
+        def global_model(self, entry: HistoryEntry) -> dict:
+            if self.rounds[entry.round_id] is None:
+                raise ServerRefused("released", "", 410, "released")
+            return self.rounds[entry.round_id]
+
+    said: list[str] = []
+    store = TeacherStore(tmp_path / "a", engine.manifest)
+    losses = teacher_from_history(History({1: None, 2: poisoned, 3: shared}), engine, store, device_data, said.append)
+    assert list(losses) == ["3"] and store.record is not None and store.record.round_id == 4
+    assert said[0] == "round 1 was released meanwhile; skipped"
+    assert said[1].startswith("the global model of round 2 holds NaN or Inf") and said[1].endswith("; skipped")
+    assert said[2].startswith("global model of round 3: held-out loss ") and said[2].endswith("(kept as teacher)")
+    with pytest.raises(StateError, match="no global model could be scored"):
+        teacher_from_history(History({1: None}), engine, TeacherStore(tmp_path / "b", engine.manifest), device_data,
+                             said.append)  # fmt: skip
+    with pytest.raises(StateError, match="the server keeps no global model yet"):
+        teacher_from_history(History({}), engine, TeacherStore(tmp_path / "c", engine.manifest), device_data,
+                             said.append)  # fmt: skip

@@ -121,6 +121,6 @@ def test_simulate_cli_takes_the_distillation_grid_and_pfedla_knobs(tiny_npz, tmp
     result = runner.invoke(app, [*common, *flags])
     assert result.exit_code == 0, result.output
     config = load_results(tmp_path / "h").config
-    assert (config.hypernetworks.hn_lr, config.retained.retain_top_k) == (0.02, 2)
+    assert (config.strategy_knobs.hn_lr, config.strategy_knobs.retain_top_k) == (0.02, 2)
     bad = runner.invoke(app, [*common, "--algorithm", "persfl", "--distill-lambdas", "x", "--out", str(tmp_path / "b")])
     assert bad.exit_code != 0 and "Traceback" not in bad.output and "lambda" in bad.output.lower()

@@ -87,7 +87,7 @@ def test_simulate_and_serve_give_bit_identical_global_tensors(tiny_npz, tmp_path
     # round 1 opens once all four have polled, or a poll interval after two did: long enough for a loaded machine
     options += ["--poll-interval", "20"]
     if config.plan.strategy == "pfedla":  # its own options (another strategy refuses them)
-        options += ["--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.hypernetworks.hn_lr)]
+        options += ["--pfedla-clients", str(CLIENTS), "--hn-lr", str(config.strategy_knobs.hn_lr)]
     server = LiveServer(bundle, tmp_path / "served", *options).start(timeout=120)
     try:
         processes = []

@@ -23,6 +23,7 @@ from edgepfl.flower.config import ServerRunConfig, server_config
 from edgepfl.flower.messages import DEVICE, DEVICE_QUERY, tensors_record
 from edgepfl.flower.strategy import EdgePFLStrategy
 from edgepfl.manifest import Manifest, load_manifest
+from edgepfl.server.config import ServerConfig
 
 NODE_POLL = 1.0  # seconds between looks at the connected nodes while waiting for `nodes`
 
@@ -58,23 +59,8 @@ def run_federation(grid: Grid, config: ServerRunConfig) -> Result:
             "start more SuperNodes with this bundle, or lower min-clients",
         )
     config.out.mkdir(parents=True, exist_ok=True)
-    server = open_server(
-        config.out,
-        config.strategy.name,
-        sorted(devices.values()),
-        config.round,
-        initial_tensors(config.bundle),
-        rounds=config.rounds,
-        seed=config.seed,
-        fraction=config.fraction,
-        min_clients=config.min_clients,
-        fresh=True,
-        knobs=config.strategy.model_dump(exclude={"name"}),
-        bundle=config.bundle,
-        round_timeout=config.timeout,
-        fleet_rounds=config.fleet_rounds,
-        secure=config.secure,
-    )
+    fields = {**ServerConfig.shared_fields(config), "round_timeout": config.timeout}
+    server = open_server(config.out, sorted(devices.values()), initial_tensors(config.bundle), fields, fresh=True)
     try:
         strategy = EdgePFLStrategy(server, devices)
         initial = tensors_record(server.global_base())

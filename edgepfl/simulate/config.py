@@ -3,9 +3,9 @@
 `SimulateConfig` holds the experiment's own fields and the models of the parts it drives, each owned by its
 part: the dataset and its split (`PartitionOptions`, also `edgepfl partition`'s and a Flower node's), the round
 settings (`edgepfl.protocol.RoundOptions`, with simulate's own defaults), DP (`edgepfl.privacy.PrivacyOptions`),
-pFedLA's and HeurpFedLA's knobs (their strategy files') and PersFL's stage 2 (`device_runtime.options
-.DistillOptions`, its keys prefixed `distill_`). `edgepfl simulate`'s flags, a config file's keys and results.json's
-`config` are its flat leaves (`edgepfl.options.flatten`).
+the options of the strategies its algorithms run (`StrategyKnobs`, made from their strategy files' models) and
+PersFL's stage 2 (`device_runtime.options.DistillOptions`, its keys prefixed `distill_`). `edgepfl simulate`'s
+flags, a config file's keys and results.json's `config` are its flat leaves (`edgepfl.options.flatten`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
 from edgepfl.device_runtime.options import DistillOptions
 from edgepfl.device_runtime.persfl import DistillConfig
@@ -31,8 +31,7 @@ from edgepfl.secagg.options import SecureAggregationOptions, check_secure
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.sampling import sample_size
-from edgepfl.server.strategies.heurpfedla import RetainOptions
-from edgepfl.server.strategies.pfedla import HypernetworkOptions
+from edgepfl.server.strategies import STRATEGIES, strategy_options
 from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
 from edgepfl.text import DEFAULT_SEQ_LEN, DEFAULT_VOCAB_SIZE
 from edgepfl.textdata import DEFAULT_MIN_WORDS
@@ -62,6 +61,23 @@ ALGORITHMS: dict[str, AlgorithmPlan] = {
     "heurpfedla": AlgorithmPlan("fedsim", "heurpfedla", kp="given"),
     "persfl": AlgorithmPlan("fedsim", "fedavg", kp="zero", persfl=True),
 }
+
+
+def strategy_knobs_model() -> type[BaseModel]:
+    """The options of the strategies simulate's algorithms run, from their files' `Options` models, less the fixed
+    cohort the run sets (pfedla's number of clients): a new option of theirs is a simulate flag with no change here."""
+    fields: dict[str, Any] = {}
+    for name in dict.fromkeys(plan.strategy for plan in ALGORITHMS.values() if plan.strategy is not None):
+        strategy = STRATEGIES[name]
+        for key, info in strategy.Options.model_fields.items():
+            if key != strategy.cohort_option:
+                fields[key] = (info.annotation, info)
+    model = create_model("StrategyKnobs", __config__=titled("Strategies"), **fields)
+    model.__doc__ = "the options of the strategies the algorithms run (pfedla's, heurpfedla's)"
+    return model
+
+
+StrategyKnobs = strategy_knobs_model()
 
 
 def personal_algorithms() -> str:
@@ -188,8 +204,7 @@ class SimulateConfig(Composed):
     round_timeout: float = ServerConfig.model_fields["round_timeout"]
     # the client update (fedsim, fedalt, local) is the method's: --algorithm chooses it
     round: Annotated[RoundOptions, Field(json_schema_extra={GROUP: {"exclude": ["algorithm"]}})] = SIMULATE_ROUND
-    hypernetworks: HypernetworkOptions = Field(default_factory=HypernetworkOptions)
-    retained: RetainOptions = Field(default_factory=RetainOptions)
+    strategy_knobs: StrategyKnobs = Field(default_factory=StrategyKnobs)  # type: ignore[valid-type]
     privacy: PrivacyOptions = Field(default_factory=PrivacyOptions)
     secure: SecureAggregationOptions = Field(default_factory=SecureAggregationOptions)
     distill: Annotated[DistillOptions, Field(json_schema_extra={GROUP: PERSFL_STAGE_TWO})] = DistillOptions()
@@ -283,6 +298,13 @@ class SimulateConfig(Composed):
         personal fine-tuning only for fedper-ft."""
         finetune = self.round.finetune_epochs if self.plan.finetune else 0
         return self.round.model_copy(update={"algorithm": self.plan.client, "finetune_epochs": finetune})
+
+    def server_options(self) -> dict[str, Any]:
+        """Its round engine's `ServerConfig` fields (`open_server`'s): those it shares by name, the method's round
+        settings and its strategy's options (None: `local` aggregates nothing)."""
+        strategy = self.plan.strategy
+        chosen = None if strategy is None else strategy_options(strategy, **self.strategy_knobs.model_dump())
+        return {**ServerConfig.shared_fields(self), "round": self.round_options(), "strategy": chosen}
 
     def updated(self, **changes: Any) -> SimulateConfig:
         """This config with `changes` (flat keys), validated again."""

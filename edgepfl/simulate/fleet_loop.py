@@ -62,10 +62,10 @@ class FleetRun:
 
     def run(self) -> None:
         """Run rounds (fedbuff: steps) until `rounds` are closed, on the virtual clock."""
-        if self.server.config.fleet_rounds.asynchronous:
-            self._buffered()
-        else:
+        if self.server.mode.barrier:  # the engine's round mode says how its rounds close
             self._synchronous()
+        else:
+            self._buffered()
 
     # synchronous rounds, with over-selection
 

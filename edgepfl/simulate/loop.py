@@ -120,23 +120,7 @@ def run_simulation(
     done, pending = saved if saved is not None else (0, None)
     for client in clients:  # residuals of a round whose client state was not saved are encoded again on resume
         drop_residuals_after(client.residuals, done)
-    server = open_server(
-        out,
-        config.plan.strategy,
-        names,
-        config.round_options(),
-        initial,
-        rounds=config.rounds,
-        seed=config.seed,
-        fraction=config.fraction,
-        min_clients=config.min_clients,
-        knobs={**config.hypernetworks.model_dump(), **config.retained.model_dump()},
-        round_timeout=config.round_timeout,
-        privacy=config.privacy,
-        fleet_rounds=config.fleet_rounds,
-        secure=config.secure,
-        fresh=saved is None,
-    )
+    server = open_server(out, names, initial, config.server_options(), fresh=saved is None)
     workers = None
     try:
         if server.strategy is not None:
@@ -213,7 +197,7 @@ def _round(
             losses.append(outcome.train_loss)
         if outcome.refused is not None:  # a device refuses a round's base or its diverged result, and says so
             server.accept_refusal(name, round_id, outcome.refused)
-        if outcome.payload is not None and _open(server, round_id) and config.secure.secure_aggregation:
+        if outcome.payload is not None and _open(server, round_id) and server.secure is not None:
             masked[name] = outcome.payload
             uploaded += 1
         elif outcome.payload is not None and _open(server, round_id):  # through the served acceptance checks

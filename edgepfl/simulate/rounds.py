@@ -19,10 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgepfl.errors import StateError
-from edgepfl.privacy import PrivacyOptions
 from edgepfl.protocol import RoundOptions
-from edgepfl.secagg.options import SecureAggregationOptions
-from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.sampling import sample_size
 from edgepfl.wire import save_tensors
 
@@ -40,6 +37,7 @@ class LocalRounds:
 
     strategy = None
     stopped = None
+    secure = None  # no round mode, so no secure rounds
 
     def __init__(self, options: RoundOptions, seed: int, fraction: float, min_clients: int):
         self.settings = options.settings()
@@ -96,32 +94,18 @@ class LocalRounds:
 
 
 def open_server(
-    out: Path,
-    strategy: str | None,
-    names: list[str],
-    round_options: RoundOptions,
-    initial: Mapping[str, np.ndarray],
-    *,
-    rounds: int,
-    seed: int,
-    fraction: float,
-    min_clients: int,
-    fresh: bool,
-    knobs: Mapping[str, Any] | None = None,
-    bundle: Path | None = None,
-    round_timeout: float | None = None,
-    privacy: PrivacyOptions | None = None,
-    fleet_rounds: FleetOptions | None = None,
-    secure: SecureAggregationOptions | None = None,
+    out: Path, names: list[str], initial: Mapping[str, np.ndarray], server: Mapping[str, Any], *, fresh: bool
 ) -> RoundEngine | LocalRounds:
     """The run's engine over OUT/server (made on a fresh run), every client enrolled as a device.
 
-    `knobs`: strategy options (e.g. hn_lr, retain_top_k); each strategy takes those it has, and pfedla's number
-    of clients is the run's. `bundle` defaults to OUT/bundle; `round_timeout` (seconds to a round's deadline) to
-    `edgepfl serve`'s.
+    `server`: the engine's `ServerConfig` fields, as a run's config holds them (`ServerConfig.shared_fields`);
+    its `strategy` is a strategy's options model (None: `local`, no engine), whose fixed cohort (pfedla's number
+    of clients) is the run's. `bundle` defaults to OUT/bundle; the state folder, initial tensors and history
+    are the simulation's own.
     """
-    if strategy is None:
-        return LocalRounds(round_options, seed, fraction, min_clients)
+    chosen = server["strategy"]
+    if chosen is None:
+        return LocalRounds(server["round"], server["seed"], server["fraction"], server["min_clients"])
     import shutil
 
     from edgepfl.server.config import ServerConfig
@@ -138,31 +122,29 @@ def open_server(
             f"{out} was made by an older edgepfl simulate (it has no {SERVER_DIR}/ round engine state)",
             "rerun into a new --out",
         )
-    timeout = {} if round_timeout is None else {"round_timeout": round_timeout}
+    name = str(chosen.name)
+    strategy = strategy_options(name, **{**chosen.model_dump(exclude={"name"}), **cohort_of(name, len(names))})
+    min_clients, fraction = server["min_clients"], server["fraction"]
     quorum = min(min_clients, len(names))
+    secure = server.get("secure")
     if secure is not None and secure.secure_aggregation:  # every sampled client takes the steps (no --fleet here):
         quorum = sample_size(len(names), fraction, min_clients)  # the cohort is the quorum, and samples alike
     config = ServerConfig(
-        bundle=bundle or out / "bundle",
-        state=folder,
-        strategy=strategy_options(strategy, **{**(knobs or {}), **cohort_of(strategy, len(names))}),
-        round=round_options,
-        rounds=rounds,
-        min_clients=quorum,
-        fraction=fraction,
-        seed=seed,
-        init=out / INITIAL_FILE,
-        history=HISTORY,
-        **timeout,
-        privacy=privacy or PrivacyOptions(),
-        fleet_rounds=fleet_rounds or FleetOptions(),
-        secure=secure or SecureAggregationOptions(),
-        web=False,
+        **{
+            **server,
+            "bundle": server.get("bundle") or out / "bundle",
+            "state": folder,
+            "strategy": strategy,
+            "min_clients": quorum,
+            "init": out / INITIAL_FILE,
+            "history": HISTORY,
+            "web": False,
+        }
     )
     engine = create_engine(config, ManualClock())
     engine.enroll_devices(names)
-    engine.noise_seed = seed  # a simulation is reproducible: its DP noise is drawn from --seed (serve: OS entropy)
-    engine.mode.seeded(seed)  # ... and its mode's (a secure round's graph randomness)
+    engine.noise_seed = config.seed  # a simulation is reproducible: DP noise is drawn from --seed (serve: OS entropy)
+    engine.mode.seeded(config.seed)  # ... and its mode's (a secure round's graph randomness)
     return engine
 
 

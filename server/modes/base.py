@@ -64,6 +64,8 @@ class RoundMode(ABC):
     """How one engine's rounds run (module docstring); made once per engine, after its strategy."""
 
     name: ClassVar[str]
+    # a round closes for all its devices at once (they wait for one another); False: steps with no barrier
+    barrier: ClassVar[bool] = True
     secure: SecureRounds | None = None  # the secure rounds' sessions, in the mode that runs them
 
     def __init__(self, engine: RoundEngine):

@@ -61,6 +61,7 @@ class FedBuffMode(RoundMode):
     """Asynchronous buffered steps (module docstring)."""
 
     name = "fedbuff"
+    barrier = False  # each buffer of uploads is a step; no device waits for another
 
     def retained(self, history: int) -> int:
         """At least max_staleness + 1 rounds: an upload is decoded and bounded against the version it trained on."""
