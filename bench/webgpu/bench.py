@@ -39,7 +39,6 @@ PATHS = (
     if PACKED
     else {}
 )
-COLUMNS = ("WebGPU", "wasm 1 thread", "wasm {n} threads", "native ORT 2 threads", "native ORT {n} threads")
 SETS = ("full", "personal")
 
 
@@ -64,7 +63,8 @@ def node_run(bundle: Path, backend: str, threads: int, steps: int, warmup: int, 
         return {"error": f"did not finish within {timeout:.0f} s"}
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
-        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1][:400]}
+        lines = result.stderr.strip().splitlines() or ["failed"]
+        return {"error": next((line for line in lines if "Error" in line or "error:" in line), lines[-1])[:400]}
     return json.loads(lines[-1])
 
 
@@ -91,15 +91,25 @@ def export(bundles: Path, width: float) -> Path:
     return bundle
 
 
+def threaded(engine: str, threads: int) -> str:
+    """A column's name: the engine and its thread count."""
+    return f"{engine} {threads} thread{'s' * (threads > 1)}"
+
+
+def columns(threads: int) -> list[str]:
+    """The table's columns for N = `threads` (once each: N may be 1 or 2)."""
+    named = ["WebGPU", threaded("wasm", 1), threaded("wasm", threads)]
+    return list(dict.fromkeys(named + [threaded("native ORT", 2), threaded("native ORT", threads)]))
+
+
 def table(report: dict) -> str:
     """Issue 39's table: images/s per MobileNet width and step kind, one column per engine."""
-    n = report["threads"]
-    columns = [c.format(n=n) for c in COLUMNS]
-    lines = ["| MobileNet, step | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    names = columns(report["threads"])
+    lines = ["| MobileNet, step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for trainable in SETS:
         for width, runs in report["widths"].items():
             cells = []
-            for column in columns:
+            for column in names:
                 speed = runs.get(column, {}).get(f"{trainable}ImagesPerSecond")
                 cells.append("–" if speed is None else f"{speed:,.1f}" if speed < 100 else f"{speed:,.0f}")
             lines.append(f"| ×{width} {trainable} | " + " | ".join(cells) + " |")
@@ -113,15 +123,14 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = report["threads"]
-    columns = [c.format(n=n) for c in COLUMNS]
+    names = columns(report["threads"])
     groups = [(w, t) for t in SETS for w in report["widths"]]
     figure, axis = plt.subplots(figsize=(8, 3.8))
-    bar = 0.8 / len(columns)
-    for index, column in enumerate(columns):
+    bar = 0.8 / len(names)
+    for index, column in enumerate(names):
         values = [report["widths"][w].get(column, {}).get(f"{t}ImagesPerSecond") or 0 for w, t in groups]
         axis.bar([g + index * bar for g in range(len(groups))], values, bar, label=column)
-    axis.set_xticks([g + bar * (len(columns) - 1) / 2 for g in range(len(groups))], [f"×{w} {t}" for w, t in groups])
+    axis.set_xticks([g + bar * (len(names) - 1) / 2 for g in range(len(groups))], [f"×{w} {t}" for w, t in groups])
     axis.set_yscale("log")
     axis.set_ylabel("images / s (batch 32)")
     axis.set_title(
@@ -164,11 +173,9 @@ def main() -> None:
         runs = {"WebGPU": node_run(bundle, "webgpu", 1, args.steps, args.warmup, args.timeout)}
         report["adapter"] = report["adapter"] or runs["WebGPU"].get("adapter")
         for threads in sorted({1, args.threads}):
-            runs[f"wasm {threads} thread{'s' * (threads > 1)}"] = node_run(
-                bundle, "wasm", threads, args.steps, args.warmup, args.timeout
-            )
+            runs[threaded("wasm", threads)] = node_run(bundle, "wasm", threads, args.steps, args.warmup, args.timeout)
         for threads in sorted({2, args.threads}):
-            runs[f"native ORT {threads} threads"] = native_run(bundle, threads, args.steps, args.warmup)
+            runs[threaded("native ORT", threads)] = native_run(bundle, threads, args.steps, args.warmup)
         report["widths"][str(width)] = runs
         print(
             f"x{width}: " + ", ".join(f"{k}: {'error' if 'error' in v else 'ok'}" for k, v in runs.items()),

@@ -60,6 +60,17 @@ if (args.backend === 'webgpu') {
 }
 const backend = await chooseBackend(gpu, args.backend);
 if (backend.name !== args.backend) fail(`${args.backend} was asked for, but ${backend.reason}`, 'see VK_ICD_FILENAMES');
+// with threads > 1 onnxruntime-web fetches its worker module and imports it through a blob: URL (its origin is not
+// the page's); Node's fetch takes no file: URL and Node imports no blob: URL, so the module is imported from its file
+const nodeFetch = globalThis.fetch;
+let fetched = '';
+globalThis.fetch = async (input, init) => {
+  const url = String(input);
+  if (!url.startsWith('file:')) return nodeFetch(input, init);
+  fetched = url;
+  return new Response(await readFile(fileURLToPath(url)));
+};
+URL.createObjectURL = () => fetched;
 const ort = await loadRuntime(backend.name, pathToFileURL(`${resolve(args.vendor)}/`));
 
 const bundle = resolve(args.bundle);
