@@ -71,15 +71,20 @@ def export_bundles(models: list[str], folder: Path) -> dict[str, Path]:
     return bundles
 
 
-def time_steps(engine: str, bundle: Path, trainable: str, steps: int, warmup: int) -> list[float]:
-    """Seconds per training step of one engine (runs in the worker process)."""
+def time_steps(
+    engine: str, bundle: Path, trainable: str, steps: int, warmup: int, threads: int = THREADS
+) -> list[float]:
+    """Seconds per training step of one engine on `threads` threads (runs in the worker process)."""
     from edgepfl.manifest import load_manifest
 
     manifest = load_manifest(bundle)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, *manifest.input.shape)).astype(np.float32)
     y = rng.integers(0, manifest.num_classes, BATCH).astype(np.int64)
-    step = _torch_step(bundle, manifest, trainable, x, y) if engine == "torch" else _onnx_step(engine, bundle, x, y)
+    if engine == "torch":
+        step = _torch_step(bundle, manifest, trainable, x, y, threads)
+    else:
+        step = _onnx_step(engine, bundle, x, y, threads)
     seconds = []
     for index in range(warmup + steps):
         start = time.perf_counter()
@@ -89,10 +94,10 @@ def time_steps(engine: str, bundle: Path, trainable: str, steps: int, warmup: in
     return seconds
 
 
-def _onnx_step(engine: str, bundle: Path, x: np.ndarray, y: np.ndarray):
+def _onnx_step(engine: str, bundle: Path, x: np.ndarray, y: np.ndarray, threads: int):
     from edgepfl.device_runtime.engine import open_engine
 
-    runtime = open_engine(bundle, engine, threads=THREADS)
+    runtime = open_engine(bundle, engine, threads=threads)
     return lambda trainable: runtime.train_step(x, y, lr=0.01, trainable=trainable)
 
 
@@ -101,13 +106,13 @@ def bundle_name(label: str) -> str:
     return label.replace(":", "-").replace("@", "-")
 
 
-def _torch_step(bundle: Path, manifest, trainable: str, x: np.ndarray, y: np.ndarray):
+def _torch_step(bundle: Path, manifest, trainable: str, x: np.ndarray, y: np.ndarray, threads: int):
     import torch
 
     from edgepfl.export.source import rebuild_module
     from edgepfl.wire import load_tensors
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     model = rebuild_module(manifest.model).train()
     initial = load_tensors(bundle / manifest.engines["portable"]["initial"])
     model.load_state_dict({n: torch.from_numpy(v) for n, v in initial.items()}, strict=False)
@@ -125,9 +130,12 @@ def _torch_step(bundle: Path, manifest, trainable: str, x: np.ndarray, y: np.nda
     return step
 
 
-def run_worker(engine: str, bundle: Path, trainable: str, steps: int, warmup: int) -> list[float] | str:
+def run_worker(
+    engine: str, bundle: Path, trainable: str, steps: int, warmup: int, threads: int = THREADS
+) -> list[float] | str:
     """Time one engine in a fresh process: its step times, or the worker's last error line."""
     command = [sys.executable, __file__, "--worker", engine, str(bundle), trainable, str(steps), str(warmup)]
+    command += ["--worker-threads", str(threads)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         return (result.stderr.strip().splitlines() or ["failed"])[-1]
@@ -218,10 +226,11 @@ def main() -> None:
     parser.add_argument(
         "--worker", nargs=5, metavar=("ENGINE", "BUNDLE", "SET", "STEPS", "WARMUP"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--worker-threads", type=int, default=THREADS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         engine, bundle, trainable, steps, warmup = args.worker
-        print(json.dumps(time_steps(engine, Path(bundle), trainable, int(steps), int(warmup))))
+        print(json.dumps(time_steps(engine, Path(bundle), trainable, int(steps), int(warmup), args.worker_threads)))
         return
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

@@ -3,6 +3,7 @@
 
 import { chooseBackend, loadRuntime } from '/src/backend.js';
 import { openEngine, portableFiles } from '/src/engine.js';
+import { timeSteps } from '/bench/timing.js';
 
 const params = new URLSearchParams(location.search);
 const threads = Number(params.get('threads') || 1);
@@ -29,26 +30,8 @@ async function run() {
   const opened = performance.now();
   const engine = await openEngine(ort, manifest, files, { threads, bakeFrozen, backend: backend.name });
   const openSeconds = (performance.now() - opened) / 1000;
-  const size = engine.batchSize;
-  // seeded inputs (a fixed LCG): the timings do not depend on the values, the run must not depend on Math.random
-  let state = 12345;
-  const next = () => ((state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32);
-  const x = Float32Array.from({ length: size * engine.sampleSize }, () => next() * 2 - 1);
-  const y = Int32Array.from({ length: size }, () => Math.floor(next() * manifest.num_classes));
-  const result = { backend: backend.name, adapter: backend.adapter, threads, steps, warmup, bakeFrozen, batchSize: size, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency };
-  for (const set of ['full', 'personal']) {
-    const first = performance.now();
-    await engine.trainStep(x, y, size, 0.01, set);
-    result[`${set}FirstStepSeconds`] = (performance.now() - first) / 1000; // includes creating the session
-    for (let i = 1; i < warmup; i++) await engine.trainStep(x, y, size, 0.01, set);
-    const started = performance.now();
-    for (let i = 0; i < steps; i++) await engine.trainStep(x, y, size, 0.01, set);
-    const seconds = (performance.now() - started) / 1000;
-    result[`${set}ImagesPerSecond`] = (steps * size) / seconds;
-    result[`${set}VariantSteps`] = engine.variantSteps;
-  }
-  result.placements = Object.fromEntries(engine.placements); // where each graph ran (all 'webgpu' on a GPU, or why not)
-  return result;
+  const timed = await timeSteps(engine, { steps, warmup, numClasses: manifest.num_classes });
+  return { backend: backend.name, adapter: backend.adapter, threads, steps, warmup, bakeFrozen, openSeconds, crossOriginIsolated: globalThis.crossOriginIsolated, hardwareConcurrency: navigator.hardwareConcurrency, ...timed };
 }
 
 run().then(
