@@ -19,7 +19,8 @@ an .npz of PHONE_EXAMPLES examples as soon as it asks for them), then "Try it" o
 Prints JSON and writes bench/figures/web.png (web-x1.0.png for another width).
 
 Usage: python bench/web.py [--bundle DIR] [--width 0.25] [--steps 10] [--warmup 5] [--threads 2] [--no-webgpu]
-    [--phone-only]
+    [--phone-only | --steps-only]
+       --bundle DIR --steps-only times any bundle's steps, a text bundle's too (token ids drawn below its vocabulary)
        (needs chromium, playwright, npm ci)
 """
 
@@ -198,7 +199,11 @@ def native_run(bundle: Path, steps: int, warmup: int) -> dict:
     manifest = load_manifest(bundle)
     engine = PortableEngine(bundle, manifest, threads=1)
     rng = np.random.default_rng(0)
-    x = rng.uniform(-1, 1, (engine.batch_size, *manifest.input.shape)).astype(np.float32)
+    shape = (engine.batch_size, *manifest.input.shape)
+    if manifest.input.dtype == "int64":  # a text bundle: token ids below the vocabulary's size
+        x = rng.integers(0, manifest.num_classes, shape)
+    else:
+        x = rng.uniform(-1, 1, shape).astype(np.float32)
     y = rng.integers(0, manifest.num_classes, engine.batch_size)
     result = {"threads": 1, "steps": steps, "warmup": warmup, "batchSize": engine.batch_size}
     for trainable in ("full", "personal"):
@@ -296,6 +301,14 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def bundle_name(bundle: Path) -> str:
+    """What a given bundle is, from its manifest: its model, its kind of sample and what is personal."""
+    from edgepfl.manifest import load_manifest
+
+    manifest = load_manifest(bundle)
+    return f"{manifest.model.get('name', 'model')} ({manifest.task.get('kind', 'image')}), personal {manifest.personal}"
+
+
 def export_bundle(folder: Path, width: float) -> Path:
     """MobileNet x`width` (x0.25: the bundle the targets name), K_P=2, portable graphs only."""
     command = [str(Path(sys.executable).parent / "edgepfl"), "export", "mobilenet", "--width", str(width), "--kp", "2"]
@@ -315,6 +328,9 @@ def main() -> None:
         "--warmup", type=int, default=5, help="untimed steps first (V8 tiers the wasm up over the first steps)"
     )
     parser.add_argument("--phone-only", action="store_true", help="only the phone run (first upload, Try it)")
+    parser.add_argument(
+        "--steps-only", action="store_true", help="only the steps' speed (any bundle, text too: no phone run)"
+    )
     args = parser.parse_args()
     if not CHROMIUM.exists():
         sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
@@ -345,11 +361,11 @@ def main() -> None:
             "after": native_after,
         }
         report = {
-            "bundle": f"mobilenet x{args.width} kp=2",
+            "bundle": bundle_name(bundle) if args.bundle else f"mobilenet x{args.width} kp=2",
             "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
             "runs": runs,
             "first_load_bytes": first_load_bytes(bundle),
-            **phone_report(bundle, Path(tmp)),
+            **({"phone_targets": {}} if args.steps_only else phone_report(bundle, Path(tmp))),
         }
     native, browser = runs["native 1 thread"], runs["browser 1 thread"]
     ratio = browser["fullImagesPerSecond"] / native["fullImagesPerSecond"]
@@ -376,6 +392,8 @@ def main() -> None:
     report["targets"].update(report.pop("phone_targets"))
     print(json.dumps(report, indent=1))
     name = "web.png" if args.width == 0.25 else f"web-x{args.width}.png"
+    if args.bundle:  # a given bundle's plot is named by its model, never over the MobileNet ones
+        name = f"web-{report['bundle'].split(' ')[0]}.png"
     plot(report, ROOT / "bench" / "figures" / name)
 
 

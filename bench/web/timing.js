@@ -1,6 +1,7 @@
 // @ts-nocheck
 // The bench's timed steps, shared by the browser page (bench.js) and the Node + Dawn runner (../webgpu/run.mjs):
-// the full and personal-only steps of an opened engine, images per second after untimed warm-up steps.
+// the full and personal-only steps of an opened engine, samples (images, or a text bundle's windows) per second after
+// untimed warm-up steps.
 
 /**
  * Time `engine`'s full and personal-only steps on seeded inputs; the fields of the bench's report.
@@ -11,7 +12,11 @@ export async function timeSteps(engine, { steps, warmup, numClasses }) {
   // seeded inputs (a fixed LCG): the timings do not depend on the values, the run must not depend on Math.random
   let state = 12345;
   const next = () => ((state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32);
-  const x = Float32Array.from({ length: size * engine.sampleSize }, () => next() * 2 - 1);
+  // pixels in [-1, 1), or token ids below the vocabulary's size for a bundle whose input is integer (a text model)
+  const integer = engine.inputType.dtype !== 'float32';
+  const draw = integer ? () => Math.floor(next() * numClasses) : () => next() * 2 - 1;
+  const values = Array.from({ length: size * engine.sampleSize }, draw);
+  const x = integer ? BigInt64Array.from(values, BigInt) : Float32Array.from(values);
   const y = Int32Array.from({ length: size }, () => Math.floor(next() * numClasses));
   const result = { batchSize: size };
   for (const set of ['full', 'personal']) {
