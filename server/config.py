@@ -181,7 +181,7 @@ class ServerConfig(Composed):
     def settings(self) -> RoundSettings:
         """What every sampled device is told (with DP or secure aggregation, the clip norm devices clip their delta
         to)."""
-        return self.round.settings(secure_clip(self.secure, self.privacy.clip_norm))
+        return self.round.settings(self.secure.device_clip(self.privacy.clip_norm))
 
     @property
     def share_buffers(self) -> bool:
@@ -279,11 +279,6 @@ class ServeCommand(Composed):
     server: ServerConfig
     limits: HttpLimits = Field(default_factory=HttpLimits)
     listen: Listen = Field(default_factory=Listen)
-
-
-def secure_clip(secure: SecureAggregationOptions, dp_clip: float | None) -> float | None:
-    """The clip norm devices are told: DP's, or secure aggregation's quantization range (None: neither is on)."""
-    return secure.clip_norm(dp_clip) if secure.secure_aggregation else dp_clip
 
 
 def read_enroll_secret(path: Path) -> str:

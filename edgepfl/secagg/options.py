@@ -111,6 +111,12 @@ class SecureAggregationOptions(BaseModel):
             return None
         return UNBOUNDED_CLIP if self.measured(dp_clip).clip else config.clip_norm
 
+    def device_clip(self, dp_clip: float | None) -> float | None:
+        """The clip norm devices are told: secure aggregation's quantization range when it runs, else DP's (None:
+        neither is on)."""
+        secure = self.clip_norm(dp_clip)
+        return dp_clip if secure is None else secure
+
 
 def neighbours(value: str) -> int | str:
     """`auto`, `all` or an even number >= 2 from a --secagg-neighbours value; ValueError otherwise."""

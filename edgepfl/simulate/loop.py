@@ -43,7 +43,6 @@ from edgepfl.encoding import drop_residuals_after
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
-from edgepfl.server.config import secure_clip
 from edgepfl.simulate.bundle import dataset_facts, ensure_bundle, open_sim_engine
 from edgepfl.simulate.client_state import load_state, save_state
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
@@ -75,7 +74,7 @@ class Client(ClientData):
 
 def round_settings(config: SimulateConfig) -> RoundSettings:
     """The settings the strategy hands every sampled client."""
-    return config.round_options().settings(secure_clip(config.secure, config.privacy.clip_norm))
+    return config.round_options().settings(config.secure.device_clip(config.privacy.clip_norm))
 
 
 def run_simulation(

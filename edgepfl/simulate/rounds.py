@@ -20,7 +20,6 @@ import numpy as np
 
 from edgepfl.errors import StateError
 from edgepfl.protocol import RoundOptions
-from edgepfl.server.sampling import sample_size
 from edgepfl.wire import save_tensors
 
 if TYPE_CHECKING:
@@ -111,6 +110,7 @@ def open_server(
     from edgepfl.server.config import ServerConfig
     from edgepfl.server.driver import ManualClock
     from edgepfl.server.engine import create_engine
+    from edgepfl.server.modes import MODES, mode_name
     from edgepfl.server.strategies import cohort_of, strategy_options
 
     folder = out / SERVER_DIR
@@ -124,11 +124,9 @@ def open_server(
         )
     name = str(chosen.name)
     strategy = strategy_options(name, **{**chosen.model_dump(exclude={"name"}), **cohort_of(name, len(names))})
-    min_clients, fraction = server["min_clients"], server["fraction"]
-    quorum = min(min_clients, len(names))
-    secure = server.get("secure")
-    if secure is not None and secure.secure_aggregation:  # every sampled client takes the steps (no --fleet here):
-        quorum = sample_size(len(names), fraction, min_clients)  # the cohort is the quorum, and samples alike
+    # every client answers (no --fleet here): the round's mode says how many updates close a round
+    mode = MODES[mode_name(ServerConfig.model_construct(**server))]
+    quorum = mode.quorum(len(names), server["fraction"], server["min_clients"])
     config = ServerConfig(
         **{
             **server,

@@ -76,6 +76,11 @@ class RoundMode(ABC):
         return None
 
     @classmethod
+    def quorum(cls, clients: int, fraction: float, min_clients: int) -> int:
+        """How many updates close a simulated round of `clients` devices that all answer (simulate, no clock)."""
+        return min(min_clients, clients)
+
+    @classmethod
     def foreign(cls, store: Store, current: RoundRecord | None, active: bool) -> str | None:
         """Why an open round found at start cannot go on (it opened under this mode and the server restarted without
         it, or the reverse; `active`: this mode runs now), or None. Called for every registered mode."""

@@ -17,6 +17,7 @@ from edgepfl.server.errors import Refused
 from edgepfl.server.modes.base import Close, not_secure
 from edgepfl.server.modes.sync import SyncClose, SyncMode
 from edgepfl.server.records import RoundRecord
+from edgepfl.server.sampling import sample_size
 from edgepfl.server.secure import SecureRounds
 from edgepfl.server.secure_strategy import SecureStrategy
 
@@ -46,6 +47,11 @@ class SecureMode(SyncMode):
         assert secagg is not None, "the registry picks this mode with --secure-aggregation"
         self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, engine.store, engine.specs,
                                    measured=config.secure.measured(config.privacy.clip_norm))
+
+    @classmethod
+    def quorum(cls, clients: int, fraction: float, min_clients: int) -> int:
+        """Every sampled client takes the protocol's steps: the cohort is the quorum, and is sampled alike."""
+        return sample_size(clients, fraction, min_clients)
 
     def bind(self) -> None:
         """Secure aggregation wraps the strategy (and DP's wrapper): it aggregates the unmasked sum."""
