@@ -36,12 +36,13 @@ class MaskedBatchNorm2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            scale = self.weight * torch.rsqrt(self.running_var + self.eps)
+            scale = self.weight / torch.sqrt(self.running_var + self.eps)  # a division: no Reciprocal node
             return x * _per_channel(scale, x) + _per_channel(self.bias - self.running_mean * scale, x)
         mask = self.mask_slot.value
         count = mask.sum() * (x.shape[2] * x.shape[3])
         y, mean, var = masked_batch_norm(x, self.weight, self.bias, mask, count, self.eps)
-        self.mask_slot.statistics.append((self, mean, var * (count / (count - 1))))
+        # the biased variance: the flat update makes every layer's unbiased at once
+        self.mask_slot.statistics.append((self, mean, var, x.shape[2] * x.shape[3]))
         return y
 
 
@@ -59,7 +60,7 @@ def _batch_norm_forward(
     mean = _channel_sums(share, x)
     centred = x - _per_channel(mean, x)
     var = _channel_sums(share, centred * centred)
-    y = centred * _per_channel(weight * torch.rsqrt(var + eps), x) + _per_channel(bias, x)
+    y = centred * _per_channel(weight / torch.sqrt(var + eps), x) + _per_channel(bias, x)
     return y, mean, var
 
 
@@ -75,16 +76,17 @@ def _batch_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient."""
     # the statistics depend on the counted samples only (mask); grad_y is zero on the others (their outputs
-    # reach no loss), so its batch sums need no mask of their own. centred and rstd are the forward's
+    # reach no loss), so its batch sums need no mask of their own. centred, std and scale are the forward's
     # expressions again: the exporter's common-subexpression pass merges them with the forward's nodes.
     centred = x - _per_channel(mean, x)
-    rstd = torch.rsqrt(var + eps)
+    # the standard deviation divides (as in the forward): 1 / std would be a Reciprocal node of its own
+    std = torch.sqrt(var + eps)
     row = mask.view(1, -1)
     grad_bias = _channel_sums(row, grad_y)
-    grad_weight = _channel_sums(row, grad_y * centred) * rstd
-    scale = weight * rstd
+    grad_weight = _channel_sums(row, grad_y * centred) / std
+    scale = weight / std
     scale_share = scale / count
-    shift = _per_channel(scale_share * grad_bias, x) + centred * _per_channel(scale_share * grad_weight * rstd, x)
+    shift = _per_channel(scale_share * grad_bias, x) + centred * _per_channel(scale_share * grad_weight / std, x)
     grad_x = grad_y * _per_channel(scale, x) - mask.view(-1, 1, 1, 1) * shift
     return grad_x, grad_weight.view(-1), grad_bias.view(-1)
 
@@ -151,12 +153,12 @@ def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class _MaskSlot:
     """Carries the current batch's sample mask to every MaskedBatchNorm2d of one model copy, and their batch
-    statistics (layer, mean, unbiased variance) back, for one update of all running statistics."""
+    statistics (layer, mean, biased variance, pixels per map) back, for one update of all running statistics."""
 
     value: torch.Tensor | None = None
 
     def __init__(self) -> None:
-        self.statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor]] = []
+        self.statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor, int]] = []
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,7 @@ class MaskedModel:
             # the layers hold the state's tensors only during the call; the running statistics are updated
             # in place in them, as nn.BatchNorm2d does
             logits = torch.func.functional_call(self.module, state, (x,))
-            _update_running_statistics(self.slot.statistics, self._layer_names, state)
+            _update_running_statistics(self.slot.statistics, self._layer_names, state, self.slot.value)
             return logits
         finally:
             self.slot.value = None
@@ -234,24 +236,31 @@ class MaskedModel:
 
 
 def _update_running_statistics(
-    statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor]],
+    statistics: list[tuple[MaskedBatchNorm2d, torch.Tensor, torch.Tensor, int]],
     layer_names: dict[int, str],
     state: dict[str, torch.Tensor],
+    mask: torch.Tensor,
 ) -> None:
     """running <- (1 - momentum)·running + momentum·batch statistic, every layer's mean and variance at once: one
-    flat update instead of a few graph nodes per tensor (each a dispatch on WebGPU)."""
+    flat update instead of a few graph nodes per tensor (each a dispatch on WebGPU). The means come first, then
+    the variances, each made unbiased (count / (count - 1), count: the counted samples times the layer's pixels)
+    by one product for all layers."""
     if not statistics:
         return
-    stats = ("running_mean", "running_var")
-    running = [state[f"{layer_names[id(layer)]}.{stat}"] for layer, _, _ in statistics for stat in stats]
-    batch = fanout.cat([s for _, mean, var in statistics for s in (mean, var)], dim=1).view(-1)
-    momenta = {layer.momentum for layer, _, _ in statistics}
+    names = [layer_names[id(layer)] for layer, _, _, _ in statistics]
+    running = [state[f"{name}.running_mean"] for name in names] + [state[f"{name}.running_var"] for name in names]
+    means = fanout.cat([mean for _, mean, _, _ in statistics], dim=1).view(-1)
+    variances = fanout.cat([var for _, _, var, _ in statistics], dim=1).view(-1)
+    sizes = [layer.running_var.numel() for layer, _, _, _ in statistics]
+    pixels = torch.cat([torch.full((size,), float(p)) for size, (_, _, _, p) in zip(sizes, statistics)])  # constant
+    count = mask.sum() * pixels.to(variances.dtype)
+    batch = torch.cat([means, variances * (count / (count - 1))])
+    momenta = {layer.momentum for layer, _, _, _ in statistics}
     if len(momenta) == 1:
         momentum = momenta.pop()
     else:  # one per element, a constant of the graph
-        momentum = torch.cat(  # a constant: folded at export
-            [torch.full((2 * layer.running_mean.numel(),), layer.momentum) for layer, _, _ in statistics]
-        ).to(batch.dtype)
+        per_layer = [torch.full((size,), layer.momentum) for size, (layer, _, _, _) in zip(sizes, statistics)]
+        momentum = torch.cat(per_layer * 2).to(batch.dtype)  # a constant: folded at export
     with torch.no_grad():
         updated = fanout.cat(running) * (1 - momentum) + momentum * batch
         for tensor, piece in zip(running, fanout.split(updated, [t.numel() for t in running])):

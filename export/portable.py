@@ -26,7 +26,7 @@ from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cro
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
 from edgepfl.export.masked import MaskedModel, StepShape
-from edgepfl.export.shapecopies import drop_shape_copies
+from edgepfl.export.shapecopies import constants_as_initializers, drop_shape_copies
 from edgepfl.export.webgpu import webgpu_problems
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
@@ -386,7 +386,8 @@ def _to_onnx(
     onnx_ir.passes.common.DeduplicateInitializersPass(size_limit=1 << 20)(ir_model)
     onnxscript.ir.passes.common.RemoveUnusedNodesPass()(ir_model)
     onnxscript.ir.passes.common.CommonSubexpressionEliminationPass()(ir_model)
-    proto = drop_shape_copies(_rename(onnxscript.ir.serde.serialize_model(ir_model), input_names, output_names))
+    proto = _rename(onnxscript.ir.serde.serialize_model(ir_model), input_names, output_names)
+    proto = drop_shape_copies(constants_as_initializers(proto))
     proto.ir_version = min(proto.ir_version, PORTABLE_IR)
     onnx.checker.check_model(proto, full_check=True)
     return proto

@@ -1,10 +1,12 @@
-"""Removes the shape-only copies the exporter leaves in a step graph: a Reshape or Expand to the shape its input
-already has, and a Reshape of a Reshape. Each is one more dispatch on WebGPU (and a copy on every engine);
-onnxscript's optimizer keeps them where the shapes are known only after shape inference.
+"""Removes what the exporter leaves in a step graph that computes nothing: Constant nodes (made initializers), a
+Reshape or Expand to the shape its input already has, and a Reshape of a Reshape. Each is one more node (a dispatch
+on WebGPU, a copy on every engine); onnxscript's optimizer keeps them where the shapes are known only after shape
+inference.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx.numpy_helper
 
@@ -53,6 +55,43 @@ def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
     for tensor in unused:
         graph.initializer.remove(tensor)
     return proto
+
+
+def constants_as_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph with each Constant node's value held as an initializer of the same name (a graph output's
+    Constant, or one of an unusual form, stays a node)."""
+    graph = proto.graph
+    outputs = {spec.name for spec in graph.output}
+    kept = []
+    for node in graph.node:
+        value = _constant_value(node) if node.output[0] not in outputs else None
+        if value is None:
+            kept.append(node)
+        else:
+            value.name = node.output[0]
+            graph.initializer.append(value)
+    del graph.node[:]
+    graph.node.extend(kept)
+    return proto
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """A Constant node's value as a tensor (None: another node, or a sparse or string value)."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+        return None
+    attribute = node.attribute[0]
+    if attribute.name == "value":
+        value = onnx.TensorProto()
+        value.CopyFrom(attribute.t)
+        return value
+    arrays = {
+        "value_float": lambda: np.array(attribute.f, np.float32),
+        "value_floats": lambda: np.array(attribute.floats, np.float32),
+        "value_int": lambda: np.array(attribute.i, np.int64),
+        "value_ints": lambda: np.array(attribute.ints, np.int64),
+    }
+    array = arrays.get(attribute.name)
+    return None if array is None else onnx.numpy_helper.from_array(array())
 
 
 def _copies_no_dimension(reshape: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
