@@ -9,7 +9,7 @@ import { FrozenVariants } from './frozen.js';
 import { inputType, portableEntry, portableFiles, personalSpec } from './manifest.js';
 import { ModelState } from './modelstate.js';
 import { decodeSafetensors } from './safetensors.js';
-import { predictWith } from './predict.js';
+import { inChunks, predictWith } from './predict.js';
 import { Sessions, inMemory, releaseTensor } from './sessions.js';
 import { checkSha256 } from './sha256.js';
 
@@ -295,22 +295,19 @@ export class Engine {
   async evaluate(x, y, count) {
     this.checkBatch(x, y, count);
     const graph = this.entry.eval;
-    const opened = await this.session('eval', graph);
-    const n = this.stateNames.length;
     let lossSum = 0;
     let correct = 0;
-    for (let start = 0; start < count; start += this.batchSize) {
-      const chunk = Math.min(this.batchSize, count - start);
-      const feeds = await this.feeds(
-        opened,
-        graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]),
-        graph.inputs.slice(n),
-        x,
-        y,
-        start,
-        chunk,
-      );
-      const results = await opened.session.run(feeds, graph.outputs.slice(1));
+    for await (const { chunk, results } of inChunks(
+      this,
+      'eval',
+      graph,
+      x,
+      y,
+      count,
+      graph.outputs.slice(1),
+      this.state,
+      this.batchSize,
+    )) {
       lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
     }

@@ -1,6 +1,7 @@
 // @ts-check
 // What the model says of inputs (edgepfl's predict.py and engine.py predict): class probabilities in inference
-// mode, the softmax of the eval graph's logits in float64, and the most likely classes.
+// mode, the softmax of the eval graph's logits in float64, and the most likely classes; and a graph run over any
+// number of inputs in chunks of its batch (the eval graph's loss and correct count too).
 
 /** @typedef {import('onnxruntime-web').Tensor} OrtTensor */
 /** @typedef {import('./engine.js').Engine} Engine */
@@ -20,31 +21,52 @@ export async function predictWith(engine, x, count, held) {
   engine.checkBatch(x, y, count);
   const key = engine.predictGraph(count);
   const graph = /** @type {Graph} */ (engine.entry[key]);
-  const size = graph.batch_size ?? engine.batchSize;
-  const opened = await engine.session(key, graph);
-  const n = engine.stateNames.length;
   const classes = engine.manifest.num_classes;
   const probabilities = new Float32Array(count * classes);
-  for (let start = 0; start < count; start += size) {
-    const chunk = Math.min(size, count - start);
-    const feeds = await engine.feeds(
-      opened,
-      graph.inputs.slice(0, n).map((input, i) => [input, engine.stateNames[i]]),
-      graph.inputs.slice(n),
-      x,
-      y,
-      start,
-      chunk,
-      held,
-      size,
-    );
-    const logits = /** @type {Float32Array} */ (
-      (await opened.session.run(feeds, [graph.outputs[0]]))[graph.outputs[0]].data
-    );
+  const size = graph.batch_size ?? engine.batchSize;
+  for await (const { start, chunk, results } of inChunks(
+    engine,
+    key,
+    graph,
+    x,
+    y,
+    count,
+    [graph.outputs[0]],
+    held,
+    size,
+  )) {
+    const logits = /** @type {Float32Array} */ (results[graph.outputs[0]].data);
     for (let row = 0; row < chunk; row++)
       probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
   }
   return probabilities;
+}
+
+/**
+ * `graph` (opened as `key`) run over `count` samples of x, y in chunks of `size`, fed the tensors `held`: each
+ * chunk's first sample, its number of samples and the results of `outputs` (Engine.evaluate, predictWith).
+ * @param {Engine} engine
+ * @param {string} key
+ * @param {Graph} graph
+ * @param {ModelInput} x
+ * @param {Int32Array | BigInt64Array} y
+ * @param {number} count
+ * @param {string[]} outputs
+ * @param {Map<string, OrtTensor>} held
+ * @param {number} size
+ * @returns {AsyncGenerator<{start: number, chunk: number, results: Record<string, OrtTensor>}>}
+ */
+export async function* inChunks(engine, key, graph, x, y, count, outputs, held, size) {
+  const opened = await engine.session(key, graph);
+  const n = engine.stateNames.length;
+  const stateInputs = graph.inputs
+    .slice(0, n)
+    .map((input, i) => /** @type {[string, string]} */ ([input, engine.stateNames[i]]));
+  for (let start = 0; start < count; start += size) {
+    const chunk = Math.min(size, count - start);
+    const feeds = await engine.feeds(opened, stateInputs, graph.inputs.slice(n), x, y, start, chunk, held, size);
+    yield { start, chunk, results: await opened.session.run(feeds, outputs) };
+  }
 }
 
 /** Softmax of one row of logits, computed in float64 and rounded to float32 (engine.py softmax). */
