@@ -21,7 +21,8 @@ export async function timeSteps(engine, { steps, warmup, numClasses }) {
   const result = { batchSize: size };
   for (const set of ['full', 'personal']) {
     const first = performance.now();
-    await engine.trainStep(x, y, size, 0.01, set);
+    // the first step's loss: engines that compute the same values agree on it (bench/webgpu checks a layout by it)
+    result[`${set}FirstLoss`] = await engine.trainStep(x, y, size, 0.01, set);
     result[`${set}FirstStepSeconds`] = (performance.now() - first) / 1000; // includes creating the session
     for (let i = 1; i < warmup; i++) await engine.trainStep(x, y, size, 0.01, set);
     const started = performance.now();

@@ -3,12 +3,14 @@
 The page's engine (device_runtime/web/src, openEngine) runs from Node (run.mjs) on Dawn's WebGPU (npm `webgpu`,
 the WebGPU implementation inside Chrome) and on onnxruntime-web's WebAssembly at 1 and N threads; the Python
 portable engine (bench/engines.py's worker, native onnxruntime) runs the same steps at 2 and N threads. Images
-per second of the full and personal-only steps, batch 32, 32x32x3, K_P = 2, per MobileNet width. Prints JSON
-on stdout and the markdown table on stderr, and writes a plot (--plot).
+per second of the full and personal-only steps, batch 32, 32x32x3, K_P = 2, per MobileNet width. WebGPU runs
+once per --layouts value (the convolutions' activation layout in onnxruntime-web's WebGPU kernels; the page's is
+NCHW), each checked against wasm by its first step's loss (a layout that computes wrong values is marked so).
+Prints JSON on stdout and the markdown table on stderr, and writes a plot (--plot).
 Runs in this repository (bundles exported into --bundles if missing) or in a folder pack.py wrote (copied to a
 bare machine with Node 20+, Python 3 with numpy and onnxruntime, and a Vulkan driver): `python3 bench.py`.
-Usage: python bench/webgpu/bench.py [--widths 0.25,1.0] [--steps 10] [--warmup 5] [--threads N] [--bundles DIR]
-    [--vulkan-icd FILE] [--plot FILE]
+Usage: python bench/webgpu/bench.py [--widths 0.25,1.0] [--layouts nchw,nhwc] [--steps 10] [--warmup 5] [--threads N]
+    [--bundles DIR] [--vulkan-icd FILE] [--plot FILE]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ PATHS = (
     else {}
 )
 SETS = ("full", "personal")
+LOSS_TOLERANCE = 1e-3  # relative: engines computing the same step agree on its first loss to float rounding
 
 
 def unpack_gzipped(folder: Path) -> None:
@@ -51,10 +54,12 @@ def unpack_gzipped(folder: Path) -> None:
                 shutil.copyfileobj(source, out)
 
 
-def node_run(bundle: Path, backend: str, threads: int, steps: int, warmup: int, timeout: float) -> dict:
+def node_run(
+    bundle: Path, backend: str, threads: int, steps: int, warmup: int, timeout: float, layout: str = "nchw"
+) -> dict:
     """One run.mjs process: its JSON report, or {'error': its last line}."""
     command = ["node", str(RUNNER), "--bundle", str(bundle), "--backend", backend, "--threads", str(threads)]
-    command += ["--steps", str(steps), "--warmup", str(warmup)]
+    command += ["--steps", str(steps), "--warmup", str(warmup), "--layout", layout]
     for name, path in PATHS.items():
         command += [f"--{name}", str(path)]
     try:
@@ -66,6 +71,22 @@ def node_run(bundle: Path, backend: str, threads: int, steps: int, warmup: int, 
         lines = result.stderr.strip().splitlines() or ["failed"]
         return {"error": next((line for line in lines if "Error" in line or "error:" in line), lines[-1])[:400]}
     return json.loads(lines[-1])
+
+
+def webgpu_column(layout: str) -> str:
+    """A WebGPU column's name: the page's layout plain, another named."""
+    return "WebGPU" if layout == "nchw" else f"WebGPU {layout.upper()}"
+
+
+def check_values(runs: dict, reference: str) -> None:
+    """Mark each WebGPU run whose first full step's loss differs from the `reference` run's (wasm) beyond
+    LOSS_TOLERANCE: `wrong_values` (its speed is not a result)."""
+    expected = runs.get(reference, {}).get("fullFirstLoss")
+    for column, run in runs.items():
+        loss = run.get("fullFirstLoss")
+        if column.startswith("WebGPU") and loss is not None and expected is not None:
+            run["firstLossVsWasm"] = abs(loss - expected)
+            run["wrong_values"] = abs(loss - expected) > LOSS_TOLERANCE * max(1.0, abs(expected))
 
 
 def native_run(bundle: Path, threads: int, steps: int, warmup: int) -> dict:
@@ -96,22 +117,23 @@ def threaded(engine: str, threads: int) -> str:
     return f"{engine} {threads} thread{'s' * (threads > 1)}"
 
 
-def columns(threads: int) -> list[str]:
+def columns(threads: int, layouts: list[str]) -> list[str]:
     """The table's columns for N = `threads` (once each: N may be 1 or 2)."""
-    named = ["WebGPU", threaded("wasm", 1), threaded("wasm", threads)]
+    named = [webgpu_column(layout) for layout in layouts] + [threaded("wasm", 1), threaded("wasm", threads)]
     return list(dict.fromkeys(named + [threaded("native ORT", 2), threaded("native ORT", threads)]))
 
 
 def table(report: dict) -> str:
     """Issue 39's table: images/s per MobileNet width and step kind, one column per engine."""
-    names = columns(report["threads"])
+    names = columns(report["threads"], report["layouts"])
     lines = ["| MobileNet, step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for trainable in SETS:
         for width, runs in report["widths"].items():
             cells = []
             for column in names:
                 speed = runs.get(column, {}).get(f"{trainable}ImagesPerSecond")
-                cells.append("–" if speed is None else f"{speed:,.1f}" if speed < 100 else f"{speed:,.0f}")
+                cell = "–" if speed is None else f"{speed:,.1f}" if speed < 100 else f"{speed:,.0f}"
+                cells.append(f"{cell} (wrong values)" if runs.get(column, {}).get("wrong_values") else cell)
             lines.append(f"| ×{width} {trainable} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -123,7 +145,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = columns(report["threads"])
+    names = columns(report["threads"], report["layouts"])
     groups = [(w, t) for t in SETS for w in report["widths"]]
     figure, axis = plt.subplots(figsize=(8, 3.8))
     bar = 0.8 / len(names)
@@ -146,6 +168,7 @@ def main() -> None:
     """Run every column for every width; print the JSON report and the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="0.25,1.0", help="comma list of MobileNet widths")
+    parser.add_argument("--layouts", default="nchw,nhwc", help="comma list of the WebGPU runs' layouts (nchw, nhwc)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per step kind")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first compiles shaders)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="N of the wasm and native N-thread runs")
@@ -158,22 +181,31 @@ def main() -> None:
     if shutil.which("node") is None:
         sys.exit("error: node is not on PATH: install Node.js 20 or newer")
     widths = [float(w) for w in args.widths.split(",") if w.strip()]
+    layouts = [layout.strip().lower() for layout in args.layouts.split(",") if layout.strip()]
+    unknown = sorted(set(layouts) - {"nchw", "nhwc"})
+    if unknown or not layouts:
+        sys.exit(f"error: --layouts {args.layouts} names no layout or an unknown one: use nchw, nhwc or both")
     if args.vulkan_icd:
         os.environ["VK_ICD_FILENAMES"] = args.vulkan_icd
     if PACKED:
         unpack_gzipped(HERE)
     bundles = args.bundles or (HERE / "bundles" if PACKED else REPO / ".webgpu" / "bundles")
     started = time.time()
-    report: dict = {"host": host(), "threads": args.threads, "batch": 32, "kp": 2, "adapter": None, "widths": {}}
+    report: dict = {"host": host(), "threads": args.threads, "layouts": layouts, "batch": 32, "kp": 2, "adapter": None}
+    report["widths"] = {}
     report["host"]["node"] = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
     report["vulkan_icd"] = os.environ.get("VK_ICD_FILENAMES")
     report["load_average_1min"] = {"start": os.getloadavg()[0]}
     for width in widths:
         bundle = export(bundles, width)
-        runs = {"WebGPU": node_run(bundle, "webgpu", 1, args.steps, args.warmup, args.timeout)}
-        report["adapter"] = report["adapter"] or runs["WebGPU"].get("adapter")
+        runs = {}
+        for layout in layouts:
+            run = node_run(bundle, "webgpu", 1, args.steps, args.warmup, args.timeout, layout)
+            runs[webgpu_column(layout)] = run
+            report["adapter"] = report["adapter"] or run.get("adapter")
         for threads in sorted({1, args.threads}):
             runs[threaded("wasm", threads)] = node_run(bundle, "wasm", threads, args.steps, args.warmup, args.timeout)
+        check_values(runs, threaded("wasm", 1))
         for threads in sorted({2, args.threads}):
             runs[threaded("native ORT", threads)] = native_run(bundle, threads, args.steps, args.warmup)
         report["widths"][str(width)] = runs

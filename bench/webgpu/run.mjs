@@ -1,7 +1,7 @@
 // One run of the page's engine (device_runtime/web/src) from Node, on Dawn's WebGPU (npm `webgpu`) or on
 // WebAssembly: opens a bundle's portable graphs with openEngine as the page does and times the full and
 // personal-only steps (../web/timing.js, the browser bench's own loop). Prints one JSON line. bench.py runs it.
-// Usage: node run.mjs --bundle DIR [--backend webgpu|wasm] [--threads 1] [--steps 10] [--warmup 5]
+// Usage: node run.mjs --bundle DIR [--backend webgpu|wasm] [--layout nchw|nhwc] [--threads 1] [--steps 10] [--warmup 5]
 //   [--src DIR] [--vendor DIR] [--timing FILE]  (defaults: this repository's layout; pack.py's folder passes them)
 // Dawn's adapter: DAWN_FLAGS (comma list of Dawn toggles for create(), e.g. backend=vulkan); VK_ICD_FILENAMES
 // picks the Vulkan driver (bench.py sets SwiftShader's where no other adapter is found).
@@ -17,6 +17,7 @@ const { values: args } = parseArgs({
   options: {
     bundle: { type: 'string' },
     backend: { type: 'string', default: 'webgpu' },
+    layout: { type: 'string', default: 'nchw' },
     threads: { type: 'string', default: '1' },
     steps: { type: 'string', default: '10' },
     warmup: { type: 'string', default: '5' },
@@ -33,6 +34,7 @@ function fail(problem, fix) {
 
 if (!args.bundle) fail('--bundle is missing', 'pass a folder with a manifest.json and portable graphs');
 if (!['webgpu', 'wasm'].includes(args.backend)) fail(`--backend ${args.backend} is not a back end`, 'use webgpu or wasm');
+if (!['nchw', 'nhwc'].includes(args.layout)) fail(`--layout ${args.layout} is not a layout`, 'use nchw or nhwc');
 
 const src = pathToFileURL(`${resolve(args.src)}/`);
 const { chooseBackend, loadRuntime } = await import(new URL('backend.js', src).href);
@@ -80,9 +82,10 @@ const files = new Map();
 for (const path of [...required, ...variants]) files.set(path, new Uint8Array(await readFile(join(bundle, path))));
 const threads = Number(args.threads);
 const opened = performance.now();
-const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name });
+const layout = args.layout.toUpperCase(); // the WebGPU convolutions' (the page's is NCHW)
+const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, layout });
 const openSeconds = (performance.now() - opened) / 1000;
 const timed = await timeSteps(engine, { steps: Number(args.steps), warmup: Number(args.warmup), numClasses: manifest.num_classes });
-const result = { backend: backend.name, adapter: backend.adapter, threads, steps: Number(args.steps), warmup: Number(args.warmup), openSeconds, ...timed };
+const result = { backend: backend.name, layout, adapter: backend.adapter, threads, steps: Number(args.steps), warmup: Number(args.warmup), openSeconds, ...timed };
 console.log(JSON.stringify(result));
 process.exit(0); // onnxruntime-web's wasm threads and Dawn's device would keep Node alive

@@ -10,7 +10,7 @@ import { inputType, portableEntry, portableFiles, personalSpec } from './manifes
 import { ModelState } from './modelstate.js';
 import { decodeSafetensors } from './safetensors.js';
 import { inChunks, predictWith } from './predict.js';
-import { Sessions, inMemory, releaseTensor } from './sessions.js';
+import { LAYOUTS, Sessions, inMemory, releaseTensor } from './sessions.js';
 import { checkSha256 } from './sha256.js';
 
 /** @typedef {typeof import('onnxruntime-web')} Ort */
@@ -24,6 +24,7 @@ import { checkSha256 } from './sha256.js';
 /** @typedef {import('./manifest.js').Manifest} Manifest */
 /** @typedef {import('./sessions.js').Backend} Backend */
 /** @typedef {import('./sessions.js').Placement} Placement */
+/** @typedef {import('./sessions.js').Layout} Layout */
 /** @typedef {import('./sessions.js').Opened} Opened */
 /** @typedef {import('./sessions.js').SessionOptions} SessionOptions */
 /** Summed loss, correct count and count of an evaluation. @typedef {{lossSum: number, correct: number, count: number}} EvalResult */
@@ -50,20 +51,23 @@ const LABEL_TYPES = {
  * `threads` > 1 needs a cross-origin isolated page (SharedArrayBuffer); it applies to the first engine
  * opened in a page, because onnxruntime-web starts its wasm runtime once. `backend` 'webgpu' (with `ort` the
  * WebGPU build) puts each graph that the GPU takes whole there (see Sessions.open); `onPlacement(path, placement)`
- * hears where each graph went when its session opens. `logSeverityLevel` 0 logs onnxruntime's node placements.
+ * hears where each graph went when its session opens; `layout` is the WebGPU convolutions' ('NCHW', the page's;
+ * 'NHWC' for measurements). `logSeverityLevel` 0 logs onnxruntime's node placements.
  * @param {Ort} ort
  * @param {Manifest} manifest
  * @param {Map<string, Uint8Array>} files
- * @param {{threads?: number, bakeFrozen?: boolean, backend?: Backend, onPlacement?: (path: string, placement: Placement) => void, logSeverityLevel?: 0 | 1 | 2 | 3 | 4}} [options]
+ * @param {{threads?: number, bakeFrozen?: boolean, backend?: Backend, layout?: Layout, onPlacement?: (path: string, placement: Placement) => void, logSeverityLevel?: 0 | 1 | 2 | 3 | 4}} [options]
  */
 export async function openEngine(
   ort,
   manifest,
   files,
-  { threads = 1, bakeFrozen = true, backend = 'wasm', onPlacement, logSeverityLevel } = {},
+  { threads = 1, bakeFrozen = true, backend = 'wasm', layout = 'NCHW', onPlacement, logSeverityLevel } = {},
 ) {
   if (!['wasm', 'webgpu'].includes(backend))
     throw new EngineError(`unknown back end ${JSON.stringify(backend)}`, "use 'wasm' or 'webgpu'");
+  if (!LAYOUTS.includes(layout))
+    throw new EngineError(`unknown layout ${JSON.stringify(layout)}`, `use one of ${LAYOUTS.join(', ')}`);
   const { required, variants } = portableFiles(manifest);
   const present = bakeFrozen ? variants.filter((path) => files.has(path)) : [];
   const file = (/** @type {string} */ path) => {
@@ -81,7 +85,7 @@ export async function openEngine(
   const entry = portableEntry(manifest);
   const graphs = new Map(required.slice(1).map((path) => [path, file(path)]));
   const frozen = new Map(present.map((path) => [path, file(path)]));
-  const engine = new Engine(ort, manifest, entry, graphs, frozen, { backend, onPlacement, logSeverityLevel });
+  const engine = new Engine(ort, manifest, entry, graphs, frozen, { backend, layout, onPlacement, logSeverityLevel });
   engine.setTensors(decodeSafetensors(file(entry.initial), entry.initial).tensors, { exact: true });
   return engine;
 }

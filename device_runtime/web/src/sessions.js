@@ -13,17 +13,19 @@ import { EngineError, describe } from './errors.js';
 /** Where the engine runs its graphs. @typedef {'wasm' | 'webgpu'} Backend */
 /** Where one graph runs, and why not on the GPU when the back end is WebGPU. @typedef {{backend: Backend, reason?: string}} Placement */
 /** An opened session and where it runs. @typedef {{session: Session, backend: Backend}} Opened */
+/** The activation layout onnxruntime-web's WebGPU kernels run convolutions in. @typedef {'NCHW' | 'NHWC'} Layout */
 /**
- * How the sessions open: the back end, who hears each graph's placement, onnxruntime's log level (0 logs its node
- * placements).
- * @typedef {{backend?: Backend, onPlacement?: (path: string, placement: Placement) => void, logSeverityLevel?: 0 | 1 | 2 | 3 | 4}} SessionOptions
+ * How the sessions open: the back end, its convolutions' layout on WebGPU, who hears each graph's placement,
+ * onnxruntime's log level (0 logs its node placements).
+ * @typedef {{backend?: Backend, layout?: Layout, onPlacement?: (path: string, placement: Placement) => void, logSeverityLevel?: 0 | 1 | 2 | 3 | 4}} SessionOptions
  */
 
 /** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
 const WASM_OPTIONS = { executionProviders: ['wasm'], graphOptimizationLevel: 'all' };
-// NCHW: onnxruntime-web 1.30's channels-last (NHWC) Conv computes wrong values where the input channels are a
-// multiple of 3 but not of 4 (6 or 18; 3 itself is right), e.g. the cnn's second convolution (docs/web-device.md)
-const WEBGPU_PROVIDER = { name: 'webgpu', preferredLayout: 'NCHW' };
+// NCHW by default: onnxruntime-web 1.30's channels-last (NHWC) Conv computes wrong values where the input channels
+// are a multiple of 3 but not of 4 (6 or 18; 3 itself is right), e.g. the cnn's second convolution
+// (docs/web-device.md). NHWC is there to be measured (bench/webgpu --layouts), which checks its values.
+export const LAYOUTS = ['NCHW', 'NHWC'];
 
 /** The sessions of one engine's graphs by key, and the placement of each graph by path. */
 export class Sessions {
@@ -32,11 +34,13 @@ export class Sessions {
    * @param {Map<string, Uint8Array>} graphs bytes of graphs without a session yet; dropped once their session exists
    * @param {SessionOptions} [options]
    */
-  constructor(ort, graphs, { backend = 'wasm', onPlacement, logSeverityLevel } = {}) {
+  constructor(ort, graphs, { backend = 'wasm', layout = 'NCHW', onPlacement, logSeverityLevel } = {}) {
     this.ort = ort;
     this.graphs = graphs;
     /** @type {Backend} */
     this.backend = backend;
+    /** @type {Layout} */
+    this.layout = layout;
     this.onPlacement = onPlacement;
     this.logSeverityLevel = logSeverityLevel;
     /** @type {Map<string, Promise<Opened>>} */
@@ -95,7 +99,7 @@ export class Sessions {
         );
         /** @type {import('onnxruntime-web').InferenceSession.SessionOptions} */
         const options = {
-          executionProviders: [{ ...WEBGPU_PROVIDER }],
+          executionProviders: [{ name: 'webgpu', preferredLayout: this.layout }],
           graphOptimizationLevel: 'all',
           preferredOutputLocation: outputs,
           ...logging,

@@ -255,4 +255,6 @@ test('a graph the exporter found problems in is not tried on WebGPU: the problem
     reason: 'node n (LogSoftmax): no WebGPU kernel',
   });
   await assert.rejects(openEngine(ort, manifest, files, { backend: 'cuda' }), /unknown back end "cuda"/);
+  // the WebGPU convolutions' layout: NCHW (the page's) or NHWC (bench/webgpu measures it), nothing else
+  await assert.rejects(openEngine(ort, manifest, files, { layout: 'NWHC' }), /unknown layout "NWHC".*NCHW, NHWC/s);
 });
