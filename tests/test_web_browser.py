@@ -180,6 +180,16 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     # closes the round, and on a loaded machine it passed its third step before a breakpoint armed during round 1
     # came (CI, stop 37)
     round_2_paused = break_at_step(page, round_id=2, step=3)
+    # ... and round 1 cannot close before the photos below are in: the page's round-1 upload is held until then.
+    # Round 1 trains on the .npz alone as soon as it is in; where the Python devices and the page's round 1 were
+    # quick, round 2 reached its breakpoint while the photos were still being read, and the paused page could not
+    # show their count (CI here, 2026-11-29)
+    held_uploads: list = []
+
+    def hold(route) -> None:
+        held_uploads.append(route)  # continued below
+
+    phone.route("**/v1/rounds/1/update", hold)
 
     # examples through the file chooser: an .npz, then PNG photos labelled with the class picked first
     page.set_input_files("#npz", str(write_npz(tmp_path / "phone.npz", 64, seed=7)))
@@ -187,6 +197,9 @@ def run_phone(browser, origin: str, manifest, state: Path, tokens: dict[str, str
     page.select_option("#class-select", "2")
     page.set_input_files("#photos", [str(p) for p in write_pngs(tmp_path / "photos", 2, 8, seed=8)])
     wait(page, "#classes li:text-is('2: 24')")
+    phone.unroute("**/v1/rounds/1/update", hold)  # a round-1 upload from now on goes straight through
+    for route in held_uploads:
+        route.continue_()
 
     # round 1 trains and uploads; round 2 is reloaded in the middle of training and starts again from its base
     reload_when_paused(page, round_2_paused)
