@@ -97,7 +97,9 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
             )
             for name in names[2:]
         }  # fmt: skip
-        deadline = time.monotonic() + 120
+        # a liveness bound, not a speed one: six device processes start on a loaded 2-core CI machine (120 s was
+        # missed by 0.06 s in one run here)
+        deadline = time.monotonic() + 300
         while not all(marker.exists() for marker in markers.values()):
             assert time.monotonic() < deadline, "the stalling devices never started round 1"
             time.sleep(0.1)
@@ -124,7 +126,7 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
             }  # fmt: skip
 
         back = come_back(names[:2])
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         trained = [tmp_path / name / "state.json" for name in names[:2]]  # written at a round's commit
         while not all(path.exists() and any(h["round"] == 2 for h in history(path.parent)) for path in trained):
             assert time.monotonic() < deadline, "the killed devices did not train round 2 when they came back"
