@@ -301,17 +301,7 @@ export class Engine {
     const graph = this.entry.eval;
     let lossSum = 0;
     let correct = 0;
-    for await (const { chunk, results } of inChunks(
-      this,
-      'eval',
-      graph,
-      x,
-      y,
-      count,
-      graph.outputs.slice(1),
-      this.state,
-      this.batchSize,
-    )) {
+    for await (const { chunk, results } of inChunks(this, 'eval', graph, x, y, count, graph.outputs.slice(1))) {
       lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
       correct += Number(results[graph.outputs[2]].data[0]);
     }

@@ -23,18 +23,7 @@ export async function predictWith(engine, x, count, held) {
   const graph = /** @type {Graph} */ (engine.entry[key]);
   const classes = engine.manifest.num_classes;
   const probabilities = new Float32Array(count * classes);
-  const size = graph.batch_size ?? engine.batchSize;
-  for await (const { start, chunk, results } of inChunks(
-    engine,
-    key,
-    graph,
-    x,
-    y,
-    count,
-    [graph.outputs[0]],
-    held,
-    size,
-  )) {
+  for await (const { start, chunk, results } of inChunks(engine, key, graph, x, y, count, [graph.outputs[0]], held)) {
     const logits = /** @type {Float32Array} */ (results[graph.outputs[0]].data);
     for (let row = 0; row < chunk; row++)
       probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
@@ -43,8 +32,9 @@ export async function predictWith(engine, x, count, held) {
 }
 
 /**
- * `graph` (opened as `key`) run over `count` samples of x, y in chunks of `size`, fed the tensors `held`: each
- * chunk's first sample, its number of samples and the results of `outputs` (Engine.evaluate, predictWith).
+ * `graph` (opened as `key`) run over `count` samples of x, y in chunks of its batch (the manifest's `batch_size`
+ * for the graph, else the step graphs'), fed the tensors `held` (the current ones by default): each chunk's first
+ * sample, its number of samples and the results of `outputs` (Engine.evaluate, predictWith).
  * @param {Engine} engine
  * @param {string} key
  * @param {Graph} graph
@@ -52,11 +42,11 @@ export async function predictWith(engine, x, count, held) {
  * @param {Int32Array | BigInt64Array} y
  * @param {number} count
  * @param {string[]} outputs
- * @param {Map<string, OrtTensor>} held
- * @param {number} size
+ * @param {Map<string, OrtTensor>} [held]
  * @returns {AsyncGenerator<{start: number, chunk: number, results: Record<string, OrtTensor>}>}
  */
-export async function* inChunks(engine, key, graph, x, y, count, outputs, held, size) {
+export async function* inChunks(engine, key, graph, x, y, count, outputs, held = engine.state) {
+  const size = graph.batch_size ?? engine.batchSize;
   const opened = await engine.session(key, graph);
   const n = engine.stateNames.length;
   const stateInputs = graph.inputs
