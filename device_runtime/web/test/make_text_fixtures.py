@@ -39,12 +39,9 @@ PHRASES = ["", "to be or", "That is the", "whether 'tis nobler in", "perchance t
 
 def main(out: Path) -> None:
     """Write the text bundle and the Python engine's results into `out`."""
-    import torch
-
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.txt"
     corpus.write_text(CORPUS, encoding="utf-8")
-    torch.set_num_threads(2)
     options = SequenceOptions(vocab=corpus, seq_len=4, layers=1)
     target = sequence_target("transformer", options, seed=0, width=0.25)
     export_options = ExportOptions(
