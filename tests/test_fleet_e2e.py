@@ -209,8 +209,8 @@ def options_for(bundle: Path, tmp_path: Path) -> ServerConfig:
 
 def replay(bundle: Path, tmp_path: Path, accepted, data: dict[str, Path], config: ServerConfig) -> dict:
     """The served run's events on an in-process engine: each device trains (the simulator's client round) on the
-    base version it trained on when that version opens, its upload arrives in the served order, and a step closes
-    where the served one did (after the last upload it applied)."""
+    base version it trained on once that version is open and its previous upload is in, its upload arrives in the
+    served order, and a step closes where the served one did (after the last upload it applied)."""
     engine = open_engine(bundle, "portable")
     manifest = engine.manifest
     initial = engine.get_tensors()
@@ -239,6 +239,9 @@ def replay(bundle: Path, tmp_path: Path, accepted, data: dict[str, Path], config
         outcome = outcomes.pop(update.device)
         assert plans_of[update.device].pop(0) == update.round_id
         server.accept_update(update.device, update.round_id, outcome.payload)
+        # a device polls again as soon as its upload is in: before the step closes, when its next version is the
+        # one still open (the served step may close after that poll, however soon the buffer filled)
+        start_trainings()
         following = accepted[index + 1].applied_in if index + 1 < len(accepted) else None
         if update.applied_in is not None and following != update.applied_in:
             server.tick()  # the served step applied every upload buffered when it closed: 2 or more
