@@ -34,9 +34,12 @@ function fail(problem, fix) {
 
 if (!args.bundle) fail('--bundle is missing', 'pass a folder with a manifest.json and portable graphs');
 if (!['webgpu', 'wasm'].includes(args.backend)) fail(`--backend ${args.backend} is not a back end`, 'use webgpu or wasm');
-if (!['nchw', 'nhwc'].includes(args.layout)) fail(`--layout ${args.layout} is not a layout`, 'use nchw or nhwc');
 
 const src = pathToFileURL(`${resolve(args.src)}/`);
+const { LAYOUTS } = await import(new URL('sessions.js', src).href); // the engine's own list
+if (!LAYOUTS.includes(args.layout.toUpperCase())) {
+  fail(`--layout ${args.layout} is not a layout`, `use ${LAYOUTS.map((name) => name.toLowerCase()).join(' or ')}`);
+}
 const { chooseBackend, loadRuntime } = await import(new URL('backend.js', src).href);
 const { openEngine, portableFiles } = await import(new URL('engine.js', src).href);
 const { timeSteps } = await import(pathToFileURL(resolve(args.timing)).href);
