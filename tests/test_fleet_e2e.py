@@ -78,7 +78,11 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
     # the killed devices stay available (last seen at round 1's start) until round 2 opens, however long round 1
     # takes on a loaded machine: round 2 then samples all six, whichever of them polls first
     options += ("--available-for", "600")
-    server = LiveServer(bundle, tmp_path / "server", *options, "--round-timeout", "600", *SETTINGS).start()
+    # round 1 opens once all six have polled, or one poll interval after the first two did: 0.2 s let a round
+    # open with five on a loaded CI machine (one device process had not polled yet); 10 s gives every process time
+    # to start, and costs a device that polls before a round is ready at most 10 s
+    settings = ("--poll-interval", "10", *SETTINGS[2:])
+    server = LiveServer(bundle, tmp_path / "server", *options, "--round-timeout", "600", *settings).start()
     try:
         data = {n: save_npz(tmp_path / f"{n}.npz", (i % 4, (i + 1) % 4), 64, seed=i) for i, n in enumerate(names)}
         markers = {name: tmp_path / f"{name}.stalled" for name in names[:2]}
