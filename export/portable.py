@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
-from edgepfl.export import masked
 from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
@@ -365,10 +364,7 @@ def _to_onnx(
     program = torch.export.export(graph_module, tuple(inputs), strict=False)
     # the exporter's full optimizer takes most of the export time; constant folding and CSE give
     # onnxruntime (which runs its own graph optimizations) what it needs
-    onnx_program = torch.onnx.export(
-        program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False,
-        custom_translation_table={masked.weighted_rows._opoverload: _weighted_rows},
-    )  # fmt: skip
+    onnx_program = torch.onnx.export(program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False)
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
     # one copy of each identical constant (e.g. DepthwiseMaps' tap matrices, made again for every layer
@@ -381,13 +377,6 @@ def _to_onnx(
     proto.ir_version = min(proto.ir_version, PORTABLE_IR)
     onnx.checker.check_model(proto, full_check=True)
     return proto
-
-
-def _weighted_rows(row, rows):  # noqa: ANN001, ANN202
-    """masked.weighted_rows as ONNX: one MatMul of the (N,) vector and the (N, C) matrix."""
-    from onnxscript import opset20
-
-    return opset20.MatMul(row, rows)
 
 
 def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> onnx.ModelProto:
