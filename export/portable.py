@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
+from edgepfl.export import fanout
 from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
@@ -167,13 +168,26 @@ def _sgd_on(
     new_buffers = {n: b.clone() for n, b in buffers.items()}
     with torch.enable_grad():
         loss = loss_of(model({**params, **train, **new_buffers}, x, w))
-        # the backward seeded with lr instead of 1 gives lr * gradient for every tensor (each product in the
-        # backward is linear in its seed), so each update is one Sub of two same-shaped tensors: no product by lr
-        # per tensor (onnxruntime broadcasts a scalar over a (C, C', 1, 1) tensor ~50x slower than over a vector),
-        # and none of the Reshape, Concat and Split nodes a flat update needs (each a dispatch on WebGPU)
-        steps = torch.autograd.grad(loss, list(train.values()), grad_outputs=lr.to(loss.dtype))
-    updated = {n: params[n] - step for n, step in zip(train, steps)}
-    return loss.detach(), {**params, **updated}, new_buffers
+        grads = dict(zip(train, torch.autograd.grad(loss, list(train.values()))))
+    return loss.detach(), {**params, **_sgd_updates(params, grads, lr)}, new_buffers
+
+
+def _sgd_updates(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """param - lr * grad for every tensor in `grads`, over one flat buffer per dtype: a few graph nodes for the
+    whole update instead of several per tensor (each a dispatch on WebGPU), and onnxruntime broadcasts a scalar
+    over a (C, C', 1, 1) tensor ~50x slower than over the same values as a vector."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in grads:
+        by_dtype.setdefault(params[name].dtype, []).append(name)
+    updated = {}
+    for names in by_dtype.values():
+        flat = fanout.cat([params[n].reshape(-1) for n in names])
+        flat = flat - lr * fanout.cat([grads[n].reshape(-1) for n in names])
+        pieces = fanout.split(flat, [params[n].numel() for n in names])
+        updated.update({n: piece.reshape(params[n].shape) for n, piece in zip(names, pieces)})
+    return updated
 
 
 def export_step(
