@@ -47,7 +47,8 @@ sys.argv[0] = 'edgepfl'
 from edgepfl.cli import app
 app()
 """
-SETTINGS = ("--poll-interval", "0.2", "--lr", "0.1", "--batch-size", "16", "--epochs", "1")
+TRAINING = ("--lr", "0.1", "--batch-size", "16", "--epochs", "1")
+SETTINGS = ("--poll-interval", "0.2", *TRAINING)
 DEVICE = ("--engine", "portable", "--seed", "5", "--retries", "10")  # retries: the server is restarted once
 
 
@@ -81,7 +82,7 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
     # round 1 opens once all six have polled, or one poll interval after the first two did: 0.2 s let a round
     # open with five on a loaded CI machine (one device process had not polled yet); 10 s gives every process time
     # to start, and costs a device that polls before a round is ready at most 10 s
-    settings = ("--poll-interval", "10", *SETTINGS[2:])
+    settings = ("--poll-interval", "10", *TRAINING)
     server = LiveServer(bundle, tmp_path / "server", *options, "--round-timeout", "600", *settings).start()
     try:
         data = {n: save_npz(tmp_path / f"{n}.npz", (i % 4, (i + 1) % 4), 64, seed=i) for i, n in enumerate(names)}
