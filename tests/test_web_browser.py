@@ -427,6 +427,7 @@ WEBGPU_MODELS = {  # (kp, spec fields): the cnn of the phone test, and MobileNet
 }
 WEBGPU_SETS = ("full", "personal", "base")
 WEBGPU_BATCH, WEBGPU_STEPS, WEBGPU_LR, WEBGPU_TOLERANCE = 8, 5, 0.05, 1e-4
+WEBGPU_PROBES = 8  # rounding-moved runs of each step, for how far float32 alone takes it from float64
 # "All nodes placed on [WebGpuExecutionProvider]" from onnxruntime's verbose log, tagged with the session's log id
 PLACED_WHOLE = re.compile(
     r"\[V:onnxruntime:([^,\]]+),[^\]]*VerifyEachNodeIsAssignedToAnEp\]\s+All nodes placed on \[(\w+)\]"
@@ -453,7 +454,9 @@ def webgpu_case(request, tmp_path_factory) -> tuple[str, Path, Path]:
 
 def write_webgpu_steps(bundle: Path, out: Path, spec) -> None:
     """feeds.safetensors; for each set {set}-{i}.safetensors, the Python portable engine's state after i steps,
-    {set}-{i}-f64.safetensors, step i run in float64 (the traced step graph) from {set}-{i-1}; losses.json."""
+    {set}-{i}-f64.safetensors, step i run in float64 (the traced step graph) from {set}-{i-1}; losses.json; and
+    spread.json: per set and step, how far float32 rounding alone can take the Python engine's step from float64 (the
+    largest deviation over WEBGPU_PROBES runs from the state and batch each moved by about one float32 rounding)."""
     import copy
 
     import torch
@@ -478,9 +481,10 @@ def write_webgpu_steps(bundle: Path, out: Path, spec) -> None:
     save_file(feeds, out / "feeds.safetensors")
     names = [*entry["params"], *entry["buffers"]]
     model = copy.deepcopy(build_model(spec)).double()
-    losses = {}
+    losses, spread = {}, {}
     for trainable in WEBGPU_SETS:
-        engine = PortableEngine(bundle, manifest)
+        engine, probe = PortableEngine(bundle, manifest), PortableEngine(bundle, manifest)
+        spread[trainable] = []
         masked = portable.MaskedModel(model)
         step = portable.step_function(masked, entry["params"], entry["buffers"], entry["steps"][trainable]["trainable"])
         graph, losses[trainable] = None, []
@@ -495,9 +499,24 @@ def write_webgpu_steps(bundle: Path, out: Path, spec) -> None:
             inputs += [torch.from_numpy(x[i].astype(np.float64)), torch.from_numpy(y[i]), torch.from_numpy(weights)]
             inputs.append(torch.tensor(WEBGPU_LR, dtype=torch.float64))
             graph = graph or portable.trace(step, inputs, tracing_mode="real")
-            exact = [t.numpy() for t in graph(*inputs)[1:]]
-            save_file(dict(zip(names, exact)), out / f"{trainable}-{i + 1}-f64.safetensors")
+            exact = dict(zip(names, (t.numpy() for t in graph(*inputs)[1:])))
+            save_file(exact, out / f"{trainable}-{i + 1}-f64.safetensors")
+            deviations = []
+            for _ in range(WEBGPU_PROBES):
+                probe.set_tensors({name: _rounding_moved(value, rng) for name, value in before.items()})
+                probe.train_step(_rounding_moved(x[i, :count], rng), y[i, :count], WEBGPU_LR, trainable)
+                moved = probe.get_tensors()
+                deviations.append(max(float(np.abs(moved[n] - exact[n]).max()) for n in exact))
+            spread[trainable].append(max(deviations))
     (out / "losses.json").write_text(json.dumps(losses))
+    (out / "spread.json").write_text(json.dumps(spread))
+
+
+def _rounding_moved(values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """`values` each moved by about one float32 rounding (relative noise of float32's epsilon); integers unchanged."""
+    if values.dtype != np.float32:
+        return values
+    return (values * (1 + np.finfo(np.float32).eps * rng.standard_normal(values.shape))).astype(np.float32)
 
 
 def python_vs_exact(data: Path, trainable: str) -> list[float]:
@@ -580,10 +599,12 @@ def test_webgpu_steps_place_every_node_on_the_gpu_and_equal_wasm_and_python(chro
         if model == "cnn":  # a well-conditioned step: all three engines agree to float rounding, step by step
             assert max(worst["vsPython"], worst["vsWasm"]) <= WEBGPU_TOLERANCE, (trainable, got)
         else:
-            # MobileNet's float32 step at initialisation is ill-conditioned: any two engines, Python and wasm
-            # included, differ by up to ~4e-3 on some step (docs/web-device.md). WebGPU must be as exact as them, within
-            # 5 % of their distance from float64 (after the flat update of issue 39: 2.8591e-3 against 2.8582e-3)
-            cpu = max(*python_vs_exact(data, trainable), worst["wasmVsExact"])
+            # MobileNet's float32 step at initialisation is ill-conditioned: moving its inputs by one float32 rounding
+            # moves some step's result by up to ~1e-2 from float64 (spread.json), so which engine lands far on which
+            # step is chance (docs/web-device.md). WebGPU must stay within what float32 rounding does to the CPU
+            # engines: within 5 % of the farthest of Python, wasm and the rounding-moved Python runs
+            spread = json.loads((data / "spread.json").read_text())[trainable]
+            cpu = max(*python_vs_exact(data, trainable), worst["wasmVsExact"], *spread)
             assert worst["vsExact"] <= max(WEBGPU_TOLERANCE, 1.05 * cpu), (trainable, got["vsExact"], cpu)
 
 
