@@ -50,13 +50,13 @@ def _batch_norm_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training-mode BatchNorm over the samples the 0/1 `mask` keeps: (output, batch mean, biased batch variance),
-    the statistics shaped (1, C).
+    the statistics shaped (C,).
 
     An op of its own so that its backward is `masked_batch_norm_backward`, written out: autograd's backward of
     the forward's primitive ops is several times as many graph nodes (each one dispatch on WebGPU). The
     exporter's decomposition table (export/decompositions.py) traces both as the primitive ops below.
     """
-    share = mask.view(1, -1) / count
+    share = mask / count
     mean = _channel_sums(share, x)
     centred = x - _per_channel(mean, x)
     var = _channel_sums(share, centred * centred)
@@ -81,25 +81,32 @@ def _batch_norm_backward(
     centred = x - _per_channel(mean, x)
     # the standard deviation divides (as in the forward): 1 / std would be a Reciprocal node of its own
     std = torch.sqrt(var + eps)
-    row = mask.view(1, -1)
-    grad_bias = _channel_sums(row, grad_y)
-    grad_weight = _channel_sums(row, grad_y * centred) / std
+    grad_bias = _channel_sums(mask, grad_y)
+    grad_weight = _channel_sums(mask, grad_y * centred) / std
     scale = weight / std
     scale_share = scale / count
     shift = _per_channel(scale_share * grad_bias, x) + centred * _per_channel(scale_share * grad_weight / std, x)
     grad_x = grad_y * _per_channel(scale, x) - mask.view(-1, 1, 1, 1) * shift
-    return grad_x, grad_weight.view(-1), grad_bias.view(-1)
+    return grad_x, grad_weight, grad_bias
 
 
 def _channel_sums(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(1, C) sums of (N, C, H, W) `values` over all pixels and the samples, each weighted by the (1, N) `row`.
+    """(C,) sums of (N, C, H, W) `values` over all pixels and the samples, each weighted by the (N,) `row`.
 
     The batch axis as a product: onnxruntime reduces over the leading axis, and broadcasts an (N, 1, 1, 1)
     weight over an activation, in slow elementwise loops.
     """
-    return row @ values.sum((2, 3))
+    return weighted_rows(row, values.sum((2, 3)))
 
 
+def _weighted_rows(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(N,) @ (N, C): an op of its own so that it is exported as one MatMul of the vector (export/portable.py's
+    translation table), a (C,) result like the parameters it is a gradient of; PyTorch's tracing turns a vector
+    times a matrix into a (1, N) @ (N, C) product and a Reshape, one more node a batch sum."""
+    return row @ rows
+
+
+weighted_rows = torch.library.custom_op("edgepfl::weighted_rows", _weighted_rows, mutates_args=())
 masked_batch_norm = torch.library.custom_op("edgepfl::masked_batch_norm", _batch_norm_forward, mutates_args=())
 masked_batch_norm_backward = torch.library.custom_op(
     "edgepfl::masked_batch_norm_backward", _batch_norm_backward, mutates_args=()
@@ -114,9 +121,14 @@ def batch_norm_decompositions() -> dict:
     }
 
 
+@weighted_rows.register_fake
+def _(row, rows):  # noqa: ANN001, ANN202
+    return rows.new_empty(rows.shape[1])
+
+
 @masked_batch_norm.register_fake
 def _(x, weight, bias, mask, count, eps):  # noqa: ANN001, ANN202
-    statistic = weight.new_empty(1, weight.shape[0])
+    statistic = weight.new_empty(weight.shape[0])
     return x.new_empty(x.shape), statistic, statistic.clone()
 
 
@@ -249,8 +261,8 @@ def _update_running_statistics(
         return
     names = [layer_names[id(layer)] for layer, _, _, _ in statistics]
     running = [state[f"{name}.running_mean"] for name in names] + [state[f"{name}.running_var"] for name in names]
-    means = fanout.cat([mean for _, mean, _, _ in statistics], dim=1).view(-1)
-    variances = fanout.cat([var for _, _, var, _ in statistics], dim=1).view(-1)
+    means = fanout.cat([mean for _, mean, _, _ in statistics])
+    variances = fanout.cat([var for _, _, var, _ in statistics])
     sizes = [layer.running_var.numel() for layer, _, _, _ in statistics]
     pixels = torch.cat([torch.full((size,), float(p)) for size, (_, _, _, p) in zip(sizes, statistics)])  # constant
     count = mask.sum() * pixels.to(variances.dtype)

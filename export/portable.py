@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
-from edgepfl.export import fanout
+from edgepfl.export import masked
 from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
 from edgepfl.export.decompositions import decomposition_table
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
@@ -168,26 +168,13 @@ def _sgd_on(
     new_buffers = {n: b.clone() for n, b in buffers.items()}
     with torch.enable_grad():
         loss = loss_of(model({**params, **train, **new_buffers}, x, w))
-        grads = dict(zip(train, torch.autograd.grad(loss, list(train.values()))))
-    return loss.detach(), {**params, **_sgd_updates(params, grads, lr)}, new_buffers
-
-
-def _sgd_updates(
-    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """param - lr * grad for every tensor in `grads`, over one flat buffer per dtype: a few graph nodes for the
-    whole update instead of several per tensor (each a dispatch on WebGPU), and onnxruntime broadcasts a scalar
-    over a (C, C', 1, 1) tensor ~50x slower than over the same values as a vector."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in grads:
-        by_dtype.setdefault(params[name].dtype, []).append(name)
-    updated = {}
-    for names in by_dtype.values():
-        flat = fanout.cat([params[n].reshape(-1) for n in names])
-        flat = flat - lr * fanout.cat([grads[n].reshape(-1) for n in names])
-        pieces = fanout.split(flat, [params[n].numel() for n in names])
-        updated.update({n: piece.reshape(params[n].shape) for n, piece in zip(names, pieces)})
-    return updated
+        # the backward seeded with lr instead of 1 gives lr * gradient for every tensor (each product in the
+        # backward is linear in its seed), so each update is one Sub of two same-shaped tensors: no product by lr
+        # per tensor (onnxruntime broadcasts a scalar over a (C, C', 1, 1) tensor ~50x slower than over a vector),
+        # and none of the Reshape, Concat and Split nodes a flat update needs (each a dispatch on WebGPU)
+        steps = torch.autograd.grad(loss, list(train.values()), grad_outputs=lr.to(loss.dtype))
+    updated = {n: params[n] - step for n, step in zip(train, steps)}
+    return loss.detach(), {**params, **updated}, new_buffers
 
 
 def export_step(
@@ -378,7 +365,10 @@ def _to_onnx(
     program = torch.export.export(graph_module, tuple(inputs), strict=False)
     # the exporter's full optimizer takes most of the export time; constant folding and CSE give
     # onnxruntime (which runs its own graph optimizations) what it needs
-    onnx_program = torch.onnx.export(program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False)
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False,
+        custom_translation_table={masked.weighted_rows._opoverload: _weighted_rows},
+    )  # fmt: skip
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
     # one copy of each identical constant (e.g. DepthwiseMaps' tap matrices, made again for every layer
@@ -391,6 +381,13 @@ def _to_onnx(
     proto.ir_version = min(proto.ir_version, PORTABLE_IR)
     onnx.checker.check_model(proto, full_check=True)
     return proto
+
+
+def _weighted_rows(row, rows):  # noqa: ANN001, ANN202
+    """masked.weighted_rows as ONNX: one MatMul of the (N,) vector and the (N, C) matrix."""
+    from onnxscript import opset20
+
+    return opset20.MatMul(row, rows)
 
 
 def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> onnx.ModelProto:
