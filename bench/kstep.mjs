@@ -2,7 +2,8 @@
 // runs the same build), one thread as the page by default: per SGD step, each run fed the tensors the run before
 // it returned, as the engine does. Prints one JSON line {threads, seconds: {K: [seconds per SGD step, a round]}}.
 // Usage: node bench/kstep.mjs --dir DIR [--rounds 5] [--steps 8] [--threads 1]
-//   DIR: kstep.py --wasm's folder (k{K}.onnx and k{K}.safetensors, the feeds of each K)
+//   DIR: kstep.py --wasm's folder (k{K}.onnx and k{K}.safetensors, the feeds of each K; carried.json, the input
+//   each new tensor feeds in the next run, from kstep.py's carried_input)
 
 import { readdir, readFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
@@ -27,8 +28,8 @@ const { decodeSafetensors } = await import(pathToFileURL(join(web, 'src/safetens
 const ort = await import(pathToFileURL(join(web, 'node_modules/onnxruntime-web/dist/ort.node.min.mjs')).href);
 ort.env.wasm.numThreads = Number(args.threads);
 
-const carried = (/** @type {string} */ name) =>
-  name.startsWith('new_param:') ? `param:${name.slice(10)}` : name.startsWith('new_buffer:') ? `buffer:${name.slice(11)}` : null;
+/** @type {Record<string, string>} */
+const carried = JSON.parse(await readFile(join(args.dir, 'carried.json'), 'utf8'));
 
 const ks = (await readdir(args.dir)).filter((f) => /^k\d+\.onnx$/.test(f)).map((f) => Number(f.slice(1, -5)));
 const runs = {};
@@ -51,7 +52,7 @@ for (let round = 0; round < Number(args.rounds); round++) {
     for (let i = 0; i <= count; i++) {
       if (i === 1) start = performance.now(); // run 0: the warm-up
       const out = await session.run(feeds);
-      for (const [name, value] of Object.entries(out)) if (carried(name)) feeds[carried(name)] = value;
+      for (const [name, value] of Object.entries(out)) if (carried[name]) feeds[carried[name]] = value;
     }
     seconds[k].push((performance.now() - start) / 1000 / (count * k));
   }

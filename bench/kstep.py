@@ -31,10 +31,18 @@ from engines import host
 from onnx import helper
 from safetensors.numpy import load_file, save_file
 
+from edgepfl.export.portable import (
+    BUFFER_PREFIX,
+    NEW_BUFFER_PREFIX,
+    NEW_PARAM_PREFIX,
+    PARAM_PREFIX,
+    SAMPLE_INPUTS,
+    STEP_OUTPUT_LOSS,
+)
+
 HERE = Path(__file__).resolve().parent
 FIGURES = HERE / "figures"  # kstep-{set}.png
-PER_SAMPLE = ("x", "y", "w")  # the step's batch inputs; the other inputs are tensors and lr
-CARRIED = {"new_param:": "param:", "new_buffer:": "buffer:"}  # a step's output -> the next step's input
+CARRIED = {NEW_PARAM_PREFIX: PARAM_PREFIX, NEW_BUFFER_PREFIX: BUFFER_PREFIX}  # a step's output -> the next's input
 
 
 def carried_input(output: str) -> str | None:
@@ -43,6 +51,16 @@ def carried_input(output: str) -> str | None:
         if output.startswith(prefix):
             return to + output[len(prefix) :]
     return None
+
+
+def carried(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A step's new tensors under the names of the next step's inputs."""
+    return {carried_input(name): value for name, value in outputs.items() if carried_input(name) is not None}
+
+
+def batch_of(step: onnx.ModelProto) -> int:
+    """The samples of one batch: the step's x's leading dimension."""
+    return next(i for i in step.graph.input if i.name == "x").type.tensor_type.shape.dim[0].dim_value
 
 
 def chain(step: onnx.ModelProto, k: int) -> onnx.ModelProto:
@@ -57,7 +75,7 @@ def chain(step: onnx.ModelProto, k: int) -> onnx.ModelProto:
         raise SystemExit(
             f"error: outputs {passed} are the step's inputs passed through: chain a step whose nodes make each"
         )
-    batch = next(i for i in graph.input if i.name == "x").type.tensor_type.shape.dim[0].dim_value
+    batch = batch_of(step)
 
     def named(s: int, name: str) -> str:
         if name in outputs and carried_input(name) is None:
@@ -68,15 +86,15 @@ def chain(step: onnx.ModelProto, k: int) -> onnx.ModelProto:
     for i in graph.input:
         stacked = onnx.ValueInfoProto()
         stacked.CopyFrom(i)
-        if i.name in PER_SAMPLE:
+        if i.name in SAMPLE_INPUTS:
             stacked.type.tensor_type.shape.dim[0].dim_value = batch * k
             splits.append(helper.make_tensor(f"{i.name}:split", onnx.TensorProto.INT64, [k], [batch] * k))
             nodes.append(helper.make_node("Split", [i.name, f"{i.name}:split"], [f"s{s}/{i.name}" for s in range(k)]))
         inputs.append(stacked)
-    current = {i.name: i.name for i in graph.input if i.name not in PER_SAMPLE}  # a tensor input -> its value now
+    current = {i.name: i.name for i in graph.input if i.name not in SAMPLE_INPUTS}  # a tensor input -> its value now
     losses = []
     for s in range(k):
-        values = {**current, **{name: f"s{s}/{name}" for name in PER_SAMPLE}}
+        values = {**current, **{name: f"s{s}/{name}" for name in SAMPLE_INPUTS}}
         for node in graph.node:
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
@@ -93,8 +111,8 @@ def chain(step: onnx.ModelProto, k: int) -> onnx.ModelProto:
                 loss.CopyFrom(out)
                 loss.name = named(s, name)
                 losses.append(loss)
-    carried = [out for name, out in outputs.items() if carried_input(name) is not None]
-    chained = helper.make_graph(nodes, f"{graph.name}_x{k}", inputs, losses + carried, [*graph.initializer, *splits])
+    new = [out for name, out in outputs.items() if carried_input(name) is not None]
+    chained = helper.make_graph(nodes, f"{graph.name}_x{k}", inputs, losses + new, [*graph.initializer, *splits])
     return helper.make_model(chained, opset_imports=step.opset_import, ir_version=step.ir_version)
 
 
@@ -136,8 +154,26 @@ def run_steps(sess: ort.InferenceSession, feeds: dict[str, np.ndarray], runs: in
     start = time.perf_counter()
     for _ in range(runs):
         out = dict(zip(names, sess.run(None, feeds)))
-        feeds.update({carried_input(n): v for n, v in out.items() if carried_input(n) is not None})
+        feeds.update(carried(out))
     return out, time.perf_counter() - start
+
+
+def batches(stacked: dict[str, np.ndarray], batch: int, first: int, count: int) -> dict[str, np.ndarray]:
+    """Batches first .. first + count - 1 of the stacked x, y and w."""
+    return {n: stacked[n][first * batch : (first + count) * batch] for n in SAMPLE_INPUTS}
+
+
+def one_step_runs(
+    one: ort.InferenceSession, stacked: dict[str, np.ndarray], batch: int, k: int
+) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """The one-step graph run on each of the first `k` batches of `stacked` in turn: (the tensors the last run
+    left, under the inputs' names; each run's loss)."""
+    state, losses = dict(stacked), []
+    for s in range(k):
+        out, _ = run_steps(one, {**state, **batches(stacked, batch, s, 1)}, 1)
+        state.update(carried(out))
+        losses.append(out[STEP_OUTPUT_LOSS])
+    return state, losses
 
 
 def main() -> None:
@@ -159,31 +195,23 @@ def main() -> None:
     ks = sorted({1, *(int(k) for k in args.k.split(","))})  # K = 1: the bundle's own graph, the baseline
     models = {k: step if k == 1 else chain(step, k) for k in ks}
     sessions = {k: session(model, args.threads) for k, model in models.items()}
-    batch = next(i for i in step.graph.input if i.name == "x").type.tensor_type.shape.dim[0].dim_value
+    batch = batch_of(step)
     stacked = first_feeds(args.bundle, step, max(ks))
-
-    def batches(first: int, count: int) -> dict[str, np.ndarray]:
-        return {n: stacked[n][first * batch : (first + count) * batch] for n in PER_SAMPLE}
-
+    feeds = {k: {**stacked, **batches(stacked, batch, 0, k)} for k in ks}  # each K's run: its first K batches
     # the same K SGD steps either way: one K-step run against K one-step runs on the same batches
     agreement = {}
     for k in ks:
-        chained, _ = run_steps(sessions[k], {**stacked, **batches(0, k)}, 1)
-        reference = dict(stacked)
-        for s in range(k):
-            out, _ = run_steps(sessions[1], {**reference, **batches(s, 1)}, 1)
-            reference.update({carried_input(n): v for n, v in out.items() if carried_input(n) is not None})
-        agreement[k] = max(
-            float(np.abs(value - reference[carried_input(n)]).max()) for n, value in chained.items() if carried_input(n)
-        )
+        chained, _ = run_steps(sessions[k], feeds[k], 1)
+        reference, _ = one_step_runs(sessions[1], stacked, batch, k)
+        agreement[k] = max(float(np.abs(value - reference[name]).max()) for name, value in carried(chained).items())
     seconds = {k: [] for k in ks}
     for _ in range(args.rounds):
         for k in ks:  # interleaved: host noise falls on every K alike
-            feeds = {**stacked, **batches(0, k)}
-            run_steps(sessions[k], feeds, 1)  # warm-up
-            _, took = run_steps(sessions[k], feeds, max(1, args.steps // k))
-            seconds[k].append(took / (max(1, args.steps // k) * k))  # per SGD step
-    wasm = time_on_wasm(models, {k: {**stacked, **batches(0, k)} for k in ks}, args) if args.wasm else {}
+            runs = max(1, args.steps // k)
+            run_steps(sessions[k], feeds[k], 1)  # warm-up
+            _, took = run_steps(sessions[k], feeds[k], runs)
+            seconds[k].append(took / (runs * k))  # per SGD step
+    wasm = time_on_wasm(models, feeds, args) if args.wasm else {}
     rows = []
     for k in ks:
         row = {"k": k, "nodes": len(models[k].graph.node), "max_diff_vs_one_step_runs": agreement[k]}
@@ -229,6 +257,10 @@ def time_on_wasm(models: dict[int, onnx.ModelProto], feeds: dict[int, dict], arg
         for k, model in models.items():
             onnx.save(model, f"{folder}/k{k}.onnx")
             save_file(feeds[k], f"{folder}/k{k}.safetensors")
+        outputs = [o.name for o in models[1].graph.output]  # which output feeds which input, for the Node runs
+        Path(f"{folder}/carried.json").write_text(
+            json.dumps({n: carried_input(n) for n in outputs if carried_input(n)})
+        )
         command = ["node", str(HERE / "kstep.mjs"), "--dir", folder, "--rounds", str(args.rounds)]
         done = subprocess.run([*command, "--steps", str(args.steps)], capture_output=True, text=True)
     if done.returncode:

@@ -177,24 +177,19 @@ def test_a_chained_k_step_graph_trains_as_the_one_step_graph_run_k_times(bundle_
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from kstep import carried_input, chain, first_feeds, run_steps, session
+    from kstep import batch_of, carried, chain, first_feeds, one_step_runs, run_steps, session
 
     bundle = bundle_factory("cnn", 1, engines=("portable",), norm="batch")
     manifest = json.loads((bundle / "manifest.json").read_text())
     step = onnx.load(bundle / manifest["engines"]["portable"]["steps"]["full"]["model"])
-    k, batch = 3, next(i for i in step.graph.input if i.name == "x").type.tensor_type.shape.dim[0].dim_value
+    k = 3
     chained = chain(step, k)
     assert len(chained.graph.node) == k * len(step.graph.node) + 3  # K copies and one Split each for x, y and w
     feeds = first_feeds(bundle, step, k)
     got, _ = run_steps(session(chained, 1), feeds, 1)
-    one = session(step, 1)
-    state = dict(feeds)
-    for s in range(k):
-        batch_s = {n: feeds[n][s * batch : (s + 1) * batch] for n in ("x", "y", "w")}
-        out, _ = run_steps(one, {**state, **batch_s}, 1)
-        assert np.array_equal(got[f"loss{s}"], out["loss"])
-        state.update({carried_input(n): v for n, v in out.items() if carried_input(n)})
-    carried = {n: v for n, v in got.items() if carried_input(n)}
-    assert carried and all(np.array_equal(v, state[carried_input(n)]) for n, v in carried.items())
+    state, losses = one_step_runs(session(step, 1), feeds, batch_of(step), k)
+    assert all(np.array_equal(got[f"loss{s}"], loss) for s, loss in enumerate(losses))
+    new = carried(got)
+    assert new and all(np.array_equal(value, state[name]) for name, value in new.items())
     # the tensors moved: the check compares trained values, not the initial ones passed through
-    assert any(not np.array_equal(v, feeds[carried_input(n)]) for n, v in carried.items())
+    assert any(not np.array_equal(value, feeds[name]) for name, value in new.items())
