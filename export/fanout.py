@@ -24,11 +24,23 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 def split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    """flat.split(sizes) along dim 0 through Split nodes of at most MAX_FANOUT outputs each."""
-    sizes = list(sizes)
-    if len(sizes) <= MAX_FANOUT:
-        return list(flat.split(sizes)) if len(sizes) > 1 else [flat]
-    per_group = -(-len(sizes) // MAX_FANOUT)
-    groups = [sizes[i : i + per_group] for i in range(0, len(sizes), per_group)]
-    parts = flat.split([sum(group) for group in groups])
-    return [piece for part, group in zip(parts, groups) for piece in split(part, group)]
+    """flat.split(sizes) along dim 0 through Split nodes of at most MAX_FANOUT outputs each: `cat`'s tree read
+    backwards (runs of MAX_FANOUT grouped level by level), ceil((n − 1) / (MAX_FANOUT − 1)) nodes or one more."""
+    tree: list = list(sizes)
+    while len(tree) > MAX_FANOUT:
+        tree = [run if len(run) > 1 else run[0] for run in _runs(tree)]
+    return _split_along(flat, tree)
+
+
+def _runs(items: list) -> list[list]:
+    return [items[i : i + MAX_FANOUT] for i in range(0, len(items), MAX_FANOUT)]
+
+
+def _size(node: int | list) -> int:
+    return node if isinstance(node, int) else sum(_size(child) for child in node)
+
+
+def _split_along(flat: torch.Tensor, tree: list) -> list[torch.Tensor]:
+    parts = flat.split([_size(child) for child in tree]) if len(tree) > 1 else [flat]
+    return [piece for part, child in zip(parts, tree)
+            for piece in ([part] if isinstance(child, int) else _split_along(part, child))]  # fmt: skip

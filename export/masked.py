@@ -20,8 +20,9 @@ class MaskedBatchNorm2d(nn.Module):
     """BatchNorm2d whose training-mode statistics count only the samples with weight > 0.
 
     Same tensor names as nn.BatchNorm2d (weight, bias, running_mean, running_var; no
-    num_batches_tracked: momentum is fixed). Written with primitive ops so that the ONNX exporter
-    cannot turn it into an inference-mode BatchNormalization node.
+    num_batches_tracked: momentum is fixed). The batch statistics are primitive ops (ONNX's training-mode
+    BatchNormalization has no WebGPU kernel and no sample mask); normalizing by them, or in inference mode by the
+    running statistics, is one inference-mode BatchNormalization node (`normalize`).
     """
 
     def __init__(self, source: nn.BatchNorm2d, mask_slot: _MaskSlot):
@@ -36,8 +37,7 @@ class MaskedBatchNorm2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            scale = self.weight / torch.sqrt(self.running_var + self.eps)  # a division: no Reciprocal node
-            return x * _per_channel(scale, x) + _per_channel(self.bias - self.running_mean * scale, x)
+            return normalize(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
         mask = self.mask_slot.value
         count = mask.sum() * (x.shape[2] * x.shape[3])
         y, mean, var = masked_batch_norm(x, self.weight, self.bias, mask, count, self.eps)
@@ -54,14 +54,14 @@ def _batch_norm_forward(
 
     An op of its own so that its backward is `masked_batch_norm_backward`, written out: autograd's backward of
     the forward's primitive ops is several times as many graph nodes (each one dispatch on WebGPU). The
-    exporter's decomposition table (export/decompositions.py) traces both as the primitive ops below.
+    exporter's decomposition table (export/decompositions.py) traces both as the ops below: the statistics
+    from primitive ops, the output from them by one `normalize`.
     """
     share = mask / count
     mean = _channel_sums(share, x)
     centred = x - _per_channel(mean, x)
     var = _channel_sums(share, centred * centred)
-    y = centred * _per_channel(weight / torch.sqrt(var + eps), x) + _per_channel(bias, x)
-    return y, mean, var
+    return normalize(x, weight, bias, mean, var, eps), mean, var
 
 
 def _batch_norm_backward(
@@ -74,20 +74,38 @@ def _batch_norm_backward(
     var: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient."""
+    """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient.
+
+    With x̂ = (x − mean) / std and M = count: grad_x = weight / std · (grad_y − mask · (x̂ · grad_weight / M +
+    grad_bias / M)), every per-channel product and shift one `normalize`, so no per-channel vector is reshaped
+    or broadcast; the sums over the counted samples by M are products with the forward's share, mask / M.
+    """
     # the statistics depend on the counted samples only (mask); grad_y is zero on the others (their outputs
-    # reach no loss), so its batch sums need no mask of their own. centred, std and scale are the forward's
-    # expressions again: the exporter's common-subexpression pass merges them with the forward's nodes.
-    centred = x - _per_channel(mean, x)
-    # the standard deviation divides (as in the forward): 1 / std would be a Reciprocal node of its own
-    std = torch.sqrt(var + eps)
-    grad_bias = _channel_sums(mask, grad_y)
-    grad_weight = _channel_sums(mask, grad_y * centred) / std
-    scale = weight / std
-    scale_share = scale / count
-    shift = _per_channel(scale_share * grad_bias, x) + centred * _per_channel(scale_share * grad_weight / std, x)
-    grad_x = grad_y * _per_channel(scale, x) - mask.view(-1, 1, 1, 1) * shift
+    # reach no loss), so its batch sums need no mask of their own
+    ones, zeros = torch.ones_like(weight), torch.zeros_like(weight)  # constants of the graph
+    normalized = normalize(x, ones, zeros, mean, var, eps)
+    share = mask / count
+    sums = grad_y.sum((2, 3))
+    products = (grad_y * normalized).sum((2, 3))
+    grad_bias, grad_weight = weighted_rows(mask, sums), weighted_rows(mask, products)
+    shift = normalize(normalized, weighted_rows(share, products), weighted_rows(share, sums), zeros, ones, 0.0)
+    # weight / std times the difference: the forward's own division by sqrt(var + eps)
+    grad_x = normalize(grad_y - mask.view(-1, 1, 1, 1) * shift, weight, zeros, zeros, var, eps)
     return grad_x, grad_weight, grad_bias
+
+
+def _normalize(
+    x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """(x − mean) / sqrt(var + eps) · scale + bias, each per channel of (N, C, H, W) `x`.
+
+    An op of its own so that it is exported as one inference-mode BatchNormalization node (export/portable.py's
+    translation table), which every engine runs (WebGPU included) and which neither reshapes nor broadcasts its
+    (C,) operands. With mean 0, var 1 and eps 0 it is a per-channel product and shift.
+    """
+    column = (1, -1, 1, 1)
+    std = torch.sqrt(var + eps)
+    return (x - mean.view(column)) / std.view(column) * scale.view(column) + bias.view(column)
 
 
 def _channel_sums(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -107,6 +125,7 @@ def _weighted_rows(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 weighted_rows = torch.library.custom_op("edgepfl::weighted_rows", _weighted_rows, mutates_args=())
+normalize = torch.library.custom_op("edgepfl::normalize", _normalize, mutates_args=())
 masked_batch_norm = torch.library.custom_op("edgepfl::masked_batch_norm", _batch_norm_forward, mutates_args=())
 masked_batch_norm_backward = torch.library.custom_op(
     "edgepfl::masked_batch_norm_backward", _batch_norm_backward, mutates_args=()
@@ -124,6 +143,11 @@ def batch_norm_decompositions() -> dict:
 @weighted_rows.register_fake
 def _(row, rows):  # noqa: ANN001, ANN202
     return rows.new_empty(rows.shape[1])
+
+
+@normalize.register_fake
+def _(x, scale, bias, mean, var, eps):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape)
 
 
 @masked_batch_norm.register_fake

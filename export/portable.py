@@ -367,7 +367,9 @@ def _to_onnx(
     # onnxruntime (which runs its own graph optimizations) what it needs
     onnx_program = torch.onnx.export(
         program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False,
-        custom_translation_table={masked.weighted_rows._opoverload: _weighted_rows},
+        custom_translation_table={
+            masked.weighted_rows._opoverload: _weighted_rows, masked.normalize._opoverload: _normalize,
+        },
     )  # fmt: skip
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
@@ -388,6 +390,13 @@ def _weighted_rows(row, rows):  # noqa: ANN001, ANN202
     from onnxscript import opset20
 
     return opset20.MatMul(row, rows)
+
+
+def _normalize(x, scale, bias, mean, var, eps: float):  # noqa: ANN001, ANN202
+    """masked.normalize as ONNX: one inference-mode BatchNormalization node."""
+    from onnxscript import opset20
+
+    return opset20.BatchNormalization(x, scale, bias, mean, var, epsilon=eps, training_mode=0)
 
 
 def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> onnx.ModelProto:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import onnx
 
 # ops without a WebGPU kernel in onnxruntime-web 1.30, measured (SoftmaxCrossEntropyLoss expands to a LogSoftmax;
-# ScatterElements, ScatterND, GatherElements and an expanded NegativeLogLikelihoodLoss do run there, on int32 indices)
+# ScatterElements, ScatterND, GatherElements and an expanded NegativeLogLikelihoodLoss do run there, on int32 indices;
+# BatchNormalization runs there in inference mode only)
 NO_KERNEL = frozenset({"LogSoftmax", "OneHot", "SoftmaxCrossEntropyLoss"})
 # tensor types that no WebGPU kernel takes
 NO_KERNEL_TYPES = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.DOUBLE: "float64"}
@@ -64,6 +65,8 @@ def _why(node: onnx.NodeProto, types: dict[str, int]) -> str:
         return f"domain {node.domain} has no WebGPU kernels"
     if node.op_type in NO_KERNEL:
         return "no WebGPU kernel"
+    if node.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in node.attribute):
+        return "training-mode BatchNormalization has no WebGPU kernel (inference mode has)"
     shape_inputs = SHAPE_INPUTS.get(node.op_type, set())
     values = [name for i, name in enumerate(node.input) if name and i not in shape_inputs]
     for name in [*values, *(name for name in node.output if name)]:

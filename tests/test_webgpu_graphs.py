@@ -26,19 +26,27 @@ def test_the_check_names_each_node_the_gpu_would_leave_to_the_cpu_and_why():
         helper.make_node("ArgMax", ["logits"], ["best"], name="pick", axis=1),
         helper.make_node("Cast", ["logits"], ["wide"], name="widen", to=TensorProto.DOUBLE),
         helper.make_node("Reshape", ["logits", "shape"], ["flat"], name="flatten"),  # an int64 shape input is fine
+        helper.make_node("BatchNormalization", ["map", "c", "c", "c", "c"], ["norm", "mean", "var"], name="bn",
+                         training_mode=1),
+        helper.make_node("BatchNormalization", ["map", "c", "c", "c", "c"], ["scaled"], name="affine"),
     ]
     outputs = [
         helper.make_tensor_value_info("logp", TensorProto.FLOAT, [4, 3]),
         helper.make_tensor_value_info("best", TensorProto.INT64, [4, 1]),
         helper.make_tensor_value_info("wide", TensorProto.DOUBLE, [4, 3]),
         helper.make_tensor_value_info("flat", TensorProto.FLOAT, [12]),
+        helper.make_tensor_value_info("norm", TensorProto.FLOAT, [2, 3, 2, 2]),
+        helper.make_tensor_value_info("scaled", TensorProto.FLOAT, [2, 3, 2, 2]),
     ]
     shape = helper.make_tensor("shape", TensorProto.INT64, [1], [12])
-    problems = webgpu_problems(_model(nodes, [logits], outputs, [shape]))
+    channel = helper.make_tensor("c", TensorProto.FLOAT, [3], [1.0, 1.0, 1.0])
+    maps = helper.make_tensor_value_info("map", TensorProto.FLOAT, [2, 3, 2, 2])
+    problems = webgpu_problems(_model(nodes, [logits, maps], outputs, [shape, channel]))
     assert problems == [
         "node loss_log_softmax (LogSoftmax): no WebGPU kernel",
         "node pick (ArgMax): best is int64, which no WebGPU kernel takes",
         "node widen (Cast): wide is float64, which no WebGPU kernel takes",
+        "node bn (BatchNormalization): training-mode BatchNormalization has no WebGPU kernel (inference mode has)",
     ]
     dynamic = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])
     relu = [helper.make_node("Relu", ["x"], ["y"], name=f"relu{i}") for i in range(1)]
@@ -61,6 +69,16 @@ def test_the_flat_update_concatenates_and_splits_through_nodes_of_few_tensors():
     assert torch.equal(flat, torch.cat(tensors))
     assert all(torch.equal(a, b) for a, b in zip(fanout.split(flat, sizes), tensors))
     assert len(fanout.split(flat, sizes)) == len(sizes) and fanout.split(flat, [flat.numel()])[0] is flat
+    # cat's tree read backwards: as few Split nodes as outputs of at most MAX_FANOUT allow, or one more
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    for count in (8, 23, 54):
+        pieces = [1 + i % 3 for i in range(count)]
+        traced = make_fx(lambda values: fanout.split(values, pieces))(torch.zeros(sum(pieces)))  # noqa: B023
+        nodes = [node for node in traced.graph.nodes if node.op == "call_function" and "split" in str(node.target)]
+        fewest = -(-(count - 1) // (fanout.MAX_FANOUT - 1))
+        assert fewest <= len(nodes) <= fewest + 1, count
+        assert all(len(node.args[1]) <= fanout.MAX_FANOUT for node in nodes)
 
 
 def test_the_cnn_bundle_has_int32_labels_and_no_graph_with_a_known_webgpu_problem(bundle_factory):
