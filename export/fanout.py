@@ -16,10 +16,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """torch.cat through Concat nodes of at most MAX_FANOUT inputs each."""
     tensors = list(tensors)
     while len(tensors) > MAX_FANOUT:
-        tensors = [
-            torch.cat(tensors[i : i + MAX_FANOUT], dim) if len(tensors[i : i + MAX_FANOUT]) > 1 else tensors[i]
-            for i in range(0, len(tensors), MAX_FANOUT)
-        ]
+        tensors = [torch.cat(run, dim) if len(run) > 1 else run[0] for run in _runs(tensors)]
     return torch.cat(tensors, dim) if len(tensors) > 1 else tensors[0]
 
 
@@ -33,6 +30,7 @@ def split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
 
 
 def _runs(items: list) -> list[list]:
+    """Consecutive runs of at most MAX_FANOUT items: one tree level of `cat` and `split`."""
     return [items[i : i + MAX_FANOUT] for i in range(0, len(items), MAX_FANOUT)]
 
 
