@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from edgepfl.errors import UsageError
 from edgepfl.export import activations, masked
-from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise, tap
+from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise
 
 aten = torch.ops.aten
 
@@ -98,7 +98,10 @@ def _max_pool_backward(grad_out, x, kernel, stride, padding, dilation, ceil_mode
 
 
 def _threshold_backward(grad_out: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
-    """ReLU's backward as a product with a 0/1 mask: onnxruntime's Where with a scalar branch is a slow loop."""
+    """ReLU's backward as a product with a 0/1 mask (one node: activations.positive): onnxruntime's Where with a
+    scalar branch is a slow loop."""
+    if threshold == 0:
+        return grad_out * activations.positive(x)
     return grad_out * (x > threshold).to(grad_out.dtype)
 
 
@@ -177,8 +180,13 @@ def _conv_grad_input(grad_out, x, weight, stride, padding, groups) -> torch.Tens
     cout, cin_group, kh, kw = weight.shape
     if list(stride) == [1, 1]:
         # a stride-1 convolution's input gradient is a plain convolution with the flipped, transposed kernel
-        flipped = weight.reshape(groups, cout // groups, cin_group, kh, kw).transpose(1, 2)
-        flipped = flipped.reshape(groups * cin_group, cout // groups, kh, kw)
+        if groups == 1:
+            flipped = weight.transpose(0, 1)
+        elif cin_group == 1 and cout == groups:  # depthwise: each group's (1, 1) block is its own transpose
+            flipped = weight
+        else:
+            flipped = weight.reshape(groups, cout // groups, cin_group, kh, kw).transpose(1, 2)
+            flipped = flipped.reshape(groups * cin_group, cout // groups, kh, kw)
         if kh > 1 or kw > 1:  # flipping a 1x1 kernel changes nothing but would still cost a copy
             flipped = flipped.flip((2, 3))
         pad = [kh - 1 - padding[0], kw - 1 - padding[1]]
@@ -195,13 +203,13 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
     cout, cin_group, kh, kw = weight.shape
     n, cin = x.shape[:2]
     out_h, out_w = grad_out.shape[2:]
+    kernel = grad_out.transpose(0, 1)  # (cout, n, out_h, out_w)
     if groups == cin and cin_group == 1 and cout == cin:
         # depthwise: the weight gradient is itself a grouped convolution of the input (the batch as each
         # group's channels) with the output gradient as kernel, spaced by the stride; onnxruntime's Conv
         # gathers the taps several times faster than one strided Slice per tap (MobileNetV2 at 96 px)
         rows = x.transpose(0, 1).reshape(1, cin * n, *x.shape[2:])
-        kernel = grad_out.transpose(0, 1)  # (cin, n, out_h, out_w)
-        grad = aten.convolution(rows, kernel, None, [1, 1], list(padding), list(stride), False, [0, 0], cin)
+        grad = plain_convolution(rows, kernel, list(padding), list(stride), cin)
         return grad[:, :, :kh, :kw].reshape(cout, 1, kh, kw)
     if groups != 1:
         raise UsageError(
@@ -212,11 +220,30 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
         # the kernel outgrows the activations: one matrix product over all samples beats n products summed,
         # whose (n, cout, cin) intermediate outgrows the inputs it would save transposing
         return DenseColumns(x.shape, weight.shape, stride, padding, x.dtype).grad_weight(grad_out, x)
-    grad_rows = grad_out.reshape(n, cout, out_h * out_w)
     if kh == kw == 1 and list(stride) == [1, 1] and list(padding) == [0, 0]:
+        # a 1x1 kernel: one product per sample, summed (a convolution would be a matrix-vector product per channel)
+        grad_rows = grad_out.reshape(n, cout, out_h * out_w)
         patches = x.reshape(n, cin, out_h * out_w)
-    else:
-        padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-        taps = [tap(padded, i, j, stride, out_h, out_w) for i in range(kh) for j in range(kw)]
-        patches = torch.stack(taps, 2).reshape(n, cin * kh * kw, out_h * out_w)
-    return torch.bmm(grad_rows, patches.transpose(1, 2)).sum(0).reshape(cout, cin, kh, kw)
+        return torch.bmm(grad_rows, patches.transpose(1, 2)).sum(0).reshape(cout, cin, kh, kw)
+    # as for depthwise, a convolution of the input (its channels as the batch, the samples as channels) with the
+    # output gradient as kernel, spaced by the stride: 4 nodes, where a Slice per tap and their product were 20
+    grad = plain_convolution(x.transpose(0, 1), kernel, list(padding), list(stride), 1)
+    return grad[:, :, :kh, :kw].transpose(0, 1)
+
+
+def _plain_convolution(x: torch.Tensor, kernel: torch.Tensor, padding: list[int], dilation: list[int], groups: int
+                       ) -> torch.Tensor:  # fmt: skip
+    """A stride-1 convolution exported as one Conv node as it is (export/portable.py's translation table): an op of
+    its own so that `_convolution` leaves it alone. A weight gradient's convolution has a small output (the
+    kernel's size) but a kernel as large as the map, which as column products would need a constant of
+    (map pixels) × (map pixels · taps) elements (38 MB for MobileNet's stem)."""
+    return F.conv2d(x, kernel, None, 1, padding, dilation, groups)
+
+
+plain_convolution = torch.library.custom_op("edgepfl::plain_convolution", _plain_convolution, mutates_args=())
+
+
+@plain_convolution.register_fake
+def _(x, kernel, padding, dilation, groups):  # noqa: ANN001, ANN202
+    size = [x.shape[2 + i] + 2 * padding[i] - dilation[i] * (kernel.shape[2 + i] - 1) for i in range(2)]
+    return x.new_empty(x.shape[0], kernel.shape[0], *size)

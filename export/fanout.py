@@ -29,6 +29,16 @@ def split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     return _split_along(flat, tree)
 
 
+def nodes(count: int) -> int:
+    """How many nodes `cat` of `count` tensors takes (`split` into as many takes at most one more)."""
+    total = 0
+    while count > MAX_FANOUT:
+        runs = _runs(list(range(count)))
+        total += sum(len(run) > 1 for run in runs)
+        count = len(runs)
+    return total + (count > 1)
+
+
 def _runs(items: list) -> list[list]:
     """Consecutive runs of at most MAX_FANOUT items: one tree level of `cat` and `split`."""
     return [items[i : i + MAX_FANOUT] for i in range(0, len(items), MAX_FANOUT)]

@@ -11,7 +11,6 @@ from torch import nn
 
 from edgepfl.export import fanout
 from edgepfl.export.personal import carry_personal
-from edgepfl.export.smallmaps import SMALL_MAP
 
 BN_MOMENTUM = 0.1
 
@@ -55,12 +54,14 @@ def _batch_norm_forward(
     An op of its own so that its backward is `masked_batch_norm_backward`, written out: autograd's backward of
     the forward's primitive ops is several times as many graph nodes (each one dispatch on WebGPU). The
     exporter's decomposition table (export/decompositions.py) traces both as the ops below: the statistics
-    from primitive ops, the output from them by one `normalize`.
+    from per-map sums and a product over the batch axis (onnxruntime reduces over the leading axis, and
+    broadcasts an (N, 1, 1, 1) weight over an activation, in slow elementwise loops), the centring and the
+    output by one `normalize` each.
     """
     share = mask / count
-    mean = _channel_sums(share, x)
-    centred = x - _per_channel(mean, x)
-    var = _channel_sums(share, centred * centred)
+    mean = weighted_rows(share, x.sum((2, 3)))
+    ones, zeros = torch.ones_like(weight), torch.zeros_like(weight)  # constants of the graph
+    var = weighted_rows(share, pixel_squares(normalize(x, ones, zeros, mean, ones, 0.0)))  # of x − mean
     return normalize(x, weight, bias, mean, var, eps), mean, var
 
 
@@ -76,21 +77,20 @@ def _batch_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (input, weight, bias) of `masked_batch_norm` given its output's gradient.
 
-    With x̂ = (x − mean) / std and M = count: grad_x = weight / std · (grad_y − mask · (x̂ · grad_weight / M +
-    grad_bias / M)), every per-channel product and shift one `normalize`, so no per-channel vector is reshaped
-    or broadcast; the sums over the counted samples by M are products with the forward's share, mask / M.
+    With x̂ = (x − mean) / std and M = count: grad_x = weight / std · (grad_y − mask / M · (x̂ · grad_weight +
+    grad_bias)), every per-channel product and shift one `normalize`, so no per-channel vector is reshaped
+    or broadcast; mask / M is the forward's share, one (N, 1, 1, 1) column per map size.
     """
     # the statistics depend on the counted samples only (mask); grad_y is zero on the others (their outputs
-    # reach no loss), so its batch sums need no mask of their own
+    # reach no loss), so its batch sums need no mask: one ReduceSum each, where the forward needs two
     ones, zeros = torch.ones_like(weight), torch.zeros_like(weight)  # constants of the graph
     normalized = normalize(x, ones, zeros, mean, var, eps)
-    share = mask / count
-    sums = grad_y.sum((2, 3))
-    products = (grad_y * normalized).sum((2, 3))
-    grad_bias, grad_weight = weighted_rows(mask, sums), weighted_rows(mask, products)
-    shift = normalize(normalized, weighted_rows(share, products), weighted_rows(share, sums), zeros, ones, 0.0)
+    grad_bias = grad_y.sum((0, 2, 3))
+    grad_weight = (grad_y * normalized).sum((0, 2, 3))
+    shift = normalize(normalized, grad_weight, grad_bias, zeros, ones, 0.0)
     # weight / std times the difference: the forward's own division by sqrt(var + eps)
-    grad_x = normalize(grad_y - mask.view(-1, 1, 1, 1) * shift, weight, zeros, zeros, var, eps)
+    share = (mask / count).view(-1, 1, 1, 1)
+    grad_x = normalize(grad_y - share * shift, weight, zeros, zeros, var, eps)
     return grad_x, grad_weight, grad_bias
 
 
@@ -108,13 +108,10 @@ def _normalize(
     return (x - mean.view(column)) / std.view(column) * scale.view(column) + bias.view(column)
 
 
-def _channel_sums(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(C,) sums of (N, C, H, W) `values` over all pixels and the samples, each weighted by the (N,) `row`.
-
-    The batch axis as a product: onnxruntime reduces over the leading axis, and broadcasts an (N, 1, 1, 1)
-    weight over an activation, in slow elementwise loops.
-    """
-    return weighted_rows(row, values.sum((2, 3)))
+def _pixel_squares(values: torch.Tensor) -> torch.Tensor:
+    """(N, C) sums of the squares of (N, C, H, W) `values` over each map's pixels: an op of its own so that it
+    is exported as one ReduceSumSquare node (export/portable.py's translation table), not a product and a sum."""
+    return (values * values).sum((2, 3))
 
 
 def _weighted_rows(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -125,6 +122,7 @@ def _weighted_rows(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 weighted_rows = torch.library.custom_op("edgepfl::weighted_rows", _weighted_rows, mutates_args=())
+pixel_squares = torch.library.custom_op("edgepfl::pixel_squares", _pixel_squares, mutates_args=())
 normalize = torch.library.custom_op("edgepfl::normalize", _normalize, mutates_args=())
 masked_batch_norm = torch.library.custom_op("edgepfl::masked_batch_norm", _batch_norm_forward, mutates_args=())
 masked_batch_norm_backward = torch.library.custom_op(
@@ -143,6 +141,11 @@ def batch_norm_decompositions() -> dict:
 @weighted_rows.register_fake
 def _(row, rows):  # noqa: ANN001, ANN202
     return rows.new_empty(rows.shape[1])
+
+
+@pixel_squares.register_fake
+def _(values):  # noqa: ANN001, ANN202
+    return values.new_empty(values.shape[:2])
 
 
 @normalize.register_fake
@@ -175,16 +178,6 @@ def _backward(ctx, grad_y, _grad_mean, _grad_var):  # noqa: ANN001, ANN202
 
 
 masked_batch_norm.register_autograd(_backward, setup_context=_save_for_backward)
-
-
-def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A per-channel vector shaped to broadcast over activations `x` (N, C, H, W).
-
-    On small maps it is spread to (1, C, H, W) first: onnxruntime broadcasts a (1, C, 1, 1) operand
-    over a few pixels per channel in a slow loop, and over a whole (C, H, W) sample fast.
-    """
-    column = values.view(1, -1, 1, 1)
-    return column.expand(1, -1, *x.shape[2:]) if x.shape[2] * x.shape[3] <= SMALL_MAP else column
 
 
 class _MaskSlot:

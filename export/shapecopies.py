@@ -1,7 +1,8 @@
 """Removes what the exporter leaves in a step graph that computes nothing: Constant nodes (made initializers), a
-Reshape or Expand to the shape its input already has, and a Reshape of a Reshape. Each is one more node (a dispatch
-on WebGPU, a copy on every engine); onnxscript's optimizer keeps them where the shapes are known only after shape
-inference.
+Reshape or Expand to the shape its input already has, a Reshape of a Reshape, a Transpose of a Transpose, a
+Transpose that moves only axes of size 1 (a Reshape), and a matrix transposed for a product (Gemm transposes
+its operands itself). Each is one more node (a dispatch on WebGPU, a copy on every engine); onnxscript's
+optimizer keeps them where the shapes are known only after shape inference.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import onnx
 import onnx.numpy_helper
 
 SHAPE_OPS = ("Reshape", "Expand")
+FOLDED_OPS = (*SHAPE_OPS, "Transpose")  # what a collapsed chain or a Gemm's operand can leave unused
 
 
 def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """The graph with no-op Reshape/Expand nodes bypassed and Reshape chains collapsed; outputs keep their names."""
+    """The graph with no-op Reshape/Expand/Transpose nodes bypassed, Reshape and Transpose chains collapsed, a
+    Transpose of only size-1 axes made a Reshape and a 2-D product's transposed operand read by a Gemm; outputs keep
+    their names and the results their values."""
     graph = proto.graph
     shapes = _static_shapes(proto)
     producer = {output: node for node in graph.node for output in node.output}
@@ -24,16 +28,24 @@ def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
     kept = []
     for node in graph.node:
         node.input[:] = [renamed.get(name, name) for name in node.input]
-        if node.op_type in SHAPE_OPS and node.output[0] not in outputs:
-            source, result = node.input[0], node.output[0]
-            if shapes.get(source) is not None and shapes.get(source) == shapes.get(result):
-                renamed[result] = source
+        if node.op_type == "Transpose":
+            _collapse_transposes(node, producer)
+            if node.output[0] not in outputs and _permutation(node) == sorted(_permutation(node)):
+                renamed[node.output[0]] = node.input[0]
                 continue
-            before = producer.get(source)
+            _as_reshape_if_order_kept(node, shapes, constants, graph)
+        if node.op_type == "MatMul":
+            _read_transposed_operands(node, producer, shapes)
+        if node.op_type in SHAPE_OPS and node.output[0] not in outputs:
+            before = producer.get(node.input[0])
             if node.op_type == "Reshape" and before is not None and before.op_type == "Reshape":
                 if _copies_no_dimension(node, constants):
                     # a Reshape to given sizes does not depend on how its input was shaped
                     node.input[0] = before.input[0]
+            source, result = node.input[0], node.output[0]
+            if shapes.get(source) is not None and shapes.get(source) == shapes.get(result):
+                renamed[result] = source
+                continue
         kept.append(node)
     del graph.node[:]
     graph.node.extend(kept)
@@ -41,9 +53,9 @@ def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
     for value in stale:
         graph.value_info.remove(value)
     used = {name for node in graph.node for name in node.input} | outputs
-    # a collapsed chain's first Reshape may now feed nothing
+    # a collapsed chain's first node, or a transposed operand's Transpose, may now feed nothing
     while True:
-        dead = [n for n in graph.node if n.op_type in SHAPE_OPS and not any(o in used for o in n.output)]
+        dead = [n for n in graph.node if n.op_type in FOLDED_OPS and not any(o in used for o in n.output)]
         if not dead:
             break
         dead_ids = {id(n) for n in dead}
@@ -55,6 +67,56 @@ def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
     for tensor in unused:
         graph.initializer.remove(tensor)
     return proto
+
+
+def _permutation(transpose: onnx.NodeProto) -> list[int]:
+    """A Transpose's perm (an empty list where left out: the axes reversed, which no exported graph uses)."""
+    return next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [])
+
+
+def _collapse_transposes(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto]) -> None:
+    """A Transpose of a Transpose as one Transpose of the first one's input (their permutations composed)."""
+    before = producer.get(node.input[0])
+    if before is None or before.op_type != "Transpose" or not _permutation(before) or not _permutation(node):
+        return
+    first, then = _permutation(before), _permutation(node)
+    node.input[0] = before.input[0]
+    del node.attribute[:]
+    node.attribute.append(onnx.helper.make_attribute("perm", [first[axis] for axis in then]))
+
+
+def _as_reshape_if_order_kept(
+    node: onnx.NodeProto, shapes: dict, constants: dict[str, onnx.TensorProto], graph: onnx.GraphProto
+) -> None:
+    """A Transpose that moves only axes of size 1 (the elements keep their order) as a Reshape to its shape,
+    which the Reshape rules then collapse into its neighbours."""
+    shape, perm = shapes.get(node.input[0]), _permutation(node)
+    if shape is None or not perm or node.output[0] not in shapes:
+        return
+    moved = [axis for axis in perm if shape[axis] != 1]
+    if moved != sorted(moved):
+        return
+    target = onnx.numpy_helper.from_array(np.array(shapes[node.output[0]], np.int64), f"{node.output[0]}__shape")
+    graph.initializer.append(target)
+    constants[target.name] = target
+    node.op_type = "Reshape"
+    del node.attribute[:]
+    node.input.append(target.name)
+
+
+def _read_transposed_operands(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], shapes: dict) -> None:
+    """A product of 2-D matrices of which one is a Transpose's output as a Gemm of its input (transA/transB)."""
+    if any(len(shapes.get(name, ())) != 2 for name in node.input):
+        return
+    flags = {}
+    for position, flag in enumerate(("transA", "transB")):
+        before = producer.get(node.input[position])
+        if before is not None and before.op_type == "Transpose" and _permutation(before) == [1, 0]:
+            node.input[position] = before.input[0]
+            flags[flag] = 1
+    if flags:
+        node.op_type = "Gemm"
+        node.attribute.extend(onnx.helper.make_attribute(name, value) for name, value in flags.items())
 
 
 def constants_as_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
