@@ -34,7 +34,7 @@ POSITIVE_SLOPE = 2.0**127  # times any normal float32 above 0 (from 2^-126 on) g
 
 def _positive(x: torch.Tensor) -> torch.Tensor:
     """A 0/1 mask of x > 0 (ReLU's backward), as clamp(x · 2^127, 0, 1): an op of its own so that it is exported as
-    one HardSigmoid node (alpha 2^127, beta 0, export/portable.py's translation table), where a comparison and a
+    one HardSigmoid node (alpha 2^127, beta 0, export/translations.py), where a comparison and a
     cast are two (and Where runs ~10x slower on onnxruntime's CPU). It differs from x > 0 only where x is
     subnormal (0 < x < 2^-127): there it is x · 2^127, below 1."""
     return torch.clamp(x * POSITIVE_SLOPE, 0, 1)

@@ -233,7 +233,7 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
 
 def _plain_convolution(x: torch.Tensor, kernel: torch.Tensor, padding: list[int], dilation: list[int], groups: int
                        ) -> torch.Tensor:  # fmt: skip
-    """A stride-1 convolution exported as one Conv node as it is (export/portable.py's translation table): an op of
+    """A stride-1 convolution exported as one Conv node as it is (export/translations.py): an op of
     its own so that `_convolution` leaves it alone. A weight gradient's convolution has a small output (the
     kernel's size) but a kernel as large as the map, which as column products would need a constant of
     (map pixels) × (map pixels · taps) elements (38 MB for MobileNet's stem)."""

@@ -99,8 +99,8 @@ def _normalize(
 ) -> torch.Tensor:
     """(x − mean) / sqrt(var + eps) · scale + bias, each per channel of (N, C, H, W) `x`.
 
-    An op of its own so that it is exported as one inference-mode BatchNormalization node (export/portable.py's
-    translation table), which every engine runs (WebGPU included) and which neither reshapes nor broadcasts its
+    An op of its own so that it is exported as one inference-mode BatchNormalization node
+    (export/translations.py), which every engine runs (WebGPU included) and which neither reshapes nor broadcasts its
     (C,) operands. With mean 0, var 1 and eps 0 it is a per-channel product and shift.
     """
     column = (1, -1, 1, 1)
@@ -110,13 +110,13 @@ def _normalize(
 
 def _pixel_squares(values: torch.Tensor) -> torch.Tensor:
     """(N, C) sums of the squares of (N, C, H, W) `values` over each map's pixels: an op of its own so that it
-    is exported as one ReduceSumSquare node (export/portable.py's translation table), not a product and a sum."""
+    is exported as one ReduceSumSquare node (export/translations.py), not a product and a sum."""
     return (values * values).sum((2, 3))
 
 
 def _weighted_rows(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(N,) @ (N, C): an op of its own so that it is exported as one MatMul of the vector (export/portable.py's
-    translation table), a (C,) result like the parameters it is a gradient of; PyTorch's tracing turns a vector
+    """(N,) @ (N, C): an op of its own so that it is exported as one MatMul of the vector
+    (export/translations.py), a (C,) result like the parameters it is a gradient of; PyTorch's tracing turns a vector
     times a matrix into a (1, N) @ (N, C) product and a Reshape, one more node a batch sum."""
     return row @ rows
 

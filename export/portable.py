@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
-from edgepfl.export import activations, decompositions, fanout, masked
+from edgepfl.export import decompositions, fanout
 from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
 from edgepfl.export.masked import MaskedModel, StepShape
 from edgepfl.export.shapecopies import constants_as_initializers, drop_shape_copies
+from edgepfl.export.translations import translation_table
 from edgepfl.export.webgpu import webgpu_problems
 from edgepfl.manifest import Manifest
 from edgepfl.wire import save_tensors
@@ -379,11 +380,7 @@ def _to_onnx(
     # onnxruntime (which runs its own graph optimizations) what it needs
     onnx_program = torch.onnx.export(
         program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False,
-        custom_translation_table={
-            masked.weighted_rows._opoverload: _weighted_rows, masked.normalize._opoverload: _normalize,
-            masked.pixel_squares._opoverload: _pixel_squares, activations.positive._opoverload: _positive,
-            decompositions.plain_convolution._opoverload: _plain_convolution,
-        },
+        custom_translation_table=translation_table(),
     )  # fmt: skip
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
@@ -397,41 +394,6 @@ def _to_onnx(
     proto.ir_version = min(proto.ir_version, PORTABLE_IR)
     onnx.checker.check_model(proto, full_check=True)
     return proto
-
-
-def _weighted_rows(row, rows):  # noqa: ANN001, ANN202
-    """masked.weighted_rows as ONNX: one MatMul of the (N,) vector and the (N, C) matrix."""
-    from onnxscript import opset20
-
-    return opset20.MatMul(row, rows)
-
-
-def _plain_convolution(x, kernel, padding: list[int], dilation: list[int], groups: int):  # noqa: ANN001, ANN202
-    """decompositions.plain_convolution as ONNX: one Conv."""
-    from onnxscript import opset20
-
-    return opset20.Conv(x, kernel, pads=[*padding, *padding], dilations=dilation, group=groups)
-
-
-def _positive(x):  # noqa: ANN001, ANN202
-    """activations.positive as ONNX: one HardSigmoid, max(0, min(1, x · 2^127))."""
-    from onnxscript import opset20
-
-    return opset20.HardSigmoid(x, alpha=activations.POSITIVE_SLOPE, beta=0.0)
-
-
-def _pixel_squares(values):  # noqa: ANN001, ANN202
-    """masked.pixel_squares as ONNX: one ReduceSumSquare over the map axes."""
-    from onnxscript import opset20
-
-    return opset20.ReduceSumSquare(values, [2, 3], keepdims=0)
-
-
-def _normalize(x, scale, bias, mean, var, eps: float):  # noqa: ANN001, ANN202
-    """masked.normalize as ONNX: one inference-mode BatchNormalization node."""
-    from onnxscript import opset20
-
-    return opset20.BatchNormalization(x, scale, bias, mean, var, epsilon=eps, training_mode=0)
 
 
 def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> onnx.ModelProto:
