@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from edgepfl.errors import UsageError
 from edgepfl.export import activations, masked
-from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_small_dense, is_small_depthwise
+from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_depthwise, is_small_dense, is_small_depthwise
 
 aten = torch.ops.aten
 
@@ -182,7 +182,7 @@ def _conv_grad_input(grad_out, x, weight, stride, padding, groups) -> torch.Tens
         # a stride-1 convolution's input gradient is a plain convolution with the flipped, transposed kernel
         if groups == 1:
             flipped = weight.transpose(0, 1)
-        elif cin_group == 1 and cout == groups:  # depthwise: each group's (1, 1) block is its own transpose
+        elif is_depthwise(x, weight, groups):  # each group's (1, 1) block is its own transpose
             flipped = weight
         else:
             flipped = weight.reshape(groups, cout // groups, cin_group, kh, kw).transpose(1, 2)
@@ -204,7 +204,7 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
     n, cin = x.shape[:2]
     out_h, out_w = grad_out.shape[2:]
     kernel = grad_out.transpose(0, 1)  # (cout, n, out_h, out_w)
-    if groups == cin and cin_group == 1 and cout == cin:
+    if is_depthwise(x, weight, groups):
         # depthwise: the weight gradient is itself a grouped convolution of the input (the batch as each
         # group's channels) with the output gradient as kernel, spaced by the stride; onnxruntime's Conv
         # gathers the taps several times faster than one strided Slice per tap (MobileNetV2 at 96 px)

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgepfl.errors import UsageError
 from edgepfl.export.personal import carry_personal
+from edgepfl.export.smallmaps import is_depthwise
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _RANDOM_OPS = {
@@ -141,7 +142,6 @@ class _OpCheck(TorchDispatchMode):
 def _check_convolution(args: Sequence, where: str) -> None:
     x, weight = args[0], args[1]
     dilation, transposed, groups = args[5], args[6], args[8]
-    depthwise = groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1
     problem = None
     if x.dim() != 4:
         problem = f"a {x.dim() - 2}-D convolution"
@@ -149,7 +149,7 @@ def _check_convolution(args: Sequence, where: str) -> None:
         problem = "a transposed convolution"
     elif any(d != 1 for d in dilation):
         problem = "a dilated convolution"
-    elif groups != 1 and not depthwise:
+    elif groups != 1 and not is_depthwise(x, weight, groups):
         problem = f"a grouped convolution ({groups} groups, neither dense nor depthwise)"
     if problem:
         raise UsageError(

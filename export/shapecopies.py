@@ -30,7 +30,8 @@ def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
         node.input[:] = [renamed.get(name, name) for name in node.input]
         if node.op_type == "Transpose":
             _collapse_transposes(node, producer)
-            if node.output[0] not in outputs and _permutation(node) == sorted(_permutation(node)):
+            perm = _permutation(node)  # empty where left out: the axes reversed, not the identity
+            if node.output[0] not in outputs and perm and perm == sorted(perm):
                 renamed[node.output[0]] = node.input[0]
                 continue
             _as_reshape_if_order_kept(node, shapes, constants, graph)

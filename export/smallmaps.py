@@ -31,13 +31,16 @@ def tap(padded: torch.Tensor, i: int, j: int, stride: Sequence[int], out_h: int,
     ]
 
 
+def is_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """A depthwise convolution: one filter per input channel, each reading its channel alone."""
+    return groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1
+
+
 def is_small_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int, dilation: Sequence[int]) -> bool:
     """A depthwise convolution (one filter per channel) whose input map has at most SMALL_MAP pixels."""
-    channels = x.shape[1]
     return (
         x.dim() == 4
-        and groups == channels == weight.shape[0]
-        and weight.shape[1] == 1
+        and is_depthwise(x, weight, groups)
         and all(d == 1 for d in dilation)
         and x.shape[2] * x.shape[3] <= SMALL_MAP
     )

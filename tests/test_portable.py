@@ -474,6 +474,22 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
     assert np.array_equal(after[1], before[1])
 
 
+def test_a_transpose_without_perm_reverses_the_axes_and_is_kept():
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from edgepfl.export.shapecopies import drop_shape_copies
+
+    nodes = [helper.make_node("Transpose", ["x"], ["t"]), helper.make_node("Relu", ["t"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 2])])  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    proto.ir_version = 10
+    kept = drop_shape_copies(proto)
+    onnx.checker.check_model(kept, full_check=True)
+    assert [n.op_type for n in kept.graph.node] == ["Transpose", "Relu"]
+
+
 def test_constant_nodes_become_initializers_and_the_results_stay_bit_identical():
     onnx = pytest.importorskip("onnx")
     import onnxruntime as ort
