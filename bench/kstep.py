@@ -73,7 +73,8 @@ def chain(step: onnx.ModelProto, k: int) -> onnx.ModelProto:
     if not set(outputs) <= produced:
         passed = sorted(set(outputs) - produced)[:3]
         raise SystemExit(
-            f"error: outputs {passed} are the step's inputs passed through: chain a step whose nodes make each"
+            f"error: outputs {passed} are the step's inputs passed through (a bundle exported before steps left"
+            " them out): export the bundle again"
         )
     batch = batch_of(step)
 

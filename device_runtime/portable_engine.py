@@ -108,12 +108,11 @@ class PortableEngine(Engine):
     def _run_step(self, key: str, graph: dict, batch: tuple[np.ndarray, ...]) -> float:
         """Run one step graph on the current state plus `batch`; keep the new state, return the loss.
 
-        A step with a frozen variant leaves its frozen tensors' OrtValues as they are (the plain graph's
-        outputs for them, copies, are not fetched), so that the next step can tell they did not change and
-        run the variant instead."""
-        count = len(self._state_names)
-        by_input = dict(zip(graph["inputs"][:count], self._state_names))
-        by_output = dict(zip(graph["outputs"][1 : count + 1], self._state_names))
+        A step with a frozen variant leaves its frozen tensors' OrtValues as they are (the graph has no outputs
+        for them; in bundles before 2026-11-30 it had copies, not fetched), so that the next step can tell they
+        did not change and run the variant instead."""
+        by_input = dict(zip(graph["inputs"][: len(self._state_names)], self._state_names))
+        by_output = self._updates(graph)
         frozen = graph.get("frozen")
         kept = set(by_input[name] for name in frozen["initializers"]) if frozen else set()
         values = tuple(self._state[by_input[name]] for name in frozen["initializers"]) if frozen else ()
@@ -139,6 +138,21 @@ class PortableEngine(Engine):
         loss, *state = binding.get_outputs()
         self._state.update((by_output[name], value) for name, value in zip(fetched[1:], state))
         return float(loss.numpy())
+
+    def _updates(self, graph: dict) -> dict[str, str]:
+        """Which state tensor each of a step graph's outputs after the loss is the new value of: the entry's
+        `updates`, or (a bundle exported before steps left out the tensors they pass through) every state tensor
+        in order."""
+        outputs = graph["outputs"][1:]
+        updates = graph.get("updates")
+        if updates is None:
+            return dict(zip(outputs, self._state_names))
+        if not isinstance(updates, list) or len(updates) != len(outputs) or not set(updates) <= set(self._state_names):
+            raise BundleError(
+                f"{graph['model']}'s manifest entry does not name one of the bundle's tensors for each output",
+                "re-export the bundle",
+            )
+        return dict(zip(outputs, updates))
 
     def _baked_session(self, key: str, frozen: dict, values: tuple[ort.OrtValue, ...]) -> ort.InferenceSession | None:
         """The step's frozen variant built on the frozen tensors `values`, or None for the plain graph.

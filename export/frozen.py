@@ -1,11 +1,11 @@
 """A step graph's *frozen* variant: the tensors the step passes through unchanged become initializers.
 
-A personal-only step passes the base through (its new value is an Identity of its input), and a base-only
-step the personal part. As graph inputs, those tensors are not constant to onnxruntime, so a convolution on a
+A personal-only step passes the base through (the step graph has no output for it), and a base-only step the
+personal part. As graph inputs, those tensors are not constant to onnxruntime, so a convolution on a
 frozen weight runs the generic kernel. The variant declares them as initializers instead, with their data
 *external* and absent from the bundle: the portable engine hands their current values to onnxruntime when it
 builds the session (`SessionOptions.add_external_initializers`), and onnxruntime then pre-packs the constant
-weights (its blocked NCHWc kernels on x86). The variant has no outputs for them: they do not change.
+weights (its blocked NCHWc kernels on x86). Its outputs are the plain graph's.
 
 On an AVX2 host mobilenet_v2's 96 px personal-only step ran 1.3-1.5x faster this way (`bench/frozen_base.py`,
 `bench/engines.py`; docs/own-model.md). The graph holds no weights, so a bundle grows by the graph's
@@ -23,36 +23,16 @@ import onnx
 FROZEN_LOCATION = "frozen-tensors-supplied-by-the-engine.bin"
 
 
-def frozen_inputs(graph: onnx.GraphProto, inputs: list[str], outputs: list[str]) -> list[str]:
-    """The state inputs a step passes through unchanged: the output paired with each is an Identity of it."""
-    producer = {output: node for node in graph.node for output in node.output}
-    return [
-        name
-        for name, output in zip(inputs, outputs)
-        if output in producer and producer[output].op_type == "Identity" and producer[output].input[0] == name
-    ]
-
-
-def frozen_variant(proto: onnx.ModelProto, state_count: int) -> tuple[onnx.ModelProto | None, list[str]]:
-    """(the variant, its frozen input names) of a step graph whose first `state_count` inputs are the state
-    and whose outputs are the loss followed by the new state in the same order; (None, []) if none is frozen."""
-    graph = proto.graph
-    inputs = [spec.name for spec in graph.input[:state_count]]
-    outputs = [spec.name for spec in graph.output[1 : state_count + 1]]
-    frozen = frozen_inputs(graph, inputs, outputs)
+def frozen_variant(proto: onnx.ModelProto, frozen: list[str]) -> onnx.ModelProto | None:
+    """The variant of a step graph that passes the state inputs `frozen` through (it has no output for them); None
+    when it passes none through."""
     if not frozen:
-        return None, []
+        return None
+    graph = proto.graph
     variant = onnx.ModelProto()
     variant.CopyFrom(proto)
     frozen_set = set(frozen)
-    dropped = {output for name, output in zip(inputs, outputs) if name in frozen_set}
     specs = {spec.name: spec for spec in graph.input}
-    consumed = {name for node in graph.node for name in node.input}
-    _retain(
-        variant.graph.node,
-        lambda node: not (node.op_type == "Identity" and node.output[0] in dropped and node.output[0] not in consumed),
-    )
-    _retain(variant.graph.output, lambda spec: spec.name not in dropped)
     _retain(variant.graph.input, lambda spec: spec.name not in frozen_set)
     offset = 0
     for name in frozen:
@@ -70,7 +50,7 @@ def frozen_variant(proto: onnx.ModelProto, state_count: int) -> tuple[onnx.Model
             entry.key, entry.value = key, value
         variant.graph.initializer.append(initializer)
         offset += size
-    return variant, frozen
+    return variant
 
 
 def _retain(field, keep) -> None:

@@ -1,10 +1,11 @@
 """The portable engine's artifacts: a whole SGD training step as a graph of default-domain ONNX ops.
 
-Each step graph maps `param:<name>…, buffer:<name>…, x, y, w, lr` to `loss, new_param:<name>…,
-new_buffer:<name>…`. `w` is a per-sample weight: the loss is sum(w·ce)/sum(w), and training-mode
-BatchNorm computes its batch statistics over the samples with w > 0 only, so a last partial batch
-padded with w = 0 trains exactly like PyTorch on its real samples. Plain onnxruntime (any current
-release, ARM included) runs these graphs; no training build is needed.
+Each step graph maps `param:<name>…, buffer:<name>…, x, y, w, lr` to `loss, new_param:<name>…, new_buffer:<name>…`,
+with no output for a tensor the step passes through unchanged (the manifest entry's `updates` names the tensor each
+output after the loss updates). `w` is a per-sample weight: the loss is sum(w·ce)/sum(w), and training-mode
+BatchNorm computes its batch statistics over the samples with w > 0 only, so a last partial batch padded with w = 0
+trains exactly like PyTorch on its real samples. Plain onnxruntime (any current release, ARM included) runs these
+graphs; no training build is needed.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def export_portable(
         proto = export_step(step_model, params, buffers, trainable, batch_size)
         onnx.save(proto, str(folder / f"step_{set_name}.onnx"))
         steps[set_name] = {**_graph_entry(f"{prefix}/step_{set_name}.onnx", proto), "trainable": trainable}
-        variant, frozen = frozen_variant(proto, len(params) + len(buffers)) if frozen_variants else (None, [])
+        frozen = _passed_through(proto, params, buffers)
+        variant = frozen_variant(proto, frozen) if frozen_variants else None
         if variant is not None:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
             onnx.save(variant, str(folder / f"step_{set_name}_frozen.onnx"))
             steps[set_name]["frozen"] = {
@@ -126,9 +128,24 @@ def export_portable(
 
 
 def _graph_io(model: str, proto: onnx.ModelProto) -> dict:
-    """A graph's file and its input and output names, as the manifest gives them to the engines."""
+    """A graph's file and its input and output names, as the manifest gives them to the engines; for a step graph
+    also `updates`, the state tensor each output after the loss updates (a tensor it passes through has none)."""
     inputs, outputs = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
-    return {"model": model, "inputs": inputs, "outputs": outputs}
+    updates = [_state_of(name) for name in outputs[1:] if name.startswith((NEW_PARAM_PREFIX, NEW_BUFFER_PREFIX))]
+    return {"model": model, "inputs": inputs, "outputs": outputs, **({"updates": updates} if updates else {})}
+
+
+def _passed_through(proto: onnx.ModelProto, params: list[str], buffers: list[str]) -> list[str]:
+    """The state inputs a step graph passes through unchanged: those it gives no new value for."""
+    outputs = {spec.name for spec in proto.graph.output}
+    news = [NEW_PARAM_PREFIX + n for n in params] + [NEW_BUFFER_PREFIX + n for n in buffers]
+    return [name for name, new in zip(_state_names(params, buffers), news) if new not in outputs]
+
+
+def _state_of(output: str) -> str:
+    """The state tensor a step graph's `new_param:`/`new_buffer:` output is the new value of."""
+    prefix = NEW_PARAM_PREFIX if output.startswith(NEW_PARAM_PREFIX) else NEW_BUFFER_PREFIX
+    return output.removeprefix(prefix)
 
 
 def _graph_entry(model: str, proto: onnx.ModelProto) -> dict:
@@ -397,7 +414,9 @@ def _to_onnx(
 
 
 def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> onnx.ModelProto:
-    """Give graph inputs and outputs our names; an output that is an input (frozen) gets an Identity."""
+    """Give graph inputs and outputs our names. An output that is a graph input (a tensor the step passes through)
+    is left out rather than copied by an Identity node, a dispatch on a GPU: the engines keep that tensor as it is.
+    An output that repeats an earlier one gets an Identity."""
     graph = proto.graph
     if len(graph.input) != len(input_names) or len(graph.output) != len(output_names):
         raise UsageError(
@@ -408,13 +427,18 @@ def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[s
     mapping = {value.name: name for value, name in zip(graph.input, input_names)}
     graph_inputs = set(mapping)
     renamed_outputs = set()
+    passed = [value for value in graph.output if value.name in graph_inputs]
     for value, name in zip(graph.output, output_names):
-        if value.name in graph_inputs or value.name in renamed_outputs:
+        if value.name in graph_inputs:
+            continue
+        if value.name in renamed_outputs:
             graph.node.append(onnx.helper.make_node("Identity", [value.name], [name], name=f"pass_{name}"))
             value.name = name
         else:
             mapping[value.name] = name
             renamed_outputs.add(value.name)
+    for value in passed:
+        graph.output.remove(value)
     for value in list(graph.input) + list(graph.output) + list(graph.value_info):
         value.name = mapping.get(value.name, value.name)
     for node in graph.node:

@@ -6,7 +6,7 @@
 
 import { EngineError } from './errors.js';
 import { FrozenVariants } from './frozen.js';
-import { inputType, portableEntry, portableFiles, personalSpec } from './manifest.js';
+import { inputType, portableEntry, portableFiles, personalSpec, stepUpdates } from './manifest.js';
 import { ModelState } from './modelstate.js';
 import { decodeSafetensors } from './safetensors.js';
 import { inChunks, predictWith } from './predict.js';
@@ -234,8 +234,9 @@ export class Engine {
 
   /**
    * Run one step graph on the current state; returns the loss and the new state by tensor name. A step with a
-   * frozen variant leaves out its frozen tensors (they pass through unchanged), so that the state keeps the very
-   * same tensor objects and the next step can tell they did not change (portable_engine.py _run_step).
+   * frozen variant leaves out its frozen tensors (they pass through unchanged: the graph has no outputs for them, or
+   * in older bundles copies, not fetched), so that the state keeps the very same tensor objects and the next step
+   * can tell they did not change (portable_engine.py _run_step).
    * @param {ModelInput} x
    * @param {Int32Array | BigInt64Array} y
    * @param {number} count
@@ -256,7 +257,7 @@ export class Engine {
     const graph = this.entry.steps[trainable];
     const n = this.stateNames.length;
     const byInput = new Map(graph.inputs.slice(0, n).map((input, i) => [input, this.stateNames[i]]));
-    const byOutput = new Map(graph.outputs.slice(1, n + 1).map((output, i) => [output, this.stateNames[i]]));
+    const byOutput = stepUpdates(graph, this.stateNames);
     const stateOf = (/** @type {Map<string, string>} */ by, /** @type {string} */ name) =>
       /** @type {string} */ (by.get(name));
     // the frozen tensors stay as they are (a plain graph's copies of them are not fetched), with or without a variant

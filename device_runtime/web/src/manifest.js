@@ -8,7 +8,7 @@ import { EngineError } from './errors.js';
 /** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string, dtype?: string}} InputSpec */
 /** A batch of model inputs: float32 pixels or sensor values, or int64 token ids (a text bundle). @typedef {Float32Array | BigInt64Array} ModelInput */
 /** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
-/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (batch_size: the predict graph's 1, up_to: how many inputs it takes one by one). @typedef {{model: string, inputs: string[], outputs: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number, up_to?: number}} Graph */
+/** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (updates: the tensor each output after the loss is the new value of; batch_size: the predict graph's 1, up_to: how many inputs it takes one by one). @typedef {{model: string, inputs: string[], outputs: string[], updates?: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number, up_to?: number}} Graph */
 /**
  * manifest.json `engines.portable`.
  * @typedef {object} PortableEntry
@@ -67,6 +67,25 @@ export function portableEntry(/** @type {Manifest} */ manifest) {
   if (!entry)
     throw new EngineError('the bundle has no portable graphs', 'ask the operator to export it with --engines portable');
   return entry;
+}
+
+/**
+ * Which state tensor each of a step graph's outputs after the loss is the new value of: the graph's `updates` (a
+ * step has no output for a tensor it passes through), or every state tensor in order (bundles exported before).
+ * @param {Graph} graph
+ * @param {string[]} stateNames
+ * @returns {Map<string, string>}
+ */
+export function stepUpdates(graph, stateNames) {
+  const outputs = graph.outputs.slice(1);
+  const { updates } = graph;
+  if (updates === undefined) return new Map(outputs.map((output, i) => [output, stateNames[i]]));
+  if (!Array.isArray(updates) || updates.length !== outputs.length || !updates.every((n) => stateNames.includes(n)))
+    throw new EngineError(
+      `${graph.model}'s manifest entry does not name one of the bundle's tensors for each output`,
+      'ask the operator to export the bundle again',
+    );
+  return new Map(outputs.map((output, i) => [output, updates[i]]));
 }
 
 /**

@@ -4,6 +4,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import * as ort from 'onnxruntime-web';
 import { openEngine, portableFiles } from '../src/engine.js';
+import { stepUpdates } from '../src/manifest.js';
 import { NEEDS_FIXTURES, expected, fixtureBundle, fixtureTensors, maxAbsDiff } from './fixtures.mjs';
 
 const TOLERANCE = 1e-5;
@@ -257,4 +258,20 @@ test('a graph the exporter found problems in is not tried on WebGPU: the problem
   await assert.rejects(openEngine(ort, manifest, files, { backend: 'cuda' }), /unknown back end "cuda"/);
   // the WebGPU convolutions' layout: NCHW (the page's) or NHWC (bench/webgpu measures it), nothing else
   await assert.rejects(openEngine(ort, manifest, files, { layout: 'NWHC' }), /unknown layout "NWHC".*NCHW, NHWC/s);
+});
+
+test("a step graph's outputs map to the tensors its manifest entry names; a wrong entry is refused", () => {
+  const graph = { model: 'portable/step_personal.onnx', inputs: [], outputs: ['loss', 'new_param:b', 'new_param:c'] };
+  const names = ['a', 'b', 'c'];
+  const updated = stepUpdates({ ...graph, updates: ['b', 'c'] }, names);
+  assert.deepEqual([...updated.keys()], ['new_param:b', 'new_param:c']);
+  assert.deepEqual([...updated.values()], ['b', 'c']);
+  // a bundle from before `updates`: every state tensor has an output, in order
+  assert.deepEqual([...stepUpdates(graph, names).values()], ['a', 'b']);
+  for (const updates of [['b'], ['b', 'z'], 'bc']) {
+    assert.throws(
+      () => stepUpdates(/** @type {any} */ ({ ...graph, updates }), names),
+      /step_personal.onnx's manifest entry does not name one of the bundle's tensors for each output/,
+    );
+  }
 });
