@@ -77,9 +77,11 @@ def export_portable(
         proto = export_step(step_model, params, buffers, trainable, batch_size)
         onnx.save(proto, str(folder / f"step_{set_name}.onnx"))
         steps[set_name] = {**_graph_entry(f"{prefix}/step_{set_name}.onnx", proto), "trainable": trainable}
-        frozen = _passed_through(proto, params, buffers)
+        # the tensors the step passes through (no output updates them) as initializers the engine supplies
+        updated = set(steps[set_name].get("updates", ()))
+        frozen = [name for name, n in zip(_state_names(params, buffers), params + buffers) if n not in updated]
         variant = frozen_variant(proto, frozen) if frozen_variants else None
-        if variant is not None:  # the pass-through tensors as initializers the engine supplies (export/frozen.py)
+        if variant is not None:  # export/frozen.py
             onnx.save(variant, str(folder / f"step_{set_name}_frozen.onnx"))
             steps[set_name]["frozen"] = {
                 **_graph_entry(f"{prefix}/step_{set_name}_frozen.onnx", variant),
@@ -133,13 +135,6 @@ def _graph_io(model: str, proto: onnx.ModelProto) -> dict:
     inputs, outputs = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
     updates = [_state_of(name) for name in outputs[1:] if name.startswith((NEW_PARAM_PREFIX, NEW_BUFFER_PREFIX))]
     return {"model": model, "inputs": inputs, "outputs": outputs, **({"updates": updates} if updates else {})}
-
-
-def _passed_through(proto: onnx.ModelProto, params: list[str], buffers: list[str]) -> list[str]:
-    """The state inputs a step graph passes through unchanged: those it gives no new value for."""
-    outputs = {spec.name for spec in proto.graph.output}
-    news = [NEW_PARAM_PREFIX + n for n in params] + [NEW_BUFFER_PREFIX + n for n in buffers]
-    return [name for name, new in zip(_state_names(params, buffers), news) if new not in outputs]
 
 
 def _state_of(output: str) -> str:
@@ -427,18 +422,15 @@ def _rename(proto: onnx.ModelProto, input_names: list[str], output_names: list[s
     mapping = {value.name: name for value, name in zip(graph.input, input_names)}
     graph_inputs = set(mapping)
     renamed_outputs = set()
-    passed = [value for value in graph.output if value.name in graph_inputs]
-    for value, name in zip(graph.output, output_names):
+    for value, name in zip(list(graph.output), output_names):
         if value.name in graph_inputs:
-            continue
-        if value.name in renamed_outputs:
+            graph.output.remove(value)
+        elif value.name in renamed_outputs:
             graph.node.append(onnx.helper.make_node("Identity", [value.name], [name], name=f"pass_{name}"))
             value.name = name
         else:
             mapping[value.name] = name
             renamed_outputs.add(value.name)
-    for value in passed:
-        graph.output.remove(value)
     for value in list(graph.input) + list(graph.output) + list(graph.value_info):
         value.name = mapping.get(value.name, value.name)
     for node in graph.node:
