@@ -73,17 +73,33 @@ MEASUREMENTS = ROOT / "docs" / "measurements"
 FLEET = "dropout:0.3,speed:lognormal:1.0,seed:0"
 TARGETS = {"fedbuff": 0.5, "over-select": 0.7}  # time to A as a fraction of sync's
 SETTING = {
-    "algorithm": "fedper", "kp": 1, "partition": "classes:2", "clients": 50, "epochs": 1, "batch_size": 32,
-    "lr": 0.05, "fraction": 0.2, "min_clients": 1, "engine": "torch", "threads": 1, "seed": 0, "fleet": FLEET,
-}  # fmt: skip
+    "algorithm": "fedper",
+    "kp": 1,
+    "partition": "classes:2",
+    "clients": 50,
+    "epochs": 1,
+    "batch_size": 32,
+    "lr": 0.05,
+    "fraction": 0.2,
+    "min_clients": 1,
+    "engine": "torch",
+    "threads": 1,
+    "seed": 0,
+    "fleet": FLEET,
+}
 TARGET = 10  # sync's round: ceil(0.2 x 50)
 MODES = {
     "sync": {},
     "over-select": {"over_select": 0.3},
     "over-select 0.5": {"over_select": 0.5},
-    "fedbuff": {"aggregation": "fedbuff", "buffer_size": TARGET, "max_staleness": 10,
-                "staleness_weight": "poly:0.5", "server_lr": 1.0},
-}  # fmt: skip
+    "fedbuff": {
+        "aggregation": "fedbuff",
+        "buffer_size": TARGET,
+        "max_staleness": 10,
+        "staleness_weight": "poly:0.5",
+        "server_lr": 1.0,
+    },
+}
 DATASETS = {"mnist": {"model": "mlp", "rounds": 40}, "cifar10": {"model": "cnn", "rounds": 40}}
 QUICK_ROUNDS = 8
 MARGIN = 1.2  # over-select runs rounds for this many times sync's work (`within` counts up to 1x)
@@ -105,8 +121,9 @@ def deadline(dataset: str, data_root: str) -> dict:
     from edgepfl.simulate.fleet import FleetSpec
     from edgepfl.simulate.loop import load_partition
 
-    options = PartitionOptions(dataset=dataset, data_root=data_root, partition=SETTING["partition"],
-                               clients=SETTING["clients"])  # fmt: skip
+    options = PartitionOptions(
+        dataset=dataset, data_root=data_root, partition=SETTING["partition"], clients=SETTING["clients"]
+    )
     _, parts = load_partition(options, SETTING["seed"])
     mean_train = float(np.mean([len(part.train) for part in parts]))
     spec = FleetSpec.parse(FLEET)
@@ -124,9 +141,13 @@ def run_child(request: dict) -> dict:
 
     fields = {**SETTING, **MODES[request["mode"]], "model": DATASETS[request["dataset"]]["model"]}
     config = SimulateConfig(
-        out=request["out"], dataset=request["dataset"], data_root=request["data_root"], rounds=request["rounds"],
-        round_timeout=request["round_timeout"], **fields,
-    )  # fmt: skip
+        out=request["out"],
+        dataset=request["dataset"],
+        data_root=request["data_root"],
+        rounds=request["rounds"],
+        round_timeout=request["round_timeout"],
+        **fields,
+    )
     started = time.perf_counter()
     results = run_simulation(config)
     wall = time.perf_counter() - started
@@ -135,21 +156,36 @@ def run_child(request: dict) -> dict:
     for record in results.rounds:
         trainings, rest = divmod(record.bytes_down, download)
         assert rest == 0, f"round {record.round}: {record.bytes_down} bytes down is not a number of downloads"
-        records.append({"round": record.round, "virtual_time": record.virtual_time,
-                        "accuracy": record.test_accuracy["mean"], "trainings": trainings,
-                        "late": record.late_uploads or 0})  # fmt: skip
+        records.append(
+            {
+                "round": record.round,
+                "virtual_time": record.virtual_time,
+                "accuracy": record.test_accuracy["mean"],
+                "trainings": trainings,
+                "late": record.late_uploads or 0,
+            }
+        )
     return {"records": records, "wall_seconds": round(wall, 1), "download_bytes": download}
 
 
 def simulate(dataset: str, mode: str, rounds: int, timeout: float, data_root: str) -> dict:
     """One run in a fresh Python process."""
     with tempfile.TemporaryDirectory(prefix="edgepfl-bench-fleet-") as out:
-        request = {"dataset": dataset, "mode": mode, "rounds": rounds, "round_timeout": timeout,
-                   "data_root": data_root, "out": out}  # fmt: skip
+        request = {
+            "dataset": dataset,
+            "mode": mode,
+            "rounds": rounds,
+            "round_timeout": timeout,
+            "data_root": data_root,
+            "out": out,
+        }
         child = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(request)], capture_output=True, text=True, cwd=ROOT,
+            [sys.executable, __file__, "--child", json.dumps(request)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )  # fmt: skip
+        )
     if child.returncode != 0:
         sys.exit(f"{dataset} {mode} failed:\n{child.stderr[-3000:]}")
     return json.loads(child.stdout.splitlines()[-1])
@@ -204,21 +240,38 @@ def time_to_accuracy(dataset: str, data_root: str, quick: bool) -> dict:
         reached = first_at(counted, accuracy)
         ratio = reached / sync_time if reached is not None and sync_time else None
         target = TARGETS.get(mode)
-        rows.append({
-            "mode": mode, "options": MODES[mode], "rounds": run["rounds"], "wall_seconds": run["wall_seconds"],
-            "trainings": sum(r["trainings"] for r in run["records"]), "late": sum(r["late"] for r in run["records"]),
-            "work_counted": counted[-1]["work"] if counted else 0, "records_counted": len(counted),
-            "virtual_time_at_budget": counted[-1]["virtual_time"] if counted else None,
-            "final_accuracy": counted[-1]["accuracy"] if counted else None,
-            "time_to_A": reached, "ratio_to_sync": ratio, "target": target,
-            "ratio_to_sync_end": reached / sync_end if reached is not None else None,
-            "met": None if target is None else ratio is not None and ratio <= target,
-            "records": run["records"],
-        })  # fmt: skip
-    return {"dataset": dataset, "model": DATASETS[dataset]["model"], **clock, "budget_trainings": budget,
-            "A": accuracy, "sync_time_to_A": sync_time, "sync_virtual_time": sync_end, "runs": rows,
-            "common": common_level(rows, budget), "uncapped": uncapped(runs["fedbuff"], accuracy, sync_time, budget)}
-
+        rows.append(
+            {
+                "mode": mode,
+                "options": MODES[mode],
+                "rounds": run["rounds"],
+                "wall_seconds": run["wall_seconds"],
+                "trainings": sum(r["trainings"] for r in run["records"]),
+                "late": sum(r["late"] for r in run["records"]),
+                "work_counted": counted[-1]["work"] if counted else 0,
+                "records_counted": len(counted),
+                "virtual_time_at_budget": counted[-1]["virtual_time"] if counted else None,
+                "final_accuracy": counted[-1]["accuracy"] if counted else None,
+                "time_to_A": reached,
+                "ratio_to_sync": ratio,
+                "target": target,
+                "ratio_to_sync_end": reached / sync_end if reached is not None else None,
+                "met": None if target is None else ratio is not None and ratio <= target,
+                "records": run["records"],
+            }
+        )
+    return {
+        "dataset": dataset,
+        "model": DATASETS[dataset]["model"],
+        **clock,
+        "budget_trainings": budget,
+        "A": accuracy,
+        "sync_time_to_A": sync_time,
+        "sync_virtual_time": sync_end,
+        "runs": rows,
+        "common": common_level(rows, budget),
+        "uncapped": uncapped(runs["fedbuff"], accuracy, sync_time, budget),
+    }
 
 
 def uncapped(run: dict, accuracy: float, sync_time: float | None, budget: int) -> dict:
@@ -233,11 +286,19 @@ def uncapped(run: dict, accuracy: float, sync_time: float | None, budget: int) -
     end = run["records"][-1]
     target = TARGETS["fedbuff"]
     ratio = reached["virtual_time"] / sync_time if reached is not None and sync_time else None
-    return {"mode": "fedbuff", "steps": run["rounds"], "work_limit": sum(r["trainings"] for r in run["records"]),
-            "time_to_A": reached["virtual_time"] if reached else None, "ratio_to_sync": ratio,
-            "work_to_A": work if reached else None, "work_vs_sync": round(work / budget, 2) if reached else None,
-            "best_accuracy": max(r["accuracy"] for r in run["records"]), "virtual_time_at_end": end["virtual_time"],
-            "target": target, "met": ratio is not None and ratio <= target}  # fmt: skip
+    return {
+        "mode": "fedbuff",
+        "steps": run["rounds"],
+        "work_limit": sum(r["trainings"] for r in run["records"]),
+        "time_to_A": reached["virtual_time"] if reached else None,
+        "ratio_to_sync": ratio,
+        "work_to_A": work if reached else None,
+        "work_vs_sync": round(work / budget, 2) if reached else None,
+        "best_accuracy": max(r["accuracy"] for r in run["records"]),
+        "virtual_time_at_end": end["virtual_time"],
+        "target": target,
+        "met": ratio is not None and ratio <= target,
+    }
 
 
 def common_level(rows: list[dict], budget: int) -> dict:
@@ -270,8 +331,20 @@ def serve_load(mode: str, train: float, devices: int, seconds: float, concurrenc
         store.add_device(name, hash_token(token), time.time())
     store.close()
     probe_token = tokens.pop(f"d{devices:04d}")
-    options = ["--strategy", "fedper", "--rounds", "1000000", "--round-timeout", "120", "--min-clients", str(TARGET),
-               "--fraction", str(TARGET / devices), "--poll-interval", str(POLL_SECONDS)]  # fmt: skip
+    options = [
+        "--strategy",
+        "fedper",
+        "--rounds",
+        "1000000",
+        "--round-timeout",
+        "120",
+        "--min-clients",
+        str(TARGET),
+        "--fraction",
+        str(TARGET / devices),
+        "--poll-interval",
+        str(POLL_SECONDS),
+    ]
     if mode == "fedbuff":
         options += ["--aggregation", "fedbuff", "--buffer-size", str(TARGET), "--max-staleness", str(devices)]
     server = LocalServer(work / "bundle", state, *options, log=work / f"server-{mode}-{train:g}.log")
@@ -280,8 +353,9 @@ def serve_load(mode: str, train: float, devices: int, seconds: float, concurrenc
         assert server.process is not None
         pid = server.process.pid
         request = {"url": server.url, "token": probe_token, "warmup": warmup, "seconds": seconds, "index": devices}
-        probe = subprocess.Popen([sys.executable, __file__, "--probe", json.dumps(request)], stdout=subprocess.PIPE,
-                                 text=True, cwd=ROOT)  # fmt: skip
+        probe = subprocess.Popen(
+            [sys.executable, __file__, "--probe", json.dumps(request)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
         row = asyncio.run(poll_fleet(server.url, pid, tokens, train, warmup, seconds, concurrency))
         output, _ = probe.communicate(timeout=600)
         if probe.returncode != 0:
@@ -292,8 +366,15 @@ def serve_load(mode: str, train: float, devices: int, seconds: float, concurrenc
     finally:
         server.stop(grace=20)
         shutil.rmtree(state, ignore_errors=True)
-    return {"mode": mode, "devices": devices, "concurrency": concurrency, "window_seconds": seconds,
-            "warmup_seconds": warmup, "train_seconds": train, **row}  # fmt: skip
+    return {
+        "mode": mode,
+        "devices": devices,
+        "concurrency": concurrency,
+        "window_seconds": seconds,
+        "warmup_seconds": warmup,
+        "train_seconds": train,
+        **row,
+    }
 
 
 async def poll_fleet(
@@ -313,8 +394,9 @@ async def poll_fleet(
     counts: Counter = Counter()
     bases: dict[int, dict[str, np.ndarray]] = {}  # the recent rounds' decoded bases, shared by their devices
     newest = {"seen": 0, "at_open": 0}  # the newest round (fedbuff: base version) any device was given
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
-                          keepalive_expiry=KEEPALIVE_SECONDS)  # fmt: skip
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_SECONDS
+    )
 
     async def train(index: int, auth: dict, task: dict, http: httpx.AsyncClient) -> None:
         round_id = task["round"]
@@ -328,8 +410,11 @@ async def poll_fleet(
         if loop.time() < opens:
             newest["at_open"] = newest["seen"]
         await asyncio.sleep(train_seconds)
-        reply = await http.post(f"/v1/rounds/{round_id}/update", content=update_body(base, task, index),
-                                headers={**auth, "Content-Type": "application/octet-stream"})  # fmt: skip
+        reply = await http.post(
+            f"/v1/rounds/{round_id}/update",
+            content=update_body(base, task, index),
+            headers={**auth, "Content-Type": "application/octet-stream"},
+        )
         if opens <= loop.time() < ends:
             counts["accepted" if reply.status_code == 200 else f"refused {reply.json().get('error')}"] += 1
 
@@ -397,8 +482,9 @@ def run_probe(request: dict) -> dict:
     from edgepfl.wire import decode_tensors
 
     latencies = []
-    with httpx.Client(base_url=request["url"], headers={"Authorization": f"Bearer {request['token']}"},
-                      timeout=300) as http:  # fmt: skip
+    with httpx.Client(
+        base_url=request["url"], headers={"Authorization": f"Bearer {request['token']}"}, timeout=300
+    ) as http:
         time.sleep(request["warmup"])
         ends = time.monotonic() + request["seconds"]
         while time.monotonic() < ends:
@@ -408,13 +494,18 @@ def run_probe(request: dict) -> dict:
             if task["action"] == "train":
                 base = decode_tensors(http.get(task["base_url"]).content)
                 body = update_body(base, task, request["index"])
-                http.post(f"/v1/rounds/{task['round']}/update", content=body,
-                          headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+                http.post(
+                    f"/v1/rounds/{task['round']}/update",
+                    content=body,
+                    headers={"Content-Type": "application/octet-stream"},
+                )
             time.sleep(max(0.0, sent + PROBE_SECONDS - time.monotonic()))
     task_ms = np.asarray(latencies)
-    return {"probe_polls": len(latencies),
-            **{f"probe_p{q}_ms": round(float(np.percentile(task_ms, q)), 2) for q in (50, 90, 99)},
-            "probe_max_ms": round(float(task_ms.max()), 2)}  # fmt: skip
+    return {
+        "probe_polls": len(latencies),
+        **{f"probe_p{q}_ms": round(float(np.percentile(task_ms, q)), 2) for q in (50, 90, 99)},
+        "probe_max_ms": round(float(task_ms.max()), 2),
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -457,16 +548,23 @@ def plot(datasets: list[dict], path: Path) -> None:
     for axis, result in zip(axes[0], datasets):
         for row in result["runs"]:
             counted = within(row["records"], result["budget_trainings"])
-            line = axis.plot([r["virtual_time"] for r in counted], [r["accuracy"] for r in counted],
-                             marker=".", label=row["mode"])  # fmt: skip
+            line = axis.plot(
+                [r["virtual_time"] for r in counted], [r["accuracy"] for r in counted], marker=".", label=row["mode"]
+            )
             if row["time_to_A"] is not None:
                 axis.axvline(row["time_to_A"], color=line[0].get_color(), ls=":", lw=1)
             if row["mode"] == "fedbuff":  # past the budget, up to A (or its last step): the uncapped run
                 later = row["records"][len(counted) - 1 :]
                 reached = result["uncapped"]["time_to_A"]
                 later = [r for r in later if reached is None or r["virtual_time"] <= reached]
-                axis.plot([r["virtual_time"] for r in later], [r["accuracy"] for r in later], ls="--", lw=1,
-                          color=line[0].get_color(), label=f"fedbuff past sync's work (to {UNCAPPED_WORK}x)")
+                axis.plot(
+                    [r["virtual_time"] for r in later],
+                    [r["accuracy"] for r in later],
+                    ls="--",
+                    lw=1,
+                    color=line[0].get_color(),
+                    label=f"fedbuff past sync's work (to {UNCAPPED_WORK}x)",
+                )
         axis.axhline(result["A"], color="grey", ls="--", lw=1, label=f"A = sync's final ({result['A']:.3f})")
         axis.set_title(f"{result['dataset']} {result['model']}, fedper, {result['budget_trainings']} trainings each")
         axis.set_xlim(0, result["sync_virtual_time"] * 1.05)
@@ -482,10 +580,16 @@ def plot(datasets: list[dict], path: Path) -> None:
 def tables(result: dict) -> None:
     """The two tables on stderr."""
     for data in result["time_to_accuracy"]:
-        print(f"\n{data['dataset']} {data['model']}: A = {data['A']:.4f}, budget {data['budget_trainings']} trainings, "
-              f"deadline {data['round_timeout']:.1f} s", file=sys.stderr)  # fmt: skip
-        print(f"{'mode':15} {'rounds':>6} {'trainings':>9} {'late':>5} {'counted':>7} {'final acc':>9} "
-              f"{'time to A':>10} {'ratio':>6} {'target':>6} {'met':>4}", file=sys.stderr)  # fmt: skip
+        print(
+            f"\n{data['dataset']} {data['model']}: A = {data['A']:.4f}, budget {data['budget_trainings']} trainings, "
+            f"deadline {data['round_timeout']:.1f} s",
+            file=sys.stderr,
+        )
+        print(
+            f"{'mode':15} {'rounds':>6} {'trainings':>9} {'late':>5} {'counted':>7} {'final acc':>9} "
+            f"{'time to A':>10} {'ratio':>6} {'target':>6} {'met':>4}",
+            file=sys.stderr,
+        )
         for r in data["runs"]:
             reached = "-" if r["time_to_A"] is None else f"{r['time_to_A']:.0f}"
             ratio = "-" if r["ratio_to_sync"] is None else f"{r['ratio_to_sync']:.2f}"
@@ -494,30 +598,41 @@ def tables(result: dict) -> None:
             line = f"{r['mode']:15} {r['rounds']:>6} {r['trainings']:>9} {r['late']:>5} {r['work_counted']:>7} "
             print(f"{line}{r['final_accuracy']:>9.4f} {reached:>10} {ratio:>6} {target:>6} {met:>4}", file=sys.stderr)
         common = data["common"]
-        times = ", ".join(f"{mode} {common['time'][mode]:.0f} s ({common['ratio_to_sync'][mode]:.2f})"
-                          for mode in common["time"])  # fmt: skip
+        times = ", ".join(
+            f"{mode} {common['time'][mode]:.0f} s ({common['ratio_to_sync'][mode]:.2f})" for mode in common["time"]
+        )
         print(f"the highest accuracy all modes reach, {common['accuracy']:.4f}, at: {times}", file=sys.stderr)
         free = data["uncapped"]
         if free["time_to_A"] is None:
-            print(f"fedbuff past sync's work: A not reached in {free['work_limit']} trainings (best "
-                  f"{free['best_accuracy']:.4f} at {free['virtual_time_at_end']:.0f} s)", file=sys.stderr)
+            print(
+                f"fedbuff past sync's work: A not reached in {free['work_limit']} trainings (best "
+                f"{free['best_accuracy']:.4f} at {free['virtual_time_at_end']:.0f} s)",
+                file=sys.stderr,
+            )
         else:
-            print(f"fedbuff past sync's work: A at {free['time_to_A']:.0f} s ({free['ratio_to_sync']:.2f} of sync's, "
-                  f"target {free['target']}), after {free['work_to_A']} trainings ({free['work_vs_sync']}x sync's)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"fedbuff past sync's work: A at {free['time_to_A']:.0f} s ({free['ratio_to_sync']:.2f} of sync's, "
+                f"target {free['target']}), after {free['work_to_A']} trainings ({free['work_vs_sync']}x sync's)",
+                file=sys.stderr,
+            )
     if result["server_load"]:
         load = result["server_load"]
         devices = load["rows"][0]["devices"]
         print(f"\nserver load ({devices} devices, {load['model']}, {load['base_mb']} MiB base):", file=sys.stderr)
-        print(f"{'mode':8} {'train s':>7} {'polls/s':>8} {'task p50/p99 ms':>17} {'probe p50/p99 ms':>17} "
-              f"{'uploads/s':>9} {'rounds/s':>8} {'server CPU':>10} {'load CPU':>8} {'peak MiB':>8}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{'mode':8} {'train s':>7} {'polls/s':>8} {'task p50/p99 ms':>17} {'probe p50/p99 ms':>17} "
+            f"{'uploads/s':>9} {'rounds/s':>8} {'server CPU':>10} {'load CPU':>8} {'peak MiB':>8}",
+            file=sys.stderr,
+        )
         for r in load["rows"]:
             task = f"{r['task_p50_ms']:.0f} / {r['task_p99_ms']:.0f}"
             probe = f"{r['probe_p50_ms']:.0f} / {r['probe_p99_ms']:.0f}"
-            print(f"{r['mode']:8} {r['train_seconds']:>7g} {r['polls_per_s']:>8} {task:>17} {probe:>17} "
-                  f"{r['uploads_per_s']:>9} {r['rounds_per_s']:>8} {r['server_cpu_percent']:>9}% "
-                  f"{r['load_cpu_percent']:>7}% {r['server_peak_rss_mb']:>8}", file=sys.stderr)  # fmt: skip
+            print(
+                f"{r['mode']:8} {r['train_seconds']:>7g} {r['polls_per_s']:>8} {task:>17} {probe:>17} "
+                f"{r['uploads_per_s']:>9} {r['rounds_per_s']:>8} {r['server_cpu_percent']:>9}% "
+                f"{r['load_cpu_percent']:>7}% {r['server_peak_rss_mb']:>8}",
+                file=sys.stderr,
+            )
 
 
 def main() -> None:

@@ -51,12 +51,20 @@ def write_bundle(folder: Path) -> Manifest:
 
     specs, _ = model_specs(0.25, 2)
     blocks = tuple(f"block{i}" for i in range(max(spec.block for spec in specs) + 1))
-    manifest = Manifest(model={"name": "mobilenet"}, input=InputSpec(shape=(3, 32, 32)), num_classes=10, kp=2,
-                        blocks=blocks, tensors=tuple(specs))  # fmt: skip
+    manifest = Manifest(
+        model={"name": "mobilenet"},
+        input=InputSpec(shape=(3, 32, 32)),
+        num_classes=10,
+        kp=2,
+        blocks=blocks,
+        tensors=tuple(specs),
+    )
     manifest.save(folder)
     rng = np.random.default_rng(0)
-    save_tensors(folder / "portable" / "initial.safetensors",
-                 {s.name: rng.normal(0, 0.05, s.shape).astype(s.dtype) for s in specs})  # fmt: skip
+    save_tensors(
+        folder / "portable" / "initial.safetensors",
+        {s.name: rng.normal(0, 0.05, s.shape).astype(s.dtype) for s in specs},
+    )
     return manifest
 
 
@@ -127,9 +135,16 @@ def secure_round(folder: Path, bundle: Path, names: list[str]) -> dict:
     summary = engine.secure_summary(r)
     assert engine.store.round(r).state == "closed", engine.store.round(r)
     engine.close()
-    return {"mode": "secure", "n": len(names), "engine_steps_s": round(steps, 3), "close_s": round(close, 3),
-            "db_max_bytes": call.db_bytes, "device_sent_bytes": round(float(np.mean(list(sent.values())))),
-            "neighbours": summary["neighbours"], "bits": summary["bits"]}  # fmt: skip
+    return {
+        "mode": "secure",
+        "n": len(names),
+        "engine_steps_s": round(steps, 3),
+        "close_s": round(close, 3),
+        "db_max_bytes": call.db_bytes,
+        "device_sent_bytes": round(float(np.mean(list(sent.values())))),
+        "neighbours": summary["neighbours"],
+        "bits": summary["bits"],
+    }
 
 
 def plain_round(folder: Path, bundle: Path, names: list[str]) -> dict:
@@ -148,8 +163,14 @@ def plain_round(folder: Path, bundle: Path, names: list[str]) -> dict:
     assert engine.store.round(r).state == "closed"
     decode_tensors(engine.store.blobs.read(engine.store.round(r).result_sha))
     engine.close()
-    return {"mode": "plain int8", "n": len(names), "engine_steps_s": round(steps, 3), "close_s": round(close, 3),
-            "db_max_bytes": call.db_bytes, "device_sent_bytes": round(float(np.mean(sent)))}  # fmt: skip
+    return {
+        "mode": "plain int8",
+        "n": len(names),
+        "engine_steps_s": round(steps, 3),
+        "close_s": round(close, 3),
+        "db_max_bytes": call.db_bytes,
+        "device_sent_bytes": round(float(np.mean(sent))),
+    }
 
 
 def main() -> None:
@@ -168,8 +189,11 @@ def main() -> None:
     print(json.dumps({"rows": rows}, indent=1))
     print(f"{'mode':<11} {'n':>4} {'engine s':>9} {'close s':>8} {'db MB':>7} {'sent kB':>8}", file=sys.stderr)
     for row in rows:
-        print(f"{row['mode']:<11} {row['n']:>4} {row['engine_steps_s']:>9.3f} {row['close_s']:>8.3f} "
-              f"{row['db_max_bytes'] / 1e6:>7.2f} {row['device_sent_bytes'] / 1e3:>8.1f}", file=sys.stderr)
+        print(
+            f"{row['mode']:<11} {row['n']:>4} {row['engine_steps_s']:>9.3f} {row['close_s']:>8.3f} "
+            f"{row['db_max_bytes'] / 1e6:>7.2f} {row['device_sent_bytes'] / 1e3:>8.1f}",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -184,9 +184,10 @@ def targets(speed: dict) -> dict:
         "full step portable/torch >= 1.0": (full["portable_over_torch"], 1.0),
         "adapters-only step portable/torch >= 1.5": (adapters["portable_over_torch"], 1.5),
         "adapters-only step >= 3x the full step's samples/s (portable)": (
-            round(adapters["portable"] / full["portable"], 2), 3.0,
+            round(adapters["portable"] / full["portable"], 2),
+            3.0,
         ),
-    }  # fmt: skip
+    }
     return {name: {"measured": value, "met": value >= bound} for name, (value, bound) in measured.items()}
 
 

@@ -57,9 +57,20 @@ def run_edgepfl(changes: dict, workers: int, data_root: str, out: str) -> dict:
     from edgepfl.simulate.workers import peak_rss
 
     config = SimulateConfig(
-        out=out, data_root=data_root, partition="classes:2", epochs=1, batch_size=32, lr=0.01, algorithm="fedper",
-        kp=1, engine="torch", threads=1, seed=0, workers=workers, **changes,
-    )  # fmt: skip
+        out=out,
+        data_root=data_root,
+        partition="classes:2",
+        epochs=1,
+        batch_size=32,
+        lr=0.01,
+        algorithm="fedper",
+        kp=1,
+        engine="torch",
+        threads=1,
+        seed=0,
+        workers=workers,
+        **changes,
+    )
     actors: dict[int, int] = {}
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_actors, args=(actors, stop), daemon=True)
@@ -93,18 +104,40 @@ def run_flower(changes: dict, workers: int, data_root: str, out: str) -> dict:
     from edgepfl.simulate.workers import peak_rss
 
     config = SimulateConfig(
-        out=out, data_root=data_root, partition="classes:2", epochs=1, batch_size=32, lr=0.01, algorithm="fedper",
-        kp=1, engine="ort-training", threads=1, seed=0, **changes,
-    )  # fmt: skip
+        out=out,
+        data_root=data_root,
+        partition="classes:2",
+        epochs=1,
+        batch_size=32,
+        lr=0.01,
+        algorithm="fedper",
+        kp=1,
+        engine="ort-training",
+        threads=1,
+        seed=0,
+        **changes,
+    )
     dataset, _ = load_partition(config)
     ensure_bundle(config, Path(out) / "bundle", dataset.sample_shape, dataset.num_classes)
     run_config = {
-        "bundle": str(Path(out) / "bundle"), "out": str(Path(out) / "flower"), "strategy": "fedper",
-        "rounds": config.rounds, "nodes": config.clients, "min-clients": 1, "seed": 0, "epochs": 1,
-        "batch-size": 32, "lr": 0.01, "engine": "ort-training", "threads": 1, "dataset": config.dataset,
-        "data-root": data_root, "partition": "classes:2", "clients": config.clients,
+        "bundle": str(Path(out) / "bundle"),
+        "out": str(Path(out) / "flower"),
+        "strategy": "fedper",
+        "rounds": config.rounds,
+        "nodes": config.clients,
+        "min-clients": 1,
+        "seed": 0,
+        "epochs": 1,
+        "batch-size": 32,
+        "lr": 0.01,
+        "engine": "ort-training",
+        "threads": 1,
+        "dataset": config.dataset,
+        "data-root": data_root,
+        "partition": "classes:2",
+        "clients": config.clients,
         "state-root": str(Path(out) / "devices"),
-    }  # fmt: skip
+    }
     results = []
     server_app = ServerApp()
 
@@ -118,9 +151,11 @@ def run_flower(changes: dict, workers: int, data_root: str, out: str) -> dict:
     sampler.start()
     started = time.perf_counter()
     run_flower_simulation(
-        server_app, make_client_app(run_config), num_supernodes=config.clients,
+        server_app,
+        make_client_app(run_config),
+        num_supernodes=config.clients,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0}, "init_args": {"num_cpus": workers}},
-    )  # fmt: skip
+    )
     wall = time.perf_counter() - started
     stop.set()
     sampler.join()
@@ -160,12 +195,16 @@ def _sample_actors(peaks: dict[int, int], stop: threading.Event) -> None:
 def measure(label: str, changes: dict, workers: int, data_root: str, runner: str = "edgepfl") -> dict:
     """One run in a fresh Python process, so that its peak memory is its own."""
     with tempfile.TemporaryDirectory() as out:
-        request = json.dumps({"runner": runner, "changes": changes, "workers": workers, "data_root": data_root,
-                              "out": out})  # fmt: skip
+        request = json.dumps(
+            {"runner": runner, "changes": changes, "workers": workers, "data_root": data_root, "out": out}
+        )
         child = subprocess.run(
-            [sys.executable, __file__, "--child", request], capture_output=True, text=True, cwd=ROOT,
+            [sys.executable, __file__, "--child", request],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )  # fmt: skip
+        )
     if child.returncode != 0:
         sys.exit(f"{label} workers={workers} failed:\n{child.stderr[-2000:]}")
     return {"setting": label, "runner": runner, "workers": workers, **json.loads(child.stdout.splitlines()[-1])}
@@ -230,15 +269,23 @@ def main() -> None:
             print(f"running {runner} {label} --workers {workers} ...", file=sys.stderr)
             rows.append(measure(label, changes, workers, args.data_root, runner))
     complete = args.only is None
-    result = {"rows": rows, "summary": summarise(rows) if complete else None, "cores": os.cpu_count(),
-              "quick": args.quick}  # fmt: skip
+    result = {
+        "rows": rows,
+        "summary": summarise(rows) if complete else None,
+        "cores": os.cpu_count(),
+        "quick": args.quick,
+    }
     print(json.dumps(result, indent=2))
-    print(f"{'runner':8} {'setting':16} {'workers':>7} {'s/round':>8} {'driver MB':>9} {'actors MB':>10}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{'runner':8} {'setting':16} {'workers':>7} {'s/round':>8} {'driver MB':>9} {'actors MB':>10}", file=sys.stderr
+    )
     for r in rows:
         actors = "+".join(f"{b / 1e6:.0f}" for b in r["worker_peak_bytes"]) or "-"
-        print(f"{r['runner']:8} {r['setting']:16} {r['workers']:>7} {r['seconds_per_round']:>8.2f} "
-              f"{r['driver_peak_bytes'] / 1e6:>9.0f} {actors:>10}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{r['runner']:8} {r['setting']:16} {r['workers']:>7} {r['seconds_per_round']:>8.2f} "
+            f"{r['driver_peak_bytes'] / 1e6:>9.0f} {actors:>10}",
+            file=sys.stderr,
+        )
     if complete:
         plot([r for r in rows if r["runner"] == "edgepfl"], ROOT / "bench" / "out" / "simulate.png")
 

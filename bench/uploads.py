@@ -67,8 +67,14 @@ def measure(specs: list[TensorSpec]) -> dict:
     rows = []
     for label in LABELS:
         size = upload_bytes(shared, label)
-        rows.append({"encoding": label, "upload_bytes": size, "vs_fedavg_fp32": round(size / fedavg, 4),
-                     "meets_target": size / fedavg <= TARGET})
+        rows.append(
+            {
+                "encoding": label,
+                "upload_bytes": size,
+                "vs_fedavg_fp32": round(size / fedavg, 4),
+                "meets_target": size / fedavg <= TARGET,
+            }
+        )
     return {"fedavg_fp32_bytes": fedavg, "shared_tensors": len(shared), "rows": rows}
 
 
@@ -99,8 +105,16 @@ def accuracy_rows(args: argparse.Namespace) -> list[dict]:
     for dataset, model in (setup for setup in (("mnist", "mlp"), ("cifar10", "cnn")) if setup[0] in args.datasets):
         for seed in args.seeds:
             for label in ACCURACY_ENCODINGS:
-                fields = dict(args.scale, dataset=dataset, model=model, kp=1, algorithm="fedper", seed=seed,
-                              data_root=args.data_root, upload_encoding=label)  # fmt: skip
+                fields = dict(
+                    args.scale,
+                    dataset=dataset,
+                    model=model,
+                    kp=1,
+                    algorithm="fedper",
+                    seed=seed,
+                    data_root=args.data_root,
+                    upload_encoding=label,
+                )
                 row = simulate(Path(args.work) / f"{dataset}-{model}-{label}-s{seed}", **fields)
                 rows.append({"dataset": dataset, "model": model, "encoding": label, "seed": seed, **row})
                 print(f"{dataset} {model} {label} seed {seed}: {row}", file=sys.stderr)
@@ -119,10 +133,16 @@ def accuracy_summary(rows: list[dict]) -> list[dict]:
         mean = {label: float(np.mean([r["test_accuracy"] for r in found])) for label, found in by_encoding.items()}
         size = {label: float(np.mean([r["bytes_up_per_round"] for r in found])) for label, found in by_encoding.items()}
         for label in ACCURACY_ENCODINGS:
-            summary.append({"dataset": dataset, "encoding": label, "seeds": len(by_encoding[label]),
-                            "mean_test_accuracy": round(mean[label], 4),
-                            "points_vs_fp32": round(100 * (mean[label] - mean["fp32"]), 2),
-                            "bytes_vs_fp32": round(size[label] / size["fp32"], 4)})  # fmt: skip
+            summary.append(
+                {
+                    "dataset": dataset,
+                    "encoding": label,
+                    "seeds": len(by_encoding[label]),
+                    "mean_test_accuracy": round(mean[label], 4),
+                    "points_vs_fp32": round(100 * (mean[label] - mean["fp32"]), 2),
+                    "bytes_vs_fp32": round(size[label] / size["fp32"], 4),
+                }
+            )
     return summary
 
 
@@ -131,8 +151,18 @@ def dp_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for sigma in (None, *DP_SIGMAS):
         dp = {} if sigma is None else {"dp_noise_multiplier": sigma, "dp_clip": args.dp_clip}
-        fields = dict(args.scale, dataset="mnist", model="mlp", kp=1, algorithm="fedper", seed=args.seeds[0],
-                      data_root=args.data_root, clients=args.dp_clients, fraction=args.dp_fraction, **dp)  # fmt: skip
+        fields = dict(
+            args.scale,
+            dataset="mnist",
+            model="mlp",
+            kp=1,
+            algorithm="fedper",
+            seed=args.seeds[0],
+            data_root=args.data_root,
+            clients=args.dp_clients,
+            fraction=args.dp_fraction,
+            **dp,
+        )
         row = simulate(Path(args.work) / f"dp-mnist-sigma{sigma}", **fields)
         rows.append({"noise_multiplier": sigma, "clip": args.dp_clip if sigma else None, **row})
         print(f"DP sigma {sigma}: {row}", file=sys.stderr)
@@ -150,8 +180,13 @@ def plot_dp(rows: list[dict], path: Path, setup: str = "") -> Path:
     private = [row for row in rows if row["epsilon"] is not None]
     axes.plot([row["epsilon"] for row in private], [100 * row["test_accuracy"] for row in private], "o-")
     for row in private:
-        axes.annotate(f"σ={row['noise_multiplier']:g}", (row["epsilon"], 100 * row["test_accuracy"]),
-                      textcoords="offset points", xytext=(4, 4), fontsize=8)  # fmt: skip
+        axes.annotate(
+            f"σ={row['noise_multiplier']:g}",
+            (row["epsilon"], 100 * row["test_accuracy"]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
+        )
     baseline = next((row for row in rows if row["epsilon"] is None), None)
     if baseline is not None:
         axes.axhline(100 * baseline["test_accuracy"], linestyle="--", color="grey", label="no DP")
@@ -173,8 +208,13 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--kp", type=int, default=2)
     parser.add_argument("--accuracy", action="store_true", help="FedPer accuracy per encoding (simulated runs)")
-    parser.add_argument("--datasets", nargs="+", choices=("mnist", "cifar10"), default=["mnist"],
-                        help="with --accuracy: MNIST (mlp) and/or CIFAR-10 (cnn) rows")
+    parser.add_argument(
+        "--datasets",
+        nargs="+",
+        choices=("mnist", "cifar10"),
+        default=["mnist"],
+        help="with --accuracy: MNIST (mlp) and/or CIFAR-10 (cnn) rows",
+    )
     parser.add_argument("--dp", action="store_true", help="accuracy vs epsilon of DP-FedPer on MNIST, and a PNG")
     parser.add_argument("--data-root", default="../shared/data")
     parser.add_argument("--work", default="runs/bench-uploads", help="run folders (a rerun resumes them)")
@@ -186,8 +226,16 @@ def main() -> None:
     parser.add_argument("--dp-fraction", type=float, default=0.2)
     args = parser.parse_args()
     if args.accuracy or args.dp:
-        args.scale = dict(rounds=args.rounds, clients=args.clients, epochs=1, batch_size=32, lr=0.05,
-                          partition="classes:4", engine="torch", threads=2)  # fmt: skip
+        args.scale = dict(
+            rounds=args.rounds,
+            clients=args.clients,
+            epochs=1,
+            batch_size=32,
+            lr=0.05,
+            partition="classes:4",
+            engine="torch",
+            threads=2,
+        )
         result: dict = {"scale": args.scale}
         if args.accuracy:
             result["accuracy"] = accuracy_rows(args)

@@ -274,8 +274,9 @@ def train_locally(
     """
     trainable, lr = options.trainable, options.lr
     before = evaluate(engine, data)
-    log = train_phase(engine, data, Phase(trainable, trainable, options.epochs), lr, options.batch_size, seed,
-                      on_step=on_step)  # fmt: skip
+    log = train_phase(
+        engine, data, Phase(trainable, trainable, options.epochs), lr, options.batch_size, seed, on_step=on_step
+    )
     after = evaluate(engine, data)
     losses = ([log.mean_loss] if log.steps else []) + ([after.loss] if after.count else [])
     why = divergence(losses, engine.get_tensors(), engine.manifest.num_classes)

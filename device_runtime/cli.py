@@ -31,12 +31,14 @@ if TYPE_CHECKING:
     from edgepfl.device_runtime.engine import Engine
     from edgepfl.device_runtime.state import StateFolder
 
-device_app = typer.Typer(cls=ErrorBoundary,
+device_app = typer.Typer(
+    cls=ErrorBoundary,
     help="Train on this device: take part in server rounds, train locally, evaluate. Never needs torch.",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+
 
 @device_app.callback()
 def _device() -> None:
@@ -76,8 +78,9 @@ def enroll(options: EnrollCommand) -> None:
         typer.echo(f"enrolled as {name} at {server}; its token is in {token_file} (private: keep it so)", err=True)
         return
     if token_file is None:  # the token alone on stdout, for a script; what happened on stderr
-        typer.echo(f"enrolled as {name} at {server}; its token follows, shown once (--token-file keeps it in a file)",
-                   err=True)
+        typer.echo(
+            f"enrolled as {name} at {server}; its token follows, shown once (--token-file keeps it in a file)", err=True
+        )
         typer.echo(token)
 
 
@@ -97,9 +100,12 @@ def run(options: RunCommand) -> None:
     with RichEvents(quiet=as_json) as events:
         waits = WaitLog(device_state.folder, events.waiting)
         client = ServerClient(
-            options.access.server, device_token, RetryPolicy(attempts=connection.retries),
-            timeout=connection.timeout, on_retry=lambda failure: waits.waiting("the server", failure),
-        )  # fmt: skip
+            options.access.server,
+            device_token,
+            RetryPolicy(attempts=connection.retries),
+            timeout=connection.timeout,
+            on_retry=lambda failure: waits.waiting("the server", failure),
+        )
         try:
             summary = run_device(device_engine, local_data, device_state, client, device, events, waits=waits)
         finally:
@@ -132,8 +138,14 @@ def train(command_options: TrainCommand) -> None:
     device_engine.check_set(options.trainable)
     with RichEvents(quiet=as_json) as events:
         events.start_bar(f"train {options.trainable}", options.epochs * -(-local_data.num_train // options.batch_size))
-        record = train_locally(device_engine, local_data, options, command_options.local.seed, device_state.kept,
-                               on_step=lambda phase, loss: events.step(phase, 0, 0, loss))  # fmt: skip
+        record = train_locally(
+            device_engine,
+            local_data,
+            options,
+            command_options.local.seed,
+            device_state.kept,
+            on_step=lambda phase, loss: events.step(phase, 0, 0, loss),
+        )
     device_state.commit(device_engine.get_tensors(), record)
     _print_result(record, as_json, "device train")
 
@@ -157,9 +169,12 @@ def teacher(options: TeacherCommand) -> None:
     store = TeacherStore(options.files.state, device_engine.manifest)
     with RichEvents(quiet=as_json) as events:
         client = ServerClient(
-            options.access.server, device_token, RetryPolicy(attempts=connection.retries),
-            timeout=connection.timeout, on_retry=events.message,
-        )  # fmt: skip
+            options.access.server,
+            device_token,
+            RetryPolicy(attempts=connection.retries),
+            timeout=connection.timeout,
+            on_retry=events.message,
+        )
         try:
             losses = teacher_from_history(client, device_engine, store, local_data, events.message)
         finally:

@@ -93,9 +93,9 @@ class DistillOptions(BaseModel):
     variant: Annotated[Literal[VARIANTS], Field(description="kd (PersFL) or gd (PersFL-GD)")] = _DISTILL["variant"]  # type: ignore[valid-type]
     epochs: Annotated[int, Field(ge=1, description="local epochs per grid point")] = _DISTILL["epochs"]
     lr: Annotated[float, Field(description="SGD learning rate", **POSITIVE)] = _DISTILL["lr"]
-    batch_size: Annotated[
-        int | None, Field(ge=1, description="batch size (default: the bundle's portable batch)")
-    ] = _DISTILL["batch_size"]
+    batch_size: Annotated[int | None, Field(ge=1, description="batch size (default: the bundle's portable batch)")] = (
+        _DISTILL["batch_size"]
+    )
     trainable: Annotated[
         Literal["full", "personal"], Field(description="what the student trains (personal: base frozen)")
     ] = _DISTILL["trainable"]

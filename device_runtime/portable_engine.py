@@ -266,8 +266,9 @@ class PortableEngine(Engine):
         batches. engine.js predictGraph reads the same entry."""
         return "predict" if count <= self.entry.get("predict", {}).get("up_to", 0) else "eval"
 
-    def _padded(self, x: np.ndarray, y: np.ndarray, start: int, count: int, size: int | None = None
-                ) -> tuple[np.ndarray, ...]:
+    def _padded(
+        self, x: np.ndarray, y: np.ndarray, start: int, count: int, size: int | None = None
+    ) -> tuple[np.ndarray, ...]:
         """(x, y, w) of one graph batch of `size` (default: the step graphs'): `count` real samples from `start`,
         zero-padded and masked."""
         size = size or self.batch_size

@@ -119,8 +119,9 @@ def train_round(
     payload = None
     if result.uploads:
         meta = result.upload_meta(manifest.base_layout_hash)
-        payload = upload_body(upload_tensors(engine, settings), base, settings, meta, store.residuals, round_id,
-                              options.seed)  # fmt: skip
+        payload = upload_body(
+            upload_tensors(engine, settings), base, settings, meta, store.residuals, round_id, options.seed
+        )
     record = {**result.to_json(), "round": round_id, "engine": engine.name, "upload": "pending" if payload else "none"}
     try:
         store.commit(tensors, record, round_id=round_id, upload_payload=payload)

@@ -218,13 +218,18 @@ def _deliver_pending(
             break
         except (RoundGone, SecAggError) as gone:
             why = gone.error if isinstance(gone, RoundGone) else f"the device refused the server's message: {gone}"
-            return _drop_pending(state, pending.round_id, f"round {pending.round_id} closed before {what} arrived "
-                                 f"({why})", events)  # fmt: skip
+            return _drop_pending(
+                state, pending.round_id, f"round {pending.round_id} closed before {what} arrived ({why})", events
+            )
         except ServerUnreachable as error:
             left = math.inf if pending.deadline is None else pending.deadline - clock()
             if left <= 0:
-                return _drop_pending(state, pending.round_id, f"round {pending.round_id}'s deadline passed before "
-                                     f"{what} could be sent ({error.reason})", events)  # fmt: skip
+                return _drop_pending(
+                    state,
+                    pending.round_id,
+                    f"round {pending.round_id}'s deadline passed before {what} could be sent ({error.reason})",
+                    events,
+                )
             deadline = pending.deadline
             until = "the server answers" if deadline is None else f"its deadline, {_clock_time(deadline)}"
             waits.waiting(

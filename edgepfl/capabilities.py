@@ -46,11 +46,15 @@ class StrategyNeeds:
     def dp_refusal(self, name: str) -> str | None:
         """Why DP-FedAvg's noise does not cover this strategy (None: it does)."""
         if self.every_update:
-            return (f"{self.what(name)} is not a sum of clipped deltas, so Gaussian noise of sigma*C gives no stated "
-                    "epsilon")
+            return (
+                f"{self.what(name)} is not a sum of clipped deltas, so Gaussian noise of sigma*C gives no stated "
+                "epsilon"
+            )
         if self.device_plan:
-            return (f"{self.what(name)} mixes a different, un-noised combination of the others' updates into each "
-                    "device's base")
+            return (
+                f"{self.what(name)} mixes a different, un-noised combination of the others' updates into each "
+                "device's base"
+            )
         if self.unknown:
             return f"{name} is not one noised average of clipped deltas"
         return None
@@ -60,8 +64,10 @@ class StrategyNeeds:
         if self.every_update:
             return f"{self.what(name)} needs every device's update, and the server learns only their sum"
         if self.device_plan:
-            return (f"{self.what(name)} mixes each device's update into the others' bases with its own weights, and "
-                    "the server learns only the sum")
+            return (
+                f"{self.what(name)} mixes each device's update into the others' bases with its own weights, and "
+                "the server learns only the sum"
+            )
         if self.unknown:
             return f"{name} is not a sum of the devices' deltas"
         return None

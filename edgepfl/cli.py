@@ -17,7 +17,8 @@ from edgepfl.simulate.config import PartitionCommand, SimulateConfig, read_confi
 from edgepfl.simulate.demo import DemoOptions
 from edgepfl.simulate.plots import PlotOptions
 
-app = typer.Typer(cls=ErrorBoundary,
+app = typer.Typer(
+    cls=ErrorBoundary,
     name="edgepfl",
     help="Personalized federated learning on phones and small boards (FedPer base/personal split).",
     add_completion=False,

@@ -132,8 +132,10 @@ def decode_delta(
             f"encode with {expected.label} as the round settings say (header metadata {METADATA_KEY}={expected.label})",
         )
     if sent != expected.label:
-        raise EncodingMismatch(f"{what} is encoded as {sent!r}, but this round asked for {expected.label!r}",
-                        f"encode with {expected.label} as the round settings say")
+        raise EncodingMismatch(
+            f"{what} is encoded as {sent!r}, but this round asked for {expected.label!r}",
+            f"encode with {expected.label} as the round settings say",
+        )
     scales = {name[: -len(SCALE_SUFFIX)] for name in tensors if name.endswith(SCALE_SUFFIX)}
     values = [name for name in tensors if not name.endswith(SCALE_SUFFIX)]
     if expected.name != "int8" and scales:
@@ -145,8 +147,10 @@ def decode_delta(
     for name in values:
         value = tensors[name]
         if value.dtype != wire_dtype:
-            raise WireError(f"{what} tensor {name!r} has dtype {value.dtype}, expected {np.dtype(wire_dtype)} "
-                            f"for {expected.label}", f"encode with {expected.label}")
+            raise WireError(
+                f"{what} tensor {name!r} has dtype {value.dtype}, expected {np.dtype(wire_dtype)} for {expected.label}",
+                f"encode with {expected.label}",
+            )
         if expected.name == "int8":
             decoded[name] = _dequantize_int8(name, value, tensors[name + SCALE_SUFFIX], expected, what)
         else:

@@ -103,8 +103,10 @@ def check_dp_strategy(strategy: str, flag: str = "--strategy") -> None:
     if reason is None:
         return
     covered = either(strategies_where(lambda needs: needs.dp_refusal("") is None))
-    raise UsageError(f"differential privacy cannot run with {flag} {strategy}: {reason}",
-                     f"use {flag} {covered} with DP, or drop the --dp-* options")
+    raise UsageError(
+        f"differential privacy cannot run with {flag} {strategy}: {reason}",
+        f"use {flag} {covered} with DP, or drop the --dp-* options",
+    )
 
 
 def delta_norm(delta: Mapping[str, np.ndarray]) -> float:
@@ -124,13 +126,16 @@ def check_delta_norm(delta: Mapping[str, np.ndarray], clip_norm: float, what: st
     """Return a received delta's norm; one WireError line when it exceeds clip_norm (tiny relative tolerance)."""
     norm = delta_norm(delta)
     if not norm <= clip_norm * (1 + NORM_TOLERANCE):
-        raise WireError(f"{what} delta has L2 norm {norm:.6g}, above the clip norm {clip_norm:g}",
-                        f"clip the base delta to {clip_norm:g} on the device before encoding it")
+        raise WireError(
+            f"{what} delta has L2 norm {norm:.6g}, above the clip norm {clip_norm:g}",
+            f"clip the base delta to {clip_norm:g} on the device before encoding it",
+        )
     return norm
 
 
-def fixed_denominator(sampling: str, population: int, sample_size: int | None = None,
-                      sampling_probability: float | None = None) -> float:
+def fixed_denominator(
+    sampling: str, population: int, sample_size: int | None = None, sampling_probability: float | None = None
+) -> float:
     """The estimator's denominator: q*N expected devices under Poisson sampling, the sample size m under fixed.
 
     Fixed, not the number that actually uploaded: dividing by a count that depends on who took part would
@@ -147,14 +152,20 @@ def fixed_denominator(sampling: str, population: int, sample_size: int | None = 
     raise UsageError(f"unknown sampling {sampling!r}", f"use one of: {', '.join(SAMPLINGS)}")
 
 
-def gaussian_noise_like(shapes: Mapping[str, tuple[int, ...]], std: float,
-                        rng: np.random.Generator) -> dict[str, np.ndarray]:
+def gaussian_noise_like(
+    shapes: Mapping[str, tuple[int, ...]], std: float, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """Independent N(0, std^2) noise for each tensor shape, drawn in name order (float64)."""
     return {name: rng.normal(0.0, std, size=shapes[name]) for name in sorted(shapes)}
 
 
-def dp_aggregate(deltas: Iterable[Mapping[str, np.ndarray]], clip_norm: float, noise_multiplier: float,
-                 denominator: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def dp_aggregate(
+    deltas: Iterable[Mapping[str, np.ndarray]],
+    clip_norm: float,
+    noise_multiplier: float,
+    denominator: float,
+    rng: np.random.Generator,
+) -> dict[str, np.ndarray]:
     """(sum of clipped deltas + N(0, (sigma*C)^2)) / denominator, reading one delta at a time; float32 out.
 
     Each delta is checked (`check_delta_norm`) and clipped again, so the sum's sensitivity is exactly C even
@@ -177,8 +188,9 @@ def dp_aggregate(deltas: Iterable[Mapping[str, np.ndarray]], clip_norm: float, n
     return noised_mean(total, noise_multiplier * clip_norm, denominator, rng)
 
 
-def noised_mean(total: Mapping[str, np.ndarray], noise_std: float, denominator: float,
-                rng: np.random.Generator) -> dict[str, np.ndarray]:
+def noised_mean(
+    total: Mapping[str, np.ndarray], noise_std: float, denominator: float, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """(sum + N(0, noise_std^2)) / denominator per tensor, float32 out: the Gaussian mechanism on a sum (DP-FedAvg's,
     or secure aggregation's unmasked sum, server/secure_strategy.py)."""
     noise = gaussian_noise_like({name: np.shape(value) for name, value in total.items()}, noise_std, rng)
@@ -218,8 +230,9 @@ class PrivacyLedger:
         """Rounds accounted so far."""
         return int(sum(run[0] for run in self.history))
 
-    def record_round(self, population: int, sample_size: int | None = None,
-                     sampling_probability: float | None = None) -> PrivacyLedger:
+    def record_round(
+        self, population: int, sample_size: int | None = None, sampling_probability: float | None = None
+    ) -> PrivacyLedger:
         """A new ledger with one more round of this sampling (N devices; m sampled, or probability q)."""
         fixed_denominator(self.sampling, population, sample_size, sampling_probability)  # validates the numbers
         key = (float(sampling_probability),) if self.sampling == "poisson" else (float(population), float(sample_size))
@@ -263,8 +276,14 @@ class PrivacyLedger:
         finally:
             absl.setLevel(level)
 
-    def rounds_left(self, target_epsilon: float, population: int, sample_size: int | None = None,
-                    sampling_probability: float | None = None, limit: int = 100_000) -> int:
+    def rounds_left(
+        self,
+        target_epsilon: float,
+        population: int,
+        sample_size: int | None = None,
+        sampling_probability: float | None = None,
+        limit: int = 100_000,
+    ) -> int:
         """How many more rounds of this sampling (N; m or q) keep epsilon <= target (capped at `limit`).
 
         The server's stop rule before opening a round is `rounds_left(target, ..., limit=1) == 1`.
@@ -294,8 +313,14 @@ class PrivacyLedger:
 
     def to_json(self) -> str:
         """JSON text to store with the round."""
-        return json.dumps({"noise_multiplier": self.noise_multiplier, "delta": self.delta, "sampling": self.sampling,
-                           "history": [list(run) for run in self.history]})
+        return json.dumps(
+            {
+                "noise_multiplier": self.noise_multiplier,
+                "delta": self.delta,
+                "sampling": self.sampling,
+                "history": [list(run) for run in self.history],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> PrivacyLedger:
@@ -305,14 +330,16 @@ class PrivacyLedger:
             history = tuple(tuple(float(x) for x in run) for run in data["history"])
             return cls(float(data["noise_multiplier"]), float(data["delta"]), str(data["sampling"]), history)
         except (KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"the saved privacy ledger cannot be read ({exc})",
-                             "restore the server's state folder from a backup") from None
+            raise StateError(
+                f"the saved privacy ledger cannot be read ({exc})", "restore the server's state folder from a backup"
+            ) from None
 
 
 def _dp_accounting() -> Any:
     try:
         import dp_accounting
     except ImportError:
-        raise UsageError("privacy accounting needs the dp-accounting package",
-                         "pip install 'edgepfl[privacy]'") from None
+        raise UsageError(
+            "privacy accounting needs the dp-accounting package", "pip install 'edgepfl[privacy]'"
+        ) from None
     return dp_accounting

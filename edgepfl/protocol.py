@@ -73,9 +73,7 @@ class RoundOptions(BaseModel):
         int,
         _setting("personal fine-tuning epochs per round, base frozen at round start (FedPer A.3)", ge=0, le=MAX_EPOCHS),
     ] = 0
-    personal_epochs: Annotated[
-        int, _setting("fedalt: epochs of the personal phase per round", ge=0, le=MAX_EPOCHS)
-    ] = 1
+    personal_epochs: Annotated[int, _setting("fedalt: epochs of the personal phase per round", ge=0, le=MAX_EPOCHS)] = 1
     share_buffers: Annotated[
         bool,
         _setting(

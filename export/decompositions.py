@@ -231,8 +231,9 @@ def _conv_grad_weight(grad_out, x, weight, stride, padding, groups) -> torch.Ten
     return grad[:, :, :kh, :kw].transpose(0, 1)
 
 
-def _plain_convolution(x: torch.Tensor, kernel: torch.Tensor, padding: list[int], dilation: list[int], groups: int
-                       ) -> torch.Tensor:  # fmt: skip
+def _plain_convolution(
+    x: torch.Tensor, kernel: torch.Tensor, padding: list[int], dilation: list[int], groups: int
+) -> torch.Tensor:
     """A stride-1 convolution exported as one Conv node as it is (export/translations.py): an op of
     its own so that `_convolution` leaves it alone. A weight gradient's convolution has a small output (the
     kernel's size) but a kernel as large as the map, which as column products would need a constant of

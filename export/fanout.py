@@ -50,5 +50,8 @@ def _size(node: int | list) -> int:
 
 def _split_along(flat: torch.Tensor, tree: list) -> list[torch.Tensor]:
     parts = flat.split([_size(child) for child in tree]) if len(tree) > 1 else [flat]
-    return [piece for part, child in zip(parts, tree)
-            for piece in ([part] if isinstance(child, int) else _split_along(part, child))]  # fmt: skip
+    return [
+        piece
+        for part, child in zip(parts, tree)
+        for piece in ([part] if isinstance(child, int) else _split_along(part, child))
+    ]

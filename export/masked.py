@@ -232,9 +232,7 @@ class MaskedModel:
                     masked = MaskedBatchNorm2d(child, self.slot)
                     carry_personal(child, masked)
                     setattr(parent, child_name, masked)
-        self._layer_names = {
-            id(m): name for name, m in self.module.named_modules() if isinstance(m, MaskedBatchNorm2d)
-        }
+        self._layer_names = {id(m): name for name, m in self.module.named_modules() if isinstance(m, MaskedBatchNorm2d)}
 
     @property
     def momentum(self) -> float | dict[str, float]:

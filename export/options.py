@@ -141,9 +141,9 @@ class ExportCommand(Composed):
         int | None,
         Field(ge=1, description="number of classes (torchvision:/factory models: a new, freshly initialised head)"),
     ] = None
-    show_blocks: Annotated[
-        bool, Field(description="print the blocks and what each --kp would upload, then stop")
-    ] = False
+    show_blocks: Annotated[bool, Field(description="print the blocks and what each --kp would upload, then stop")] = (
+        False
+    )
     class_names_file: Annotated[
         Path | None, Field(description="file of the class names, one per line, in class order")
     ] = None

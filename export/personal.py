@@ -141,9 +141,11 @@ def carry_personal(old: nn.Module, new: nn.Module) -> None:
 def insert_lora(module: nn.Module, path: str, rank: int) -> None:
     """Give the Linear or 1×1 Conv2d at `path` LoRA factors A (Kaiming-uniform) and B (zero)."""
     layer = module.get_submodule(path)
-    fan_in, fan_out = (layer.in_features, layer.out_features) if isinstance(layer, nn.Linear) else (
-        layer.in_channels, layer.out_channels
-    )  # fmt: skip
+    fan_in, fan_out = (
+        (layer.in_features, layer.out_features)
+        if isinstance(layer, nn.Linear)
+        else (layer.in_channels, layer.out_channels)
+    )
     spatial = () if isinstance(layer, nn.Linear) else (1, 1)
     lora_a = nn.Parameter(torch.empty(rank, fan_in, *spatial))
     nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5))

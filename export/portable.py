@@ -108,8 +108,9 @@ def export_portable(
     if one_by_one:
         predict_proto = export_eval(step_model, params, buffers, 1)
         onnx.save(predict_proto, str(folder / "predict.onnx"))
-        predict = {"predict": {**_graph_entry(f"{prefix}/predict.onnx", predict_proto), "batch_size": 1,
-                               "up_to": one_by_one}}  # fmt: skip
+        predict = {
+            "predict": {**_graph_entry(f"{prefix}/predict.onnx", predict_proto), "batch_size": 1, "up_to": one_by_one}
+        }
     save_tensors(folder / "initial.safetensors", {n: t.detach().cpu().numpy() for n, t in state.items()})
     return {
         "batch_size": batch_size,
@@ -391,9 +392,13 @@ def _to_onnx(
     # the exporter's full optimizer takes most of the export time; constant folding and CSE give
     # onnxruntime (which runs its own graph optimizations) what it needs
     onnx_program = torch.onnx.export(
-        program, dynamo=True, opset_version=PORTABLE_OPSET, optimize=False, verbose=False,
+        program,
+        dynamo=True,
+        opset_version=PORTABLE_OPSET,
+        optimize=False,
+        verbose=False,
         custom_translation_table=translation_table(),
-    )  # fmt: skip
+    )
     ir_model = onnx_program.model
     onnxscript.optimizer.fold_constants_ir(ir_model)
     # one copy of each identical constant (e.g. DepthwiseMaps' tap matrices, made again for every layer

@@ -23,8 +23,10 @@ def command_target(chosen: ExportCommand) -> tuple[ExportTarget, ExportOptions]:
         raise UsageError(f"{chosen.sequence.given()[0]} applies to text and sensor models only", "drop it")
     if parsed.is_zoo and model in SEQUENCE_MODELS:
         if chosen.input_shape is not None or zoo.input_size is not None or zoo.in_channels is not None:
-            raise UsageError("--input-shape/--input-size/--in-channels do not apply to text and sensor models",
-                             "use --seq-len (text) or --channels/--window (sensors)")  # fmt: skip
+            raise UsageError(
+                "--input-shape/--input-size/--in-channels do not apply to text and sensor models",
+                "use --seq-len (text) or --channels/--window (sensors)",
+            )
         from edgepfl.export.textmodels import sequence_target
 
         target = sequence_target(model, chosen.sequence, options.seed, zoo.width, zoo.norm, chosen.num_classes)

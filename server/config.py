@@ -37,9 +37,7 @@ class ServerConfig(Composed):
     model_config = titled("Server")
 
     bundle: Annotated[Path, Field(description="bundle folder written by `edgepfl export`", examples=["DIR"])]
-    state: Annotated[
-        Path, Field(description="state folder (SQLite + blobs); reuse it to resume", examples=["DIR"])
-    ]
+    state: Annotated[Path, Field(description="state folder (SQLite + blobs); reuse it to resume", examples=["DIR"])]
     strategy: StrategyChoice = Field(default_factory=lambda: options_model("fedper")())
     round: RoundOptions = Field(default_factory=RoundOptions)
     fleet_rounds: FleetOptions = Field(default_factory=FleetOptions)
@@ -49,9 +47,9 @@ class ServerConfig(Composed):
     min_clients: Annotated[
         int, Field(ge=1, description="devices needed to open a round and to close it at its deadline")
     ] = 2
-    fraction: Annotated[
-        float, Field(gt=0.0, le=1.0, description="fraction of available devices sampled per round")
-    ] = 1.0
+    fraction: Annotated[float, Field(gt=0.0, le=1.0, description="fraction of available devices sampled per round")] = (
+        1.0
+    )
     round_timeout: Annotated[
         float, Field(gt=0.0, allow_inf_nan=False, description="seconds from a round's opening to its deadline")
     ] = 600.0
@@ -148,8 +146,14 @@ class ServerConfig(Composed):
                     "DP-FedAvg's accountant counts rounds of a fixed sample size, and fedbuff's steps are not",
                     "drop the --dp-* options, or use --aggregation sync",
                 )
-        check_secure(self.secure, self.strategy_name, self.privacy.clip_norm, self.fleet_rounds.asynchronous,
-                     self.round.upload_encoding, self.min_clients)
+        check_secure(
+            self.secure,
+            self.strategy_name,
+            self.privacy.clip_norm,
+            self.fleet_rounds.asynchronous,
+            self.round.upload_encoding,
+            self.min_clients,
+        )
         if strategy.needs.varying_tensors and settings.uploads_delta:
             raise UsageError(
                 f"{self.strategy_name} changes which tensors travel each round, and an encoded upload's "

@@ -56,4 +56,3 @@ def read_global_base(state: Path) -> dict[str, np.ndarray]:
         return global_base_of(store)
     finally:
         store.close()
-

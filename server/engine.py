@@ -166,5 +166,3 @@ class RoundEngine(EngineCore):
         for name in names:
             if name not in enrolled:
                 issue_token(self.store, name, self.clock())
-
-

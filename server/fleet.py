@@ -99,8 +99,10 @@ def fleet_warnings(
         if fraction >= 1.0:
             why = "with --fraction 1 a round's target is every available device"
         elif enrolled and sample_size(enrolled, fraction, min_clients) >= enrolled:
-            why = (f"a round's target is all {enrolled} enrolled devices (--fraction {fraction:g}, --min-clients "
-                   f"{min_clients})")
+            why = (
+                f"a round's target is all {enrolled} enrolled devices (--fraction {fraction:g}, --min-clients "
+                f"{min_clients})"
+            )
         if why is not None:
             problems.append(
                 f"--over-select {options.over_select:g} samples no extra device: {why}, so a device that vanishes "

@@ -169,9 +169,14 @@ class Lifecycle:
         note = f"its base was refused by {refused} device(s): rolled back to base {fallback[:12]}"
         next_round = self.engine.mode.rejected(record, fallback, now)
         self.engine.store.finish_round(
-            record.round_id, "abandoned", now, global_base_sha=fallback, note=note, next_round=next_round,
+            record.round_id,
+            "abandoned",
+            now,
+            global_base_sha=fallback,
+            note=note,
+            next_round=next_round,
             rejected=record.base_sha,
-        )  # fmt: skip
+        )
         self.engine.downloads.clear()
         log.warning("round %d abandoned: %s", record.round_id, note)
 
@@ -226,4 +231,3 @@ class Lifecycle:
     def done(self) -> bool:
         """Whether the run is over: stopped (the DP budget), or --rounds rounds closed."""
         return self.engine.stopped is not None or self.engine.store.count_closed() >= self.engine.config.rounds
-

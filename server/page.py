@@ -279,11 +279,11 @@ def _table(rounds: list[dict[str, Any]]) -> str:
         (
             "aggregation s",
             [f"{r['aggregate_seconds']:.3f}" if r["aggregate_seconds"] is not None else "–" for r in rounds],
-        ),  # fmt: skip
+        ),
         (
             "closed",
             [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["closed"])) if r["closed"] else "–" for r in rounds],
-        ),  # fmt: skip
+        ),
         ("note", [html.escape(r["note"] or "") for r in rounds]),
     ]
     shown = [

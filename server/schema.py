@@ -85,5 +85,10 @@ def _schema_6(db: sqlite3.Connection) -> None:
 
 # step i brings a folder from user_version i to i + 1; a new schema change is one more step, never an edit
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
-    _schema_1, _schema_2, _schema_3, _schema_4, _schema_5, _schema_6
+    _schema_1,
+    _schema_2,
+    _schema_3,
+    _schema_4,
+    _schema_5,
+    _schema_6,
 )

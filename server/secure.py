@@ -152,8 +152,8 @@ class SecureRounds:
         """Start a newly opened round's session (and forget the ended rounds' snapshots and logs)."""
         with self._lock:
             randomness = self.randomness(record.round_id) if self.randomness is not None else None
-            session = ServerSession.start(self.context(record.round_id), self.round_config(), self.layout.size,
-                                          randomness)
+            context, config = self.context(record.round_id), self.round_config()
+            session = ServerSession.start(context, config, self.layout.size, randomness)
             self.db.forget_others(record.round_id)
             self.db.start(record.round_id, record.opened, session.to_json(), counts(session))
             self._open = (record.round_id, session)
@@ -178,8 +178,10 @@ class SecureRounds:
                     if not (complete or len(answered) >= record.needed or now >= record.deadline):
                         return None
                     if len(answered) < min_clients:
-                        session.fail(f"{len(answered)} of {len(given)} devices advertised keys by the round's "
-                                     f"deadline, fewer than --min-clients {min_clients}")
+                        session.fail(
+                            f"{len(answered)} of {len(given)} devices advertised keys by the round's "
+                            f"deadline, fewer than --min-clients {min_clients}"
+                        )
                     else:
                         self._step(session, session.close_keys)
                 elif phase == "shares":
@@ -195,8 +197,9 @@ class SecureRounds:
                         return ("close", None)
                     if not late:
                         return None
-                    session.fail(f"{session.missing()[0]} by the step's end; more devices dropped than the "
-                                 "threshold allows")
+                    session.fail(
+                        f"{session.missing()[0]} by the step's end; more devices dropped than the threshold allows"
+                    )
                 elif phase == "done":
                     return ("close", None)
                 if session.phase == "failed":
@@ -248,9 +251,9 @@ class SecureRounds:
         if stored is None or not (self.measured.clip or self.measured.weight):
             return self.config
         measured = SecAggConfig.from_dict(json.loads(stored))
-        return SecAggConfig(**{**self.config.to_dict(), "clip_norm": measured.clip_norm if self.measured.clip
-                               else self.config.clip_norm, "weight_scale": measured.weight_scale if self.measured.weight
-                               else self.config.weight_scale})
+        clip = measured.clip_norm if self.measured.clip else self.config.clip_norm
+        weight = measured.weight_scale if self.measured.weight else self.config.weight_scale
+        return SecAggConfig(**{**self.config.to_dict(), "clip_norm": clip, "weight_scale": weight})
 
     def sensitivity(self, round_id: int) -> float:
         """How far one device can move the unmasked sum (L2): its clip norm plus what rounding adds, C (1 + s/q)."""
@@ -273,9 +276,12 @@ class SecureRounds:
             session = self._session(round_id)
             message = _parse(kind, body, message_class)
             if message.device != device:
-                raise Refused("wrong_device", f"the {kind} message names device {message.device!r}, and this device's "
-                              f"id in the round is {device!r}", "send this device's own messages, under the id of "
-                              "its task's secure_aggregation.device")
+                raise Refused(
+                    "wrong_device",
+                    f"the {kind} message names device {message.device!r}, and this device's "
+                    f"id in the round is {device!r}",
+                    "send this device's own messages, under the id of its task's secure_aggregation.device",
+                )
             if session.holds(message):
                 return {"accepted": True, "round": round_id, "duplicate": True}
             self._check_step(session, round_id, device, step)
@@ -299,8 +305,10 @@ class SecureRounds:
             if self._waiting(session, round_id, "shares"):
                 return None
             if device not in session.book.keys:
-                raise _gone(round_id, f"device {device!r} is not in round {round_id}'s key book (its keys came after "
-                            "the step closed)")
+                raise _gone(
+                    round_id,
+                    f"device {device!r} is not in round {round_id}'s key book (its keys came after the step closed)",
+                )
             return session.book
 
     def inbox(self, round_id: int, device: str) -> ShareInbox | None:
@@ -311,8 +319,11 @@ class SecureRounds:
             if self._waiting(session, round_id, "inputs"):
                 return None
             if device not in session.sharers:
-                raise _gone(round_id, f"device {device!r} takes no part in round {round_id}'s masking (its shares "
-                            "came after the step closed, or its group is too small)")
+                raise _gone(
+                    round_id,
+                    f"device {device!r} takes no part in round {round_id}'s masking (its shares "
+                    "came after the step closed, or its group is too small)",
+                )
             return session.inbox(device)
 
     def request(self, round_id: int, device: str) -> UnmaskRequest | None:
@@ -324,8 +335,11 @@ class SecureRounds:
                 return None
             request = session.request
             if device not in request.survivors:
-                raise _gone(round_id, f"device {device!r}'s masked vector is not in round {round_id}'s sum (it came "
-                            "after the step closed)")
+                raise _gone(
+                    round_id,
+                    f"device {device!r}'s masked vector is not in round {round_id}'s sum (it came "
+                    "after the step closed)",
+                )
             return request
 
     # internals
@@ -336,8 +350,9 @@ class SecureRounds:
             return self._open[1]
         row = self.db.row(round_id)
         if row is None or row.snapshot is None:
-            raise _gone(round_id, f"round {round_id} is over" if row is not None else
-                        f"round {round_id} is not a secure round")
+            raise _gone(
+                round_id, f"round {round_id} is over" if row is not None else f"round {round_id} is not a secure round"
+            )
         session = ServerSession.from_json(row.snapshot)
         for kind, body in self.db.messages(round_id):
             _receiver(session, kind)(_parse(kind, body, KINDS[kind][0]))
@@ -365,14 +380,14 @@ class SecureRounds:
 
     def _check_step(self, session: ServerSession, round_id: int, device: str, step: str) -> None:
         """A message for a step that is over is gone; one for a step not yet begun must wait (409 too_early)."""
-        if session.phase == "failed":
-            raise _gone(round_id, f"round {round_id}'s secure aggregation failed: {session.failure}")
-        now, wanted = STEPS.index(session.phase), STEPS.index(step)
-        if now > wanted:
+        if session.phase != "failed" and STEPS.index(session.phase) > STEPS.index(step):
             raise _gone(round_id, f"round {round_id}'s {step} step is closed, without device {device!r}")
-        if now < wanted:
-            raise Refused("too_early", f"round {round_id} is at the {session.phase} step of secure aggregation, not "
-                          f"yet at {step}", "ask for the step's data first and send when it is there")
+        if self._waiting(session, round_id, step):
+            raise Refused(
+                "too_early",
+                f"round {round_id} is at the {session.phase} step of secure aggregation, not yet at {step}",
+                "ask for the step's data first and send when it is there",
+            )
 
 
 def counts(session: ServerSession) -> dict[str, Any]:
@@ -382,13 +397,19 @@ def counts(session: ServerSession) -> dict[str, Any]:
         summary["failure"] = session.failure
     plan, outcome = session.plan, session.outcome
     if plan is not None:
-        summary.update(devices=plan.devices, neighbours=plan.neighbours, threshold=plan.threshold, bits=plan.bits,
-                       classic=plan.classic)
+        summary.update(
+            devices=plan.devices,
+            neighbours=plan.neighbours,
+            threshold=plan.threshold,
+            bits=plan.bits,
+            classic=plan.classic,
+        )
     if plan is not None and outcome is not None:
         # masked: in the sum; dropped: advertised keys but not in the sum; recovered: dropped after sharing, whose
         # pairwise masks the server rebuilt and removed from the survivors' sum
-        summary.update(masked=len(outcome.survivors), dropped=plan.devices - len(outcome.survivors),
-                       recovered=len(outcome.dropped))
+        summary.update(
+            masked=len(outcome.survivors), dropped=plan.devices - len(outcome.survivors), recovered=len(outcome.dropped)
+        )
     return summary
 
 
@@ -410,8 +431,12 @@ def _step_wait(session: ServerSession, given: Sequence[str], refused: Sequence[s
 
 def _receiver(session: ServerSession, kind: str) -> Callable[[Any], bool]:
     """The session's receive_* of a message kind."""
-    return {"advert": session.receive_advert, "shares": session.receive_shares, "masked": session.receive_masked,
-            "reveal": session.receive_unmask}[kind]
+    return {
+        "advert": session.receive_advert,
+        "shares": session.receive_shares,
+        "masked": session.receive_masked,
+        "reveal": session.receive_unmask,
+    }[kind]
 
 
 def _parse(kind: str, body: bytes, message_class: type) -> Any:

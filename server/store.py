@@ -23,6 +23,7 @@ from edgepfl.server.schema import MIGRATIONS
 
 DB_NAME = "edgepfl-server.sqlite3"
 
+
 class AlreadyEnrolled(StateError):
     """A device name that is enrolled already (and neither `replace` nor its enrollment key was given)."""
 
@@ -281,10 +282,13 @@ class Store:
     def add_refusal(self, round_id: int, device: str, reason: str, received: float) -> bool:
         """Record a device's refusal of a round's base; False if it had already reported one."""
         with self.transaction() as db:
-            return db.execute(
-                "INSERT OR IGNORE INTO refusals (round_id, device, reason, received) VALUES (?, ?, ?, ?)",
-                (round_id, device, reason, received),
-            ).rowcount == 1
+            return (
+                db.execute(
+                    "INSERT OR IGNORE INTO refusals (round_id, device, reason, received) VALUES (?, ?, ?, ?)",
+                    (round_id, device, reason, received),
+                ).rowcount
+                == 1
+            )
 
     def refusals(self, round_id: int) -> list[tuple[str, str]]:
         """The (device, reason) refusals of a round's base."""

@@ -47,8 +47,9 @@ class Round:
         self.server = ServerSession.start(CONTEXT, self.config, layout.size, randomness=bytes(range(32)))
         self.clients = {d: ClientSession.start(d, CONTEXT, seeded_bytes(i)) for i, d in enumerate(device_ids(self.n))}
 
-    def run(self, skip_shares: Collection[str] = (), skip_upload: Collection[str] = (),
-            skip_reveal: Collection[str] = ()) -> np.ndarray:
+    def run(
+        self, skip_shares: Collection[str] = (), skip_upload: Collection[str] = (), skip_reveal: Collection[str] = ()
+    ) -> np.ndarray:
         """All four steps; devices in a skip set drop out at that step (and stay out)."""
         book = self.advertise()
         self.share(book, skip_shares)
@@ -84,8 +85,9 @@ class Round:
             if device in skip:
                 continue
             self.weights[device] = 1 + 37 * i % 200
-            self.vectors[device] = quantize_delta(sample_delta(i, shapes=self.shapes), self.weights[device], book,
-                                                  np.random.default_rng([7, i]))
+            self.vectors[device] = quantize_delta(
+                sample_delta(i, shapes=self.shapes), self.weights[device], book, np.random.default_rng([7, i])
+            )
             self.server.receive_masked(_wire(self.clients[device].receive_inbox(_wire(inbox), self.vectors[device])))
             self.checkpoint()
 

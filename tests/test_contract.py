@@ -196,16 +196,29 @@ def test_a_plain_text_and_an_optional_integer_setting_are_what_the_page_and_a_py
     from edgepfl.errors import WireError
 
     settings = device_contract(_WithTextAndCount)["settings"]
-    assert settings["note"] == {"type": "string", "nullable": False, "default": "hello",
-                                "help": "a plain-text note for the round"}  # fmt: skip
-    assert settings["warmup"] == {"type": "integer", "nullable": True, "default": None,
-                                  "help": "optional warm-up steps", "minimum": 0, "maximum": 10}  # fmt: skip
+    assert settings["note"] == {
+        "type": "string",
+        "nullable": False,
+        "default": "hello",
+        "help": "a plain-text note for the round",
+    }
+    assert settings["warmup"] == {
+        "type": "integer",
+        "nullable": True,
+        "default": None,
+        "help": "optional warm-up steps",
+        "minimum": 0,
+        "maximum": 10,
+    }
     # a Python device takes what the contract lets the page take: any text (not an upload encoding), null or 0..10
     taken = _WithTextAndCount.from_json({"note": "any words at all", "warmup": None})
     assert (taken.note, taken.warmup) == ("any words at all", None)
     assert _WithTextAndCount.from_json({"warmup": 3}).warmup == 3
-    for bad, match in (({"note": 3}, "note 3 is not text"), ({"warmup": 11}, "warmup 11 is not an integer in 0..10"),
-                       ({"warmup": "3"}, "warmup '3' is not an integer")):
+    for bad, match in (
+        ({"note": 3}, "note 3 is not text"),
+        ({"warmup": 11}, "warmup 11 is not an integer in 0..10"),
+        ({"warmup": "3"}, "warmup '3' is not an integer"),
+    ):
         with pytest.raises(WireError, match=match):
             _WithTextAndCount.from_json(bad)
     with pytest.raises(WireError, match="upload_encoding 'int9'"):  # the encoding is still checked as one

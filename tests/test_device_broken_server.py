@@ -63,13 +63,26 @@ def _device(mlp_bundle, tmp_path, handle, time_: VirtualTime, events: Recorder |
     events = events or Recorder(state)
     waits = WaitLog(state.folder, events.waiting, time_.clock)
     client = ServerClient(
-        "http://device.test", "t", RetryPolicy(attempts=retries), transport=httpx.MockTransport(handle(server)),
-        sleep=time_.sleep, on_retry=lambda failure: waits.waiting("the server", failure),
-    )  # fmt: skip
+        "http://device.test",
+        "t",
+        RetryPolicy(attempts=retries),
+        transport=httpx.MockTransport(handle(server)),
+        sleep=time_.sleep,
+        on_retry=lambda failure: waits.waiting("the server", failure),
+    )
 
     def run(**options):
-        return run_device(engine, data, state, client, DeviceOptions(poll_interval=1.0, **options), events,
-                          sleep=time_.sleep, waits=waits, clock=time_.clock)  # fmt: skip
+        return run_device(
+            engine,
+            data,
+            state,
+            client,
+            DeviceOptions(poll_interval=1.0, **options),
+            events,
+            sleep=time_.sleep,
+            waits=waits,
+            clock=time_.clock,
+        )
 
     return state, server, events, run
 
@@ -208,11 +221,30 @@ def test_device_run_against_a_server_answering_500_says_so_on_stderr_and_in_stat
     url = f"http://127.0.0.1:{loopback.server_address[1]}"
     process = subprocess.Popen(
         device_command(
-            "device", "run", "--bundle", mlp_bundle, "--data", data, "--state", state, "--engine", "portable",
-            "--server", url, "--token", "t", "--retries", "2", "--poll-interval", "0.05", "--json",
+            "device",
+            "run",
+            "--bundle",
+            mlp_bundle,
+            "--data",
+            data,
+            "--state",
+            state,
+            "--engine",
+            "portable",
+            "--server",
+            url,
+            "--token",
+            "t",
+            "--retries",
+            "2",
+            "--poll-interval",
+            "0.05",
+            "--json",
         ),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60  # a few seconds unloaded; the import alone takes longer on a busy machine
         while len(calls) < 10 and time.monotonic() < deadline and process.poll() is None:

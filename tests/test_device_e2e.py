@@ -89,9 +89,25 @@ def device_command(*args: str | Path, code: str = DEVICE_CLI) -> list[str]:
 
 def run_args(bundle: Path, data: Path, server: LiveServer, token: str, state: Path, *extra: str) -> list[str]:
     return [
-        "device", "run", "--bundle", str(bundle), "--data", str(data), "--server", server.url, "--token", token,
-        "--state", str(state), "--poll-interval", "0.1", "--retries", "3", "--json", *extra,
-    ]  # fmt: skip
+        "device",
+        "run",
+        "--bundle",
+        str(bundle),
+        "--data",
+        str(data),
+        "--server",
+        server.url,
+        "--token",
+        token,
+        "--state",
+        str(state),
+        "--poll-interval",
+        "0.1",
+        "--retries",
+        "3",
+        "--json",
+        *extra,
+    ]
 
 
 def finish(process: subprocess.Popen, timeout: float = 60) -> dict:
@@ -168,8 +184,11 @@ def test_kill_9_mid_round_resumes_without_a_second_upload(bundle, tmp_path, wher
     try:
         refused = subprocess.run(
             device_command(*run_args(bundle, data_a, server, "not-a-token", tmp_path / "x")),
-            capture_output=True, text=True, timeout=60, cwd=REPO,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
         assert refused.stderr.startswith("error: server refused GET /v1/task (401") and "tokens add" in refused.stderr
 
@@ -177,12 +196,18 @@ def test_kill_9_mid_round_resumes_without_a_second_upload(bundle, tmp_path, wher
         stalling_args = run_args(bundle, data_a, server, tokens["a"], tmp_path / "a")
         stalled = subprocess.Popen(
             device_command(marker, where, *stalling_args, code=STALLING_CLI),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         other = subprocess.Popen(
             device_command(*run_args(bundle, data_b, server, tokens["b"], tmp_path / "b")),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         deadline = time.monotonic() + 60
         while not marker.exists():
             assert stalled.poll() is None and time.monotonic() < deadline, stalled.stderr.read()[-3000:]
@@ -200,8 +225,11 @@ def test_kill_9_mid_round_resumes_without_a_second_upload(bundle, tmp_path, wher
 
         resumed = subprocess.Popen(
             device_command(*run_args(bundle, data_a, server, tokens["a"], tmp_path / "a")),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         result_a, result_b = finish(resumed), finish(other)
     finally:
         server.stop()
@@ -223,8 +251,21 @@ def test_a_device_command_loads_no_torch_even_where_torch_is_installed(bundle, t
     on a machine without one): a device command keeps it out, and its stderr holds no such line."""
     pytest.importorskip("torch")
     data = save_npz(tmp_path / "d.npz", (0, 1, 2), 90)
-    args = ["device", "train", "--bundle", str(bundle), "--data", str(data), "--state", str(tmp_path / "state"),
-            "--epochs", "1", "--engine", "ort-training", "--json"]  # fmt: skip
+    args = [
+        "device",
+        "train",
+        "--bundle",
+        str(bundle),
+        "--data",
+        str(data),
+        "--state",
+        str(tmp_path / "state"),
+        "--epochs",
+        "1",
+        "--engine",
+        "ort-training",
+        "--json",
+    ]
     code = f"""
 import sys
 from edgepfl.cli import app
@@ -238,8 +279,9 @@ print('torch' in sys.modules)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0 and '"engine": "ort-training"' in done.stdout, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "False" and "CUDA" not in done.stderr, done.stderr[-3000:]
-    helped = subprocess.run([sys.executable, "-m", "edgepfl.cli", "device", "--help"], capture_output=True,
-                            text=True, timeout=120, cwd=REPO)  # fmt: skip
+    helped = subprocess.run(
+        [sys.executable, "-m", "edgepfl.cli", "device", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert helped.returncode == 0 and helped.stderr == ""
 
 

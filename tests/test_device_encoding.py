@@ -33,8 +33,13 @@ class EncodingServer(ScriptedServer):
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/v1/task" and self.round_id <= self.rounds:
-            task = Task("train", self.manifest.base_layout_hash, self.round_id, self.settings,
-                        f"/v1/rounds/{self.round_id}/base")  # fmt: skip
+            task = Task(
+                "train",
+                self.manifest.base_layout_hash,
+                self.round_id,
+                self.settings,
+                f"/v1/rounds/{self.round_id}/base",
+            )
             return httpx.Response(200, json=task.to_json())
         if path.endswith("/base") and self.round_id <= self.rounds and self.settings.download_encoding == "fp16":
             payload = encode_tensors({k: v.astype(np.float16) for k, v in self.base.items()}, {"encoding": "fp16"})

@@ -96,7 +96,10 @@ def test_a_photo_or_two_go_through_the_one_sample_predict_graph_with_the_eval_gr
     few = engine.batch_size // 8  # at most this many go one by one (the manifest says so to both engines)
     assert engine.entry["predict"]["up_to"] == few
     assert (engine.predict_graph(1), engine.predict_graph(few), engine.predict_graph(few + 1)) == (
-        "predict", "predict", "eval")
+        "predict",
+        "predict",
+        "eval",
+    )
     x = normalize(class_images(np.arange(few + 1) % NUM_CLASSES, 3, side=SIDE), engine.manifest.input)
     batched = engine.logits(x)  # few + 1 inputs: one padded batch of the eval graph
     one_by_one = np.concatenate([engine.logits(x[i : i + 1]) for i in range(few + 1)])
@@ -116,15 +119,28 @@ def test_predict_cli_reads_images_folders_and_npz_as_training_data(named_bundle,
     np.savez(tmp_path / "more.npz", x=images[3:])  # no y needed
     Image.fromarray(np.repeat(images[4], 3, axis=2)).save(tmp_path / "colour.png")  # converted to grey
     result = invoke(
-        "predict", tmp_path / "photos", tmp_path / "more.npz", tmp_path / "colour.png",
-        "--bundle", named_bundle, "--state", trained_state, "--top", "2", "--json", "--engine", "portable",
-    )  # fmt: skip
+        "predict",
+        tmp_path / "photos",
+        tmp_path / "more.npz",
+        tmp_path / "colour.png",
+        "--bundle",
+        named_bundle,
+        "--state",
+        trained_state,
+        "--top",
+        "2",
+        "--json",
+        "--engine",
+        "portable",
+    )
     assert result.exit_code == 0, result.output
     document = json.loads(result.output)
     assert document["model"]["trained"] and document["model"]["last_completed_round"] is None
     shown = [p["input"] for p in document["predictions"]]
     assert shown == [str(tmp_path / "photos" / f"{i}.png") for i in range(3)] + [
-        f"{tmp_path / 'more.npz'}[0]", f"{tmp_path / 'more.npz'}[1]", str(tmp_path / "colour.png")
+        f"{tmp_path / 'more.npz'}[0]",
+        f"{tmp_path / 'more.npz'}[1]",
+        str(tmp_path / "colour.png"),
     ]
     model = open_device_model(named_bundle, trained_state, "portable")
     _, x = read_inputs([tmp_path / "photos", tmp_path / "more.npz", tmp_path / "colour.png"], model.engine)
@@ -210,7 +226,7 @@ def test_predict_works_without_torch(bn_bundle, trained_state, tmp_path):
 import sys
 from typer.testing import CliRunner
 from edgepfl.device_runtime.cli import device_app
-result = CliRunner().invoke(device_app, ['predict', {str(tmp_path / 'x.npz')!r}, '--bundle', {str(bn_bundle)!r},
+result = CliRunner().invoke(device_app, ['predict', {str(tmp_path / "x.npz")!r}, '--bundle', {str(bn_bundle)!r},
                                          '--state', {str(trained_state)!r}, '--json', '--engine', 'portable'])
 assert result.exit_code == 0, result.output
 assert 'torch' not in {{name.split('.')[0] for name, module in sys.modules.items() if module is not None}}
@@ -234,9 +250,17 @@ def _plain_session(path: Path):
 def test_exported_fp32_model_gives_the_engines_probabilities(named_bundle, trained_state, tmp_path, engine_name):
     out = tmp_path / "model.onnx"
     result = invoke(
-        "export-model", "--bundle", named_bundle, "--state", trained_state, "--out", out, "--engine", engine_name,
+        "export-model",
+        "--bundle",
+        named_bundle,
+        "--state",
+        trained_state,
+        "--out",
+        out,
+        "--engine",
+        engine_name,
         "--json",
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["source_graph"] == "model.onnx" and report["quantize"] == "none"
@@ -306,9 +330,16 @@ def test_int8_keeps_the_accuracy_at_under_a_third_of_the_size(bn_bundle, trained
 
 def test_int8_needs_the_devices_data(bn_bundle, trained_state, tmp_path):
     result = invoke(
-        "export-model", "--bundle", bn_bundle, "--state", trained_state, "--out", tmp_path / "m.onnx",
-        "--quantize", "int8",
-    )  # fmt: skip
+        "export-model",
+        "--bundle",
+        bn_bundle,
+        "--state",
+        trained_state,
+        "--out",
+        tmp_path / "m.onnx",
+        "--quantize",
+        "int8",
+    )
     assert result.exit_code == 2 and "int8 quantization is calibrated on the device's training data" in result.output
     assert not (tmp_path / "m.onnx").exists()
 

@@ -79,10 +79,19 @@ def test_round_settings_are_checked_for_type_and_range(field, value, problem):
 
 def test_settings_a_server_sends_parse_back_unchanged():
     settings = RoundSettings(
-        algorithm="fedalt", epochs=3, batch_size=8, lr=0.05, finetune_epochs=1, personal_epochs=2,
-        share_buffers=True, extra={"pfedla": {"slot": 2}}, kept_on_device=("hidden.weight",),
-        upload_encoding="int8-block256-sr", download_encoding="fp16", clip_norm=1.5,
-    )  # fmt: skip
+        algorithm="fedalt",
+        epochs=3,
+        batch_size=8,
+        lr=0.05,
+        finetune_epochs=1,
+        personal_epochs=2,
+        share_buffers=True,
+        extra={"pfedla": {"slot": 2}},
+        kept_on_device=("hidden.weight",),
+        upload_encoding="int8-block256-sr",
+        download_encoding="fp16",
+        clip_norm=1.5,
+    )
     assert RoundSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
     assert RoundSettings.from_json({"lr": 1}).lr == 1.0 and RoundSettings.from_json({}) == RoundSettings()
     assert RoundSettings().problem() is None
@@ -120,9 +129,12 @@ def test_a_bad_retry_after_header_falls_back_to_backoff(header):
         [httpx.Response(503, headers={"Retry-After": header}), httpx.Response(200, json=Task("wait", "h").to_json())]
     )
     client = ServerClient(
-        "http://device.test", "t", RetryPolicy(first_delay=0.5), transport=httpx.MockTransport(lambda r: next(answers)),
+        "http://device.test",
+        "t",
+        RetryPolicy(first_delay=0.5),
+        transport=httpx.MockTransport(lambda r: next(answers)),
         sleep=sleeps.append,
-    )  # fmt: skip
+    )
     assert client.task().action == "wait"
     assert len(sleeps) == 1 and 0.25 <= sleeps[0] <= 0.5
 
@@ -133,9 +145,12 @@ def test_a_too_slow_upload_cut_off_by_the_server_is_retried():
     too_slow = {"error": "too_slow", "detail": "the body arrived too slowly", "fix": "retry on a better link"}
     answers = iter([httpx.Response(408, json=too_slow), httpx.Response(200, json=Task("wait", "h").to_json())])
     client = ServerClient(
-        "http://device.test", "t", RetryPolicy(first_delay=0.5), transport=httpx.MockTransport(lambda r: next(answers)),
+        "http://device.test",
+        "t",
+        RetryPolicy(first_delay=0.5),
+        transport=httpx.MockTransport(lambda r: next(answers)),
         sleep=sleeps.append,
-    )  # fmt: skip
+    )
     assert client.task().action == "wait"
     assert len(sleeps) == 1
 

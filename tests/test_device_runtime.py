@@ -371,9 +371,16 @@ def test_state_of_another_layout_is_refused(mlp_bundle, tmp_path):
         StateFolder(state_dir, manifest, "portable")
     result = CliRunner().invoke(
         device_app,
-        ["eval", "--bundle", str(mlp_bundle), "--data", str(save_npz(tmp_path / "d.npz", (0, 1), 20)),
-         "--state", str(state_dir)],
-    )  # fmt: skip
+        [
+            "eval",
+            "--bundle",
+            str(mlp_bundle),
+            "--data",
+            str(save_npz(tmp_path / "d.npz", (0, 1), 20)),
+            "--state",
+            str(state_dir),
+        ],
+    )
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert "pass the bundle this state was made with, or a new --state folder" in result.output
 
@@ -447,9 +454,13 @@ def test_connection_errors_and_5xx_are_retried_with_backoff():
 
     retried: list[str] = []
     client = ServerClient(
-        "http://device.test", "t", RetryPolicy(attempts=6, first_delay=0.5), transport=httpx.MockTransport(handle),
-        sleep=sleeps.append, on_retry=retried.append,
-    )  # fmt: skip
+        "http://device.test",
+        "t",
+        RetryPolicy(attempts=6, first_delay=0.5),
+        transport=httpx.MockTransport(handle),
+        sleep=sleeps.append,
+        on_retry=retried.append,
+    )
     assert client.task().action == "wait" and len(calls) == 5
     assert len(sleeps) == 4 and len(retried) == 4
     for attempt, delay in enumerate(sleeps[:3]):  # exponential, with jitter in [1/2, 1] of the nominal delay
@@ -535,7 +546,7 @@ def test_uploads_carry_only_the_base_the_layout_hash_and_the_sample_count(mlp_bu
     client = ServerClient("http://device.test", "t", transport=server.transport(), sleep=pytest.fail)
     summary = run_device(engine, data, state, client, DeviceOptions(), sleep=pytest.fail)
     assert summary.finished and summary.rounds_trained == 1 and summary.final_accuracy is not None
-    (round_id, body), = server.uploads  # fmt: skip
+    ((round_id, body),) = server.uploads
     assert sorted(decode_tensors(body)) == sorted(engine.manifest.names("base"))
     meta = UploadMeta.from_metadata(decode_metadata(body))
     assert meta.base_layout_hash == engine.manifest.base_layout_hash and meta.num_samples == data.num_train == 72

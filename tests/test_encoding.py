@@ -82,8 +82,10 @@ def test_fp16_and_fp32_round_trip_within_stated_bound(value):
 def test_stochastic_rounding_is_unbiased_and_seeded():
     value = np.linspace(-1, 1, 50, dtype=np.float32)
     encoding = Encoding.parse("int8-sr")
-    draws = [decode_payload(encode_delta({"w": value}, encoding, np.random.default_rng(s)).to_bytes(), encoding)["w"]
-             for s in range(400)]
+    draws = [
+        decode_payload(encode_delta({"w": value}, encoding, np.random.default_rng(s)).to_bytes(), encoding)["w"]
+        for s in range(400)
+    ]
     scale = 1 / 127
     # the mean of 400 draws, each off by < scale with mean 0, is within 4 standard errors of the value
     assert np.abs(np.mean(draws, axis=0) - value).max() < 4 * scale / np.sqrt(400) * 0.5 + 1e-6
@@ -223,8 +225,10 @@ def test_payload_keeps_other_metadata_and_decodes_to_plain_float32():
 
 
 def test_encoding_and_privacy_import_without_torch_or_dp_accounting():
-    code = "import sys; sys.modules['torch'] = None; sys.modules['dp_accounting'] = None; " \
-           "import edgepfl.encoding, edgepfl.privacy"
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['dp_accounting'] = None; "
+        "import edgepfl.encoding, edgepfl.privacy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -208,10 +208,23 @@ def test_serve_refuses_a_missing_or_short_secret_file_in_one_line(tmp_path: Path
     make_bundle(tmp_path / "bundle")
     secret_file = write_secret(tmp_path, secret) if secret is not None else tmp_path / "missing.secret"
     done = subprocess.run(
-        [sys.executable, "-m", "edgepfl.cli", "serve", "--bundle", str(tmp_path / "bundle"),
-         "--state", str(tmp_path / "state"), "--enroll-secret-file", str(secret_file)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "edgepfl.cli",
+            "serve",
+            "--bundle",
+            str(tmp_path / "bundle"),
+            "--state",
+            str(tmp_path / "state"),
+            "--enroll-secret-file",
+            str(secret_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("error: --enroll-secret-file") and str(secret_file) in done.stderr
@@ -275,8 +288,9 @@ def test_device_enroll_writes_a_private_token_file_that_device_run_uses(bundle_f
         data = save_npz(tmp_path / "d.npz", (0, 1), 60)
         args = run_args(bundle, data, server, token, tmp_path / "device")
         args[args.index("--token") : args.index("--token") + 2] = ["--token-file", str(token_file)]
-        result = finish(subprocess.Popen(device_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, cwd=REPO))  # fmt: skip
+        result = finish(
+            subprocess.Popen(device_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        )
     finally:
         server.stop()
     assert result["finished"] and result["rounds_trained"] == 1, result

@@ -189,9 +189,17 @@ def test_cli_export_prints_the_split(tmp_path):
     names = [f"digit {n}" for n in range(10)]  # a comma would split --class-names: a file takes any name
     (tmp_path / "names.txt").write_text("\n".join(names) + "\n")
     result = run_cli(
-        "export", "mlp", "--kp", "1", "--out", str(tmp_path / "b"), "--engines", "ort-training",
-        "--class-names-file", str(tmp_path / "names.txt"),
-    )  # fmt: skip
+        "export",
+        "mlp",
+        "--kp",
+        "1",
+        "--out",
+        str(tmp_path / "b"),
+        "--engines",
+        "ort-training",
+        "--class-names-file",
+        str(tmp_path / "names.txt"),
+    )
     assert result.returncode == 0, result.stderr
     assert "personal" in result.stdout and "one round uploads" in result.stdout
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())

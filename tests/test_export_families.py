@@ -52,8 +52,14 @@ def build_family(name: str) -> torch.nn.Module:
     return shufflenetv2.ShuffleNetV2([2, 1, 1], [8, 16, 32, 64, 64], num_classes=CLASSES)
 
 
-FAMILIES = ["mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x1_0", "resnet18", "mobilenet_v2",
-            "mobilenet_v3_large"]  # fmt: skip
+FAMILIES = [
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "shufflenet_v2_x1_0",
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

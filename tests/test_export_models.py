@@ -265,9 +265,18 @@ def test_weights_give_the_same_eval_logits_and_num_classes_changes_only_the_head
     torch.save(trained.state_dict(), weights)
     x = np.random.default_rng(3).standard_normal((5, 3, 8, 8)).astype(np.float32)
 
-    code, output = invoke("export", f"{model_file}:build", "--weights", str(weights), "--kp", "1",
-                          "--engines", FAST_ENGINE,
-                          "--out", str(tmp_path / "same"))  # fmt: skip
+    code, output = invoke(
+        "export",
+        f"{model_file}:build",
+        "--weights",
+        str(weights),
+        "--kp",
+        "1",
+        "--engines",
+        FAST_ENGINE,
+        "--out",
+        str(tmp_path / "same"),
+    )
     assert code == 0, output
     session = onnxruntime.InferenceSession(str(tmp_path / "same" / "model.onnx"), providers=["CPUExecutionProvider"])
     with torch.no_grad():
@@ -278,8 +287,20 @@ def test_weights_give_the_same_eval_logits_and_num_classes_changes_only_the_head
 
     safetensors_weights = tmp_path / "trained.safetensors"
     save_file(trained.state_dict(), str(safetensors_weights))
-    code, output = invoke("export", f"{model_file}:build", "--weights", str(safetensors_weights), "--kp", "1",
-                          "--num-classes", "7", "--engines", FAST_ENGINE, "--out", str(tmp_path / "head"))  # fmt: skip
+    code, output = invoke(
+        "export",
+        f"{model_file}:build",
+        "--weights",
+        str(safetensors_weights),
+        "--kp",
+        "1",
+        "--num-classes",
+        "7",
+        "--engines",
+        FAST_ENGINE,
+        "--out",
+        str(tmp_path / "head"),
+    )
     assert code == 0, output
     manifest = json.loads((tmp_path / "head" / "manifest.json").read_text())
     assert manifest["num_classes"] == 7 and manifest["model"]["new_head"] == "fc"
@@ -403,11 +424,27 @@ def test_simulate_takes_a_model_string(model_file, tmp_path):
 
     rng = np.random.default_rng(0)
     data = tmp_path / "grey.npz"
-    np.savez(data, x_train=rng.integers(0, 256, (160, 28, 28), dtype=np.uint8), y_train=np.arange(160) % 10,
-             x_test=rng.integers(0, 256, (40, 28, 28), dtype=np.uint8), y_test=np.arange(40) % 10)  # fmt: skip
-    config = SimulateConfig(out=str(tmp_path / "run"), model=f"{model_file}:grey", kp=1, dataset=str(data),
-                            data_root=str(tmp_path), partition="iid", clients=2, rounds=1, epochs=1, batch_size=16,
-                            engine="torch", threads=1)  # fmt: skip
+    np.savez(
+        data,
+        x_train=rng.integers(0, 256, (160, 28, 28), dtype=np.uint8),
+        y_train=np.arange(160) % 10,
+        x_test=rng.integers(0, 256, (40, 28, 28), dtype=np.uint8),
+        y_test=np.arange(40) % 10,
+    )
+    config = SimulateConfig(
+        out=str(tmp_path / "run"),
+        model=f"{model_file}:grey",
+        kp=1,
+        dataset=str(data),
+        data_root=str(tmp_path),
+        partition="iid",
+        clients=2,
+        rounds=1,
+        epochs=1,
+        batch_size=16,
+        engine="torch",
+        threads=1,
+    )
     results = run_simulation(config)
     manifest = json.loads((tmp_path / "run" / "bundle" / "manifest.json").read_text())
     assert manifest["model"]["source"] == config.model and manifest["model"]["new_head"] == "6"

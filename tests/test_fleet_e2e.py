@@ -89,19 +89,28 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
         markers = {name: tmp_path / f"{name}.stalled" for name in names[:2]}
         killed = {
             name: subprocess.Popen(
-                device_command(markers[name], *run_args(bundle, data[name], server, tokens[name], tmp_path / name),
-                               code=STALLING_IN_ROUND_ONE),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                device_command(
+                    markers[name],
+                    *run_args(bundle, data[name], server, tokens[name], tmp_path / name),
+                    code=STALLING_IN_ROUND_ONE,
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
             )
             for name in names[:2]
-        }  # fmt: skip
+        }
         others = {
             name: subprocess.Popen(
                 device_command(*run_args(bundle, data[name], server, tokens[name], tmp_path / name, "--rounds", "1")),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
             )
             for name in names[2:]
-        }  # fmt: skip
+        }
         # a liveness bound, not a speed one: six device processes start on a loaded 2-core CI machine (120 s was
         # missed by 0.06 s in one run here)
         deadline = time.monotonic() + 300
@@ -118,6 +127,7 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
         assert one.closed - one.opened < 120, "the round closed at its target, not at its 600 s deadline"
         assert sorted(u.device for u in updates[1]) == sorted(names[2:])
         assert all(result["rounds_trained"] == 1 for result in results.values())
+
         # the killed devices come back: they join round 2 and upload once. They come back first, and the others
         # only once both have trained it: round 2 closes at its 4th upload, and on a loaded machine the others'
         # four could otherwise close it before a slow-starting killed device has even asked for its task
@@ -125,10 +135,13 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
             return {
                 name: subprocess.Popen(
                     device_command(*run_args(bundle, data[name], server, tokens[name], tmp_path / name)),
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=REPO,
                 )
                 for name in group
-            }  # fmt: skip
+            }
 
         back = come_back(names[:2])
         deadline = time.monotonic() + 300
@@ -164,10 +177,13 @@ def test_fedbuff_served_run_equals_the_engine_in_process_through_a_server_kill(f
     processes = {
         name: subprocess.Popen(
             device_command(*run_args(bundle, data[name], server, tokens[name], tmp_path / name, *DEVICE)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
         )
         for name in names
-    }  # fmt: skip
+    }
     try:
         deadline = time.monotonic() + 120
         while True:  # kill -9 the server between uploads: after its first step
@@ -206,10 +222,16 @@ def test_fedbuff_served_run_equals_the_engine_in_process_through_a_server_kill(f
 def options_for(bundle: Path, tmp_path: Path) -> ServerConfig:
     """The served run's configuration, for an engine over a new state folder."""
     return ServerConfig(
-        bundle=bundle, state=tmp_path / "replayed", rounds=4, min_clients=1, seed=3, poll_interval=0.2, web=False,
+        bundle=bundle,
+        state=tmp_path / "replayed",
+        rounds=4,
+        min_clients=1,
+        seed=3,
+        poll_interval=0.2,
+        web=False,
         round={"lr": 0.1, "batch_size": 16, "epochs": 1},
         fleet_rounds={"aggregation": "fedbuff", "buffer_size": 2, "max_staleness": 8, "server_lr": 0.8},
-    )  # fmt: skip
+    )
 
 
 def replay(bundle: Path, tmp_path: Path, accepted, data: dict[str, Path], config: ServerConfig) -> dict:

@@ -257,9 +257,12 @@ def test_the_initial_base_is_never_rolled_back(tmp_path: Path) -> None:
 def test_one_strategy_engine_serves_fedavg_and_fedper_under_fedbuff(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle", kp=0)
     config = ServerConfig(
-        bundle=tmp_path / "bundle", state=tmp_path / "state", strategy=strategy_options("fedavg"),
-        fleet_rounds={"aggregation": "fedbuff", "buffer_size": 1}, web=False,
-    )  # fmt: skip
+        bundle=tmp_path / "bundle",
+        state=tmp_path / "state",
+        strategy=strategy_options("fedavg"),
+        fleet_rounds={"aggregation": "fedbuff", "buffer_size": 1},
+        web=False,
+    )
     enroll(config.state, "d0")
     engine = create_engine(config, Clock())
     engine.task("d0")

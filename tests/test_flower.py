@@ -134,8 +134,16 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper", run_opti
     run_config.update(run_options or {})
     server_options = server_config(run_config)
     bundle = server_options.bundle
-    fields = {"strategy": strategy_options(strategy_name), "round": server_options.round, "rounds": 2, "seed": 0,
-              "fraction": 1.0, "min_clients": 1, "bundle": bundle, "round_timeout": 60.0}  # fmt: skip
+    fields = {
+        "strategy": strategy_options(strategy_name),
+        "round": server_options.round,
+        "rounds": 2,
+        "seed": 0,
+        "fraction": 1.0,
+        "min_clients": 1,
+        "bundle": bundle,
+        "round_timeout": 60.0,
+    }
     server = open_server(tmp_path, sorted(NODES.values()), initial_tensors(bundle), fields, fresh=True)
     client_app = make_client_app(run_config)
     try:
@@ -162,9 +170,7 @@ def test_encoded_delta_replies_are_decoded_as_served_uploads(reference, tmp_path
     from edgepfl.simulate.rounds import SERVER_DIR
     from edgepfl.wire import decode_metadata
 
-    _, arrays, metrics, stored, _, _ = run_round(
-        reference, tmp_path, run_options={"upload-encoding": "int8-block64"}
-    )
+    _, arrays, metrics, stored, _, _ = run_round(reference, tmp_path, run_options={"upload-encoding": "int8-block64"})
     assert arrays is not None and sorted(stored) == sorted(NODES.values()) and metrics["accepted"] == len(NODES)
     store = Store(tmp_path / SERVER_DIR)
     try:
@@ -511,11 +517,18 @@ def _run_config_overrides(reference, tmp_path) -> str:
     """`flwr run --run-config` for 3 nodes x 2 rounds of the reference run's bundle and data (keys of the example)."""
     config, root = reference
     run_config = {
-        "bundle": str(root / "sim" / "bundle"), "out": str(tmp_path / "run"), "state-root": str(tmp_path / "devices"),
-        "dataset": config.data.dataset, "data-root": config.data.data_root, "partition": config.data.partition,
+        "bundle": str(root / "sim" / "bundle"),
+        "out": str(tmp_path / "run"),
+        "state-root": str(tmp_path / "devices"),
+        "dataset": config.data.dataset,
+        "data-root": config.data.data_root,
+        "partition": config.data.partition,
         "clients": 3,
-        "engine": "portable", "rounds": 2, "nodes": 3, "timeout": 120.0,
-    }  # fmt: skip
+        "engine": "portable",
+        "rounds": 2,
+        "nodes": 3,
+        "timeout": 120.0,
+    }
     return " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
 
 
@@ -547,9 +560,13 @@ def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tm
     def start(name: str, *args: str) -> subprocess.Popen:
         log_file = open(logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process below)
         process = subprocess.Popen(
-            [str(bin_dir / args[0]), *args[1:]], env=env, cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT,
+            [str(bin_dir / args[0]), *args[1:]],
+            env=env,
+            cwd=tmp_path,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         log_file.close()
         processes.append(process)
         return process
@@ -559,22 +576,40 @@ def test_a_loopback_deployment_trains_two_rounds_and_stops_cleanly(reference, tm
     lingering: set[int] = set()
     try:
         superlink = start(
-            "superlink", "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(port),
+            "superlink",
+            "flower-superlink",
+            "--insecure",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
             "--disable-runtime-dependency-installation",
-        )  # fmt: skip
+        )
         _wait_for_port(port, superlink, 60)
         for number in range(3):
             node_port = _free_port()
             node = start(
-                f"supernode-{number}", "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{port}",
-                "--host", LOOPBACK, "--port", str(node_port), "--node-config",
+                f"supernode-{number}",
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"{LOOPBACK}:{port}",
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(node_port),
+                "--node-config",
                 f"partition-id={number} num-partitions=3",
-            )  # fmt: skip
+            )
             _wait_for_port(node_port, node, 60)
         run = subprocess.run(
             [str(bin_dir / "flwr"), "run", str(EXAMPLE), "loopback", "--stream", "--run-config", overrides],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         output = run.stdout + run.stderr
         assert run.returncode == 0, output[-3000:]
         assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in output, output[-3000:]
@@ -633,8 +668,12 @@ def test_flwr_run_of_the_example_in_the_local_simulation(reference, tmp_path):
     try:
         run = subprocess.run(
             [*command, "--federation-config", "num-supernodes=3", "--run-config", overrides],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         output = run.stdout + run.stderr
         assert run.returncode == 0, output[-3000:]
         assert "edgepfl: 3 device(s) enrolled: client-000, client-001, client-002" in output, output[-3000:]

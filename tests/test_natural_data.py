@@ -116,8 +116,8 @@ def test_natural_is_the_default_partition_of_a_dataset_with_clients_and_the_only
 
 def test_window_starts_stay_inside_one_activity_with_half_overlap():
     active = np.zeros(600, bool)
-    active[10:10 + HAR_WINDOW + 2 * HAR_STEP] = True  # three windows fit
-    active[400:400 + HAR_WINDOW - 1] = True  # one reading short of a window
+    active[10 : 10 + HAR_WINDOW + 2 * HAR_STEP] = True  # three windows fit
+    active[400 : 400 + HAR_WINDOW - 1] = True  # one reading short of a window
     assert _window_starts(active) == [10, 10 + HAR_STEP, 10 + 2 * HAR_STEP]
 
 

@@ -180,8 +180,13 @@ def test_export_device_and_demo_flags_come_from_their_models() -> None:
 
     _assert_leaves_are_flags(_params("export"), leaves(ExportCommand))
     _assert_leaves_are_flags(_params("demo"), leaves(DemoOptions))
-    for name, model in (("run", device.RunCommand), ("train", device.TrainCommand), ("teacher", device.TeacherCommand),
-                        ("distill", device.DistillCommand), ("eval", device.EvalCommand)):  # fmt: skip
+    for name, model in (
+        ("run", device.RunCommand),
+        ("train", device.TrainCommand),
+        ("teacher", device.TeacherCommand),
+        ("distill", device.DistillCommand),
+        ("eval", device.EvalCommand),
+    ):
         _assert_leaves_are_flags(_params("device", name), leaves(model))
     assert device.DistillOptions().config(seed=0) == DistillConfig(), "device distill's defaults are DistillConfig's"
 

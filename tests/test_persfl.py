@@ -192,8 +192,10 @@ def test_a_newcomer_scores_the_kept_global_models_and_skips_released_and_poisone
     assert said[1].startswith("the global model of round 2 holds NaN or Inf") and said[1].endswith("; skipped")
     assert said[2].startswith("global model of round 3: held-out loss ") and said[2].endswith("(kept as teacher)")
     with pytest.raises(StateError, match="no global model could be scored"):
-        teacher_from_history(History({1: None}), engine, TeacherStore(tmp_path / "b", engine.manifest), device_data,
-                             said.append)  # fmt: skip
+        teacher_from_history(
+            History({1: None}), engine, TeacherStore(tmp_path / "b", engine.manifest), device_data, said.append
+        )
     with pytest.raises(StateError, match="the server keeps no global model yet"):
-        teacher_from_history(History({}), engine, TeacherStore(tmp_path / "c", engine.manifest), device_data,
-                             said.append)  # fmt: skip
+        teacher_from_history(
+            History({}), engine, TeacherStore(tmp_path / "c", engine.manifest), device_data, said.append
+        )

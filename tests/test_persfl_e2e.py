@@ -35,9 +35,21 @@ def test_devices_keep_teachers_during_fedavg_and_distil_afterwards(bundle, tmp_p
     names = ("a", "b")
     tokens = enroll(tmp_path / "server", *names)
     server = LiveServer(
-        bundle, tmp_path / "server", "--min-clients", "2", "--rounds", str(ROUNDS), "--poll-interval", "0.2",
-        "--lr", "0.1", "--batch-size", "16", "--round-timeout", "120",
-    ).start()  # fmt: skip
+        bundle,
+        tmp_path / "server",
+        "--min-clients",
+        "2",
+        "--rounds",
+        str(ROUNDS),
+        "--poll-interval",
+        "0.2",
+        "--lr",
+        "0.1",
+        "--batch-size",
+        "16",
+        "--round-timeout",
+        "120",
+    ).start()
     data = {name: save_npz(tmp_path / f"{name}.npz", (2 * i, 2 * i + 1), 120, seed=i) for i, name in enumerate(names)}
     try:
         processes = {
@@ -50,7 +62,7 @@ def test_devices_keep_teachers_during_fedavg_and_distil_afterwards(bundle, tmp_p
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=REPO,
-            )  # fmt: skip
+            )
             for name in names
         }
         results = {}
@@ -74,9 +86,22 @@ def test_devices_keep_teachers_during_fedavg_and_distil_afterwards(bundle, tmp_p
         assert teacher["val_loss"] == pytest.approx(seen[teacher["round_id"]], rel=1e-5)
 
         result = device(
-            "device", "distill", "--bundle", bundle, "--data", data[name], "--state", state,
-            "--lambdas", "0.1,0.9", "--temperatures", "1,4", "--epochs", "2", "--json",
-        )  # fmt: skip
+            "device",
+            "distill",
+            "--bundle",
+            bundle,
+            "--data",
+            data[name],
+            "--state",
+            state,
+            "--lambdas",
+            "0.1,0.9",
+            "--temperatures",
+            "1,4",
+            "--epochs",
+            "2",
+            "--json",
+        )
         assert result["teacher_round"] == teacher["round_id"] and result["engine"] == "portable"
         assert result["student_lambda"] in (0.1, 0.9) and result["student_T"] in (1.0, 4.0)
         assert result["student_val_accuracy"] >= result["teacher_val_accuracy"]
@@ -89,16 +114,46 @@ def test_devices_keep_teachers_during_fedavg_and_distil_afterwards(bundle, tmp_p
 def test_distill_without_a_teacher_is_one_line(bundle, tmp_path):
     data = save_npz(tmp_path / "d.npz", (0, 1), 60)
     process = subprocess.run(
-        [sys.executable, "-c", DEVICE_CLI, "device", "distill", "--bundle", str(bundle), "--data", str(data),
-         "--state", str(tmp_path / "state")],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            DEVICE_CLI,
+            "device",
+            "distill",
+            "--bundle",
+            str(bundle),
+            "--data",
+            str(data),
+            "--state",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert process.returncode != 0
     lines = [line for line in process.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "holds no PersFL teacher" in lines[0], process.stderr
     bad = subprocess.run(
-        [sys.executable, "-c", DEVICE_CLI, "device", "distill", "--bundle", str(bundle), "--data", str(data),
-         "--state", str(tmp_path / "state"), "--lambdas", "0.1,x"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            DEVICE_CLI,
+            "device",
+            "distill",
+            "--bundle",
+            str(bundle),
+            "--data",
+            str(data),
+            "--state",
+            str(tmp_path / "state"),
+            "--lambdas",
+            "0.1,x",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--lambdas 'x': input should be a valid number" in bad.stderr, bad.stderr

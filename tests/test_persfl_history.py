@@ -162,10 +162,23 @@ def test_history_endpoint_needs_a_token_and_released_rounds_are_410(setup) -> No
 def test_negative_history_is_refused(tmp_path) -> None:
     make_bundle(tmp_path / "bundle")
     process = subprocess.run(
-        [sys.executable, "-m", "edgepfl.cli", "serve", "--bundle", str(tmp_path / "bundle"),
-         "--state", str(tmp_path / "state"), "--history", "-1"],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "edgepfl.cli",
+            "serve",
+            "--bundle",
+            str(tmp_path / "bundle"),
+            "--state",
+            str(tmp_path / "state"),
+            "--history",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     lines = [line for line in process.stderr.splitlines() if line.strip()]
     assert process.returncode != 0 and len(lines) == 1 and "--history" in lines[0], process.stderr
 
@@ -183,9 +196,21 @@ def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundl
     rounds = 3
     tokens = enroll(tmp_path / "server", "a", "b", "newcomer")
     server = LiveServer(
-        bundle, tmp_path / "server", "--min-clients", "2", "--rounds", str(rounds), "--poll-interval", "0.2",
-        "--lr", "0.1", "--batch-size", "16", "--round-timeout", "120",
-    ).start()  # fmt: skip
+        bundle,
+        tmp_path / "server",
+        "--min-clients",
+        "2",
+        "--rounds",
+        str(rounds),
+        "--poll-interval",
+        "0.2",
+        "--lr",
+        "0.1",
+        "--batch-size",
+        "16",
+        "--round-timeout",
+        "120",
+    ).start()
     data = {name: save_npz(tmp_path / f"{name}.npz", (2 * i, 2 * i + 1), 120, seed=i) for i, name in enumerate("ab")}
     # the newcomer labels a's and b's images differently: the more rounds, the worse the global model fits it,
     # so the lowest held-out loss is not the last round's (a device that kept the latest model would fail here)
@@ -202,7 +227,7 @@ def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundl
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=REPO,
-            )  # fmt: skip
+            )
             for name in "ab"
         ]
         for process in processes:
@@ -217,9 +242,22 @@ def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundl
         }
         state = tmp_path / "newcomer"
         chosen = device(
-            "device", "teacher", "--bundle", bundle, "--data", data["newcomer"], "--state", state,
-            "--server", server.url, "--token", tokens["newcomer"], "--engine", "portable", "--json",
-        )  # fmt: skip
+            "device",
+            "teacher",
+            "--bundle",
+            bundle,
+            "--data",
+            data["newcomer"],
+            "--state",
+            state,
+            "--server",
+            server.url,
+            "--token",
+            tokens["newcomer"],
+            "--engine",
+            "portable",
+            "--json",
+        )
     finally:
         server.stop()
 
@@ -242,9 +280,22 @@ def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundl
     assert all(np.array_equal(kept[name], global_models[best][name]) for name in global_models[best])
 
     result = device(
-        "device", "distill", "--bundle", bundle, "--data", data["newcomer"], "--state", state,
-        "--lambdas", "0.5", "--temperatures", "2", "--epochs", "1", "--json",
-    )  # fmt: skip
+        "device",
+        "distill",
+        "--bundle",
+        bundle,
+        "--data",
+        data["newcomer"],
+        "--state",
+        state,
+        "--lambdas",
+        "0.5",
+        "--temperatures",
+        "2",
+        "--epochs",
+        "1",
+        "--json",
+    )
     assert result["teacher_round"] == best + 1 and result["engine"] == "portable"
 
 

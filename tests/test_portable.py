@@ -425,8 +425,11 @@ def test_step_graphs_update_each_tensor_in_one_node_within_a_node_budget(case_bu
     # (the personal step trains no BatchNorm layer); this model's few vectors update one Sub each (MobileNet's
     # 55 go through one flat Sub: test_mobilenet_vectors_update_through_one_flat_sub)
     inputs = {spec.name for spec in graph.input}
-    norms = [name for name in trained
-             if f"buffer:{name.removeprefix('new_param:').rpartition('.')[0]}.running_mean" in inputs]  # fmt: skip
+    norms = [
+        name
+        for name in trained
+        if f"buffer:{name.removeprefix('new_param:').rpartition('.')[0]}.running_mean" in inputs
+    ]
     assert bool(norms) == (step == "step_full")
     assert all(producer[producer[name].input[1]].op_type != "Reshape" for name in norms)
     # every layer's running statistics move in one flat update: each buffer is read once, by its Concat
@@ -443,8 +446,10 @@ def test_shape_copies_are_dropped_and_the_results_stay_bit_identical():
 
     from edgepfl.export.shapecopies import drop_shape_copies
 
-    sizes = {name: numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
-             (("flat", [-1]), ("square", [2, 3]), ("same", [6]), ("keep", [0, 3]))}  # fmt: skip
+    sizes = {
+        name: numpy_helper.from_array(np.array(v, np.int64), name)
+        for name, v in (("flat", [-1]), ("square", [2, 3]), ("same", [6]), ("keep", [0, 3]))
+    }
     nodes = [
         helper.make_node("Reshape", ["x", "square"], ["a"]),  # collapsed into the next
         helper.make_node("Reshape", ["a", "flat"], ["b"]),  # ... which then gives x's own shape: both dropped
@@ -480,8 +485,10 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
 
     from edgepfl.export.shapecopies import drop_shape_copies
 
-    sizes = {name: numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
-             (("wide", [4, 1, 1, 6]), ("back", [4, 6]))}  # fmt: skip
+    sizes = {
+        name: numpy_helper.from_array(np.array(v, np.int64), name)
+        for name, v in (("wide", [4, 1, 1, 6]), ("back", [4, 6]))
+    }
     nodes = [
         helper.make_node("Reshape", ["x", "wide"], ["a"]),
         helper.make_node("Transpose", ["a"], ["b"], perm=[0, 2, 1, 3]),  # moves only size-1 axes: a Reshape
@@ -494,12 +501,18 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
         helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
         helper.make_node("Transpose", ["t"], ["t_out"], perm=[1, 0]),  # a graph output keeps a node
     ]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6]),
-              helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])]  # fmt: skip
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [6, 5]),
-               helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [4, 6])]  # fmt: skip
-    proto = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(sizes.values())),
-                              opset_imports=[helper.make_opsetid("", 20)])  # fmt: skip
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6]),
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [6, 5]),
+        helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [4, 6]),
+    ]
+    proto = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, outputs, list(sizes.values())),
+        opset_imports=[helper.make_opsetid("", 20)],
+    )
     proto.ir_version = 10
     rng = np.random.default_rng(0)
     feed = {"x": rng.standard_normal((4, 6)).astype(np.float32), "y": rng.standard_normal((4, 5)).astype(np.float32)}
@@ -523,8 +536,12 @@ def test_a_transpose_without_perm_reverses_the_axes_and_is_kept():
     from edgepfl.export.shapecopies import drop_shape_copies
 
     nodes = [helper.make_node("Transpose", ["x"], ["t"]), helper.make_node("Relu", ["t"], ["out"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 2])])  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 2])],
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     proto.ir_version = 10
     kept = drop_shape_copies(proto)
@@ -548,8 +565,10 @@ def test_constant_nodes_become_initializers_and_the_results_stay_bit_identical()
         helper.make_node("Add", ["a", "shift"], ["b"]),
         helper.make_node("Reshape", ["b", "shape"], ["out"]),
     ]
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 1]),
-               helper.make_tensor_value_info("kept", TensorProto.FLOAT, [])]  # fmt: skip
+    outputs = [
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 1]),
+        helper.make_tensor_value_info("kept", TensorProto.FLOAT, []),
+    ]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], outputs)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     proto.ir_version = 10
@@ -820,13 +839,18 @@ def test_relu_mask_is_one_hardsigmoid_that_equals_x_above_zero():
     from edgepfl.export import activations
 
     tiny = np.finfo(np.float32).tiny  # 2^-126, the smallest normal float32
-    x = np.array([-np.inf, -3e38, -1.0, -tiny, -0.0, 0.0, tiny, 2 * tiny, 1e-30, 0.5, 1.0, 7.0, 3e38, np.inf],
-                 np.float32)  # fmt: skip
+    x = np.array(
+        [-np.inf, -3e38, -1.0, -tiny, -0.0, 0.0, tiny, 2 * tiny, 1e-30, 0.5, 1.0, 7.0, 3e38, np.inf], np.float32
+    )
     expected = (x > 0).astype(np.float32)
     assert np.array_equal(activations.positive(torch.from_numpy(x)).numpy(), expected)
     node = helper.make_node("HardSigmoid", ["x"], ["y"], alpha=activations.POSITIVE_SLOPE, beta=0.0)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [len(x)])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [len(x)])])  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [len(x)])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [len(x)])],
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     proto.ir_version = 10
     assert np.array_equal(ort.InferenceSession(proto.SerializeToString()).run(None, {"x": x})[0], expected)
@@ -904,8 +928,14 @@ def test_mobilenet_vectors_update_through_one_flat_sub(mobilenet_step):
     model, params, _, proto = mobilenet_step
     graph = proto.graph
     producer = {out: node for node in graph.node for out in node.output}
-    subs = [n for n in graph.node if n.op_type == "Sub" and producer.get(n.input[0]) is not None
-            and producer[n.input[0]].op_type == "Concat" and producer[n.input[1]].op_type == "Concat"]  # fmt: skip
+    subs = [
+        n
+        for n in graph.node
+        if n.op_type == "Sub"
+        and producer.get(n.input[0]) is not None
+        and producer[n.input[0]].op_type == "Concat"
+        and producer[n.input[1]].op_type == "Concat"
+    ]
     assert len(subs) == 1
     shapes = dict(model.named_parameters())
     for name in params:

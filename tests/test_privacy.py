@@ -84,8 +84,12 @@ def test_fixed_denominator_is_expected_count_or_sample_size():
 def test_dp_refuses_strategies_the_noise_does_not_cover():
     check_dp_strategy("fedavg")
     check_dp_strategy("fedper")
-    for strategy, reason in (("median", "not a sum"), ("trimmed-mean", "not a sum"), ("pfedla", "un-noised"),
-                             ("heurpfedla", "un-noised")):
+    for strategy, reason in (
+        ("median", "not a sum"),
+        ("trimmed-mean", "not a sum"),
+        ("pfedla", "un-noised"),
+        ("heurpfedla", "un-noised"),
+    ):
         with pytest.raises(UsageError, match=f"--strategy {strategy}: .*{reason}") as caught:
             check_dp_strategy(strategy)
         assert "\n" not in str(caught.value)

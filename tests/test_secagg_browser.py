@@ -98,14 +98,48 @@ def test_the_device_page_masks_its_update_in_a_served_secure_round(bundle_factor
     bundle = bundle_factory(**BN_BUNDLE)
     state = tmp_path / "server"
     tokens = enroll(state, "py-a", "py-b", "web-phone")
-    options = ("--min-clients", "3", "--rounds", "1", "--poll-interval", "0.3", "--lr", "0.05", "--batch-size", "16",
-               "--round-timeout", "300", "--secure-aggregation", "--secagg-clip", "5", "--secagg-max-weight", "100")
+    options = (
+        "--min-clients",
+        "3",
+        "--rounds",
+        "1",
+        "--poll-interval",
+        "0.3",
+        "--lr",
+        "0.05",
+        "--batch-size",
+        "16",
+        "--round-timeout",
+        "300",
+        "--secure-aggregation",
+        "--secagg-clip",
+        "5",
+        "--secagg-max-weight",
+        "100",
+    )
     devices = []
     with LiveServer(bundle, state, *options) as server:
         for i, name in enumerate(("py-a", "py-b")):
-            command = [sys.executable, "-m", "edgepfl.cli", "device", "run", "--bundle", str(bundle), "--data",
-                       str(write_npz(tmp_path / f"{name}.npz", 48, seed=i)), "--server", server.url, "--token",
-                       tokens[name], "--state", str(tmp_path / name), "--poll-interval", "0.2", "--json"]
+            command = [
+                sys.executable,
+                "-m",
+                "edgepfl.cli",
+                "device",
+                "run",
+                "--bundle",
+                str(bundle),
+                "--data",
+                str(write_npz(tmp_path / f"{name}.npz", 48, seed=i)),
+                "--server",
+                server.url,
+                "--token",
+                tokens[name],
+                "--state",
+                str(tmp_path / name),
+                "--poll-interval",
+                "0.2",
+                "--json",
+            ]
             devices.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO))
         try:
             with sync_playwright() as playwright:
@@ -135,4 +169,3 @@ def test_the_device_page_masks_its_update_in_a_served_secure_round(bundle_factor
     assert (row["secure_aggregation"]["masked"], row["secure_aggregation"]["dropped"]) == (3, 0)
     posts = [path.rsplit("/", 1)[-1] for method, path in requests if method == "POST" and "/rounds/" in path]
     assert [post for post in posts if post != "metrics"] == ["advert", "shares", "masked", "reveal"]
-

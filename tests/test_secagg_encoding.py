@@ -32,8 +32,9 @@ def ring_sum(vectors: list[np.ndarray], bits: int) -> np.ndarray:
 
 
 def exact_mean(deltas: list[dict], weights: list[int]) -> dict[str, np.ndarray]:
-    return {name: sum(w * d[name].astype(np.float64) for d, w in zip(deltas, weights)) / sum(weights)
-            for name in SHAPES}
+    return {
+        name: sum(w * d[name].astype(np.float64) for d, w in zip(deltas, weights)) / sum(weights) for name in SHAPES
+    }
 
 
 def test_the_aggregate_error_is_far_below_the_update_at_a_measured_clip():
@@ -44,12 +45,16 @@ def test_the_aggregate_error_is_far_below_the_update_at_a_measured_clip():
     # what the next round agrees on after a round with this mean: C = CLIP_MARGIN |mean|, W = the mean weight
     config = Measured(clip=True, weight=True).next_config(
         SecAggConfig(clip_norm=FIRST_CLIP, max_weight=WEIGHT_CAP, weight_scale=FIRST_WEIGHT_SCALE),
-        delta_norm(mean), sum(weights), n)
+        delta_norm(mean),
+        sum(weights),
+        n,
+    )
     assert config.clip_norm == pytest.approx(CLIP_MARGIN * delta_norm(mean))
     assert config.weight_scale == pytest.approx(np.mean(weights))
     book = Round(n, config).advertise()
-    vectors = [quantize_delta(d, w, book, np.random.default_rng([3, i])) for i, (d, w) in
-               enumerate(zip(deltas, weights))]
+    vectors = [
+        quantize_delta(d, w, book, np.random.default_rng([3, i])) for i, (d, w) in enumerate(zip(deltas, weights))
+    ]
     decoded = dequantize_sum(ring_sum(vectors, book.plan.bits), LAYOUT, book)
     assert decoded.total_weight == sum(weights)  # uncapped sample counts sum exactly
     error = delta_norm({k: decoded.weighted_mean()[k] - mean[k] for k in mean})
@@ -68,8 +73,9 @@ def test_stochastic_rounding_is_unbiased():
     for seed in range(draws):
         vector = quantize_delta(delta, weight, book, np.random.default_rng([seed, 1]))
         total += np.concatenate([v.reshape(-1) for v in dequantize_sum(vector, LAYOUT, book).scaled_sum.values()])
-    expected = np.concatenate([delta[name].reshape(-1).astype(np.float64) * weight / 50.0 for name, _ in
-                               LAYOUT.tensors])
+    expected = np.concatenate(
+        [delta[name].reshape(-1).astype(np.float64) * weight / 50.0 for name, _ in LAYOUT.tensors]
+    )
     nearest = dequantize_sum(quantize_delta(delta, weight, book, None), LAYOUT, book).scaled_sum
     nearest_flat = np.concatenate([v.reshape(-1) for v in nearest.values()])
     bias = np.linalg.norm(total / draws - expected)

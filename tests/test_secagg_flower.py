@@ -29,8 +29,12 @@ SECURE = {"secure-aggregation": True, "secagg-clip": 5.0, "secagg-max-weight": 2
 
 def run(reference, tmp_path, silent_after_advert: int | None = None) -> Store:  # noqa: F811
     config, root = reference
-    run_config = {**flower_run_config(config, root), "out": str(tmp_path), "state-root": str(tmp_path / "devices"),
-                  **SECURE}  # fmt: skip
+    run_config = {
+        **flower_run_config(config, root),
+        "out": str(tmp_path),
+        "state-root": str(tmp_path / "devices"),
+        **SECURE,
+    }
     client_app = make_client_app(run_config)
     handlers = {node: node_handler(client_app, node, node - 11) for node in NODES}
     if silent_after_advert is not None:  # this node trains and advertises keys, then never answers again

@@ -154,9 +154,12 @@ def test_the_server_refuses_bad_messages_and_keeps_what_it_holds():
     short = ShareBundle("phone-001", {**bundles["phone-001"].sealed, "phone-000": b"\0" * 10})
     too_few = ShareBundle("phone-001", dict(list(bundles["phone-001"].sealed.items())[:2]))
     conflicting = ShareBundle("phone-000", {**bundles["phone-000"].sealed, "phone-001": bytes(94)})
-    for bad, problem in [(short, "not one 94-byte message"), (too_few, "not one 94-byte message"),
-                         (ShareBundle("stranger", {}), "not in this round's key book"),
-                         (conflicting, "already sent other shares")]:
+    for bad, problem in [
+        (short, "not one 94-byte message"),
+        (too_few, "not one 94-byte message"),
+        (ShareBundle("stranger", {}), "not in this round's key book"),
+        (conflicting, "already sent other shares"),
+    ]:
         with pytest.raises(SecAggError, match=problem):
             server.receive_shares(bad)
         assert server.to_json() == saved
@@ -169,9 +172,11 @@ def test_the_server_refuses_bad_messages_and_keeps_what_it_holds():
     server.receive_masked(upload)
     saved = server.to_json()
     bits = book.plan.bits
-    for bad, problem in [(MaskedInput("phone-003", upload.masked[:-1]), "expected"),
-                         (MaskedInput("phone-003", pack(np.zeros(length + 1, np.uint32), bits)), "expected"),
-                         (MaskedInput("phone-002", pack(np.ones(length, np.uint32), bits)), "different masked vector")]:
+    for bad, problem in [
+        (MaskedInput("phone-003", upload.masked[:-1]), "expected"),
+        (MaskedInput("phone-003", pack(np.zeros(length + 1, np.uint32), bits)), "expected"),
+        (MaskedInput("phone-002", pack(np.ones(length, np.uint32), bits)), "different masked vector"),
+    ]:
         with pytest.raises(SecAggError, match=problem):
             server.receive_masked(bad)
         assert server.to_json() == saved
@@ -183,8 +188,11 @@ def test_the_server_refuses_bad_messages_and_keeps_what_it_holds():
     both = UnmaskShares("phone-000", reveal.seed_shares, {"phone-001": reveal.seed_shares["phone-001"]})
     missing = UnmaskShares("phone-000", dict(list(reveal.seed_shares.items())[1:]), {})
     outside = UnmaskShares("phone-000", {**reveal.seed_shares, "phone-001": (1 << 263).to_bytes(33, "big")}, {})
-    for bad, problem in [(both, "both shares of 'phone-001'"), (missing, "other devices than the request asks"),
-                         (outside, "outside the field")]:
+    for bad, problem in [
+        (both, "both shares of 'phone-001'"),
+        (missing, "other devices than the request asks"),
+        (outside, "outside the field"),
+    ]:
         with pytest.raises(SecAggError, match=problem):
             server.receive_unmask(bad)
         assert server.to_json() == saved
@@ -202,8 +210,10 @@ def test_a_tampered_or_misrouted_share_is_refused_by_the_device():
     vector = np.zeros(book.vector_length, np.uint32)
     client = game.clients["phone-000"]
     saved = client.to_json()
-    for bad, problem in [({**sealed, "phone-001": bytes(flipped)}, "does not decrypt"),
-                         ({**sealed, "phone-001": sealed["phone-002"]}, "does not decrypt")]:
+    for bad, problem in [
+        ({**sealed, "phone-001": bytes(flipped)}, "does not decrypt"),
+        ({**sealed, "phone-001": sealed["phone-002"]}, "does not decrypt"),
+    ]:
         with pytest.raises(SecAggError, match=problem):
             client.receive_inbox(type(inbox)("phone-000", bad), vector)
         assert client.to_json() == saved
@@ -217,24 +227,36 @@ def test_a_device_refuses_a_key_book_that_weakens_the_threshold_or_drops_its_key
     game = Round(6, CLASSIC)
     book = game.advertise()
     client = game.clients["phone-000"]
-    lowered = type(book)(book.context, book.config, book.randomness, book.adverts,
-                         type(book.plan)(**{**vars(book.plan), "threshold": 2, "min_survivors": 2}), book.base_size)
+    lowered = type(book)(
+        book.context,
+        book.config,
+        book.randomness,
+        book.adverts,
+        type(book.plan)(**{**vars(book.plan), "threshold": 2, "min_survivors": 2}),
+        book.base_size,
+    )
     with pytest.raises(SecAggError, match="does not follow from its settings"):
         client.receive_book(lowered)
     other = game.clients["phone-001"].advert()
-    swapped = tuple(a if a.device != "phone-000" else type(a)("phone-000", other.mask_key, other.cipher_key)
-                    for a in book.adverts)
+    swapped = tuple(
+        a if a.device != "phone-000" else type(a)("phone-000", other.mask_key, other.cipher_key) for a in book.adverts
+    )
     with pytest.raises(SecAggError):
         client.receive_book(type(book)(book.context, book.config, book.randomness, swapped, book.plan, book.base_size))
     with pytest.raises(SecAggError, match="is for round"):
-        client.receive_book(type(book)("run-x/round-9", book.config, book.randomness, book.adverts, book.plan,
-                                       book.base_size))
+        client.receive_book(
+            type(book)("run-x/round-9", book.config, book.randomness, book.adverts, book.plan, book.base_size)
+        )
     assert client.phase == "advertised"
 
 
 def test_messages_and_states_refuse_malformed_json_in_one_line():
-    for text in ["{", '{"type": "KeyAdvert", "device": "a", "cipher_key": "!!", "mask_key": ""}',
-                 '{"type": "UnmaskRequest", "survivors": "x", "dropped": []}', '{"type": "Nope"}']:
+    for text in [
+        "{",
+        '{"type": "KeyAdvert", "device": "a", "cipher_key": "!!", "mask_key": ""}',
+        '{"type": "UnmaskRequest", "survivors": "x", "dropped": []}',
+        '{"type": "Nope"}',
+    ]:
         with pytest.raises(SecAggError):
             from_json(text)
     advert = ClientSession.start("phone-000", "r/1", seeded_bytes(0)).advert()
@@ -258,6 +280,7 @@ def test_too_few_devices_or_a_too_small_ring_is_refused():
         server.close_keys()
     with pytest.raises(SecAggError, match="cannot sum 200 devices"):
         from edgepfl.secagg import make_plan
+
         make_plan(200, SecAggConfig(clip_norm=1.0, bits=8))
 
 

@@ -49,21 +49,40 @@ def bundle(folder: Path, width: int = 8) -> Manifest:
         TensorSpec("stem.bias", (width,), "float32", "base", 0),
         TensorSpec("head.weight", (2, width), "float32", "personal", 1),
     )
-    manifest = Manifest(model={"name": "tiny"}, input=InputSpec(shape=(16,)), num_classes=2, kp=1,
-                        blocks=("stem", "head"), tensors=tensors)  # fmt: skip
+    manifest = Manifest(
+        model={"name": "tiny"},
+        input=InputSpec(shape=(16,)),
+        num_classes=2,
+        kp=1,
+        blocks=("stem", "head"),
+        tensors=tensors,
+    )
     manifest.save(folder)
     rng = np.random.default_rng(0)
-    save_tensors(folder / "portable" / "initial.safetensors",
-                 {t.name: rng.normal(0, 0.1, t.shape).astype(np.float32) for t in tensors})  # fmt: skip
+    save_tensors(
+        folder / "portable" / "initial.safetensors",
+        {t.name: rng.normal(0, 0.1, t.shape).astype(np.float32) for t in tensors},
+    )
     return manifest
 
 
 def secure_config(tmp_path: Path, width: int = 8, **changes) -> ServerConfig:
     bundle(tmp_path / "bundle", width)
-    secure = {"secure_aggregation": True, "secagg_clip": CLIP, "secagg_max_weight": MAX_WEIGHT,
-              "secagg_step_timeout": 10.0, **changes.pop("secure", {})}  # fmt: skip
-    values = dict(bundle=tmp_path / "bundle", state=tmp_path / "state", min_clients=3, round_timeout=TIMEOUT,
-                  secure=secure, **changes)  # fmt: skip
+    secure = {
+        "secure_aggregation": True,
+        "secagg_clip": CLIP,
+        "secagg_max_weight": MAX_WEIGHT,
+        "secagg_step_timeout": 10.0,
+        **changes.pop("secure", {}),
+    }
+    values = dict(
+        bundle=tmp_path / "bundle",
+        state=tmp_path / "state",
+        min_clients=3,
+        round_timeout=TIMEOUT,
+        secure=secure,
+        **changes,
+    )
     config = ServerConfig(**values)
     enroll(config.state, *NAMES)
     return config
@@ -81,11 +100,14 @@ class Devices:
         self.round_id = tasks[NAMES[0]].round_id
         assert all(task.action == "train" and task.secure_aggregation is not None for task in tasks.values())
         self.base = decode_tensors(engine.base_for(NAMES[0], self.round_id)[0])
-        self.sessions = {n: ClientSession.start(tasks[n].secure_aggregation.device, tasks[n].secure_aggregation.context)
-                         for n in NAMES}  # fmt: skip
+        self.sessions = {
+            n: ClientSession.start(tasks[n].secure_aggregation.device, tasks[n].secure_aggregation.context)
+            for n in NAMES
+        }
         rng = np.random.default_rng(1)
-        self.deltas = {n: {k: (rng.normal(0, scale, v.shape)).astype(np.float32) for k, v in self.base.items()}
-                       for n in NAMES}  # fmt: skip
+        self.deltas = {
+            n: {k: (rng.normal(0, scale, v.shape)).astype(np.float32) for k, v in self.base.items()} for n in NAMES
+        }
         self.weights = {n: 20 + 7 * i for i, n in enumerate(NAMES)}
         self.vectors: dict[str, np.ndarray] = {}
 
@@ -171,8 +193,14 @@ def test_the_secure_sum_is_the_plain_sum_exactly_and_the_base_the_plain_paths_wi
     for name in expected:  # the global base is what the exact sum decodes to
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     # the plain path (fp32 uploads of the same clipped deltas, weighted by the same sample counts, no bounds)
-    plain_config = ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "plain", min_clients=3,
-                                round_timeout=TIMEOUT, clip_multiple=0, weight_multiple=0)  # fmt: skip
+    plain_config = ServerConfig(
+        bundle=tmp_path / "bundle",
+        state=tmp_path / "plain",
+        min_clients=3,
+        round_timeout=TIMEOUT,
+        clip_multiple=0,
+        weight_multiple=0,
+    )
     enroll(plain_config.state, *NAMES)
     plain = create_engine(plain_config, Clock())
     for name in NAMES:
@@ -199,8 +227,9 @@ def test_the_secure_sum_is_the_plain_sum_exactly_and_the_base_the_plain_paths_wi
 
 
 @pytest.mark.parametrize(
-    ("step", "recovered"), [("advert", 0), ("shares", 2), ("masked", 0)], ids=["after-keys", "after-shares",
-                                                                              "after-masked"]
+    ("step", "recovered"),
+    [("advert", 0), ("shares", 2), ("masked", 0)],
+    ids=["after-keys", "after-shares", "after-masked"],
 )
 def test_up_to_n_minus_t_devices_dropping_after_a_step_leave_the_survivors_sum(tmp_path, step, recovered):
     clock = Clock()
@@ -213,8 +242,11 @@ def test_up_to_n_minus_t_devices_dropping_after_a_step_leave_the_survivors_sum(t
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     summary = engine.status()["rounds"][0]["secure_aggregation"]
-    assert (summary["masked"], summary["dropped"], summary["recovered"]) == (len(survivors), 5 - len(survivors),
-                                                                             recovered)
+    assert (summary["masked"], summary["dropped"], summary["recovered"]) == (
+        len(survivors),
+        5 - len(survivors),
+        recovered,
+    )
 
 
 def test_the_status_of_an_open_secure_round_names_who_its_step_waits_for(tmp_path):
@@ -278,7 +310,7 @@ def test_the_server_stores_no_quantized_update_and_a_masked_upload_looks_uniform
     masked = [body for kind, body in logged if kind == "masked"]
     assert len(masked) == 3
     bits = devices.sessions[NAMES[0]].book.plan.bits
-    values = unpack(masked[0][-len(pack(devices.vectors[NAMES[0]], bits)):], len(devices.vectors[NAMES[0]]), bits)
+    values = unpack(masked[0][-len(pack(devices.vectors[NAMES[0]], bits)) :], len(devices.vectors[NAMES[0]]), bits)
     assert _uniform(values, bits) and not _uniform(devices.vectors[NAMES[0]], bits)
     _assert_nothing_stored(tmp_path / "state", devices)
     devices.upload(NAMES[3:])
@@ -379,8 +411,12 @@ def test_a_round_open_when_secure_aggregation_is_switched_off_is_abandoned(tmp_p
     engine = create_engine(config, clock)
     devices = Devices(engine, clock)
     engine.close()
-    plain = create_engine(config.model_copy(update={"secure": config.secure.model_copy(
-        update={"secure_aggregation": False, "secagg_clip": None})}), clock)  # fmt: skip
+    plain = create_engine(
+        config.model_copy(
+            update={"secure": config.secure.model_copy(update={"secure_aggregation": False, "secagg_clip": None})}
+        ),
+        clock,
+    )
     record = plain.store.round(devices.round_id)
     assert record.state == "abandoned" and "--secure-aggregation" in record.note
 
@@ -388,8 +424,11 @@ def test_a_round_open_when_secure_aggregation_is_switched_off_is_abandoned(tmp_p
 def test_central_dp_noises_the_unmasked_sum(tmp_path):
     pytest.importorskip("dp_accounting")
     clock = Clock()
-    config = secure_config(tmp_path, secure={"secagg_clip": None, "secagg_max_weight": None},
-                           privacy={"dp_noise_multiplier": 0.5, "dp_clip": CLIP})  # fmt: skip
+    config = secure_config(
+        tmp_path,
+        secure={"secagg_clip": None, "secagg_max_weight": None},
+        privacy={"dp_noise_multiplier": 0.5, "dp_clip": CLIP},
+    )
     engine = create_engine(config, clock)
     engine.noise_seed = 7
     assert engine.secure.config.max_weight == 1  # under DP every device weighs the same
@@ -404,8 +443,9 @@ def test_central_dp_noises_the_unmasked_sum(tmp_path):
     summed = dequantize_sum(total.astype(np.uint32), layout, book)
     assert summed.total_weight == len(NAMES)
     sensitivity = CLIP * (1 + 4.0 / levels(book.plan.devices, book.plan.bits))
-    noised = noised_mean(summed.scaled_sum, 0.5 * sensitivity, len(record.sampled),
-                         np.random.default_rng([7, devices.round_id]))  # fmt: skip
+    noised = noised_mean(
+        summed.scaled_sum, 0.5 * sensitivity, len(record.sampled), np.random.default_rng([7, devices.round_id])
+    )
     expected, got = add_delta(devices.base, noised, list(engine.specs)), engine.global_base()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
@@ -419,8 +459,10 @@ def test_central_dp_noises_the_unmasked_sum(tmp_path):
         ({"aggregation": "fedbuff"}, "cannot run with --aggregation fedbuff"),
         ({"upload_encoding": "int8"}, "--upload-encoding int8 does not apply to secure aggregation"),
         ({"min_clients": 2}, "needs at least 3 devices a round"),
-        ({"secagg_clip": None, "dp_noise_multiplier": 1.0, "dp_clip": 1.0, "secagg_max_weight": 100},
-         "--secagg-max-weight does not apply with DP"),
+        (
+            {"secagg_clip": None, "dp_noise_multiplier": 1.0, "dp_clip": 1.0, "secagg_max_weight": 100},
+            "--secagg-max-weight does not apply with DP",
+        ),
         ({"secure_aggregation": False}, "--secagg-clip needs secure aggregation on"),
         ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0}, "--secagg-clip and --dp-clip both set"),
         ({"secagg_neighbours": "3"}, "--secagg-neighbours '3': not auto, all or an even number"),
@@ -428,8 +470,14 @@ def test_central_dp_noises_the_unmasked_sum(tmp_path):
     ],
 )
 def test_what_secure_aggregation_cannot_run_with_is_one_line(tmp_path, changes, message):
-    values = {"bundle": tmp_path, "state": tmp_path / "state", "min_clients": 3, "secure_aggregation": True,
-              "secagg_clip": 1.0, **changes}  # fmt: skip
+    values = {
+        "bundle": tmp_path,
+        "state": tmp_path / "state",
+        "min_clients": 3,
+        "secure_aggregation": True,
+        "secagg_clip": 1.0,
+        **changes,
+    }
     with pytest.raises(UsageError) as refused:
         validated(ServerConfig, {key: value for key, value in values.items() if value is not None})
     assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -33,9 +33,28 @@ from edgepfl.wire import decode_metadata, decode_tensors
 
 NAMES = ("a", "b", "c")
 CLIP, MAX_WEIGHT = 1.0, 100
-OPTIONS = ("--min-clients", "3", "--rounds", "2", "--round-timeout", "60", "--poll-interval", "0.2", "--no-web",
-           "--secure-aggregation", "--secagg-clip", str(CLIP), "--secagg-max-weight", str(MAX_WEIGHT),
-           "--secagg-step-timeout", "20", "--lr", "0.1", "--batch-size", "16")  # fmt: skip
+OPTIONS = (
+    "--min-clients",
+    "3",
+    "--rounds",
+    "2",
+    "--round-timeout",
+    "60",
+    "--poll-interval",
+    "0.2",
+    "--no-web",
+    "--secure-aggregation",
+    "--secagg-clip",
+    str(CLIP),
+    "--secagg-max-weight",
+    str(MAX_WEIGHT),
+    "--secagg-step-timeout",
+    "20",
+    "--lr",
+    "0.1",
+    "--batch-size",
+    "16",
+)
 
 
 class Recorded:
@@ -57,18 +76,26 @@ class Recorded:
         return self._ring_vector(payload, book, seed, round_id)
 
 
-def start_devices(bundle: Path, server: LocalServer, tokens: dict[str, str], folder: Path, names=NAMES,
-                  crash: Callable[[str, httpx.Request], None] | None = None) -> dict[str, threading.Thread]:
+def start_devices(
+    bundle: Path,
+    server: LocalServer,
+    tokens: dict[str, str],
+    folder: Path,
+    names=NAMES,
+    crash: Callable[[str, httpx.Request], None] | None = None,
+) -> dict[str, threading.Thread]:
     """Each device's loop (it resumes from its state folder) in a thread named after it; what it returned, or the
     exception that ended it, in OUTCOMES."""
     threads = {}
     for name in names:
+
         def device(name: str = name) -> None:
             engine = open_engine(bundle, "portable")
             state = StateFolder(folder / name, engine.manifest, engine.name)
             transport = httpx.HTTPTransport() if crash is None else Crashing(name, crash)
-            client = ServerClient(server.url, tokens[name], RetryPolicy(attempts=40, first_delay=0.1, max_delay=0.5),
-                                  transport=transport)  # fmt: skip
+            client = ServerClient(
+                server.url, tokens[name], RetryPolicy(attempts=40, first_delay=0.1, max_delay=0.5), transport=transport
+            )
             index = NAMES.index(name)
             try:
                 data = local_data(engine.manifest, count=96, seed=index)
@@ -116,15 +143,24 @@ def check_rounds(url: str, token: str, recorded: Recorded) -> dict:
     for row in status["rounds"]:
         assert row["state"] == "closed" and row["uploads"] == 0
         assert {key: row["secure_aggregation"][key] for key in ("phase", "masked", "dropped", "recovered")} == {
-            "phase": "done", "masked": 3, "dropped": 0, "recovered": 0}  # fmt: skip
+            "phase": "done",
+            "masked": 3,
+            "dropped": 0,
+            "recovered": 0,
+        }
         result = httpx.get(f"{url}/v1/rounds/{row['round']}/result", headers={"Authorization": f"Bearer {token}"})
         base = decode_tensors(result.content)
         if previous is not None:
             items = recorded.items[row["round"]]
             weights = {device: min(weight, MAX_WEIGHT) for device, (_, weight) in items.items()}
             total = sum(weights.values())
-            expected = {name: sum(weights[d] * clip_delta(delta, CLIP)[name].astype(np.float64)
-                                  for d, (delta, _) in items.items()) / total for name in base}  # fmt: skip
+            expected = {
+                name: sum(
+                    weights[d] * clip_delta(delta, CLIP)[name].astype(np.float64) for d, (delta, _) in items.items()
+                )
+                / total
+                for name in base
+            }
             devices, bits, size = recorded.plans[row["round"]]
             step = 4 * CLIP / math.sqrt(padded_size(size)) / levels(devices, bits)
             bound = devices * step * math.sqrt(padded_size(size)) * MAX_WEIGHT / total

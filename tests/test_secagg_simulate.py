@@ -51,8 +51,11 @@ def test_a_secure_simulation_is_reproducible_and_learns_as_the_plain_one(tiny_np
         ({"algorithm": "pfedla"}, "secure aggregation cannot run with --algorithm pfedla"),
         ({"algorithm": "local"}, "--algorithm local uploads nothing"),
         ({"fleet": "dropout:0.1"}, "does not run secure rounds"),
-        ({"clients": 2}, "secure aggregation needs at least 3 devices a round, and each round has 2 of the 2 clients "
-         r"\(--clients 2, --fraction 1\)"),
+        (
+            {"clients": 2},
+            "secure aggregation needs at least 3 devices a round, and each round has 2 of the 2 clients "
+            r"\(--clients 2, --fraction 1\)",
+        ),
         ({"fraction": 0.5, "min_clients": 1}, "each round has 2 of the 4 clients"),
     ],
 )
@@ -75,9 +78,10 @@ def test_simulate_checks_the_clients_each_round_has_not_min_clients(tmp_path):
 
 def test_a_secure_simulation_with_defaults_only_matches_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
     # issue 42: no clip or weight flag; each round's clip and weight scale are measured from the previous sum
-    runs = {name: run_simulation(tiny_config(tiny_npz, tmp_path / name, algorithm="fedper", **changes))
-            for name, changes in (("secure", {"secure_aggregation": True, "min_clients": 3}),
-                                  ("plain", {"min_clients": 3}))}
+    runs = {
+        name: run_simulation(tiny_config(tiny_npz, tmp_path / name, algorithm="fedper", **changes))
+        for name, changes in (("secure", {"secure_aggregation": True, "min_clients": 3}), ("plain", {"min_clients": 3}))
+    }
     secure, plain = (runs[name].rounds[-1].test_accuracy["per_client"] for name in ("secure", "plain"))
     # each client tests on a few dozen samples here: the runs may differ by 1/32 (the stochastic rounding's seed
     # follows the device's protocol id), not by more

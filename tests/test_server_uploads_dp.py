@@ -218,7 +218,9 @@ def accountant_epsilon(rounds: int, population: int = 4, sampled: int = 2, delta
     import dp_accounting
 
     event = dp_accounting.SampledWithoutReplacementDpEvent(
-        population, sampled, dp_accounting.GaussianDpEvent(SIGMA / 2)  # replace-one: sensitivity 2C, noise sigma*C
+        population,
+        sampled,
+        dp_accounting.GaussianDpEvent(SIGMA / 2),  # replace-one: sensitivity 2C, noise sigma*C
     )
     accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
@@ -340,8 +342,20 @@ def test_epsilon_survives_a_kill_9_of_the_served_process(tmp_path, manifest) -> 
     from server_helpers import DeviceClient, LiveServer, wait_status
 
     tokens = enroll(tmp_path / "state", "e0", "e1")  # with d0..d3: 6 devices, the two that poll are sampled
-    options = ("--min-clients", "2", "--poll-interval", "0.2", "--rounds", "3", "--dp-noise-multiplier", str(SIGMA),
-               "--dp-clip", str(CLIP), "--clip-multiple", "0")  # fmt: skip
+    options = (
+        "--min-clients",
+        "2",
+        "--poll-interval",
+        "0.2",
+        "--rounds",
+        "3",
+        "--dp-noise-multiplier",
+        str(SIGMA),
+        "--dp-clip",
+        str(CLIP),
+        "--clip-multiple",
+        "0",
+    )
 
     def served_round(server: LiveServer) -> dict:
         devices = {name: DeviceClient(server.url, token) for name, token in tokens.items()}

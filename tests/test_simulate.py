@@ -401,8 +401,20 @@ def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path
     assert "ε" in [column.header for column in table.columns]
     again = run_simulation(tiny_config(tiny_npz, tmp_path / "dp", **dp, dp_target_epsilon=target))
     assert [r.round for r in again.rounds] == [1] and again.stopped == results.stopped
-    bad = CliRunner().invoke(app, ["simulate", "--out", str(tmp_path / "x"), "--dp-noise-multiplier", "1",
-                                   "--dp-clip", "1", "--algorithm", "pfedla"])  # fmt: skip
+    bad = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--out",
+            str(tmp_path / "x"),
+            "--dp-noise-multiplier",
+            "1",
+            "--dp-clip",
+            "1",
+            "--algorithm",
+            "pfedla",
+        ],
+    )
     assert bad.exit_code == 2 and "differential privacy cannot run with --algorithm pfedla" in bad.output
     assert "use --algorithm fedavg or fedper with DP" in bad.output
     assert bad.output.count("\n") == 1

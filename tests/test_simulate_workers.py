@@ -47,8 +47,9 @@ def assert_same_run(first, second, out_first, out_second) -> None:
 def test_two_workers_equal_one(tiny_npz, tmp_path, algorithm, engine, fraction):  # noqa: F811
     config = tiny_config(tiny_npz, tmp_path / "one", algorithm=algorithm, engine=engine, fraction=fraction)
     if algorithm == "persfl":
-        config = config.updated(split=(0.6, 0.2, 0.2), distill_lambdas=(0.5,), distill_temperatures=(2.0,),
-                         distill_epochs=1)  # fmt: skip
+        config = config.updated(
+            split=(0.6, 0.2, 0.2), distill_lambdas=(0.5,), distill_temperatures=(2.0,), distill_epochs=1
+        )
     one = run_simulation(config)
     seen: list[tuple[int, int]] = []
     two = run_simulation(

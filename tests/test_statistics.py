@@ -174,8 +174,12 @@ def test_layers_with_different_momenta_are_read_by_name(tmp_path) -> None:
     export_bundle(model, 1, tmp_path / "b", ExportOptions(engines=("portable",), force=True), input_shape=(3, 8, 8))
     engine = open_engine(tmp_path / "b", "portable", threads=1)
     momenta = engine.statistics_momenta()
-    assert momenta == {"0.1.running_mean": 0.1, "0.1.running_var": 0.1, "1.1.running_mean": 0.01,
-                       "1.1.running_var": 0.01}  # fmt: skip
+    assert momenta == {
+        "0.1.running_mean": 0.1,
+        "0.1.running_var": 0.1,
+        "1.1.running_mean": 0.01,
+        "1.1.running_var": 0.01,
+    }
     data = _data(engine.manifest, count=20)
     engine_reference = _update_bn(model, engine.manifest.batchnorm_statistics(), data, BATCH)
     recompute_statistics(engine, data, BATCH)

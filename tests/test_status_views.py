@@ -40,11 +40,23 @@ def served(tmp_path: Path, secure: bool = False, **changes) -> tuple[RoundEngine
     folder = tmp_path / "bundle"
     secure_bundle(folder) if secure else make_bundle(folder)
     (tmp_path / "secret").write_text(SECRET)
-    fields = dict(bundle=folder, state=tmp_path / "state", min_clients=3, round_timeout=100, public_status=True,
-                  enroll_secret_file=tmp_path / "secret", clip_multiple=0, weight_multiple=0)  # fmt: skip
+    fields = dict(
+        bundle=folder,
+        state=tmp_path / "state",
+        min_clients=3,
+        round_timeout=100,
+        public_status=True,
+        enroll_secret_file=tmp_path / "secret",
+        clip_multiple=0,
+        weight_multiple=0,
+    )
     if secure:
-        fields["secure"] = {"secure_aggregation": True, "secagg_clip": 1.0, "secagg_max_weight": 50,
-                            "secagg_step_timeout": 60.0}  # fmt: skip
+        fields["secure"] = {
+            "secure_aggregation": True,
+            "secagg_clip": 1.0,
+            "secagg_max_weight": 50,
+            "secagg_step_timeout": 60.0,
+        }
     config = ServerConfig(**{**fields, **changes})
     tokens = enroll(config.state, *NAMES)
     store = Store(config.state)
@@ -108,8 +120,7 @@ def test_only_the_operator_sees_who_a_sync_round_waits_for(tmp_path: Path) -> No
 
 
 def test_only_the_operator_sees_fedbuff_devices(tmp_path: Path) -> None:
-    engine, tokens, operator, _ = served(tmp_path, web=False, fleet_rounds={"aggregation": "fedbuff",
-                                                                            "buffer_size": 3})  # fmt: skip
+    engine, tokens, operator, _ = served(tmp_path, web=False, fleet_rounds={"aggregation": "fedbuff", "buffer_size": 3})
     for name in NAMES[:2]:
         task = engine.task(name)
         base = decode_tensors(engine.base_for(name, task.round_id)[0])

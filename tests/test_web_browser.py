@@ -663,9 +663,7 @@ def test_webgpu_page_trains_a_round_on_the_gpu_and_without_an_adapter_on_webasse
                 for browser, _, _ in phones.values():
                     browser.close()
     held = {name: updates_of(state, name) for name in ("gpu-phone", "cpu-phone")}
-    assert {name: {r: len(b) for r, b in rounds.items()} for name, rounds in held.items()} == {
-        n: {1: 1} for n in held
-    }
+    assert {name: {r: len(b) for r, b in rounds.items()} for name, rounds in held.items()} == {n: {1: 1} for n in held}
 
 
 # --- the page a person lives with (issue 33) and fleet rounds (issue 32) ---------------------------------------------

@@ -92,9 +92,10 @@ def test_device_page_is_isolated_and_locked_to_its_origin(tmp_path: Path) -> Non
     assert reply.headers["referrer-policy"] == "no-referrer"
     policy = dict(part.strip().split(" ", 1) for part in reply.headers["content-security-policy"].split(";"))
     assert policy["default-src"] == "'self'" and policy["connect-src"] == "'self'"
-    assert policy["script-src"] == "'self' 'wasm-unsafe-eval'" and "unsafe-inline" not in reply.headers[
-        "content-security-policy"
-    ]
+    assert (
+        policy["script-src"] == "'self' 'wasm-unsafe-eval'"
+        and "unsafe-inline" not in reply.headers["content-security-policy"]
+    )
     assert policy["img-src"] == "'self' blob: data:"
     page = _Tags()
     page.feed(reply.text)

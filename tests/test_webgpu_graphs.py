@@ -26,8 +26,9 @@ def test_the_check_names_each_node_the_gpu_would_leave_to_the_cpu_and_why():
         helper.make_node("ArgMax", ["logits"], ["best"], name="pick", axis=1),
         helper.make_node("Cast", ["logits"], ["wide"], name="widen", to=TensorProto.DOUBLE),
         helper.make_node("Reshape", ["logits", "shape"], ["flat"], name="flatten"),  # an int64 shape input is fine
-        helper.make_node("BatchNormalization", ["map", "c", "c", "c", "c"], ["norm", "mean", "var"], name="bn",
-                         training_mode=1),
+        helper.make_node(
+            "BatchNormalization", ["map", "c", "c", "c", "c"], ["norm", "mean", "var"], name="bn", training_mode=1
+        ),
         helper.make_node("BatchNormalization", ["map", "c", "c", "c", "c"], ["scaled"], name="affine"),
     ]
     outputs = [

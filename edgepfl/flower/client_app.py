@@ -151,8 +151,12 @@ def secure_answer(device: Device, message: Message) -> RecordDict:
     try:
         pending = state.state.pending_upload
         payload = state.pending_payload()
-        if pending is None or payload is None or pending.round_id != round_id or not secure_round.holds(
-                state.folder, round_id):  # fmt: skip
+        if (
+            pending is None
+            or payload is None
+            or pending.round_id != round_id
+            or not secure_round.holds(state.folder, round_id)
+        ):
             raise StateError(f"this device holds no secure round {round_id}", "it rejoins the next round")
         text = text.decode() if isinstance(text, bytes) else text
         kind, body = secure_round.answer(state.folder, round_id, step, text, payload, device.seed)

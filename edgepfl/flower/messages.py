@@ -63,8 +63,11 @@ def train_content(
 ) -> RecordDict:
     """A train message's content: the base a device gets and the round it trains (a secure round: the device's id
     and the round's context, which its keys are bound to)."""
-    plan: dict[str, int | str] = {"round": round_id, "settings": json.dumps(settings.to_json()),
-                                  "base_layout_hash": layout}  # fmt: skip
+    plan: dict[str, int | str] = {
+        "round": round_id,
+        "settings": json.dumps(settings.to_json()),
+        "base_layout_hash": layout,
+    }
     if secure is not None:
         plan.update({"secure-device": secure.device, "secure-context": secure.context})
     return RecordDict({BASE: tensors_record(base), ROUND: ConfigRecord(plan)})
@@ -99,8 +102,10 @@ def secure_step_of(message: Message) -> tuple[str, bytes | str, int]:
     body = record.get("message") if isinstance(record, ConfigRecord) else None
     round_id = record.get("round") if isinstance(record, ConfigRecord) else None
     if not isinstance(kind, str) or not isinstance(body, bytes | str) or type(round_id) is not int:
-        raise WireError(f"the message has no ConfigRecord {SECAGG!r} of kind, message and round",
-                        "use edgepfl's ServerApp and ClientApp")
+        raise WireError(
+            f"the message has no ConfigRecord {SECAGG!r} of kind, message and round",
+            "use edgepfl's ServerApp and ClientApp",
+        )
     return kind, body, round_id
 
 

@@ -41,14 +41,16 @@ def secure_round(strategy: EdgePFLStrategy, round_id: int, replies: Iterable[Mes
         for device in sorted(strategy.nodes):
             try:
                 data = {"book": engine.secure_book, "inbox": engine.secure_inbox, "unmask": engine.secure_request}[
-                    step](device, round_id)
+                    step
+                ](device, round_id)
             except Refused:  # not (or no longer) in the round: it dropped out at an earlier step
                 continue
             if data is None:  # the round failed or closed meanwhile
                 break
             content = secure_content(step, to_json(data), round_id=round_id)
-            messages.append(Message(content, dst_node_id=strategy.nodes[device], message_type=SECAGG_QUERY,
-                                    group_id=str(round_id)))  # fmt: skip
+            messages.append(
+                Message(content, dst_node_id=strategy.nodes[device], message_type=SECAGG_QUERY, group_id=str(round_id))
+            )
         if not messages or engine.round(round_id).state != "open":
             break
         for reply in strategy.grid.send_and_receive(messages, timeout=engine.config.round_timeout):

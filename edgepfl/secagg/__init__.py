@@ -22,7 +22,23 @@ from edgepfl.secagg.quantize import SecureSum, VectorLayout, dequantize_sum, qua
 from edgepfl.secagg.server import ServerSession
 
 __all__ = [
-    "ClientSession", "KeyAdvert", "KeyBook", "MaskedInput", "Plan", "SecAggConfig", "SecAggError", "SecureSum",
-    "ServerSession", "ShareBundle", "ShareInbox", "UnmaskRequest", "UnmaskShares", "VectorLayout", "dequantize_sum",
-    "from_json", "make_plan", "quantize_delta", "to_json",
+    "ClientSession",
+    "KeyAdvert",
+    "KeyBook",
+    "MaskedInput",
+    "Plan",
+    "SecAggConfig",
+    "SecAggError",
+    "SecureSum",
+    "ServerSession",
+    "ShareBundle",
+    "ShareInbox",
+    "UnmaskRequest",
+    "UnmaskShares",
+    "VectorLayout",
+    "dequantize_sum",
+    "from_json",
+    "make_plan",
+    "quantize_delta",
+    "to_json",
 ]

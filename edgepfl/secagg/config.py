@@ -59,20 +59,38 @@ class SecAggConfig:
         checks = [
             (math.isfinite(self.clip_norm) and self.clip_norm > 0, "the clip norm must be above 0", "pass e.g. 1.0"),
             (0 < self.threshold <= 1, "the threshold must be in (0, 1]", "pass a fraction, e.g. 0.5"),
-            (self.neighbours in ("auto", "all") or (isinstance(self.neighbours, int) and self.neighbours >= 2
-                                                     and self.neighbours % 2 == 0),
-             f"neighbours {self.neighbours!r} is not auto, all or an even number >= 2", "pass auto, all or e.g. 20"),
+            (
+                self.neighbours in ("auto", "all")
+                or (isinstance(self.neighbours, int) and self.neighbours >= 2 and self.neighbours % 2 == 0),
+                f"neighbours {self.neighbours!r} is not auto, all or an even number >= 2",
+                "pass auto, all or e.g. 20",
+            ),
             (self.dropout is None or 0 <= self.dropout < 1, "the dropout fraction must be in [0, 1)", "pass e.g. 0.2"),
-            (self.collusion is None or 0 <= self.collusion < 1, "the collusion fraction must be in [0, 1)",
-             "pass e.g. 0.1"),
-            (isinstance(self.max_weight, int) and 1 <= self.max_weight < 1 << 31, "max_weight must be an int >= 1",
-             "pass about the largest sample count of a device, e.g. 1000"),
-            (math.isfinite(self.coordinate_sigmas) and self.coordinate_sigmas > 0, "coordinate_sigmas must be above 0",
-             "pass e.g. 4"),
-            (self.weight_scale is None or (isinstance(self.weight_scale, int | float)
-                                           and math.isfinite(self.weight_scale) and self.weight_scale > 0),
-             "weight_scale must be above 0",
-             "pass about a device's mean sample count, or None"),
+            (
+                self.collusion is None or 0 <= self.collusion < 1,
+                "the collusion fraction must be in [0, 1)",
+                "pass e.g. 0.1",
+            ),
+            (
+                isinstance(self.max_weight, int) and 1 <= self.max_weight < 1 << 31,
+                "max_weight must be an int >= 1",
+                "pass about the largest sample count of a device, e.g. 1000",
+            ),
+            (
+                math.isfinite(self.coordinate_sigmas) and self.coordinate_sigmas > 0,
+                "coordinate_sigmas must be above 0",
+                "pass e.g. 4",
+            ),
+            (
+                self.weight_scale is None
+                or (
+                    isinstance(self.weight_scale, int | float)
+                    and math.isfinite(self.weight_scale)
+                    and self.weight_scale > 0
+                ),
+                "weight_scale must be above 0",
+                "pass about a device's mean sample count, or None",
+            ),
         ]
         for ok, problem, fix in checks:
             if not ok:
@@ -90,8 +108,9 @@ class SecAggConfig:
         try:
             return cls(**data)
         except TypeError as exc:
-            raise SecAggError(f"secure aggregation settings cannot be read ({exc})",
-                              "send SecAggConfig fields") from None
+            raise SecAggError(
+                f"secure aggregation settings cannot be read ({exc})", "send SecAggConfig fields"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -113,8 +132,10 @@ class Plan:
 def make_plan(devices: int, config: SecAggConfig) -> Plan:
     """The plan for `devices` advertised key pairs (module docstring); fewer than 3 devices is a SecAggError."""
     if devices < MIN_DEVICES:
-        raise SecAggError(f"only {devices} devices advertised keys; secure aggregation needs at least {MIN_DEVICES}",
-                          "sample more devices for the round or wait for more to join")
+        raise SecAggError(
+            f"only {devices} devices advertised keys; secure aggregation needs at least {MIN_DEVICES}",
+            "sample more devices for the round or wait for more to join",
+        )
     if config.neighbours == "all":
         k = devices - 1
     elif config.neighbours == "auto":
@@ -142,8 +163,9 @@ def levels(devices: int, bits: int) -> int:
     """q: each value quantizes to an integer in [-q, q], so that n of them cannot wrap the ring."""
     q = ((1 << (bits - 1)) - 1) // devices
     if q < 1:
-        raise SecAggError(f"a ring of {bits} bits cannot sum {devices} devices",
-                          f"use at least {(2 * devices + 1).bit_length()} bits")
+        raise SecAggError(
+            f"a ring of {bits} bits cannot sum {devices} devices", f"use at least {(2 * devices + 1).bit_length()} bits"
+        )
     return q
 
 
@@ -177,9 +199,11 @@ def check_plan(plan: Plan, config: SecAggConfig) -> None:
     if config.neighbours == "all" and plan.neighbours != plan.devices - 1:
         k_ok = False
     if not k_ok or plan != plan_for(plan.devices, plan.neighbours, config):
-        raise SecAggError(f"the server's plan {plan} does not follow from its settings (threshold "
-                          f"{config.threshold}, neighbours {config.neighbours})",
-                          "the server must send a consistent key book")
+        raise SecAggError(
+            f"the server's plan {plan} does not follow from its settings (threshold "
+            f"{config.threshold}, neighbours {config.neighbours})",
+            "the server must send a consistent key book",
+        )
 
 
 def auto_neighbours(devices: int, config: SecAggConfig) -> int:
@@ -193,8 +217,9 @@ def auto_neighbours(devices: int, config: SecAggConfig) -> int:
         short = _log_hypergeom_cdf(n, n - dropped, k + 1, t - 1)  # fewer than t of the group left
         collude = _log_hypergeom_sf(n - 1, colluding, k, t)  # t or more colluding neighbours
         cut = _log_all_chosen(n, removed, k // 2)  # k/2 given devices all removed
-        if (math.log(n) + short <= -CORRECTNESS_BITS * math.log(2)
-                and math.log(n) + max(collude, cut) <= -PRIVACY_BITS * math.log(2)):
+        if math.log(n) + short <= -CORRECTNESS_BITS * math.log(2) and math.log(n) + max(
+            collude, cut
+        ) <= -PRIVACY_BITS * math.log(2):
             return k
     return n - 1
 
@@ -211,15 +236,23 @@ def _log_sum(logs: list[float]) -> float:
 def _log_hypergeom_cdf(population: int, marked: int, draws: int, at_most: int) -> float:
     """log P(X <= at_most), X the marked count among `draws` drawn without replacement."""
     total = _log_comb(population, draws)
-    return _log_sum([_log_comb(marked, x) + _log_comb(population - marked, draws - x) - total
-                     for x in range(0, min(at_most, draws) + 1)])
+    return _log_sum(
+        [
+            _log_comb(marked, x) + _log_comb(population - marked, draws - x) - total
+            for x in range(0, min(at_most, draws) + 1)
+        ]
+    )
 
 
 def _log_hypergeom_sf(population: int, marked: int, draws: int, at_least: int) -> float:
     """log P(X >= at_least)."""
     total = _log_comb(population, draws)
-    return _log_sum([_log_comb(marked, x) + _log_comb(population - marked, draws - x) - total
-                     for x in range(at_least, min(marked, draws) + 1)])
+    return _log_sum(
+        [
+            _log_comb(marked, x) + _log_comb(population - marked, draws - x) - total
+            for x in range(at_least, min(marked, draws) + 1)
+        ]
+    )
 
 
 def _log_all_chosen(population: int, chosen: int, run: int) -> float:
@@ -242,8 +275,9 @@ class Measured:
     clip: bool
     weight: bool
 
-    def next_config(self, config: SecAggConfig, mean_delta_norm: float, total_weight: int, devices: int
-                    ) -> SecAggConfig:  # fmt: skip
+    def next_config(
+        self, config: SecAggConfig, mean_delta_norm: float, total_weight: int, devices: int
+    ) -> SecAggConfig:
         """The next round's settings from this round's unmasked sum: C = CLIP_MARGIN |mean delta|, W = mean weight.
 
         Both are functions of the sum every device's key book already reveals to the server, so nothing of one

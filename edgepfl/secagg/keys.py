@@ -41,14 +41,17 @@ def public_key(private_key: bytes) -> bytes:
 def agree(private_key: bytes, peer_public_key: bytes, peer: str) -> bytes:
     """X25519 shared secret with a peer; a malformed or low-order public key is one SecAggError line."""
     if len(peer_public_key) != KEY_BYTES:
-        raise SecAggError(f"device {peer!r} advertised a public key of {len(peer_public_key)} bytes, not 32",
-                          "advertise raw X25519 public keys")
+        raise SecAggError(
+            f"device {peer!r} advertised a public key of {len(peer_public_key)} bytes, not 32",
+            "advertise raw X25519 public keys",
+        )
     try:
         peer_key = X25519PublicKey.from_public_bytes(peer_public_key)
         return X25519PrivateKey.from_private_bytes(private_key).exchange(peer_key)
     except ValueError:
-        raise SecAggError(f"device {peer!r} advertised a low-order X25519 public key",
-                          "advertise a key made by X25519 key generation") from None
+        raise SecAggError(
+            f"device {peer!r} advertised a low-order X25519 public key", "advertise a key made by X25519 key generation"
+        ) from None
 
 
 def info(purpose: str, context: str, *parties: str) -> bytes:
@@ -73,5 +76,7 @@ def decrypt(key: bytes, sealed: bytes, associated: bytes, what: str) -> bytes:
     try:
         return AESGCM(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
     except (InvalidTag, ValueError):
-        raise SecAggError(f"{what} does not decrypt (wrong key, sender, recipient or round, or altered in transit)",
-                          "the server must route each device's shares unchanged") from None
+        raise SecAggError(
+            f"{what} does not decrypt (wrong key, sender, recipient or round, or altered in transit)",
+            "the server must route each device's shares unchanged",
+        ) from None

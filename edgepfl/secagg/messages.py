@@ -51,8 +51,11 @@ class KeyAdvert:
     def from_dict(cls, data: Any) -> KeyAdvert:
         data = _fields(data, "key advert", ("device", "cipher_key", "mask_key"))
         device = check_name(data["device"], "device id")
-        return cls(device, unb64(data["cipher_key"], f"{device}'s cipher key", 32),
-                   unb64(data["mask_key"], f"{device}'s mask key", 32))
+        return cls(
+            device,
+            unb64(data["cipher_key"], f"{device}'s cipher key", 32),
+            unb64(data["mask_key"], f"{device}'s mask key", 32),
+        )
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,10 @@ class KeyBook:
     def check(self) -> None:
         """Internal consistency: sorted unique devices, n as planned, 2n distinct keys, a positive size."""
         if list(self.devices) != sorted(set(self.devices)) or len(self.devices) != self.plan.devices:
-            raise SecAggError("the key book's devices are not sorted, unique and as many as planned",
-                              "the server must send one advert per device, sorted by device id")
+            raise SecAggError(
+                "the key book's devices are not sorted, unique and as many as planned",
+                "the server must send one advert per device, sorted by device id",
+            )
         keys = [key for a in self.adverts for key in (a.cipher_key, a.mask_key)]
         if len(set(keys)) != len(keys):
             raise SecAggError("two advertised public keys in the key book are equal", "every key pair must be fresh")
@@ -108,8 +113,14 @@ class KeyBook:
             raise SecAggError("the key book's size or randomness is malformed", "send 32 random bytes and d >= 1")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"context": self.context, "config": self.config.to_dict(), "randomness": b64(self.randomness),
-                "adverts": [a.to_dict() for a in self.adverts], "plan": vars(self.plan), "base_size": self.base_size}
+        return {
+            "context": self.context,
+            "config": self.config.to_dict(),
+            "randomness": b64(self.randomness),
+            "adverts": [a.to_dict() for a in self.adverts],
+            "plan": vars(self.plan),
+            "base_size": self.base_size,
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> KeyBook:
@@ -119,11 +130,17 @@ class KeyBook:
         try:
             plan = Plan(**{k: int(v) for k, v in data["plan"].items()})
         except (TypeError, ValueError):
-            raise SecAggError("the key book's plan is malformed", "send devices, neighbours, threshold, "
-                              "min_survivors") from None
-        book = cls(check_name(data["context"], "round context"), SecAggConfig.from_dict(data["config"]),
-                   unb64(data["randomness"], "the key book's randomness", 32),
-                   tuple(KeyAdvert.from_dict(a) for a in data["adverts"]), plan, data["base_size"])
+            raise SecAggError(
+                "the key book's plan is malformed", "send devices, neighbours, threshold, min_survivors"
+            ) from None
+        book = cls(
+            check_name(data["context"], "round context"),
+            SecAggConfig.from_dict(data["config"]),
+            unb64(data["randomness"], "the key book's randomness", 32),
+            tuple(KeyAdvert.from_dict(a) for a in data["adverts"]),
+            plan,
+            data["base_size"],
+        )
         book.check()
         return book
 
@@ -234,12 +251,16 @@ class UnmaskShares:
     def from_dict(cls, data: Any) -> UnmaskShares:
         data = _fields(data, "unmask shares", ("device", "seed_shares", "key_shares"))
         device = check_name(data["device"], "device id")
-        return cls(device, unb64_map(data["seed_shares"], f"{device}'s seed shares"),
-                   unb64_map(data["key_shares"], f"{device}'s mask-key shares"))
+        return cls(
+            device,
+            unb64_map(data["seed_shares"], f"{device}'s seed shares"),
+            unb64_map(data["key_shares"], f"{device}'s mask-key shares"),
+        )
 
 
-MESSAGES = {cls.__name__: cls for cls in (KeyAdvert, KeyBook, ShareBundle, ShareInbox, MaskedInput, UnmaskRequest,
-                                          UnmaskShares)}
+MESSAGES = {
+    cls.__name__: cls for cls in (KeyAdvert, KeyBook, ShareBundle, ShareInbox, MaskedInput, UnmaskRequest, UnmaskShares)
+}
 
 
 def to_json(message: Any) -> str:
@@ -311,6 +332,8 @@ def _parse(text: str | bytes, what: str) -> Any:
 
 def _fields(data: Any, what: str, names: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(data, dict) or set(data) != set(names):
-        raise SecAggError(f"a {what} does not have exactly the fields {', '.join(names)}", f"send a {what} as "
-                          "edgepfl.secagg.messages writes it")
+        raise SecAggError(
+            f"a {what} does not have exactly the fields {', '.join(names)}",
+            f"send a {what} as edgepfl.secagg.messages writes it",
+        )
     return data

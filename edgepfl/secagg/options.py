@@ -51,13 +51,19 @@ class SecureAggregationOptions(BaseModel):
     ] = 0.5
     secagg_neighbours: Annotated[
         str,
-        Field(description="devices each one masks with: auto (SecAgg+, enough for the threshold), all (classic) or "
-              "an even number"),
+        Field(
+            description="devices each one masks with: auto (SecAgg+, enough for the threshold), all (classic) or "
+            "an even number"
+        ),
     ] = "auto"
     secagg_clip: Annotated[
         float | None,
-        Field(gt=0.0, allow_inf_nan=False, description="L2 norm each device clips its weighted delta to (default: "
-              "--dp-clip, else measured: 4 times the previous round's mean delta norm, 10 in round 1)"),
+        Field(
+            gt=0.0,
+            allow_inf_nan=False,
+            description="L2 norm each device clips its weighted delta to (default: "
+            "--dp-clip, else measured: 4 times the previous round's mean delta norm, 10 in round 1)",
+        ),
     ] = None
     secagg_bits: Annotated[
         int | None,
@@ -69,8 +75,12 @@ class SecureAggregationOptions(BaseModel):
     ] = None
     secagg_max_weight: Annotated[
         int | None,
-        Field(ge=1, lt=1 << 31, description="sample counts are capped at this and a delta is weighted by count / "
-              "this (default: weighted by count / the previous round's mean count, 1000 in round 1)"),
+        Field(
+            ge=1,
+            lt=1 << 31,
+            description="sample counts are capped at this and a delta is weighted by count / "
+            "this (default: weighted by count / the previous round's mean count, 1000 in round 1)",
+        ),
     ] = None
     secagg_step_timeout: Annotated[
         float,
@@ -95,14 +105,20 @@ class SecureAggregationOptions(BaseModel):
             weight, scale = WEIGHT_CAP, FIRST_WEIGHT_SCALE
         else:
             weight, scale = self.secagg_max_weight, None
-        return SecAggConfig(clip_norm=FIRST_CLIP if clip is None else clip, threshold=self.secagg_threshold,
-                            neighbours=neighbours(self.secagg_neighbours), bits=self.secagg_bits, max_weight=weight,
-                            weight_scale=scale)
+        return SecAggConfig(
+            clip_norm=FIRST_CLIP if clip is None else clip,
+            threshold=self.secagg_threshold,
+            neighbours=neighbours(self.secagg_neighbours),
+            bits=self.secagg_bits,
+            max_weight=weight,
+            weight_scale=scale,
+        )
 
     def measured(self, dp_clip: float | None) -> Measured:
         """Which settings each round measures from the previous round's sum: what no flag (nor DP) fixes."""
-        return Measured(clip=dp_clip is None and self.secagg_clip is None,
-                        weight=dp_clip is None and self.secagg_max_weight is None)
+        return Measured(
+            clip=dp_clip is None and self.secagg_clip is None, weight=dp_clip is None and self.secagg_max_weight is None
+        )
 
     def clip_norm(self, dp_clip: float | None) -> float | None:
         """The L2 norm a device clips its delta to in a secure round (None: secure aggregation off)."""
@@ -150,30 +166,43 @@ def check_secure(
         for name in ("secagg_clip", "secagg_bits", "secagg_max_weight"):
             if getattr(options, name) is not None:
                 dashed = name.replace("_", "-")
-                raise UsageError(f"--{dashed} needs secure aggregation on",
-                                 f"pass --secure-aggregation, or drop --{dashed}")
+                raise UsageError(
+                    f"--{dashed} needs secure aggregation on", f"pass --secure-aggregation, or drop --{dashed}"
+                )
         return
     reason = needs_of(strategy).secure_refusal(strategy)
     if reason is not None:
         summed = either(strategies_where(lambda needs: needs.secure_refusal("") is None))
-        raise UsageError(f"secure aggregation cannot run with {flag} {strategy}: {reason}",
-                         f"use {flag} {summed} with --secure-aggregation")
+        raise UsageError(
+            f"secure aggregation cannot run with {flag} {strategy}: {reason}",
+            f"use {flag} {summed} with --secure-aggregation",
+        )
     if asynchronous:
-        raise UsageError("secure aggregation cannot run with --aggregation fedbuff: its masks cancel only in the sum "
-                         "of one round's devices, and fedbuff's steps mix uploads of several rounds",
-                         "use --aggregation sync with --secure-aggregation")
+        raise UsageError(
+            "secure aggregation cannot run with --aggregation fedbuff: its masks cancel only in the sum "
+            "of one round's devices, and fedbuff's steps mix uploads of several rounds",
+            "use --aggregation sync with --secure-aggregation",
+        )
     if upload_encoding != "fp32":
-        raise UsageError(f"--upload-encoding {upload_encoding} does not apply to secure aggregation: a device uploads "
-                         "its delta quantized into the masked vector", "drop --upload-encoding (--secagg-bits sets "
-                         "a masked upload's bits per value)")
+        raise UsageError(
+            f"--upload-encoding {upload_encoding} does not apply to secure aggregation: a device uploads "
+            "its delta quantized into the masked vector",
+            "drop --upload-encoding (--secagg-bits sets a masked upload's bits per value)",
+        )
     if dp_clip is not None and options.secagg_clip is not None:
-        raise UsageError("--secagg-clip and --dp-clip both set the clip norm",
-                         "drop --secagg-clip: with DP the devices clip to --dp-clip")
+        raise UsageError(
+            "--secagg-clip and --dp-clip both set the clip norm",
+            "drop --secagg-clip: with DP the devices clip to --dp-clip",
+        )
     if dp_clip is not None and options.secagg_max_weight is not None:
-        raise UsageError("--secagg-max-weight does not apply with DP: every device weighs the same",
-                         "drop --secagg-max-weight")
-    devices, said, fix = cohort or (min_clients, f"--min-clients is {min_clients}",
-                                    f"pass --min-clients {MIN_DEVICES} or more")
+        raise UsageError(
+            "--secagg-max-weight does not apply with DP: every device weighs the same", "drop --secagg-max-weight"
+        )
+    devices, said, fix = cohort or (
+        min_clients,
+        f"--min-clients is {min_clients}",
+        f"pass --min-clients {MIN_DEVICES} or more",
+    )
     if devices < MIN_DEVICES:
         raise UsageError(f"secure aggregation needs at least {MIN_DEVICES} devices a round, and {said}", fix)
     options.config(dp_clip)

@@ -56,14 +56,17 @@ def step_size(book: KeyBook) -> float:
     return bound / levels(plan.devices, plan.bits)
 
 
-def quantize_delta(delta: Mapping[str, np.ndarray], weight: int, book: KeyBook,
-                   rng: np.random.Generator | None = None) -> np.ndarray:
+def quantize_delta(
+    delta: Mapping[str, np.ndarray], weight: int, book: KeyBook, rng: np.random.Generator | None = None
+) -> np.ndarray:
     """A device's ring vector (uint32) of its delta and weight; `rng` rounds stochastically, None to nearest."""
     config, plan = book.config, book.plan
     layout = VectorLayout.of({name: np.shape(value) for name, value in delta.items()})
     if layout.size != book.base_size:
-        raise SecAggError(f"the delta has {layout.size} values, the round sums {book.base_size}",
-                          "send every shared tensor of the round's base")
+        raise SecAggError(
+            f"the delta has {layout.size} values, the round sums {book.base_size}",
+            "send every shared tensor of the round's base",
+        )
     if not isinstance(weight, int | np.integer) or weight < 0:
         raise SecAggError(f"weight {weight!r} is not a non-negative integer", "pass the device's sample count")
     if not all(np.isfinite(value).all() for value in delta.values()):
@@ -81,8 +84,9 @@ def quantize_delta(delta: Mapping[str, np.ndarray], weight: int, book: KeyBook,
     rounded = np.rint(ratio) if rng is None else np.floor(ratio + rng.random(padded))
     base, count = weight_digits(plan.devices, plan.bits, config.max_weight)
     digits = [(weight // base**i) % base for i in range(count)]
-    return np.concatenate([from_signed(np.clip(rounded, -q, q).astype(np.int64), plan.bits),
-                           np.array(digits, dtype=np.uint32)])
+    return np.concatenate(
+        [from_signed(np.clip(rounded, -q, q).astype(np.int64), plan.bits), np.array(digits, dtype=np.uint32)]
+    )
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,11 @@ def dequantize_sum(ring_sum: np.ndarray, layout: VectorLayout, book: KeyBook) ->
     """The exact integer sum of the devices' ring vectors -> the weighted delta sum and the weight sum."""
     config, plan = book.config, book.plan
     if len(ring_sum) != book.vector_length or layout.size != book.base_size:
-        raise SecAggError(f"the sum has {len(ring_sum)} elements for {layout.size} values, the round's key book "
-                          f"{book.vector_length} for {book.base_size}", "unmask with the round's key book")
+        raise SecAggError(
+            f"the sum has {len(ring_sum)} elements for {layout.size} values, the round's key book "
+            f"{book.vector_length} for {book.base_size}",
+            "unmask with the round's key book",
+        )
     padded = padded_size(layout.size)
     slots = to_signed(ring_sum[:padded], plan.bits) * step_size(book)
     flat = unrotate(slots, rotation_block(layout.size), book.seed)

@@ -66,8 +66,10 @@ def unpack(payload: bytes, length: int, bits: int, what: str = "vector") -> np.n
     """Packed wire bytes -> `length` ring elements (uint32); a wrong size or stray padding bits is a SecAggError."""
     expected = packed_size(length, bits)
     if len(payload) != expected:
-        raise SecAggError(f"{what} has {len(payload)} bytes, expected {expected} ({length} elements of {bits} bits)",
-                          f"send the masked vector of the round's {length} elements, packed as edgepfl.secagg.ring")
+        raise SecAggError(
+            f"{what} has {len(payload)} bytes, expected {expected} ({length} elements of {bits} bits)",
+            f"send the masked vector of the round's {length} elements, packed as edgepfl.secagg.ring",
+        )
     if bits in (8, 16, 32):
         return np.frombuffer(payload, dtype={8: "<u1", 16: "<u2", 32: "<u4"}[bits]).astype(np.uint32)
     if length * bits % 8 and payload[-1] >> (length * bits % 8):

@@ -43,8 +43,10 @@ from edgepfl.secagg.quantize import SecureSum, VectorLayout, dequantize_sum
 from edgepfl.secagg.ring import mask_vector, modulus_mask, pack, unpack
 
 PHASES = ("keys", "shares", "inputs", "unmask", "done", "failed")
-TOO_MANY_DROPPED = ("more devices dropped than the threshold allows: at most n - t may, and in SecAgg+ at most "
-                    "k + 1 - t of one device's group")
+TOO_MANY_DROPPED = (
+    "more devices dropped than the threshold allows: at most n - t may, and in SecAgg+ at most "
+    "k + 1 - t of one device's group"
+)
 
 
 class ServerSession:
@@ -55,8 +57,9 @@ class ServerSession:
         self._book: KeyBook | None = None  # parsed once: the graph and indices are derived from it
 
     @classmethod
-    def start(cls, context: str, config: SecAggConfig, base_size: int, randomness: bytes | None = None
-              ) -> ServerSession:
+    def start(
+        cls, context: str, config: SecAggConfig, base_size: int, randomness: bytes | None = None
+    ) -> ServerSession:
         """A round `context` summing deltas of `base_size` values; `randomness`: 32 bytes for the graph."""
         check_name(context, "round context")
         if not isinstance(base_size, int) or base_size < 1:
@@ -64,8 +67,17 @@ class ServerSession:
         randomness = secrets.token_bytes(32) if randomness is None else randomness
         if len(randomness) != 32:
             raise SecAggError("the graph randomness must be 32 bytes", "pass secrets.token_bytes(32)")
-        return cls({"context": context, "config": config.to_dict(), "base_size": base_size,
-                    "randomness": b64(randomness), "phase": "keys", "failure": None, "adverts": {}})
+        return cls(
+            {
+                "context": context,
+                "config": config.to_dict(),
+                "base_size": base_size,
+                "randomness": b64(randomness),
+                "phase": "keys",
+                "failure": None,
+                "adverts": {},
+            }
+        )
 
     @property
     def phase(self) -> str:
@@ -139,13 +151,17 @@ class ServerSession:
         if advert.device in held:
             if held[advert.device] == advert.to_dict():
                 return False
-            raise SecAggError(f"device {advert.device!r} already advertised other keys this round",
-                              "a device advertises one key pair per round")
+            raise SecAggError(
+                f"device {advert.device!r} already advertised other keys this round",
+                "a device advertises one key pair per round",
+            )
         others = {key for data in held.values() for key in (data["cipher_key"], data["mask_key"])}
         mine = {b64(advert.cipher_key), b64(advert.mask_key)}
         if len(mine) < 2 or mine & others:
-            raise SecAggError(f"device {advert.device!r} advertised a public key that is already in use",
-                              "generate fresh key pairs for every round")
+            raise SecAggError(
+                f"device {advert.device!r} advertised a public key that is already in use",
+                "generate fresh key pairs for every round",
+            )
         held[advert.device] = advert.to_dict()
         return True
 
@@ -155,8 +171,14 @@ class ServerSession:
         adverts = [KeyAdvert.from_dict(self._state["adverts"][d]) for d in sorted(self._state["adverts"])]
         config = SecAggConfig.from_dict(self._state["config"])
         plan = self._or_fail(lambda: make_plan(len(adverts), config))
-        book = KeyBook(self._state["context"], config, unb64(self._state["randomness"], "randomness"), tuple(adverts),
-                       plan, self._state["base_size"])
+        book = KeyBook(
+            self._state["context"],
+            config,
+            unb64(self._state["randomness"], "randomness"),
+            tuple(adverts),
+            plan,
+            self._state["base_size"],
+        )
         self._state.update(phase="shares", book=book.to_dict(), bundles={})
         return book
 
@@ -168,8 +190,11 @@ class ServerSession:
             raise SecAggError(f"device {device!r} is not in this round's key book", "advertise keys first")
         wanted = set(book.neighbours[device])
         if set(bundle.sealed) != wanted or any(len(s) != SEALED_BYTES for s in bundle.sealed.values()):
-            raise SecAggError(f"device {device!r} sent shares that are not one {SEALED_BYTES}-byte message for each "
-                              f"of its {len(wanted)} neighbours", "seal one share pair for every neighbour")
+            raise SecAggError(
+                f"device {device!r} sent shares that are not one {SEALED_BYTES}-byte message for each "
+                f"of its {len(wanted)} neighbours",
+                "seal one share pair for every neighbour",
+            )
         data = {peer: b64(sealed) for peer, sealed in sorted(bundle.sealed.items())}
         return self._keep("bundles", device, data, "shares")
 
@@ -184,16 +209,23 @@ class ServerSession:
                 break
             sharers -= short
         self._or_fail(lambda: self._enough(len(sharers), "sent their shares"))
-        self._state.update(phase="inputs", sharers=sorted(sharers), uploads={},
-                           running_sum=b64(np.zeros(book.vector_length, "<u4").tobytes()))
+        self._state.update(
+            phase="inputs",
+            sharers=sorted(sharers),
+            uploads={},
+            running_sum=b64(np.zeros(book.vector_length, "<u4").tobytes()),
+        )
         return {device: self.inbox(device) for device in sorted(sharers)}
 
     def inbox(self, device: str) -> ShareInbox:
         """The shares addressed to `device` by its partners (again, for a device that asks twice)."""
         self._need("inputs", "unmask", "done")
         if device not in self._state["sharers"]:
-            raise SecAggError(f"device {device!r} takes no part in this round's masking (its shares did not arrive "
-                              "in time, or its group is too small)", "the device rejoins the next round")
+            raise SecAggError(
+                f"device {device!r} takes no part in this round's masking (its shares did not arrive "
+                "in time, or its group is too small)",
+                "the device rejoins the next round",
+            )
         bundles = self._state["bundles"]
         sealed = {peer: unb64(bundles[peer][device], "sealed share") for peer in self._partners(device)}
         return ShareInbox(device, sealed)
@@ -203,14 +235,18 @@ class ServerSession:
         self._need("inputs")
         book, device = self.book, upload.device
         if device not in self._state["sharers"]:
-            raise SecAggError(f"device {device!r} uploaded a masked vector but takes no part in this round's masking",
-                              "the device rejoins the next round")
+            raise SecAggError(
+                f"device {device!r} uploaded a masked vector but takes no part in this round's masking",
+                "the device rejoins the next round",
+            )
         uploads = self._state["uploads"]
         if device in uploads:
             if uploads[device] == upload.digest:
                 return False
-            raise SecAggError(f"device {device!r} already uploaded a different masked vector this round",
-                              "a device uploads one masked vector per round")
+            raise SecAggError(
+                f"device {device!r} already uploaded a different masked vector this round",
+                "a device uploads one masked vector per round",
+            )
         values = unpack(upload.masked, book.vector_length, book.plan.bits, f"device {device!r}'s masked vector")
         total = self._running_sum(book) + values  # uint32 wraps mod 2^32, a multiple of 2^b
         self._state["running_sum"] = b64(total.astype("<u4").tobytes())
@@ -244,8 +280,10 @@ class ServerSession:
         both = sorted(set(shares.seed_shares) & set(shares.key_shares))
         if both or set(shares.seed_shares) != wanted_seeds or set(shares.key_shares) != wanted_keys:
             problem = f"both shares of {both[0]!r}" if both else "shares of other devices than the request asks"
-            raise SecAggError(f"device {device!r} revealed {problem}",
-                              "reveal seed shares of surviving partners and key shares of dropped partners only")
+            raise SecAggError(
+                f"device {device!r} revealed {problem}",
+                "reveal seed shares of surviving partners and key shares of dropped partners only",
+            )
         for peer, share in (*shares.seed_shares.items(), *shares.key_shares.items()):
             shamir.read_share(share, f"device {peer!r} from {device!r}")
         return self._keep("reveals", device, shares.to_dict(), "shares to unmask")
@@ -253,8 +291,11 @@ class ServerSession:
     def missing(self) -> list[str]:
         """What the unmasking still lacks, one line per device whose secret has too few shares ([] = ready)."""
         self._need("unmask", "done")
-        return [f"{what} has {len(found)} of the {self.book.plan.threshold} shares it needs"
-                for what, found in self._collect().values() if len(found) < self.book.plan.threshold]
+        return [
+            f"{what} has {len(found)} of the {self.book.plan.threshold} shares it needs"
+            for what, found in self._collect().values()
+            if len(found) < self.book.plan.threshold
+        ]
 
     def ready(self) -> bool:
         """Whether `finish` can unmask now."""
@@ -277,8 +318,10 @@ class ServerSession:
                 total -= mask_vector(secret, length)
                 continue
             if keys.public_key(secret) != book.keys[peer].mask_key:
-                raise SecAggError(f"the mask key rebuilt for {peer!r} does not match its advert",
-                                  "a device revealed a wrong share; fail the round")
+                raise SecAggError(
+                    f"the mask key rebuilt for {peer!r} does not match its advert",
+                    "a device revealed a wrong share; fail the round",
+                )
             for survivor in sorted(set(self._partners(peer)) & survivors):
                 mask = mask_vector(pairwise_seed(book, secret, peer, survivor), length)
                 if book.indices[survivor] < book.indices[peer]:  # the survivor added it; take it out
@@ -312,8 +355,10 @@ class ServerSession:
             if "book" in state:
                 session.book.check()
         except (ValueError, KeyError, TypeError, AttributeError, SecAggError):
-            raise SecAggError("the saved secure-aggregation state of this round cannot be read",
-                              "fail the round; the next one starts fresh") from None
+            raise SecAggError(
+                "the saved secure-aggregation state of this round cannot be read",
+                "fail the round; the next one starts fresh",
+            ) from None
         return session
 
     def _collect(self) -> dict[tuple[str, str], tuple[str, dict[int, bytes]]]:
@@ -350,8 +395,11 @@ class ServerSession:
     def _enough(self, count: int, what: str) -> None:
         plan = self.book.plan
         if count < plan.min_survivors:
-            raise SecAggError(f"only {count} of {plan.devices} devices {what}, the round needs {plan.min_survivors}; "
-                              f"{TOO_MANY_DROPPED}", "the round fails; the next round starts fresh")
+            raise SecAggError(
+                f"only {count} of {plan.devices} devices {what}, the round needs {plan.min_survivors}; "
+                f"{TOO_MANY_DROPPED}",
+                "the round fails; the next round starts fresh",
+            )
 
     def _or_fail(self, step: Any) -> Any:
         try:
@@ -367,5 +415,7 @@ class ServerSession:
         if self.phase == "failed":
             raise SecAggError(self._state["failure"], self._state.get("failure_fix", ""))
         if self.phase not in phases:
-            raise SecAggError(f"the round is at step {self.phase!r} of secure aggregation, not "
-                              f"{' or '.join(phases)}", "send the messages in protocol order")
+            raise SecAggError(
+                f"the round is at step {self.phase!r} of secure aggregation, not {' or '.join(phases)}",
+                "send the messages in protocol order",
+            )

@@ -19,14 +19,17 @@ SECRET_BYTES = 32
 SHARE_BYTES = 33
 
 
-def split(secret: bytes, holders: Sequence[int], threshold: int,
-          random_bytes: Callable[[int], bytes]) -> dict[int, bytes]:
+def split(
+    secret: bytes, holders: Sequence[int], threshold: int, random_bytes: Callable[[int], bytes]
+) -> dict[int, bytes]:
     """Shares of `secret` for each holder index; any `threshold` of them give it back, fewer tell nothing."""
     if len(secret) != SECRET_BYTES:
         raise SecAggError(f"a shared secret has {len(secret)} bytes, not {SECRET_BYTES}", "share 32-byte secrets")
     if not 1 <= threshold <= len(holders) or len(set(holders)) != len(holders) or min(holders) < 1:
-        raise SecAggError(f"cannot share among holders {list(holders)[:8]} with threshold {threshold}",
-                          "use distinct indices from 1 and a threshold of at most their number")
+        raise SecAggError(
+            f"cannot share among holders {list(holders)[:8]} with threshold {threshold}",
+            "use distinct indices from 1 and a threshold of at most their number",
+        )
     coefficients = [int.from_bytes(secret, "big")]
     coefficients += [int.from_bytes(random_bytes(SECRET_BYTES), "big") for _ in range(threshold - 1)]
     return {x: _evaluate(coefficients, x).to_bytes(SHARE_BYTES, "big") for x in holders}
@@ -39,8 +42,10 @@ def reconstruct(shares: Mapping[int, bytes], threshold: int, what: str = "a secr
     inconsistent share is caught (one line naming `what`) rather than silently giving a wrong secret.
     """
     if len(shares) < threshold:
-        raise SecAggError(f"{what} has {len(shares)} shares, {threshold} are needed",
-                          "more devices must reveal their shares (too many dropped)")
+        raise SecAggError(
+            f"{what} has {len(shares)} shares, {threshold} are needed",
+            "more devices must reveal their shares (too many dropped)",
+        )
     values = {x: read_share(share, what) for x, share in shares.items()}
     holders = sorted(values)
     secret = _interpolate_zero(values, tuple(holders[:threshold]))

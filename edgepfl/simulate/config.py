@@ -251,8 +251,16 @@ class SimulateConfig(Composed):
                 "drop them, or choose an algorithm that aggregates",
             )
         if self.plan.strategy is not None:
-            check_secure(self.secure, self.plan.strategy, self.privacy.clip_norm, self.fleet_rounds.asynchronous,
-                         self.round.upload_encoding, self.min_clients, "--algorithm", self.cohort())
+            check_secure(
+                self.secure,
+                self.plan.strategy,
+                self.privacy.clip_norm,
+                self.fleet_rounds.asynchronous,
+                self.round.upload_encoding,
+                self.min_clients,
+                "--algorithm",
+                self.cohort(),
+            )
         if self.secure.secure_aggregation and self.on_a_clock:
             raise UsageError(
                 "the simulated fleet's virtual clock (--fleet, --over-select) does not run secure rounds",

@@ -166,9 +166,15 @@ def run_simulation(
 
 
 def _round(
-    config: SimulateConfig, round_id: int, server, workers, engine: Engine, clients: list[Client], settings,
+    config: SimulateConfig,
+    round_id: int,
+    server,
+    workers,
+    engine: Engine,
+    clients: list[Client],
+    settings,
     progress: RoundProgress | None,
-) -> RoundRecord | None:  # fmt: skip
+) -> RoundRecord | None:
     """One round: every client polls, the sampled ones train (in `workers`) and upload, the round closes and every
     client is scored; None when the engine stops the run instead."""
     started = time.perf_counter()
@@ -236,9 +242,15 @@ def _open(server, round_id: int) -> bool:
 
 
 def _run_fleet(
-    config: SimulateConfig, server, engine: Engine, clients: list[Client], workers, results: Results, settings,
+    config: SimulateConfig,
+    server,
+    engine: Engine,
+    clients: list[Client],
+    workers,
+    results: Results,
+    settings,
     progress: RoundProgress | None,
-) -> None:  # fmt: skip
+) -> None:
     """The rounds on the fleet's virtual clock (fleet_loop.py); a record per closed round (fedbuff: step)."""
     out = Path(config.out)
     spec = FleetSpec.parse(config.fleet) if config.fleet else FleetSpec()

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from edgepfl.server.engine import RoundEngine
 
 
-def secure_steps(server: RoundEngine, round_id: int, uploads: Mapping[str, bytes], seeds: Mapping[str, int]
-                 ) -> tuple[int, int]:  # fmt: skip
+def secure_steps(
+    server: RoundEngine, round_id: int, uploads: Mapping[str, bytes], seeds: Mapping[str, int]
+) -> tuple[int, int]:
     """Every client of `uploads` (its saved upload body) takes the round's steps; (bytes up, bytes down) in all."""
     sent, received = 0, 0
 

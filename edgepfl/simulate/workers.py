@@ -164,8 +164,12 @@ class RayWorkers:
                 if address:
                     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
                 else:
-                    ray.init(num_cpus=math.ceil(workers * cpus), include_dashboard=False, log_to_driver=False,
-                             logging_level="ERROR")  # fmt: skip
+                    ray.init(
+                        num_cpus=math.ceil(workers * cpus),
+                        include_dashboard=False,
+                        log_to_driver=False,
+                        logging_level="ERROR",
+                    )
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise UsageError(
                     f"cannot start or reach Ray{f' at {address}' if address else ''} ({exc})",

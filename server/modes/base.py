@@ -29,8 +29,11 @@ if TYPE_CHECKING:
 
 def not_secure(round_id: int) -> Refused:
     """The refusal of a secure step in a round that takes uploads."""
-    return Refused("not_secure", f"round {round_id} is not aggregated securely",
-                   "upload the update (POST /v1/rounds/{r}/update) as the task says")
+    return Refused(
+        "not_secure",
+        f"round {round_id} is not aggregated securely",
+        "upload the update (POST /v1/rounds/{r}/update) as the task says",
+    )
 
 
 class Close(ABC):
@@ -139,8 +142,9 @@ class RoundMode(ABC):
         """Add the mode's columns to the status rows of every round (none by default)."""
         return None
 
-    def waiting(self, record: RoundRecord, given: Sequence[str], refused: Sequence[str]) -> tuple[str | None,
-                                                                                                  list[str], float]:
+    def waiting(
+        self, record: RoundRecord, given: Sequence[str], refused: Sequence[str]
+    ) -> tuple[str | None, list[str], float]:
         """The open round's step (None: uploads), the devices of `given` it waits for, and when it gives up."""
         uploaded = {update.device for update in self.engine.store.updates(record.round_id)}
         return None, [device for device in given if device not in uploaded], record.deadline

@@ -120,8 +120,10 @@ class FedBuffMode(RoundMode):
 
     def receipt(self, round_id: int) -> dict[str, Any]:
         """The buffer's fill."""
-        return {"buffered": len(self.engine.store.buffered_updates()),
-                "buffer_size": self.engine.config.fleet_rounds.buffer_size}  # fmt: skip
+        return {
+            "buffered": len(self.engine.store.buffered_updates()),
+            "buffer_size": self.engine.config.fleet_rounds.buffer_size,
+        }
 
     def tick(self, current: RoundRecord, now: float) -> Close | None:
         """Step when the buffer is full, or at the version's deadline with at least min_clients uploads."""

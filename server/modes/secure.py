@@ -45,8 +45,13 @@ class SecureMode(SyncMode):
         config = engine.config
         secagg = config.secure.config(config.privacy.clip_norm)
         assert secagg is not None, "the registry picks this mode with --secure-aggregation"
-        self.secure = SecureRounds(secagg, config.secure.secagg_step_timeout, engine.store, engine.specs,
-                                   measured=config.secure.measured(config.privacy.clip_norm))
+        self.secure = SecureRounds(
+            secagg,
+            config.secure.secagg_step_timeout,
+            engine.store,
+            engine.specs,
+            measured=config.secure.measured(config.privacy.clip_norm),
+        )
 
     @classmethod
     def quorum(cls, clients: int, fraction: float, min_clients: int) -> int:
@@ -65,8 +70,10 @@ class SecureMode(SyncMode):
         SecureRounds.forget_ended(store, current.round_id if current is not None and secure else None)
         if current is None or secure == active:
             return None
-        return (f"it opened {'with' if secure else 'without'} --secure-aggregation and the server restarted "
-                f"{'without' if secure else 'with'} it")
+        return (
+            f"it opened {'with' if secure else 'without'} --secure-aggregation and the server restarted "
+            f"{'without' if secure else 'with'} it"
+        )
 
     def opened(self, record: RoundRecord) -> None:
         """The round's session starts."""
@@ -80,8 +87,9 @@ class SecureMode(SyncMode):
         """Where a device takes the round's steps (its alias, the session's context)."""
         if not self.secure.holds(round_id):
             return None
-        return SecureTask(f"{API_PREFIX}/rounds/{round_id}/secagg", self.secure.alias(device),
-                          self.secure.context(round_id))
+        return SecureTask(
+            f"{API_PREFIX}/rounds/{round_id}/secagg", self.secure.alias(device), self.secure.context(round_id)
+        )
 
     def secure_session(self, device: str, round_id: int) -> SecureRounds:
         """The sessions, for a device given a round that holds one and was not abandoned."""
@@ -89,11 +97,15 @@ class SecureMode(SyncMode):
         if not self.secure.holds(round_id):
             raise not_secure(round_id)
         if self.engine.store.assignment(round_id, device) is None:
-            raise Refused("not_sampled", f"device {device!r} was not sampled in round {round_id}",
-                          "poll /v1/task and train only when told to")
+            raise Refused(
+                "not_sampled",
+                f"device {device!r} was not sampled in round {round_id}",
+                "poll /v1/task and train only when told to",
+            )
         if record.state == "abandoned":
-            raise Refused("round_closed", f"round {round_id} was abandoned: {record.note}",
-                          "the device rejoins the next round")
+            raise Refused(
+                "round_closed", f"round {round_id} was abandoned: {record.note}", "the device rejoins the next round"
+            )
         return self.secure
 
     def secure_summary(self, round_id: int) -> dict[str, Any] | None:
@@ -102,8 +114,11 @@ class SecureMode(SyncMode):
 
     def check_upload(self, device: str, round_id: int) -> None:
         """No plain update: the devices mask theirs."""
-        raise Refused("secure_round", f"round {round_id} is aggregated securely: the server takes no plain update",
-                      "update the device: it masks its update through the round's secure_aggregation steps")
+        raise Refused(
+            "secure_round",
+            f"round {round_id} is aggregated securely: the server takes no plain update",
+            "update the device: it masks its update through the round's secure_aggregation steps",
+        )
 
     def tick(self, current: RoundRecord, now: float) -> Close | None:
         """The protocol's steps decide (secure.py): close when the sum can be unmasked, abandon when it failed."""
@@ -140,8 +155,9 @@ class SecureMode(SyncMode):
             if row["round"] in summaries:
                 row["secure_aggregation"] = summaries[row["round"]]
 
-    def waiting(self, record: RoundRecord, given: Sequence[str], refused: Sequence[str]) -> tuple[str | None,
-                                                                                                  list[str], float]:
+    def waiting(
+        self, record: RoundRecord, given: Sequence[str], refused: Sequence[str]
+    ) -> tuple[str | None, list[str], float]:
         """A round that holds a session waits for a step's messages, until the step's deadline."""
         if not self.secure.holds(record.round_id):
             return super().waiting(record, given, refused)

@@ -85,8 +85,11 @@ class SyncMode(RoundMode):
         self.opened(record)
         log.info(
             "round %d opened: %d of %d available device(s) sampled, %d upload(s) close it",
-            round_id, len(sampled), len(available), target,
-        )  # fmt: skip
+            round_id,
+            len(sampled),
+            len(available),
+            target,
+        )
         return record
 
     def opened(self, record: RoundRecord) -> None:
@@ -123,8 +126,11 @@ class SyncMode(RoundMode):
     def receipt(self, round_id: int) -> dict[str, Any]:
         """The round's uploads so far, its sample and its target."""
         record = self.engine.round_or_404(round_id)
-        return {"uploads": len(self.engine.store.updates(round_id)), "sampled": len(record.sampled),
-                "target": record.needed}  # fmt: skip
+        return {
+            "uploads": len(self.engine.store.updates(round_id)),
+            "sampled": len(record.sampled),
+            "target": record.needed,
+        }
 
     def tick(self, current: RoundRecord, now: float) -> Close | None:
         """Close at the target's uploads or at the deadline with a quorum; abandon at the deadline without one."""

@@ -372,17 +372,31 @@ FOLDER_CASES = {
     # the trial's folder: classes named 3, 5 and 7 of a 10-class model are classes 3, 5 and 7, not 0, 1 and 2
     "numbers": (GREY, (), {"3/a.png": ("L", 9, 14, 1), "5/b.png": ("L", 16, 16, 2), "7/c.png": ("L", 12, 12, 3)}),
     "names": (
-        COLOUR, NAMES, {"bird/1.png": ("RGB", 20, 10, 4), "cat/2.png": ("RGB", 7, 7, 5), "cat/3.png": ("RGB", 30, 3, 6)}
+        COLOUR,
+        NAMES,
+        {"bird/1.png": ("RGB", 20, 10, 4), "cat/2.png": ("RGB", 7, 7, 5), "cat/3.png": ("RGB", 30, 3, 6)},
     ),
     # hidden entries and other files are ignored; grey, palette, bilevel and grey+alpha images become colour
-    "ignored": (COLOUR, (), {
-        "0/a.png": ("L", 13, 11, 7), "0/b.png": ("P", 10, 10, 8), "0/notes.txt": b"not an image",
-        "1/c.png": ("1", 8, 8, 9), "1/d.png": ("LA", 15, 9, 10), "readme.md": b"# photos",
-        ".git/x.png": ("RGB", 4, 4, 11), "1/.hidden.png": ("RGB", 4, 4, 12), ".DS_Store": b"\0",
-    }),
+    "ignored": (
+        COLOUR,
+        (),
+        {
+            "0/a.png": ("L", 13, 11, 7),
+            "0/b.png": ("P", 10, 10, 8),
+            "0/notes.txt": b"not an image",
+            "1/c.png": ("1", 8, 8, 9),
+            "1/d.png": ("LA", 15, 9, 10),
+            "readme.md": b"# photos",
+            ".git/x.png": ("RGB", 4, 4, 11),
+            "1/.hidden.png": ("RGB", 4, 4, 12),
+            ".DS_Store": b"\0",
+        },
+    ),
     # colour images for a grey model: Pillow's 'L' formula
     "colour_to_grey": (
-        GREY, (), {"2/a.png": ("RGB", 14, 14, 13), "2/b.png": ("RGBA", 9, 9, 14), "0/c.png": ("P", 6, 6, 15)}
+        GREY,
+        (),
+        {"2/a.png": ("RGB", 14, 14, 13), "2/b.png": ("RGBA", 9, 9, 14), "0/c.png": ("P", 6, 6, 15)},
     ),
     "unicode": (GREY, ("café", "thé"), {"cafe\u0301/a.png": ("L", 12, 12, 16)}),  # a macOS (NFD) folder name
     "unknown_folder": (GREY, (), {"0/a.png": ("L", 12, 12, 17), "cats/b.png": ("L", 12, 12, 18)}),

@@ -54,17 +54,29 @@ def primitives() -> dict:
     queue = list(coefficient_bytes)
     shares = shamir.split(secret, [1, 2, 4, 7], 3, lambda n: queue.pop(0))
     nonce = random(12)
-    sealed = keys.encrypt(keys.derive(shared, "share", CONTEXT, "a", "b"), b"two shares",
-                          keys.info("share", CONTEXT, "a", "b"), lambda n: nonce)
+    sealed = keys.encrypt(
+        keys.derive(shared, "share", CONTEXT, "a", "b"),
+        b"two shares",
+        keys.info("share", CONTEXT, "a", "b"),
+        lambda n: nonce,
+    )
     return {
-        "private": [b64(a), b64(b)], "public": [b64(keys.public_key(a)), b64(keys.public_key(b))],
-        "shared": b64(shared), "derived": b64(keys.derive(shared, "mask", CONTEXT, "phone-000", "phone-001")),
-        "mask_seed": b64(seed), "mask_32": mask_vector(seed, 37).tolist(),
+        "private": [b64(a), b64(b)],
+        "public": [b64(keys.public_key(a)), b64(keys.public_key(b))],
+        "shared": b64(shared),
+        "derived": b64(keys.derive(shared, "mask", CONTEXT, "phone-000", "phone-001")),
+        "mask_seed": b64(seed),
+        "mask_32": mask_vector(seed, 37).tolist(),
         "mask_12": mask_vector(seed, 37, 12).tolist(),
-        "pack_values": values.tolist(), "packed_12": b64(pack(values, 12)), "packed_10": b64(pack(values & 1023, 10)),
-        "secret": b64(secret), "coefficients": [b64(c) for c in coefficient_bytes],
+        "pack_values": values.tolist(),
+        "packed_12": b64(pack(values, 12)),
+        "packed_10": b64(pack(values & 1023, 10)),
+        "secret": b64(secret),
+        "coefficients": [b64(c) for c in coefficient_bytes],
         "shares": {str(x): b64(s) for x, s in shares.items()},
-        "nonce": b64(nonce), "sealed": b64(sealed), "plaintext": b64(b"two shares"),
+        "nonce": b64(nonce),
+        "sealed": b64(sealed),
+        "plaintext": b64(b"two shares"),
     }
 
 
@@ -113,19 +125,32 @@ def round_transcript() -> dict:
     played = devices.index(PLAYED)
     return {
         "quantize": {
-            "delta": {name: {"shape": list(value.shape), "data": value.ravel().tolist()} for name, value in
-                      deltas[PLAYED].items()},
-            "weight": 10 + played, "entropy": [5, played], "stochastic": vectors[PLAYED].tolist(),
+            "delta": {
+                name: {"shape": list(value.shape), "data": value.ravel().tolist()}
+                for name, value in deltas[PLAYED].items()
+            },
+            "weight": 10 + played,
+            "entropy": [5, played],
+            "stochastic": vectors[PLAYED].tolist(),
             "nearest": quantize_delta(deltas[PLAYED], 10 + played, book, None).tolist(),
         },
         "round": {
-            "device": PLAYED, "context": CONTEXT, "random": drawn, "dropped": dropped,
-            "graph_seed": b64(book.seed), "neighbours": {d: list(n) for d, n in book.neighbours.items()},
-            "advert": to_json(clients[PLAYED].advert()), "book": to_json(book), "bundle": to_json(bundles[PLAYED]),
-            "inbox": to_json(inboxes[PLAYED]), "masked": to_json(masked[PLAYED]), "request": to_json(request),
-            "reveal": to_json(reveals[PLAYED]), "state": clients[PLAYED].to_json(),
-            "sum": total.tolist(), "plain_sum": (sum(vectors[d].astype(np.int64) for d in request.survivors)
-                                                 % (1 << book.plan.bits)).tolist(),
+            "device": PLAYED,
+            "context": CONTEXT,
+            "random": drawn,
+            "dropped": dropped,
+            "graph_seed": b64(book.seed),
+            "neighbours": {d: list(n) for d, n in book.neighbours.items()},
+            "advert": to_json(clients[PLAYED].advert()),
+            "book": to_json(book),
+            "bundle": to_json(bundles[PLAYED]),
+            "inbox": to_json(inboxes[PLAYED]),
+            "masked": to_json(masked[PLAYED]),
+            "request": to_json(request),
+            "reveal": to_json(reveals[PLAYED]),
+            "state": clients[PLAYED].to_json(),
+            "sum": total.tolist(),
+            "plain_sum": (sum(vectors[d].astype(np.int64) for d in request.survivors) % (1 << book.plan.bits)).tolist(),
         },
     }
 

@@ -41,8 +41,9 @@ PYTHON_DEVICES = ("py-a", "py-b", "py-c")
 def main(folder: Path, step: str, message: str) -> dict:
     """Run one step; return what the JavaScript device gets next."""
     if step == "keys":
-        server = ServerSession.start(CONTEXT, SecAggConfig(clip_norm=1.0, neighbours="all", max_weight=100),
-                                     VectorLayout.of(SHAPES).size)
+        server = ServerSession.start(
+            CONTEXT, SecAggConfig(clip_norm=1.0, neighbours="all", max_weight=100), VectorLayout.of(SHAPES).size
+        )
         clients = {d: ClientSession.start(d, CONTEXT) for d in PYTHON_DEVICES}
         for client in clients.values():
             server.receive_advert(client.advert())
@@ -60,8 +61,10 @@ def main(folder: Path, step: str, message: str) -> dict:
         reply = to_json(inboxes[next(d for d in inboxes if d not in PYTHON_DEVICES)])
     if step == "masked":
         data = json.loads(message)
-        vectors = {d: quantize_delta(sample_delta(i), 20 + i, book, np.random.default_rng(i))
-                   for i, d in enumerate(PYTHON_DEVICES)}
+        vectors = {
+            d: quantize_delta(sample_delta(i), 20 + i, book, np.random.default_rng(i))
+            for i, d in enumerate(PYTHON_DEVICES)
+        }
         for device, client in clients.items():
             server.receive_masked(client.receive_inbox(server.inbox(device), vectors[device]))
         server.receive_masked(from_json(json.dumps(data["upload"]), MaskedInput))
@@ -76,8 +79,11 @@ def main(folder: Path, step: str, message: str) -> dict:
         server.receive_unmask(reveal)
         total = server.finish()
         summed = server.aggregate(VectorLayout.of(SHAPES))
-        return {"exact": bool(np.array_equal(total, np.load(folder / "plain_sum.npy"))),
-                "total_weight": summed.total_weight, "devices": len(request.survivors)}
+        return {
+            "exact": bool(np.array_equal(total, np.load(folder / "plain_sum.npy"))),
+            "total_weight": summed.total_weight,
+            "devices": len(request.survivors),
+        }
     (folder / "server.json").write_text(server.to_json())
     for device, client in clients.items():
         (folder / f"{device}.json").write_text(client.to_json())

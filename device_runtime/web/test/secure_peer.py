@@ -38,9 +38,14 @@ CLIP, MAX_WEIGHT, NOW = 5.0, 30, 1_000_000.0
 
 def main(folder: Path, step: str, argument: dict) -> dict:
     settings = json.loads((folder / "bundle.json").read_text()) if step != "open" else argument
-    config = ServerConfig(bundle=settings["bundle"], state=folder / "state", min_clients=3, round_timeout=3600,
-                          secure={"secure_aggregation": True, "secagg_clip": CLIP, "secagg_max_weight": MAX_WEIGHT},
-                          web=False)  # fmt: skip
+    config = ServerConfig(
+        bundle=settings["bundle"],
+        state=folder / "state",
+        min_clients=3,
+        round_timeout=3600,
+        secure={"secure_aggregation": True, "secagg_clip": CLIP, "secagg_max_weight": MAX_WEIGHT},
+        web=False,
+    )
     engine = create_engine(config, lambda: NOW)
     try:
         if step == "open":
@@ -57,7 +62,8 @@ def main(folder: Path, step: str, argument: dict) -> dict:
             return {"task": tasks[PAGE].to_json(), "base": base64.b64encode(payload).decode()}
         if step == "fetch":
             message = {"book": engine.secure_book, "inbox": engine.secure_inbox, "unmask": engine.secure_request}[
-                argument["what"]](PAGE, 1)
+                argument["what"]
+            ](PAGE, 1)
             return {"text": None if message is None else to_json(message)}
         if step == "send":
             body = base64.b64decode(argument["bytes"]) if "bytes" in argument else argument["text"].encode()
@@ -96,21 +102,37 @@ def check(engine, folder: Path, argument: dict) -> dict:
     """The round's state and counts; the distance of its base from the four devices' weighted mean, and the bound."""
     record = engine.store.round(1)
     base = decode_tensors(engine.store.blobs.read(record.base_sha))
-    page = {name: np.asarray(values, np.float32).reshape(base[name].shape)
-            for name, values in argument["delta"].items()}  # fmt: skip
+    page = {
+        name: np.asarray(values, np.float32).reshape(base[name].shape) for name, values in argument["delta"].items()
+    }
     deltas = {**{name: delta_of(engine, name) for name in PYTHON_DEVICES}, PAGE: page}
     weights = {**PYTHON_DEVICES, PAGE: min(argument["weight"], MAX_WEIGHT)}
     total = sum(weights.values())
     clipped = {name: clip_delta(delta, CLIP) for name, delta in deltas.items()}
     result = engine.global_base()
-    error = math.sqrt(sum(float(np.sum((result[t] - base[t] - sum(weights[d] * clipped[d][t].astype(np.float64)
-                                                                   for d in deltas) / total) ** 2)) for t in base))
+    error = math.sqrt(
+        sum(
+            float(
+                np.sum(
+                    (result[t] - base[t] - sum(weights[d] * clipped[d][t].astype(np.float64) for d in deltas) / total)
+                    ** 2
+                )
+            )
+            for t in base
+        )
+    )
     size = padded_size(sum(value.size for value in base.values()))
     summary = engine.secure_summary(1)
     step = 4 * CLIP / math.sqrt(size) / levels(summary["devices"], summary["bits"])
     bound = len(deltas) * step * math.sqrt(size) * MAX_WEIGHT / total
-    return {"state": record.state, "masked": summary["masked"], "dropped": summary["dropped"], "error": error,
-            "bound": bound, "uploads": len(engine.store.updates(1))}
+    return {
+        "state": record.state,
+        "masked": summary["masked"],
+        "dropped": summary["dropped"],
+        "error": error,
+        "bound": bound,
+        "uploads": len(engine.store.updates(1)),
+    }
 
 
 if __name__ == "__main__":
