@@ -35,8 +35,21 @@ import { EngineError } from './errors.js';
  * @property {string} base_layout_hash
  * @property {Record<string, string>} [files] bundle path -> sha256
  * @property {{portable?: PortableEntry}} [engines]
- * @property {{kind?: string, metric_ignores?: number[]}} [task] a text or sensor bundle's task (tasks.js reads it)
+ * @property {SampleEntry} [sample] what the bundle's samples are (its kind and the kind's own fields: kinds.js)
+ * @property {SampleEntry} [task] the same, in bundles exported before `sample` (none for an image bundle)
  */
+/** What a manifest says of its samples: their kind and the kind's own fields. @typedef {{kind?: string} & Record<string, any>} SampleEntry */
+
+/**
+ * What the manifest says of its samples: its `sample` entry, else an older bundle's `task`; `kind` is '' where
+ * neither names one (an image bundle exported before `sample`).
+ * @param {Pick<Manifest, 'sample' | 'task'>} manifest
+ * @returns {{kind: string} & Record<string, any>}
+ */
+export function sampleEntry(manifest) {
+  const entry = manifest.sample || manifest.task || {};
+  return { ...entry, kind: String(entry.kind || '') };
+}
 
 /** The bundle's personal spec as manifest.py writes it: its `personal`, or output:kp for bundles before specs. */
 export function personalSpec(/** @type {Pick<Manifest, 'kp' | 'personal'>} */ manifest) {

@@ -26,7 +26,7 @@ const TOKEN = new RegExp(`[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*|_|[^\\p{L}\\p{N}_
 const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
 // Python's str.splitlines boundaries, control characters among them
 // biome-ignore lint/suspicious/noControlCharactersInRegex: Python splits lines at these control characters
-const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
+export const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
 export const MIN_DEVICE_WORDS = 10; // task_data.py: fewer words make too few samples to train on and hold some out
 const NEVER_SUGGESTED = [PAD_ID, OOV_ID, BOS_ID]; // predict.py: tokens nobody types
 
