@@ -185,7 +185,7 @@ export function setUpKeyboard({ engine, held, queue, vocabulary, collection, typ
 export function finishedSentences(text, from, all) {
   const rest = text.slice(from);
   const ends = [...rest.matchAll(SENTENCE_END)].map((m) => (m.index || 0) + m[0].length);
-  if (all && rest.trim() && ends.at(-1) !== rest.length) ends.push(rest.length);
+  if (all && rest.slice(ends.at(-1) || 0).trim()) ends.push(rest.length);
   const sentences = ends.map((end, i) => rest.slice(i ? ends[i - 1] : 0, end));
   return { sentences, end: from + (ends.at(-1) || 0) };
 }

@@ -1,9 +1,11 @@
 // @ts-check
-// The phone's motion sensors as the page reads them: the accelerometer with gravity and the gyroscope, through the
-// Generic Sensor API where the browser has it (Accelerometer, Gyroscope: m/s² and rad/s on the device's axes, each
-// reading timestamped) and DeviceMotionEvent elsewhere (iOS Safari, Firefox: asking
-// DeviceMotionEvent.requestPermission() on the person's tap where it exists; m/s², and deg/s under alpha, beta,
-// gamma, whose axes engines have given differently: ROTATION_AXES). Each reading goes on in SI units, with its time.
+// The phone's motion sensors as the page reads them: the accelerometer with gravity and the gyroscope, through
+// DeviceMotionEvent where the browser has it (every phone browser: Chrome, Safari, Firefox), asking
+// DeviceMotionEvent.requestPermission() on the person's tap where it exists (iOS), and through the Generic Sensor
+// API (Accelerometer, Gyroscope) where only that exists. DeviceMotionEvent comes at a steady rate whether the motion
+// changed or not; the Generic Sensor API tells only changes (seen in Chromium 156), so a phone lying still would look
+// like one whose sensors stopped. Readings go on in SI units on the device's axes, timestamped: m/s², and rad/s
+// (DeviceMotionEvent gives deg/s under alpha, beta, gamma, whose axes engines have given differently: ROTATION_AXES).
 // Why the sensors cannot be read (an insecure page, no sensors, a refused permission, a sensor that stops sending) is
 // one DeviceError with what to do.
 
@@ -17,6 +19,8 @@ import { DeviceError } from './errors.js';
 const FREQUENCY = 60; // Hz asked of the Generic Sensor API (what phones give DeviceMotionEvent)
 export const SILENT_MS = 1500; // no reading for this long: the sensors stopped sending
 const DEG = Math.PI / 180;
+/** @type {Record<Stream, string>} */
+const SENSOR_NAMES = { acc: 'accelerometer', gyro: 'gyroscope' };
 /**
  * Which of DeviceMotionEvent's rotationRate fields holds the rotation around the device's x, y and z axes, by
  * engine. Blink: measured in Chromium 156 through its sensor emulation (the gyroscope's x, y, z arrive as alpha,
@@ -41,43 +45,64 @@ export function motionUnavailable(/** @type {any} */ scope = globalThis) {
  * Start reading the sensors, on a person's tap (iOS asks its permission then). Resolves once the sensors were
  * started, to the way they are read and a stop; a failure to start rejects with one DeviceError.
  * @param {MotionListener} listener
- * @param {{api?: 'generic' | 'event', scope?: any}} [options] `api`: the one to use (default: Generic Sensor where it is)
+ * @param {Stream[]} streams the sensors that must keep sending (the bundle's channels read them)
+ * @param {{api?: 'generic' | 'event', scope?: any}} [options] `api`: the one to use (default: DeviceMotionEvent
+ *   where the browser has it)
  * @returns {Promise<{api: 'generic' | 'event', stop: () => void}>}
  */
-export async function startMotion(listener, { api, scope = globalThis } = {}) {
+export async function startMotion(listener, streams, { api, scope = globalThis } = {}) {
   const why = motionUnavailable(scope);
   if (why) throw new DeviceError(why, 'add recordings as a .csv file instead');
-  const generic = api ? api === 'generic' : Boolean(scope.Accelerometer && scope.Gyroscope);
+  if (await permissionDenied(scope)) throw sensorError({ name: 'NotAllowedError' }, 'acc');
+  const generic = api ? api === 'generic' : !scope.DeviceMotionEvent;
   const started = generic ? await startGeneric(listener, scope) : await startEvents(listener, scope);
-  let last = scope.performance.now();
-  let heardAny = false;
-  const watch = scope.setInterval(() => {
-    if (scope.performance.now() - last < SILENT_MS) return;
+  const now = () => scope.performance.now();
+  /** @type {Map<Stream, number>} when each sensor last sent a reading (its start, before any) */
+  const last = new Map(streams.map((stream) => [stream, now()]));
+  const heard = new Set();
+  const watch = scope.setInterval(async () => {
+    const silent = streams.find((stream) => now() - /** @type {number} */ (last.get(stream)) >= SILENT_MS);
+    if (!silent) return;
     stop();
     const seconds = `${(SILENT_MS / 1000).toFixed(1)} s`;
+    const sensor = SENSOR_NAMES[silent];
     listener.stopped(
-      heardAny
-        ? new DeviceError(
-            `the phone's motion sensors stopped sending readings for ${seconds}`,
-            'keep the page open and in front while you record; the windows recorded so far are kept',
-          )
-        : new DeviceError(
-            `no readings came from the phone's motion sensors in ${seconds}`,
-            'this phone may have no motion sensors the browser reads: add recordings as a .csv file instead',
-          ),
+      (await permissionDenied(scope)) // the person took the permission back
+        ? sensorError({ name: 'NotAllowedError' }, silent)
+        : heard.has(silent)
+          ? new DeviceError(
+              `the phone's ${sensor} stopped sending readings for ${seconds}`,
+              'keep the page open and in front while you record; the windows recorded so far are kept',
+            )
+          : new DeviceError(
+              `no readings came from the phone's ${sensor} in ${seconds}`,
+              'this phone may have no such sensor the browser reads: add recordings as a .csv file instead',
+            ),
     );
   }, SILENT_MS / 3);
-  const heard = listener.reading;
+  const hand = listener.reading;
   listener.reading = (stream, reading) => {
-    last = scope.performance.now();
-    heardAny = true;
-    heard(stream, reading);
+    last.set(stream, now());
+    heard.add(stream);
+    hand(stream, reading);
   };
   const stop = () => {
     scope.clearInterval(watch);
     started.stop();
   };
   return { api: generic ? 'generic' : 'event', stop };
+}
+
+/** Whether the browser says the page may not read the accelerometer or gyroscope (a browser that cannot say: no). */
+async function permissionDenied(/** @type {any} */ scope) {
+  const permissions = scope.navigator && scope.navigator.permissions;
+  if (!permissions) return false;
+  try {
+    const states = await Promise.all(['accelerometer', 'gyroscope'].map((name) => permissions.query({ name })));
+    return states.some((status) => status.state === 'denied');
+  } catch {
+    return false; // a browser that does not know these permissions (Firefox, Safari) asks in its own way
+  }
 }
 
 /** The Generic Sensor API: an Accelerometer and a Gyroscope at FREQUENCY, started once both may read. */
@@ -158,7 +183,7 @@ export function motionReadings(event, axes) {
 /** A sensor's failure in a person's words: a refused permission, no such sensor, or another reason. */
 function sensorError(/** @type {{name?: string, message?: string} | undefined} */ error, /** @type {Stream} */ stream) {
   const name = (error && error.name) || 'Error';
-  const sensor = stream === 'acc' ? 'accelerometer' : 'gyroscope';
+  const sensor = SENSOR_NAMES[stream];
   if (name === 'NotAllowedError' || name === 'SecurityError') {
     return new DeviceError(
       'the browser does not let this page read the motion sensors',

@@ -99,7 +99,8 @@ export function setUpRecorder({ manifest, entry, collection, contract }) {
   const users = new Set();
   const listen = async (/** @type {string} */ user) => {
     if (!motion) {
-      motion = await startMotion({ reading: (stream, reading) => resampler.push(stream, reading), stopped });
+      const streams = [...new Set(sources.map((source) => source.stream))];
+      motion = await startMotion({ reading: (stream, reading) => resampler.push(stream, reading), stopped }, streams);
       document.body.dataset.motion = motion.api; // for people's tools and the browser test: how the sensors are read
     }
     users.add(user);

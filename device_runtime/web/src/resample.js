@@ -21,7 +21,7 @@ const UNITS = {
 /** @type {Record<Stream, string>} the unit of a channel whose manifest names none (bundles before `units`: HAPT's) */
 const HAPT_UNITS = { acc: 'g', gyro: 'rad/s' };
 const CHANNEL = /^(acc|accel|accelerometer|gyro|gyroscope)[-_. ]?([xyz])$/i;
-export const MAX_GAP_MS = 100; // readings further apart than this leave a gap (about 6 missed at 60 Hz)
+export const MAX_GAP_MS = 200; // readings further apart than this leave a gap (about 11 missed at 60 Hz)
 const STALLED = 64; // readings of one sensor held while another sends none (a second at 60 Hz): a gap
 
 /**

@@ -140,9 +140,14 @@ export function writeSensorCsv(windows, manifest) {
   const rows = [[...CSV_COLUMNS, ...channels].map(csvCell).join(',')];
   windows.forEach(({ x, label }, w) => {
     const id = `w${w + 1},${csvCell(names[label])}`;
-    for (let t = 0; t < steps; t++) rows.push(`${id},${channels.map((_, c) => String(x[c * steps + t])).join(',')}`);
+    for (let t = 0; t < steps; t++) rows.push(`${id},${channels.map((_, c) => decimal(x[c * steps + t])).join(',')}`);
   });
   return `${rows.join('\n')}\n`;
+}
+
+/** A float32 reading as the shortest decimal that reads back as it (its sign kept: -0 too). */
+function decimal(/** @type {number} */ value) {
+  return Object.is(value, -0) ? '-0' : String(value);
 }
 
 /** A CSV cell as Python's csv module writes it: quoted (its quotes doubled) when it holds a comma, quote or break. */

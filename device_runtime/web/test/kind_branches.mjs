@@ -12,7 +12,8 @@ const found = [];
 for (const file of files) {
   const source = ts.createSourceFile(file, readFileSync(file, 'utf8'), ts.ScriptTarget.Latest, true);
   const visit = (node) => {
-    const named = ts.isPropertyAssignment(node) || ts.isMethodDeclaration(node) || ts.isShorthandPropertyAssignment(node);
+    const named =
+      ts.isPropertyAssignment(node) || ts.isMethodDeclaration(node) || ts.isShorthandPropertyAssignment(node);
     const isKey = node.parent && named === false && ts.isPropertyAssignment(node.parent) && node.parent.name === node;
     const literal = (ts.isStringLiteral(node) || ts.isNoSubstitutionTemplateLiteral(node)) && !isKey;
     const key = named && (ts.isIdentifier(node.name) || ts.isStringLiteral(node.name)) ? node.name.text : null;
