@@ -257,6 +257,8 @@ def test_a_motion_recorder_learns_two_activities_and_names_the_one_live(chromium
                 feel(devtools, activity)
                 record(page, devtools, label, WINDOWS_EACH)
                 assert page.text_content("#recorder-line").startswith("Kept "), page.text_content("#recorder-line")
+                if not label:  # an activity with no windows beside one with some: said so
+                    assert "none yet: the model cannot learn it" in page.text_content("#activities li[data-label='1']")
             assert page.get_attribute("body", "data-motion") == "event"  # DeviceMotionEvent, as on a phone
             # the accelerometer stops sending mid-recording: one line, and the windows cut so far stay
             feel(devtools, "still")

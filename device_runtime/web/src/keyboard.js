@@ -110,6 +110,7 @@ export function setUpKeyboard({ engine, held, queue, vocabulary, collection, typ
     if (!(await collection.add(lines, said, { typing: next }))) return false;
     measure = next;
     tapped = 0;
+    showMeasure();
     const script = unknownScript(tokens, scripts);
     if (script && !warned.has(script)) {
       warned.add(script);
@@ -158,7 +159,7 @@ export function setUpKeyboard({ engine, held, queue, vocabulary, collection, typ
     event.preventDefault(); // Enter sends what is written, as a messaging app does
     const rest = box.value.slice(committed);
     keepLater(finishedSentences(rest, 0, true).sentences, () => {
-      box.value = `${rest}${box.value}`; // not kept: back in the box, kept with the next sentence
+      box.value = `${rest.trimStart()}${box.value}`; // not kept: back in the box, kept with the next sentence
     });
     box.value = '';
     committed = 0;
