@@ -16,7 +16,8 @@ class FakeElement {
   }
 
   addEventListener(/** @type {string} */ type, /** @type {(event: any) => void} */ listener) {
-    (this.listeners[type] ||= []).push(listener);
+    if (!this.listeners[type]) this.listeners[type] = [];
+    this.listeners[type].push(listener);
   }
 
   dispatchEvent(/** @type {{type: string}} */ event) {
