@@ -45,7 +45,7 @@ def release_tasks(context, held: list) -> None:
     for route in held:
         try:
             route.continue_()
-        except Exception:  # a route of a page since reloaded: nobody waits for it
+        except Exception:  # let through when the route went, or of a page since reloaded
             pass
 
 

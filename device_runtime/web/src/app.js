@@ -113,7 +113,8 @@ async function takePart(
   const gpu = /** @type {{gpu?: import('./backend.js').Gpu}} */ (/** @type {unknown} */ (navigator)).gpu; // WebGPU's types are not in TypeScript's dom lib
   const memory = pageMemory();
   const backend = await chooseBackend(gpu, requestedBackend(location.search), rememberedFallback(memory));
-  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url));
+  const sample = sampleKind(manifest); // the bundle's kind of sample: whether training must leave the thread free
+  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url), sample.freeThread);
   const placed = () => {
     showBackend(backend.name, backendLine(backend, engine.placements));
   };
@@ -137,7 +138,7 @@ async function takePart(
     `Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`,
   );
   // the person's samples: how they are given, kept, split and tried is the bundle's kind's (kinds.js)
-  const kind = await sampleKind(manifest).open({
+  const kind = await sample.open({
     manifest,
     store,
     contract,

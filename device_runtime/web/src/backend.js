@@ -57,16 +57,18 @@ export function adapterName(/** @type {AdapterInfo | undefined} */ info) {
 
 /**
  * Import the onnxruntime-web build that carries `backend` from `vendor` (a folder URL), its wasm files beside it.
- * On WebAssembly the graphs run in onnxruntime-web's proxy worker, off the page's thread: a step then never holds
- * up the page (its motion readings come at 60 Hz, and would be lost while a step ran there).
+ * With `freeThread`, WebAssembly graphs run in onnxruntime-web's proxy worker, off the page's thread: a step then
+ * never holds up the page (a sensor bundle's motion readings come there at 60 Hz and would be lost while a step
+ * ran). Without it they run on the page's thread, where a prediction between training steps comes sooner.
  * @param {Backend} backend
  * @param {URL} vendor
+ * @param {boolean} [freeThread]
  * @returns {Promise<import('./engine.js').Ort>}
  */
-export async function loadRuntime(backend, vendor) {
+export async function loadRuntime(backend, vendor, freeThread = false) {
   const ort = await import(new URL(RUNTIMES[backend], vendor).href);
   ort.env.wasm.wasmPaths = new URL(vendor).href;
-  if (backend !== 'wasm') return ort; // the proxy worker runs WebAssembly only
+  if (backend !== 'wasm' || !freeThread) return ort; // the proxy worker runs WebAssembly only
   ort.env.wasm.proxy = true;
   return keepingBuffers(ort);
 }

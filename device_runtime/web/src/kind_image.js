@@ -28,6 +28,7 @@ const WORDS = { one: 'example', right: 'recognised', more: '', rate: 'images' };
 export const imageKind = {
   name: 'image',
   words: WORDS,
+  freeThread: false,
   async open({ manifest, store, contract }) {
     const saved = /** @type {unknown} */ ((await store.get('examples')).examples);
     const held = saved && typeof saved === 'object' && 'pixels' in saved ? /** @type {Examples} */ (saved) : null;

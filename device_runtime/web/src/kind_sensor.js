@@ -36,6 +36,8 @@ const WORDS = { one: 'window', right: 'recognised', more: ' (record more)', rate
 export const sensorKind = {
   name: 'sensor',
   words: WORDS,
+  // the readings come on the page's thread: a step there would lose them (bench/web_capture.py)
+  freeThread: true,
   async open({ manifest, store, contract }) {
     const collection = await openCollection({ store, contract, kind: windows(manifest) });
     const recorder = setUpRecorder({ manifest, entry: sensorEntry(manifest), collection, contract });

@@ -62,10 +62,13 @@ import { sampleEntry } from './manifest.js';
  * @property {(path: string) => Promise<Uint8Array>} bundleFile a file of the bundle, sha256-checked
  */
 /**
- * A kind of sample: its name (the manifest's), its words, and how it opens on the page.
+ * A kind of sample: its name (the manifest's), its words, whether the page's thread must stay free while a round
+ * trains (the motion sensors' readings come on it, 60 a second: the engine then runs in a worker), and how it opens
+ * on the page.
  * @typedef {object} SampleKind
  * @property {string} name
  * @property {KindWords} words
+ * @property {boolean} freeThread
  * @property {(parts: KindParts) => Promise<KindPage>} open
  */
 

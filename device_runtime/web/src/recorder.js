@@ -3,7 +3,7 @@
 // names) and taps Record; the phone's motion (motion.js) is resampled to the bundle's rate, channels and units and
 // cut into its windows (resample.js), each kept labelled as it is cut (collection.js); the section shows the windows
 // held per activity and warns of one with too few. Live, the activity the model sees in the last window, refreshed
-// twice a second while the phone moves. Why the sensors cannot be read is one line, and the CSV import stays.
+// refreshed as often as the model answers (every 250 ms at most) while the phone moves. Why the sensors cannot be read is one line, and the CSV import stays.
 
 import { classNames } from './data.js';
 import { topClasses } from './engine.js';
@@ -21,7 +21,7 @@ import { $, fatal, showProblem, status } from './ui.js';
 /** @typedef {import('./kind_sensor.js').Window} Window */
 /** @typedef {import('./collection.js').Collection<Window>} Windows */
 
-const LIVE_MS = 500; // the live activity's refresh: twice a second
+const LIVE_MS = 250; // the live activity is asked for this often, one answer at a time: at least twice a second
 
 /**
  * The recorder section; `live` sets up Try it's live activity once the engine is there.
@@ -159,7 +159,7 @@ export function setUpRecorder({ manifest, entry, collection, contract }) {
   /** @type {() => void} */
   let stopLive = () => {};
   return {
-    /** Try it, live: the activity of the last window, twice a second while it is on. */
+    /** Try it, live: the activity of the last window, every LIVE_MS while it is on (one answer at a time). */
     live: (/** @type {TryParts} */ { engine, held, queue }) => {
       const watch = $('watch', HTMLButtonElement);
       const shown = $('live-activity');
