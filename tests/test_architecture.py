@@ -111,3 +111,64 @@ def test_no_server_module_outside_server_modes_branches_on_the_round_mode() -> N
         for line in _mode_branches(path.read_text(encoding="utf-8"))
     }
     assert branches == set(), "a round mode's branch belongs in its module under server/modes/ (docs/architecture.md)"
+
+
+# A kind of sample (image, next-word, sensor) is one object under edgepfl/kinds/ (docs/architecture.md, "How to add a
+# kind of sample"): outside it, code asks the kind (its reader, checks, words...), never which kind it has.
+KIND_CLASSES = {"SampleKind", "ImageKind", "NextWordKind", "SensorKind"}
+
+
+def _kind_branches(source: str) -> list[int]:
+    """The lines of `source` that tell kinds apart: a kind's name as a string ("sensor"), a kind's class tested
+    with isinstance, or a comparison with a kind class's `name`."""
+    import ast
+
+    from edgepfl.kinds import KINDS
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in KINDS and id(node) not in docstrings:
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+            if {getattr(part, "id", "") for part in ast.walk(node.args[1])} & KIND_CLASSES:
+                found.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            named = [part for part in ast.walk(node) if isinstance(part, ast.Attribute) and part.attr == "name"]
+            if any(getattr(part.value, "id", "") in KIND_CLASSES for part in named):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_kind_branch_check_finds_kind_branches() -> None:
+    assert _kind_branches("if manifest.kind.name == 'next-word':\n    pass\n") == [1]
+    assert _kind_branches("words = {'sensor': 'windows'}\n") == [1]
+    assert _kind_branches("if isinstance(kind, (ImageKind, SensorKind)):\n    pass\n") == [1]
+    assert _kind_branches("same = kind.name == NextWordKind.name\n") == [1]
+    assert _kind_branches('"""Reads next-word text or sensor windows."""\nkind = parse(entry)\n') == []
+    registry = (REPO / "edgepfl" / "kinds" / "__init__.py").read_text(encoding="utf-8")
+    assert _kind_branches(registry) == [], "the registry names kinds through their classes"
+    sensor = (REPO / "edgepfl" / "kinds" / "sensor.py").read_text(encoding="utf-8")
+    assert _kind_branches(sensor), "a kind's own module names it: the check sees it"
+
+
+def test_no_module_outside_the_kinds_branches_on_a_kind_of_sample() -> None:
+    """Outside edgepfl/kinds/, no module of the core or the components tells kinds of sample apart."""
+    folders = [REPO / name for name in ("edgepfl", "server", "device_runtime", "export")]
+    kinds = REPO / "edgepfl" / "kinds"
+    modules = [path for folder in folders for path in folder.rglob("*.py") if kinds not in path.parents]
+    modules = [path for path in modules if "/web/" not in path.as_posix()]  # the page's fixture writers are tests
+    assert len(modules) > 150 and (REPO / "edgepfl" / "data.py") in modules
+    branches = {
+        f"{path.relative_to(REPO).as_posix()}:{line}"
+        for path in modules
+        for line in _kind_branches(path.read_text(encoding="utf-8"))
+    }
+    assert branches == set(), "a kind's branch belongs in its module under edgepfl/kinds/ (docs/architecture.md)"

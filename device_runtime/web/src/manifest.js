@@ -5,7 +5,7 @@
 import { EngineError } from './errors.js';
 
 /** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
-/** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string, dtype?: string}} InputSpec */
+/** The model input (manifest.json `input`; older exports also wrote a `layout`, which the kind says). @typedef {{shape: number[], mean: number[], std: number[], dtype?: string}} InputSpec */
 /** A batch of model inputs: float32 pixels or sensor values, or int64 token ids (a text bundle). @typedef {Float32Array | BigInt64Array} ModelInput */
 /** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
 /** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (updates: the tensor each output after the loss is the new value of; batch_size: the predict graph's 1, up_to: how many inputs it takes one by one). @typedef {{model: string, inputs: string[], outputs: string[], updates?: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number, up_to?: number}} Graph */
@@ -35,8 +35,15 @@ import { EngineError } from './errors.js';
  * @property {string} base_layout_hash
  * @property {Record<string, string>} [files] bundle path -> sha256
  * @property {{portable?: PortableEntry}} [engines]
- * @property {{kind?: string, metric_ignores?: number[]}} [task] a text or sensor bundle's task (tasks.js reads it)
+ * @property {SampleEntry} [sample] what a sample is: its kind and what the kind says of it (edgepfl/kinds/)
+ * @property {SampleEntry} [task] the same, in bundles exported before `sample` (none for an image bundle)
  */
+/** A manifest's `sample` entry: the kind's name and its fields. @typedef {{kind?: string, metric_ignores?: number[]}} SampleEntry */
+
+/** The bundle's `sample` entry: `sample`, or an older export's `task`, or an image bundle's. */
+export function sampleEntry(/** @type {Pick<Manifest, 'sample' | 'task'>} */ manifest) {
+  return manifest.sample || manifest.task || { kind: 'image' };
+}
 
 /** The bundle's personal spec as manifest.py writes it: its `personal`, or output:kp for bundles before specs. */
 export function personalSpec(/** @type {Pick<Manifest, 'kp' | 'personal'>} */ manifest) {

@@ -1,11 +1,12 @@
 // @ts-check
-// A person's own sensor recordings for a sensor bundle, read as device_runtime/task_data.py reads them: a CSV of
+// A person's own sensor recordings for a sensor bundle, read as the sensor kind (edgepfl/kinds/sensor.py) reads them: a CSV of
 // fixed windows (a header `window,label,<channel>,...`, then one row per reading, the window's readings in time
 // order), its channels the bundle's by name and in its order, every reading a finite number; then normalised per
-// channel as edgepfl/data.py normalize does (float32 (x - mean) / std).
+// channel as the sensor kind's normalize does (float32 (x - mean) / std).
 
 import { classNames } from './data.js';
 import { DataError } from './errors.js';
+import { sampleEntry } from './manifest.js';
 
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
@@ -14,7 +15,7 @@ import { DataError } from './errors.js';
  * @typedef {{x: Float32Array, y: Int32Array, count: number}} Windows
  */
 /**
- * What a sensor bundle's manifest says of its windows (manifest.json `task`).
+ * What a sensor bundle's manifest says of its windows (manifest.json `sample`).
  * @typedef {{kind: string, channels: string[], window?: number, rate_hz?: number}} SensorTask
  */
 
@@ -22,13 +23,13 @@ const CSV_COLUMNS = ['window', 'label']; // the columns before the channels
 const NUMBER = /^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i; // a finite number as Python's float() reads it
 const NOT_FINITE = /^[+-]?(nan|inf|infinity)$/i; // what it reads as NaN or Inf
 
-/** The sensor bundle's `task` entry. */
+/** The sensor bundle's `sample` entry. */
 export function sensorTask(/** @type {Manifest} */ manifest) {
-  return /** @type {SensorTask} */ (manifest.task);
+  return /** @type {SensorTask} */ (sampleEntry(manifest));
 }
 
 /**
- * Refuse, in one line, channels other than the bundle's (by name, in its order): task_data.py check_channels.
+ * Refuse, in one line, channels other than the bundle's (by name, in its order): edgepfl/kinds/sensor.py check_channels.
  * @param {string[]} channels
  * @param {Manifest} manifest
  * @param {string} source the file's name
@@ -54,7 +55,7 @@ export function checkChannels(channels, manifest, source) {
 }
 
 /**
- * The windows of a sensor CSV (task_data.py read_sensor_csv): windows in the order they first appear, each of the
+ * The windows of a sensor CSV (edgepfl/kinds/sensor.py read_csv): windows in the order they first appear, each of the
  * model's window length and one label (a class name, or its index); anything else is one DataError.
  * @param {string} text the file's text
  * @param {Manifest} manifest
@@ -150,7 +151,7 @@ function reading(/** @type {string} */ cell, /** @type {string} */ where) {
   return Math.fround(value);
 }
 
-/** A window's label as a class index: its class name, or the index itself (task_data.py). */
+/** A window's label as a class index: its class name, or the index itself (edgepfl/kinds/sensor.py). */
 function classIndex(/** @type {string} */ label, /** @type {string[]} */ names, /** @type {string} */ where) {
   const named = names.indexOf(label);
   if (named >= 0) return named;

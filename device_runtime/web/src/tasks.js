@@ -2,11 +2,12 @@
 // What a person gives the page for each kind of bundle (manifest.json `task.kind`), free of the DOM: photos for
 // an image bundle (data.js), one text file for a next-word bundle, one CSV of windows for a sensor bundle. A text
 // or sensor file is kept as its text (a "recording") and made into samples when a round trains, split as the
-// Python device splits it (device_runtime/task_data.py): text in time order, the last part held out, with
+// Python device splits it (edgepfl/kinds/, edgepfl/data.py): text in time order, the last part held out, with
 // accuracy counting only the targets the manifest's `metric_ignores` leaves; sensor windows by the seeded split.
 
 import { splitTrainVal } from './algorithms.js';
 import { DataError, EngineError } from './errors.js';
+import { sampleEntry } from './manifest.js';
 import { normalizeReadings, readSensorCsv } from './sensors.js';
 import { nextWordSamples, readText, timeOrderSplit } from './text.js';
 
@@ -49,9 +50,9 @@ export const RECORDING_WORDS = {
   },
 };
 
-/** The bundle's kind of sample: "next-word", "sensor", or "image" (no task entry: task_data.py task_kind). */
+/** The bundle's kind of sample: "next-word", "sensor" or "image" (edgepfl/kinds/). */
 export function taskKind(/** @type {Manifest} */ manifest) {
-  const kind = String(manifest.task?.kind || 'image');
+  const kind = String(sampleEntry(manifest).kind || 'image');
   if (kind !== 'image' && kind !== 'next-word' && kind !== 'sensor') {
     throw new EngineError(
       `the server's model reads samples of kind "${kind}", which this page cannot`,
@@ -63,7 +64,7 @@ export function taskKind(/** @type {Manifest} */ manifest) {
 
 /** A text bundle's `task` entry. */
 export function textTask(/** @type {Manifest} */ manifest) {
-  return /** @type {TextTask} */ (manifest.task);
+  return /** @type {TextTask} */ (sampleEntry(manifest));
 }
 
 /**
@@ -101,7 +102,7 @@ export function recordingSamples(recording, task) {
 }
 
 /**
- * The train/held-out split of a recording's samples (task_data.py): text in time order, sensor windows by the
+ * The train/held-out split of a recording's samples (edgepfl/data.py split_time_order, split_train_val): text in time order, sensor windows by the
  * seeded split; the held-out part keeps only the targets accuracy counts (data.py scored).
  * @param {Recording} recording
  * @param {RecordingTask} task
@@ -111,7 +112,7 @@ export function recordingSamples(recording, task) {
  */
 export function splitRecording(recording, task, valFraction, seed) {
   const samples = recordingSamples(recording, task);
-  const ignores = task.manifest.task?.metric_ignores || [];
+  const ignores = sampleEntry(task.manifest).metric_ignores || [];
   const { train, val } =
     task.kind === 'next-word'
       ? timeOrderSplit(samples.y, valFraction, ignores)
