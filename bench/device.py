@@ -145,7 +145,7 @@ def run_measure(bundle: Path, engine: str) -> dict:
 
 def measure_exported(bundle: Path, data_root: Path, images: int, epochs: int, folder: Path) -> dict:
     """The device's model after local training on CIFAR-10 images, exported fp32 and int8 (in a fresh process)."""
-    from edgepfl.datasets import load_dataset
+    from edgepfl.datasets.images import load_dataset
 
     dataset = load_dataset("cifar10", data_root)
     order = np.random.default_rng(0).permutation(dataset.num_train)[:images]

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from edgepfl.export.bundle import ExportOptions, export_bundle, summarize
+from edgepfl.export.bundle import ExportOptions, export_bundle
 from edgepfl.export.models import ModelSpec, default_spec
 from edgepfl.export.source import TORCHVISION_TESTED
+from edgepfl.export.summary import summarize
 
 OUT = Path(__file__).resolve().parent / "out"
 FAMILY_SHAPE = (3, 32, 32)

@@ -71,10 +71,10 @@ def batchnorm(run: str, limit: str | None = None) -> None:
     """Which part of FedPer's held model costs accuracy, on the run's saved state."""
     import torch
 
-    from edgepfl.datasets import load_dataset
+    from edgepfl.datasets.images import load_dataset
+    from edgepfl.datasets.partition import make_partition
     from edgepfl.device_runtime.evaluation import evaluate, score
     from edgepfl.manifest import load_manifest
-    from edgepfl.partition import make_partition
     from edgepfl.simulate.bundle import open_sim_engine
     from edgepfl.simulate.loop import RESIDUALS_DIR, STATE_FILE, _make_client
     from edgepfl.simulate.results import load_results

@@ -374,7 +374,7 @@ def plot(rows: list[dict], int8_bytes: int, path: Path) -> Path:
 
 def cifar10_slice(data_root: str, out: Path) -> Path:
     """An .npz of CIFAR-10's first CIFAR_SLICE train and test images (edgepfl's own loader reads them)."""
-    from edgepfl.datasets import load_dataset
+    from edgepfl.datasets.images import load_dataset
 
     full = load_dataset("cifar10", data_root)
     train, test = CIFAR_SLICE

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from edgepfl.encoding import Encoding, encode_delta
-from edgepfl.manifest import InputSpec, Manifest
+from edgepfl.kinds import ImageKind, InputSpec
+from edgepfl.manifest import Manifest
 from edgepfl.protocol import UploadMeta
 from edgepfl.secagg import ClientSession, quantize_delta, to_json
 from edgepfl.server.config import ServerConfig
@@ -53,7 +54,7 @@ def write_bundle(folder: Path) -> Manifest:
     blocks = tuple(f"block{i}" for i in range(max(spec.block for spec in specs) + 1))
     manifest = Manifest(
         model={"name": "mobilenet"},
-        input=InputSpec(shape=(3, 32, 32)),
+        kind=ImageKind(input=InputSpec(shape=(3, 32, 32))),
         num_classes=10,
         kp=2,
         blocks=blocks,

@@ -160,17 +160,17 @@ def tiny_data(bundle: Path, scratch: Path) -> Path:
     manifest = load_manifest(bundle)
     rng = np.random.default_rng(0)
     labels = rng.integers(0, manifest.num_classes, SAMPLES)
-    kind = manifest.task.get("kind", "")
-    if kind == "next-word":
-        words = text.load_vocabulary(bundle, manifest.task).words[len(text.SPECIALS) :]
+    kind = manifest.kind
+    if kind.name == "next-word":
+        words = kind.vocabulary(bundle).words[len(text.SPECIALS) :]
         path = scratch / f"{bundle.name}.txt"
         lines = [" ".join(rng.choice(words, 16)) for _ in range(SAMPLES // 16)]  # a sample per word (and <eos>)
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
     path = scratch / f"{bundle.name}.npz"
-    if kind == "sensor":
+    if kind.name == "sensor":
         x = rng.normal(size=(SAMPLES, *manifest.input.shape)).astype(np.float32)
-        np.savez(path, x=x, y=labels, channels=np.asarray(manifest.task["channels"]))
+        np.savez(path, x=x, y=labels, channels=np.asarray(kind.channels))
     else:  # images: uint8 NHWC
         side, channels = manifest.model["input_size"], manifest.model["in_channels"]
         np.savez(path, x=rng.integers(0, 256, (SAMPLES, side, side, channels), dtype=np.uint8), y=labels)

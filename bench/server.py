@@ -25,7 +25,8 @@ import httpx
 import numpy as np
 
 from edgepfl.device_runtime.client import KEEPALIVE_SECONDS
-from edgepfl.manifest import InputSpec, Manifest, split_roles
+from edgepfl.kinds import ImageKind, InputSpec
+from edgepfl.manifest import Manifest, split_roles
 from edgepfl.protocol import UploadMeta
 from edgepfl.server.launch import LocalServer
 from edgepfl.server.store import Store
@@ -48,7 +49,7 @@ def write_bundle(folder: Path, width: float, kp: int) -> Manifest:
     mean, std = spec.normalization
     manifest = Manifest(
         model=spec.to_dict(),
-        input=InputSpec(shape=spec.input_shape, mean=mean, std=std),
+        kind=ImageKind(input=InputSpec(shape=spec.input_shape, mean=mean, std=std)),
         num_classes=spec.num_classes,
         kp=kp,
         blocks=tuple(model.block_names()),

@@ -306,7 +306,7 @@ def bundle_name(bundle: Path) -> str:
     from edgepfl.manifest import load_manifest
 
     manifest = load_manifest(bundle)
-    return f"{manifest.model.get('name', 'model')} ({manifest.task.get('kind', 'image')}), personal {manifest.personal}"
+    return f"{manifest.model.get('name', 'model')} ({manifest.kind.name}), personal {manifest.personal}"
 
 
 def export_bundle(folder: Path, width: float) -> Path:

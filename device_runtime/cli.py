@@ -309,7 +309,7 @@ def status(options: StatusCommand) -> None:
 
 def _open(files: DeviceFiles, local: LocalOptions) -> tuple[Engine, LocalData, StateFolder]:
     """Bundle, data and state, all checked before any training: an engine holding the saved tensors."""
-    from edgepfl.device_runtime.data import load_device_data
+    from edgepfl.data import load_device_data
     from edgepfl.device_runtime.engine import open_engine
     from edgepfl.device_runtime.runner import restore
     from edgepfl.device_runtime.state import StateFolder

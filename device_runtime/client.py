@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +19,10 @@ import httpx
 import numpy as np
 
 from edgepfl.device_runtime.options import ConnectionOptions
-from edgepfl.encoding import Encoding, decode_download, encode_round_upload
+from edgepfl.encoding import decode_download
 from edgepfl.errors import EdgePFLError, WireError
-from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task, UploadMeta
-from edgepfl.wire import decode_tensors, encode_tensors
+from edgepfl.protocol import API_PREFIX, EvalMetrics, Task
+from edgepfl.wire import decode_tensors
 
 # server error names that end this device's part in a round: drop the round, poll for the next one
 # refusals that end this device's part in a round (the page reads them from contract.json): it drops the round's
@@ -169,7 +168,7 @@ class ServerClient:
         )
 
     def upload(self, round_id: int, payload: bytes) -> dict[str, Any]:
-        """`POST /v1/rounds/{r}/update` with a body from `encode_update`; an identical retry is idempotent."""
+        """`POST /v1/rounds/{r}/update` with a body from `round.upload_body`; an identical retry is idempotent."""
         response = self._request(
             "POST",
             f"{API_PREFIX}/rounds/{round_id}/update",
@@ -263,31 +262,6 @@ class ServerClient:
     def _notify(self, message: str) -> None:
         if self._on_retry is not None:
             self._on_retry(message)
-
-
-def encode_update(base_tensors: Mapping[str, np.ndarray], meta: UploadMeta) -> bytes:
-    """The body of an fp32 update upload: the base tensors with `UploadMeta` in the safetensors metadata."""
-    return encode_tensors(base_tensors, meta.to_metadata())
-
-
-def upload_body(
-    trained: Mapping[str, np.ndarray],
-    received: Mapping[str, np.ndarray],
-    settings: RoundSettings,
-    meta: UploadMeta,
-    residuals: str | os.PathLike,
-    round_id: int,
-    seed: int,
-) -> bytes:
-    """A round's upload as its settings ask: the trained base (fp32), or the delta trained - received, clipped to
-    the round's clip norm (DP) and encoded with error feedback from the residuals kept in the folder `residuals`."""
-    if not settings.uploads_delta:
-        return encode_update(trained, meta)
-    delta = {name: np.asarray(trained[name], np.float64) - np.asarray(received[name], np.float64) for name in trained}
-    encoding = Encoding.parse(settings.upload_encoding)
-    return encode_round_upload(residuals, round_id, delta, encoding, seed, settings.clip_norm).to_bytes(
-        meta.to_metadata()
-    )
 
 
 def _failed(method: str, url: str, problem: str) -> str:

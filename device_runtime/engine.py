@@ -66,17 +66,7 @@ class Engine(ABC):
         """Loss and correct count of the current model on a batch (inference mode)."""
 
     @abstractmethod
-    def distill_step(
-        self,
-        x: np.ndarray,
-        y: np.ndarray,
-        teacher_logits: np.ndarray,
-        lr: float,
-        temperature: float,
-        lam: float,
-        variant: str = "kd",
-        trainable: str = "full",
-    ) -> float:
+    def distill_step(self, step: DistillStep) -> float:
         """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
 
     @abstractmethod
@@ -85,7 +75,7 @@ class Engine(ABC):
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Class probabilities (n, classes) float32 of the current model on model input `x` (normalised as
-        edgepfl.data.normalize makes it): the softmax of `logits`, in inference mode."""
+        its kind normalises it): the softmax of `logits`, in inference mode."""
         return softmax(self.logits(x))
 
     def statistics_momenta(self) -> dict[str, float]:
@@ -157,17 +147,33 @@ def check_distill_set(
         )
 
 
-def check_distill_inputs(manifest: Manifest, count: int, teacher_logits: np.ndarray, temperature: float, lam: float):
-    """One-line errors for a distillation step's extra inputs (both engines call this)."""
-    if not temperature > 0:
-        raise UsageError(f"distillation temperature {temperature} must be positive", "use T >= 1, e.g. 2")
-    if not 0 <= lam <= 1:
-        raise UsageError(f"distillation weight lambda {lam} must lie in [0, 1]", "use e.g. 0.5")
-    if teacher_logits.shape != (count, manifest.num_classes):
-        raise DataError(
-            f"teacher logits have shape {tuple(teacher_logits.shape)} for {count} samples",
-            f"pass one row of {manifest.num_classes} logits per sample",
-        )
+@dataclass(frozen=True, eq=False)
+class DistillStep:
+    """One step of PersFL's distillation (stage 2): a batch, the teacher's logits for it, the SGD step size, the
+    temperature T and weight λ of the loss, its variant (kd or gd) and the trainable set."""
+
+    x: np.ndarray
+    y: np.ndarray
+    teacher_logits: np.ndarray
+    lr: float
+    temperature: float
+    lam: float
+    variant: str = "kd"
+    trainable: str = "full"
+
+    def checked(self, manifest: Manifest) -> DistillStep:
+        """The step, its loss settings and teacher logits checked against the model; one-line errors otherwise."""
+        if not self.temperature > 0:
+            raise UsageError(f"distillation temperature {self.temperature} must be positive", "use T >= 1, e.g. 2")
+        if not 0 <= self.lam <= 1:
+            raise UsageError(f"distillation weight lambda {self.lam} must lie in [0, 1]", "use e.g. 0.5")
+        teacher = np.asarray(self.teacher_logits)
+        if teacher.shape != (len(self.y), manifest.num_classes):
+            raise DataError(
+                f"teacher logits have shape {tuple(teacher.shape)} for {len(self.y)} samples",
+                f"pass one row of {manifest.num_classes} logits per sample",
+            )
+        return self
 
 
 def open_engine(bundle_dir: str | os.PathLike, engine: str = "auto", threads: int | None = None) -> Engine:

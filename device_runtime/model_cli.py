@@ -51,7 +51,7 @@ def export_model(options: ExportModelCommand) -> None:
     pre-process an image. --quantize int8 needs --data (its training part calibrates, its held-out part
     measures both models' accuracy).
     """
-    from edgepfl.device_runtime.data import load_device_data
+    from edgepfl.data import load_device_data
     from edgepfl.device_runtime.model_export import export_device_model
     from edgepfl.device_runtime.predict import open_device_model
 

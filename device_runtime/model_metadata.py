@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import edgepfl
+from edgepfl.kinds import KINDS
 from edgepfl.manifest import Manifest
 
 INPUT, LOGITS, PROBABILITIES = "input", "logits", "probabilities"
@@ -21,7 +22,7 @@ RESIZE_RULE = (
     "decode (grey models: Pillow 'L' = (19595 R + 38470 G + 7471 B + 32768) >> 16; colour: RGB), then resize "
     "straight to H x W (aspect ratio not kept) with a separable triangle filter, pixel centres aligned, widened "
     "by the scale factor when shrinking (Pillow's BILINEAR with antialiasing), in float64, rounded half up to "
-    "uint8 (edgepfl.device_runtime.data.resize_image; the browser page's preprocess.js is identical)"
+    "uint8 (edgepfl.kinds.pictures.resize_image; the browser page's preprocess.js is identical)"
 )
 NORMALIZATION = {"standardized": "x = (pixel / 255 - mean[c]) / std[c]", "scaled": "x = pixel / 255"}
 OUTPUTS = "logits (batch, classes); probabilities = softmax(logits)"
@@ -45,15 +46,6 @@ METADATA_KEYS: tuple[tuple[str, str | None], ...] = (
     ("last_completed_round", None),
     ("quantization", None),
 )
-# what a file says instead of the image keys, by the manifest's input layout (with the input's own layout and dtype)
-INPUT_KINDS = {
-    "tokens": {
-        "resize": "none",
-        "normalization": "none: token ids of the bundle's vocab.json (edgepfl.text: tokenize, <bos> then the words, "
-        "the last seq_len ids left-padded with <pad> = 0)",
-    },
-    "CT": {"resize": "none", "normalization": "x = (value - mean[c]) / std[c] per channel, channels x time"},
-}
 DOC_STRING = (
     "{model} ({description}); input {input_shape} {input_layout} {input_dtype}, pre-processing in metadata_props "
     "(resize, normalization, mean, std); outputs {outputs}"
@@ -79,8 +71,8 @@ def metadata_props(
         "quantization": quantization,
     }
     props = {key: values[key] if fixed is None else fixed for key, fixed in METADATA_KEYS}
-    if spec.layout in INPUT_KINDS:
-        props.update(input_layout=spec.layout, input_dtype=spec.dtype, **INPUT_KINDS[spec.layout])
+    if manifest.kind.model_file:  # what the file says of its input instead of the image keys (edgepfl/kinds/)
+        props.update(input_dtype=spec.dtype, **manifest.kind.model_file)
     return props
 
 
@@ -99,6 +91,6 @@ def model_file_contract() -> dict[str, Any]:
         "metadata": [[key, fixed] for key, fixed in METADATA_KEYS],
         "normalization": NORMALIZATION,
         "doc_string": DOC_STRING,
-        "input_kinds": INPUT_KINDS,
+        "input_kinds": {name: kind.model_file for name, kind in KINDS.items() if kind.model_file},
         "check_tolerance": CHECK_TOLERANCE,
     }

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set, model_input
+from edgepfl.device_runtime.engine import DistillStep, Engine, EvalResult, check_distill_set, model_input
 from edgepfl.errors import BundleError
 from edgepfl.manifest import Manifest
 from edgepfl.ortbuild import onnxruntime_without_torch
@@ -75,30 +75,21 @@ class OrtTrainingEngine(Engine):
         self.check_set(trainable)
         return self._run_step(trainable, lr, x, np.ascontiguousarray(y, dtype=np.int64))
 
-    def distill_step(
-        self,
-        x: np.ndarray,
-        y: np.ndarray,
-        teacher_logits: np.ndarray,
-        lr: float,
-        temperature: float,
-        lam: float,
-        variant: str = "kd",
-        trainable: str = "full",
-    ) -> float:
+    def distill_step(self, step: DistillStep) -> float:
         """One optimizer step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
-        self.check_set(trainable)
+        self.check_set(step.trainable)
         sets = {v: entry["sets"] for v, entry in self._entry.get("distill", {}).items()}
-        check_distill_set(self.name, sets, variant, trainable, "re-export with --distill or use --engine portable")
-        check_distill_inputs(self.manifest, len(x), teacher_logits, temperature, lam)
+        fix = "re-export with --distill or use --engine portable"
+        check_distill_set(self.name, sets, step.variant, step.trainable, fix)
+        step.checked(self.manifest)
         return self._run_step(
-            f"distill_{variant}_{trainable}",
-            lr,
-            x,
-            np.ascontiguousarray(y, dtype=np.int64),
-            np.ascontiguousarray(teacher_logits, dtype=np.float32),
-            np.array(temperature, dtype=np.float32),
-            np.array(lam, dtype=np.float32),
+            f"distill_{step.variant}_{step.trainable}",
+            step.lr,
+            step.x,
+            np.ascontiguousarray(step.y, dtype=np.int64),
+            np.ascontiguousarray(step.teacher_logits, dtype=np.float32),
+            np.array(step.temperature, dtype=np.float32),
+            np.array(step.lam, dtype=np.float32),
         )
 
     def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:

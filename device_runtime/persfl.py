@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from edgepfl.atomic import sha256_file, write_bytes_atomic, write_text_atomic
-from edgepfl.data import LocalData, iterate_batches, normalize
+from edgepfl.data import LocalData, iterate_batches
 from edgepfl.device_runtime.algorithms import evaluate
-from edgepfl.device_runtime.engine import Engine, EvalResult
+from edgepfl.device_runtime.engine import DistillStep, Engine, EvalResult
 from edgepfl.errors import DataError, StateError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import WireError, check_tensors, decode_tensors, encode_tensors
@@ -152,7 +152,7 @@ def local_splits(data: LocalData, seed: int) -> tuple[tuple[np.ndarray, np.ndarr
     order = np.random.default_rng([seed, 7]).permutation(data.val_index)
     half = len(order) // 2
     parts = (data.train_index, np.sort(order[:half]), np.sort(order[half:]))
-    return tuple((normalize(data.images[i], data.input_spec), data.labels[i]) for i in parts)
+    return tuple((data.kind.normalize(data.images[i]), data.labels[i]) for i in parts)
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def distill(
             engine.set_tensors(teacher_tensors)
             for epoch in range(config.epochs):
                 for index in iterate_batches(len(train_y), batch_size, config.seed, epoch):
-                    loss = engine.distill_step(
+                    step = DistillStep(
                         train_x[index],
                         train_y[index],
                         teacher_logits[index],
@@ -231,6 +231,7 @@ def distill(
                         variant=config.variant,
                         trainable=config.trainable,
                     )
+                    loss = engine.distill_step(step)
                     if on_step is not None:
                         on_step(loss)
             scores = engine.eval_batch(*val)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnxruntime as ort
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs, check_distill_set, model_input
+from edgepfl.device_runtime.engine import DistillStep, Engine, EvalResult, check_distill_set, model_input
 from edgepfl.errors import BundleError, DataError, UsageError
 from edgepfl.manifest import Manifest
 from edgepfl.wire import check_tensors, load_tensors
@@ -72,28 +72,19 @@ class PortableEngine(Engine):
         batch = (*self._padded(x, y, 0, count), np.array(lr, dtype=np.float32))
         return self._run_step(f"step_{trainable}", self.entry["steps"][trainable], batch)
 
-    def distill_step(
-        self,
-        x: np.ndarray,
-        y: np.ndarray,
-        teacher_logits: np.ndarray,
-        lr: float,
-        temperature: float,
-        lam: float,
-        variant: str = "kd",
-        trainable: str = "full",
-    ) -> float:
+    def distill_step(self, step: DistillStep) -> float:
         """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
-        self.check_set(trainable)
+        self.check_set(step.trainable)
         graphs = self.entry.get("distill", {})
-        check_distill_set(self.name, graphs, variant, trainable, "re-export the bundle with --distill")
-        count = self._check_step_batch(x, y)
-        check_distill_inputs(self.manifest, count, teacher_logits, temperature, lam)
+        check_distill_set(self.name, graphs, step.variant, step.trainable, "re-export the bundle with --distill")
+        count = self._check_step_batch(step.x, step.y)
+        step.checked(self.manifest)
         padded_teacher = np.zeros((self.batch_size, self.manifest.num_classes), dtype=np.float32)
-        padded_teacher[:count] = teacher_logits
-        scalars = (np.array(v, dtype=np.float32) for v in (temperature, lam, lr))
-        batch = (*self._padded(x, y, 0, count), padded_teacher, *scalars)
-        return self._run_step(f"distill_{variant}_{trainable}", graphs[variant][trainable], batch)
+        padded_teacher[:count] = step.teacher_logits
+        scalars = (np.array(v, dtype=np.float32) for v in (step.temperature, step.lam, step.lr))
+        batch = (*self._padded(step.x, step.y, 0, count), padded_teacher, *scalars)
+        graph = graphs[step.variant][step.trainable]
+        return self._run_step(f"distill_{step.variant}_{step.trainable}", graph, batch)
 
     def _check_step_batch(self, x: np.ndarray, y: np.ndarray) -> int:
         """The sample count of a training batch, which must fit the step graphs' fixed batch size."""

@@ -10,9 +10,13 @@ atomically with the upload's bytes, or a simulated client's memory. The browser 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from edgepfl.data import LocalData, num_batches
 from edgepfl.device_runtime.algorithms import (
@@ -25,16 +29,15 @@ from edgepfl.device_runtime.algorithms import (
     upload_specs,
     upload_tensors,
 )
-from edgepfl.device_runtime.client import upload_body
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.persfl import TeacherStore, consider_global_model
 from edgepfl.device_runtime.statistics import receive
-from edgepfl.encoding import drop_residual
+from edgepfl.encoding import Encoding, drop_residual, encode_round_upload
 from edgepfl.errors import BundleError, WireError
 from edgepfl.manifest import Manifest
-from edgepfl.protocol import RoundSettings
-from edgepfl.wire import check_tensors, nonfinite_names
+from edgepfl.protocol import RoundSettings, UploadMeta
+from edgepfl.wire import check_tensors, encode_tensors, nonfinite_names
 
 
 class RoundStore(Protocol):
@@ -176,3 +179,28 @@ def check_global_model(tensors: dict[str, Any], manifest: Manifest, what: str) -
     """
     shares_buffers = any(name in tensors for name in manifest.names("buffer"))
     _check_base(tensors, manifest, RoundSettings(share_buffers=shares_buffers), what)
+
+
+def encode_update(base_tensors: Mapping[str, np.ndarray], meta: UploadMeta) -> bytes:
+    """The body of an fp32 update upload: the base tensors with `UploadMeta` in the safetensors metadata."""
+    return encode_tensors(base_tensors, meta.to_metadata())
+
+
+def upload_body(
+    trained: Mapping[str, np.ndarray],
+    received: Mapping[str, np.ndarray],
+    settings: RoundSettings,
+    meta: UploadMeta,
+    residuals: str | os.PathLike,
+    round_id: int,
+    seed: int,
+) -> bytes:
+    """A round's upload as its settings ask: the trained base (fp32), or the delta trained - received, clipped to
+    the round's clip norm (DP) and encoded with error feedback from the residuals kept in the folder `residuals`."""
+    if not settings.uploads_delta:
+        return encode_update(trained, meta)
+    delta = {name: np.asarray(trained[name], np.float64) - np.asarray(received[name], np.float64) for name in trained}
+    encoding = Encoding.parse(settings.upload_encoding)
+    return encode_round_upload(residuals, round_id, delta, encoding, seed, settings.clip_norm).to_bytes(
+        meta.to_metadata()
+    )

@@ -41,7 +41,7 @@ def _root() -> None:
 def export(command_options: ExportCommand) -> None:
     """Export a model split at K_P into an artifact bundle (manifest, ORT training, portable)."""
     try:
-        from edgepfl.export import bundle
+        from edgepfl.export import bundle, summary
         from edgepfl.export.blocks import block_rows
         from edgepfl.export.target import command_target
     except ImportError as exc:
@@ -53,7 +53,7 @@ def export(command_options: ExportCommand) -> None:
     if command_options.show_blocks:
         rows = block_rows(target.module, target.blocks)
         origin = target.description.get("blocks_from", "zoo")
-        bundle.print_blocks(rows, f"{command_options.model}: blocks from the input end ({origin})", console)
+        summary.print_blocks(rows, f"{command_options.model}: blocks from the input end ({origin})", console)
         return
     with console.status("exporting") as status:
         manifest = bundle.export_target(
@@ -64,16 +64,16 @@ def export(command_options: ExportCommand) -> None:
             progress=lambda step: status.update(f"exporting {step}"),
             notice=lambda line: console.print(line, markup=False, highlight=False),
         )
-    bundle.print_summary(manifest, command_options.out, console)
+    summary.print_summary(manifest, command_options.out, console)
 
 
 @app.command("partition")
 @command(PartitionCommand)
 def partition_command(options: PartitionCommand) -> None:
     """Partition a dataset among clients and show the client x class counts (train/val/test per client)."""
+    from edgepfl.datasets import load_partition
+    from edgepfl.datasets.partition import partition_table, write_partition_file
     from edgepfl.errors import UsageError
-    from edgepfl.natural import load_partition
-    from edgepfl.partition import partition_table, write_partition_file
 
     if not options.show and options.out is None:
         raise UsageError("partition has nothing to do", "add --show to print the table or --out FILE.json")

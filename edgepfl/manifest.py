@@ -13,6 +13,7 @@ from typing import Any
 
 from edgepfl.atomic import sha256_file, write_text_atomic
 from edgepfl.errors import BundleError
+from edgepfl.kinds import InputSpec, SampleKind, parse_kind
 from edgepfl.personal import PersonalSpec, bundle_spec, trailing_personal_blocks
 
 SCHEMA_VERSION = 1
@@ -43,22 +44,11 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class InputSpec:
-    """What one sample looks like to the model and how raw pixels are normalised."""
-
-    shape: tuple[int, ...]  # per sample, channels first: (C, H, W)
-    dtype: str = "float32"
-    layout: str = "NCHW"
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
 class Manifest:
     """Everything a device, the server or the simulator needs to know about one exported bundle."""
 
     model: dict[str, Any]
-    input: InputSpec
+    kind: SampleKind  # what a sample is: its input, and how it is read, checked and shown (edgepfl/kinds/)
     num_classes: int
     kp: int
     blocks: tuple[str, ...]
@@ -68,14 +58,16 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     edgepfl_version: str = ""
     class_names: tuple[str, ...] = ()  # one per class when the export named them, else empty
-    # what a sample is beyond the input spec: {} for images; a text bundle's vocabulary and window
-    # (edgepfl.text.manifest_entry, kind "next-word"); a sensor bundle's channels and window (kind "sensor")
-    task: dict[str, Any] = field(default_factory=dict)
     personal: str = ""  # the --personal spec's canonical string; bundles before specs have none: output:kp
 
     def __post_init__(self) -> None:
         if not self.personal:  # one form for a bundle of any age, so manifests compare equal
             object.__setattr__(self, "personal", f"output:{self.kp}")
+
+    @property
+    def input(self) -> InputSpec:
+        """One sample as the model takes it, and how it is normalised."""
+        return self.kind.input
 
     @property
     def personal_spec(self) -> PersonalSpec:
@@ -170,7 +162,7 @@ class Manifest:
             "schema_version": self.schema_version,
             "edgepfl_version": self.edgepfl_version,
             "model": self.model,
-            "input": asdict(self.input),
+            "input": self.kind.input.to_json(),
             "num_classes": self.num_classes,
             "kp": self.kp,
             "blocks": [{"index": i, "name": name} for i, name in enumerate(self.blocks)],
@@ -179,7 +171,7 @@ class Manifest:
             "engines": self.engines,
             "files": self.files,
             "class_names": list(self.class_names),
-            "task": self.task,
+            "sample": self.kind.entry(),
             "personal": str(self.personal_spec),
         }
 
@@ -197,17 +189,13 @@ class Manifest:
                 TensorSpec(t["name"], tuple(int(d) for d in t["shape"]), t["dtype"], t["role"], int(t["block"]))
                 for t in data["tensors"]
             )
-            inp = data["input"]
+            num_classes = int(data["num_classes"])
+            # `sample` names the kind; bundles exported before it have `task` (none for images)
+            sample = data["sample"] if "sample" in data else data.get("task")
             manifest = cls(
                 model=dict(data["model"]),
-                input=InputSpec(
-                    shape=tuple(int(d) for d in inp["shape"]),
-                    dtype=inp["dtype"],
-                    layout=inp["layout"],
-                    mean=tuple(float(v) for v in inp["mean"]),
-                    std=tuple(float(v) for v in inp["std"]),
-                ),
-                num_classes=int(data["num_classes"]),
+                kind=parse_kind(sample, InputSpec.from_json(data["input"]), num_classes),
+                num_classes=num_classes,
                 kp=int(data["kp"]),
                 blocks=tuple(b["name"] for b in sorted(data["blocks"], key=lambda b: b["index"])),
                 tensors=tensors,
@@ -216,7 +204,6 @@ class Manifest:
                 schema_version=version,
                 edgepfl_version=str(data.get("edgepfl_version", "")),
                 class_names=tuple(data.get("class_names") or ()),  # bundles of older exports have none
-                task=dict(data.get("task") or {}),  # image bundles of older exports have none
                 personal=str(data.get("personal") or ""),  # nor a personal spec: theirs is output:kp
             )
         except (KeyError, TypeError, ValueError) as exc:

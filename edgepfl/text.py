@@ -187,21 +187,9 @@ def next_word_samples(lines: Iterable[str], vocabulary: Vocabulary, seq_len: int
 
 
 def counted(labels: np.ndarray, ignored: Sequence[int] = METRIC_IGNORED) -> np.ndarray:
-    """Which targets count towards next-word accuracy: not <pad>, not <oov> (FedAlt's metric; a manifest's
-    `metric_ignores` names them, edgepfl.data.scored reads it)."""
+    """Which targets count towards next-word accuracy: not <pad>, not <oov> (FedAlt's metric; a text bundle's kind
+    names them, edgepfl.data.scored reads it)."""
     return ~np.isin(labels, np.asarray(ignored, dtype=np.int64))
-
-
-def manifest_entry(vocabulary: Vocabulary, seq_len: int) -> dict:
-    """What a text bundle's manifest says of its vocabulary and samples."""
-    return {
-        "kind": "next-word",
-        "vocab": VOCAB_NAME,
-        "vocab_sha256": vocabulary.sha256,
-        "vocab_size": len(vocabulary),
-        "seq_len": seq_len,
-        "metric_ignores": list(METRIC_IGNORED),
-    }
 
 
 def write_vocabulary(folder: str | Path, vocabulary: Vocabulary) -> Path:

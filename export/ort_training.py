@@ -1,4 +1,4 @@
-"""ONNX Runtime on-device training artifacts, with the BatchNorm recipe of notes/ENGINES.md applied."""
+"""ONNX Runtime on-device training artifacts, with the BatchNorm recipe of docs/engines.md applied."""
 
 from __future__ import annotations
 

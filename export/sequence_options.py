@@ -7,12 +7,25 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, field_validator
 
+from edgepfl.datasets.har import HAR_ACTIVITIES, HAR_CHANNELS, HAR_RATE_HZ, HAR_WINDOW
+from edgepfl.kinds import ImageKind, NextWordKind, SampleKind, SensorKind
 from edgepfl.options import comma_separated, titled
-from edgepfl.sensordata import HAR_ACTIVITIES, HAR_CHANNELS, HAR_RATE_HZ, HAR_WINDOW
 
 TEXT_MODELS = ("transformer", "lstm")
 SENSOR_MODELS = ("har-cnn",)
 SEQUENCE_MODELS = TEXT_MODELS + SENSOR_MODELS
+# the kind of sample each sequence model reads; every other model reads images
+MODEL_KINDS: dict[str, type[SampleKind]] = {
+    **dict.fromkeys(TEXT_MODELS, NextWordKind),
+    **dict.fromkeys(SENSOR_MODELS, SensorKind),
+}
+
+
+def kind_read_by(model: str) -> type[SampleKind]:
+    """The kind of sample a zoo model reads (images, unless it is a text or sensor model)."""
+    return MODEL_KINDS.get(model, ImageKind)
+
+
 # UCI HAPT, as `--dataset har` reads it: the phone's accelerometer and gyroscope at 50 Hz, windows of 2.56 s, six
 # activities; the same channel names, so a har-cnn bundle exported with the defaults reads the dataset's windows
 HAPT_CHANNELS, HAPT_WINDOW, HAPT_RATE_HZ = HAR_CHANNELS, HAR_WINDOW, HAR_RATE_HZ
@@ -53,8 +66,12 @@ class SequenceOptions(BaseModel):
     def _channels(cls, value: Any) -> Any:
         return comma_separated(value)
 
-    def given(self, kind: tuple[str, ...] = ("text", "sensor")) -> list[str]:
-        """The flags that were set among those of `kind` (text: vocabulary and window; sensor: channels)."""
-        fields = {"text": ("vocab", "vocab_size", "seq_len", "layers"), "sensor": ("channels", "window", "rate_hz")}
-        names = [name for part in kind for name in fields[part]]
+    def given(self, models: tuple[str, ...] = ("text models", "sensor models")) -> list[str]:
+        """The flags that were set among those of `models` (text models: the vocabulary and window; sensor models:
+        the channels, window and rate)."""
+        fields = {
+            "text models": ("vocab", "vocab_size", "seq_len", "layers"),
+            "sensor models": ("channels", "window", "rate_hz"),
+        }
+        names = [name for part in models for name in fields[part]]
         return ["--" + name.replace("_", "-") for name in names if getattr(self, name) is not None]

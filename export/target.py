@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from edgepfl.datasets.har import HAR_ACTIVITIES
 from edgepfl.errors import UsageError
 from edgepfl.export import bundle, source
 from edgepfl.export.bundle import ExportTarget
 from edgepfl.export.models import ModelSpec, default_spec
 from edgepfl.export.options import ExportCommand, ExportOptions, read_class_names_file
-from edgepfl.export.sequence_options import SEQUENCE_MODELS
-from edgepfl.sensordata import HAR_ACTIVITIES
+from edgepfl.export.sequence_options import SENSOR_MODELS, SEQUENCE_MODELS
 
 
 def command_target(chosen: ExportCommand) -> tuple[ExportTarget, ExportOptions]:
@@ -30,9 +30,13 @@ def command_target(chosen: ExportCommand) -> tuple[ExportTarget, ExportOptions]:
         from edgepfl.export.textmodels import sequence_target
 
         target = sequence_target(model, chosen.sequence, options.seed, zoo.width, zoo.norm, chosen.num_classes)
-        hapt = target.task.get("kind") == "sensor" and target.num_classes == len(HAR_ACTIVITIES)
-        if hapt and not options.class_names:  # UCI HAPT's activities, as `--dataset har` names them
-            options = options.model_copy(update={"class_names": HAR_ACTIVITIES})
+        if model in SENSOR_MODELS and not options.class_names:  # a person recording picks an activity by its name
+            if chosen.sequence.given(("sensor models",)) or chosen.num_classes is not None:
+                raise UsageError(
+                    f"the sensor model {model} with its own channels, window or classes needs its activities' names",
+                    "pass --class-names, one name per class in class order (e.g. --class-names walking,sitting)",
+                )
+            options = options.model_copy(update={"class_names": HAR_ACTIVITIES})  # UCI HAPT's, as `--dataset har`'s
     elif parsed.is_zoo:
         if chosen.input_shape is not None:
             raise UsageError("--input-shape is for torchvision:/factory models", "use --input-size/--in-channels")

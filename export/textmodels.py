@@ -30,7 +30,9 @@ from edgepfl.export.sequence_options import (
     TEXT_MODELS,
     SequenceOptions,
 )
-from edgepfl.sensordata import sensor_entry
+from edgepfl.kinds import SampleKind
+from edgepfl.kinds.nextword import NextWordKind
+from edgepfl.kinds.sensor import SensorKind
 
 if TYPE_CHECKING:
     from edgepfl.export.bundle import ExportTarget
@@ -53,7 +55,6 @@ class TextSpec:
     seq_len: int = text.DEFAULT_SEQ_LEN
 
     input_dtype = "int64"
-    layout = "tokens"
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -87,7 +88,6 @@ class SensorSpec:
     norm: str = "batch"
 
     input_dtype = "float32"
-    layout = "CT"
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -349,7 +349,7 @@ def sequence_target(
     model's channels from `--channels`; a knob of the other kind is refused in one line."""
     if name in TEXT_MODELS:
         given = (
-            sequence.given(("sensor",))
+            sequence.given(("sensor models",))
             + ["--norm"] * (norm is not None)
             + ["--num-classes"] * (num_classes is not None)
         )
@@ -366,8 +366,8 @@ def sequence_target(
             text.read_text(sequence.vocab).splitlines(), sequence.vocab_size or text.DEFAULT_VOCAB_SIZE
         )
         return text_target(name, vocabulary, seed, width, sequence.layers, sequence.seq_len)
-    if sequence.given(("text",)):
-        raise UsageError(f"{sequence.given(('text',))[0]} does not apply to the sensor model {name}", "drop it")
+    if sequence.given(("text models",)):
+        raise UsageError(f"{sequence.given(('text models',))[0]} does not apply to the sensor model {name}", "drop it")
     channels = sequence.channels or HAPT_CHANNELS
     return sensor_target(name, channels, seed, width, sequence.window, sequence.rate_hz, num_classes, norm)
 
@@ -381,7 +381,7 @@ def text_target(
     seq_len: int | None = None,
 ) -> ExportTarget:
     """A next-word model with one class per word of `vocabulary`, which is written into the bundle (vocab.json, its
-    sha256 in the manifest's task): what `edgepfl export` and a simulation over a text dataset build."""
+    sha256 in the manifest's sample entry): what `edgepfl export` and a simulation over a text dataset build."""
     base = default_sequence_spec(name)
     spec = TextSpec(
         name,
@@ -390,7 +390,8 @@ def text_target(
         vocab_size=len(vocabulary),
         seq_len=seq_len or base.seq_len,
     )
-    return _target(spec, seed, text.manifest_entry(vocabulary, spec.seq_len), {text.VOCAB_NAME: vocabulary.to_json()})
+    kind = NextWordKind.from_vocabulary(vocabulary, spec.seq_len)
+    return _target(spec, seed, kind, {text.VOCAB_NAME: vocabulary.to_json()})
 
 
 def sensor_target(
@@ -403,7 +404,7 @@ def sensor_target(
     num_classes: int | None = None,
     norm: str | None = None,
 ) -> ExportTarget:
-    """An activity model over windows of the named `channels`, which the manifest's task lists."""
+    """An activity model over windows of the named `channels`, which the manifest's sample entry lists."""
     if len(set(channels)) != len(channels):
         raise UsageError(f"--channels names a channel twice ({', '.join(channels)})", "name each channel once")
     base = default_sequence_spec(name)
@@ -416,12 +417,11 @@ def sensor_target(
         num_classes=base.num_classes if num_classes is None else num_classes,
         norm=norm or base.norm,
     )
-    task = sensor_entry(tuple(channels), spec.window, rate_hz or HAPT_RATE_HZ)
-    return _target(spec, seed, task)
+    return _target(spec, seed, SensorKind.of(tuple(channels), spec.window, rate_hz or HAPT_RATE_HZ))
 
 
-def _target(spec: SequenceSpec, seed: int, task: dict[str, Any], files: dict[str, bytes] | None = None) -> ExportTarget:
-    """The spec's model built under `seed`, with what its manifest says of the task and the files it carries."""
+def _target(spec: SequenceSpec, seed: int, kind: SampleKind, files: dict[str, bytes] | None = None) -> ExportTarget:
+    """The spec's model built under `seed`, with the kind of its samples and the files it carries."""
     from edgepfl.export.bundle import ExportTarget
 
     validate_sequence_spec(spec)
@@ -435,7 +435,6 @@ def _target(spec: SequenceSpec, seed: int, task: dict[str, Any], files: dict[str
         spec.normalization,
         spec.to_dict(),
         input_dtype=spec.input_dtype,
-        layout=spec.layout,
-        task=task,
+        kind=kind,
         files=files or {},
     )

@@ -11,7 +11,6 @@ few honest devices together. An update within both bounds reaches the strategy b
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -26,34 +25,6 @@ class UpdateBounds:
 
     clip_multiple: float = 3.0  # a delta norm above this many times the round's median is scaled down to it
     weight_multiple: float = 2.0  # a claimed sample count above this many times the round's median is capped
-
-
-NORM_CHUNK = 1 << 16  # elements per pass of delta_norm: its scratch stays in cache, O(chunk) not O(tensor)
-
-
-def delta_norm(upload: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> float:
-    """L2 norm of upload - base over the float tensors the upload carries.
-
-    Computed in chunks through one small float32 scratch buffer: differences and squares in float32 (a difference
-    of two nearby float32 values is exact), each chunk's sum taken by einsum and the chunks' sums added in float64;
-    relative error ~1e-7, ample for a bound set at a multiple of the round's median. A whole-tensor float64
-    difference held three float64 copies of the largest tensor per concurrent upload (~100 MiB at four upload
-    slots for MobileNet x1.0) and took 3x longer. Not np.dot: dot goes to multithreaded OpenBLAS, whose spinning
-    threads made concurrent uploads 5-80x slower on a small machine (bench/server.py --quick).
-    """
-    total = 0.0
-    scratch = np.empty(NORM_CHUNK, dtype=np.float32)
-    for name, value in upload.items():
-        array = np.asarray(value)
-        if array.dtype.kind != "f":
-            continue
-        uploaded, sent = array.reshape(-1), np.asarray(base[name]).reshape(-1)
-        for start in range(0, uploaded.size, NORM_CHUNK):
-            stop = min(start + NORM_CHUNK, uploaded.size)
-            difference = scratch[: stop - start]
-            np.subtract(uploaded[start:stop], sent[start:stop], out=difference, casting="same_kind")
-            total += float(np.einsum("i,i->", difference, difference))
-    return math.sqrt(total)
 
 
 def bounded(

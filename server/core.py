@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from edgepfl.errors import BundleError, EdgePFLError, StateError
 from edgepfl.manifest import Manifest, layout_hash
-from edgepfl.privacy import PrivacyLedger
+from edgepfl.privacy import PrivacyLedger, delta_norm
 from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, SecureTask, Task
-from edgepfl.server.bounds import UpdateBounds, delta_norm
+from edgepfl.server.bounds import UpdateBounds
 from edgepfl.server.budget import PrivacyBudget, PrivateStrategy
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.downloads import Downloads

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from edgepfl.manifest import TensorSpec
+from edgepfl.privacy import delta_norm
 from edgepfl.protocol import RoundSettings
-from edgepfl.server.bounds import UpdateBounds, bounded, delta_norm
+from edgepfl.server.bounds import UpdateBounds, bounded
 from edgepfl.server.errors import BlobError
 from edgepfl.server.fleet import FleetOptions, rebased
 from edgepfl.server.records import RoundRecord, UpdateRecord

@@ -212,14 +212,13 @@ def vendor_files(runtime: WebRuntime) -> dict[str, StaticFile]:
 
 def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
     """manifest.json, the portable engine's files (graphs, frozen variants, initial tensors), the inference
-    graph `model.onnx` (the page bakes the device's tensors into it for "save the model") and a text bundle's
-    vocabulary (the page tokenizes a person's text with it), nothing else."""
+    graph `model.onnx` (the page bakes the device's tensors into it for "save the model") and the files its kind of
+    sample needs (a text bundle's vocabulary: the page tokenizes a person's text with it), nothing else."""
     required, optional = engine.manifest.portable_files()
     folder = engine.config.bundle
     files = {MANIFEST_NAME: StaticFile(folder / MANIFEST_NAME, MEDIA_TYPES[".json"])}
-    vocabulary = engine.manifest.task.get("vocab")
     names = [*required, *optional, *([INFERENCE_MODEL] if (folder / INFERENCE_MODEL).is_file() else [])]
-    names += [str(vocabulary)] if vocabulary else []
+    names += engine.manifest.kind.bundle_files
     files.update({name: StaticFile(folder / name, "application/octet-stream") for name in names})
     return files
 

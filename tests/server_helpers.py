@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from edgepfl.manifest import InputSpec, Manifest, TensorSpec
+from edgepfl.kinds import ImageKind, InputSpec
+from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.protocol import UploadMeta
 from edgepfl.server.launch import LocalServer, free_port  # noqa: F401 - free_port is for the tests
 from edgepfl.server.store import Store
@@ -41,7 +42,7 @@ def make_bundle(folder: Path, kp: int = 1, with_initial: bool = True, seed: int 
         )
     manifest = Manifest(
         model={"name": "tiny"},
-        input=InputSpec(shape=(3,)),
+        kind=ImageKind(input=InputSpec(shape=(3,))),
         num_classes=2,
         kp=kp,
         blocks=("stem", "mid", "head"),

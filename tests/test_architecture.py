@@ -117,9 +117,70 @@ def test_no_server_module_outside_server_modes_branches_on_the_round_mode() -> N
     assert branches == set(), "a round mode's branch belongs in its module under server/modes/ (docs/architecture.md)"
 
 
-# The page's kinds of sample (device_runtime/web/src/kinds.js): a kind's name is written in its own module
-# (kind_NAME.js) only; any other module that names one (a literal, or a key of a lookup by kind) branches on it.
-KIND_NAMES = ("image", "next-word", "sensor")
+# A kind of sample (image, next-word, sensor) is one object under edgepfl/kinds/ (docs/architecture.md, "How to add a
+# kind of sample"): outside it, code asks the kind (its reader, checks, words...), never which kind it has.
+KIND_CLASSES = {"SampleKind", "ImageKind", "NextWordKind", "SensorKind"}
+
+
+def _kind_branches(source: str) -> list[int]:
+    """The lines of `source` that tell kinds apart: a kind's name as a string ("sensor"), a kind's class tested
+    with isinstance, or a comparison with a kind class's `name`."""
+    import ast
+
+    from edgepfl.kinds import KINDS
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in KINDS and id(node) not in docstrings:
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+            if {getattr(part, "id", "") for part in ast.walk(node.args[1])} & KIND_CLASSES:
+                found.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            named = [part for part in ast.walk(node) if isinstance(part, ast.Attribute) and part.attr == "name"]
+            if any(getattr(part.value, "id", "") in KIND_CLASSES for part in named):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_kind_branch_check_finds_kind_branches() -> None:
+    assert _kind_branches("if manifest.kind.name == 'next-word':\n    pass\n") == [1]
+    assert _kind_branches("words = {'sensor': 'windows'}\n") == [1]
+    assert _kind_branches("if isinstance(kind, (ImageKind, SensorKind)):\n    pass\n") == [1]
+    assert _kind_branches("same = kind.name == NextWordKind.name\n") == [1]
+    assert _kind_branches('"""Reads next-word text or sensor windows."""\nkind = parse(entry)\n') == []
+    registry = (REPO / "edgepfl" / "kinds" / "__init__.py").read_text(encoding="utf-8")
+    assert _kind_branches(registry) == [], "the registry names kinds through their classes"
+    sensor = (REPO / "edgepfl" / "kinds" / "sensor.py").read_text(encoding="utf-8")
+    assert _kind_branches(sensor), "a kind's own module names it: the check sees it"
+
+
+def test_no_module_outside_the_kinds_branches_on_a_kind_of_sample() -> None:
+    """Outside edgepfl/kinds/, no module of the core or the components tells kinds of sample apart."""
+    folders = [REPO / name for name in ("edgepfl", "server", "device_runtime", "export")]
+    kinds = REPO / "edgepfl" / "kinds"
+    modules = [path for folder in folders for path in folder.rglob("*.py") if kinds not in path.parents]
+    modules = [path for path in modules if "/web/" not in path.as_posix()]  # the page's fixture writers are tests
+    assert len(modules) > 150 and (REPO / "edgepfl" / "data.py") in modules
+    branches = {
+        f"{path.relative_to(REPO).as_posix()}:{line}"
+        for path in modules
+        for line in _kind_branches(path.read_text(encoding="utf-8"))
+    }
+    assert branches == set(), "a kind's branch belongs in its module under edgepfl/kinds/ (docs/architecture.md)"
+
+
+# The page's kinds of sample (device_runtime/web/src/kinds.js), the twins of edgepfl/kinds/ by name: a kind's name is
+# written in its own module (kind_NAME.js) only; any other module that names one (a literal, or a key of a lookup by
+# kind) branches on it.
 PAGE = REPO / "device_runtime" / "web"
 
 
@@ -127,7 +188,9 @@ def _page_kind_names(*paths: Path) -> list[tuple[str, int, str]]:
     """Where page modules name a kind: (file, line, text), by TypeScript's parser (test/kind_branches.mjs)."""
     if shutil.which("node") is None or not (PAGE / "node_modules" / "typescript").is_dir():
         pytest.skip("node and the page's node_modules are needed (npm ci --prefix device_runtime/web)")
-    command = ["node", "test/kind_branches.mjs", ",".join(KIND_NAMES), *map(str, paths)]
+    from edgepfl.kinds import KINDS
+
+    command = ["node", "test/kind_branches.mjs", ",".join(KINDS), *map(str, paths)]
     done = subprocess.run(command, cwd=PAGE, capture_output=True, text=True, check=True)
     return [tuple(found) for found in json.loads(done.stdout)]
 
@@ -144,7 +207,9 @@ def test_the_page_kind_check_finds_a_branch_on_a_kind(tmp_path: Path) -> None:
     lines = [line for _, line, _ in _page_kind_names(planted)]
     assert lines == [1, 1, 2]
     kinds = {path.name: [text for _, _, text in _page_kind_names(path)] for path in (PAGE / "src").glob("kind_*.js")}
-    assert sorted(text.strip("'") for found in kinds.values() for text in found) == sorted(KIND_NAMES), kinds
+    from edgepfl.kinds import KINDS
+
+    assert sorted(text.strip("'") for found in kinds.values() for text in found) == sorted(KINDS), kinds
 
 
 def test_no_page_module_outside_the_kinds_names_a_kind() -> None:

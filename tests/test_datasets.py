@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import SHARED
 
-from edgepfl.datasets import load_dataset, load_npz, read_checksums
+from edgepfl.datasets.images import load_dataset, load_npz, read_checksums
 from edgepfl.errors import DataError, UsageError
 
 

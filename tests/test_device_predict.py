@@ -9,16 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_without_torch
+from device_helpers import predict_all, read_inputs
 from test_device_runtime import BN_BUNDLE, ENGINES, NUM_CLASSES, class_images
 from typer.testing import CliRunner
 
 from edgepfl.atomic import sha256_file
-from edgepfl.data import make_local_data, normalize
+from edgepfl.data import make_local_data
 from edgepfl.device_runtime.algorithms import Phase, train_phase
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.engine import open_engine, softmax
 from edgepfl.device_runtime.model_export import LOGITS, PROBABILITIES, export_device_model
-from edgepfl.device_runtime.predict import open_device_model, predict, read_inputs
+from edgepfl.device_runtime.predict import open_device_model
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, DataError
 from edgepfl.manifest import load_manifest
@@ -76,7 +77,7 @@ def test_predict_is_the_engines_evaluation(bn_bundle, trained_state, engine_name
     assert model.trained and "trained locally" in model.description
     data = noisy_data(model.engine.manifest, 45, seed=5, val_fraction=0.0)  # 45: not a multiple of the batch
     x, y = next(data.train_batches_in_order(45))
-    probabilities = predict(model.engine, x)
+    probabilities = predict_all(model.engine, x)
     assert probabilities.shape == (45, NUM_CLASSES) and np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-6)
     np.testing.assert_allclose(probabilities, softmax(model.engine.logits(x)), rtol=0, atol=1e-7)
     evaluation = model.engine.eval_batch(x, y)  # the eval graph's own loss and correct count
@@ -85,8 +86,8 @@ def test_predict_is_the_engines_evaluation(bn_bundle, trained_state, engine_name
 
 
 def test_both_engines_predict_alike(bn_bundle, trained_state):
-    x = normalize(class_images(np.arange(7) % NUM_CLASSES, 3, side=SIDE), load_manifest(bn_bundle).input)
-    ort, portable = (predict(open_device_model(bn_bundle, trained_state, name).engine, x) for name in ENGINES)
+    x = load_manifest(bn_bundle).kind.normalize(class_images(np.arange(7) % NUM_CLASSES, 3, side=SIDE))
+    ort, portable = (predict_all(open_device_model(bn_bundle, trained_state, name).engine, x) for name in ENGINES)
     np.testing.assert_allclose(ort, portable, rtol=0, atol=1e-5)
 
 
@@ -100,7 +101,7 @@ def test_a_photo_or_two_go_through_the_one_sample_predict_graph_with_the_eval_gr
         "predict",
         "eval",
     )
-    x = normalize(class_images(np.arange(few + 1) % NUM_CLASSES, 3, side=SIDE), engine.manifest.input)
+    x = engine.manifest.kind.normalize(class_images(np.arange(few + 1) % NUM_CLASSES, 3, side=SIDE))
     batched = engine.logits(x)  # few + 1 inputs: one padded batch of the eval graph
     one_by_one = np.concatenate([engine.logits(x[i : i + 1]) for i in range(few + 1)])
     np.testing.assert_allclose(one_by_one, batched, rtol=0, atol=1e-5)
@@ -144,7 +145,7 @@ def test_predict_cli_reads_images_folders_and_npz_as_training_data(named_bundle,
     ]
     model = open_device_model(named_bundle, trained_state, "portable")
     _, x = read_inputs([tmp_path / "photos", tmp_path / "more.npz", tmp_path / "colour.png"], model.engine)
-    want = predict(model.engine, x)
+    want = predict_all(model.engine, x)
     for row, prediction in zip(want, document["predictions"]):
         top = prediction["top"]
         assert [item["class"] for item in top] == list(np.argsort(-row, kind="stable")[:2])
@@ -266,7 +267,7 @@ def test_exported_fp32_model_gives_the_engines_probabilities(named_bundle, train
     assert report["source_graph"] == "model.onnx" and report["quantize"] == "none"
     assert report["bytes"] == out.stat().st_size
     model = open_device_model(named_bundle, trained_state, engine_name)
-    x = normalize(class_images(np.arange(37) % NUM_CLASSES, 4, noise=110.0, side=SIDE), model.engine.manifest.input)
+    x = model.engine.manifest.kind.normalize(class_images(np.arange(37) % NUM_CLASSES, 4, noise=110.0, side=SIDE))
     session = _plain_session(out)
     assert [i.name for i in session.get_inputs()] == ["input"]
     assert [o.name for o in session.get_outputs()] == [LOGITS, PROBABILITIES]
@@ -301,7 +302,7 @@ def test_an_older_bundle_exports_through_its_ort_training_eval_graph(bn_bundle, 
     model = open_device_model(old, trained_state, "portable")
     exported = export_device_model(model, tmp_path / "m.onnx")
     assert exported.source_graph == "ort-training/full/eval_model.onnx"
-    x = normalize(class_images(np.arange(9) % NUM_CLASSES, 2, side=SIDE), model.engine.manifest.input)
+    x = model.engine.manifest.kind.normalize(class_images(np.arange(9) % NUM_CLASSES, 2, side=SIDE))
     probabilities = _plain_session(tmp_path / "m.onnx").run([PROBABILITIES], {"input": x})[0]
     np.testing.assert_allclose(probabilities, model.engine.predict(x), rtol=0, atol=1e-5)
     # the same older bundle without its ort-training artifacts has no graph that names its tensors

@@ -12,17 +12,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from edgepfl.data import LocalData, iterate_batches, make_local_data, split_train_val
+from edgepfl.data import LocalData, iterate_batches, load_device_data, make_local_data, split_train_val
 from edgepfl.device_runtime.algorithms import Phase, round_phases, run_client_round, train_phase
 from edgepfl.device_runtime.cli import device_app
 from edgepfl.device_runtime.client import RetryPolicy, RoundGone, ServerClient, ServerRefused, ServerUnreachable
-from edgepfl.device_runtime.data import load_device_data, read_image_folder
 from edgepfl.device_runtime.engine import open_engine
 from edgepfl.device_runtime.options import DeviceOptions
 from edgepfl.device_runtime.runner import DeviceEvents, run_device
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import BundleError, DataError, StateError, UsageError
-from edgepfl.manifest import InputSpec, Manifest, load_manifest
+from edgepfl.kinds import ImageKind, InputSpec
+from edgepfl.kinds.pictures import read_image_folder
+from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.protocol import RoundSettings, Task, UploadMeta
 from edgepfl.wire import decode_metadata, decode_tensors, encode_tensors
 
@@ -250,11 +251,11 @@ def test_image_folder_classes_by_name_not_position(mlp_bundle, tmp_path):
     assert data.labels.tolist() == [1, 1, 3, 3, 3] and np.array_equal(data.images[:, 0], class_images(labels)[..., 0])
     named = replace(load_manifest(mlp_bundle), class_names=("cat", "dog", "bird", "fish"))
     with pytest.raises(DataError, match="folder images/1 is not named as a class") as refused:
-        read_image_folder(tmp_path / "images", named)
+        read_image_folder(tmp_path / "images", named.input.shape, named.class_labels)
     assert refused.value.fix == "name each class folder exactly as its class: cat, dog, bird, fish"
     (tmp_path / "images" / "1").rename(tmp_path / "images" / "dog")
     (tmp_path / "images" / "3").rename(tmp_path / "images" / "fish")
-    assert read_image_folder(tmp_path / "images", named)[1].tolist() == [1, 1, 3, 3, 3]
+    assert read_image_folder(tmp_path / "images", named.input.shape, named.class_labels)[1].tolist() == [1, 1, 3, 3, 3]
 
 
 def test_grey_and_colour_images_are_converted_as_pillow_does(mlp_bundle, tmp_path):
@@ -262,11 +263,12 @@ def test_grey_and_colour_images_are_converted_as_pillow_does(mlp_bundle, tmp_pat
 
     colour = np.random.default_rng(0).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
     _write_png(tmp_path / "images" / "0" / "a.png", SIDE, "RGB", colour)
-    pixels, _ = read_image_folder(tmp_path / "images", load_manifest(mlp_bundle))  # a grey model
+    grey = load_manifest(mlp_bundle)
+    pixels, _ = read_image_folder(tmp_path / "images", grey.input.shape, grey.class_labels)  # a grey model
     assert np.array_equal(pixels[0, :, :, 0], np.asarray(Image.fromarray(colour).convert("L")))
-    rgb = replace(load_manifest(mlp_bundle), input=InputSpec(shape=(3, SIDE, SIDE)))
+    rgb = replace(load_manifest(mlp_bundle), kind=ImageKind(input=InputSpec(shape=(3, SIDE, SIDE))))
     _write_png(tmp_path / "grey" / "2" / "a.png", SIDE, "L", colour[:, :, 0])
-    pixels, _ = read_image_folder(tmp_path / "grey", rgb)
+    pixels, _ = read_image_folder(tmp_path / "grey", rgb.input.shape, rgb.class_labels)
     assert np.array_equal(pixels[0], np.repeat(colour[:, :, :1], 3, axis=2))
 
 

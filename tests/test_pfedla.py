@@ -581,8 +581,8 @@ def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_f
     from test_device_e2e import device_command, finish, run_args, stored_updates
     from test_device_runtime import DEVICE_BUNDLE, save_npz
 
+    from edgepfl.data import load_device_data
     from edgepfl.device_runtime.client import RetryPolicy, ServerClient
-    from edgepfl.device_runtime.data import load_device_data
     from edgepfl.device_runtime.engine import open_engine
     from edgepfl.device_runtime.options import DeviceOptions
     from edgepfl.device_runtime.runner import run_device

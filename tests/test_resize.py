@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
-from edgepfl.device_runtime.data import read_image_folder, resize_image
 from edgepfl.errors import DataError
-from edgepfl.manifest import InputSpec
+from edgepfl.kinds.pictures import read_image_folder, resize_image
 
 
 def test_same_size_is_untouched_and_constant_stays_constant():
@@ -48,8 +45,7 @@ def test_image_folder_resizes_to_the_model_input(tmp_path):
     pixels = np.random.default_rng(2).integers(0, 256, (13, 21, 3), dtype=np.uint8)
     (tmp_path / "1").mkdir()
     Image.fromarray(pixels).save(tmp_path / "1" / "a.png")
-    manifest = SimpleNamespace(class_labels=("0", "1"), input=InputSpec(shape=(3, 8, 8)))
-    images, labels = read_image_folder(tmp_path, manifest)
+    images, labels = read_image_folder(tmp_path, (3, 8, 8), ("0", "1"))
     assert images.shape == (1, 8, 8, 3) and labels.tolist() == [1]
     assert np.array_equal(images[0], resize_image(pixels, 8, 8))
 

@@ -15,7 +15,8 @@ import pytest
 from server_helpers import enroll, upload_body
 
 from edgepfl.errors import UsageError
-from edgepfl.manifest import InputSpec, Manifest, TensorSpec
+from edgepfl.kinds import ImageKind, InputSpec
+from edgepfl.manifest import Manifest, TensorSpec
 from edgepfl.options import validated
 from edgepfl.privacy import clip_delta, delta_norm, noised_mean
 from edgepfl.secagg import ClientSession, KeyBook, ServerSession, dequantize_sum, from_json, quantize_delta, to_json
@@ -51,7 +52,7 @@ def bundle(folder: Path, width: int = 8) -> Manifest:
     )
     manifest = Manifest(
         model={"name": "tiny"},
-        input=InputSpec(shape=(16,)),
+        kind=ImageKind(input=InputSpec(shape=(16,))),
         num_classes=2,
         kp=1,
         blocks=("stem", "head"),

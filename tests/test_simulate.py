@@ -90,10 +90,10 @@ def test_every_algorithm_runs_two_rounds(tiny_npz, tmp_path, algorithm):
 
 def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_path):
     """Round 1 rebuilt by hand: every client from the initial tensors, then the server's FedPer on the uploads."""
-    from edgepfl.datasets import load_dataset
+    from edgepfl.datasets.images import load_dataset
+    from edgepfl.datasets.partition import make_partition
     from edgepfl.device_runtime.algorithms import run_client_round, upload_tensors
     from edgepfl.manifest import load_manifest
-    from edgepfl.partition import make_partition
     from edgepfl.server.strategies import make_strategy
     from edgepfl.server.strategy import AcceptedUpdate
     from edgepfl.simulate.bundle import initial_tensors

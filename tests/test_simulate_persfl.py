@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from edgepfl.device_runtime.engine import DistillStep
+
 pytest.importorskip("torch")
 
 from test_simulate import tiny_config  # noqa: E402
@@ -95,7 +97,7 @@ def test_torch_distill_step_matches_the_bundle_engine(tiny_npz, tmp_path):
     teacher = rng.normal(size=(32, manifest.num_classes)).astype(np.float32)
     for variant, temperature in (("kd", 3.0), ("gd", 2.0)):
         losses = [
-            engine.distill_step(x, y, teacher, lr=0.1, temperature=temperature, lam=0.6, variant=variant)
+            engine.distill_step(DistillStep(x, y, teacher, lr=0.1, temperature=temperature, lam=0.6, variant=variant))
             for engine in (bundle_engine, torch_engine)
         ]
         assert losses[0] == pytest.approx(losses[1], rel=1e-4)

@@ -12,10 +12,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from edgepfl import text  # noqa: E402
+from edgepfl.datasets.har import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW  # noqa: E402
 from edgepfl.errors import StateError, UsageError  # noqa: E402
 from edgepfl.manifest import load_manifest  # noqa: E402
-from edgepfl.sensordata import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW  # noqa: E402
 from edgepfl.simulate.bundle import check_model_kind  # noqa: E402
 from edgepfl.simulate.config import SimulateConfig  # noqa: E402
 from edgepfl.simulate.loop import run_simulation  # noqa: E402
@@ -59,8 +58,8 @@ def test_a_text_folder_trains_a_tiny_transformer_and_scores_next_words_per_clien
     rounds = 2 if engine == "torch" else 1
     run_simulation(text_config(text_folder, out, engine=engine, rounds=rounds))
     manifest = load_manifest(out / "bundle")
-    vocabulary = text.load_vocabulary(out / "bundle", manifest.task)  # the dataset's, checked against its sha256
-    assert manifest.task["kind"] == "next-word" and manifest.num_classes == len(vocabulary) <= 20
+    vocabulary = manifest.kind.vocabulary(out / "bundle")  # the dataset's, checked against its sha256
+    assert manifest.kind.name == "next-word" and manifest.num_classes == len(vocabulary) <= 20
     assert set(WORDS) <= set(vocabulary.words) and manifest.input.shape == (8,)
     document = json.loads((out / "results.json").read_text())
     assert [r["round"] for r in document["rounds"]] == list(range(1, rounds + 1))
@@ -77,8 +76,8 @@ def test_a_model_of_the_wrong_kind_for_the_dataset_is_refused_in_one_line(text_f
     assert "--model transformer or --model lstm" in refusal.value.fix
     with pytest.raises(UsageError, match="--model har-cnn cannot read this dataset's next-word text"):
         run_simulation(text_config(text_folder, tmp_path / "cnn", model="har-cnn"))
-    with pytest.raises(UsageError, match="--model transformer reads text or sensor windows, not this dataset's"):
-        check_model_kind("transformer", "")
+    with pytest.raises(UsageError, match="--model transformer reads next-word text, not this dataset's images"):
+        check_model_kind("transformer", "image")
     with pytest.raises(UsageError, match="--model transformer cannot read this dataset's sensor windows"):
         check_model_kind("transformer", "sensor")
 
@@ -104,8 +103,8 @@ def test_har_subjects_train_har_cnn_with_the_training_parts_channel_statistics(t
     )
     run_simulation(config)
     manifest = load_manifest(out / "bundle")
-    assert manifest.task["kind"] == "sensor" and tuple(manifest.class_labels) == HAR_ACTIVITIES
-    assert manifest.task["channels"] == list(HAR_CHANNELS) and manifest.input.shape == (6, HAR_WINDOW)
+    assert manifest.kind.name == "sensor" and tuple(manifest.class_labels) == HAR_ACTIVITIES
+    assert manifest.kind.channels == HAR_CHANNELS and manifest.input.shape == (6, HAR_WINDOW)
     assert manifest.input.std != (1.0,) * 6 and all(s > 0 for s in manifest.input.std)  # not the identity
     accuracy = json.loads((out / "results.json").read_text())["rounds"][0]["test_accuracy"]
     assert len(accuracy["per_client"]) == 2 and accuracy["p10"] is not None

@@ -29,8 +29,8 @@ CLIENTS = 4
 
 def client_files(config, folder: Path) -> list[tuple[Path, int]]:
     """Each simulated client's training samples as an .npz, and the seed its device must use."""
-    from edgepfl.datasets import load_dataset
-    from edgepfl.partition import make_partition
+    from edgepfl.datasets.images import load_dataset
+    from edgepfl.datasets.partition import make_partition
 
     data = config.data
     dataset = load_dataset(data.dataset, data.data_root)

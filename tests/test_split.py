@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from edgepfl.manifest import InputSpec, Manifest, layout_hash, split_roles
+from edgepfl.kinds import ImageKind, InputSpec
+from edgepfl.manifest import Manifest, layout_hash, split_roles
 
 torch = pytest.importorskip("torch")
 from edgepfl.export.models import MODEL_NAMES, ModelSpec, build_model, default_spec  # noqa: E402
@@ -24,7 +25,7 @@ def manifest_for(model, kp: int) -> Manifest:
     params, buffers = model.state_tensors()
     return Manifest(
         model=model.spec.to_dict(),
-        input=InputSpec(shape=model.spec.input_shape),
+        kind=ImageKind(input=InputSpec(shape=model.spec.input_shape)),
         num_classes=model.spec.num_classes,
         kp=kp,
         blocks=tuple(model.block_names()),

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from conftest import run_without_torch
 
-from edgepfl.data import check_samples, make_local_data, metric_description, normalize, scored
-from edgepfl.device_runtime.data import load_device_data
+from edgepfl.data import check_samples, load_device_data, make_local_data, metric_description, scored
 from edgepfl.errors import BundleError, DataError
-from edgepfl.manifest import InputSpec, Manifest
-from edgepfl.sensordata import sensor_entry
+from edgepfl.kinds import NextWordKind, SensorKind
+from edgepfl.manifest import Manifest
 from edgepfl.simulate.results import accuracy_summary
-from edgepfl.text import EOS_ID, OOV_ID, PAD_ID, Vocabulary, manifest_entry, write_vocabulary
+from edgepfl.text import EOS_ID, OOV_ID, PAD_ID, Vocabulary, write_vocabulary
 
 CHANNELS = ("acc-x", "acc-y", "acc-z")
 WINDOW = 8
@@ -27,12 +26,11 @@ def _text_bundle(tmp_path, seq_len: int = 4):
     write_vocabulary(bundle, vocabulary)
     manifest = Manifest(
         model={},
-        input=InputSpec(shape=(seq_len,), dtype="int64", layout="tokens"),
+        kind=NextWordKind.from_vocabulary(vocabulary, seq_len),
         num_classes=len(vocabulary),
         kp=0,
         blocks=(),
         tensors=(),
-        task=manifest_entry(vocabulary, seq_len),
     )
     return bundle, manifest, vocabulary
 
@@ -40,13 +38,12 @@ def _text_bundle(tmp_path, seq_len: int = 4):
 def _sensor_manifest() -> Manifest:
     return Manifest(
         model={},
-        input=InputSpec(shape=(len(CHANNELS), WINDOW), dtype="float32", layout="CT", mean=(0, 1, 2), std=(1, 2, 4)),
+        kind=SensorKind.of(CHANNELS, WINDOW, 50, mean=(0, 1, 2), std=(1, 2, 4)),
         num_classes=2,
         kp=0,
         blocks=(),
         tensors=(),
         class_names=("still", "moving"),
-        task=sensor_entry(CHANNELS, WINDOW, 50),
     )
 
 
@@ -117,7 +114,7 @@ def test_sensor_windows_from_npz_are_normalised_per_channel(tmp_path):
     np.savez(path, x=x, y=np.arange(10) % 2, channels=np.array(CHANNELS))
     data = load_device_data(path, manifest, 0.2, seed=0)
     assert data.num_train == 8 and data.num_val == 2
-    batch = normalize(x[:2], manifest.input)
+    batch = manifest.kind.normalize(x[:2])
     np.testing.assert_allclose(batch[:, 2], (x[:2, 2] - 2) / 4, rtol=1e-6)
 
 
@@ -206,7 +203,7 @@ def test_accuracy_summary_reports_the_10th_percentile():
 def test_a_device_reads_its_text_and_sensor_data_without_torch():
     code = """
 import sys
-import edgepfl.device_runtime.task_data, edgepfl.device_runtime.data, edgepfl.text
+import edgepfl.data, edgepfl.kinds, edgepfl.text
 print("torch loaded:", "torch" in sys.modules and sys.modules["torch"] is not None)
 """
     result = run_without_torch(code)

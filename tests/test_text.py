@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from edgepfl.errors import BundleError, DataError, UsageError
+from edgepfl.kinds import NextWordKind
 from edgepfl.text import (
     BOS_ID,
     EOS_ID,
@@ -17,7 +18,6 @@ from edgepfl.text import (
     Vocabulary,
     counted,
     load_vocabulary,
-    manifest_entry,
     next_word_samples,
     phrase_context,
     read_text,
@@ -60,7 +60,7 @@ def test_next_word_samples_read_the_left_padded_context_of_each_position_within_
 def test_a_bundle_vocabulary_is_checked_against_its_manifest(tmp_path):
     vocabulary = Vocabulary.from_texts(["to be or not to be"], size=100)
     write_vocabulary(tmp_path, vocabulary)
-    entry = manifest_entry(vocabulary, seq_len=20)
+    entry = NextWordKind.from_vocabulary(vocabulary, seq_len=20).entry()
     assert load_vocabulary(tmp_path, entry) == vocabulary
     other = Vocabulary.from_texts(["something else"], size=100)
     write_vocabulary(tmp_path, other)

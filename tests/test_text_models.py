@@ -120,15 +120,15 @@ def test_the_lstm_cell_computes_what_nn_lstm_computes():
 
 def test_a_text_bundle_says_its_token_input_vocabulary_and_blocks(transformer_bundle):
     manifest = load_manifest(transformer_bundle, verify_files=True)
-    assert (manifest.input.dtype, manifest.input.layout, manifest.input.shape) == ("int64", "tokens", (SEQ_LEN,))
+    assert (manifest.kind.name, manifest.input.dtype, manifest.input.shape) == ("next-word", "int64", (SEQ_LEN,))
     assert manifest.blocks == ("embedding", "layer1", "output")
     assert {t.block for t in manifest.by_role("personal")} == {2}  # --kp 1: the output layer is personal
-    task = manifest.task
-    vocabulary = text.load_vocabulary(transformer_bundle, task)
-    assert task["kind"] == "next-word" and task["seq_len"] == SEQ_LEN
-    assert len(vocabulary) == manifest.num_classes == task["vocab_size"]
+    kind = manifest.kind
+    vocabulary = kind.vocabulary(transformer_bundle)
+    assert kind.seq_len == SEQ_LEN and kind.bundle_files == ("vocab.json",)
+    assert len(vocabulary) == manifest.num_classes == kind.vocab_size
     assert vocabulary.words[:4] == text.SPECIALS and "to" in vocabulary.words
-    assert manifest.files["vocab.json"] == task["vocab_sha256"]
+    assert manifest.files["vocab.json"] == kind.vocab_sha256
     # the page learns why the step runs on WebAssembly: WebGPU takes no int64
     assert "int64" in manifest.engines["portable"]["steps"]["full"]["webgpu_problems"][0]
 
@@ -184,7 +184,7 @@ def test_predict_text_gives_the_top_next_words_and_never_pad_oov_or_bos(transfor
     from edgepfl.text import phrase_context
 
     engine = open_engine(transformer_bundle, "portable")
-    vocabulary = text.load_vocabulary(transformer_bundle, engine.manifest.task)
+    vocabulary = engine.manifest.kind.vocabulary(transformer_bundle)
     context = phrase_context("To be, or NOT", vocabulary, SEQ_LEN)
     assert context.tolist() == vocabulary.encode(["be", ",", "or", "not"]).tolist()
     short = phrase_context("to", vocabulary, SEQ_LEN)
@@ -203,7 +203,7 @@ def test_predict_text_gives_the_top_next_words_and_never_pad_oov_or_bos(transfor
 
 
 def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle, transformer_bundle, tmp_path):
-    from edgepfl.device_runtime.predict import read_inputs
+    from device_helpers import read_inputs
 
     engine = open_engine(har_bundle, "portable")
     x, _ = batch(engine.manifest, 3)
@@ -257,7 +257,7 @@ def test_export_model_fp32_equals_the_engine_and_int8_loads(bundles, tmp_path):
     metadata = onnx.load(str(tmp_path / "fp32.onnx")).metadata_props
     props = {entry.key: entry.value for entry in metadata}
     assert (props["input_layout"], props["input_dtype"], props["resize"]) == (
-        manifest.input.layout,
+        manifest.kind.model_file["input_layout"],
         manifest.input.dtype,
         "none",
     )
@@ -269,11 +269,11 @@ def test_export_model_fp32_equals_the_engine_and_int8_loads(bundles, tmp_path):
 
 
 def test_a_vocabulary_that_does_not_match_the_manifest_is_refused(transformer_bundle, tmp_path):
-    from edgepfl.device_runtime.predict import bundle_vocabulary
+    from edgepfl.device_runtime.predict import next_words
 
     copy = tmp_path / "bundle"
     shutil.copytree(transformer_bundle, copy)
-    vocabulary = text.load_vocabulary(copy, load_manifest(copy).task)
+    vocabulary = load_manifest(copy).kind.vocabulary(copy)
     swapped = text.Vocabulary(vocabulary.words[:4] + tuple(reversed(vocabulary.words[4:])))
     text.write_vocabulary(copy, swapped)
     with pytest.raises(BundleError, match="vocab.json"):
@@ -281,7 +281,7 @@ def test_a_vocabulary_that_does_not_match_the_manifest_is_refused(transformer_bu
     manifest = load_manifest(copy)  # read without checking files: the device's own check of the vocabulary
     engine = type(open_engine(transformer_bundle, "portable"))(copy, manifest)
     with pytest.raises(BundleError, match="not the vocabulary this bundle was exported with"):
-        bundle_vocabulary(engine)
+        next_words(engine, "to be", 3)
 
 
 def test_export_refuses_a_text_model_without_its_corpus_and_knobs_of_the_other_kind(tmp_path, corpus):
@@ -307,12 +307,16 @@ def test_export_refuses_a_text_model_without_its_corpus_and_knobs_of_the_other_k
         sequence_target("har-cnn", SequenceOptions(channels=("a", "a")), 0)
 
 
-def test_export_names_a_sensor_models_six_classes_as_uci_hapts_activities(tmp_path):
+def test_a_sensor_models_activities_are_named_by_its_export_never_by_its_class_count(tmp_path):
+    """Only the HAPT model itself (no channel, window or class option) takes UCI HAPT's activity names; any other
+    sensor model names its own, or is refused in one line (a person recording picks an activity by its name)."""
     from edgepfl.cli import app
-    from edgepfl.sensordata import HAR_ACTIVITIES
 
     out = tmp_path / "har"
     args = ["export", "har-cnn", "--window", "16", "--width", "0.25", "--engines", "portable", "--portable-batch", "8"]
-    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    refused = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert refused.exit_code != 0 and "needs its activities' names" in refused.output and not out.exists()
+    names = ["still", "walk", "run", "climb", "sit", "lie"]
+    result = CliRunner().invoke(app, [*args, "--class-names", ",".join(names), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert load_manifest(out).class_names == HAR_ACTIVITIES
+    assert load_manifest(out).class_names == tuple(names)

@@ -893,11 +893,12 @@ def assert_close(got: list[float], want: list[float], what: str, tolerance: floa
 
 def python_folder_refusal(folder: Path, bundle: Path):
     """The Python device's refusal of an image folder (DataError)."""
-    from edgepfl.device_runtime.data import read_image_folder
     from edgepfl.errors import DataError
+    from edgepfl.kinds.pictures import read_image_folder
 
     with pytest.raises(DataError) as refused:
-        read_image_folder(folder, load_manifest(bundle))
+        manifest = load_manifest(bundle)
+        read_image_folder(folder, manifest.input.shape, manifest.class_labels)
     return refused.value
 
 
@@ -907,10 +908,10 @@ def check_saved_model(saved: bytes, page_probabilities: list[float], bundle: Pat
     `edgepfl device export-model` writes the same file (but the doc string, which names the state folder)."""
     import onnx
     import onnxruntime
+    from device_helpers import read_inputs
     from onnx import numpy_helper
 
     from edgepfl.device_runtime.portable_engine import PortableEngine
-    from edgepfl.device_runtime.predict import read_inputs
     from edgepfl.device_runtime.state import StateFolder
 
     manifest = load_manifest(bundle)

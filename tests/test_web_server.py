@@ -17,6 +17,7 @@ import segno
 from fastapi.testclient import TestClient
 from server_helpers import LiveServer, enroll, make_bundle
 
+from edgepfl.kinds import InputSpec, NextWordKind
 from edgepfl.manifest import Manifest, load_manifest
 from edgepfl.server import web
 from edgepfl.server.app import create_app
@@ -188,7 +189,8 @@ def test_a_bundle_without_model_onnx_serves_the_rest(tmp_path: Path) -> None:
 def test_a_text_bundle_serves_its_vocabulary_to_the_page(tmp_path: Path) -> None:
     manifest = portable_bundle(tmp_path / "bundle")
     (tmp_path / "bundle" / "vocab.json").write_bytes(b'{"format": "edgepfl-vocab/1"}')
-    Manifest(**{**vars(manifest), "task": {"kind": "next-word", "vocab": "vocab.json"}}).save(tmp_path / "bundle")
+    kind = NextWordKind(input=InputSpec(shape=(4,), dtype="int64"), vocab_size=manifest.num_classes, seq_len=4)
+    Manifest(**{**vars(manifest), "kind": kind}).save(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "phone")
     http = TestClient(create_app(create_engine(ServerConfig(bundle=tmp_path / "bundle", state=tmp_path / "state"))))
     assert http.get("/device/bundle/vocab.json").status_code == 401

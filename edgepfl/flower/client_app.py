@@ -175,7 +175,7 @@ def open_device(run_config: str, node_config_json: str) -> Device:
     local = config.local
     engine, initial = _open_engine(str(config.bundle), local.engine, local.threads)
     if config.data is not None:
-        from edgepfl.device_runtime.data import load_device_data
+        from edgepfl.data import load_device_data
 
         if config.device_name is None:
             raise UsageError("a node with its own data needs a name", "set --node-config 'device-name=NAME data=...'")

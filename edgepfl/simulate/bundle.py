@@ -17,11 +17,12 @@ import numpy as np
 
 import edgepfl
 from edgepfl import errors
+from edgepfl.datasets import NATURAL_DATASETS
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.errors import EdgePFLError, StateError, UsageError
-from edgepfl.export.sequence_options import SENSOR_MODELS, SEQUENCE_MODELS, TEXT_MODELS
+from edgepfl.export.sequence_options import MODEL_KINDS, SENSOR_MODELS, TEXT_MODELS, kind_read_by
+from edgepfl.kinds import KINDS, ImageKind, InputSpec, parse_kind
 from edgepfl.manifest import Manifest, load_manifest
-from edgepfl.natural import NATURAL_DATASETS
 from edgepfl.personal import as_spec, personal_choice
 from edgepfl.simulate.config import SimulateConfig
 from edgepfl.text import Vocabulary
@@ -36,14 +37,14 @@ def ensure_bundle(
     facts: dict[str, Any] | None = None,
 ) -> Manifest:
     """Export the run's bundle once (reused on resume); its input and classes follow the dataset, and a text or
-    sensor dataset's `facts` (`dataset_facts`: vocabulary, task, sensor mean/std, class names) go into it.
+    sensor dataset's `facts` (`dataset_facts`: its sample entry, vocabulary, sensor mean/std, class names) go into it.
 
     The export runs in a child Python: tracing the model and the ONNX libraries take ~300 MB that would
     otherwise stay resident in the driver for the whole run (bench/simulate.py, MNIST mlp). Its one-line
     errors come back as they were raised.
     """
     facts = facts or {}
-    check_model_kind(config.model, str(facts.get("task", {}).get("kind", "")))
+    check_model_kind(config.model, str((facts.get("sample") or {}).get("kind") or ImageKind.name))
     job = {
         "config": config.model_dump(mode="json"),
         "folder": str(folder),
@@ -73,35 +74,37 @@ def ensure_bundle(
 
 
 def dataset_facts(dataset: Any) -> dict[str, Any]:
-    """What the bundle must carry of a dataset with its own clients (edgepfl.natural.NaturalDataset), as JSON: its
-    task, a text dataset's vocabulary, a sensor dataset's per-channel mean and std and its class names; {} for
-    an image dataset (its input and classes come from its sample shape)."""
-    task = dict(getattr(dataset, "task", None) or {})
-    if not task:
+    """What the bundle must carry of a dataset with its own clients (edgepfl.datasets.natural.NaturalDataset), as
+    JSON: its kind's sample entry and input normalisation, a text dataset's vocabulary, its class names; {} for an
+    image dataset (its input and classes come from its sample shape)."""
+    kind = getattr(dataset, "kind", None)
+    if kind is None:
         return {}
-    spec, vocabulary = dataset.input, dataset.vocabulary
+    vocabulary = dataset.vocabulary
     return {
-        "task": task,
+        "sample": kind.entry(),
         "vocabulary": vocabulary.to_json().decode() if vocabulary is not None else None,
-        "mean": list(spec.mean),
-        "std": list(spec.std),
+        "mean": list(kind.input.mean),
+        "std": list(kind.input.std),
         "class_names": list(dataset.class_names),
     }
 
 
 def check_model_kind(model: str, kind: str) -> None:
-    """Refuse, in one line, a model that cannot read the dataset's samples (`kind`: the task's, "" for images)."""
-    readers = {"next-word": TEXT_MODELS, "sensor": SENSOR_MODELS}.get(kind)
-    if readers is not None and model not in readers:
-        what = "next-word text" if kind == "next-word" else "sensor windows"
+    """Refuse, in one line, a model that cannot read the dataset's samples (`kind`: their kind's name)."""
+    reads = kind_read_by(model)
+    if reads.name == kind:
+        return
+    readers = [name for name, read in MODEL_KINDS.items() if read.name == kind]
+    what = KINDS[kind].described
+    if readers:
         raise UsageError(
             f"--model {model} cannot read this dataset's {what}", f"use --model {' or --model '.join(readers)}"
         )
-    if readers is None and model in SEQUENCE_MODELS:
-        raise UsageError(
-            f"--model {model} reads text or sensor windows, not this dataset's images",
-            f"use an image model (mobilenet, cnn, mlp, resnet34), or --dataset {', '.join(NATURAL_DATASETS)}",
-        )
+    raise UsageError(
+        f"--model {model} reads {reads.described}, not this dataset's {what}",
+        f"use an image model (mobilenet, cnn, mlp, resnet34), or --dataset {', '.join(NATURAL_DATASETS)}",
+    )
 
 
 def export_job() -> None:
@@ -122,18 +125,21 @@ def export_job() -> None:
 
 def _run_target(config: SimulateConfig, sample_shape: tuple[int, ...], num_classes: int, facts: dict[str, Any]):
     """The run's model (an ExportTarget): a text or sensor model made for the dataset's facts, else the image one."""
-    task = facts.get("task") or {}
-    if task.get("kind") == "next-word":
+    if config.model in TEXT_MODELS:
         from edgepfl.export.textmodels import text_target
 
         vocabulary = Vocabulary.from_json(str(facts["vocabulary"]).encode())
         return text_target(config.model, vocabulary, config.seed, config.width, seq_len=int(sample_shape[0]))
-    if task.get("kind") == "sensor":
+    if config.model in SENSOR_MODELS:
         from edgepfl.export.textmodels import sensor_target
 
-        channels, window = task["channels"], int(sample_shape[1])
+        kind = parse_kind(
+            facts["sample"],
+            InputSpec(tuple(sample_shape), mean=tuple(facts["mean"]), std=tuple(facts["std"])),
+            num_classes,
+        )
         target = sensor_target(
-            config.model, channels, config.seed, config.width, window, task.get("rate_hz"), num_classes, config.norm
+            config.model, kind.channels, config.seed, config.width, kind.window, kind.rate_hz, num_classes, config.norm
         )
         if facts.get("mean"):  # the training part's per-channel statistics, as the devices normalise with them
             target = dataclasses.replace(target, normalization=(tuple(facts["mean"]), tuple(facts["std"])))
@@ -151,7 +157,9 @@ def _export_run_bundle(
     kp = {"zero": 0, "all": len(target.blocks), "given": given}[config.plan.kp]
     if (folder / "manifest.json").is_file():
         manifest = load_manifest(folder)
-        same_task = manifest.task == target.task  # a text run over another vocabulary needs another bundle
+        from edgepfl.export.bundle import sample_kind
+
+        same_task = manifest.kind == sample_kind(target)  # a text run over another vocabulary needs another bundle
         if manifest.model == target.description and manifest.personal_spec == as_spec(kp)[0] and same_task:
             return manifest
         raise StateError(f"{folder} holds a different model, personal part or vocabulary", "use a new --out")

@@ -18,10 +18,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
+from edgepfl.datasets import NATURAL, is_natural
+from edgepfl.datasets.textdata import DEFAULT_MIN_WORDS
 from edgepfl.device_runtime.options import DistillOptions
 from edgepfl.device_runtime.persfl import DistillConfig
 from edgepfl.errors import UsageError
-from edgepfl.natural import NATURAL, is_natural
 from edgepfl.options import GROUP, Composed, flatten, titled, validated
 from edgepfl.personal import SPEC_HELP, parse_spec, personal_choice
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
@@ -34,7 +35,6 @@ from edgepfl.server.sampling import sample_size
 from edgepfl.server.strategies import STRATEGIES, strategy_options
 from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
 from edgepfl.text import DEFAULT_SEQ_LEN, DEFAULT_VOCAB_SIZE
-from edgepfl.textdata import DEFAULT_MIN_WORDS
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
 
@@ -379,7 +379,7 @@ def _parse_toml(text: str, path: Path) -> Any:
 
 def split_value(value: Any) -> Any:
     """`--split` as a (train, val, test) tuple: "0.6,0.2,0.2" parsed, a sequence checked."""
-    from edgepfl.partition import check_split, parse_split
+    from edgepfl.datasets.partition import check_split, parse_split
 
     if isinstance(value, str):
         return parse_split(value)

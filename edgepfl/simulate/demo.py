@@ -83,8 +83,8 @@ def run_demo(options: DemoOptions, echo=print) -> dict[str, list[DeviceOutcome]]
 
 
 def demo_dataset():
-    """The shipped MNIST subset as an `edgepfl.datasets.Dataset`."""
-    from edgepfl.datasets import load_npz
+    """The shipped MNIST subset as an `edgepfl.datasets.images.Dataset`."""
+    from edgepfl.datasets.images import load_npz
 
     with resources.as_file(resources.files("edgepfl.simulate").joinpath("data", DEMO_DATA)) as path:
         return load_npz(path, name="mnist-demo", description="MNIST subset shipped with edgepfl (4,000 digits)")
@@ -92,7 +92,7 @@ def demo_dataset():
 
 def _write_device_data(folder: Path) -> list[tuple[Path, list[int], int]]:
     """One .npz (x, y) per device: its classes:3 share of the subset; the device holds out its own 20%."""
-    from edgepfl.partition import make_partition
+    from edgepfl.datasets.partition import make_partition
 
     dataset = demo_dataset()
     parts = make_partition(DEMO_PARTITION, dataset.y_train, dataset.y_test, DEVICES, seed=0)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepfl.data import LocalData, check_samples, metric_description, normalize, scored
+from edgepfl.data import LocalData, check_samples, metric_description, scored
 from edgepfl.device_runtime.engine import Engine
 from edgepfl.device_runtime.evaluation import PROTOCOL, score
 from edgepfl.device_runtime.persfl import TeacherStore, distill
@@ -340,7 +340,7 @@ def run_distillation(
 
 def _arrays(data: LocalData, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Normalised model inputs and labels of some of a client's samples."""
-    return normalize(data.images[index], data.input_spec), data.labels[index]
+    return data.kind.normalize(data.images[index]), data.labels[index]
 
 
 def _teacher_stores(folder: Path, clients: list[Client], manifest: Manifest, fresh: bool) -> dict[str, TeacherStore]:
@@ -365,7 +365,7 @@ def open_workers(
 
 def load_partition(data: PartitionOptions, seed: int) -> tuple[Any, list[Any]]:
     """The run's dataset and its per-client parts (`--dataset`, `--partition`, `--clients`, `--split`, `--seed`)."""
-    from edgepfl.natural import load_partition as load
+    from edgepfl.datasets import load_partition as load
 
     return load(data, seed)
 
@@ -390,8 +390,8 @@ def _make_client(number: int, part, dataset, manifest: Manifest, seed: int, init
     train_index = np.arange(n_train)
     val_index = scored(np.arange(n_train, n_train + n_val), labels, manifest)
     test_index = scored(np.arange(n_train + n_val, len(order)), labels, manifest)
-    train = LocalData(images, labels, train_index, val_index, manifest.input)
-    test = LocalData(images, labels, train_index, test_index, manifest.input)
+    train = LocalData(images, labels, train_index, val_index, manifest.kind)
+    test = LocalData(images, labels, train_index, test_index, manifest.kind)
     client_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
     name = f"client-{number:03d}"
     return Client(name, train, test, client_seed, residuals / name, {k: v.copy() for k, v in initial.items()})

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.device_runtime.engine import Engine, EvalResult, check_distill_inputs
+from edgepfl.device_runtime.engine import DistillStep, Engine, EvalResult
 from edgepfl.errors import BundleError, UsageError
 from edgepfl.manifest import TRAINABLE_SETS, Manifest
 
@@ -84,31 +84,21 @@ class TorchEngine(Engine):
         labels = self._input(y, np.int64)
         return self._sgd_step(x, lr, trainable, lambda logits: self._torch.nn.functional.cross_entropy(logits, labels))
 
-    def distill_step(
-        self,
-        x: np.ndarray,
-        y: np.ndarray,
-        teacher_logits: np.ndarray,
-        lr: float,
-        temperature: float,
-        lam: float,
-        variant: str = "kd",
-        trainable: str = "full",
-    ) -> float:
+    def distill_step(self, step: DistillStep) -> float:
         """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
         from edgepfl.export.portable import distillation_loss
 
         torch = self._torch
-        check_distill_inputs(self.manifest, len(y), np.asarray(teacher_logits), temperature, lam)
-        labels, teacher = self._input(y, np.int64), self._input(teacher_logits, np.float32)
-        weights = torch.ones(len(y), dtype=torch.float32, device=self.device)
-        temperature_t = torch.tensor(float(temperature), device=self.device)
-        lam_t = torch.tensor(float(lam), device=self.device)
+        step.checked(self.manifest)
+        labels, teacher = self._input(step.y, np.int64), self._input(step.teacher_logits, np.float32)
+        weights = torch.ones(len(step.y), dtype=torch.float32, device=self.device)
+        temperature = torch.tensor(float(step.temperature), device=self.device)
+        lam = torch.tensor(float(step.lam), device=self.device)
 
         def loss_of(logits):
-            return distillation_loss(logits, teacher, labels, weights, temperature_t, lam_t, variant)
+            return distillation_loss(logits, teacher, labels, weights, temperature, lam, step.variant)
 
-        return self._sgd_step(x, lr, trainable, loss_of)
+        return self._sgd_step(step.x, step.lr, step.trainable, loss_of)
 
     def statistics_momenta(self) -> dict[str, float]:
         """Each BatchNorm running statistic's momentum, read off the model's layers."""

@@ -1,6 +1,6 @@
 // @ts-check
 // A person's labelled examples as the model sees them: photos (camera or library), a folder with one sub-folder
-// per class, or an .npz with `x`/`y` (as device_runtime/data.py reads them). Examples are kept as uint8 pixels at
+// per class, or an .npz with `x`/`y` (as edgepfl/kinds/image.py reads them). Examples are kept as uint8 pixels at
 // the model's input size (C*H*W each, 1 byte per value); the seeded train/held-out split and the normalisation
 // happen when a round trains, exactly as the Python device does them (edgepfl/data.py). photos.js reads the photos.
 
@@ -244,7 +244,7 @@ function readNpy(/** @type {Uint8Array} */ bytes, /** @type {string} */ name) {
   return { descr, shape, data };
 }
 
-/** x as N*C*H*W uint8 at the model's shape, reading the layouts edgepfl/data.py to_model_layout reads. */
+/** x as N*C*H*W uint8 at the model's shape, reading the layouts the image kind reads (edgepfl/kinds/image.py). */
 /** @returns {Uint8Array} */
 function toChannelsFirst(
   /** @type {{shape: number[], data: import('./safetensors.js').TypedArray}} */ x,
@@ -259,7 +259,7 @@ function toChannelsFirst(
   if (rest.length === 3) {
     const nchw = same(rest, [channels, height, width]);
     const nhwc = same(rest, [height, width, channels]);
-    if (nchw && (!nhwc || inputSpec.layout === 'NCHW')) return pixels;
+    if (nchw) return pixels; // an image both ways is taken as the model's NCHW
     if (nhwc) {
       const out = new Uint8Array(pixels.length);
       const plane = height * width;

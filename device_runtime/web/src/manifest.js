@@ -5,7 +5,7 @@
 import { EngineError } from './errors.js';
 
 /** One tensor of manifest.json: its role and block (the split) and its shape and dtype. @typedef {{name: string, role: string, block: number, shape: number[], dtype: string}} TensorSpec */
-/** The model input (manifest.json `input`). @typedef {{shape: number[], mean: number[], std: number[], layout?: string, dtype?: string}} InputSpec */
+/** The model input (manifest.json `input`; older exports also wrote a `layout`, which the kind says). @typedef {{shape: number[], mean: number[], std: number[], dtype?: string}} InputSpec */
 /** A batch of model inputs: float32 pixels or sensor values, or int64 token ids (a text bundle). @typedef {Float32Array | BigInt64Array} ModelInput */
 /** A step's frozen variant (export/frozen.py); webgpu_problems: why WebGPU cannot run it whole (export/webgpu.py). @typedef {{model: string, data_location: string, inputs: string[], outputs: string[], initializers: string[], webgpu_problems?: string[]}} FrozenVariant */
 /** One graph of the portable engine: state inputs, then x, y, w (and lr); loss, then the new state (updates: the tensor each output after the loss is the new value of; batch_size: the predict graph's 1, up_to: how many inputs it takes one by one). @typedef {{model: string, inputs: string[], outputs: string[], updates?: string[], frozen?: FrozenVariant, webgpu_problems?: string[], batch_size?: number, up_to?: number}} Graph */

@@ -10,6 +10,7 @@
 import { concat } from './bytes.js';
 import { classNames } from './data.js';
 import { DeviceError } from './errors.js';
+import { sampleEntry } from './manifest.js';
 import { pythonFloat } from './protocol.js';
 
 /** @typedef {import('./engine.js').Manifest} Manifest */
@@ -189,11 +190,10 @@ export function metadataProps(manifest, spec, device) {
     quantization: 'none',
   };
   const props = new Map(spec.metadata.map(([key, fixed]) => [key, fixed ?? values[key]]));
-  // a text or sensor bundle's file names its own input instead of the image keys (model_metadata.py INPUT_KINDS)
-  const { layout = 'NCHW', dtype = 'float32' } = /** @type {{layout?: string, dtype?: string}} */ (manifest.input);
-  const kind = spec.input_kinds?.[layout];
+  // a text or sensor bundle's file names its own input instead of the image keys (its kind's model_file)
+  const kind = spec.input_kinds?.[String(sampleEntry(manifest).kind)];
   if (kind)
-    for (const [key, value] of Object.entries({ input_layout: layout, input_dtype: dtype, ...kind }))
+    for (const [key, value] of Object.entries({ input_dtype: manifest.input.dtype || 'float32', ...kind }))
       props.set(key, value);
   return props;
 }

@@ -1,5 +1,5 @@
 // @ts-check
-// A person's photos as examples (as device_runtime/data.py reads images): photos picked or taken, a folder with
+// A person's photos as examples (as edgepfl/kinds/image.py reads images): photos picked or taken, a folder with
 // one sub-folder per class, decoded by the browser and resized to the model's input (preprocess.js).
 
 import { DataError, describe } from './errors.js';
@@ -10,7 +10,7 @@ import { normalizePixels, toModelPixels } from './preprocess.js';
 /** An image file with the webkitRelativePath of a folder pick. @typedef {File & {webkitRelativePath?: string}} PickedFile */
 /** A decoded image: RGBA pixels at its size. @typedef {{rgba: Uint8ClampedArray | Uint8Array, width: number, height: number}} Decoded */
 /** An image to read: its file, its label and the name shown in errors. @typedef {[File, number, string?]} Labelled */
-const IMAGE_NAME = /\.(png|jpe?g|bmp|gif|webp|tiff?)$/i; // device_runtime/data.py IMAGE_SUFFIXES
+const IMAGE_NAME = /\.(png|jpe?g|bmp|gif|webp|tiff?)$/i; // edgepfl/kinds/pictures.py IMAGE_SUFFIXES
 const LARGEST_DECODED_SIDE = 2048; // bigger photos are scaled down by the browser first (memory on phones)
 
 /** Photos (camera or library) that all show `label`: decoded at their natural size, then pre-processed. */
@@ -59,7 +59,7 @@ export async function readFolder(files, inputSpec, names, decode = decodeImage) 
 }
 
 /**
- * The images of a folder `root` and their labels: device_runtime/data.py label_folder_files, line for line.
+ * The images of a folder `root` and their labels: edgepfl/kinds/pictures.py label_folder_files, line for line.
  * `files` are paths inside the folder as arrays of parts; hidden entries and files that are not images are ignored;
  * every image sits directly in a class folder named as its class (`labels`); anything else is one DataError.
  * @param {string} root

@@ -1,6 +1,6 @@
 // @ts-check
 // Pre-processing of the browser device: decoded RGBA pixels -> the model's float32 input, computing exactly
-// what the Python device does (device_runtime/data.py resize_image, then edgepfl/data.py normalize).
+// what the Python device does (edgepfl/kinds/pictures.py resize_image, then the image kind's normalize).
 
 import { DeviceError } from './errors.js';
 
@@ -84,7 +84,7 @@ export function toModelInput(
   return normalizePixels(toModelPixels(rgba, width, height, inputSpec), inputSpec);
 }
 
-/** Source indices and normalised weights of resize_taps (device_runtime/data.py) for one output index. */
+/** Source indices and normalised weights of resize_taps (edgepfl/kinds/pictures.py) for one output index. */
 export function resizeTaps(/** @type {number} */ inSize, /** @type {number} */ outSize) {
   const scale = inSize / outSize;
   const support = Math.max(scale, 1.0);

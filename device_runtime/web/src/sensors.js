@@ -1,8 +1,8 @@
 // @ts-check
-// A person's own sensor recordings for a sensor bundle, read as device_runtime/task_data.py reads them: a CSV of
+// A person's own sensor recordings for a sensor bundle, read as the sensor kind (edgepfl/kinds/sensor.py) reads them: a CSV of
 // fixed windows (a header `window,label,<channel>,...`, then one row per reading, the window's readings in time
 // order), its channels the bundle's by name and in its order, every reading a finite number; written back the same
-// way (Save my data: read again, by either side, the same windows); normalised per channel as edgepfl/data.py
+// way (Save my data: read again, by either side, the same windows); normalised per channel as the sensor kind's
 // normalize does (float32 (x - mean) / std).
 
 import { classNames } from './data.js';
@@ -36,7 +36,7 @@ export function windowSteps(/** @type {Manifest} */ manifest) {
 }
 
 /**
- * Refuse, in one line, channels other than the bundle's (by name, in its order): task_data.py check_channels.
+ * Refuse, in one line, channels other than the bundle's (by name, in its order): edgepfl/kinds/sensor.py check_channels.
  * @param {string[]} channels
  * @param {Manifest} manifest
  * @param {string} source the file's name
@@ -62,7 +62,7 @@ export function checkChannels(channels, manifest, source) {
 }
 
 /**
- * The windows of a sensor CSV (task_data.py read_sensor_csv): windows in the order they first appear, each of the
+ * The windows of a sensor CSV (edgepfl/kinds/sensor.py read_csv): windows in the order they first appear, each of the
  * model's window length and one label (a class name, or its index); anything else is one DataError.
  * @param {string} text the file's text
  * @param {Manifest} manifest
@@ -186,7 +186,7 @@ function reading(/** @type {string} */ cell, /** @type {string} */ where) {
   return Math.fround(value);
 }
 
-/** A window's label as a class index: its class name, or the index itself (task_data.py). */
+/** A window's label as a class index: its class name, or the index itself (edgepfl/kinds/sensor.py). */
 function classIndex(/** @type {string} */ label, /** @type {string[]} */ names, /** @type {string} */ where) {
   const named = names.indexOf(label);
   if (named >= 0) return named;

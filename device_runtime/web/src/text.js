@@ -4,7 +4,7 @@
 // inner apostrophes, any other visible character a token of its own), the bundle's vocab.json checked against its
 // manifest, and the window of ids the model reads. A fixture written by Python (test/make_fixtures.py) pins
 // tokens, ids and windows of tricky strings on both sides. A person's own text becomes next-word samples as
-// device_runtime/task_data.py makes them (in time order, the last part held out), and a phrase the word suggestions.
+// edgepfl/kinds/nextword.py makes them (in time order, the last part held out), and a phrase the word suggestions.
 
 import { roundHalfEven } from './algorithms.js';
 import { topClasses } from './engine.js';
@@ -27,7 +27,7 @@ const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
 // Python's str.splitlines boundaries, control characters among them
 // biome-ignore lint/suspicious/noControlCharactersInRegex: Python splits lines at these control characters
 export const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
-export const MIN_DEVICE_WORDS = 10; // task_data.py: fewer words make too few samples to train on and hold some out
+export const MIN_DEVICE_WORDS = 10; // edgepfl/kinds/nextword.py: fewer words make too few samples to train on and hold some out
 const NEVER_SUGGESTED = [PAD_ID, OOV_ID, BOS_ID]; // predict.py: tokens nobody types
 
 /** A problem with a text bundle's vocabulary, with the fix (a person's own text is refused as a DataError). */
@@ -156,7 +156,7 @@ export function readText(bytes, name) {
 }
 
 /**
- * The next-word samples of a person's text (task_data.py load_text_data): every position after <bos> of every
+ * The next-word samples of a person's text (edgepfl/kinds/nextword.py read): every position after <bos> of every
  * line with words, in the text's order; refused when the text holds fewer than MIN_DEVICE_WORDS words.
  * @param {string} text
  * @param {Vocabulary} vocabulary
@@ -190,7 +190,7 @@ export function nextWordSamples(text, vocabulary, seqLen, name) {
 }
 
 /**
- * The time-order split of `count` next-word samples (task_data.py): the first ones train, the last `valFraction`
+ * The time-order split of `count` next-word samples (edgepfl/data.py split_time_order, split_train_val): the first ones train, the last `valFraction`
  * (at least one sample trains) are held out, and of those only the targets accuracy counts (not `ignores`).
  * @param {Int32Array} targets
  * @param {number} valFraction

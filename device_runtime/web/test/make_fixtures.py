@@ -27,20 +27,19 @@ import make_secagg_fixtures  # noqa: E402  (beside this file)
 import make_text_fixtures  # noqa: E402  (beside this file)
 from safetensors.numpy import save_file  # noqa: E402
 
-from edgepfl.data import make_local_data, normalize  # noqa: E402
+from edgepfl.data import make_local_data  # noqa: E402
 from edgepfl.device_runtime.algorithms import run_client_round  # noqa: E402
 from edgepfl.device_runtime.contract import CONTRACT_NAME, device_contract  # noqa: E402
-from edgepfl.device_runtime.data import read_image_folder, resize_image  # noqa: E402
 from edgepfl.device_runtime.model_export import export_device_model  # noqa: E402
 from edgepfl.device_runtime.portable_engine import PortableEngine  # noqa: E402
 from edgepfl.device_runtime.predict import DeviceModel  # noqa: E402
 from edgepfl.device_runtime.statistics import recompute_statistics  # noqa: E402
-from edgepfl.device_runtime.task_data import read_sensor_csv  # noqa: E402
 from edgepfl.errors import DataError, WireError  # noqa: E402
-from edgepfl.manifest import InputSpec, Manifest, load_manifest  # noqa: E402
+from edgepfl.kinds import ImageKind, InputSpec, NextWordKind, SensorKind  # noqa: E402
+from edgepfl.kinds.pictures import read_image_folder, resize_image  # noqa: E402
+from edgepfl.manifest import Manifest, load_manifest  # noqa: E402
 from edgepfl.protocol import RoundSettings, UploadMeta  # noqa: E402
-from edgepfl.sensordata import sensor_entry  # noqa: E402
-from edgepfl.text import Vocabulary, manifest_entry, phrase_context, tokenize, write_vocabulary  # noqa: E402
+from edgepfl.text import Vocabulary, phrase_context, tokenize, write_vocabulary  # noqa: E402
 from edgepfl.wire import encode_tensors  # noqa: E402
 from tests.conftest import export_test_bundle  # noqa: E402
 
@@ -143,7 +142,7 @@ def write_text(out: Path, results: dict) -> None:
     folder.mkdir(exist_ok=True)
     write_vocabulary(folder, vocabulary)
     results["text"] = {
-        "task": manifest_entry(vocabulary, TEXT_SEQ_LEN),
+        "task": NextWordKind.from_vocabulary(vocabulary, TEXT_SEQ_LEN).entry(),
         "cases": [
             {
                 "text": text,
@@ -156,8 +155,8 @@ def write_text(out: Path, results: dict) -> None:
     }
 
 
-# a sensor CSV the page (src/sensors.js) must read as task_data.py does: CRLF, a blank row, quoted cells, labels
-# by name and by index, windows not in order of their names, exponents, signs and spaces around numbers
+# a sensor CSV the page (src/sensors.js) must read as the sensor kind (edgepfl/kinds/sensor.py) does: CRLF, a blank
+# row, quoted cells, labels by name and by index, windows not in order of their names, exponents, signs and spaces
 SENSOR_CSV = (
     "window , label,acc-x,acc-y,gyro-z\r\n"
     "b,moving,0.5,-1.25e-1, 3\r\n"
@@ -174,22 +173,20 @@ def write_sensor(out: Path, results: dict) -> None:
     """A sensor bundle's manifest (no model: the page reads its windows only), SENSOR_CSV, and Python's windows,
     normalised, and labels of it."""
     channels = ("acc-x", "acc-y", "gyro-z")
-    spec = InputSpec(shape=(3, 2), dtype="float32", layout="CT", mean=(0.5, 1, 2), std=(1, 2, 4))
     manifest = Manifest(
         model={},
-        input=spec,
+        kind=SensorKind.of(channels, 2, 50, mean=(0.5, 1, 2), std=(1, 2, 4)),
         num_classes=2,
         kp=0,
         blocks=(),
         tensors=(),
         class_names=("still", "moving"),
-        task=sensor_entry(channels, 2, 50),
     )
     (out / "sensor.csv").write_text(SENSOR_CSV, encoding="utf-8", newline="")
-    x, y, _ = read_sensor_csv(out / "sensor.csv", manifest)
+    x, y, _ = manifest.kind.read_csv(out / "sensor.csv", manifest.class_labels)
     results["sensor"] = {
         "manifest": manifest.to_json(),
-        "x": normalize(x, manifest.input).ravel().tolist(),
+        "x": manifest.kind.normalize(x).ravel().tolist(),
         "y": y.tolist(),
     }
 
@@ -210,7 +207,7 @@ def write_round(out: Path, bundle: Path, manifest, results: dict) -> None:
     images = rng.integers(0, 256, (26, height, width, channels), dtype=np.uint8)
     labels = rng.integers(0, manifest.num_classes, 26)
     data = make_local_data(images, labels, manifest, 0.25, seed=3)
-    x_train = normalize(images[data.train_index], manifest.input)
+    x_train = manifest.kind.normalize(images[data.train_index])
     save_file(
         {"x_train": x_train, "y_train": labels[data.train_index], "images": images, "labels": labels},
         out / "round_data.safetensors",
@@ -287,7 +284,7 @@ def write_images(out: Path, manifest, results: dict) -> None:
     sizes = {"a_large.png": (45, 37), "b_small.png": (11, 9)}  # (width, height)
     for name, (w, h) in sizes.items():
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
-    pixels, _ = read_image_folder(out / "images", manifest)
+    pixels, _ = read_image_folder(out / "images", manifest.input.shape, manifest.class_labels)
     grey_spec = InputSpec(shape=(1, 20, 20), mean=(0.5,), std=(0.25,))
     grey = np.stack(
         [resize_image(np.asarray(Image.open(folder / name).convert("L"))[..., None], 20, 20) for name in sorted(sizes)]
@@ -295,9 +292,9 @@ def write_images(out: Path, manifest, results: dict) -> None:
     save_file(
         {
             "rgb_pixels": np.ascontiguousarray(pixels.transpose(0, 3, 1, 2)),
-            "rgb_input": normalize(pixels, manifest.input),
+            "rgb_input": manifest.kind.normalize(pixels),
             "grey_pixels": np.ascontiguousarray(grey.transpose(0, 3, 1, 2)),
-            "grey_input": normalize(grey, grey_spec),
+            "grey_input": ImageKind(input=grey_spec).normalize(grey),
         },
         out / "images_expected.safetensors",
     )
@@ -329,7 +326,7 @@ def write_folders(out: Path, manifest, results: dict) -> None:
     tensors, cases = {}, []
     for case, (shape, names, tree) in FOLDER_CASES.items():
         classes = len(names) if names else 10
-        spec = replace(manifest, input=InputSpec(shape=shape), num_classes=classes, class_names=names)
+        spec = replace(manifest, kind=ImageKind(input=InputSpec(shape=shape)), num_classes=classes, class_names=names)
         root = out / "folders" / case / ("café" if case == "unicode" else "photos")
         for relative, content in tree.items():
             path = root / relative
@@ -338,7 +335,7 @@ def write_folders(out: Path, manifest, results: dict) -> None:
         entry: dict = {"case": case, "shape": list(shape), "class_names": list(names), "num_classes": spec.num_classes}
         entry["files"] = sorted(str(p.relative_to(out)) for p in root.rglob("*") if p.is_file())
         try:
-            pixels, labels = read_image_folder(root, spec)
+            pixels, labels = read_image_folder(root, shape, spec.class_labels)
         except DataError as refused:
             entry["refused"] = {"problem": refused.problem, "fix": refused.fix}
         else:

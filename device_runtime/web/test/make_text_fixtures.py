@@ -1,8 +1,8 @@
 """Fixtures for the page's engine on a text bundle (text_engine.test.mjs): a tiny next-word transformer whose
 model input is int64 token ids, its feeds and the Python portable engine's tensors and logits after a full step;
 for the page's data and "Try it" (text_page.test.mjs) a person's text, the Python device's samples and split of
-it (device_runtime/task_data.py), the tensors after a step on its first training samples, and the next words
-`device predict --text` suggests for some phrases.
+it (edgepfl.data.load_device_data through the next-word kind), the tensors after a step on its first training
+samples, and the next words `device predict --text` suggests for some phrases.
 
 Called by make_fixtures.py into FIXTURES/text; runnable alone: python make_text_fixtures.py OUT.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from edgepfl.data import load_device_data
 from edgepfl.device_runtime.portable_engine import PortableEngine
 from edgepfl.device_runtime.predict import next_words, open_device_model
-from edgepfl.device_runtime.task_data import load_text_data
 from edgepfl.export.bundle import ExportOptions, export_target
 from edgepfl.export.sequence_options import SequenceOptions
 from edgepfl.export.textmodels import sequence_target
@@ -68,7 +68,7 @@ def write_notes(out: Path, manifest) -> dict:
     its first training samples (after-notes.safetensors) and `device predict --text`'s words for PHRASES."""
     notes = out / "notes.txt"
     notes.write_bytes(NOTES.encode("utf-8"))
-    data = load_text_data(notes, manifest, out / "bundle", VAL_FRACTION)
+    data = load_device_data(notes, manifest, VAL_FRACTION, seed=0, bundle=out / "bundle")
     engine = PortableEngine(out / "bundle", manifest)
     first = data.train_index[:PORTABLE_BATCH]
     loss = engine.train_step(data.images[first], data.labels[first], LR, "full")

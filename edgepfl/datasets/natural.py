@@ -1,8 +1,7 @@
 """Datasets that come with their own clients (a play's speaking role, a person's text file, a subject who wore the
 phone) and their natural partition: one client each, its samples in time order, its test part the dataset's own.
 
-`shakespeare` and `textdir:PATH` are read by edgepfl/textdata.py, `har` by edgepfl/sensordata.py; `load_partition`
-is the one place that turns `--dataset`/`--partition` into a dataset and its clients, for image datasets too.
+The readers are `textdata.py` (`shakespeare`, `textdir:FOLDER`) and `har.py`; the package's `__init__` names them.
 """
 
 from __future__ import annotations
@@ -15,15 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl.datasets import Dataset, load_dataset
-from edgepfl.errors import DataError, UsageError
-from edgepfl.manifest import InputSpec
-from edgepfl.partition import ClientSplit, make_partition
+from edgepfl.datasets.images import Dataset
+from edgepfl.datasets.partition import ClientSplit
+from edgepfl.errors import DataError
+from edgepfl.kinds import ImageKind, InputSpec, SampleKind
 from edgepfl.text import Vocabulary
 
-NATURAL = "natural"  # the partition a dataset with its own clients supplies
-NATURAL_DATASETS = ("shakespeare", "textdir:PATH", "har")
-DEFAULT_CLIENTS = 10  # clients a generated partition deals an image dataset to, unless told
 TRAIN_SHARE = 0.8  # LEAF's convention: the first 80 % of a client's samples (in time order) train, the rest test
 
 
@@ -46,24 +42,18 @@ class NaturalDataset(Dataset):
     client_names: tuple[str, ...] = ()
     client_train: tuple[np.ndarray, ...] = ()
     client_test: tuple[np.ndarray, ...] = ()
-    input: InputSpec = field(default_factory=lambda: InputSpec(shape=()))
-    task: dict[str, Any] = field(default_factory=dict)  # what the bundle's manifest says of a sample (Manifest.task)
+    kind: SampleKind = field(default_factory=lambda: ImageKind(input=InputSpec(shape=())))  # the bundle's, too
     vocabulary: Vocabulary | None = None  # a text dataset's, made from the training part of all clients
     class_names: tuple[str, ...] = ()  # what each label means, for the bundle (`edgepfl export --class-names`)
 
     @property
     def sample_shape(self) -> tuple[int, ...]:  # type: ignore[override]
         """One sample as the model takes it: (seq_len,) token ids or (channels, time) readings."""
-        return tuple(self.input.shape)
-
-
-def is_natural(name: str) -> bool:
-    """Whether `--dataset name` comes with its own clients."""
-    return name in ("shakespeare", "har") or name.startswith("textdir:")
+        return tuple(self.kind.input.shape)
 
 
 def natural_dataset(
-    name: str, clients: Sequence[ClientSamples], num_classes: int, input_spec: InputSpec, task: dict, **facts: Any
+    name: str, clients: Sequence[ClientSamples], num_classes: int, kind: SampleKind, **facts: Any
 ) -> NaturalDataset:
     """The clients' samples pooled into one dataset (train parts first, then test parts), each client's indices kept."""
     if not clients:
@@ -80,8 +70,7 @@ def natural_dataset(
         client_names=tuple(c.name for c in clients),
         client_train=tuple(np.arange(a, b) for a, b in zip(train_sizes[:-1], train_sizes[1:])),
         client_test=tuple(train_sizes[-1] + np.arange(a, b) for a, b in zip(test_sizes[:-1], test_sizes[1:])),
-        input=input_spec,
-        task=task,
+        kind=kind,
         **facts,
     )
 
@@ -105,45 +94,6 @@ def natural_parts(dataset: NaturalDataset, split: tuple[float, float, float]) ->
     return parts
 
 
-def load_partition(data: Any, seed: int) -> tuple[Dataset, list[ClientSplit]]:
-    """The dataset and its clients' parts that `--dataset`, `--partition`, `--clients`, `--split` and `--seed` name
-    (`data` is a PartitionOptions): a dataset with its own clients takes only its natural partition."""
-    if is_natural(data.dataset):
-        if data.partition != NATURAL:
-            raise UsageError(
-                f"--dataset {data.dataset} comes with its own clients; --partition {data.partition} would deal their "
-                "samples to made-up clients",
-                "drop --partition (natural, one client per role, file or subject, is the default)",
-            )
-        dataset = load_natural(data)
-        if data.clients is not None:  # the clients with most training samples, for a run that fits a budget
-            sizes = [-len(train) for train in dataset.client_train]
-            dataset = _only(dataset, sorted(np.argsort(sizes, kind="stable")[: data.clients]))
-        return dataset, natural_parts(dataset, data.split)
-    if data.partition == NATURAL:
-        raise UsageError(
-            f"--dataset {data.dataset} has no clients of its own to partition by",
-            f"use --dataset {', '.join(NATURAL_DATASETS)}, or another --partition",
-        )
-    dataset = load_dataset(data.dataset, data.data_root, download=data.download, checksums=data.checksums)
-    clients = None if data.partition.startswith("file:") else data.clients or DEFAULT_CLIENTS
-    return dataset, make_partition(data.partition, dataset.y_train, dataset.y_test, clients, seed, data.split)
-
-
-def load_natural(data: Any) -> NaturalDataset:
-    """`--dataset shakespeare | textdir:PATH | har` (`data` is a PartitionOptions)."""
-    if data.dataset == "har":
-        from edgepfl.sensordata import load_har
-
-        return load_har()
-    from edgepfl.textdata import load_shakespeare, load_text_folder
-
-    options = {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "min_words": data.min_words}
-    if data.dataset == "shakespeare":
-        return load_shakespeare(**options)
-    return load_text_folder(Path(data.dataset.removeprefix("textdir:")).expanduser(), **options)
-
-
 def package_file(distribution: str, suffix: str, pip_name: str) -> list[Path]:
     """The installed files of a pip package whose path ends with `suffix`, found without importing the package."""
     try:
@@ -159,7 +109,7 @@ def package_file(distribution: str, suffix: str, pip_name: str) -> list[Path]:
     return found
 
 
-def _only(dataset: NaturalDataset, keep: Sequence[int]) -> NaturalDataset:
+def only_clients(dataset: NaturalDataset, keep: Sequence[int]) -> NaturalDataset:
     """The dataset with only the clients `keep` (by position)."""
     clients = [
         ClientSamples(
@@ -173,4 +123,4 @@ def _only(dataset: NaturalDataset, keep: Sequence[int]) -> NaturalDataset:
     ]
     facts = {"description": dataset.description, "verified": dataset.verified, "vocabulary": dataset.vocabulary}
     facts["class_names"] = dataset.class_names
-    return natural_dataset(dataset.name, clients, dataset.num_classes, dataset.input, dataset.task, **facts)
+    return natural_dataset(dataset.name, clients, dataset.num_classes, dataset.kind, **facts)

