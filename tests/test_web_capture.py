@@ -19,8 +19,8 @@ import test_web_browser
 from server_helpers import LiveServer
 from test_web_browser import PHONE, SECRET, said, wait
 
+from edgepfl.data import load_device_data
 from edgepfl.device_runtime.contract import device_contract
-from edgepfl.device_runtime.task_data import load_text_data, read_sensor_csv
 from edgepfl.manifest import load_manifest
 from edgepfl.server.store import Store
 from edgepfl.server.web import CHROMIUM_ARGS
@@ -80,7 +80,7 @@ def test_a_keyboard_that_learns_keeps_what_is_typed_on_the_phone(chromium, tmp_p
     bundle = tmp_path / "bundle"
     export_target(target, 1, bundle, export, notice=lambda _: None)
     model = open_device_model(bundle, tmp_path / "untrained", "portable")
-    first = [word for _, word, _ in next_words(model.engine, "", 4) if word != "<eos>"][:3]
+    first = [word for _, word, _ in next_words(model.engine, "", 3)]
     (tmp_path / "notes.txt").write_text(TEXT_CORPUS * 4, encoding="utf-8")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     (tmp_path / "many.txt").write_text("".join(f"line {i} of many\n" for i in range(2001)), encoding="utf-8")
@@ -140,7 +140,9 @@ def test_a_keyboard_that_learns_keeps_what_is_typed_on_the_phone(chromium, tmp_p
             saving.value.save_as(saved)
             assert saved.read_text(encoding="utf-8").splitlines() == sentences + TEXT_CORPUS.splitlines() * 4
             contract = device_contract()["device"]
-            python = load_text_data(saved, load_manifest(bundle), bundle, contract["val_fraction"])
+            python = load_device_data(
+                saved, load_manifest(bundle), contract["val_fraction"], contract["split_seed"], bundle
+            )
 
             release_tasks(phone, held)  # the round trains on what the phone holds
             wait(page, "body[data-stage=done]")
@@ -276,7 +278,7 @@ def test_a_motion_recorder_learns_two_activities_and_names_the_one_live(chromium
                 page.click("#save-data")
             saved = tmp_path / "my-recordings.csv"
             saving.value.save_as(saved)
-            x, y, channels = read_sensor_csv(saved, manifest)  # Python's reader: the same windows, labels, units
+            x, y, channels = manifest.kind.read_csv(saved, manifest.class_labels)  # Python's reader: windows, labels
             assert channels == list(HAR_CHANNELS) and len(y) == held_windows and x.shape == (held_windows, 6, 16)
             still, shake = x[y == 0], x[y == 1]
             in_g = {name: np.float32(np.asarray(MOTION[name][0]) * (1 / 9.80665))[:, None] for name in ACTIVITIES}

@@ -88,6 +88,11 @@ export function splitText(lines, vocabulary, entry, valFraction) {
   return { train: pickSamples(samples, train), val: pickSamples(samples, val) };
 }
 
+/** The .txt Save my data writes: a line a sentence (`edgepfl device train --data` reads the same lines back). */
+export function textFile(/** @type {string[]} */ lines) {
+  return lines.map((line) => `${line}\n`).join('');
+}
+
 /**
  * The lines of a picked .txt file that hold words (a line without any makes no sample, here or in Python).
  * @param {Uint8Array} bytes
@@ -128,7 +133,7 @@ function sentences(/** @type {Vocabulary} */ vocabulary, /** @type {TextEntry} *
     decode: decodeSentence,
     encode: sentenceRecord,
     read: textLines,
-    write: (lines) => lines.map((line) => `${line}\n`).join(''),
+    write: textFile,
     // a sample per word and one per line's end; below MIN_DEVICE_WORDS words, the words (too few to train on)
     count: (lines) => {
       const n = words(lines);
