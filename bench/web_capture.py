@@ -201,7 +201,7 @@ def motion_run(folder: Path) -> dict:
 
     from edgepfl.export.bundle import ExportOptions, export_target
     from edgepfl.export.textmodels import sensor_target
-    from edgepfl.sensordata import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW
+    from edgepfl.datasets.har import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW
 
     target = sensor_target("har-cnn", HAR_CHANNELS, seed=0)
     bundle = folder / "sensor-bundle"

@@ -224,7 +224,7 @@ def test_a_motion_recorder_learns_two_activities_and_names_the_one_live(chromium
 
     from edgepfl.export.bundle import ExportOptions, export_target
     from edgepfl.export.textmodels import sensor_target
-    from edgepfl.sensordata import HAR_CHANNELS
+    from edgepfl.datasets.har import HAR_CHANNELS
 
     target = sensor_target("har-cnn", HAR_CHANNELS, seed=0, window=16, rate_hz=50, num_classes=len(ACTIVITIES))
     export = ExportOptions(
