@@ -199,9 +199,9 @@ def motion_run(folder: Path) -> dict:
     """Readings, windows and live refreshes, idle and while a round trains."""
     from playwright.sync_api import sync_playwright
 
+    from edgepfl.datasets.har import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW
     from edgepfl.export.bundle import ExportOptions, export_target
     from edgepfl.export.textmodels import sensor_target
-    from edgepfl.datasets.har import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW
 
     target = sensor_target("har-cnn", HAR_CHANNELS, seed=0)
     bundle = folder / "sensor-bundle"
@@ -257,7 +257,7 @@ def plot(report: dict, path: Path) -> None:
         keys.plot(report["keyboard"][part]["ms"], style, label=part.replace("_", " "))
         gaps.plot(report["motion"][part]["gaps_ms"], style, label=part.replace("_", " "))
     keys.axhline(TARGET_SUGGEST_MS, color="#c62828", linewidth=1, label="target")
-    keys.set(xlabel="keystroke", ylabel="ms to the chips", title="Suggestions after a keystroke")
+    keys.set(xlabel="keystroke", ylabel="ms to the chips", title="Suggestions after a keystroke", yscale="log")
     gaps.axhline(1000 / EVENTS_PER_S, color="#c62828", linewidth=1, label="60 Hz")
     gaps.set(xlabel="devicemotion event", ylabel="ms since the one before", title="Motion readings", yscale="log")
     for axis in (keys, gaps):
