@@ -83,7 +83,15 @@ export function textSamples(lines, vocabulary, entry, source = SOURCE) {
  * @param {number} valFraction
  */
 export function splitText(lines, vocabulary, entry, valFraction) {
-  const samples = textSamples(lines, vocabulary, entry);
+  return timeOrderParts(textSamples(lines, vocabulary, entry), entry, valFraction);
+}
+
+/** Samples split in time order (the last part held out, counting only targets outside `metric_ignores`). */
+function timeOrderParts(
+  /** @type {Samples} */ samples,
+  /** @type {TextEntry} */ entry,
+  /** @type {number} */ valFraction,
+) {
   const { train, val } = timeOrderSplit(samples.y, valFraction, entry.metric_ignores || []);
   return { train: pickSamples(samples, train), val: pickSamples(samples, val) };
 }
@@ -110,6 +118,16 @@ export function textLines(bytes, name) {
 /** How sentences are collected: one record each, the .txt that Save my data writes and a picked one. */
 function sentences(/** @type {Vocabulary} */ vocabulary, /** @type {TextEntry} */ entry) {
   const words = (/** @type {string[]} */ lines) => lines.reduce((sum, line) => sum + tokenize(line).length, 0);
+  // the samples of the sentences held now (the collection hands a new array after each change): made once, by
+  // textSamples, for the count, the split and the probe; too few words make none
+  /** @type {{lines: string[] | null, samples: Samples | null}} */
+  let made = { lines: null, samples: null };
+  const samplesOf = (/** @type {string[]} */ lines) => {
+    if (made.lines !== lines) {
+      made = { lines, samples: words(lines) < MIN_DEVICE_WORDS ? null : textSamples(lines, vocabulary, entry) };
+    }
+    return made.samples;
+  };
   /** @type {Sentences} */
   const kind = {
     name: nextWordKind.name,
@@ -134,16 +152,15 @@ function sentences(/** @type {Vocabulary} */ vocabulary, /** @type {TextEntry} *
     encode: sentenceRecord,
     read: textLines,
     write: textFile,
-    // a sample per word and one per line's end; below MIN_DEVICE_WORDS words, the words (too few to train on)
-    count: (lines) => {
-      const n = words(lines);
-      return n < MIN_DEVICE_WORDS ? n : n + lines.length;
-    },
+    // below MIN_DEVICE_WORDS words (too few to train on) the words are counted: the page asks for more
+    count: (lines) => samplesOf(lines)?.count ?? words(lines),
     classesHeld: () => 0,
-    split: (lines, valFraction) => splitText(lines, vocabulary, entry, valFraction),
+    // too few words: textSamples refuses them in one line
+    split: (lines, valFraction) =>
+      timeOrderParts(samplesOf(lines) || textSamples(lines, vocabulary, entry), entry, valFraction),
     probe: (lines, count) => {
-      if (words(lines) < MIN_DEVICE_WORDS) return null;
-      const samples = textSamples(lines, vocabulary, entry);
+      const samples = samplesOf(lines);
+      if (!samples) return null;
       const n = Math.min(count, samples.count);
       return { x: samples.x.subarray(0, n * entry.seq_len), count: n };
     },
