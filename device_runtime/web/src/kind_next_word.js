@@ -1,7 +1,7 @@
 // @ts-check
 // Next-word text, the kind of a text bundle (manifest `sample.kind` "next-word"): the sentences a person finishes
 // in the keyboard (keyboard.js) or the lines of a .txt they pick, kept on the phone (collection.js) and made into
-// next-word samples by ONE function, textSamples, as device_runtime/task_data.py makes them from a .txt: in time
+// next-word samples by ONE function, textSamples, as edgepfl/kinds/nextword.py makes them from a .txt: in time
 // order, the last part held out, accuracy counting only the targets the manifest's `metric_ignores` leaves. Saved,
 // the sentences are that .txt, a line each. Try it is the keyboard itself.
 
@@ -62,8 +62,8 @@ export const nextWordKind = {
 };
 
 /**
- * The next-word samples of sentences (lines) in their order: THE one place the page makes them (task_data.py
- * load_text_data); refused when the sentences hold fewer than MIN_DEVICE_WORDS words.
+ * The next-word samples of sentences (lines) in their order: THE one place the page makes them (NextWordKind.read,
+ * edgepfl/kinds/nextword.py); refused when the sentences hold fewer than MIN_DEVICE_WORDS words.
  * @param {string[]} lines
  * @param {Vocabulary} vocabulary
  * @param {TextEntry} entry
@@ -75,7 +75,7 @@ export function textSamples(lines, vocabulary, entry, source = SOURCE) {
 }
 
 /**
- * The time-order split of sentences' samples (task_data.py): the last part held out, of which accuracy counts
+ * The time-order split of sentences' samples (edgepfl/data.py split_time_order): the last part held out, of which accuracy counts
  * only the targets the manifest's `metric_ignores` leaves.
  * @param {string[]} lines
  * @param {Vocabulary} vocabulary

@@ -1,7 +1,7 @@
 // @ts-check
 // Sensor windows, the kind of an activity bundle (manifest `sample.kind` "sensor"): windows of the bundle's
 // channels, recorded from the phone's own motion (recorder.js) or read from a CSV of windows (sensors.js, as
-// device_runtime/task_data.py reads it), kept on the phone in the bundle's units (collection.js), normalised per
+// edgepfl/kinds/sensor.py reads it), kept on the phone in the bundle's units (collection.js), normalised per
 // channel and split by the seeded split as edgepfl/data.py does. Saved, they are that CSV. Try it names the activity
 // the model sees: live while the phone moves, or for each window of a CSV.
 

@@ -128,7 +128,7 @@ export function readSensorCsv(text, manifest, source) {
 }
 
 /**
- * Windows as the CSV readSensorCsv reads (and task_data.py): a window a block of rows, named w1, w2, ... and labelled
+ * Windows as the CSV readSensorCsv reads (and the sensor kind, edgepfl/kinds/sensor.py): a window a block of rows, named w1, w2, ... and labelled
  * by its class name, each reading written as the shortest decimal that reads back as the same float32.
  * @param {{x: Float32Array, label: number}[]} windows C*T readings each, channels first
  * @param {Manifest} manifest
