@@ -320,6 +320,8 @@ def _open(files: DeviceFiles, local: LocalOptions) -> tuple[Engine, LocalData, S
     )
     device_state = StateFolder(files.state, device_engine.manifest, device_engine.name)
     restore(device_engine, device_state)
+    # what the device learns of its data beside the samples (a text bundle: the person's own words), kept with it
+    device_engine.manifest.kind.remember(Path(files.data), device_engine.bundle_dir, device_state.folder)
     return device_engine, local_data, device_state
 
 

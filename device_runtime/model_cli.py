@@ -34,7 +34,8 @@ def predict(options: PredictCommand) -> None:
         raise UsageError("device predict has nothing to predict", "pass image or .npz files, or --text 'a phrase'")
     model = open_device_model(options.files.bundle, options.files.state, local.engine, local.threads)
     if phrase is not None:
-        predictions = [Prediction(phrase, next_words(model.engine, phrase, options.predict.top))]
+        words = next_words(model.engine, phrase, options.predict.top, Path(options.files.state))
+        predictions = [Prediction(phrase, words)]
     else:
         names, probabilities = predict_inputs(options.inputs, model.engine)
         labels = model.engine.manifest.class_labels

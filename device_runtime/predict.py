@@ -124,13 +124,11 @@ def _source(path: Path, manifest: Manifest) -> tuple[Path, list[Path] | np.ndarr
     return path, manifest.kind.input_files(path)
 
 
-def next_words(engine: Engine, phrase: str, k: int) -> tuple[tuple[int, str, float], ...]:
-    """The `k` most likely next words of `phrase` as (id, word, probability), most likely first (ties: lower id);
-    what the kind never offers (<pad>, <oov>, <bos>) is never suggested. UsageError for a bundle of another kind."""
+def next_words(engine: Engine, phrase: str, k: int, state: Path | None = None) -> tuple[tuple[int, str, float], ...]:
+    """The `k` words a keyboard offers after `phrase` as (id, word, probability), most likely first: the model's (no
+    special token, ties: lower id) and the person's own words the `state` folder keeps, at <oov>'s probability
+    (edgepfl/kinds/userwords.py). UsageError for a bundle of another kind."""
     manifest = engine.manifest
     context = manifest.kind.phrase_input(phrase, engine.bundle_dir, manifest.num_classes)
     probabilities = engine.predict(context)[0]
-    candidates = np.setdiff1d(np.arange(len(probabilities)), manifest.kind.never_predicted)
-    order = candidates[np.argsort(-probabilities[candidates], kind="stable")][:k]
-    labels = manifest.kind.labels(engine.bundle_dir, manifest.class_labels)
-    return tuple((int(i), labels[i], float(probabilities[i])) for i in order)
+    return tuple(manifest.kind.offered(probabilities, engine.bundle_dir, state, k))

@@ -35,7 +35,13 @@ DEFAULT_SEQ_LEN = 20
 # is a token of its own. The page's regular expression is /[\p{L}\p{N}]+(?:'[\p{L}\p{N}]+)*|[^\s\p{L}\p{N}]/gu
 _WORD = r"[^\W_]+(?:'[^\W_]+)*"
 _TOKEN = re.compile(rf"{_WORD}|_|[^\w\s]")
+_WORD_TOKEN = re.compile(_WORD)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # control characters separate tokens, as whitespace does
+
+
+def is_word(token: str) -> bool:
+    """Whether a token of `tokenize` is a word (letters and digits, inner apostrophes), not punctuation."""
+    return _WORD_TOKEN.fullmatch(token) is not None
 
 
 def tokenize(text: str) -> list[str]:
@@ -101,6 +107,9 @@ class Vocabulary:
 
     def __len__(self) -> int:
         return len(self.words)
+
+    def __contains__(self, word: object) -> bool:
+        return word in self._index
 
     def encode(self, tokens: Sequence[str]) -> np.ndarray:
         """Token ids (int64), <oov> for a word the vocabulary lacks."""

@@ -60,18 +60,27 @@ class SequenceOptions(BaseModel):
     ] = None
     window: Annotated[int | None, Field(ge=8, description="time steps per sensor window (default 128)")] = None
     rate_hz: Annotated[float | None, Field(gt=0, description="the sensors' sampling rate in Hz (default 50)")] = None
+    units: Annotated[
+        tuple[str, ...] | None,
+        Field(
+            min_length=1,
+            description="comma list of each channel's unit, as recorded for training (default: g for acc-*, rad/s "
+            "for gyro-*: HAPT's); a phone that records for the model converts to them",
+            examples=["g,g,g,rad/s,rad/s,rad/s"],
+        ),
+    ] = None
 
-    @field_validator("channels", mode="before")
+    @field_validator("channels", "units", mode="before")
     @classmethod
     def _channels(cls, value: Any) -> Any:
         return comma_separated(value)
 
     def given(self, models: tuple[str, ...] = ("text models", "sensor models")) -> list[str]:
         """The flags that were set among those of `models` (text models: the vocabulary and window; sensor models:
-        the channels, window and rate)."""
+        the channels, window, rate and units)."""
         fields = {
             "text models": ("vocab", "vocab_size", "seq_len", "layers"),
-            "sensor models": ("channels", "window", "rate_hz"),
+            "sensor models": ("channels", "window", "rate_hz", "units"),
         }
         names = [name for part in models for name in fields[part]]
         return ["--" + name.replace("_", "-") for name in names if getattr(self, name) is not None]

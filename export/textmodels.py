@@ -369,7 +369,9 @@ def sequence_target(
     if sequence.given(("text models",)):
         raise UsageError(f"{sequence.given(('text models',))[0]} does not apply to the sensor model {name}", "drop it")
     channels = sequence.channels or HAPT_CHANNELS
-    return sensor_target(name, channels, seed, width, sequence.window, sequence.rate_hz, num_classes, norm)
+    return sensor_target(
+        name, channels, seed, width, sequence.window, sequence.rate_hz, num_classes, norm, sequence.units
+    )
 
 
 def text_target(
@@ -403,8 +405,10 @@ def sensor_target(
     rate_hz: float | None = None,
     num_classes: int | None = None,
     norm: str | None = None,
+    units: Sequence[str] | None = None,
 ) -> ExportTarget:
-    """An activity model over windows of the named `channels`, which the manifest's sample entry lists."""
+    """An activity model over windows of the named `channels` (in `units`: HAPT's by default), which the manifest's
+    sample entry lists."""
     if len(set(channels)) != len(channels):
         raise UsageError(f"--channels names a channel twice ({', '.join(channels)})", "name each channel once")
     base = default_sequence_spec(name)
@@ -417,7 +421,10 @@ def sensor_target(
         num_classes=base.num_classes if num_classes is None else num_classes,
         norm=norm or base.norm,
     )
-    return _target(spec, seed, SensorKind.of(tuple(channels), spec.window, rate_hz or HAPT_RATE_HZ))
+    if units is not None and len(units) != len(channels):
+        raise UsageError(f"--units names {len(units)} units for {len(channels)} channels", "name one unit a channel")
+    kind = SensorKind.of(tuple(channels), spec.window, rate_hz or HAPT_RATE_HZ, units=units)
+    return _target(spec, seed, kind)
 
 
 def _target(spec: SequenceSpec, seed: int, kind: SampleKind, files: dict[str, bytes] | None = None) -> ExportTarget:

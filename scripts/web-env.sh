@@ -40,4 +40,4 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 # the server's routes for the page once more, now that the runtime is surely there (without it they skip)
 "$PYTHON" -m pytest -q tests/test_web_server.py
-"$PYTHON" -m pytest -q -m browser tests/test_web_browser.py tests/test_secagg_browser.py
+"$PYTHON" -m pytest -q -m browser tests/test_web_browser.py tests/test_web_capture.py tests/test_secagg_browser.py

@@ -1,7 +1,9 @@
 """Security headers on every reply of the server: its API, status page, device page and errors alike.
 
 A route that needs another Content-Security-Policy (the status page, the device page, the join page) sets its
-own; the rest get the API's, which lets a browser load nothing. `Strict-Transport-Security` goes with every
+own; the rest get the API's, which lets a browser load nothing. The motion sensors are the device page's alone: its
+Permissions-Policy lets it (and no page it embeds) read the accelerometer and gyroscope; every other reply's denies
+them. `Strict-Transport-Security` goes with every
 reply over https (uvicorn's TLS, or a proxy named by --forwarded-allow-ips that says so), never over http,
 where browsers ignore it.
 """
@@ -16,10 +18,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_POLICY = "default-src 'none'; frame-ancestors 'none'"
 HSTS = "max-age=31536000"  # a year; no includeSubDomains: the server may share its name with other services
+# the powerful features the device page may use, for its own origin only (a sensor bundle records the phone's
+# motion: device_runtime/web/src/motion.js); none for any other reply, nor for a frame any page could embed
+NO_FEATURES = "accelerometer=(), gyroscope=(), magnetometer=(), geolocation=(), microphone=()"
+DEVICE_FEATURES = "accelerometer=(self), gyroscope=(self), magnetometer=(), geolocation=(), microphone=()"
 SECURITY_HEADERS = {
     "Content-Security-Policy": API_POLICY,
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
+    "Permissions-Policy": NO_FEATURES,
 }
 
 

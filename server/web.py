@@ -33,6 +33,7 @@ from edgepfl.manifest import MANIFEST_NAME
 from edgepfl.options import validated
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError, Refused
+from edgepfl.server.headers import DEVICE_FEATURES
 from edgepfl.server.joinlinks import DEVICE_PATH, JoinLinkOptions, join_url
 from edgepfl.server.page import JOIN_PAGE_POLICY, JOIN_PATH, DeviceNote, render_join_page
 
@@ -84,6 +85,7 @@ DEVICE_HEADERS = {
     "Cross-Origin-Embedder-Policy": "require-corp",
     "Cross-Origin-Resource-Policy": "same-origin",
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "Permissions-Policy": DEVICE_FEATURES,  # the motion sensors, for the page's own origin only
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",  # revalidated with the ETag: an upgraded server is picked up at once

@@ -3,8 +3,12 @@ and no module grows past 450 lines (the browser device's JavaScript included).""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
+from pathlib import Path
 
+import pytest
 import tomllib
 from conftest import REPO
 
@@ -172,3 +176,45 @@ def test_no_module_outside_the_kinds_branches_on_a_kind_of_sample() -> None:
         for line in _kind_branches(path.read_text(encoding="utf-8"))
     }
     assert branches == set(), "a kind's branch belongs in its module under edgepfl/kinds/ (docs/architecture.md)"
+
+
+# The page's kinds of sample (device_runtime/web/src/kinds.js), the twins of edgepfl/kinds/ by name: a kind's name is
+# written in its own module (kind_NAME.js) only; any other module that names one (a literal, or a key of a lookup by
+# kind) branches on it.
+PAGE = REPO / "device_runtime" / "web"
+
+
+def _page_kind_names(*paths: Path) -> list[tuple[str, int, str]]:
+    """Where page modules name a kind: (file, line, text), by TypeScript's parser (test/kind_branches.mjs)."""
+    if shutil.which("node") is None or not (PAGE / "node_modules" / "typescript").is_dir():
+        pytest.skip("node and the page's node_modules are needed (npm ci --prefix device_runtime/web)")
+    from edgepfl.kinds import KINDS
+
+    command = ["node", "test/kind_branches.mjs", ",".join(KINDS), *map(str, paths)]
+    done = subprocess.run(command, cwd=PAGE, capture_output=True, text=True, check=True)
+    return [tuple(found) for found in json.loads(done.stdout)]
+
+
+def test_the_page_kind_check_finds_a_branch_on_a_kind(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.js"
+    planted.write_text(
+        "const unit = { image: 'images', 'next-word': 'words' }[kind];\n"
+        "if (manifest.task.kind === `sensor`) {}\n"
+        "const accept = 'image/*'; // 'sensor', a comment\n"
+        "const quoted = /'image'/;\n",
+        encoding="utf-8",
+    )
+    lines = [line for _, line, _ in _page_kind_names(planted)]
+    assert lines == [1, 1, 2]
+    kinds = {path.name: [text for _, _, text in _page_kind_names(path)] for path in (PAGE / "src").glob("kind_*.js")}
+    from edgepfl.kinds import KINDS
+
+    assert sorted(text.strip("'") for found in kinds.values() for text in found) == sorted(KINDS), kinds
+
+
+def test_no_page_module_outside_the_kinds_names_a_kind() -> None:
+    """A kind of sample is one module of the page plus one line of kinds.js (docs/architecture.md)."""
+    src = PAGE / "src"
+    modules = sorted(path for path in src.glob("*.js") if not path.name.startswith("kind_"))
+    assert len(modules) > 40 and src / "app.js" in modules and src / "kinds.js" in modules
+    assert _page_kind_names(*modules) == [], "a kind's words and ways belong in its module, kind_NAME.js"

@@ -162,6 +162,8 @@ def test_har_reads_the_installed_package_without_pandas():
         "channels": list(HAR_CHANNELS),
         "window": HAR_WINDOW,
         "rate_hz": 50,
+        "units": ["g", "g", "g", "rad/s", "rad/s", "rad/s"],
+        "step": HAR_STEP,
     }
     for train, test in zip(dataset.client_train, dataset.client_test):
         assert set(dataset.targets(train)) == set(dataset.targets(test)) == set(range(6))

@@ -21,17 +21,21 @@ from edgepfl.server import announce, page, web
 from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
-from edgepfl.server.headers import API_POLICY, HSTS
+from edgepfl.server.headers import API_POLICY, DEVICE_FEATURES, HSTS, NO_FEATURES
 from edgepfl.server.page import DeviceNote, render_page
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")  # starlette asks for httpx2, not ours
 
 
-def assert_secured(reply: httpx.Response, policy: str | None = API_POLICY, https: bool = False) -> None:
-    """The headers every reply carries (and its CSP, when `policy` is given)."""
+def assert_secured(
+    reply: httpx.Response, policy: str | None = API_POLICY, https: bool = False, features: str = NO_FEATURES
+) -> None:
+    """The headers every reply carries (and its CSP, when `policy` is given; its Permissions-Policy)."""
     assert reply.headers["x-content-type-options"] == "nosniff", reply.request.url
     assert reply.headers["referrer-policy"] == "no-referrer", reply.request.url
     assert ("strict-transport-security" in reply.headers) is https, reply.request.url
+    # the motion sensors are the device page's alone (server/headers.py)
+    assert reply.headers["permissions-policy"] == features, reply.request.url
     if https:
         assert reply.headers["strict-transport-security"] == HSTS
     if policy is not None:
@@ -121,7 +125,7 @@ def test_the_status_page_allows_its_own_style_and_nothing_else(tmp_path: Path) -
 def test_the_device_and_join_pages_keep_their_own_policies(tmp_path: Path) -> None:
     http, _ = app_client(tmp_path)
     device = http.get("/device/")
-    assert_secured(device, web.CONTENT_SECURITY_POLICY)
+    assert_secured(device, web.CONTENT_SECURITY_POLICY, features=DEVICE_FEATURES)
     assert device.headers["cross-origin-embedder-policy"] == "require-corp"
     assert_secured(http.get("/device/vendor/nothing.mjs"), API_POLICY)  # a 404 of the device routes
     prompt = http.get("/join")
@@ -132,7 +136,7 @@ def test_the_device_and_join_pages_keep_their_own_policies(tmp_path: Path) -> No
     assert f"style-src {style_hash(joined.text)};" in joined.headers["content-security-policy"]
     assert "form-action 'self'" in joined.headers["content-security-policy"] and "<script" not in joined.text
     over_tls = TestClient(http.app, base_url="https://testserver")
-    assert_secured(over_tls.get("/device/"), web.CONTENT_SECURITY_POLICY, https=True)
+    assert_secured(over_tls.get("/device/"), web.CONTENT_SECURITY_POLICY, https=True, features=DEVICE_FEATURES)
 
 
 def test_uvicorns_own_400_and_a_tls_server_carry_the_headers(tmp_path: Path) -> None:

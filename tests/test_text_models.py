@@ -179,7 +179,7 @@ def test_every_engine_trains_the_sequence_models_alike(bundles):
     assert any(not np.array_equal(reference[1][n], initial[n]) for n in base), "the full step trains the base"
 
 
-def test_predict_text_gives_the_top_next_words_and_never_pad_oov_or_bos(transformer_bundle, tmp_path):
+def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transformer_bundle, tmp_path):
     from edgepfl.device_runtime.predict import next_words
     from edgepfl.text import phrase_context
 
@@ -189,17 +189,26 @@ def test_predict_text_gives_the_top_next_words_and_never_pad_oov_or_bos(transfor
     assert context.tolist() == vocabulary.encode(["be", ",", "or", "not"]).tolist()
     short = phrase_context("to", vocabulary, SEQ_LEN)
     assert short.tolist() == [text.PAD_ID, text.PAD_ID, text.BOS_ID, vocabulary.encode(["to"])[0]]
-    words = next_words(engine, "to be or not", len(vocabulary))
-    assert len(words) == len(vocabulary) - 3 and not {i for i, _, _ in words} & {0, 1, 2}
+    words = next_words(engine, "to be or not", len(vocabulary))  # <pad>, <oov>, <bos>, <eos>: nobody types them
+    assert len(words) == len(vocabulary) - 4 and not {i for i, _, _ in words} & {0, 1, 2, 3}
     probabilities = engine.predict(phrase_context("to be or not", vocabulary, SEQ_LEN)[None])[0]
-    assert [p for _, _, p in words] == sorted((float(p) for p in np.delete(probabilities, [0, 1, 2])), reverse=True)
+    assert [p for _, _, p in words] == sorted((float(p) for p in probabilities[4:]), reverse=True)
+    # the person's own words the device keeps (device train/run learns them from its text) come in <oov>'s place
+    notes = tmp_path / "notes.txt"
+    notes.write_text("zorblax to be or not to be\nthat is the zorblax question\n", encoding="utf-8")
+    train = ["train", "--bundle", str(transformer_bundle), "--data", str(notes), "--state", str(tmp_path / "s")]
+    trained = CliRunner().invoke(device_app, [*train, "--engine", "portable", "--batch-size", "8"])
+    assert trained.exit_code == 0, trained.output
+    assert (tmp_path / "s" / "user-dictionary.json").is_file()  # kept beside the model, never uploaded
+    learned = next_words(engine, "to be or not", len(vocabulary), tmp_path / "s")
+    assert (1, "zorblax", float(probabilities[1])) in learned and len(learned) == len(vocabulary) - 4 + 1
     result = CliRunner().invoke(
         device_app,
         ["predict", "--bundle", str(transformer_bundle), "--state", str(tmp_path / "s"), "--text", "to be", "--json"],
     )
     assert result.exit_code == 0, result.output
     top = json.loads(result.output)["predictions"][0]["top"]
-    assert len(top) == 3 and top[0]["name"] == next_words(engine, "to be", 1)[0][1]
+    assert len(top) == 3 and top[0]["name"] == next_words(engine, "to be", 1, tmp_path / "s")[0][1]
 
 
 def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle, transformer_bundle, tmp_path):

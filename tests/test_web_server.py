@@ -91,6 +91,13 @@ def test_device_page_is_isolated_and_locked_to_its_origin(tmp_path: Path) -> Non
     assert reply.headers["cross-origin-resource-policy"] == "same-origin"
     assert reply.headers["x-content-type-options"] == "nosniff"
     assert reply.headers["referrer-policy"] == "no-referrer"
+    # the motion sensors for the page itself only (a sensor bundle records the phone's motion), nothing else's
+    features = dict(part.strip().split("=", 1) for part in reply.headers["permissions-policy"].split(","))
+    assert features["accelerometer"] == features["gyroscope"] == "(self)"
+    assert {name: allowed for name, allowed in features.items() if allowed != "()"} == {
+        "accelerometer": "(self)",
+        "gyroscope": "(self)",
+    }
     policy = dict(part.strip().split(" ", 1) for part in reply.headers["content-security-policy"].split(";"))
     assert policy["default-src"] == "'self'" and policy["connect-src"] == "'self'"
     assert (

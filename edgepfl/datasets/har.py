@@ -35,6 +35,7 @@ HAR_ACTIVITIES = ("walking", "walking_upstairs", "walking_downstairs", "sitting"
 HAR_RATE_HZ = 50
 HAR_WINDOW = 128  # 2.56 s at 50 Hz
 HAR_STEP = HAR_WINDOW // 2  # 50 % overlap
+HAR_UNITS = ("g", "g", "g", "rad/s", "rad/s", "rad/s")  # acceleration with gravity, rotation
 
 
 def load_har(path: Path | None = None, subjects: int | None = None) -> NaturalDataset:
@@ -53,6 +54,8 @@ def load_har(path: Path | None = None, subjects: int | None = None) -> NaturalDa
         HAR_RATE_HZ,
         mean=tuple(round(float(v), 6) for v in mean),
         std=tuple(round(float(v), 6) for v in std),
+        units=HAR_UNITS,
+        step=HAR_STEP,
     )
     return natural_dataset(
         "har",

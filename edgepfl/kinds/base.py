@@ -86,11 +86,6 @@ class SampleKind(ABC):
         return ()
 
     @property
-    def never_predicted(self) -> tuple[int, ...]:
-        """Classes a prediction never offers a person (tokens nobody types)."""
-        return ()
-
-    @property
     def bundle_files(self) -> tuple[str, ...]:
         """The bundle's files a device needs to read its samples (a text bundle's vocabulary)."""
         return ()
@@ -124,6 +119,16 @@ class SampleKind(ABC):
     def phrase_input(self, phrase: str, bundle: Path, num_classes: int) -> np.ndarray:
         """The model input that asks for what follows a typed phrase (`device predict --text`)."""
         raise UsageError(f"--text needs a next-word bundle, and this one reads {self.described}", "pass input files")
+
+    def offered(
+        self, probabilities: np.ndarray, bundle: Path, state: Path | None, k: int
+    ) -> list[tuple[int, str, float]]:
+        """The `k` (id, word, probability) a phrase's `probabilities` offer a person (`device predict --text`)."""
+        raise UsageError(f"--text needs a next-word bundle, and this one reads {self.described}", "pass input files")
+
+    def remember(self, path: Path, bundle: Path, state: Path) -> None:  # noqa: B027 (most kinds keep nothing)
+        """Keep in a device's state folder what it learns of its own data beside the samples (a text bundle: the
+        person's own words); most kinds keep nothing."""
 
 
 def require(condition: bool, problem: str) -> None:

@@ -17,9 +17,9 @@ import numpy as np
 from edgepfl import text
 from edgepfl.errors import BundleError, DataError
 from edgepfl.kinds.base import DeviceSamples, InputSpec, KindWords, SampleKind, require
+from edgepfl.kinds.userwords import learn_dictionary, load_dictionary, save_dictionary, suggestions
 
 MIN_DEVICE_WORDS = 10  # fewer words make too few samples to train on and to hold some out
-NEVER_SUGGESTED = (text.PAD_ID, text.OOV_ID, text.BOS_ID)  # tokens nobody types
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,11 +88,6 @@ class NextWordKind(SampleKind):
         return self.ignored
 
     @property
-    def never_predicted(self) -> tuple[int, ...]:
-        """<pad>, <oov> and <bos>: nobody types them."""
-        return NEVER_SUGGESTED
-
-    @property
     def bundle_files(self) -> tuple[str, ...]:
         """vocab.json: a device tokenizes its text with it."""
         return (self.vocab,)
@@ -145,6 +140,21 @@ class NextWordKind(SampleKind):
     def phrase_input(self, phrase: str, bundle: Path, num_classes: int) -> np.ndarray:
         """<bos> and the phrase's words, windowed as the model reads them (a batch of one)."""
         return text.phrase_context(phrase, self.vocabulary(bundle), self.seq_len)[None]
+
+    def offered(
+        self, probabilities: np.ndarray, bundle: Path, state: Path | None, k: int
+    ) -> list[tuple[int, str, float]]:
+        """The `k` words a keyboard offers after a phrase: the model's (no special token) and, in <oov>'s place,
+        the person's own words the device's state folder keeps (edgepfl/kinds/userwords.py)."""
+        vocabulary = self.vocabulary(bundle)
+        learned = load_dictionary(state, vocabulary).words() if state is not None else []
+        return suggestions(probabilities, vocabulary.words, learned, "", k)
+
+    def remember(self, path: Path, bundle: Path, state: Path) -> None:
+        """The person's own words, learned from the text the device trains on (a line a sentence, in order), kept
+        in its state folder for `device predict --text`; never uploaded."""
+        lines = text.read_text(path).splitlines()
+        save_dictionary(state, learn_dictionary(lines, self.vocabulary(bundle)))
 
 
 def check_token_ids(x: np.ndarray, vocab_size: int, what: str = "x") -> None:

@@ -3,12 +3,20 @@
 An .npz holds `x` (N, C, T) readings, `y` (N,) labels and `channels` (C names); a CSV (docs/device.md) has a header
 `window,label,<channel>,...`, then one row per reading, T consecutive rows per window. The channels must be the
 bundle's, by name and in its order. Windows are normalised per channel with the manifest's mean and std.
+
+The manifest also names each channel's unit and the step between windows' starts, so that whoever records a phone's
+motion for the model (the browser device's recorder, an operator's own app) converts and cuts it as its training data
+was: a channel named acc-x|y|z is the accelerometer's axis (with gravity), gyro-x|y|z the gyroscope's; `from_motion`
+turns readings in SI units (m/s², rad/s) into the model's channels and units, the page's src/resample.js the same way
+(a fixture pins both).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +24,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edgepfl.errors import DataError
+from edgepfl.errors import DataError, UsageError
 from edgepfl.kinds.base import NPZ, DeviceSamples, InputSpec, KindWords, SampleKind, read_npz, require, standardized
 from edgepfl.text import read_text
 
 CSV_COLUMNS = ("window", "label")  # the columns before the channels in a sensor CSV
+STANDARD_GRAVITY = 9.80665  # m/s² per g
+# each unit's value of one SI unit of a sensor's reading (m/s² of acceleration, rad/s of rotation)
+UNITS = {
+    "acc": {"g": 1 / STANDARD_GRAVITY, "m/s^2": 1.0, "m/s2": 1.0, "m/s²": 1.0},
+    "gyro": {"rad/s": 1.0, "deg/s": 180 / math.pi},
+}
+HAPT_UNITS = {"acc": "g", "gyro": "rad/s"}  # UCI HAPT's, and a channel's when its bundle names none
+MOTION_CHANNEL = re.compile(r"(acc|accel|accelerometer|gyro|gyroscope)[-_. ]?([xyz])", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +55,35 @@ class SensorKind(SampleKind):
     channels: tuple[str, ...] = ()
     window: int = 0
     rate_hz: float = 0.0
+    units: tuple[str, ...] = ()  # each channel's unit ("g", "rad/s"); bundles before it: HAPT's by channel name
+    step: int = 0  # readings from one window's start to the next's; bundles before it: half a window, HAPT's
 
     @classmethod
-    def of(cls, channels: Sequence[str], window: int, rate_hz: float, mean=(), std=()) -> SensorKind:
-        """The kind of windows of `window` readings of `channels` at `rate_hz`, normalised with `mean` and `std`."""
+    def of(
+        cls,
+        channels: Sequence[str],
+        window: int,
+        rate_hz: float,
+        mean=(),
+        std=(),
+        units: Sequence[str] | None = None,
+        step: int | None = None,
+    ) -> SensorKind:
+        """The kind of windows of `window` readings of `channels` at `rate_hz`, normalised with `mean` and `std`, in
+        `units` (default: HAPT's for motion channels, '' for others), cut every `step` readings (default: half a
+        window, HAPT's overlap)."""
         spec = InputSpec(shape=(len(channels), window), dtype="float32", mean=tuple(mean), std=tuple(std))
-        return cls(input=spec, channels=tuple(channels), window=window, rate_hz=rate_hz)
+        units = tuple(units) if units is not None else tuple(default_unit(name) for name in channels)
+        if len(units) != len(channels):
+            raise UsageError(f"{len(units)} units for {len(channels)} channels", "name one unit a channel")
+        return cls(
+            input=spec,
+            channels=tuple(channels),
+            window=window,
+            rate_hz=rate_hz,
+            units=units,
+            step=step or max(window // 2, 1),
+        )
 
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any], input_spec: InputSpec, num_classes: int) -> SensorKind:
@@ -54,14 +93,43 @@ class SensorKind(SampleKind):
             channels=tuple(str(name) for name in entry["channels"]),
             window=int(entry.get("window") or input_spec.shape[-1]),
             rate_hz=float(entry.get("rate_hz") or 0.0),
+            units=tuple(str(unit) for unit in entry.get("units") or ()),
+            step=int(entry.get("step") or 0),
         )
         shape = (len(kind.channels), kind.window)
         require(input_spec.shape == shape, f"a sensor model over {shape} windows takes input {input_spec.shape}")
+        require(not kind.units or len(kind.units) == len(kind.channels), "the sensor entry names one unit a channel")
         return kind
 
     def entry(self) -> dict[str, Any]:
-        """What a sensor bundle's manifest says of its windows."""
-        return {"kind": self.name, "channels": list(self.channels), "window": self.window, "rate_hz": self.rate_hz}
+        """What a sensor bundle's manifest says of its windows (units and step where it names them)."""
+        entry: dict[str, Any] = {
+            "kind": self.name,
+            "channels": list(self.channels),
+            "window": self.window,
+            "rate_hz": self.rate_hz,
+        }
+        if self.units:
+            entry["units"] = list(self.units)
+        if self.step:
+            entry["step"] = self.step
+        return entry
+
+    def from_motion(self, acceleration: np.ndarray, rotation: np.ndarray) -> np.ndarray:
+        """The model's channels (C, N) float32 in its units, of N readings of a phone's accelerometer with gravity
+        (m/s², device axes x, y, z) and gyroscope (rad/s); a channel no motion sensor gives is one DataError."""
+        readings = {"acc": np.asarray(acceleration, np.float64), "gyro": np.asarray(rotation, np.float64)}
+        rows = []
+        for i, name in enumerate(self.channels):
+            match = MOTION_CHANNEL.fullmatch(name.strip())
+            if not match:
+                raise DataError(f"the channel {name!r} is not a phone's motion", "record it some other way")
+            stream = "acc" if match[1].lower().startswith("acc") else "gyro"
+            unit = self.units[i] if self.units else HAPT_UNITS[stream]
+            if unit not in UNITS[stream]:
+                raise DataError(f"{name!r} is in {unit}, which edgepfl cannot convert to", "record it some other way")
+            rows.append(readings[stream][:, "xyz".index(match[2].lower())] * UNITS[stream][unit])
+        return np.asarray(rows, dtype=np.float32)
 
     def check_inputs(self, x: np.ndarray, what: str = "x") -> np.ndarray:
         """(N, C, T) finite readings of exactly the model's channels and window."""
@@ -162,6 +230,12 @@ class SensorKind(SampleKind):
             x.append(values.T)
             y.append(classes.get(label, int(label) if label.isdigit() else -1))
         return np.stack(x), np.asarray(y, dtype=np.int64), channels
+
+
+def default_unit(channel: str) -> str:
+    """HAPT's unit of a motion channel (g for acc-*, rad/s for gyro-*), '' for a channel of another sensor."""
+    match = MOTION_CHANNEL.fullmatch(channel.strip())
+    return "" if not match else HAPT_UNITS["acc" if match[1].lower().startswith("acc") else "gyro"]
 
 
 def check_readings(x: np.ndarray, what: str = "x") -> None:

@@ -120,6 +120,20 @@ export function splitTrainVal(n, valFraction, seed) {
   return { train: sorted(order.subarray(nVal)), val: sorted(order.subarray(0, nVal)) };
 }
 
+/** The samples at `positions`, in their order. */
+export function pickSamples(/** @type {Samples} */ samples, /** @type {ArrayLike<number>} */ positions) {
+  const size = samples.count ? samples.x.length / samples.count : 0;
+  const x = new /** @type {any} */ (samples.x.constructor)(positions.length * size);
+  const y = new Int32Array(positions.length);
+  Array.from(positions).forEach((at, i) => {
+    x.set(/** @type {any} */ (samples.x).subarray(at * size, (at + 1) * size), i * size);
+    y[i] = samples.y[at];
+  });
+  /** @type {Samples} */
+  const picked = { x, y, count: positions.length };
+  return picked;
+}
+
 /** How many of n samples splitTrainVal holds out (at least one of two or more, never all). */
 export function heldOutCount(/** @type {number} */ n, /** @type {number} */ valFraction) {
   const nVal = Math.min(roundHalfEven(n * valFraction), n - 1);

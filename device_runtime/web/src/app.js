@@ -14,17 +14,13 @@ import {
   watchFirstStep,
 } from './gpucheck.js';
 import { fetchContract } from './contract.js';
-import { emptyExamples } from './data.js';
 import { openEngine, personalSpec, portableFiles } from './engine.js';
 import { DeviceError, StartOver } from './errors.js';
-import { setUpExamples } from './examples.js';
+import { sampleKind } from './kinds.js';
 import { ApiClient, Refusal } from './protocol.js';
-import { setUpRecording } from './recording.js';
 import { DeviceRunner } from './runner.js';
 import { sha256Hex } from './sha256.js';
 import { openStore } from './store.js';
-import { taskKind, textTask } from './tasks.js';
-import { loadVocabulary } from './text.js';
 import { setUpTryIt } from './tryit.js';
 import {
   fatal,
@@ -101,7 +97,7 @@ async function takePart(
   /** @type {Manifest} */
   const manifest = JSON.parse(new TextDecoder().decode(await client.bytes(`${BUNDLE}manifest.json`)));
   showStorage(await keepStorage());
-  const saved = await store.get('tensors', 'progress', 'history', 'examples', 'round');
+  const saved = await store.get('tensors', 'progress', 'history', 'round');
   const layout = manifest.base_layout_hash;
   if ((saved.tensors && saved.tensors.layout !== layout) || (saved.progress && saved.progress.layout !== layout)) {
     throw new StartOver(
@@ -117,7 +113,8 @@ async function takePart(
   const gpu = /** @type {{gpu?: import('./backend.js').Gpu}} */ (/** @type {unknown} */ (navigator)).gpu; // WebGPU's types are not in TypeScript's dom lib
   const memory = pageMemory();
   const backend = await chooseBackend(gpu, requestedBackend(location.search), rememberedFallback(memory));
-  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url));
+  const sample = sampleKind(manifest); // the bundle's kind of sample: whether training must leave the thread free
+  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url), sample.freeThread);
   const placed = () => {
     showBackend(backend.name, backendLine(backend, engine.placements));
   };
@@ -140,16 +137,14 @@ async function takePart(
   showDevice(
     `Device ${creds.device} · ${threads} thread${threads > 1 ? 's' : ''}${crossOriginIsolated ? ' (cross-origin isolated)' : ''} · personal ${personalSpec(manifest)}`,
   );
-  const kind = taskKind(manifest);
-  // a text bundle's vocabulary comes with the bundle, its sha256 checked against the manifest's
-  const text = kind === 'next-word' ? textTask(manifest) : null;
-  const vocabulary = text && (await loadVocabulary(await bundleFile(store, client, manifest, text.vocab, keep), text));
-  const task = kind === 'image' ? null : { kind, manifest, vocabulary };
-  const held = /** @type {any} */ (saved.examples); // a text or sensor bundle keeps its file (tasks.js Recording)
-  const photos = (/** @type {any} */ kept) => (kept && !kept.kind ? kept : null); // an image bundle keeps Examples
-  const examples = task
-    ? setUpRecording({ store, contract, task, recording: held && held.kind === kind ? held : null })
-    : setUpExamples({ store, manifest, contract, examples: photos(held) || emptyExamples(manifest.input.shape) });
+  // the person's samples: how they are given, kept, split and tried is the bundle's kind's (kinds.js)
+  const kind = await sample.open({
+    manifest,
+    store,
+    contract,
+    bundleFile: (path) => bundleFile(store, client, manifest, path, keep),
+  });
+  const examples = kind.examples;
   renderHistory(saved.history || []);
   let trained = Boolean(saved.tensors);
   /** @type {DeviceRunner | null} */
@@ -164,9 +159,10 @@ async function takePart(
     return { trained, lastCompletedRound: last, description };
   };
   const inferenceGraph = () => bundleFile(store, client, manifest, INFERENCE_GRAPH, keep);
-  const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, examples, task });
+  const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, kind });
   setUpReset(store, () => ({
-    examples: examples.current().count,
+    examples: examples.count(),
+    one: examples.words.one,
     rounds: (runner ? runner.history : saved.history || []).length,
   }));
   if (saved.round) status(`Round ${saved.round.round} was interrupted; it starts again from the shared model.`);

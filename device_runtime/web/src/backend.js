@@ -57,14 +57,47 @@ export function adapterName(/** @type {AdapterInfo | undefined} */ info) {
 
 /**
  * Import the onnxruntime-web build that carries `backend` from `vendor` (a folder URL), its wasm files beside it.
+ * With `freeThread`, WebAssembly graphs run in onnxruntime-web's proxy worker, off the page's thread: a step then
+ * never holds up the page (a sensor bundle's motion readings come there at 60 Hz and would be lost while a step
+ * ran). Without it they run on the page's thread, where a prediction between training steps comes sooner.
  * @param {Backend} backend
  * @param {URL} vendor
+ * @param {boolean} [freeThread]
  * @returns {Promise<import('./engine.js').Ort>}
  */
-export async function loadRuntime(backend, vendor) {
+export async function loadRuntime(backend, vendor, freeThread = false) {
   const ort = await import(new URL(RUNTIMES[backend], vendor).href);
   ort.env.wasm.wasmPaths = new URL(vendor).href;
-  return ort;
+  if (backend !== 'wasm' || !freeThread) return ort; // the proxy worker runs WebAssembly only
+  ort.env.wasm.proxy = true;
+  return keepingBuffers(ort);
+}
+
+/**
+ * `ort` whose sessions are handed copies: the proxy worker takes (transfers) the buffers of a graph's bytes and of
+ * a run's inputs, and the engine keeps using its own (its state, the person's samples, the bundle's graphs).
+ * @param {import('./engine.js').Ort} ort
+ * @returns {import('./engine.js').Ort}
+ */
+export function keepingBuffers(ort) {
+  const { InferenceSession, Tensor } = ort;
+  /** @type {typeof InferenceSession.create} */
+  const create = async (/** @type {any} */ model, /** @type {any[]} */ ...rest) => {
+    const session = await InferenceSession.create(model instanceof Uint8Array ? model.slice() : model, ...rest);
+    const run = session.run.bind(session);
+    /** @type {any} */ (session).run = (/** @type {Record<string, any>} */ feeds, /** @type {any[]} */ ...more) =>
+      run(
+        Object.fromEntries(
+          Object.entries(feeds).map(([name, tensor]) => [
+            name,
+            new Tensor(tensor.type, tensor.data.slice(), tensor.dims),
+          ]),
+        ),
+        ...more,
+      );
+    return session;
+  };
+  return /** @type {any} */ ({ ...ort, InferenceSession: { create } });
 }
 
 /** The page's line about the back end: where it trains, and each graph refused by the GPU with its reason. */

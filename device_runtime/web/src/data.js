@@ -7,13 +7,13 @@
 import { heldOutCount, splitTrainVal } from './algorithms.js';
 import { DataError, describe } from './errors.js';
 import { normalizePixels } from './preprocess.js';
-import { plural, SAMPLE_WORDS } from './results.js';
+import { plural } from './results.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./engine.js').InputSpec} InputSpec */
 /** @typedef {import('./engine.js').Manifest} Manifest */
 /** @typedef {import('./algorithms.js').Samples} Samples */
-/** @typedef {import('./results.js').SampleKind} SampleKind */
+/** @typedef {import('./kinds.js').KindWords} KindWords */
 /**
  * The person's examples: uint8 pixels (C*H*W each) at the model's input size and their labels; `lastAdded`: how
  * many of the last ones came in the last addition (0 once any was removed), for "remove the last added".
@@ -142,15 +142,14 @@ export function examplesShortfall(count, device) {
   );
 }
 
-/** The headline that asks for more examples (of a text or sensor bundle: `kind`), or '' when there are enough. */
+/** The headline that asks for more samples (named by the bundle's kind: `words`), or '' when there are enough. */
 export function shortfallLine(
   /** @type {number} */ count,
   /** @type {Contract['device']} */ device,
-  /** @type {SampleKind} */ kind = 'image',
+  /** @type {KindWords} */ words,
 ) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
-  const words = SAMPLE_WORDS[kind];
   const noun = more === 1 ? words.one : `${words.one}s`;
   return `Add ${more} ${count ? 'more ' : ''}${noun}${words.more} to take part in the rounds.`;
 }
@@ -159,13 +158,13 @@ export function shortfallLine(
 export function shortfallReason(
   /** @type {number} */ count,
   /** @type {Contract['device']} */ device,
-  /** @type {SampleKind} */ kind = 'image',
+  /** @type {KindWords} */ words,
 ) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
   const total = count + more;
   const held = heldOutCount(total, device.val_fraction);
-  const needs = `The model needs ${plural(total, SAMPLE_WORDS[kind].one)}`;
+  const needs = `The model needs ${plural(total, words.one)}`;
   return `${needs}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 

@@ -1,12 +1,15 @@
 // @ts-check
-// How a round's saved update reaches the server (runner.py's upload path): the saved bytes uploaded as they are,
-// or a secure round's steps over the saved clipped delta; and the advisory reports (held-out metrics, a refused
-// base), whose failure only shows a note.
+// What a round sends and how its saved update reaches the server (round.py upload_body, runner.py's upload path):
+// the trained tensors or their delta encoded as the round asks, the saved bytes uploaded as they are, or a secure
+// round's steps over the saved clipped delta; and the advisory reports (held-out metrics, a refused base), whose
+// failure only shows a note.
 
+import { roundUploads, travellingNames } from './algorithms.js';
+import { baseDelta, encodeWithFeedback, parseEncoding, uniformRandom, uploadsDelta } from './encoding.js';
 import { DeviceError } from './errors.js';
-import { Refusal, Unreachable } from './protocol.js';
+import { encodeUpdate, Refusal, Unreachable } from './protocol.js';
 import { decodeSafetensors } from './safetensors.js';
-import { SecAggError, takeSecureSteps } from './secagg.js';
+import { ClientSession, SecAggError, takeSecureSteps } from './secagg.js';
 import { sha256Hex } from './sha256.js';
 
 /** @typedef {import('./runner.js').DeviceEvents} DeviceEvents */
@@ -27,7 +30,53 @@ import { sha256Hex } from './sha256.js';
  * @property {(url: string, kind: string, body: string | Uint8Array) => Promise<unknown>} secureSend
  * @property {(url: string, what: string) => Promise<{text: string | null, wait: number}>} secureFetch
  */
+/** @typedef {import('./contract.js').Contract} Contract */
+/** @typedef {import('./contract.js').RoundSettings} RoundSettings */
+/** @typedef {import('./engine.js').Engine} Engine */
+/** @typedef {import('./encoding.js').Delta} Delta */
+/** @typedef {import('./safetensors.js').Tensors} Tensors */
+/** @typedef {import('./runner.js').Measured} Measured */
 /** What sending the pending upload needs: the client, the events, the wait between polls, the device's seed. @typedef {{client: DeviceClient, events: DeviceEvents, sleep: (seconds: number) => Promise<unknown>, seed: number}} Sender */
+
+/**
+ * What the round sends, encoded as it asks (encoding.js; a secure round's clipped delta, masked later in its steps):
+ * the pending upload and the residual it leaves, or none for a round that uploads nothing.
+ * @param {{contract: Contract, engine: Engine, store: import('./store.js').DeviceStore}} device
+ * @param {{task: Task, roundId: number, settings: RoundSettings, base: Tensors, layout: string}} round
+ * @param {Measured} measured
+ * @returns {Promise<{pending: SecurePending | null, residual?: Delta}>}
+ */
+export async function encodeUpload({ contract, engine, store }, { task, roundId, settings, base, layout }, measured) {
+  if (!roundUploads(contract, settings)) return { pending: null };
+  const { before, after, result } = measured;
+  const meta = {
+    baseLayoutHash: layout,
+    numSamples: result.numSamples,
+    trainLoss: result.trainLoss,
+    valAccuracy: after.count ? after.correct / after.count : NaN,
+    valLoss: after.count ? after.lossSum / after.count : NaN,
+    startValAccuracy: before.count ? before.correct / before.count : NaN, // the held model, as the round began
+  };
+  const trained = await engine.getTensors(travellingNames(engine.manifest, settings));
+  if (!uploadsDelta(settings)) {
+    const payload = encodeUpdate(trained, meta);
+    return { pending: { round: roundId, payload, sha256: await sha256Hex(payload) } };
+  }
+  // the base delta, encoded as the round asks, with what earlier rounds owe
+  const owed = (await store.get('residual')).residual;
+  const encoding = parseEncoding(settings.upload_encoding);
+  const rng = encoding.stochastic ? uniformRandom([contract.device.seed, roundId]) : null;
+  const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, { rng, clipNorm: settings.clip_norm });
+  const payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
+  /** @type {SecurePending} */
+  const pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
+  const secure = task.secure_aggregation;
+  if (secure) {
+    // a secure round: the clipped delta stays here, masked in the steps (sendPending)
+    pending.secure = { ...secure, session: (await ClientSession.start(secure.device, secure.context)).toJSON() };
+  }
+  return { pending, residual: encoded.residual };
+}
 
 /**
  * Send the pending round's saved bytes (the same bytes after any reload): true once the server holds them, false

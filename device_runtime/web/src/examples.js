@@ -1,7 +1,7 @@
 // @ts-check
 // The examples section of an image bundle: the model's classes with how many photos of each (each with a
 // remover), the pickers that add more (camera, photos, a folder with one sub-folder per class, an .npz), "remove
-// the last added" and "remove all", and how the examples split. A text or sensor bundle's section is recording.js.
+// the last added" and "remove all", and how the examples split: the section of the image kind (kind_image.js).
 
 import {
   appendExamples,
@@ -24,16 +24,17 @@ import { $, fatal, keeper, readPicked, showHeld } from './ui.js';
 /** @typedef {import('./data.js').Examples} Examples */
 /** @typedef {import('./data.js').NewExamples} NewExamples */
 /** @typedef {import('./engine.js').Manifest} Manifest */
-/** @typedef {import('./runner.js').ExampleSource} ExampleSource */
+/** @typedef {import('./kinds.js').KindWords} KindWords */
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 
 /**
  * The examples section: the model's classes with how many examples of each (each with a remover), the pickers
- * that add more and the removers (each change committed to the store). Returns the round loop's source of examples.
- * @param {{store: DeviceStore, manifest: Manifest, contract: Contract, examples: Examples}} parts
- * @returns {ExampleSource}
+ * that add more and the removers (each change committed to the store). Returns the examples held now, and a
+ * promise of more.
+ * @param {{store: DeviceStore, manifest: Manifest, contract: Contract, examples: Examples, words: KindWords}} parts
+ * @returns {{current: () => Examples, added: () => Promise<void>}}
  */
-export function setUpExamples({ store, manifest, contract, examples }) {
+export function setUpExamples({ store, manifest, contract, examples, words }) {
   const names = classNames(manifest);
   const select = $('class-select', HTMLSelectElement);
   select.replaceChildren(...names.map((name, i) => new Option(name, String(i))));
@@ -42,7 +43,7 @@ export function setUpExamples({ store, manifest, contract, examples }) {
     render();
   });
   const keep = kept.keep;
-  const render = () => renderExamples(examples, names, contract, remove);
+  const render = () => renderExamples(examples, names, contract, words, remove);
   const remove = async (/** @type {number} */ label) => {
     const count = classCounts(examples, names.length)[label];
     if (
@@ -103,9 +104,10 @@ export function setUpExamples({ store, manifest, contract, examples }) {
  * @param {Examples} examples
  * @param {string[]} names
  * @param {Contract} contract
+ * @param {KindWords} words
  * @param {(label: number) => void} remove
  */
-function renderExamples(examples, names, contract, remove) {
+function renderExamples(examples, names, contract, words, remove) {
   const counts = classCounts(examples, names.length);
   $('needs').textContent =
     `The model knows ${plural(names.length, 'class', 'classes')}: add labelled photos of each one you have.`;
@@ -132,11 +134,13 @@ function renderExamples(examples, names, contract, remove) {
   last.hidden = !examples.lastAdded || examples.lastAdded === count;
   last.textContent = `Remove the last ${plural(examples.lastAdded || 0, 'example')} added`;
   $('remove-all').hidden = !count;
-  const short = [shortfallLine(count, contract.device), shortfallReason(count, contract.device)].join(' ').trim();
+  const short = [shortfallLine(count, contract.device, words), shortfallReason(count, contract.device, words)]
+    .join(' ')
+    .trim();
   const { train, val } = count
     ? splitSizes(count, contract.device.val_fraction, contract.device.split_seed)
     : { train: 0, val: 0 };
   $('split').textContent =
     short || `${plural(count, 'example')}: ${train} to learn from, ${val} kept aside to check how well the model does.`;
-  showHeld('image', counts.filter((n) => n > 0).length);
+  showHeld(words, counts.filter((n) => n > 0).length);
 }

@@ -35,14 +35,20 @@ import { EngineError } from './errors.js';
  * @property {string} base_layout_hash
  * @property {Record<string, string>} [files] bundle path -> sha256
  * @property {{portable?: PortableEntry}} [engines]
- * @property {SampleEntry} [sample] what a sample is: its kind and what the kind says of it (edgepfl/kinds/)
+ * @property {SampleEntry} [sample] what the bundle's samples are (its kind and the kind's own fields: kinds.js)
  * @property {SampleEntry} [task] the same, in bundles exported before `sample` (none for an image bundle)
  */
-/** A manifest's `sample` entry: the kind's name and its fields. @typedef {{kind?: string, metric_ignores?: number[]}} SampleEntry */
+/** What a manifest says of its samples: their kind and the kind's own fields. @typedef {{kind?: string} & Record<string, any>} SampleEntry */
 
-/** The bundle's `sample` entry: `sample`, or an older export's `task`, or an image bundle's. */
-export function sampleEntry(/** @type {Pick<Manifest, 'sample' | 'task'>} */ manifest) {
-  return manifest.sample || manifest.task || { kind: 'image' };
+/**
+ * What the manifest says of its samples: its `sample` entry, else an older bundle's `task`; `kind` is '' where
+ * neither names one (an image bundle exported before `sample`).
+ * @param {Pick<Manifest, 'sample' | 'task'>} manifest
+ * @returns {{kind: string} & Record<string, any>}
+ */
+export function sampleEntry(manifest) {
+  const entry = manifest.sample || manifest.task || {};
+  return { ...entry, kind: String(entry.kind || '') };
 }
 
 /** The bundle's personal spec as manifest.py writes it: its `personal`, or output:kp for bundles before specs. */

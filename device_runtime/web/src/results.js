@@ -6,28 +6,16 @@
 
 /**
  * What was measured. `final`: the run is over and the model is the final shared one (with this phone's own part);
- * `roundsHere`: how many rounds this phone trained; `round`: the round after which it was measured; `kind`: the
- * bundle's kind of sample (tasks.js TaskKind; photos when absent).
+ * `roundsHere`: how many rounds this phone trained; `round`: the round after which it was measured; `words`: how
+ * the bundle's kind names its samples (kinds.js).
  * @typedef {object} Measured
  * @property {number} accuracy
  * @property {number} count
  * @property {boolean} final
  * @property {number} roundsHere
  * @property {number | null} round
- * @property {SampleKind} [kind]
+ * @property {Pick<import('./kinds.js').KindWords, 'one' | 'right'>} words
  */
-/** @typedef {'image' | 'next-word' | 'sensor'} SampleKind */
-
-/**
- * How the page names one sample of each kind of bundle, what the model does right with it, and how a person adds
- * more (a text or sensor bundle keeps one file: a longer one).
- * @type {Record<SampleKind, {one: string, right: string, more: string}>}
- */
-export const SAMPLE_WORDS = {
-  image: { one: 'example', right: 'recognised', more: '' },
-  'next-word': { one: 'next word', right: 'guessed right', more: ' (pick a longer text)' },
-  sensor: { one: 'window', right: 'recognised', more: ' (pick a longer recording)' },
-};
 
 export const SHARED_UNTRAINED =
   'the shared model, which never trained on your examples (this phone took part in no round)';
@@ -54,7 +42,7 @@ export function scoreSentence(measured) {
 
 /** What follows the number: "of the 15 examples kept aside are recognised by …". @param {Measured} measured */
 export function scoreWhat(measured) {
-  const words = SAMPLE_WORDS[measured.kind || 'image'];
+  const { words } = measured;
   return `of the ${plural(measured.count, words.one)} kept aside are ${words.right} by ${measuredModel(measured)}`;
 }
 

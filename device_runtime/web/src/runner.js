@@ -11,28 +11,17 @@ import {
   receive,
   roundLosses,
   roundPhases,
-  roundUploads,
   runClientRound,
   travellingNames,
 } from './algorithms.js';
 import { checkedSettings } from './contract.js';
-import { shortfallLine, splitExamples } from './data.js';
-import {
-  baseDelta,
-  decodeDownload,
-  encodeWithFeedback,
-  parseEncoding,
-  uniformRandom,
-  uploadsDelta,
-} from './encoding.js';
+import { shortfallLine } from './data.js';
+import { decodeDownload } from './encoding.js';
 import { DeviceError, StartOver } from './errors.js';
-import { encodeUpdate, Refusal, retryLine, Unreachable } from './protocol.js';
-import { postMetrics, reportRefusal, sendPending } from './delivery.js';
+import { Refusal, retryLine, Unreachable } from './protocol.js';
+import { encodeUpload, postMetrics, reportRefusal, sendPending } from './delivery.js';
 import { decodeSafetensors } from './safetensors.js';
 import { scoreSentence } from './results.js';
-import { taskKind } from './tasks.js';
-import { ClientSession } from './secagg.js';
-import { sha256Hex } from './sha256.js';
 
 /** @typedef {import('./contract.js').Contract} Contract */
 /** @typedef {import('./contract.js').RoundSettings} RoundSettings */
@@ -48,6 +37,9 @@ import { sha256Hex } from './sha256.js';
 /** @typedef {import('./delivery.js').DeviceClient} DeviceClient */
 /** @typedef {import('./delivery.js').SecurePending} SecurePending */
 /** @typedef {import('./encoding.js').Delta} Delta */
+/** @typedef {import('./safetensors.js').Tensors} Tensors */
+/** @typedef {import('./kinds.js').ExampleSource} ExampleSource */
+/** A round's numbers: held-out before and after training, and the training's. @typedef {{before: EvalResult, after: EvalResult, result: import('./algorithms.js').ClientResult}} Measured */
 /** What the page is doing, as `body[data-stage]` shows it. @typedef {'loading' | 'join' | 'examples' | 'waiting' | 'training' | 'uploading' | 'offline' | 'done' | 'problem'} Stage */
 
 /**
@@ -62,15 +54,6 @@ import { sha256Hex } from './sha256.js';
  * @property {(roundId: number, record: RoundRecord) => void} roundFinished a round is saved and its upload delivered, dropped or none
  * @property {(history: RoundRecord[]) => void} historyChanged the saved history of rounds changed
  * @property {(roundId: number | null, result: EvalResult) => void} runFinished the run is over: the held-out evaluation of the model kept
- */
-
-/**
- * The person's examples as the loop reads them: the current ones (photos, or a text or sensor bundle's file), a
- * promise of more, and their train/held-out split when it is not the photos' (tasks.js splitRecording).
- * @typedef {object} ExampleSource
- * @property {() => Examples | import('./tasks.js').Recording | {count: number}} current
- * @property {() => Promise<void>} added
- * @property {(valFraction: number, seed: number) => {train: Samples, val: Samples}} [split]
  */
 
 const OFFLINE_WAIT = 30; // seconds before trying again after the server stayed unreachable (the page's own)
@@ -98,7 +81,6 @@ export class DeviceRunner {
     this.engine = engine;
     this.manifest = engine.manifest;
     this.layout = engine.manifest.base_layout_hash;
-    this.kind = taskKind(engine.manifest);
     this.contract = contract;
     this.events = events;
     this.sleep = sleep;
@@ -122,7 +104,7 @@ export class DeviceRunner {
     for (;;) {
       try {
         if (this.progress.pending) await this.deliverPending();
-        const more = shortfallLine(this.examples.current().count, contract.device, this.kind);
+        const more = shortfallLine(this.examples.count(), contract.device, this.examples.words);
         if (more) {
           // the page asks for no round it has nothing to learn from (or nothing to measure with)
           events.stage('examples', more);
@@ -175,17 +157,48 @@ export class DeviceRunner {
   }
 
   /**
-   * Train one round once; false when the round was gone before training began. A base holding NaN/Inf or a
-   * diverged result throws TrainingDiverged with the engine back at the model held before the round.
+   * Train one round once, in the phases of the Python round (round.py train_round): receive its base and check
+   * it, fit the model to it, train, refuse a diverged result, encode the upload, commit; false when the round was
+   * gone before training began. A base holding NaN/Inf or a diverged result throws TrainingDiverged with the engine
+   * back at the model held before the round.
    * @param {Task} task
    * @param {number} roundId
    * @param {RoundSettings} settings
    */
   async trainRound(task, roundId, settings) {
-    const { client, contract, engine, events, manifest, store } = this;
-    events.problemCleared();
-    events.stage('training', `Round ${roundId}: getting the shared model…`);
-    await store.commit({ round: { round: roundId, startedAt: Date.now() } });
+    this.events.problemCleared();
+    this.events.stage('training', `Round ${roundId}: getting the shared model…`);
+    await this.store.commit({ round: { round: roundId, startedAt: Date.now() } });
+    const base = await this.receiveBase(task, roundId, settings);
+    if (!base) return false;
+    const { train, val } = this.split();
+    this.events.stage('training', `Round ${roundId}: fitting the shared model to your examples…`);
+    const kept = await this.engine.getTensors(); // the model held before the round, back in place if it is refused
+    // a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
+    // re-estimated under the new base
+    await receive(this.contract, this.engine, base, train, settings);
+    const before = await evaluate(this.engine, val);
+    const result = await this.train(roundId, train, settings);
+    this.events.stage('training', `Round ${roundId}: checking the model on the examples kept aside…`);
+    const after = await evaluate(this.engine, val);
+    await this.refuseDiverged(roundId, roundLosses(result, after), kept);
+    const measured = { before, after, result };
+    const { contract, engine, store } = this;
+    const round = { task, roundId, settings, base, layout: this.layout };
+    const { pending, residual } = await encodeUpload({ contract, engine, store }, round, measured);
+    await this.commitRound(roundId, measured, pending, residual);
+    return true;
+  }
+
+  /**
+   * The round's base, downloaded and checked: exactly the tensors this model shares this round, all finite; null
+   * when the round closed before it came.
+   * @param {Task} task
+   * @param {number} roundId
+   * @param {RoundSettings} settings
+   */
+  async receiveBase(task, roundId, settings) {
+    const { client, events, manifest, store } = this;
     let baseBytes;
     try {
       baseBytes = await client.bytes(task.base_url || client.basePath(roundId));
@@ -193,7 +206,7 @@ export class DeviceRunner {
       if (err instanceof Refusal && err.roundGone) {
         events.message(`Round ${roundId} closed before training began; waiting for the next one.`);
         await store.commit({ round: undefined });
-        return false;
+        return null;
       }
       throw err;
     }
@@ -212,13 +225,17 @@ export class DeviceRunner {
         'the server must run with the bundle this page loaded',
       );
     }
-    const { train, val } = this.split();
-    events.stage('training', `Round ${roundId}: fitting the shared model to your examples…`);
-    const kept = await engine.getTensors(); // the model held before the round, back in place if its result is refused
-    // a tensor kept on the device (HeurpFedLA) keeps the value this device trained; BatchNorm statistics are
-    // re-estimated under the new base
-    await receive(contract, engine, base, train, settings);
-    const before = await evaluate(engine, val);
+    return base;
+  }
+
+  /**
+   * The round's training (algorithms.js runClientRound), its steps told as they end, the page painted between them.
+   * @param {number} roundId
+   * @param {Samples} train
+   * @param {RoundSettings} settings
+   */
+  async train(roundId, train, settings) {
+    const { contract, engine, events } = this;
     const steps =
       roundPhases(contract, settings, engine.trainableSets()).reduce((sum, p) => sum + p.epochs, 0) *
       Math.ceil(train.count / settings.batch_size);
@@ -228,80 +245,54 @@ export class DeviceRunner {
       await this.sleep(0); // lets the page paint its progress and stay responsive between steps
       return engine.trainStep(...args);
     };
-    const result = await runClientRound(contract, yielding, train, settings, {
+    return runClientRound(contract, yielding, train, settings, {
       seed: contract.device.seed,
       roundId,
       onProgress: ({ phase, step, steps: total, loss }) => events.step(roundId, phase, step, total, loss),
     });
-    events.stage('training', `Round ${roundId}: checking the model on the examples kept aside…`);
-    const after = await evaluate(engine, val);
-    const why = divergence(
-      roundLosses(result, after),
-      await engine.getTensors(),
-      manifest.num_classes,
-      contract.divergence.loss_factor,
+  }
+
+  /**
+   * Refuse a round whose losses or tensors blew up (algorithms.js divergence): the model held before it back in
+   * place, nothing saved, and TrainingDiverged thrown.
+   * @param {number} roundId
+   * @param {number[]} losses
+   * @param {Tensors} kept
+   */
+  async refuseDiverged(roundId, losses, kept) {
+    const { contract, engine, manifest } = this;
+    const why = divergence(losses, await engine.getTensors(), manifest.num_classes, contract.divergence.loss_factor);
+    if (why === null) return;
+    engine.setTensors(kept);
+    throw await this.skipped(
+      roundId,
+      'went wrong while training (the numbers blew up)',
+      `training diverged in round ${roundId} (${why})`,
     );
-    if (why !== null) {
-      engine.setTensors(kept);
-      throw await this.skipped(
-        roundId,
-        'went wrong while training (the numbers blew up)',
-        `training diverged in round ${roundId} (${why})`,
-      );
-    }
-    const valAccuracy = after.count ? after.correct / after.count : NaN;
-    const valLoss = after.count ? after.lossSum / after.count : NaN;
-    /** @type {SecurePending | null} */
-    let pending = null;
-    /** @type {Delta | undefined} */
-    let residual;
-    if (roundUploads(contract, settings)) {
-      const startValAccuracy = before.count ? before.correct / before.count : NaN; // the held model, as the round began
-      const meta = {
-        baseLayoutHash: this.layout,
-        numSamples: result.numSamples,
-        trainLoss: result.trainLoss,
-        valAccuracy,
-        valLoss,
-        startValAccuracy,
-      };
-      const trained = await engine.getTensors(travellingNames(manifest, settings));
-      let payload;
-      if (uploadsDelta(settings)) {
-        // the base delta, encoded as the round asks, with what earlier rounds owe
-        const owed = (await store.get('residual')).residual;
-        const encoding = parseEncoding(settings.upload_encoding);
-        const rng = encoding.stochastic ? uniformRandom([contract.device.seed, roundId]) : null;
-        const encoded = encodeWithFeedback(baseDelta(trained, base), owed, encoding, {
-          rng,
-          clipNorm: settings.clip_norm,
-        });
-        payload = encodeUpdate(encoded.tensors, meta, encoded.metadata);
-        residual = encoded.residual;
-        pending = { round: roundId, payload, sha256: await sha256Hex(payload), residualBefore: owed || null };
-        const secure = task.secure_aggregation;
-        if (secure) {
-          // a secure round: the clipped delta stays here, masked in the steps (delivery.js sendPending)
-          pending.secure = { ...secure, session: (await ClientSession.start(secure.device, secure.context)).toJSON() };
-        }
-      } else {
-        payload = encodeUpdate(trained, meta);
-        pending = { round: roundId, payload, sha256: await sha256Hex(payload) };
-      }
-    }
+  }
+
+  /**
+   * Save the round in one transaction (the trained tensors, the round marked done, the upload's bytes and its
+   * residual, or none of them), then deliver the upload (or post the metrics of a round that sends none).
+   * @param {number} roundId
+   * @param {Measured} measured
+   * @param {SecurePending | null} pending
+   * @param {Delta} [residual]
+   */
+  async commitRound(roundId, { before, after, result }, pending, residual) {
+    const { client, engine, events, store } = this;
     /** @type {RoundRecord} */
     const record = {
       round: roundId,
       beforeAccuracy: before.count ? before.correct / before.count : null,
-      accuracy: after.count ? valAccuracy : null,
-      loss: after.count ? valLoss : null,
+      accuracy: after.count ? after.correct / after.count : null,
+      loss: after.count ? after.lossSum / after.count : null,
       samples: after.count,
       trainLoss: result.trainLoss,
       upload: pending ? 'pending' : 'none',
     };
     this.history = [...this.history, record];
     this.progress = { ...this.progress, lastCompletedRound: roundId, pending };
-    // one transaction: the trained tensors, the round marked done, the upload's bytes and its residual, or none of them
     await store.commit({
       tensors: { layout: this.layout, tensors: await engine.getTensors() },
       progress: this.progress,
@@ -313,7 +304,6 @@ export class DeviceRunner {
     if (pending) await this.deliverPending();
     else await postMetrics(client, events, record);
     events.roundFinished(roundId, /** @type {RoundRecord} */ (this.history.find((r) => r.round === roundId)));
-    return true;
   }
 
   /** Upload the saved bytes of the pending round (the same bytes after any reload), then its metrics. */
@@ -349,7 +339,7 @@ export class DeviceRunner {
    */
   async finish(task, settings) {
     const { client, contract, engine, events, manifest } = this;
-    const { train, val } = this.examples.current().count ? this.split() : { train: NO_SAMPLES, val: NO_SAMPLES };
+    const { train, val } = this.examples.count() ? this.split() : { train: NO_SAMPLES, val: NO_SAMPLES };
     if (task.base_url) {
       const final = decodeSafetensors(await client.bytes(task.base_url), 'the final base').tensors;
       const kept = await engine.getTensors();
@@ -387,7 +377,7 @@ export class DeviceRunner {
       final: true,
       roundsHere: this.history.length,
       round: task.round ?? null,
-      kind: this.kind,
+      words: this.examples.words,
     };
     const shown = result.count ? scoreSentence(measured) : 'no examples are kept aside to check it';
     events.stage('done', `Training is over (after round ${task.round ?? '–'}): ${shown}.`);
@@ -396,8 +386,7 @@ export class DeviceRunner {
   /** The seeded train/held-out split of the current examples, normalised, as the contract sets it. */
   split() {
     const { val_fraction: valFraction, split_seed: seed } = this.contract.device;
-    if (this.examples.split) return this.examples.split(valFraction, seed);
-    return splitExamples(/** @type {Examples} */ (this.examples.current()), this.manifest.input, valFraction, seed);
+    return this.examples.split(valFraction, seed);
   }
 
   /** How a refusal names the model it keeps (state.py kept). */

@@ -1,8 +1,9 @@
 // @ts-check
 // A person's own sensor recordings for a sensor bundle, read as the sensor kind (edgepfl/kinds/sensor.py) reads them: a CSV of
 // fixed windows (a header `window,label,<channel>,...`, then one row per reading, the window's readings in time
-// order), its channels the bundle's by name and in its order, every reading a finite number; then normalised per
-// channel as the sensor kind's normalize does (float32 (x - mean) / std).
+// order), its channels the bundle's by name and in its order, every reading a finite number; written back the same
+// way (Save my data: read again, by either side, the same windows); normalised per channel as the sensor kind's
+// normalize does (float32 (x - mean) / std).
 
 import { classNames } from './data.js';
 import { DataError } from './errors.js';
@@ -15,17 +16,23 @@ import { sampleEntry } from './manifest.js';
  * @typedef {{x: Float32Array, y: Int32Array, count: number}} Windows
  */
 /**
- * What a sensor bundle's manifest says of its windows (manifest.json `sample`).
- * @typedef {{kind: string, channels: string[], window?: number, rate_hz?: number}} SensorTask
+ * What a sensor bundle's manifest says of its windows (manifest.json `sample`, `task` before it): the channels in
+ * input order, each one's unit, the window's length, the step between windows' starts, the sampling rate.
+ * @typedef {{kind: string, channels: string[], units?: string[], window?: number, step?: number, rate_hz?: number}} SensorEntry
  */
 
 const CSV_COLUMNS = ['window', 'label']; // the columns before the channels
 const NUMBER = /^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i; // a finite number as Python's float() reads it
 const NOT_FINITE = /^[+-]?(nan|inf|infinity)$/i; // what it reads as NaN or Inf
 
-/** The sensor bundle's `sample` entry. */
-export function sensorTask(/** @type {Manifest} */ manifest) {
-  return /** @type {SensorTask} */ (sampleEntry(manifest));
+/** The sensor bundle's entry. */
+export function sensorEntry(/** @type {Manifest} */ manifest) {
+  return /** @type {SensorEntry} */ (/** @type {unknown} */ (sampleEntry(manifest)));
+}
+
+/** Readings a window holds, by the manifest (its entry's `window`, else the input's last dimension). */
+export function windowSteps(/** @type {Manifest} */ manifest) {
+  return Number(sensorEntry(manifest).window || manifest.input.shape[manifest.input.shape.length - 1]);
 }
 
 /**
@@ -35,7 +42,7 @@ export function sensorTask(/** @type {Manifest} */ manifest) {
  * @param {string} source the file's name
  */
 export function checkChannels(channels, manifest, source) {
-  const expected = (sensorTask(manifest).channels || []).map(String);
+  const expected = (sensorEntry(manifest).channels || []).map(String);
   if (channels.length === expected.length && channels.every((name, i) => name === expected[i])) return;
   const missing = expected.filter((name) => !channels.includes(name));
   const extra = channels.filter((name) => !expected.includes(name));
@@ -79,7 +86,7 @@ export function readSensorCsv(text, manifest, source) {
   const header = rows[0];
   const channels = header.slice(2).map((cell) => cell.trim());
   checkChannels(channels, manifest, source);
-  const steps = Number(sensorTask(manifest).window || manifest.input.shape[manifest.input.shape.length - 1]);
+  const steps = windowSteps(manifest);
   const names = classNames(manifest);
   /** @type {Map<string, {rows: string[][], line: number}>} */
   const windows = new Map();
@@ -118,6 +125,34 @@ export function readSensorCsv(text, manifest, source) {
     n += 1;
   }
   return { x, y, count: windows.size };
+}
+
+/**
+ * Windows as the CSV readSensorCsv reads (and the sensor kind, edgepfl/kinds/sensor.py): a window a block of rows, named w1, w2, ... and labelled
+ * by its class name, each reading written as the shortest decimal that reads back as the same float32.
+ * @param {{x: Float32Array, label: number}[]} windows C*T readings each, channels first
+ * @param {Manifest} manifest
+ */
+export function writeSensorCsv(windows, manifest) {
+  const channels = (sensorEntry(manifest).channels || []).map(String);
+  const steps = windowSteps(manifest);
+  const names = classNames(manifest);
+  const rows = [[...CSV_COLUMNS, ...channels].map(csvCell).join(',')];
+  windows.forEach(({ x, label }, w) => {
+    const id = `w${w + 1},${csvCell(names[label])}`;
+    for (let t = 0; t < steps; t++) rows.push(`${id},${channels.map((_, c) => decimal(x[c * steps + t])).join(',')}`);
+  });
+  return `${rows.join('\n')}\n`;
+}
+
+/** A float32 reading as the shortest decimal that reads back as it (its sign kept: -0 too). */
+function decimal(/** @type {number} */ value) {
+  return Object.is(value, -0) ? '-0' : String(value);
+}
+
+/** A CSV cell as Python's csv module writes it: quoted (its quotes doubled) when it holds a comma, quote or break. */
+function csvCell(/** @type {string} */ cell) {
+  return /[",\r\n]/.test(cell) ? `"${cell.replaceAll('"', '""')}"` : cell;
 }
 
 /**

@@ -1,6 +1,7 @@
 // @ts-check
 // What the page keeps in the browser (IndexedDB): its token and enrollment key, its tensors (personal, base and
-// BatchNorm buffers), the round it is in, an upload not yet acknowledged, its examples and the bundle files.
+// BatchNorm buffers), the round it is in, an upload not yet acknowledged, its examples, the samples a text or
+// sensor bundle collects (sentences typed, windows recorded: one record each, oldest first) and the bundle files.
 //
 // Every change that belongs together is ONE transaction (`commit`), so a tab killed at any moment leaves the
 // state before or after it, never half of it: e.g. a trained round's tensors, `lastCompletedRound` and the
@@ -33,8 +34,9 @@ import { DeviceError } from './errors.js';
  * @property {Progress} [progress] the last rounds completed and uploaded, and the upload not yet acknowledged
  * @property {{round: number, startedAt: number}} [round] the round being trained (restarted from its base after a reload)
  * @property {RoundRecord[]} [history] the rounds trained, newest last
- * @property {Examples | import('./tasks.js').Recording} [examples] the person's examples (photos), or a text or
- *   sensor bundle's file
+ * @property {Examples} [examples] the person's photos (an image bundle)
+ * @property {{words: number, suggested: number}} [typing] the keyboard's own measure: words the person typed, and
+ *   how many of them a suggestion gave (kept with the sentences, forgotten with them)
  * @property {Delta} [residual] what the encoded uploads owe (error feedback), committed with its round; a pending
  *   upload keeps the one before it (`residualBefore`), restored if the server drops that upload
  */
@@ -44,11 +46,22 @@ import { DeviceError } from './errors.js';
  * @property {(...keys: (keyof Saved)[]) => Promise<Saved>} get the values of some keys, read together
  * @property {(changes: Saved) => Promise<void>} commit write (value) or delete (undefined) keys in one transaction
  */
+/**
+ * The page's store as the kinds of sample use it: the round loop's part, and the samples a text or sensor bundle
+ * collects (each record as the kind wrote it, oldest first; decoded by the kind, records.js).
+ * @typedef {object} PageStoreParts
+ * @property {() => Promise<unknown[]>} samples every sample record, oldest first
+ * @property {(records: unknown[], cap: number, changes?: Saved) => Promise<number>} addSamples add records (and
+ *   write `changes`) in one transaction, dropping the oldest beyond `cap`; resolves to how many were dropped
+ * @property {(changes?: Saved) => Promise<void>} clearSamples forget every sample record (and write `changes`)
+ * @typedef {DeviceStore & PageStoreParts} PageStore
+ */
 
 const DB_NAME = 'edgepfl-device';
-const DB_VERSION = 1;
+const DB_VERSION = 2; // 2: the samples a text or sensor bundle collects
 const KV = 'kv'; // key -> value: see Saved
 const FILES = 'files'; // sha256 -> bytes of a bundle file (downloaded once, checked before use)
+const SAMPLES = 'samples'; // auto-incremented key -> one sample record (a sentence, a window), oldest first
 
 /** The page's IndexedDB database; resolves once it is open (and upgraded if new). */
 export async function openStore(indexedDB = globalThis.indexedDB) {
@@ -64,6 +77,7 @@ export async function openStore(indexedDB = globalThis.indexedDB) {
         const database = opening.result;
         if (!database.objectStoreNames.contains(KV)) database.createObjectStore(KV);
         if (!database.objectStoreNames.contains(FILES)) database.createObjectStore(FILES);
+        if (!database.objectStoreNames.contains(SAMPLES)) database.createObjectStore(SAMPLES, { autoIncrement: true });
       };
       return opening;
     })(),
@@ -71,7 +85,7 @@ export async function openStore(indexedDB = globalThis.indexedDB) {
   return new Store(db);
 }
 
-/** The page's IndexedDB store. @implements {DeviceStore} */
+/** The page's IndexedDB store. @implements {PageStore} */
 class Store {
   constructor(/** @type {IDBDatabase} */ db) {
     this.db = db;
@@ -87,11 +101,35 @@ class Store {
   /** Write (value) or delete (undefined) several keys in ONE durable transaction; resolves once it is committed. */
   async commit(/** @type {Saved} */ changes) {
     const tx = this.db.transaction(KV, 'readwrite', { durability: 'strict' });
-    const kv = tx.objectStore(KV);
-    for (const [key, value] of Object.entries(changes)) {
-      if (value === undefined) kv.delete(key);
-      else kv.put(value, key);
-    }
+    write(tx, changes);
+    await done(tx);
+  }
+
+  /** Every sample record, oldest first. */
+  async samples() {
+    return /** @type {unknown[]} */ (
+      await request(this.db.transaction(SAMPLES, 'readonly').objectStore(SAMPLES).getAll())
+    );
+  }
+
+  /** Add sample records and write `changes` in ONE transaction, the oldest records beyond `cap` dropped. */
+  async addSamples(/** @type {unknown[]} */ records, /** @type {number} */ cap, /** @type {Saved} */ changes = {}) {
+    const tx = this.db.transaction([SAMPLES, KV], 'readwrite', { durability: 'strict' });
+    const samples = tx.objectStore(SAMPLES);
+    for (const record of records) samples.add(record);
+    write(tx, changes);
+    const keys = await request(samples.getAllKeys());
+    const dropped = Math.max(0, keys.length - cap);
+    if (dropped) samples.delete(IDBKeyRange.upperBound(keys[dropped - 1]));
+    await done(tx);
+    return dropped;
+  }
+
+  /** Forget every sample record and write `changes`, in ONE transaction. */
+  async clearSamples(/** @type {Saved} */ changes = {}) {
+    const tx = this.db.transaction([SAMPLES, KV], 'readwrite', { durability: 'strict' });
+    tx.objectStore(SAMPLES).clear();
+    write(tx, changes);
     await done(tx);
   }
 
@@ -114,10 +152,18 @@ class Store {
 
   /** Forget everything this page knows (the person's "start over"). */
   async clear() {
-    const tx = this.db.transaction([KV, FILES], 'readwrite');
-    tx.objectStore(KV).clear();
-    tx.objectStore(FILES).clear();
+    const tx = this.db.transaction([KV, FILES, SAMPLES], 'readwrite');
+    for (const name of [KV, FILES, SAMPLES]) tx.objectStore(name).clear();
     await done(tx);
+  }
+}
+
+/** Write (value) or delete (undefined) keys of the `kv` store within `tx`. */
+function write(/** @type {IDBTransaction} */ tx, /** @type {Saved} */ changes) {
+  const kv = tx.objectStore(KV);
+  for (const [key, value] of Object.entries(changes)) {
+    if (value === undefined) kv.delete(key);
+    else kv.put(value, key);
   }
 }
 
@@ -148,7 +194,7 @@ function storageError(/** @type {DOMException | null} */ error) {
   return new DeviceError(
     `the browser could not save the device's state (${error ? error.name : 'unknown error'})`,
     quota
-      ? 'free some storage on the phone, or remove examples, then reload'
+      ? 'free some storage on the phone, or remove examples (or forget what the page collected), then reload'
       : 'reload the page; nothing half-written was kept',
   );
 }

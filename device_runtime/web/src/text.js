@@ -4,10 +4,9 @@
 // inner apostrophes, any other visible character a token of its own), the bundle's vocab.json checked against its
 // manifest, and the window of ids the model reads. A fixture written by Python (test/make_fixtures.py) pins
 // tokens, ids and windows of tricky strings on both sides. A person's own text becomes next-word samples as
-// edgepfl/kinds/nextword.py makes them (in time order, the last part held out), and a phrase the word suggestions.
+// edgepfl/kinds/nextword.py makes them (in time order, the last part held out), and a phrase the model's window.
 
 import { roundHalfEven } from './algorithms.js';
-import { topClasses } from './engine.js';
 import { DataError, DeviceError } from './errors.js';
 import { checkSha256 } from './sha256.js';
 
@@ -26,9 +25,8 @@ const TOKEN = new RegExp(`[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*|_|[^\\p{L}\\p{N}_
 const CONTROL = /[\x00-\x1f\x7f-\x9f]/g;
 // Python's str.splitlines boundaries, control characters among them
 // biome-ignore lint/suspicious/noControlCharactersInRegex: Python splits lines at these control characters
-const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
+export const LINE_BREAK = /\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]/;
 export const MIN_DEVICE_WORDS = 10; // edgepfl/kinds/nextword.py: fewer words make too few samples to train on and hold some out
-const NEVER_SUGGESTED = [PAD_ID, OOV_ID, BOS_ID]; // predict.py: tokens nobody types
 
 /** A problem with a text bundle's vocabulary, with the fix (a person's own text is refused as a DataError). */
 export class TextError extends DeviceError {}
@@ -203,33 +201,4 @@ export function timeOrderSplit(targets, valFraction, ignores) {
   const positions = Array.from({ length: count }, (_, i) => i);
   const val = positions.slice(cut).filter((i) => !ignores.includes(targets[i]));
   return { train: Int32Array.from(positions.slice(0, cut)), val: Int32Array.from(val) };
-}
-
-/**
- * The `k` words the model suggests after `phrase` (a line typed so far), as `device predict --text` gives them:
- * the predict graph on phraseContext, then nextWords. `held`: the tensors to predict with (engine.snapshot()).
- * @param {import('./engine.js').Engine} engine
- * @param {string} phrase
- * @param {Vocabulary} vocabulary
- * @param {number} k
- * @param {Map<string, import('onnxruntime-web').Tensor>} [held]
- */
-export async function suggestWords(engine, phrase, vocabulary, k, held) {
-  const seqLen = engine.sampleSize;
-  const ids = BigInt64Array.from(phraseContext(phrase, vocabulary, seqLen), BigInt);
-  return nextWords(await engine.predict(ids, 1, held), vocabulary, k);
-}
-
-/**
- * The `k` most likely next words of one row of probabilities, most likely first, ties the lower id first; <pad>,
- * <oov> and <bos> are never suggested (predict.py next_words).
- * @param {Float32Array} probabilities
- * @param {Vocabulary} vocabulary
- * @param {number} k
- */
-export function nextWords(probabilities, vocabulary, k) {
-  const candidates = Float32Array.from(probabilities);
-  for (const id of NEVER_SUGGESTED) candidates[id] = -Infinity;
-  const top = topClasses(candidates, vocabulary.words, k);
-  return top.map(({ index, name }) => ({ index, word: name, probability: probabilities[index] }));
 }

@@ -2,7 +2,7 @@
 // Everything the device page draws (index.html's elements) but "Try it" (tryit.js): the headline and its stage,
 // a problem with its fix (any DeviceError the same way, the technical detail folded away), the round's progress
 // with its speed, the results (one number, chance for reference, a chart, the rounds), keeping and reading what a
-// person gives (examples.js and recording.js draw their sections), and "reset this device". `pageEvents` is the
+// person gives (the kinds' modules draw their sections), and "reset this device". `pageEvents` is the
 // round loop's DeviceEvents (runner.js) drawn on the page. Words are for the person holding the phone: no HTTP, no
 // flags.
 
@@ -16,9 +16,6 @@ import { chanceWords, pct, plural, scoreWhat } from './results.js';
 /** @typedef {import('./store.js').DeviceStore} DeviceStore */
 /** @typedef {import('./store.js').RoundRecord} RoundRecord */
 
-const NEXT_WORD_MEASURE =
-  "This counts how often the word you wrote next is the model's first guess " +
-  '(words the model does not know are not counted).';
 /** What the results show: the rounds, the evaluation at the run's end, the classes the examples hold. */
 const shown = {
   /** @type {RoundRecord[]} */
@@ -26,8 +23,8 @@ const shown = {
   /** @type {{round: number | null, result: EvalResult} | null} */
   final: null,
   classesHeld: 0,
-  /** @type {import('./tasks.js').TaskKind} the bundle's kind of sample */
-  kind: 'image',
+  /** @type {import('./kinds.js').KindWords | null} how the bundle's kind names its samples (none until it says) */
+  words: null,
 };
 /** The round being trained: when its first step ended and how many images a step takes, for the speed. */
 const speed = { round: -1, batch: 1, firstStep: 0, firstAt: 0 };
@@ -133,15 +130,15 @@ export function showStorage(/** @type {boolean} */ persisted) {
 /**
  * "Reset this device": after a confirmation that says what is lost, forget everything and reload.
  * @param {{clear: () => Promise<void>}} store
- * @param {() => {examples: number, rounds: number}} held what the page holds now
+ * @param {() => {examples: number, one: string, rounds: number}} held what the page holds now (`one`: a sample's name)
  */
 export function setUpReset(store, held) {
   const button = $('reset');
   button.hidden = false;
   button.addEventListener('click', async () => {
-    const { examples, rounds } = held();
+    const { examples, one, rounds } = held();
     const lost = [
-      `your ${plural(examples, 'example')}`,
+      `your ${plural(examples, one)}`,
       rounds ? `the model it trained in ${plural(rounds, 'round')}` : 'its model',
       'its place on the server',
     ];
@@ -201,9 +198,9 @@ export async function readPicked(input, reading, read) {
   }
 }
 
-/** What a text or sensor bundle's data holds (recording.js): the kind of sample, and the classes its samples show. */
-export function showHeld(/** @type {import('./tasks.js').TaskKind} */ kind, /** @type {number} */ classesHeld) {
-  Object.assign(shown, { kind, classesHeld });
+/** What the person's data holds: how its kind names its samples, and the classes they show. */
+export function showHeld(/** @type {import('./kinds.js').KindWords} */ words, /** @type {number} */ classesHeld) {
+  Object.assign(shown, { words, classesHeld });
   renderScore();
 }
 
@@ -255,11 +252,12 @@ function renderScore() {
       : null;
   $('score').textContent = score ? pct(score.accuracy) : '–';
   $('score').dataset.accuracy = String(score ? score.accuracy : '');
-  $('score-what').textContent = score ? `${scoreWhat({ ...score, kind: shown.kind })}.` : 'not measured yet';
+  const words = shown.words;
+  $('score-what').textContent = score && words ? `${scoreWhat({ ...score, words })}.` : 'not measured yet';
   const classes = shown.classesHeld;
   const chance =
-    shown.kind === 'next-word'
-      ? { text: NEXT_WORD_MEASURE, below: false }
+    words && words.measure
+      ? { text: words.measure, below: false }
       : chanceWords(score && score.accuracy, score ? score.count : 0, classes);
   $('score-chance').textContent = chance.text;
   $('score-chance').dataset.below = String(chance.below);
@@ -303,7 +301,7 @@ function showProgress(roundId, phase, step, steps, loss) {
   const seconds = (now - speed.firstAt) / 1000;
   if (step > speed.firstStep && seconds > 0) {
     const rate = ((step - speed.firstStep) * speed.batch) / seconds;
-    const unit = { image: 'images', 'next-word': 'words', sensor: 'windows' }[shown.kind];
+    const unit = shown.words ? shown.words.rate : 'samples';
     $('speed').textContent = `${rate < 10 ? rate.toFixed(1) : Math.round(rate)} ${unit} per second`;
     $('speed').dataset.imagesPerSecond = String(rate);
   }

@@ -23,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # tests.conftest holds the one bundle-export helper the test suite uses
 
+import make_capture_fixtures  # noqa: E402  (beside this file)
 import make_secagg_fixtures  # noqa: E402  (beside this file)
 import make_text_fixtures  # noqa: E402  (beside this file)
 from safetensors.numpy import save_file  # noqa: E402
@@ -112,6 +113,7 @@ def main(out: Path) -> None:
     (out / "expected.json").write_text(json.dumps(results, indent=1))
     make_secagg_fixtures.main(out)
     make_text_fixtures.main(out / "text")
+    make_capture_fixtures.main(out)
 
 
 # strings whose tokens the page (src/text.js) must give exactly as Python: punctuation, apostrophes, Unicode, NFKC,

@@ -3,10 +3,13 @@
 
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
+import { imageKind } from '../src/kind_image.js';
 import { chanceWords, measuredModel, pct, plural, scoreSentence } from '../src/results.js';
 
+const { words } = imageKind;
+
 test('a phone that joined after training ended is told it measured the shared model, never trained on its examples', () => {
-  const line = scoreSentence({ accuracy: 1 / 15, count: 15, final: true, roundsHere: 0, round: 6 });
+  const line = scoreSentence({ accuracy: 1 / 15, count: 15, final: true, roundsHere: 0, round: 6, words });
   assert.equal(
     line,
     '6.7% of the 15 examples kept aside are recognised by the shared model, which never trained on your examples (this phone took part in no round)',
@@ -22,7 +25,7 @@ test('a phone that trained is told it measured its own model: after a round, or 
   );
   assert.equal(measuredModel({ final: false, roundsHere: 0, round: null }), 'the model as it came, untrained');
   assert.equal(
-    scoreSentence({ accuracy: 0.8125, count: 16, final: false, roundsHere: 1, round: 1 }),
+    scoreSentence({ accuracy: 0.8125, count: 16, final: false, roundsHere: 1, round: 1, words }),
     '81.3% of the 16 examples kept aside are recognised by your model after round 1',
   );
 });

@@ -13,6 +13,7 @@ import { DeviceError } from '../src/errors.js';
 import { Refusal } from '../src/protocol.js';
 import { heldOutCount, splitTrainVal } from '../src/algorithms.js';
 import { examplesShortfall, shortfallLine, shortfallReason } from '../src/data.js';
+import { imageKind, photoSource } from '../src/kind_image.js';
 import { DeviceRunner } from '../src/runner.js';
 import { decodeSafetensors, encodeSafetensors } from '../src/safetensors.js';
 import { NEEDS_FIXTURES, fixtureBundle, fixtureContract, fixtureTensors } from './fixtures.mjs';
@@ -52,10 +53,13 @@ async function device({
     },
   );
   const slept = [];
-  examples = examples || {
-    current: () => EXAMPLES,
-    added: () => Promise.reject(new Error('the examples never run out here')),
-  };
+  examples =
+    examples ||
+    photoSource(
+      () => EXAMPLES,
+      () => Promise.reject(new Error('the examples never run out here')),
+      manifest.input,
+    );
   const runner = new DeviceRunner({
     client: server,
     store,
@@ -417,6 +421,7 @@ test("below the contract's minimum of examples the device asks for no round and 
   skip: NEEDS_FIXTURES,
 }, async () => {
   const contract = fixtureContract();
+  const { words } = imageKind;
   const { min_train_examples: train, min_held_out: heldOut } = contract.device;
   assert.deepEqual([train, heldOut], [8, 2]); // device_runtime/contract.py
   assert.equal(examplesShortfall(0, contract.device), 10);
@@ -438,13 +443,13 @@ test("below the contract's minimum of examples the device asks for no round and 
           heldOutCount(n + more - 1, 0.2) < heldOut,
       );
   }
-  assert.equal(shortfallLine(7, contract.device), 'Add 3 more examples to take part in the rounds.');
-  assert.equal(shortfallLine(0, contract.device), 'Add 10 examples to take part in the rounds.');
+  assert.equal(shortfallLine(7, contract.device, words), 'Add 3 more examples to take part in the rounds.');
+  assert.equal(shortfallLine(0, contract.device, words), 'Add 10 examples to take part in the rounds.');
   assert.equal(
-    shortfallReason(7, contract.device),
+    shortfallReason(7, contract.device, words),
     'The model needs 10 examples: 8 to learn from and 2 kept aside to check how well it does.',
   );
-  assert.deepEqual([shortfallLine(10, contract.device), shortfallReason(10, contract.device)], ['', '']);
+  assert.deepEqual([shortfallLine(10, contract.device, words), shortfallReason(10, contract.device, words)], ['', '']);
 
   // nine examples: no task is asked for until a tenth arrives
   let current = {
@@ -454,7 +459,8 @@ test("below the contract's minimum of examples the device asks for no round and 
     labels: EXAMPLES.labels.subarray(0, 9),
   };
   let addMore;
-  const examples = { current: () => current, added: () => new Promise((resolve) => (addMore = resolve)) };
+  const more = () => new Promise((resolve) => (addMore = resolve));
+  const examples = photoSource(() => current, more, MANIFEST.input);
   const { runner, server, said } = await device({ tasks: [{ action: 'train', round: 1 }], examples });
   const running = runner.run();
   await new Promise((resolve) => setTimeout(resolve, 50));

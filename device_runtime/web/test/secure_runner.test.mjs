@@ -13,6 +13,7 @@ import { fileURLToPath } from 'node:url';
 import * as ort from 'onnxruntime-web';
 import { travellingNames } from '../src/algorithms.js';
 import { openEngine } from '../src/engine.js';
+import { photoSource } from '../src/kind_image.js';
 import { DeviceRunner } from '../src/runner.js';
 import { b64 } from '../src/secagg.js';
 import { FIXTURES, NEEDS_FIXTURES, fixtureBundle, fixtureContract, fixtureTensors } from './fixtures.mjs';
@@ -90,7 +91,7 @@ function memoryStore() {
 }
 
 /** The fixture's 26 seeded images as the page keeps them (channels first). */
-function examples() {
+function examples(/** @type {any} */ inputSpec) {
   const { images, labels } = fixtureTensors('round_data.safetensors');
   const [n, height, width, channels] = images.shape;
   const pixels = new Uint8Array(images.data.length);
@@ -101,7 +102,8 @@ function examples() {
     }
   }
   const current = { pixels, labels: Int32Array.from(labels.data, Number), count: n, shape: [channels, height, width] };
-  return { current: () => current, added: () => Promise.reject(new Error('the examples never run out here')) };
+  const never = () => Promise.reject(new Error('the examples never run out here'));
+  return photoSource(() => current, never, inputSpec);
 }
 
 /** A page over `store` (what a reload finds in IndexedDB), its engine at the saved tensors. */
@@ -118,7 +120,7 @@ async function page(server, store) {
     contract: fixtureContract(),
     events,
     sleep: async () => {},
-    examples: examples(),
+    examples: examples(manifest.input),
     saved,
   });
   return { runner, engine, manifest };

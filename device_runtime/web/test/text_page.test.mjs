@@ -10,11 +10,14 @@ import * as ort from 'onnxruntime-web';
 import { shortfallLine, shortfallReason } from '../src/data.js';
 import { openEngine } from '../src/engine.js';
 import { checkModelFile, deviceModelFile } from '../src/modelfile.js';
-import { DataError, DeviceError } from '../src/errors.js';
+import { DataError } from '../src/errors.js';
 import { scoreSentence } from '../src/results.js';
+import { sampleEntry } from '../src/manifest.js';
 import { decodeSafetensors } from '../src/safetensors.js';
-import { readRecording, recordingSamples, splitRecording, textTask } from '../src/tasks.js';
-import { Vocabulary, loadVocabulary, suggestWords } from '../src/text.js';
+import { nextWordKind, splitText, textLines, textSamples } from '../src/kind_next_word.js';
+import { sensorKind } from '../src/kind_sensor.js';
+import { suggestions } from '../src/suggest.js';
+import { Vocabulary, loadVocabulary, phraseContext } from '../src/text.js';
 import { FIXTURES, NEEDS_FIXTURES, bundleAt, fixtureContract, maxAbsDiff } from './fixtures.mjs';
 
 const TOLERANCE = 1e-5; // as text_engine.test.mjs
@@ -23,9 +26,10 @@ const TEXT = join(FIXTURES, 'text');
 /** The fixture's text bundle as the page holds it, its vocabulary checked, and what Python made of notes.txt. */
 async function textBundle() {
   const { manifest, files } = bundleAt(join(TEXT, 'bundle'));
-  const vocabulary = await loadVocabulary(files.get(textTask(manifest).vocab), textTask(manifest));
+  const entry = sampleEntry(manifest);
+  const vocabulary = await loadVocabulary(files.get(entry.vocab), entry);
   const want = JSON.parse(readFileSync(join(TEXT, 'expected.json'), 'utf8'));
-  return { manifest, files, vocabulary, task: { kind: 'next-word', manifest, vocabulary }, want };
+  return { manifest, files, vocabulary, entry, want };
 }
 
 const notes = () => new Uint8Array(readFileSync(join(TEXT, 'notes.txt')));
@@ -36,13 +40,13 @@ test(
   "a person's text gives Python's next-word samples and time-order split, <oov> targets not counted",
   FIXTURED,
   async () => {
-    const { task, want } = await textBundle();
-    const recording = readRecording(notes(), 'notes.txt', task);
-    assert.equal(recording.count, want.notes.y.length);
-    const samples = recordingSamples(recording, task);
+    const { vocabulary, entry, want } = await textBundle();
+    const lines = textLines(notes(), 'notes.txt');
+    const samples = textSamples(lines, vocabulary, entry);
+    assert.equal(samples.count, want.notes.y.length);
     assert.deepEqual(Array.from(samples.x, Number), want.notes.x.flat());
     assert.deepEqual(Array.from(samples.y), want.notes.y);
-    const { train, val } = splitRecording(recording, task, want.notes.val_fraction, 0);
+    const { train, val } = splitText(lines, vocabulary, entry, want.notes.val_fraction);
     assert.deepEqual(
       Array.from(train.y),
       want.notes.train.map((i) => want.notes.y[i]),
@@ -55,14 +59,14 @@ test(
       Array.from(val.x, Number),
       want.notes.held_out.flatMap((i) => want.notes.x[i]),
     );
-    assert.ok(val.y.every((id) => !textTask(task.manifest).metric_ignores.includes(id)));
+    assert.ok(val.y.every((id) => !entry.metric_ignores.includes(id)));
   },
 );
 
 test("a step on the page's samples of the text gives the Python portable engine's tensors", FIXTURED, async () => {
-  const { manifest, files, task, want } = await textBundle();
+  const { manifest, files, vocabulary, entry, want } = await textBundle();
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
-  const { train } = splitRecording(readRecording(notes(), 'notes.txt', task), task, want.notes.val_fraction, 0);
+  const { train } = splitText(textLines(notes(), 'notes.txt'), vocabulary, entry, want.notes.val_fraction);
   const count = want.notes.step.count;
   const x = train.x.subarray(0, count * engine.sampleSize);
   const loss = await engine.trainStep(x, train.y.subarray(0, count), count, want.lr, 'full');
@@ -80,15 +84,16 @@ test("a step on the page's samples of the text gives the Python portable engine'
   assert.ok((await checkModelFile(ort, file, engine, probes, 8, spec)) <= spec.check_tolerance);
 });
 
-test('"Try it" suggests the words `device predict --text` suggests for a phrase', FIXTURED, async () => {
+test("the keyboard's chips for a phrase are the words `device predict --text` offers", FIXTURED, async () => {
   const { manifest, files, vocabulary, want } = await textBundle();
   const engine = await openEngine(ort, manifest, files, { threads: 1 });
   for (const [phrase, expected] of Object.entries(want.notes.suggestions)) {
-    const words = await suggestWords(engine, phrase, vocabulary, 3);
+    const ids = BigInt64Array.from(phraseContext(phrase, vocabulary, engine.sampleSize), BigInt);
+    const words = suggestions(await engine.predict(ids, 1), vocabulary, [], '', 3);
     const shown = JSON.stringify(phrase);
     assert.deepEqual(
-      words.map((w) => [w.index, w.word]),
-      expected.map(([id, word]) => [id, word]),
+      words.map((w) => w.word),
+      expected.map(([, word]) => word),
       shown,
     );
     assert.ok(
@@ -101,49 +106,50 @@ test('"Try it" suggests the words `device predict --text` suggests for a phrase'
   }
 });
 
-test('a file that is not text, not UTF-8 or too short is refused in words a person can act on', () => {
-  const manifest = { task: { kind: 'next-word', seq_len: 3, metric_ignores: [0, 1] } };
-  const vocabulary = new Vocabulary(['<pad>', '<oov>', '<bos>', '<eos>', 'hello']);
-  const task = /** @type {any} */ ({ kind: 'next-word', manifest, vocabulary });
+test('a file that is not UTF-8 or holds no words is refused in words a person can act on', () => {
   const refused = (/** @type {RegExp} */ problem, /** @type {RegExp} */ fix) => (/** @type {unknown} */ err) =>
-    err instanceof DeviceError && problem.test(err.problem) && fix.test(err.fix);
+    err instanceof DataError && problem.test(err.problem) && fix.test(err.fix);
   const utf8 = (/** @type {string} */ text) => new TextEncoder().encode(text);
-  const read = (/** @type {Uint8Array} */ bytes, /** @type {string} */ name) => () => readRecording(bytes, name, task);
-  assert.throws(read(utf8('hello'), 'photo.jpg'), refused(/photo\.jpg is not a \.txt file/, /plain-text/));
-  assert.throws(() => readRecording(utf8('hello'), 'photo.jpg', task), DataError);
   assert.throws(
-    read(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt'),
-    refused(/notes\.txt is not UTF-8 text/, /UTF-8/),
+    () => textLines(new Uint8Array([0x68, 0xff, 0x0a]), 'notes.txt'),
+    refused(/the file notes\.txt is not UTF-8 text/, /UTF-8/),
   );
-  const short = /holds only 3 words; the model needs at least 10/;
-  assert.throws(read(utf8('hello hello.\n'), 'notes.txt'), refused(short, /longer text/));
-  assert.throws(() => readRecording(utf8('\n \n'), 'notes.txt', task), refused(/holds no words/, /longer text/));
-  const recording = readRecording(utf8('hello there, hello you. hello!\nhello hello'), 'notes.txt', task);
-  assert.equal(recording.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
+  assert.throws(() => textLines(utf8('\n \n'), 'notes.txt'), refused(/holds no words/, /text with words/));
+  // lines without words make no sample, here or in Python: they are not kept
+  assert.deepEqual(textLines(utf8('\ufeffhello there\r\n\n...\n  hello you\u2028!'), 'n.txt'), [
+    'hello there',
+    '...',
+    '  hello you',
+    '!',
+  ]);
+  // too few words to train on: counted as words (the page asks for more), never split
+  const entry = { kind: 'next-word', seq_len: 3, metric_ignores: [0, 1], vocab: '', vocab_sha256: '', vocab_size: 5 };
+  const vocabulary = new Vocabulary(['<pad>', '<oov>', '<bos>', '<eos>', 'hello']);
+  const short = /the text on this phone holds only 3 words; the model needs at least 10/;
+  assert.throws(() => textSamples(['hello hello.'], vocabulary, entry), refused(short, /longer text/));
+  const samples = textSamples(['hello there, hello you. hello!', 'hello hello'], vocabulary, entry);
+  assert.equal(samples.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
 });
 
 test("the page counts a text bundle's samples as next words, and asks for a longer text", () => {
   const device = { val_fraction: 0.2, min_train_examples: 8, min_held_out: 2 };
   assert.equal(
-    shortfallLine(7, device, 'next-word'),
-    'Add 3 more next words (pick a longer text) to take part in the rounds.',
+    shortfallLine(7, device, nextWordKind.words),
+    'Add 3 more next words (write more) to take part in the rounds.',
   );
   assert.equal(
-    shortfallReason(7, device, 'next-word'),
+    shortfallReason(7, device, nextWordKind.words),
     'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.',
   );
-  assert.equal(
-    shortfallLine(0, device, 'sensor'),
-    'Add 10 windows (pick a longer recording) to take part in the rounds.',
-  );
+  assert.equal(shortfallLine(0, device, sensorKind.words), 'Add 10 windows (record more) to take part in the rounds.');
   const measured = { accuracy: 0.25, count: 16, final: false, roundsHere: 1, round: 1 };
   const after = 'by your model after round 1';
   assert.equal(
-    scoreSentence({ ...measured, kind: 'next-word' }),
+    scoreSentence({ ...measured, words: nextWordKind.words }),
     `25.0% of the 16 next words kept aside are guessed right ${after}`,
   );
   assert.equal(
-    scoreSentence({ ...measured, kind: 'sensor' }),
+    scoreSentence({ ...measured, words: sensorKind.words }),
     `25.0% of the 16 windows kept aside are recognised ${after}`,
   );
 });
