@@ -12,32 +12,39 @@
 #    safetensors, PNGs and the Python loader's arrays of them.
 # 3. `node --test` runs device_runtime/web/test/*.test.mjs against them (EDGEPFL_WEB_FIXTURES).
 #
-# Usage: scripts/web-env.sh
+# Usage: scripts/web-env.sh [npm|chromium|test]  (no argument: all three in turn; scripts/full-run.sh runs `npm`
+#        before the main tests, which serve the page's runtime, and `chromium` beside them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
 PYTHON="${PYTHON:-.venv/bin/python}"
 case "$PYTHON" in /*) ;; *) PYTHON="$ROOT/$PYTHON" ;; esac
+
+# Debian's chromium for the real-browser tests (tests/test_web_browser.py and the others marked `browser`) is
+# installed when it is missing and we are root (they skip, saying so, only where no browser can be installed).
+STEP="${1:-all}"
+if [ "$STEP" = all ] || [ "$STEP" = chromium ]; then
+    if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    fi
+fi
+if [ "$STEP" = all ] || [ "$STEP" = npm ]; then
+    (cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error)
+fi
+[ "$STEP" = all ] || [ "$STEP" = test ] || exit 0
 WEB_TMP="$(mktemp -d)"
 trap 'rm -rf "$WEB_TMP"' EXIT
 
-(cd device_runtime/web && npm ci --no-audit --no-fund --loglevel=error && node_modules/.bin/biome ci --error-on-warnings . &&
-    node_modules/.bin/tsc -p .)
+(cd device_runtime/web && node_modules/.bin/biome ci --error-on-warnings . && node_modules/.bin/tsc -p .)
 
 export EDGEPFL_WEB_FIXTURES="$WEB_TMP/fixtures"
 export EDGEPFL_WEB_PYTHON="$PYTHON"
 "$PYTHON" device_runtime/web/test/make_fixtures.py "$EDGEPFL_WEB_FIXTURES"
 (cd device_runtime/web && node --test test/*.test.mjs)
 
-# 4. The real-browser test (tests/test_web_browser.py, marked `browser`): a phone-sized headless chromium against
-#    `edgepfl serve` and two Python devices. Debian's chromium is installed here when it is missing and we are
-#    root (the test skips, saying so, only where no browser can be installed); Playwright's Python package (the
-#    test extra) drives it. Screenshots of each stage go to a scratch folder; EDGEPFL_WEB_SCREENSHOTS=1 writes them
-#    into docs/img/web-*.png instead (to refresh the ones docs/web-device.md shows).
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-fi
-# the server's routes for the page once more, now that the runtime is surely there (without it they skip)
-"$PYTHON" -m pytest -q tests/test_web_server.py
-"$PYTHON" -m pytest -q -m browser tests/test_web_browser.py tests/test_web_capture.py tests/test_secagg_browser.py
+# 4. The real-browser tests (tests/stages.py's browser stage): a phone-sized headless chromium against `edgepfl serve`
+#    and Python devices, driven by Playwright's Python package (the test extra). Screenshots of each stage go to a
+#    scratch folder; EDGEPFL_WEB_SCREENSHOTS=1 writes them into docs/img/web-*.png instead (to refresh the ones
+#    docs/web-device.md shows).
+EDGEPFL_STAGE=browser "$PYTHON" -m pytest -q -m browser -rs $("$PYTHON" tests/stages.py browser)

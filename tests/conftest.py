@@ -4,18 +4,39 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from stages import STAGE_ENV, STAGES, StageError, selected, stage_of
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
-BUNDLES_ENV = "EDGEPFL_TEST_BUNDLES"  # a folder of bundles exported beforehand, for environments without torch
+BUNDLES_ENV = "EDGEPFL_TEST_BUNDLES"  # one folder of bundles for a whole run: its workers, and the stages without torch
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Give every test its one stage of the full run (tests/stages.py); with EDGEPFL_STAGE set keep only that
+    stage's. A test that no stage would run fails the collection, naming it."""
+    stage = os.environ.get(STAGE_ENV) or None
+    if stage is not None and stage not in STAGES:
+        raise pytest.UsageError(f"{STAGE_ENV}={stage} is not a stage; use one of {', '.join(STAGES)}")
+    kept, dropped = [], []
+    for item in items:
+        try:
+            owner = stage_of(item.path.name, set(item.fixturenames), {mark.name for mark in item.iter_markers()})
+        except StageError as error:
+            raise pytest.UsageError(f"{item.nodeid}: {error}") from None
+        (kept if selected(stage, owner) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def bundle_folder(
@@ -62,7 +83,7 @@ def bundle_factory(tmp_path_factory):
         distill: bool = False,
         **fields,
     ):
-        key = (name, kp, engines, seed, distill, tuple(sorted(fields.items())))
+        key = bundle_key(name, kp, engines, seed, distill, **fields)
         if key in cache:
             return cache[key]
         if shared and (bundle_folder(shared, name, kp, engines, seed, distill, **fields) / "manifest.json").is_file():
@@ -73,13 +94,41 @@ def bundle_factory(tmp_path_factory):
                 pytest.fail(f"{BUNDLES_ENV}={shared} has no bundle for {key}; export it first (scripts/device-env.sh)")
             pytest.skip("exporting a bundle needs torch (pip install 'edgepfl[export]')")
         if shared:
-            out = bundle_folder(shared, name, kp, engines, seed, distill, **fields)
+            cache[key] = export_shared_bundle(shared, key)
         else:
             out = tmp_path_factory.mktemp(f"bundle-{name}-kp{kp}")
-        cache[key] = export_test_bundle(out, name, kp, engines, seed, distill, **fields)
+            cache[key] = export_test_bundle(out, name, kp, engines, seed, distill, **fields)
         return cache[key]
 
     return export
+
+
+def bundle_key(
+    name: str,
+    kp: int | str,
+    engines: tuple[str, ...] = ("ort-training",),
+    seed: int = 0,
+    distill: bool = False,
+    **fields,
+) -> tuple:
+    """The arguments of a test bundle as one hashable value (`bundle_factory`'s defaults)."""
+    return (name, kp, tuple(engines), seed, distill, tuple(sorted(fields.items())))
+
+
+def export_shared_bundle(root: str | Path, key: tuple) -> Path:
+    """Export the bundle `key` names under `root` once for every worker and stage of a run: the first one exports
+    under a lock (into a scratch folder renamed into place), the others wait and read it."""
+    from filelock import FileLock
+
+    name, kp, engines, seed, distill, fields = key
+    out = bundle_folder(root, name, kp, engines, seed, distill, **dict(fields))
+    with FileLock(f"{out}.lock"):
+        if not (out / "manifest.json").is_file():
+            scratch = out.with_name(out.name + ".partial")
+            export_test_bundle(scratch, name, kp, engines, seed, distill, **dict(fields))
+            shutil.rmtree(out, ignore_errors=True)  # what a run stopped halfway left
+            scratch.rename(out)
+    return out
 
 
 def write_stand_in_digits(

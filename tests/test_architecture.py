@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import tomllib
 from conftest import REPO
+from stages import FILES, STAGES, StageError, selected, stage_of
+from test_device_runtime import DEVICE_BUNDLE, save_npz
+
+from edgepfl.ortbuild import training_build_installed
 
 COMPONENTS = {"cli", "flower", "simulate", "server", "device_runtime", "export"}
 
@@ -218,3 +223,75 @@ def test_no_page_module_outside_the_kinds_names_a_kind() -> None:
     modules = sorted(path for path in src.glob("*.js") if not path.name.startswith("kind_"))
     assert len(modules) > 40 and src / "app.js" in modules and src / "kinds.js" in modules
     assert _page_kind_names(*modules) == [], "a kind's words and ways belong in its module, kind_NAME.js"
+
+
+@pytest.mark.skipif(not training_build_installed(), reason="needs onnxruntime-training-cpu")
+def test_a_device_command_loads_no_torch_even_where_torch_is_installed(bundle_factory, tmp_path):
+    """onnxruntime's training build imports torch when it is imported (and torch says "No CUDA runtime is found"
+    on a machine without one): a device command keeps it out, and its stderr holds no such line. (It needs torch
+    installed, so it runs in the main stage, not with the other device tests in scripts/device-env.sh.)"""
+    pytest.importorskip("torch")
+    bundle = bundle_factory(**DEVICE_BUNDLE)
+    data = save_npz(tmp_path / "d.npz", (0, 1, 2), 90)
+    args = [
+        "device",
+        "train",
+        "--bundle",
+        str(bundle),
+        "--data",
+        str(data),
+        "--state",
+        str(tmp_path / "state"),
+        "--epochs",
+        "1",
+        "--engine",
+        "ort-training",
+        "--json",
+    ]
+    code = f"""
+import sys
+from edgepfl.cli import app
+sys.argv = {["edgepfl", *args]!r}
+try:
+    app()
+except SystemExit as exit:
+    assert not exit.code, exit.code
+print('torch' in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and '"engine": "ort-training"' in done.stdout, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False" and "CUDA" not in done.stderr, done.stderr[-3000:]
+    helped = subprocess.run(
+        [sys.executable, "-m", "edgepfl.cli", "device", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert helped.returncode == 0 and helped.stderr == ""
+
+
+def test_every_test_has_one_stage_and_one_no_stage_runs_fails_the_collection():
+    """tests/stages.py: a test belongs to exactly one stage of the full run; a browser test outside the files
+    scripts/web-env.sh runs, or a test in a browser file without the mark, would run nowhere and is refused."""
+    assert stage_of("test_x.py", set(), set()) == "main"
+    assert stage_of("test_x.py", set(), {"slow"}) == "main"
+    assert stage_of("test_x.py", set(), {"arm"}) == "arm"
+    assert stage_of("test_portable.py", {"portable_case"}, set()) == "portable"
+    assert stage_of("test_portable.py", {"case_bundle"}, set()) == "main"
+    assert stage_of("test_device_e2e.py", {"bundle"}, set()) == "device"
+    assert stage_of("test_web_capture.py", set(), {"browser"}) == "browser"
+    with pytest.raises(StageError, match="add the file to BROWSER_FILES"):
+        stage_of("test_x.py", set(), {"browser"})
+    with pytest.raises(StageError, match="mark it"):
+        stage_of("test_web_browser.py", set(), set())
+    assert [selected(None, owner) for owner in STAGES] == [True] * len(STAGES)
+    assert [selected("device", owner) for owner in STAGES] == [owner == "device" for owner in STAGES]
+
+
+def test_the_full_run_and_the_stages_scripts_name_the_same_files():
+    """The env scripts take their files from tests/stages.py, and every file it names exists."""
+    for stage, files in FILES.items():
+        assert all((REPO / "tests" / name).is_file() for name in files), stage
+        printed = subprocess.run(
+            [sys.executable, "tests/stages.py", stage], capture_output=True, text=True, check=True, cwd=REPO
+        )
+        assert printed.stdout.split() == [f"tests/{name}" for name in files]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "bash scripts/full-run.sh" in ci and "bash scripts/full-run.sh" in (REPO / "README.md").read_text()
