@@ -21,6 +21,7 @@ def test_shipped_demo_digits_are_the_documented_subset():
     assert (REPO / "edgepfl" / "simulate" / "data" / "mnist-demo.npz").stat().st_size < 2 * 1024 * 1024
 
 
+@pytest.mark.slow
 def test_demo_one_round_completes(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "edgepfl.cli", "demo", "--rounds", "1", "--workdir", str(tmp_path / "demo")],

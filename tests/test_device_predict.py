@@ -71,6 +71,7 @@ def invoke(*args: str | Path):
 # predict
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_predict_is_the_engines_evaluation(bn_bundle, trained_state, engine_name):
     model = open_device_model(bn_bundle, trained_state, engine_name)

@@ -158,6 +158,7 @@ def test_a_too_slow_upload_cut_off_by_the_server_is_retried():
 # replies that are not the server's: a captive portal's HTML page
 
 
+@pytest.mark.slow
 def test_an_html_reply_to_the_upload_keeps_the_round_pending(mlp_bundle, tmp_path):
     engine, data, state, server = _open_device(mlp_bundle, tmp_path, server_rounds=1)
     server.faults["/v1/rounds/1/update"] = [httpx.Response(200, text=HTML, headers={"content-type": "text/html"})]

@@ -68,6 +68,7 @@ def refusal(reply: httpx.Response, status: int, error: str) -> dict:
     return body
 
 
+@pytest.mark.slow
 def test_enroll_with_the_shared_secret_and_every_refusal(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     state = tmp_path / "state"
@@ -194,6 +195,7 @@ def test_serve_refuses_a_non_positive_enroll_limit_in_one_line(tmp_path: Path, o
     assert refused.output.startswith(f"error: {option}"), refused.output
 
 
+@pytest.mark.slow
 def test_enrollment_is_closed_without_a_secret_file(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     with LiveServer(tmp_path / "bundle", tmp_path / "state") as server:

@@ -51,6 +51,7 @@ def _received(results, out, names):
         server.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("algorithm", "kp", "model"),
     [
@@ -92,6 +93,7 @@ def test_every_methods_reported_accuracies_are_the_protocols(tiny_npz, tmp_path,
         assert last.test_accuracy["per_client"] == last.trained_test_accuracy["per_client"]
 
 
+@pytest.mark.slow
 def test_unsampled_clients_have_no_trained_score(tiny_npz, tmp_path) -> None:  # noqa: F811
     results = run_simulation(tiny_config(tiny_npz, tmp_path / "run", algorithm="fedper", fraction=0.5, rounds=1))
     record = results.rounds[-1]

@@ -152,6 +152,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgepfl.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -185,6 +186,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert (full / "keep.txt").read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_cli_export_prints_the_split(tmp_path):
     names = [f"digit {n}" for n in range(10)]  # a comma would split --class-names: a file takes any name
     (tmp_path / "names.txt").write_text("\n".join(names) + "\n")
@@ -207,6 +209,7 @@ def test_cli_export_prints_the_split(tmp_path):
     assert load_manifest(tmp_path / "b").class_labels == tuple(names)
 
 
+@pytest.mark.slow
 def test_cli_export_without_frozen_variants_writes_the_plain_steps_only(tmp_path):
     """--no-frozen-variants: no step_*_frozen.onnx and no `frozen` entry; the portable engine trains on the plain
     graphs (by default a personal-only step has its variant)."""

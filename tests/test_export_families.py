@@ -102,6 +102,7 @@ def relative_error(ours, reference, floor: float = 1e-9) -> float:
     return float(np.abs(np.asarray(ours, np.float64) - reference).max() / max(np.abs(reference).max(), floor))
 
 
+@pytest.mark.slow
 def test_family_blocks_and_random_layers_are_recorded(family):
     name, module, bundle, notices = family
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -114,6 +115,7 @@ def test_family_blocks_and_random_layers_are_recorded(family):
         assert set(manifest["engines"]) == {"portable", "ort-training"}, notices
 
 
+@pytest.mark.slow
 def test_family_step_arithmetic_matches_float64_pytorch(family):
     """The ATen graph the portable step exports (our decompositions), run in float64, within 1e-5."""
     import copy
@@ -142,6 +144,7 @@ def test_family_step_arithmetic_matches_float64_pytorch(family):
     assert relative_error(outputs[worst], reference[worst]) <= RTOL, f"{name} {worst}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_family_engine_step_is_as_close_to_float64_as_pytorch_float32(family, engine):
     if engine == "ort-training" and not training_build_installed():
@@ -166,6 +169,7 @@ def test_family_engine_step_is_as_close_to_float64_as_pytorch_float32(family, en
         assert mine <= RTOL + 2 * theirs, (name, engine, group[0], mine, theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainable, frozen_role", [("personal", "base"), ("base", "personal")])
 def test_family_frozen_tensors_stay_bit_identical(family, trainable, frozen_role):
     name, _, bundle, _ = family
@@ -182,6 +186,7 @@ def test_family_frozen_tensors_stay_bit_identical(family, trainable, frozen_role
         assert any(not np.array_equal(moving[n], moved[n]) for n in moving), (name, engine)
 
 
+@pytest.mark.slow
 def test_family_inference_model_equals_pytorch_eval(family):
     import onnxruntime
 

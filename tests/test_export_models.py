@@ -341,6 +341,7 @@ def test_wrong_weights_file_is_one_line(model_file, tmp_path, content, message):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, extra, message",
     [
@@ -367,6 +368,7 @@ def test_bad_model_is_one_line_and_exit_2(model_file, tmp_path, model, extra, me
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_torchvision_families_split_by_their_structure():
     from edgepfl.export import source
     from edgepfl.export.blocks import check_blocks, find_blocks

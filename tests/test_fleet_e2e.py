@@ -71,6 +71,7 @@ def stored(state: Path):
         store.close()
 
 
+@pytest.mark.slow
 def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(bundle, tmp_path):
     names = [f"d{i}" for i in range(6)]
     tokens = enroll(tmp_path / "server", *names)
@@ -164,6 +165,7 @@ def test_over_selection_closes_at_its_target_when_two_of_six_devices_are_killed(
         assert [h["round"] for h in history(tmp_path / name) if not h.get("final")] == [2]
 
 
+@pytest.mark.slow
 def test_fedbuff_served_run_equals_the_engine_in_process_through_a_server_kill(fedbuff_bundle, tmp_path):
     bundle = fedbuff_bundle
     names = ["slow", "mid", "fast"]

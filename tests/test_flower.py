@@ -164,6 +164,7 @@ def run_round(reference, tmp_path, tamper=None, strategy_name="fedper", run_opti
         server.close()
 
 
+@pytest.mark.slow
 def test_encoded_delta_replies_are_decoded_as_served_uploads(reference, tmp_path, task_identity):
     """A node speaks the round's upload encoding: its reply carries the int8 delta, scales and header metadata."""
     from edgepfl.server.store import Store
@@ -385,6 +386,7 @@ def test_a_node_with_its_own_data_trains_under_its_own_name(reference, tmp_path,
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["portable", "ort-training"])
 def test_the_client_app_trains_without_torch(reference, tmp_path, engine):
     """Handshake and one round on a node where `import torch` fails, on either engine; the reply carries the base."""

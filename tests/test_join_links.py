@@ -190,6 +190,7 @@ def test_the_cli_makes_lists_and_revokes_links_on_a_servers_state(tmp_path: Path
     assert absent.exit_code == 2 and "there is no join link 7" in absent.output
 
 
+@pytest.mark.slow
 def test_a_running_server_sees_new_links_and_counts_them_across_a_restart(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     state = tmp_path / "state"

@@ -48,6 +48,7 @@ def train_epoch(engine, x, y, lr: float, epoch: int) -> None:
         engine.train_step(x[index], y[index], lr=lr)
 
 
+@pytest.mark.slow
 def test_teacher_is_the_round_with_the_lowest_validation_loss(engine, digits, tmp_path):
     x, y = digits
     train = (x[:600], y[:600])

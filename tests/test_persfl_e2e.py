@@ -31,6 +31,7 @@ def device(*args: str | Path, timeout: float = 120) -> dict:
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_devices_keep_teachers_during_fedavg_and_distil_afterwards(bundle, tmp_path):
     names = ("a", "b")
     tokens = enroll(tmp_path / "server", *names)

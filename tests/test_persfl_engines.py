@@ -216,6 +216,7 @@ def test_ort_training_and_portable_distil_alike_over_steps(bundle):
     assert np.isfinite(engines[1].train_step(x, y, lr=0.01)) and engines[1].eval_batch(x, y).count == 32
 
 
+@pytest.mark.slow
 def test_export_without_distillation_writes_none_and_engines_say_so(tmp_path):
     from edgepfl.errors import BundleError
     from edgepfl.export.bundle import ExportOptions, export_bundle

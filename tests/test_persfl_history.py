@@ -188,6 +188,7 @@ def bundle(bundle_factory) -> Path:
     return bundle_factory(**{**DEVICE_BUNDLE, "kp": 0, "engines": ("portable",), "distill": True})
 
 
+@pytest.mark.slow
 def test_a_new_device_picks_the_global_model_with_the_lowest_held_out_loss(bundle, tmp_path) -> None:
     from edgepfl.data import load_device_data
     from edgepfl.device_runtime.algorithms import evaluate

@@ -316,6 +316,7 @@ def _batch(manifest: Manifest, seed: int, count: int = 8):
     return batch(manifest, count, seed)
 
 
+@pytest.mark.slow
 def test_the_exported_graphs_start_equal_to_the_original_model(personal_bundle):
     manifest = load_manifest(personal_bundle)
     spec = ModelSpec(**manifest.model)
@@ -325,6 +326,7 @@ def test_the_exported_graphs_start_equal_to_the_original_model(personal_bundle):
     np.testing.assert_allclose(engine.logits(x), original(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_every_engine_trains_the_personal_part_alone_and_they_agree(any_personal_bundle):
     engines = _engines(any_personal_bundle)
     manifest = engines["portable"].manifest
@@ -396,6 +398,7 @@ def digits_npz(tmp_path_factory):
     return write_stand_in_digits(path, classes=4, side=6, train=160, test=40, noise=30.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algorithm", "engine"), [("fedalt", "portable"), ("fedsim", "torch")])
 def test_simulate_with_adapters_uploads_the_original_network_only(digits_npz, tmp_path, algorithm, engine):
     from edgepfl.simulate.config import SimulateConfig

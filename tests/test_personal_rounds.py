@@ -99,6 +99,7 @@ def run_config(model: str, spec: str, path: str, out, tiny_npz, text_folder):  #
     return text_config(text_folder, out, model=model, **changes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(("model", "spec"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_only_base_tensors_leave_and_personal_ones_train_on_the_clients(
@@ -137,6 +138,7 @@ def test_only_base_tensors_leave_and_personal_ones_train_on_the_clients(
         assert any(not np.array_equal(copy, copies[0]) for copy in copies[1:]), f"every client holds one {tensor}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_spec_naming_the_last_block_runs_as_kp_1_does(path, tmp_path, export_once, tiny_npz):  # noqa: F811
     """`names:classifier.*` is the mlp's output layer by name: the spec's code path, not the suffix one; every

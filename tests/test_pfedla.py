@@ -283,6 +283,7 @@ def test_restart_keeps_the_strategy_state_and_a_failed_close_does_not_step_twice
     assert restarted.strategy.state_bytes() == engine.strategy.state_bytes() != saved
 
 
+@pytest.mark.slow
 def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b", "c")
@@ -318,6 +319,7 @@ def test_two_rounds_through_the_real_server_match_the_strategy_in_process(tmp_pa
         server.kill()
 
 
+@pytest.mark.slow
 def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b")
@@ -353,6 +355,7 @@ def test_strategy_state_survives_a_kill_between_rounds_of_the_real_server(tmp_pa
 # the simulator
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kp", [0, 1])  # kp=0: the paper's pFedLA; kp=1: it mixes the base, the head stays
 def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, tmp_path: Path, kp: int) -> None:  # noqa: F811
     from edgepfl.server.store import Store
@@ -382,6 +385,7 @@ def test_simulate_pfedla_runs_two_rounds_and_keeps_each_clients_model(tiny_npz, 
     assert not np.allclose(state[f"client-000/{base_names[0]}"], state[f"client-001/{base_names[0]}"])
 
 
+@pytest.mark.slow
 def test_simulate_pfedla_resumes_with_its_hypernetworks(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
     from edgepfl.simulate.loop import run_simulation
 
@@ -395,6 +399,7 @@ def test_simulate_pfedla_resumes_with_its_hypernetworks(tiny_npz, tmp_path: Path
     assert resumed.alpha == straight.alpha
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_pfedla_run_keeps_its_mixing_weights(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
     """A finished run started again (bench/reproduce.py resumes every run) rewrote results.json without alpha."""
     from edgepfl.simulate.loop import run_simulation
@@ -474,6 +479,7 @@ def test_round_settings_carry_kept_tensors_over_the_wire() -> None:
         Task.from_json(malformed)
 
 
+@pytest.mark.slow
 def test_simulate_heurpfedla_never_sends_the_retained_tensors(tiny_npz, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     from edgepfl.server.strategies.heurpfedla import HeurPFedLA
     from edgepfl.simulate.loop import run_simulation
@@ -507,6 +513,7 @@ def test_simulate_heurpfedla_never_sends_the_retained_tensors(tiny_npz, tmp_path
     assert heur.rounds[-1].test_accuracy["mean"] > 0.3
 
 
+@pytest.mark.slow
 def test_device_processes_run_two_pfedla_rounds_against_a_real_server(bundle_factory, tmp_path: Path) -> None:
     """`edgepfl device run` processes (torch blocked) and `edgepfl serve --strategy pfedla` on loopback."""
     import subprocess
@@ -573,6 +580,7 @@ class RecordingTransport:
         self.inner.close()
 
 
+@pytest.mark.slow
 def test_heurpfedla_devices_never_send_or_receive_the_tensors_they_keep(bundle_factory, tmp_path: Path) -> None:
     """`edgepfl serve --strategy heurpfedla`, two device processes and one in-process device whose HTTP is recorded."""
     import subprocess
@@ -698,6 +706,7 @@ def test_every_client_starts_with_a_positive_weight_on_every_client() -> None:
         assert matrix.diagonal().min() > 0.02
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pfedla_leaves_no_client_below_chance_on_a_two_class_split(tiny_npz, tmp_path: Path, seed: int) -> None:  # noqa: F811
     """6 clients holding 2 classes each, each round's held model (the client's own mix θ̄ᵢ) on its test split.
@@ -719,6 +728,7 @@ def test_pfedla_leaves_no_client_below_chance_on_a_two_class_split(tiny_npz, tmp
     assert worst[-1] > worst[0], worst  # the mixes personalise: the worst client gains round on round
 
 
+@pytest.mark.slow
 def test_pfedla_refuses_a_model_that_shares_nothing(tiny_npz, tmp_path: Path) -> None:  # noqa: F811
     """mlp has 2 blocks: --kp 2 made every tensor personal, and pfedla silently ran local training."""
     from edgepfl.simulate.loop import run_simulation

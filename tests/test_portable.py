@@ -142,6 +142,7 @@ def by_prefix(tensors: dict, prefix: str) -> dict:
 # --- tests that run without torch (plain onnxruntime is enough) ------------------------------------------
 
 
+@pytest.mark.slow
 def test_twenty_cnn_steps_match_pytorch_float32(portable_case):
     bundle, reference, summary = portable_case
     engine = open_engine(bundle, "portable", threads=2)
@@ -653,6 +654,7 @@ def _torch_step(model, x, y, dtype, lr: float) -> dict[str, np.ndarray]:
     return {n: t.detach().double().numpy() for n, t in reference.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_mobilenet_step_computation_matches_float64_pytorch(mobilenet_step):
     """The exact ATen graph we export (our convolution backward, masked BatchNorm, SGD), run in float64."""
     import torch
@@ -674,6 +676,7 @@ def test_mobilenet_step_computation_matches_float64_pytorch(mobilenet_step):
     assert_close(dict(zip(params + buffers, outputs)), {n: reference[n] for n in params + buffers})
 
 
+@pytest.mark.slow
 def test_mobilenet_partial_batch_step_matches_float64_pytorch_on_its_real_samples(mobilenet_step):
     """A padded last batch through the small-map forms (depthwise as matrices, BatchNorm's mask as a product)."""
     import torch

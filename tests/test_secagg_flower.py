@@ -45,6 +45,7 @@ def run(reference, tmp_path, silent_after_advert: int | None = None) -> Store:  
     return Store(tmp_path / SERVER_DIR)
 
 
+@pytest.mark.slow
 def test_flower_nodes_aggregate_two_rounds_securely(reference, tmp_path, task_identity):  # noqa: F811
     store = run(reference, tmp_path)
     try:

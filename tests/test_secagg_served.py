@@ -185,6 +185,7 @@ def personal_bundle(request, bundle_factory) -> Path:
     return bundle_factory(**{**DEVICE_BUNDLE, "kp": request.param})
 
 
+@pytest.mark.slow
 def test_three_python_devices_aggregate_two_rounds_securely(personal_bundle, tmp_path, recorded):
     tokens = enroll(tmp_path / "server", *NAMES)
     server = LocalServer(personal_bundle, tmp_path / "server", *OPTIONS, log=tmp_path / "server.log")
@@ -206,6 +207,7 @@ def test_three_python_devices_aggregate_two_rounds_securely(personal_bundle, tmp
         store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after", ["advert", "shares", "masked", "reveal"])
 def test_a_device_killed_after_each_step_resumes_and_is_counted_once(mlp_bundle, tmp_path, recorded, after):  # noqa: F811
     """Device b dies right after its `after` message of round 1 was accepted, then starts again from its folder."""
@@ -229,6 +231,7 @@ def test_a_device_killed_after_each_step_resumes_and_is_counted_once(mlp_bundle,
         check_rounds(server.url, tokens["a"], recorded)
 
 
+@pytest.mark.slow
 def test_the_server_killed_mid_protocol_resumes_from_its_snapshot_and_log(mlp_bundle, tmp_path, recorded):  # noqa: F811
     tokens = enroll(tmp_path / "server", *NAMES)
     server = LocalServer(mlp_bundle, tmp_path / "server", *OPTIONS, log=tmp_path / "server.log", port=free_port())

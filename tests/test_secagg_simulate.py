@@ -22,6 +22,7 @@ from edgepfl.simulate.rounds import SERVER_DIR, final_global_base  # noqa: E402
 SECURE = {"secure_aggregation": True, "secagg_clip": 5.0, "secagg_max_weight": 200}  # --min-clients 1: 4 a round
 
 
+@pytest.mark.slow
 def test_a_secure_simulation_is_reproducible_and_learns_as_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
     runs = {}
     for name, changes in (("secure", SECURE), ("again", SECURE), ("plain", {"min_clients": 3})):
@@ -76,6 +77,7 @@ def test_simulate_checks_the_clients_each_round_has_not_min_clients(tmp_path):
     assert "\n" not in str(refused.value) and "raise --clients or --fraction" in refused.value.fix
 
 
+@pytest.mark.slow
 def test_a_secure_simulation_with_defaults_only_matches_the_plain_one(tiny_npz, tmp_path):  # noqa: F811
     # issue 42: no clip or weight flag; each round's clip and weight scale are measured from the previous sum
     runs = {

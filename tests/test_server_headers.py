@@ -139,6 +139,7 @@ def test_the_device_and_join_pages_keep_their_own_policies(tmp_path: Path) -> No
     assert_secured(over_tls.get("/device/"), web.CONTENT_SECURITY_POLICY, https=True, features=DEVICE_FEATURES)
 
 
+@pytest.mark.slow
 def test_uvicorns_own_400_and_a_tls_server_carry_the_headers(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     with LiveServer(tmp_path / "bundle", tmp_path / "state") as server:
@@ -235,6 +236,7 @@ def test_machine_addresses_are_reachable_ones() -> None:
         assert not (ip.is_loopback or ip.is_link_local or ip.is_unspecified), address
 
 
+@pytest.mark.slow
 def test_serve_prints_where_the_status_page_and_join_are(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     (tmp_path / "secret").write_text(SECRET)

@@ -315,6 +315,7 @@ def _read_reply(sock: socket.socket, timeout: float = 5.0) -> bytes:
         data += chunk
 
 
+@pytest.mark.slow
 def test_a_trickling_upload_loses_its_slot_and_the_others_upload(tmp_path: Path) -> None:
     ctx = _open_live_round(tmp_path, "--upload-slots", "1", "--read-timeout", "1", "--min-upload-rate", "1")
     try:
@@ -357,6 +358,7 @@ def test_a_trickling_upload_loses_its_slot_and_the_others_upload(tmp_path: Path)
         ctx["server"].kill()
 
 
+@pytest.mark.slow
 def test_headers_that_never_end_are_cut_off(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     with LiveServer(tmp_path / "bundle", tmp_path / "state", "--read-timeout", "1") as server:
@@ -387,6 +389,7 @@ def _wrong_enrollments_from(server: LiveServer, forwarded_for: list[str]) -> lis
     return replies
 
 
+@pytest.mark.slow
 def test_forwarded_for_is_believed_only_from_named_proxies(tmp_path: Path) -> None:
     make_bundle(tmp_path / "bundle")
     secret = tmp_path / "secret"

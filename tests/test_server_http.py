@@ -51,6 +51,7 @@ def _train(device: DeviceClient, shift: float, manifest, num_samples: int) -> tu
     return task["round"], new, upload_body(new, manifest, num_samples=num_samples)
 
 
+@pytest.mark.slow
 def test_full_round_with_three_devices_equals_the_weighted_mean(live, tmp_path: Path) -> None:
     manifest = make_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a", "b", "c")
@@ -180,6 +181,7 @@ def _assert_refused(reply: httpx.Response, status: int, error: str) -> None:
     assert set(body) == {"error", "detail", "fix"} and body["error"] == error and body["fix"], body
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_UPLOADS))
 def test_bad_upload_is_refused_and_nothing_stored_changes(open_round: dict, case: str) -> None:
     build, status, error = BAD_UPLOADS[case]
@@ -248,6 +250,7 @@ BAD_REQUESTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_request_is_refused_and_nothing_stored_changes(open_round: dict, case: str) -> None:
     send, status, error = BAD_REQUESTS[case]
@@ -256,6 +259,7 @@ def test_bad_request_is_refused_and_nothing_stored_changes(open_round: dict, cas
     assert _stored(open_round) == before
 
 
+@pytest.mark.slow
 def test_second_upload_is_idempotent_if_identical_and_409_otherwise(open_round: dict) -> None:
     device, base, manifest = open_round["devices"]["b"], open_round["base"], open_round["manifest"]
     device.task()
@@ -347,6 +351,7 @@ def test_kill_9_while_uploads_are_in_flight_loses_no_acknowledged_upload(live, t
     wait_status(server.url, tokens["d0"], lambda s: s["rounds_completed"] == 1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls_with_a_self_signed_certificate(live, tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

@@ -336,6 +336,7 @@ def test_target_epsilon_stops_the_run_before_the_budget_is_exceeded(tmp_path, ma
     assert again.store.round(3) is None and again.stopped is not None
 
 
+@pytest.mark.slow
 def test_epsilon_survives_a_kill_9_of_the_served_process(tmp_path, manifest) -> None:
     """A real `edgepfl serve` with DP: round 1's epsilon is on /v1/status; after kill -9 the budget continues."""
     pytest.importorskip("dp_accounting")

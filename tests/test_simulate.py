@@ -63,6 +63,7 @@ def state_of(out) -> dict[str, np.ndarray]:
     return decode_tensors((out / STATE_FILE).read_bytes())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedper", "fedalt", "fedper-ft"])
 def test_every_algorithm_runs_two_rounds(tiny_npz, tmp_path, algorithm):
     out = tmp_path / algorithm
@@ -132,6 +133,7 @@ def test_aggregate_equals_the_server_strategy_and_a_weighted_mean(tiny_npz, tmp_
     assert not np.allclose(simulated[specs[0].name], initial[specs[0].name]), "round 1 changed the base"
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_last_completed_round(tiny_npz, tmp_path):
     straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3))
     run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=1))
@@ -151,6 +153,7 @@ def test_resume_continues_from_the_last_completed_round(tiny_npz, tmp_path):
         np.testing.assert_allclose(first[name], second[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_finished_local_run_resumes_to_more_rounds(tiny_npz, tmp_path):
     """`local` keeps no server state: resuming it was refused ("its server is elsewhere")."""
     straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", algorithm="local", rounds=2))
@@ -181,6 +184,7 @@ def _per_client_losses(results) -> list[float]:
     return [r.train_loss for r in results.rounds]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("onnx_engine", "model", "fields"),
     [
@@ -206,6 +210,7 @@ def test_torch_engine_agrees_with_the_onnx_engine(tiny_npz, tmp_path, onnx_engin
         np.testing.assert_allclose(value, onnx_state[name], rtol=1e-2, atol=2e-3, err_msg=name)
 
 
+@pytest.mark.slow
 def test_config_file_form_and_cli(tiny_npz, tmp_path):
     from typer.testing import CliRunner
 
@@ -234,6 +239,7 @@ def test_config_file_form_and_cli(tiny_npz, tmp_path):
     assert missing.exit_code == 2 and "does not exist" in missing.output
 
 
+@pytest.mark.slow
 def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path, monkeypatch):
     """Client 0 uploads values of 1e30 claiming 10M samples every round: the server's bounds keep the others' model."""
     from edgepfl.device_runtime import round as device_round
@@ -254,6 +260,7 @@ def test_one_hostile_client_does_not_take_the_others_accuracy(tiny_npz, tmp_path
     assert all(math.isfinite(a) for a in honest) and min(honest) > 0.3, honest  # chance is 10%
 
 
+@pytest.mark.slow
 def test_the_export_runs_in_a_child_and_its_refusal_is_one_line(tiny_npz, tmp_path):
     import subprocess
     import sys
@@ -275,6 +282,7 @@ def test_the_export_runs_in_a_child_and_its_refusal_is_one_line(tiny_npz, tmp_pa
     assert child.stdout.strip().splitlines()[-1] == "[]", child.stdout
 
 
+@pytest.mark.slow
 def test_the_export_child_imports_this_edgepfl_not_one_in_the_working_folder(tiny_npz, tmp_path, monkeypatch):
     """From a folder that holds another `edgepfl` (a source checkout run against an installed wheel, as on the
     GPU machine) the export child imported that one and failed; it must import the package the driver runs."""
@@ -306,6 +314,7 @@ def run_killed_in_round_two(monkeypatch, config: SimulateConfig) -> None:
     assert uploads[-1] == 2
 
 
+@pytest.mark.slow
 def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_result(tiny_npz, tmp_path, monkeypatch):
     """int8 deltas with stochastic rounding and error feedback: a kill mid-round re-encodes the same bytes."""
     fp32 = run_simulation(tiny_config(tiny_npz, tmp_path / "fp32", rounds=1))
@@ -322,6 +331,7 @@ def test_int8_uploads_cost_a_quarter_and_an_interrupted_run_resumes_to_the_same_
         np.testing.assert_array_equal(first[name], second[name])
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_round_resumes_when_training_does_not_repeat_its_bytes(tiny_npz, tmp_path, monkeypatch):
     """A GPU's training is not bit-reproducible: resumed, the interrupted round's clients upload different bytes.
 
@@ -343,6 +353,7 @@ def test_a_run_killed_mid_round_resumes_when_training_does_not_repeat_its_bytes(
     assert resumed.rounds[-1].test_accuracy["mean"] > 0.5  # chance is 10%
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_point", ["before_close", "before_evaluation"])
 def test_a_run_killed_between_its_uploads_and_its_record_resumes_to_the_same_result(
     tiny_npz, tmp_path, monkeypatch, kill_point
@@ -379,6 +390,7 @@ def test_a_run_killed_between_its_uploads_and_its_record_resumes_to_the_same_res
         assert a.trained_test_accuracy["per_client"] == b.trained_test_accuracy["per_client"]
 
 
+@pytest.mark.slow
 def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path):
     pytest.importorskip("dp_accounting")
     from typer.testing import CliRunner
@@ -420,6 +432,7 @@ def test_a_dp_run_reports_epsilon_and_stops_before_its_target(tiny_npz, tmp_path
     assert bad.output.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_device_the_machine_lacks_or_an_onnx_engine_on_a_gpu_is_one_line(tiny_npz, tmp_path):
     """--device: cuda without a visible GPU, cuda with an ONNX engine and a non-device are refused in one line."""
     import torch

@@ -60,6 +60,7 @@ def test_persfl_teacher_is_the_lowest_validation_loss_and_students_are_distilled
     assert load_results(out).persfl == results.persfl == section
 
 
+@pytest.mark.slow
 def test_persfl_resume_keeps_the_teachers_and_reruns_stage_two(tiny_npz, tmp_path):
     out = tmp_path / "resume"
     run_simulation(persfl_config(tiny_npz, out, rounds=2))
@@ -69,6 +70,7 @@ def test_persfl_resume_keeps_the_teachers_and_reruns_stage_two(tiny_npz, tmp_pat
     assert resumed.persfl["clients"] == straight.persfl["clients"]
 
 
+@pytest.mark.slow
 def test_persfl_grid_options_are_checked_and_read_from_a_config_file(tiny_npz, tmp_path):
     config = config_from_json({"algorithm": "persfl", "distill_lambdas": "0.2,0.4", "distill_temperatures": [1, 3]})
     assert config.distill.lambdas == (0.2, 0.4) and config.distill.temperatures == (1.0, 3.0)
@@ -104,6 +106,7 @@ def test_torch_distill_step_matches_the_bundle_engine(tiny_npz, tmp_path):
     np.testing.assert_allclose(torch_engine.logits(x), bundle_engine.logits(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_simulate_cli_takes_the_distillation_grid_and_pfedla_knobs(tiny_npz, tmp_path):
     from typer.testing import CliRunner
 

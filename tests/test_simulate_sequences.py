@@ -52,6 +52,7 @@ def text_config(folder, out, **changes) -> SimulateConfig:
     return base.updated(**changes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "portable"])
 def test_a_text_folder_trains_a_tiny_transformer_and_scores_next_words_per_client(text_folder, tmp_path, engine):
     out = tmp_path / engine
@@ -110,6 +111,7 @@ def test_har_subjects_train_har_cnn_with_the_training_parts_channel_statistics(t
     assert len(accuracy["per_client"]) == 2 and accuracy["p10"] is not None
 
 
+@pytest.mark.slow
 def test_fedalt_trains_the_tiny_transformers_adapters_as_the_personal_part(text_folder, tmp_path):
     out = tmp_path / "adapters"
     run_simulation(text_config(text_folder, out, algorithm="fedalt", personal="adapters:8", rounds=1))
@@ -124,6 +126,7 @@ def test_fedalt_trains_the_tiny_transformers_adapters_as_the_personal_part(text_
     assert len(document["rounds"][0]["test_accuracy"]["per_client"]) == 3
 
 
+@pytest.mark.slow
 def test_a_rerun_over_text_with_another_vocabulary_is_refused_not_resumed(text_folder, tmp_path):
     folder = tmp_path / "texts"
     shutil.copytree(text_folder, folder)

@@ -40,6 +40,7 @@ def assert_same_run(first, second, out_first, out_second) -> None:
         assert x.train_loss == y.train_loss and x.bytes_up == y.bytes_up
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("algorithm", "engine", "fraction"),
     [("fedper", "torch", 1.0), ("pfedla", "torch", 1.0), ("persfl", "torch", 1.0), ("fedper", "portable", 0.5)],
@@ -61,6 +62,7 @@ def test_two_workers_equal_one(tiny_npz, tmp_path, algorithm, engine, fraction):
         assert one.persfl["clients"] == two.persfl["clients"]
 
 
+@pytest.mark.slow
 def test_a_workers_run_resumes_to_the_one_process_run(tiny_npz, tmp_path):  # noqa: F811
     straight = run_simulation(tiny_config(tiny_npz, tmp_path / "straight", rounds=3))
     run_simulation(tiny_config(tiny_npz, tmp_path / "resumed", rounds=1, workers=2))
@@ -68,6 +70,7 @@ def test_a_workers_run_resumes_to_the_one_process_run(tiny_npz, tmp_path):  # no
     assert_same_run(straight, resumed, tmp_path / "straight", tmp_path / "resumed")
 
 
+@pytest.mark.slow
 def test_bad_worker_options_are_one_line(tiny_npz, tmp_path, monkeypatch):  # noqa: F811
     with pytest.raises(UsageError, match="--workers 0: input should be greater than or equal to 1"):
         run_simulation(tiny_config(tiny_npz, tmp_path / "zero", workers=0))

@@ -73,6 +73,7 @@ def _train_a_little(engine, data) -> None:
         engine.train_step(x, y, 0.05, "full")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_name", ["torch", "portable", "ort-training"])
 def test_recomputed_statistics_equal_torchs_update_bn_and_leave_every_weight(bundle_factory, engine_name) -> None:
     bundle = bundle_factory("cnn", 1, engines=("ort-training", "portable"), norm="batch", width=0.25)
@@ -135,6 +136,7 @@ def test_a_received_base_gets_statistics_of_its_own_and_recompute_bn_off_keeps_t
         assert np.array_equal(value, received[name])
 
 
+@pytest.mark.slow
 def test_nothing_received_or_no_batchnorm_changes_nothing(bundle_factory) -> None:
     mlp = _open("portable", bundle_factory("mlp", 1, engines=("portable",)))
     data = _data(mlp.manifest)
@@ -159,6 +161,7 @@ def test_fewer_samples_than_a_batch_are_one_batch(bundle_factory) -> None:
     assert all(np.array_equal(v, before[n]) for n, v in engine.get_tensors().items())
 
 
+@pytest.mark.slow
 def test_layers_with_different_momenta_are_read_by_name(tmp_path) -> None:
     """A model whose BatchNorm layers use different momenta: the portable entry lists each statistic's."""
     from torch import nn

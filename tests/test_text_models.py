@@ -118,6 +118,7 @@ def test_the_lstm_cell_computes_what_nn_lstm_computes():
     torch.testing.assert_close(cell(x), reference(x)[0])
 
 
+@pytest.mark.slow
 def test_a_text_bundle_says_its_token_input_vocabulary_and_blocks(transformer_bundle):
     manifest = load_manifest(transformer_bundle, verify_files=True)
     assert (manifest.kind.name, manifest.input.dtype, manifest.input.shape) == ("next-word", "int64", (SEQ_LEN,))
@@ -153,6 +154,7 @@ def test_the_embeddings_gradient_is_standard_onnx_that_plain_onnxruntime_runs(tr
     assert set(moved) == set(np.unique(x))  # exactly the rows of the ids the batch read
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle", "har_bundle"], indirect=True)
 def test_every_engine_trains_the_sequence_models_alike(bundles):
     from edgepfl.simulate.torch_engine import TorchEngine
@@ -316,6 +318,7 @@ def test_export_refuses_a_text_model_without_its_corpus_and_knobs_of_the_other_k
         sequence_target("har-cnn", SequenceOptions(channels=("a", "a")), 0)
 
 
+@pytest.mark.slow
 def test_a_sensor_models_activities_are_named_by_its_export_never_by_its_class_count(tmp_path):
     """Only the HAPT model itself (no channel, window or class option) takes UCI HAPT's activity names; any other
     sensor model names its own, or is refused in one line (a person recording picks an activity by its name)."""

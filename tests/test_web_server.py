@@ -267,6 +267,7 @@ app()
 """
 
 
+@pytest.mark.slow
 def test_serve_without_runtime_says_so_once_and_serves_the_python_devices(tmp_path: Path) -> None:
     portable_bundle(tmp_path / "bundle")
     tokens = enroll(tmp_path / "state", "a")
@@ -282,6 +283,7 @@ def test_serve_without_runtime_says_so_once_and_serves_the_python_devices(tmp_pa
     assert len(lines) == 1 and re.search(r"fix: npm ci --prefix \S+empty \(or pass --no-web", lines[0]), lines
 
 
+@pytest.mark.slow
 def test_serve_no_web_flag(tmp_path: Path) -> None:
     portable_bundle(tmp_path / "bundle")
     with LiveServer(tmp_path / "bundle", tmp_path / "state", "--no-web", "--public-status") as server:

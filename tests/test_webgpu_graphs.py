@@ -82,6 +82,7 @@ def test_the_flat_update_concatenates_and_splits_through_nodes_of_few_tensors():
         assert all(len(node.args[1]) <= fanout.MAX_FANOUT for node in nodes)
 
 
+@pytest.mark.slow
 def test_the_cnn_bundle_has_int32_labels_and_no_graph_with_a_known_webgpu_problem(bundle_factory):
     bundle = bundle_factory("cnn", 2, engines=("portable",), norm="batch")
     entry = json.loads((bundle / "manifest.json").read_text())["engines"]["portable"]
@@ -97,6 +98,7 @@ def test_the_cnn_bundle_has_int32_labels_and_no_graph_with_a_known_webgpu_proble
         assert not ops & {"LogSoftmax", "ScatterElements", "GatherElements", "ArgMax", "MaxPool"}, graph["model"]
 
 
+@pytest.mark.slow
 def test_a_mobilenet_step_has_no_known_webgpu_problem():
     torch = pytest.importorskip("torch")
     from edgepfl.export import portable
@@ -188,6 +190,7 @@ def test_labels_of_any_integer_type_reach_the_step_as_the_manifest_says(bundle_f
     assert losses[0] == losses[1] == losses[2]
 
 
+@pytest.mark.slow
 def test_a_chained_k_step_graph_trains_as_the_one_step_graph_run_k_times(bundle_factory):
     """bench/kstep.py's K steps in one graph (issue 39, item 2): the same tensors and losses, bit for bit."""
     pytest.importorskip("torch")
