@@ -11,8 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from server_helpers import enroll
-from starlette.routing import Route
+from server_helpers import app_routes, enroll
 from test_secagg_rounds import secure_config
 
 from edgepfl.server.app import create_app
@@ -30,9 +29,7 @@ def api_of(tmp_path: Path) -> dict[str, Any]:
         app = create_app(engine)
         spec = app.openapi()
         spec["info"].pop("version")
-        routes = [
-            [route.path, sorted(route.methods or ()), route.name] for route in app.routes if isinstance(route, Route)
-        ]
+        routes = [[route.path, sorted(route.methods or ()), route.name] for route in app_routes(app)]
         return {"openapi": spec, "routes": routes}
     finally:
         engine.close()
