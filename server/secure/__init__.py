@@ -11,3 +11,7 @@ protocol itself (messages, sessions, masking) is `edgepfl.secagg`'s.
 
 Nothing outside this package imports its modules but the registry (`SecureMode`) and the drivers (`steps.py`).
 """
+
+# the registry first: it imports `mode.py`, whose round-mode base is the registry's package, so that importing any
+# module of this package first (`mode.py` included) finds the registry whole
+import edgepfl.server.modes  # noqa: F401

@@ -4,10 +4,7 @@ A secure round opens, samples and plans as a synchronous round does (`server/mod
 advertise keys, share, send masked vectors and reveal (`rounds.py` steps each round's session from the tick;
 `steps.py` takes the messages, over HTTP through `routes.py`). The round closes when its session can unmask the sum
 (it is abandoned when the session fails: too many devices dropped), and the strategy, wrapped by
-`strategy.SecureStrategy`, aggregates that sum. The server takes no plain upload in this mode.
-
-Registered in `server/modes/` (`MODES`), which imports this module: import it through the registry.
-"""
+`strategy.SecureStrategy`, aggregates that sum. The server takes no plain upload in this mode."""
 
 from __future__ import annotations
 
@@ -35,9 +32,13 @@ if TYPE_CHECKING:
 class SecureClose(SyncClose):
     """A secure round's close: its updates are in the unmasked sum, not stored one by one."""
 
+    def __init__(self, mode: SecureMode, record: RoundRecord):
+        super().__init__(mode, record)
+        self.steps = mode.steps
+
     def accepted(self) -> int:
         """The devices whose masked vectors the sum holds."""
-        return (self.engine.mode.steps.summary(self.record.round_id) or {}).get("masked", 0)
+        return (self.steps.summary(self.record.round_id) or {}).get("masked", 0)
 
 
 class SecureMode(SyncMode):
