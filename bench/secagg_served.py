@@ -32,6 +32,7 @@ from edgepfl.protocol import UploadMeta
 from edgepfl.secagg import ClientSession, quantize_delta, to_json
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
+from edgepfl.server.secure.steps import steps_of
 from edgepfl.server.store import DB_NAME
 from edgepfl.wire import decode_tensors, save_tensors
 
@@ -91,14 +92,16 @@ def deltas(engine: RoundEngine, names: list[str]) -> dict[str, tuple[dict[str, n
 
 
 class Timed:
-    """The engine's seconds in the calls made through it, and the database's largest size."""
+    """The engine's seconds in the calls made through it (its own, or its secure steps': "steps.book"), and the
+    database's largest size."""
 
     def __init__(self, engine: RoundEngine):
         self.engine, self.seconds, self.db_bytes = engine, 0.0, 0
 
     def __call__(self, method: str, *args):
+        target = steps_of(self.engine) if method.startswith("steps.") else self.engine
         start = time.perf_counter()
-        result = getattr(self.engine, method)(*args)
+        result = getattr(target, method.removeprefix("steps."))(*args)
         self.seconds += time.perf_counter() - start
         folder = self.engine.config.state
         size = sum(path.stat().st_size for path in folder.glob(f"{DB_NAME}*"))
@@ -113,27 +116,27 @@ def secure_round(folder: Path, bundle: Path, names: list[str]) -> dict:
 
     def send(name: str, kind: str, body: bytes) -> None:
         sent[name] += len(body)
-        call("secure_message", name, r, kind, body)
+        call("steps.message", name, r, kind, body)
 
-    context = engine.secure_task(names[0], r).context
+    context = steps_of(engine).task(names[0], r).context
     sessions = {name: ClientSession.start(name, context) for name in names}
     for name in names:
         send(name, "advert", to_json(sessions[name].advert()).encode())
     call("tick")
     for name in names:
-        send(name, "shares", to_json(sessions[name].receive_book(call("secure_book", name, r))).encode())
+        send(name, "shares", to_json(sessions[name].receive_book(call("steps.book", name, r))).encode())
     call("tick")
     for name, (delta, weight) in deltas(engine, names).items():
         vector = quantize_delta(delta, weight, sessions[name].book, np.random.default_rng(2))
-        send(name, "masked", sessions[name].receive_inbox(call("secure_inbox", name, r), vector).to_bytes())
+        send(name, "masked", sessions[name].receive_inbox(call("steps.inbox", name, r), vector).to_bytes())
     call("tick")
     for name in names:
-        send(name, "reveal", to_json(sessions[name].receive_unmask(call("secure_request", name, r))).encode())
+        send(name, "reveal", to_json(sessions[name].receive_unmask(call("steps.request", name, r))).encode())
     steps = call.seconds
     start = time.perf_counter()
     call("tick")  # the close: unmask, aggregate, commit
     close = time.perf_counter() - start
-    summary = engine.secure_summary(r)
+    summary = steps_of(engine).summary(r)
     assert engine.store.round(r).state == "closed", engine.store.round(r)
     engine.close()
     return {

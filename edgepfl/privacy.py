@@ -219,7 +219,7 @@ def noised_mean(
     total: Mapping[str, np.ndarray], noise_std: float, denominator: float, rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
     """(sum + N(0, noise_std^2)) / denominator per tensor, float32 out: the Gaussian mechanism on a sum (DP-FedAvg's,
-    or secure aggregation's unmasked sum, server/secure_strategy.py)."""
+    or secure aggregation's unmasked sum, server/secure/strategy.py)."""
     noise = gaussian_noise_like({name: np.shape(value) for name, value in total.items()}, noise_std, rng)
     return {name: ((total[name] + noise[name]) / denominator).astype(np.float32) for name in total}
 

@@ -6,11 +6,12 @@ an upload must be), `bounds.py` (what one device can move), `round_uploads.py` (
 aggregation), `budget.py` (DP-FedAvg, a wrapper around the strategy), `downloads.py` (the bytes a base travels
 in), `history.py` (which rounds' models are kept), `enrollment.py` (tokens, the shared secret), `status.py`
 (status), `store.py` and `blobs.py` (SQLite and blobs), `engine.py` (the API in-process drivers call),
-`http_errors.py` (refusal -> status), `secure.py` and its neighbours (secure aggregation's rounds).
+`http_errors.py` (refusal -> status), `secure/` (secure aggregation's rounds, its mode and its routes).
 
 One engine per state folder and per process. How its rounds run is its round mode's (`modes/`: synchronous with
-over-selection, FedBuff, secure), the tick and a close's transaction `lifecycle.py`'s (an object the engine owns);
-the rest is here: binding the state folder, and what devices ask of it.
+over-selection, FedBuff; secure aggregation's in `secure/`), the tick and a close's transaction `lifecycle.py`'s (an
+object the engine owns); the rest is here: binding the state folder, and what devices ask of it. A mode that takes
+device calls of its own reaches the core through the `DeviceCalls` the core hands it.
 """
 
 from __future__ import annotations
@@ -21,21 +22,21 @@ import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edgepfl.errors import BundleError, EdgePFLError, StateError
 from edgepfl.manifest import Manifest, layout_hash
 from edgepfl.privacy import PrivacyLedger, delta_norm
-from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, SecureTask, Task
+from edgepfl.protocol import API_PREFIX, EvalMetrics, RoundSettings, Task
 from edgepfl.server.bounds import UpdateBounds
 from edgepfl.server.budget import PrivacyBudget, PrivateStrategy
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.downloads import Downloads
 from edgepfl.server.enrollment import Enrollment
-from edgepfl.server.errors import Refused
+from edgepfl.server.errors import Refused, not_sampled
 from edgepfl.server.history import History
 from edgepfl.server.lifecycle import Lifecycle
-from edgepfl.server.modes import make_mode
+from edgepfl.server.modes import DeviceCalls, make_mode
 from edgepfl.server.records import Assignment, EvalRecord, RoundRecord, UpdateRecord
 from edgepfl.server.round_uploads import RoundUploads
 from edgepfl.server.status import server_status
@@ -43,10 +44,6 @@ from edgepfl.server.store import Store
 from edgepfl.server.strategy import Strategy
 from edgepfl.server.uploads import Upload, finite_or_none
 from edgepfl.wire import check_tensors, encode_tensors, load_tensors
-
-if TYPE_CHECKING:
-    from edgepfl.secagg import KeyBook, ShareInbox, UnmaskRequest
-    from edgepfl.server.secure import SecureRounds
 
 log = logging.getLogger("edgepfl.server")
 
@@ -80,7 +77,8 @@ class EngineCore:
         # the DP noise is drawn from OS entropy: whoever knows the noise can subtract it (simulate seeds it)
         self.noise_seed: int | None = None
         self.stopped: str | None = None  # why the run ended before --rounds (the DP budget), once known
-        self.mode = make_mode(self)  # how rounds open, take uploads and close (server/modes/)
+        calls = DeviceCalls(self.lock, self.wake, self.round_or_404, self.check_sampled)
+        self.mode = make_mode(self, calls)  # how rounds open, take uploads and close (server/modes/)
         self.lifecycle = Lifecycle(self)  # the tick, closing, abandoning and the rollback, for every mode
         self.retention = History(store, self.mode.retained(config.history))
 
@@ -91,11 +89,6 @@ class EngineCore:
     def run(self, stop: threading.Event, interval: float = 0.25) -> None:
         """Tick until `stop` is set; woken early by each accepted upload. Never dies on an error."""
         self.lifecycle.run(stop, interval)
-
-    @property
-    def secure(self) -> SecureRounds | None:
-        """Secure aggregation's sessions (None: the mode runs none), for the in-process drivers."""
-        return self.mode.secure
 
     # start-up
 
@@ -181,7 +174,6 @@ class EngineCore:
             settings=self._settings_of(assignment, record.round_id),
             base_url=f"{API_PREFIX}/rounds/{record.round_id}/base",
             deadline=deadline,
-            secure_aggregation=self.mode.secure_task(assignment.device, record.round_id),
         )
 
     def base_for(self, device: str, round_id: int) -> tuple[bytes, str]:
@@ -194,11 +186,7 @@ class EngineCore:
         elif self._shares_base(round_id):
             sha = record.base_sha
         else:
-            raise Refused(
-                "not_sampled",
-                f"device {device!r} was not sampled in round {round_id}",
-                "poll /v1/task and fetch the base it names",
-            )
+            raise not_sampled(device, round_id, "poll /v1/task and fetch the base it names")
         return self.downloads.base(sha, self._settings_of(assignment, round_id).download_encoding)
 
     def result_of(self, round_id: int) -> tuple[bytes, str]:
@@ -284,10 +272,7 @@ class EngineCore:
         """
         with self.lock:
             record = self.round_or_404(round_id)
-            if self.store.assignment(round_id, device) is None:
-                raise Refused(
-                    "not_sampled", f"device {device!r} was not given round {round_id}", "report refusals of your rounds"
-                )
+            self.check_sampled(device, round_id, "report refusals of your rounds")
             new = self.store.add_refusal(round_id, device, reason[:200], self.clock())
             refused = len(self.store.refusals(round_id))
             given = len(self.store.assigned_devices(round_id))
@@ -308,12 +293,7 @@ class EngineCore:
             raise Refused("bad_metrics", error.problem, error.fix) from None
         with self.lock:
             self.round_or_404(round_id)
-            if self.store.assignment(round_id, device) is None:
-                raise Refused(
-                    "not_sampled",
-                    f"device {device!r} was not sampled in round {round_id}",
-                    "report metrics for a round you trained in",
-                )
+            self.check_sampled(device, round_id, "report metrics for a round you trained in")
             previous = self.store.eval_metrics(round_id, device)
             if previous:
                 stored = (previous[0].accuracy, previous[0].loss, previous[0].num_samples)
@@ -328,39 +308,6 @@ class EngineCore:
                 EvalRecord(round_id, device, metrics.accuracy, metrics.loss, metrics.num_samples, self.clock())
             )
         return {"accepted": True, "round": round_id, "duplicate": False}
-
-    # a secure round's steps (the routes of server/secure_routes.py, the in-process drivers): the mode checks the
-    # round and the device as an upload is checked, the sessions take the step; a message wakes the tick
-
-    def secure_task(self, device: str, round_id: int) -> SecureTask | None:
-        """Where a device takes a round's secure steps (None: the round is not secure)."""
-        return self.mode.secure_task(device, round_id)
-
-    def secure_summary(self, round_id: int) -> dict[str, Any] | None:
-        """A secure round's counts (devices masked, dropped, recovered; its step), or None."""
-        return self.mode.secure_summary(round_id)
-
-    def secure_message(self, device: str, round_id: int, kind: str, body: bytes) -> dict[str, Any]:
-        """Take a device's advert, shares, masked vector or reveal (kind); its receipt (duplicate for a repeat)."""
-        with self.lock:
-            receipt = self.mode.secure_session(device, round_id).receive(round_id, device, kind, body)
-        self.wake.set()
-        return receipt
-
-    def secure_book(self, device: str, round_id: int) -> KeyBook | None:
-        """The round's key book (None: the keys step is open)."""
-        with self.lock:
-            return self.mode.secure_session(device, round_id).book(round_id, device)
-
-    def secure_inbox(self, device: str, round_id: int) -> ShareInbox | None:
-        """The device's share inbox (None: the shares step is open)."""
-        with self.lock:
-            return self.mode.secure_session(device, round_id).inbox(round_id, device)
-
-    def secure_request(self, device: str, round_id: int) -> UnmaskRequest | None:
-        """The round's unmask request (None: the inputs step is open)."""
-        with self.lock:
-            return self.mode.secure_session(device, round_id).request(round_id, device)
 
     def _shares_base(self, round_id: int) -> bool:
         """Whether every device sampled in a round was sent the round's shared base (not its own mix)."""
@@ -404,14 +351,14 @@ class EngineCore:
             return self.strategy.settings(round_id)
         return RoundSettings.from_json(json.loads(assignment.settings))
 
+    def check_sampled(self, device: str, round_id: int, fix: str) -> None:
+        """Refused (403 `not_sampled`, with `fix`) unless `device` was given round `round_id`."""
+        if self.store.assignment(round_id, device) is None:
+            raise not_sampled(device, round_id, fix)
+
     def _check_open_for(self, device: str, round_id: int) -> None:
         record = self.round_or_404(round_id)
-        if self.store.assignment(round_id, device) is None:
-            raise Refused(
-                "not_sampled",
-                f"device {device!r} was not sampled in round {round_id}",
-                "poll /v1/task and train only when told to",
-            )
+        self.check_sampled(device, round_id, "poll /v1/task and train only when told to")
         self.mode.check_open(record)
 
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:

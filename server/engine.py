@@ -103,21 +103,6 @@ class RoundEngine(EngineCore):
             raise StateError(f"round {round_id} did not close: {state}", "see the log above; use a new --out")
         return self.global_base()
 
-    def end_secure_step(self, round_id: int) -> None:
-        """A secure round's step is over for an in-process driver: every device that will answer has. The engine's
-        tick closes it; when some device did not answer, the clock moves to the step's end first (as a served step
-        closes at its time)."""
-        summary = self.secure_summary(round_id)
-        self.tick()
-        record = self.store.round(round_id)
-        after = self.secure_summary(round_id)
-        if summary is None or record is None or record.state != "open" or after["phase"] != summary["phase"]:
-            return
-        if isinstance(self.clock, ManualClock):
-            timeout = self.config.secure.secagg_step_timeout
-            self.clock.now = max(self.clock.now + timeout + 1, record.deadline if summary["phase"] == "keys" else 0)
-        self.tick()
-
     def withdraw_uploads(self, round_id: int) -> int:
         """Forget an open round's uploads, so that its devices upload again; returns how many were forgotten.
 

@@ -26,6 +26,11 @@ class Refused(EdgePFLError):
         return {"error": self.error, "detail": self.problem, "fix": self.fix}
 
 
+def not_sampled(device: str, round_id: int, fix: str) -> Refused:
+    """The refusal (403) of a device's call about a round it was not sampled in; `fix` says what it should do."""
+    return Refused("not_sampled", f"device {device!r} was not sampled in round {round_id}", fix)
+
+
 class ApiError(Refused):
     """A refusal of the HTTP layer itself (a body too large, a malformed request), with its status code."""
 

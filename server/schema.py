@@ -71,7 +71,7 @@ def _schema_5(db: sqlite3.Connection) -> None:
 
 
 def _schema_6(db: sqlite3.Connection) -> None:
-    """Issue 34: secure aggregation (server/secure.py): each secure round's protocol state (a snapshot of its session
+    """Issue 34: secure aggregation (server/secure/): each secure round's protocol state (a snapshot of its session
     at each step, the messages accepted since, its counts), deleted but for the counts once the round is over."""
     db.execute(
         "CREATE TABLE secure_rounds (round_id INTEGER PRIMARY KEY, phase TEXT NOT NULL, since REAL NOT NULL, "

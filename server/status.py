@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from edgepfl.server.modes import MODES
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.store import Store
 
@@ -23,7 +24,9 @@ def server_status(
     rows = [round_summary(engine.store, record) for record in rounds]
     engine.mode.annotate(rows)  # e.g. a secure round: its step and how many devices were masked, dropped, recovered
     fleet = engine.config.fleet_rounds
-    mode = engine.mode.status(rounds, names)  # every mode's keys, None where a mode is off
+    # each registered mode's section, None but for the mode that runs (e.g. "fedbuff": its buffer and staleness)
+    sections = {mode.section: None for mode in MODES.values() if mode.section is not None}
+    sections.update(engine.mode.status(rounds, names))
     enrolled = engine.store.count_devices()
     return {
         "state": state,
@@ -42,11 +45,10 @@ def server_status(
         "upload_encoding": engine.config.settings.upload_encoding,
         "download_encoding": engine.config.settings.download_encoding,
         "privacy": privacy_status(engine, rounds),
-        "secure_aggregation": mode["secure_aggregation"],
+        **sections,
         "aggregation": fleet.aggregation,
         "over_select": fleet.over_select,
         "fleet_warnings": engine.config.fleet_warnings(enrolled),
-        "fedbuff": mode["fedbuff"],
         "stopped": engine.stopped,
         "open_round": open_round_status(engine, rounds, rows, names),
         "rounds": rows,
@@ -57,7 +59,7 @@ def open_round_status(
     engine: RoundEngine, rounds: list[RoundRecord], rows: list[dict], names: bool = False
 ) -> dict[str, Any] | None:
     """The open round's row, with how many devices it waits for and refused its base (who, with `names`), and when
-    it gives up: its deadline, or a secure round's step deadline once its keys are in (secure.py)."""
+    it gives up: its deadline, or a secure round's step deadline once its keys are in (secure/rounds.py)."""
     record = next((record for record in rounds if record.state == "open"), None)
     if record is None:
         return None

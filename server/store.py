@@ -94,7 +94,7 @@ class Store:
             return self._db.execute(sql, args).fetchall()
 
     def read(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        """Rows of one query, for the server's parts that keep tables of their own (server/secure_store.py)."""
+        """Rows of one query, for the server's parts that keep tables of their own (server/secure/store.py)."""
         return self._query(sql, args)
 
     # meta

@@ -18,19 +18,19 @@ import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from edgepfl.errors import UsageError
 from edgepfl.manifest import MANIFEST_NAME
 from edgepfl.options import validated
+from edgepfl.server.api.auth import device
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import ApiError, Refused
 from edgepfl.server.headers import DEVICE_FEATURES
@@ -223,10 +223,10 @@ def bundle_files(engine: RoundEngine) -> dict[str, StaticFile]:
     return files
 
 
-def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]) -> DeviceNote:
-    """Mount `/device/...` (page, runtime, bundle files) and `/join`; returns what the status page says of them.
+def web_router(engine: RoundEngine) -> tuple[APIRouter, DeviceNote]:
+    """The routes of `/device/...` (page, runtime, bundle files) and `/join`, and what the status page says of them.
 
-    `device` is the app's token dependency. A missing runtime is said once, in the log; the routes then
+    The bundle's files need a device's token. A missing runtime is said once, in the log; the routes then
     answer 503 with the same fix, and the server runs on for the Python devices.
     """
     runtime = find_web_runtime()
@@ -235,6 +235,7 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
     pages = page_files(runtime) if runtime.ready else {}
     vendor = vendor_files(runtime) if runtime.ready else {}
     bundle = bundle_files(engine)
+    router = APIRouter()
 
     def check_ready() -> None:
         if not runtime.ready:
@@ -244,29 +245,29 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
     def not_found(what: str) -> ApiError:
         return ApiError(404, "not_found", f"{what} is not a file of the device page", f"open {DEVICE_PATH}")
 
-    @app.get("/device", include_in_schema=False)
+    @router.get("/device", include_in_schema=False)
     def device_redirect() -> RedirectResponse:
         return RedirectResponse(DEVICE_PATH, status_code=308)  # a browser keeps the #fragment across it
 
-    @app.get(DEVICE_PATH, include_in_schema=False)
+    @router.get(DEVICE_PATH, include_in_schema=False)
     def device_page(request: Request) -> Response:
         check_ready()
         return pages["index.html"].response(request, DEVICE_HEADERS)
 
-    @app.get(DEVICE_PATH + "vendor/{name}", include_in_schema=False)
+    @router.get(DEVICE_PATH + "vendor/{name}", include_in_schema=False)
     def device_vendor(name: str, request: Request) -> Response:
         check_ready()
         if name not in vendor:
             raise not_found(f"vendor/{name}")
         return vendor[name].response(request, DEVICE_HEADERS)
 
-    @app.get(DEVICE_PATH + "bundle/{path:path}", dependencies=[Depends(device)], include_in_schema=False)
+    @router.get(DEVICE_PATH + "bundle/{path:path}", dependencies=[Depends(device)], include_in_schema=False)
     def device_bundle(path: str, request: Request) -> Response:
         if path not in bundle:
             raise not_found(f"bundle/{path}")
         return bundle[path].response(request, DEVICE_HEADERS)
 
-    @app.get(DEVICE_PATH + "{name}", include_in_schema=False)
+    @router.get(DEVICE_PATH + "{name}", include_in_schema=False)
     def device_module(name: str, request: Request) -> Response:
         check_ready()
         if name not in pages:
@@ -298,7 +299,7 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
             return False
         return True
 
-    @app.get(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
+    @router.get(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
     def join(request: Request) -> Response:
         """The shared join link and its QR code, for whoever types the shared secret as the password."""
         if not operator(request):
@@ -307,7 +308,7 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
         url = join_url(str(request.base_url), engine.config.enroll_secret)
         return HTMLResponse(render_join_page(url, SHARED_LINK_NOTE, shared=True), headers=JOIN_HEADERS)
 
-    @app.post(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
+    @router.post(JOIN_PATH, response_class=HTMLResponse, include_in_schema=False)
     async def make_join_link(request: Request) -> Response:
         """A new join link that expires (the form of the join page), for the same password."""
         if not await run_in_threadpool(operator, request):
@@ -327,14 +328,14 @@ def add_web_routes(app: FastAPI, engine: RoundEngine, device: Callable[..., str]
         return HTMLResponse(page, headers=JOIN_HEADERS)
 
     if not runtime.ready:
-        return DeviceNote(runtime.problem())
+        return router, DeviceNote(runtime.problem())
     if engine.config.enroll_secret is None:
-        return DeviceNote(
+        return router, DeviceNote(
             "Phones join with a link from `edgepfl serve join-link --state STATE`, or open "
             f"{DEVICE_PATH}#token=TOKEN with a token from `edgepfl serve tokens add NAME`.",
             page=True,
         )
-    return DeviceNote(
+    return router, DeviceNote(
         f"Phones join with a join link: open {JOIN_PATH} and type the enrollment secret as the password.", True, True
     )
 

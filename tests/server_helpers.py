@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from starlette.routing import Route
 
 from edgepfl.kinds import ImageKind, InputSpec
 from edgepfl.manifest import Manifest, TensorSpec
@@ -148,3 +149,20 @@ def weighted_mean(updates: list[tuple[dict[str, np.ndarray], int]]) -> dict[str,
     total = sum(n for _, n in updates)
     names = updates[0][0].keys()
     return {name: sum(t[name].astype(np.float64) * n for t, n in updates) / total for name in names}
+
+
+def app_routes(app: Any) -> list[Route]:
+    """Every path route of an app in matching order, its included routers' too (FastAPI 0.138 keeps an included
+    router as one entry of `app.routes`; earlier versions copy its routes there)."""
+    found: list[Route] = []
+
+    def walk(routes: list[Any]) -> None:
+        for route in routes:
+            included = getattr(route, "original_router", None)
+            if included is not None:
+                walk(included.routes)
+            elif isinstance(route, Route):
+                found.append(route)
+
+    walk(app.routes)
+    return found

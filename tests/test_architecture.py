@@ -58,7 +58,8 @@ def test_no_module_of_the_browser_device_is_over_450_lines() -> None:
 
 def test_the_map_names_every_module() -> None:
     """docs/architecture.md names each module of the core and the components by its path, and each of the page's."""
-    patterns = ["edgepfl/*.py", "server/*.py", "export/*.py", "device_runtime/*.py", "device_runtime/web/src/*.js"]
+    patterns = ["edgepfl/*.py", "server/*.py", "server/api/*.py", "server/modes/*.py", "server/secure/*.py"]
+    patterns += ["export/*.py", "device_runtime/*.py", "device_runtime/web/src/*.js"]
     tracked = subprocess.run(["git", "ls-files", *patterns], cwd=REPO, capture_output=True, text=True, check=True)
     names = tracked.stdout.split()
     modules = [name for name in names if not name.endswith("/__init__.py") and "/web/test/" not in name]
@@ -68,8 +69,9 @@ def test_the_map_names_every_module() -> None:
     assert missing == [], f"modules docs/architecture.md does not name (as `path`): {missing}"
 
 
-# A round mode (synchronous, fedbuff, secure) is tested for in its own module under server/modes/ only
-# (docs/architecture.md, "How to add a round mode"): a condition that reads one of these names is a mode branch.
+# A round mode (synchronous, fedbuff, secure) is tested for in its own module under server/modes/ only, or in its own
+# package beside it (server/secure/; docs/architecture.md, "How to add a round mode"): a condition that reads one of
+# these names is a mode branch.
 MODE_WORDS = {"asynchronous", "aggregation", "fedbuff", "secure", "secure_aggregation", "sync"}
 # not the engine's: the CLI edge's option models refuse a mode's bad combinations before any engine runs, and the
 # status page renders /v1/status's JSON as any client may (a mode's section is shown when the mode put it there)
@@ -111,7 +113,8 @@ def test_the_mode_branch_check_finds_mode_branches() -> None:
 
 def test_no_server_module_outside_server_modes_branches_on_the_round_mode() -> None:
     server = REPO / "server"
-    modules = [path for path in server.rglob("*.py") if server / "modes" not in path.parents]
+    homes = (server / "modes", server / "secure")  # the modes' modules, and secure aggregation's package
+    modules = [path for path in server.rglob("*.py") if not any(home in path.parents for home in homes)]
     assert len(modules) > 30 and (server / "engine.py") in modules and (server / "lifecycle.py") in modules
     branches = {
         f"{path.relative_to(REPO).as_posix()}:{line}"
@@ -120,6 +123,75 @@ def test_no_server_module_outside_server_modes_branches_on_the_round_mode() -> N
         for line in _mode_branches(path.read_text(encoding="utf-8"))
     }
     assert branches == set(), "a round mode's branch belongs in its module under server/modes/ (docs/architecture.md)"
+
+
+# Secure aggregation in the server is one package (server/secure/, docs/architecture.md): outside it, the registry
+# imports its mode and the drivers its device calls (`steps_of`, `SecureSteps`, `end_step`); nothing else of it.
+SECURE_PACKAGE = "edgepfl.server.secure"
+SECURE_DOORS = {"server/modes/__init__.py": {"edgepfl.server.secure.mode"}}
+SECURE_STEPS = "edgepfl.server.secure.steps"
+
+
+def _secure_imports(source: str) -> set[str]:
+    """The modules of the secure package that `source` imports."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name == SECURE_PACKAGE or name.startswith(SECURE_PACKAGE + ".")}
+    return {name for name in found if name.count(".") == 3 or name == SECURE_PACKAGE}
+
+
+def test_the_secure_import_check_finds_imports_of_the_package() -> None:
+    assert _secure_imports("from edgepfl.server.secure.rounds import SecureRounds\n") == {
+        "edgepfl.server.secure.rounds"
+    }
+    assert _secure_imports("import edgepfl.server.secure.store\n") == {"edgepfl.server.secure.store"}
+    assert _secure_imports("from edgepfl.server.secure import steps\n") == {SECURE_PACKAGE, SECURE_STEPS}
+    assert _secure_imports("from edgepfl.secagg import KeyBook\n") == set()
+
+
+def test_no_module_outside_server_secure_reaches_into_secure_aggregation() -> None:
+    """Outside server/secure/, the sources (and the benchmarks) import its device calls, and the registry its mode;
+    its sessions, tables, routes and strategy wrapper are its own."""
+    secure = REPO / "server" / "secure"
+    folders = [REPO / name for name in ("edgepfl", "server", "device_runtime", "export", "bench")]
+    modules = [path for folder in folders for path in folder.rglob("*.py") if secure not in path.parents]
+    assert len(modules) > 150 and (REPO / "edgepfl" / "simulate" / "secure.py") in modules
+    reaching = {}
+    for path in modules:
+        name = path.relative_to(REPO).as_posix()
+        allowed = {SECURE_STEPS} | SECURE_DOORS.get(name, set())
+        found = _secure_imports(path.read_text(encoding="utf-8")) - allowed
+        if found:
+            reaching[name] = sorted(found)
+    assert reaching == {}, "import secure aggregation through server/secure/steps.py (docs/architecture.md)"
+
+
+def test_the_round_mode_base_and_the_engine_core_have_no_secure_hooks() -> None:
+    """The engine core and the round-mode interface name no mode: no secure attribute or hook, and no mode's status
+    key in the base (each mode returns its own section, the status view merges them)."""
+    import ast
+
+    from edgepfl.server.core import EngineCore
+    from edgepfl.server.modes import MODES
+    from edgepfl.server.modes.base import Close, DeviceCalls, RoundMode
+
+    for interface in (RoundMode, Close, DeviceCalls, EngineCore):
+        names = [name for name in vars(interface) if "secure" in name or "secagg" in name]
+        names += [name for name in getattr(interface, "__dataclass_fields__", {}) if "secure" in name]
+        assert names == [], f"{interface.__name__} has secure hooks: {names}"
+    base = (REPO / "server" / "modes" / "base.py").read_text(encoding="utf-8")
+    words = {node.value for node in ast.walk(ast.parse(base)) if isinstance(node, ast.Constant)}
+    keys = {mode.name for mode in MODES.values()} | {mode.section for mode in MODES.values()} - {None}
+    assert words & keys == set(), "the round-mode base names a mode or its status section"
+    assert "secure_aggregation" in keys and "fedbuff" in keys, "the modes' sections are read from the registry"
 
 
 # A kind of sample (image, next-word, sensor) is one object under edgepfl/kinds/ (docs/architecture.md, "How to add a

@@ -27,7 +27,8 @@ from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
 from edgepfl.server.page import render_page
-from edgepfl.server.secure_store import SecureStore
+from edgepfl.server.secure.steps import steps_of
+from edgepfl.server.secure.store import SecureStore
 from edgepfl.server.uploads import add_delta
 from edgepfl.wire import decode_tensors, save_tensors
 
@@ -113,7 +114,7 @@ class Devices:
         self.vectors: dict[str, np.ndarray] = {}
 
     def send(self, name: str, kind: str, body: bytes) -> dict:
-        return self.engine.secure_message(name, self.round_id, kind, body)
+        return steps_of(self.engine).message(name, self.round_id, kind, body)
 
     def advertise(self, names: Iterable[str] = NAMES) -> None:
         for name in names:
@@ -122,7 +123,7 @@ class Devices:
 
     def share(self, names: Iterable[str]) -> None:
         for name in names:
-            book = from_json(to_json(self.engine.secure_book(name, self.round_id)), KeyBook)
+            book = from_json(to_json(steps_of(self.engine).book(name, self.round_id)), KeyBook)
             self.send(name, "shares", to_json(self.sessions[name].receive_book(book)).encode())
         self.engine.tick()
 
@@ -134,14 +135,14 @@ class Devices:
 
     def upload(self, names: Iterable[str]) -> None:
         for name in names:
-            inbox = self.engine.secure_inbox(name, self.round_id)
+            inbox = steps_of(self.engine).inbox(name, self.round_id)
             self.vectors[name] = self.vector(name)
             self.send(name, "masked", self.sessions[name].receive_inbox(inbox, self.vectors[name]).to_bytes())
         self.engine.tick()
 
     def reveal(self, names: Iterable[str]) -> None:
         for name in names:
-            request = self.engine.secure_request(name, self.round_id)
+            request = steps_of(self.engine).request(name, self.round_id)
             self.send(name, "reveal", to_json(self.sessions[name].receive_unmask(request)).encode())
         self.engine.tick()
 
@@ -289,7 +290,7 @@ def test_more_than_n_minus_t_dropping_fail_the_round_in_one_line_and_the_next_st
     assert "\n" not in record.note and "threshold" in record.note
     np.testing.assert_array_equal(engine.global_base()["stem.weight"], devices.base["stem.weight"])
     with pytest.raises(Refused) as gone:  # the round is over for its devices
-        engine.secure_request("d1", devices.round_id)
+        steps_of(engine).request("d1", devices.round_id)
     assert gone.value.error == "round_closed"
     following = Devices(engine, clock)  # the next round opens and runs
     assert following.round_id == devices.round_id + 1
@@ -349,12 +350,12 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     devices = Devices(engine, clock)
     devices.advertise()
     d0 = devices.sessions["d0"].device  # its id in the protocol: a keyed hash of "d0"
-    assert d0 != "d0" and d0 == engine.secure_task("d0", devices.round_id).device
+    assert d0 != "d0" and d0 == steps_of(engine).task("d0", devices.round_id).device
     reveal = {"type": "UnmaskShares", "device": d0, "seed_shares": {}, "key_shares": {}}
     with pytest.raises(Refused) as early:  # a reveal at the shares step: wait
         devices.send("d0", "reveal", json.dumps(reveal).encode())
     assert early.value.error == "too_early"
-    book = from_json(to_json(engine.secure_book("d0", devices.round_id)), KeyBook)
+    book = from_json(to_json(steps_of(engine).book("d0", devices.round_id)), KeyBook)
     bundle = json.loads(to_json(devices.sessions["d0"].receive_book(book)))
     cut = dict(bundle, sealed={peer: sealed[:-8] for peer, sealed in bundle["sealed"].items()})
     for body, error in [
@@ -371,7 +372,7 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(tmp_path):
     assert plain.value.error == "secure_round"
     devices.share(NAMES)
     assert devices.send("d0", "shares", json.dumps(bundle).encode())["duplicate"] is True  # a re-sent message
-    inbox = engine.secure_inbox("d2", devices.round_id)
+    inbox = steps_of(engine).inbox("d2", devices.round_id)
     good = devices.sessions["d2"].receive_inbox(inbox, devices.vector("d2")).to_bytes()
     with pytest.raises(Refused) as short:  # a masked vector of the wrong length
         devices.send("d2", "masked", good[:-3])
@@ -395,7 +396,7 @@ def test_a_restarted_server_replays_its_log_and_counts_a_resent_upload_once(tmp_
     engine.close()  # the process dies: what is committed is all that is left
     engine = devices.engine = create_engine(config, clock)
     name = NAMES[0]
-    inbox = engine.secure_inbox(name, devices.round_id)
+    inbox = steps_of(engine).inbox(name, devices.round_id)
     again = devices.sessions[name].receive_inbox(inbox, devices.vectors[name]).to_bytes()
     assert devices.send(name, "masked", again)["duplicate"] is True
     devices.upload(NAMES[3:])
@@ -432,7 +433,7 @@ def test_central_dp_noises_the_unmasked_sum(tmp_path):
     )
     engine = create_engine(config, clock)
     engine.noise_seed = 7
-    assert engine.secure.config.max_weight == 1  # under DP every device weighs the same
+    assert steps_of(engine).rounds.config.max_weight == 1  # under DP every device weighs the same
     devices = run_round(engine, clock)
     record = engine.store.round(devices.round_id)
     assert record.state == "closed" and record.epsilon is not None and record.epsilon > 0
@@ -493,7 +494,7 @@ def test_with_no_clip_flag_the_next_round_clips_at_what_this_round_measured(tmp_
     assert engine.store.round(devices.round_id).state == "closed"
     global_base = engine.global_base()
     mean = {name: global_base[name].astype(np.float64) - devices.base[name] for name in devices.base}
-    upcoming = engine.secure.round_config()
+    upcoming = steps_of(engine).rounds.round_config()
     assert upcoming.clip_norm == pytest.approx(CLIP_MARGIN * delta_norm(mean), rel=1e-4)
     assert upcoming.weight_scale == sum(devices.weights.values()) / len(NAMES)
     status = engine.status()["secure_aggregation"]

@@ -14,7 +14,7 @@ from test_simulate import tiny_config, tiny_npz  # noqa: E402, F401 - the fixtur
 
 from edgepfl.errors import UsageError  # noqa: E402
 from edgepfl.secagg.config import FIRST_CLIP, FIRST_WEIGHT_SCALE  # noqa: E402
-from edgepfl.server.secure import NEXT_KEY  # noqa: E402
+from edgepfl.server.secure.rounds import NEXT_KEY  # noqa: E402
 from edgepfl.server.store import Store  # noqa: E402
 from edgepfl.simulate.loop import run_simulation  # noqa: E402
 from edgepfl.simulate.rounds import SERVER_DIR, final_global_base  # noqa: E402

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import enroll, make_bundle, upload_body
-from starlette.routing import Route
+from server_helpers import app_routes, enroll, make_bundle, upload_body
 from test_secagg_rounds import bundle as secure_bundle
 
 from edgepfl.secagg import ClientSession, to_json
@@ -19,6 +18,7 @@ from edgepfl.server.app import create_app
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.page import fleet_section, render_page
+from edgepfl.server.secure.steps import steps_of
 from edgepfl.server.store import DB_NAME, Store
 from edgepfl.server.tokens import issue_operator_token
 from edgepfl.wire import decode_tensors
@@ -74,8 +74,8 @@ def get_routes(app) -> list[str]:
     """Every GET path of the app, its parameters filled in (a new parameter fails here: fill it in below)."""
     values = {"round_id": "1", "name": "index.html", "path": "manifest.json"}
     paths = []
-    for route in app.routes:
-        if isinstance(route, Route) and "GET" in (route.methods or ()):
+    for route in app_routes(app):
+        if "GET" in (route.methods or ()):
             assert set(route.param_convertors) <= set(values), f"fill in {route.path}'s parameters"
             paths.append(route.path_format.format(**{key: values[key] for key in route.param_convertors}))
     return paths
@@ -141,12 +141,12 @@ def test_only_the_operator_sees_who_a_secure_step_waits_for_with_the_device_page
     for name in NAMES if step != "keys" else NAMES[:1]:
         task = engine.task(name).secure_aggregation
         sessions[name] = ClientSession.start(task.device, task.context)
-        assert task.device not in NAMES and task.device == engine.secure.alias(name)
-        engine.secure_message(name, record.round_id, "advert", to_json(sessions[name].advert()).encode())
+        assert task.device not in NAMES and task.device == steps_of(engine).rounds.alias(name)
+        steps_of(engine).message(name, record.round_id, "advert", to_json(sessions[name].advert()).encode())
     engine.tick()
     for name in NAMES[:3] if step == "shares" else NAMES if step == "inputs" else ():
-        shares = sessions[name].receive_book(engine.secure_book(name, record.round_id))
-        engine.secure_message(name, record.round_id, "shares", to_json(shares).encode())
+        shares = sessions[name].receive_book(steps_of(engine).book(name, record.round_id))
+        steps_of(engine).message(name, record.round_id, "shares", to_json(shares).encode())
     engine.tick()
     assert engine.status()["open_round"]["secure_step"] == step
     assert any("/secagg/" in path for path in get_routes(create_app(engine)))
@@ -173,7 +173,7 @@ def test_a_secure_round_shows_the_deadline_of_its_current_step(tmp_path: Path) -
     for name in NAMES:
         task = engine.task(name)
         session = ClientSession.start(task.secure_aggregation.device, task.secure_aggregation.context)
-        engine.secure_message(name, record.round_id, "advert", to_json(session.advert()).encode())
+        steps_of(engine).message(name, record.round_id, "advert", to_json(session.advert()).encode())
     clock.now += 5
     engine.tick()
     open_round = engine.status()["open_round"]

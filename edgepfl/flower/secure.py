@@ -1,8 +1,8 @@
 """A secure round over Flower's Grid: the train replies carry the nodes' key adverts (their updates stay on the
 nodes), then one query message per node and step (`query.edgepfl_secagg`) carries the engine's key book, share
 inbox and unmask request, and its reply the node's shares, masked vector and reveal, each through the engine's
-secure calls (server/engine.py), as an HTTP device's message. A step the nodes that answered complete closes
-at once; one a node did not answer closes at its time (`end_secure_step`), and the round goes on without it if the
+secure steps (server/secure/steps.py), as an HTTP device's message. A step the nodes that answered complete closes
+at once; one a node did not answer closes at its time (`end_step`), and the round goes on without it if the
 threshold allows.
 """
 
@@ -19,6 +19,7 @@ from edgepfl.errors import EdgePFLError
 from edgepfl.flower.messages import SECAGG_QUERY, secure_content, secure_step_of
 from edgepfl.secagg import to_json
 from edgepfl.server.errors import Refused
+from edgepfl.server.secure.steps import SecureSteps, end_step, steps_of
 
 if TYPE_CHECKING:
     from edgepfl.flower.strategy import EdgePFLStrategy
@@ -28,21 +29,19 @@ STEPS = (("book", "shares"), ("inbox", "masked"), ("unmask", "reveal"))  # what 
 
 def secure_round(strategy: EdgePFLStrategy, round_id: int, replies: Iterable[Message]) -> list[Message]:
     """Take the train replies' adverts, then the round's steps with the nodes; the train replies accepted."""
-    engine = strategy.engine
+    engine, steps = strategy.engine, _steps(strategy)
     accepted = []
     for reply in replies:
         device = strategy.devices.get(reply.metadata.src_node_id)
         if _take(strategy, round_id, device, reply, "advert"):
             strategy.accept_metrics(round_id, device, reply)
             accepted.append(reply)
-    engine.end_secure_step(round_id)
+    end_step(engine, round_id)
     for step, kind in STEPS:
         messages = []
         for device in sorted(strategy.nodes):
             try:
-                data = {"book": engine.secure_book, "inbox": engine.secure_inbox, "unmask": engine.secure_request}[
-                    step
-                ](device, round_id)
+                data = {"book": steps.book, "inbox": steps.inbox, "unmask": steps.request}[step](device, round_id)
             except Refused:  # not (or no longer) in the round: it dropped out at an earlier step
                 continue
             if data is None:  # the round failed or closed meanwhile
@@ -55,7 +54,7 @@ def secure_round(strategy: EdgePFLStrategy, round_id: int, replies: Iterable[Mes
             break
         for reply in strategy.grid.send_and_receive(messages, timeout=engine.config.round_timeout):
             _take(strategy, round_id, strategy.devices.get(reply.metadata.src_node_id), reply, kind)
-        engine.end_secure_step(round_id)
+        end_step(engine, round_id)
     return accepted
 
 
@@ -69,10 +68,16 @@ def _take(strategy: EdgePFLStrategy, round_id: int, device: str | None, reply: M
         got, body, _ = secure_step_of(reply)
         if got != kind:
             raise Refused("bad_secagg", f"the reply holds a {got} message, the step asks for {kind}", "reply in order")
-        strategy.engine.secure_message(device, round_id, kind, body.encode() if isinstance(body, str) else body)
+        _steps(strategy).message(device, round_id, kind, body.encode() if isinstance(body, str) else body)
     except EdgePFLError as error:
         who = device or f"node {reply.metadata.src_node_id}"
         strategy.refusals.append((round_id, who, str(error)))
         log(WARNING, "round %d: the %s of %s is refused: %s", round_id, kind, who, error)
         return False
     return True
+
+
+def _steps(strategy: EdgePFLStrategy) -> SecureSteps:
+    steps = steps_of(strategy.engine)
+    assert steps is not None, "secure_round runs for a secure engine only"
+    return steps

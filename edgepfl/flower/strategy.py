@@ -31,6 +31,7 @@ from edgepfl.flower.secure import secure_round
 from edgepfl.protocol import EvalMetrics
 from edgepfl.server.engine import RoundEngine
 from edgepfl.server.errors import Refused
+from edgepfl.server.secure.steps import steps_of
 
 
 class EdgePFLStrategy(Strategy):
@@ -60,11 +61,15 @@ class EdgePFLStrategy(Strategy):
         plans = self.engine.open_round(self.round_id, sorted(self.nodes))
         if plans is None:  # only a DP budget stops the engine early, and the Flower app does not turn DP on
             raise StateError(f"the round engine stopped before round {self.round_id}", "see the server log")
-        layout = self.engine.manifest.base_layout_hash
+        layout, steps = self.engine.manifest.base_layout_hash, steps_of(self.engine)
         return [
             Message(
                 train_content(
-                    self.round_id, plan.settings, plan.base, layout, self.engine.secure_task(name, self.round_id)
+                    self.round_id,
+                    plan.settings,
+                    plan.base,
+                    layout,
+                    steps.task(name, self.round_id) if steps is not None else None,
                 ),
                 dst_node_id=self.nodes[name],
                 message_type=MessageType.TRAIN,
@@ -79,7 +84,7 @@ class EdgePFLStrategy(Strategy):
         """Accept each reply as `edgepfl serve` accepts an upload, then close the round in the engine."""
         round_id = self.round_id
         accepted: list[Message] = []
-        if self.engine.secure is not None:  # the replies carry key adverts; the updates stay on the nodes
+        if steps_of(self.engine) is not None:  # the replies carry key adverts; the updates stay on the nodes
             accepted = secure_round(self, round_id, replies)
             replies = []
         for reply in replies:

@@ -2,7 +2,7 @@
 `edgepfl simulate` and Flower's run config, and the one check of what they may run with.
 
 What they turn on is docs/secure-aggregation.md's: each sampled device masks its clipped, weighted base delta, and
-the round engine learns only the sum (server/secure.py). The quantization range is the clip norm: DP's `--dp-clip`
+the round engine learns only the sum (server/secure/). The quantization range is the clip norm: DP's `--dp-clip`
 when DP is on (then every device weighs the same, as DP-FedAvg's sum asks), else `--secagg-clip` when given, else
 measured each round from the previous round's sum (edgepfl.secagg.config.Measured), as is the weight scale unless
 `--secagg-max-weight` fixes it.

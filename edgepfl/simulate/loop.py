@@ -43,6 +43,7 @@ from edgepfl.encoding import drop_residuals_after
 from edgepfl.errors import DataError, StateError
 from edgepfl.manifest import Manifest
 from edgepfl.protocol import RoundSettings
+from edgepfl.server.secure.steps import steps_of
 from edgepfl.simulate.bundle import dataset_facts, ensure_bundle, open_sim_engine
 from edgepfl.simulate.client_state import load_state, save_state
 from edgepfl.simulate.config import PartitionOptions, SimulateConfig
@@ -202,7 +203,7 @@ def _round(
             losses.append(outcome.train_loss)
         if outcome.refused is not None:  # a device refuses a round's base or its diverged result, and says so
             server.accept_refusal(name, round_id, outcome.refused)
-        if outcome.payload is not None and _open(server, round_id) and server.secure is not None:
+        if outcome.payload is not None and _open(server, round_id) and steps_of(server) is not None:
             masked[name] = outcome.payload
             uploaded += 1
         elif outcome.payload is not None and _open(server, round_id):  # through the served acceptance checks
@@ -233,6 +234,12 @@ def _round(
     # a client that refused the round uploads nothing: the round closes at its deadline, as a served one would
     global_base = server.close_round(round_id, at_deadline=uploaded < len(plans))
     return _evaluate(engine, clients, server, global_base, round_id, pending, settings)
+
+
+def _secure_summary(server: RoundEngine | LocalRounds, round_id: int) -> dict[str, Any] | None:
+    """A secure round's counts for results.json (None: the round was not secure)."""
+    steps = steps_of(server)
+    return steps.summary(round_id) if steps is not None else None
 
 
 def _open(server, round_id: int) -> bool:
@@ -288,7 +295,7 @@ def _evaluate(
         test_accuracy=accuracy_summary(test_acc),
         val_accuracy=accuracy_summary(val_acc),
         epsilon=server.epsilon(round_id),
-        secure_aggregation=server.secure_summary(round_id),
+        secure_aggregation=_secure_summary(server, round_id),
         **pending,
     )
 

@@ -81,10 +81,6 @@ class LocalRounds:
         """No DP."""
         return None
 
-    def secure_summary(self, round_id: int) -> None:
-        """Nothing is aggregated, securely or not."""
-        return None
-
     def tick(self) -> None:
         """Nothing to close."""
 

@@ -1,4 +1,5 @@
-"""The round modes' registry: a mode is one module here plus one line in `MODES` (docs/architecture.md).
+"""The round modes' registry: a mode is one module here (secure aggregation's: its package, `server/secure/`) plus one
+line in `MODES` (docs/architecture.md).
 
 `mode_name` reads which mode a server's configuration runs: secure aggregation wraps the synchronous rounds,
 `--aggregation` chooses between those and FedBuff's steps.
@@ -8,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from edgepfl.server.modes.base import Close, RoundMode
+from edgepfl.server.modes.base import Close, DeviceCalls, RoundMode
 from edgepfl.server.modes.fedbuff import FedBuffMode
-from edgepfl.server.modes.secure import SecureMode
 from edgepfl.server.modes.sync import SyncMode
+from edgepfl.server.secure.mode import SecureMode
 
 if TYPE_CHECKING:
     from edgepfl.server.config import ServerConfig
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 MODES: dict[str, type[RoundMode]] = {mode.name: mode for mode in (SyncMode, FedBuffMode, SecureMode)}
 
-__all__ = ["MODES", "Close", "RoundMode", "make_mode", "mode_name"]
+__all__ = ["MODES", "Close", "DeviceCalls", "RoundMode", "make_mode", "mode_name"]
 
 
 def mode_name(config: ServerConfig) -> str:
@@ -27,6 +28,6 @@ def mode_name(config: ServerConfig) -> str:
     return SecureMode.name if config.secure.secure_aggregation else config.fleet_rounds.aggregation
 
 
-def make_mode(engine: RoundEngine) -> RoundMode:
-    """The mode `engine`'s configuration runs, made for it."""
-    return MODES[mode_name(engine.config)](engine)
+def make_mode(engine: RoundEngine, calls: DeviceCalls) -> RoundMode:
+    """The mode `engine`'s configuration runs, made for it (`calls`: what the core lends the mode's device calls)."""
+    return MODES[mode_name(engine.config)](engine, calls)

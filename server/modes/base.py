@@ -2,38 +2,43 @@
 
 The core owns the store, the strategy, the upload path and the clock; a mode decides when a round opens, which
 device trains in it, whether an upload may still enter it, when it closes (and over which uploads) and what the
-status says of it. Each mode is one module of `server/modes/` and one line of its registry (`MODES`); nothing
-outside a mode's module tests which mode runs.
+status says of it. Each mode is one module of `server/modes/` (or, for secure aggregation, its package `server/secure/`)
+and one line of its registry (`MODES`); nothing outside a mode's module tests which mode runs. A mode that takes
+device calls of its own (its routes, the in-process drivers' steps) reaches the core through `DeviceCalls` alone.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from edgepfl.protocol import SecureTask, Task
-from edgepfl.server.errors import Refused
+from edgepfl.protocol import Task
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.strategy import AcceptedUpdate
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    from fastapi import APIRouter
 
+    from edgepfl.server.config import HttpLimits
     from edgepfl.server.engine import RoundEngine
-    from edgepfl.server.secure import SecureRounds
     from edgepfl.server.store import Store
 
 
-def not_secure(round_id: int) -> Refused:
-    """The refusal of a secure step in a round that takes uploads."""
-    return Refused(
-        "not_secure",
-        f"round {round_id} is not aggregated securely",
-        "upload the update (POST /v1/rounds/{r}/update) as the task says",
-    )
+@dataclass(frozen=True)
+class DeviceCalls:
+    """What the engine core hands a mode for the device calls the mode takes itself (its routes, the in-process
+    drivers' steps), and no more: the core's lock, the tick's wake-up, a round's record (404 for none) and the check
+    that a device was sampled in a round (403 `not_sampled`, with the fix it is given)."""
+
+    lock: threading.RLock
+    wake: threading.Event
+    round_or_404: Callable[[int], RoundRecord]
+    check_sampled: Callable[[str, int, str], None]
 
 
 class Close(ABC):
@@ -69,10 +74,11 @@ class RoundMode(ABC):
     name: ClassVar[str]
     # a round closes for all its devices at once (they wait for one another); False: steps with no barrier
     barrier: ClassVar[bool] = True
-    secure: SecureRounds | None = None  # the secure rounds' sessions, in the mode that runs them
+    section: ClassVar[str | None] = None  # the key of the mode's section in /v1/status (None: it has none)
 
-    def __init__(self, engine: RoundEngine):
+    def __init__(self, engine: RoundEngine, calls: DeviceCalls):
         self.engine = engine
+        self.calls = calls
 
     def bind(self) -> None:
         """At start, once the strategy is bound (DP wrapped): wrap it further if the mode aggregates otherwise."""
@@ -101,19 +107,6 @@ class RoundMode(ABC):
     def task(self, device: str, current: RoundRecord, now: float) -> Task | None:
         """The train task a polling device gets in the open round `current`, or None (it waits)."""
 
-    def secure_task(self, device: str, round_id: int) -> SecureTask | None:
-        """Where a device takes a round's secure steps (None: it uploads its update)."""
-        return None
-
-    def secure_session(self, device: str, round_id: int) -> SecureRounds:
-        """The secure sessions a device's secure step goes to (refused: this mode's rounds take uploads)."""
-        self.engine.round_or_404(round_id)
-        raise not_secure(round_id)
-
-    def secure_summary(self, round_id: int) -> dict[str, Any] | None:
-        """A secure round's counts (devices masked, dropped, recovered; its step), or None."""
-        return None
-
     def check_upload(self, device: str, round_id: int) -> None:
         """Refuse an upload whatever its round (before its body is read); by default any may come."""
         return None
@@ -135,8 +128,9 @@ class RoundMode(ABC):
         return None
 
     def status(self, rounds: list[RoundRecord], names: bool) -> dict[str, Any]:
-        """What /v1/status says of the mode (every mode's keys, None where a mode is off)."""
-        return {"secure_aggregation": None, "fedbuff": None}
+        """What /v1/status says of the mode: `{section: its JSON}` (none by default); the status view merges it over
+        every registered mode's section as None."""
+        return {}
 
     def annotate(self, rows: list[dict[str, Any]]) -> None:
         """Add the mode's columns to the status rows of every round (none by default)."""
@@ -149,8 +143,8 @@ class RoundMode(ABC):
         uploaded = {update.device for update in self.engine.store.updates(record.round_id)}
         return None, [device for device in given if device not in uploaded], record.deadline
 
-    def add_routes(self, app: FastAPI, device: Any, limits: Any) -> None:
-        """HTTP routes of the mode's own (none by default)."""
+    def router(self, limits: HttpLimits) -> APIRouter | None:
+        """HTTP routes of the mode's own, which the app includes (none by default)."""
         return None
 
     def seeded(self, seed: int) -> None:

@@ -61,6 +61,7 @@ class FedBuffMode(RoundMode):
     """Asynchronous buffered steps (module docstring)."""
 
     name = "fedbuff"
+    section = "fedbuff"
     barrier = False  # each buffer of uploads is a step; no device waits for another
 
     def retained(self, history: int) -> int:
@@ -160,4 +161,4 @@ class FedBuffMode(RoundMode):
             "devices_by_staleness": dict(sorted(by_staleness.items())),
             **({"devices": last} if names else {}),
         }
-        return {**super().status(rounds, names), "fedbuff": fedbuff}
+        return {self.section: fedbuff}

@@ -23,7 +23,7 @@ import numpy as np
 
 from edgepfl.protocol import Task
 from edgepfl.server.errors import Refused
-from edgepfl.server.modes.base import Close, RoundMode
+from edgepfl.server.modes.base import Close, DeviceCalls, RoundMode
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.sampling import sample_devices, sample_size
 from edgepfl.server.strategy import AcceptedUpdate
@@ -56,8 +56,8 @@ class SyncMode(RoundMode):
 
     name = "sync"
 
-    def __init__(self, engine: Any):
-        super().__init__(engine)
+    def __init__(self, engine: Any, calls: DeviceCalls):
+        super().__init__(engine, calls)
         self._quorum_since: float | None = None  # when min_clients devices were first available for the next round
 
     def open(self, now: float, available: list[str]) -> RoundRecord | None:

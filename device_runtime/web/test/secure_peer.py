@@ -28,6 +28,7 @@ from edgepfl.secagg import ClientSession, quantize_delta, to_json  # noqa: E402
 from edgepfl.secagg.config import levels, padded_size  # noqa: E402
 from edgepfl.server.config import ServerConfig  # noqa: E402
 from edgepfl.server.engine import create_engine  # noqa: E402
+from edgepfl.server.secure.steps import steps_of  # noqa: E402
 from edgepfl.server.tokens import issue_token  # noqa: E402
 from edgepfl.wire import decode_tensors  # noqa: E402
 
@@ -61,13 +62,12 @@ def main(folder: Path, step: str, argument: dict) -> dict:
             payload, _ = engine.base_for(PAGE, 1)
             return {"task": tasks[PAGE].to_json(), "base": base64.b64encode(payload).decode()}
         if step == "fetch":
-            message = {"book": engine.secure_book, "inbox": engine.secure_inbox, "unmask": engine.secure_request}[
-                argument["what"]
-            ](PAGE, 1)
+            steps = steps_of(engine)
+            message = {"book": steps.book, "inbox": steps.inbox, "unmask": steps.request}[argument["what"]](PAGE, 1)
             return {"text": None if message is None else to_json(message)}
         if step == "send":
             body = base64.b64decode(argument["bytes"]) if "bytes" in argument else argument["text"].encode()
-            receipt = engine.secure_message(PAGE, 1, argument["kind"], body)
+            receipt = steps_of(engine).message(PAGE, 1, argument["kind"], body)
             for name in PYTHON_DEVICES:
                 python_device(engine, folder, name, argument["kind"])
             engine.tick()
@@ -83,13 +83,13 @@ def python_device(engine, folder: Path, name: str, kind: str) -> None:
     if kind == "advert":
         body = to_json(session.advert()).encode()
     elif kind == "shares":
-        body = to_json(session.receive_book(engine.secure_book(name, 1))).encode()
+        body = to_json(session.receive_book(steps_of(engine).book(name, 1))).encode()
     elif kind == "masked":
         vector = quantize_delta(delta_of(engine, name), PYTHON_DEVICES[name], session.book, np.random.default_rng(1))
-        body = session.receive_inbox(engine.secure_inbox(name, 1), vector).to_bytes()
+        body = session.receive_inbox(steps_of(engine).inbox(name, 1), vector).to_bytes()
     else:
-        body = to_json(session.receive_unmask(engine.secure_request(name, 1))).encode()
-    engine.secure_message(name, 1, kind, body)
+        body = to_json(session.receive_unmask(steps_of(engine).request(name, 1))).encode()
+    steps_of(engine).message(name, 1, kind, body)
     (folder / f"{name}.json").write_text(session.to_json())
 
 
@@ -122,7 +122,7 @@ def check(engine, folder: Path, argument: dict) -> dict:
         )
     )
     size = padded_size(sum(value.size for value in base.values()))
-    summary = engine.secure_summary(1)
+    summary = steps_of(engine).summary(1)
     step = 4 * CLIP / math.sqrt(size) / levels(summary["devices"], summary["bits"])
     bound = len(deltas) * step * math.sqrt(size) * MAX_WEIGHT / total
     return {

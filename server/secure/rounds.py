@@ -1,9 +1,8 @@
 """Secure aggregation in the round engine: each secure round's protocol session, durable, stepped by the engine's
-tick; the strategy then reads its unmasked sum (`secure_strategy.py`). The protocol is docs/secure-aggregation.md's.
+tick; the strategy then reads its unmasked sum (`strategy.py`). The protocol is docs/secure-aggregation.md's.
 
 A secure round opens as any round (sampling, planning) and its devices train as in any round; then, instead of
-uploading their update, they take the protocol's steps (HTTP: `secure_routes.py`; in-process drivers: the
-engine's `secure_*` calls, checked by `modes/secure.py`):
+uploading their update, they take the protocol's steps (`steps.py`, checked there; over HTTP: `routes.py`):
 
   keys    each device advertises two public keys; the step closes when every device given the round (less those
           that refused its base) has, when the round's target has (over-selection), or at the round's deadline
@@ -15,7 +14,7 @@ engine's `secure_*` calls, checked by `modes/secure.py`):
 A round whose session fails (too many devices dropped at some step) is abandoned with the session's one line and
 the next round starts from the same base.
 
-Durable state (`secure_store.py`): a snapshot of the session when the round opens and at each step's close, and
+Durable state (`store.py`): a snapshot of the session when the round opens and at each step's close, and
 every accepted message appended to a log in between, each in its own SQLite transaction. A restarted server reads
 the snapshot and receives the logged messages again, so a message counts exactly when its log row is committed,
 and a device that re-sends it after a crash is told it is a duplicate. The snapshot and log are deleted when the
@@ -53,7 +52,7 @@ from edgepfl.secagg import (
 from edgepfl.secagg.config import Measured, levels
 from edgepfl.server.errors import Refused
 from edgepfl.server.records import RoundRecord
-from edgepfl.server.secure_store import SecureStore
+from edgepfl.server.secure.store import SecureStore
 from edgepfl.server.store import Store
 
 STEPS = ("keys", "shares", "inputs", "unmask", "done")
@@ -266,7 +265,7 @@ class SecureRounds:
         """Every secure round's counts, by round."""
         return self.db.summaries()
 
-    # what devices send and ask for (the engine's device calls check the round first: modes/secure.py)
+    # what devices send and ask for (steps.py checks the round and the device first)
 
     def receive(self, round_id: int, device: str, kind: str, body: bytes) -> dict[str, Any]:
         """Take one message of `device` (JSON, or a masked vector's binary frame); its receipt."""

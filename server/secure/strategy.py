@@ -1,5 +1,5 @@
 """Secure aggregation as a wrapper around the strategy: the inner strategy plans the rounds, the wrapper aggregates
-the round's unmasked sum (server/secure.py) instead of its uploads, so the round engine has no secure branch in its
+the round's unmasked sum (`rounds.py`) instead of its uploads, so the round engine has no secure branch in its
 close.
 
 - fedavg, fedper: base + sum(clip(w_i / W * delta_i, C)) * W / sum(w_i), the sample-weighted mean of the clipped
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from edgepfl.server.secure import SecureRounds
+from edgepfl.server.secure.rounds import SecureRounds
 from edgepfl.server.strategy import AcceptedUpdate, BaseTensors, Strategy, WrappingStrategy
 from edgepfl.server.uploads import add_delta
 

@@ -1,47 +1,54 @@
 """Secure rounds (`--secure-aggregation`): synchronous rounds whose devices take SecAgg+'s steps instead of uploading.
 
-A secure round opens, samples and plans as a synchronous round does (`sync.py`); its devices then advertise keys,
-share, send masked vectors and reveal (`secure.py` steps each round's session from the tick; `secure_routes.py`
-and the engine's `secure_*` calls take the messages, checked here by `secure_session`). The round closes when its
-session can unmask the sum (it is abandoned when the session fails: too many devices dropped), and the strategy,
-wrapped by `secure_strategy.SecureStrategy`, aggregates that sum. The server takes no plain upload in this mode.
-"""
+A secure round opens, samples and plans as a synchronous round does (`server/modes/sync.py`); its devices then
+advertise keys, share, send masked vectors and reveal (`rounds.py` steps each round's session from the tick;
+`steps.py` takes the messages, over HTTP through `routes.py`). The round closes when its session can unmask the sum
+(it is abandoned when the session fails: too many devices dropped), and the strategy, wrapped by
+`strategy.SecureStrategy`, aggregates that sum. The server takes no plain upload in this mode."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from edgepfl.protocol import API_PREFIX, SecureTask
+from edgepfl.protocol import Task
 from edgepfl.server.errors import Refused
-from edgepfl.server.modes.base import Close, not_secure
+from edgepfl.server.modes.base import Close, DeviceCalls
 from edgepfl.server.modes.sync import SyncClose, SyncMode
 from edgepfl.server.records import RoundRecord
 from edgepfl.server.sampling import sample_size
-from edgepfl.server.secure import SecureRounds
-from edgepfl.server.secure_strategy import SecureStrategy
+from edgepfl.server.secure.rounds import SecureRounds
+from edgepfl.server.secure.steps import SecureSteps
+from edgepfl.server.secure.strategy import SecureStrategy
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    from fastapi import APIRouter
 
+    from edgepfl.server.config import HttpLimits
     from edgepfl.server.store import Store
 
 
 class SecureClose(SyncClose):
     """A secure round's close: its updates are in the unmasked sum, not stored one by one."""
 
+    def __init__(self, mode: SecureMode, record: RoundRecord):
+        super().__init__(mode, record)
+        self.steps = mode.steps
+
     def accepted(self) -> int:
         """The devices whose masked vectors the sum holds."""
-        return (self.engine.mode.secure_summary(self.record.round_id) or {}).get("masked", 0)
+        return (self.steps.summary(self.record.round_id) or {}).get("masked", 0)
 
 
 class SecureMode(SyncMode):
     """The synchronous mode with SecAgg+'s steps in place of the upload (module docstring)."""
 
     name = "secure"
+    section = "secure_aggregation"
 
-    def __init__(self, engine: Any):
-        super().__init__(engine)
+    def __init__(self, engine: Any, calls: DeviceCalls):
+        super().__init__(engine, calls)
         config = engine.config
         secagg = config.secure.config(config.privacy.clip_norm)
         assert secagg is not None, "the registry picks this mode with --secure-aggregation"
@@ -52,6 +59,7 @@ class SecureMode(SyncMode):
             engine.specs,
             measured=config.secure.measured(config.privacy.clip_norm),
         )
+        self.steps = SecureSteps(calls, self.secure)  # the devices' messages (routes.py, the in-process drivers)
 
     @classmethod
     def quorum(cls, clients: int, fraction: float, min_clients: int) -> int:
@@ -83,34 +91,12 @@ class SecureMode(SyncMode):
         """Train tasks go out while the round takes its keys."""
         return self.secure.takes_keys(current.round_id)
 
-    def secure_task(self, device: str, round_id: int) -> SecureTask | None:
-        """Where a device takes the round's steps (its alias, the session's context)."""
-        if not self.secure.holds(round_id):
-            return None
-        return SecureTask(
-            f"{API_PREFIX}/rounds/{round_id}/secagg", self.secure.alias(device), self.secure.context(round_id)
-        )
-
-    def secure_session(self, device: str, round_id: int) -> SecureRounds:
-        """The sessions, for a device given a round that holds one and was not abandoned."""
-        record = self.engine.round_or_404(round_id)
-        if not self.secure.holds(round_id):
-            raise not_secure(round_id)
-        if self.engine.store.assignment(round_id, device) is None:
-            raise Refused(
-                "not_sampled",
-                f"device {device!r} was not sampled in round {round_id}",
-                "poll /v1/task and train only when told to",
-            )
-        if record.state == "abandoned":
-            raise Refused(
-                "round_closed", f"round {round_id} was abandoned: {record.note}", "the device rejoins the next round"
-            )
-        return self.secure
-
-    def secure_summary(self, round_id: int) -> dict[str, Any] | None:
-        """A secure round's counts (devices masked, dropped, recovered; its step), or None."""
-        return self.secure.summaries().get(round_id)
+    def task(self, device: str, current: RoundRecord, now: float) -> Task | None:
+        """A synchronous round's task, with where the device takes the round's steps (its alias, the context)."""
+        task = super().task(device, current, now)
+        if task is None or task.round_id is None:
+            return task
+        return dataclasses.replace(task, secure_aggregation=self.steps.task(device, task.round_id))
 
     def check_upload(self, device: str, round_id: int) -> None:
         """No plain update: the devices mask theirs."""
@@ -146,7 +132,7 @@ class SecureMode(SyncMode):
             "measured": [name for name in ("clip", "weight") if getattr(self.secure.measured, name)],
             "step_timeout": self.secure.step_timeout,
         }
-        return {**super().status(rounds, names), "secure_aggregation": secure}
+        return {self.section: secure}
 
     def annotate(self, rows: list[dict[str, Any]]) -> None:
         """A secure round's row: its step and how many devices were masked, dropped and recovered."""
@@ -164,11 +150,11 @@ class SecureMode(SyncMode):
         step, missing = self.secure.waiting_for(record.round_id, given, sorted(refused))
         return step, missing, self.secure.step_deadline(record)
 
-    def add_routes(self, app: FastAPI, device: Any, limits: Any) -> None:
-        """The secure steps' routes (server/secure_routes.py)."""
-        from edgepfl.server.secure_routes import add_secure_routes
+    def router(self, limits: HttpLimits) -> APIRouter:
+        """The secure steps' routes (`routes.py`)."""
+        from edgepfl.server.secure.routes import secure_router
 
-        add_secure_routes(app, self.engine, device, limits)
+        return secure_router(self.steps, self.engine.config, limits)
 
     def seeded(self, seed: int) -> None:
         """The secure rounds' graph randomness, from an in-process run's --seed."""
