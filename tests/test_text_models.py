@@ -77,14 +77,19 @@ def bundles(request) -> Path:
 
 
 def batch(manifest, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded model input of the bundle's kind (token ids or sensor values) and labels."""
+    """Seeded model input of the bundle's kind (token ids or sensor values) and labels (a next-word sample's: a
+    target at every position, some of them <pad>, which the loss leaves out)."""
     rng = np.random.default_rng(seed)
     shape = (count, *manifest.input.shape)
     if manifest.input.dtype == "int64":
         x = rng.integers(0, manifest.num_classes, shape)
     else:
         x = rng.normal(size=shape).astype(np.float32)
-    return x, rng.integers(0, manifest.num_classes, count)
+    y = rng.integers(0, manifest.num_classes, (count, *manifest.kind.target_shape))
+    if y.ndim > 1:
+        y[::2, -1] = text.PAD_ID  # a line ended before the sequence did
+        y[:, 0] = np.maximum(y[:, 0], text.OOV_ID)  # every sequence trains at least one target
+    return x, y
 
 
 def test_the_transformer_defaults_are_fedalts_stackoverflow_model_and_width_scales_it():
@@ -100,7 +105,7 @@ def test_the_transformer_defaults_are_fedalts_stackoverflow_model_and_width_scal
     small = build_sequence_model(type(spec)(width=0.25))
     assert small.embedding.tokens.weight.shape == (10_004, 64) and small.layers[0].ff[0].out_features == 256
     logits = small(torch.randint(0, 10_004, (2, 20)))
-    assert logits.shape == (2, 10_004)
+    assert logits.shape == (2, 20, 10_004)  # the next word at every position
 
 
 def test_the_lstm_cell_computes_what_nn_lstm_computes():
@@ -146,6 +151,7 @@ def test_the_embeddings_gradient_is_standard_onnx_that_plain_onnxruntime_runs(tr
     )
     engine = open_engine(transformer_bundle, "portable")
     x, y = batch(manifest, 5)
+    y = np.maximum(y, text.OOV_ID)  # every position trains, so every id read gets a gradient
     before = engine.get_tensors(["embedding.tokens.weight"])["embedding.tokens.weight"]
     engine.train_step(x, y, 0.5)
     after = engine.get_tensors(["embedding.tokens.weight"])["embedding.tokens.weight"]
@@ -188,7 +194,7 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     context = phrase_context("To be, or NOT", vocabulary, SEQ_LEN)
     assert context.tolist() == vocabulary.encode(["be", ",", "or", "not"]).tolist()
     short = phrase_context("to", vocabulary, SEQ_LEN)
-    assert short.tolist() == [text.PAD_ID, text.PAD_ID, text.BOS_ID, vocabulary.encode(["to"])[0]]
+    assert short.tolist() == [text.BOS_ID, vocabulary.encode(["to"])[0], text.PAD_ID, text.PAD_ID]  # right-padded
     words = next_words(engine, "to be or not", len(vocabulary))  # <pad>, <oov>, <bos>, <eos>: nobody types them
     assert len(words) == len(vocabulary) - 4 and not {i for i, _, _ in words} & {0, 1, 2, 3}
     probabilities = engine.predict(phrase_context("to be or not", vocabulary, SEQ_LEN)[None])[0]
@@ -237,8 +243,8 @@ def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle,
 class _Windows:
     """A device's data as model input (what export-model reads of LocalData), for int8's calibration."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray):
-        self.x, self.y = x, y
+    def __init__(self, x: np.ndarray, y: np.ndarray, kind):
+        self.x, self.y, self.kind = x, y, kind
         self.num_train, self.num_val = len(x), len(x)
 
     def train_batches_in_order(self, size: int):
@@ -270,7 +276,7 @@ def test_export_model_fp32_equals_the_engine_and_int8_loads(bundles, tmp_path):
         manifest.input.dtype,
         "none",
     )
-    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y), 16)  # type: ignore[arg-type]
+    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y, manifest.kind), 16)  # type: ignore[arg-type]
     assert int8.calibration_samples == 16 and int8.val_accuracy is not None
     quantized = onnxruntime.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
     probabilities = quantized.run(["probabilities"], {"input": x})[0]
