@@ -90,6 +90,10 @@ class NextWordKind(SampleKind):
             "vocab_size": self.vocab_size,
             "seq_len": self.seq_len,
             "targets": text.EVERY_POSITION,
+            # what an engine reads without knowing the kind (the page's engine.js): one sample's targets, the
+            # targets its loss leaves out and those its metric leaves out
+            "target_shape": list(self.target_shape),
+            "loss_ignores": list(self.loss_ignores),
             "metric_ignores": list(self.ignored),
         }
 

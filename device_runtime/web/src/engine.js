@@ -6,7 +6,7 @@
 
 import { EngineError } from './errors.js';
 import { FrozenVariants } from './frozen.js';
-import { inputType, portableEntry, portableFiles, personalSpec, stepUpdates } from './manifest.js';
+import { inputType, portableEntry, portableFiles, personalSpec, sampleEntry, stepUpdates } from './manifest.js';
 import { ModelState } from './modelstate.js';
 import { decodeSafetensors } from './safetensors.js';
 import { inChunks, predictWith } from './predict.js';
@@ -111,6 +111,16 @@ export class Engine {
     this.sampleShape = manifest.input.shape.slice();
     this.sampleSize = this.sampleShape.reduce((size, dim) => size * dim, 1);
     this.inputType = inputType(manifest.input);
+    // one sample's targets: one label, or a next token at each position (`target_shape`), each weighed 1 unless its
+    // class is one the loss (`loss_ignores`) or the metric (`metric_ignores`) leaves out (kinds/base.py target_weights)
+    const sample = sampleEntry(manifest);
+    /** @type {number[]} */
+    this.targetShape = (sample.target_shape || []).map(Number);
+    this.targetSize = this.targetShape.reduce((size, dim) => size * dim, 1);
+    /** @type {number[]} */
+    this.lossIgnores = (sample.loss_ignores || []).map(Number);
+    /** @type {number[]} */
+    this.metricIgnores = (sample.metric_ignores || []).map(Number);
     // graph inputs and outputs list the state tensors in this order: params, then buffers
     this.stateNames = [...entry.params, ...entry.buffers];
     this.model = new ModelState(ort, manifest, this.stateNames);
@@ -271,7 +281,7 @@ export class Engine {
         : [await this.session(key, graph), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
-    const feeds = await this.feeds(
+    const { feeds } = await this.feeds(
       opened,
       stateInputs.map((input) => [input, stateOf(byInput, input)]),
       batchInputs,
@@ -302,11 +312,15 @@ export class Engine {
     const graph = this.entry.eval;
     let lossSum = 0;
     let correct = 0;
-    for await (const { chunk, results } of inChunks(this, 'eval', graph, x, y, count, graph.outputs.slice(1))) {
-      lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
+    let scored = 0;
+    const chunks = inChunks(this, 'eval', graph, x, y, count, graph.outputs.slice(1), this.state, true);
+    for await (const { weights, results } of chunks) {
+      // the graph's loss is the mean over the targets the metric counts
+      if (weights) lossSum += Number(results[graph.outputs[1]].data[0]) * weights;
       correct += Number(results[graph.outputs[2]].data[0]);
+      scored += weights;
     }
-    return { lossSum, correct, count };
+    return { lossSum, correct, count: scored };
   }
 
   /**
@@ -373,11 +387,14 @@ export class Engine {
         `pass a ${this.inputType.array.name} of ${count} x ${this.sampleSize} pre-processed values`,
       );
     }
-    if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count) {
-      throw new EngineError(`labels are not an Int32Array or BigInt64Array of ${count}`, 'pass one label per input');
+    if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count * this.targetSize) {
+      throw new EngineError(
+        `labels are not an Int32Array or BigInt64Array of ${count * this.targetSize}`,
+        this.targetSize === 1 ? 'pass one label per input' : `pass ${this.targetSize} next tokens per input`,
+      );
     }
     const classes = this.manifest.num_classes;
-    for (let i = 0; i < count; i++) {
+    for (let i = 0; i < y.length; i++) {
       const label = Number(y[i]);
       if (!(label >= 0 && label < classes))
         throw new EngineError(
@@ -390,7 +407,8 @@ export class Engine {
   /**
    * Feeds of one graph batch for the `opened` session: the state tensors by [input, name] pairs (a wasm session
    * gets those on the GPU read back first), and x, y, w (the first three of `batchInputs`) holding `count` real
-   * samples from `start`, zero-padded to `size` (the step graphs' batch by default) and masked.
+   * samples from `start`, zero-padded to `size` (the step graphs' batch by default), each target weighed as the
+   * loss (`scoring`: the metric) counts it and padding 0; `weights` is their sum.
    * @param {Opened} opened
    * @param {[string, string][]} stateInputs
    * @param {string[]} batchInputs
@@ -400,8 +418,21 @@ export class Engine {
    * @param {number} count
    * @param {Map<string, OrtTensor>} [state] the tensors to feed (the current ones by default)
    * @param {number} [size]
+   * @param {boolean} [scoring]
+   * @returns {Promise<{feeds: Record<string, OrtTensor>, weights: number}>}
    */
-  async feeds(opened, stateInputs, batchInputs, x, y, start, count, state = this.state, size = this.batchSize) {
+  async feeds(
+    opened,
+    stateInputs,
+    batchInputs,
+    x,
+    y,
+    start,
+    count,
+    state = this.state,
+    size = this.batchSize,
+    scoring = false,
+  ) {
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
     for (const [input, name] of stateInputs) {
@@ -411,20 +442,26 @@ export class Engine {
     const bx = new this.inputType.array(size * this.sampleSize); // padding: zeros (<pad> for token ids)
     bx.set(/** @type {any} */ (x).subarray(start * this.sampleSize, (start + count) * this.sampleSize));
     const labels = this.labelType;
-    const by = new labels.array(size);
-    const bw = new Float32Array(size);
-    for (let i = 0; i < count; i++) {
-      by[i] = labels.of(Number(y[start + i]));
-      bw[i] = 1;
+    const per = this.targetSize;
+    const ignored = scoring ? this.metricIgnores : this.lossIgnores;
+    const by = new labels.array(size * per);
+    const bw = new Float32Array(size * per);
+    let weights = 0;
+    for (let i = 0; i < count * per; i++) {
+      const label = Number(y[start * per + i]);
+      by[i] = labels.of(label);
+      bw[i] = ignored.includes(label) ? 0 : 1;
+      weights += bw[i];
     }
     feeds[batchInputs[0]] = new this.ort.Tensor(
       /** @type {'float32'} */ (this.inputType.dtype),
       /** @type {Float32Array} */ (bx),
       [size, ...this.sampleShape],
     );
-    feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), [size]);
-    feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
-    return feeds;
+    const shape = [size, ...this.targetShape];
+    feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), shape);
+    feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, shape);
+    return { feeds, weights };
   }
 
   /** The session of `graph` (a manifest graph entry), opened on first use. */
