@@ -92,7 +92,7 @@ function timeOrderParts(
   /** @type {TextEntry} */ entry,
   /** @type {number} */ valFraction,
 ) {
-  const { train, val } = timeOrderSplit(samples.y, valFraction, entry.metric_ignores || []);
+  const { train, val } = timeOrderSplit(samples.y, samples.count, valFraction, entry.metric_ignores || []);
   return { train: pickSamples(samples, train), val: pickSamples(samples, val) };
 }
 
