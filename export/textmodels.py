@@ -1,12 +1,9 @@
 """The zoo's sequence models: a next-word `transformer` and `lstm` over token ids, and `har-cnn` over sensor windows.
 
-A next-word model is a causal language model: it reads `seq_len` token ids and gives the logits of the next token at
-EVERY position, (batch, seq_len, vocabulary); every engine's loss is the mean cross-entropy over the positions whose
-target is not <pad> (edgepfl.text), and a prediction reads the last real position of a right-padded phrase. Each
-model is written with ops that every engine can differentiate: the LSTM's cell is spelled out (MatMul, Sigmoid,
-Tanh, unrolled over the window) instead of nn.LSTM, whose ONNX LSTM op has no gradient in the portable engine,
-and the HAR network's 1-D convolutions are (1, k) 2-D convolutions over a (channels, 1, time) map, which the
-portable exporter differentiates (it takes 2-D convolutions only).
+A next-word model (causal) gives the next token's logits at EVERY position, (batch, seq_len, vocabulary): every
+engine's loss is the mean cross-entropy over the non-<pad> targets (edgepfl.text); a prediction reads the last real
+position. Every engine differentiates these ops: the LSTM's cell is spelled out (MatMul, Sigmoid, Tanh, unrolled)
+instead of nn.LSTM (the ONNX LSTM op has no portable gradient), and HAR's 1-D convolutions are (1, k) 2-D ones.
 """
 
 from __future__ import annotations

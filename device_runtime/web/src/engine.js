@@ -6,12 +6,13 @@
 
 import { EngineError } from './errors.js';
 import { FrozenVariants } from './frozen.js';
-import { inputType, portableEntry, portableFiles, personalSpec, sampleEntry, stepUpdates } from './manifest.js';
+import { inputType, portableEntry, portableFiles, personalSpec, stepUpdates } from './manifest.js';
 import { ModelState } from './modelstate.js';
 import { decodeSafetensors } from './safetensors.js';
 import { inChunks, predictWith } from './predict.js';
 import { LAYOUTS, Sessions, inMemory, releaseTensor } from './sessions.js';
 import { checkSha256 } from './sha256.js';
+import { paddedTargets, targetSpec } from './targets.js';
 
 /** @typedef {typeof import('onnxruntime-web')} Ort */
 /** @typedef {import('onnxruntime-web').Tensor} OrtTensor */
@@ -111,16 +112,9 @@ export class Engine {
     this.sampleShape = manifest.input.shape.slice();
     this.sampleSize = this.sampleShape.reduce((size, dim) => size * dim, 1);
     this.inputType = inputType(manifest.input);
-    // one sample's targets: one label, or a next token at each position (`target_shape`), each weighed 1 unless its
-    // class is one the loss (`loss_ignores`) or the metric (`metric_ignores`) leaves out (kinds/base.py target_weights)
-    const sample = sampleEntry(manifest);
-    /** @type {number[]} */
-    this.targetShape = (sample.target_shape || []).map(Number);
-    this.targetSize = this.targetShape.reduce((size, dim) => size * dim, 1);
-    /** @type {number[]} */
-    this.lossIgnores = (sample.loss_ignores || []).map(Number);
-    /** @type {number[]} */
-    this.metricIgnores = (sample.metric_ignores || []).map(Number);
+    // one sample's targets: one label, or a next token at each position (targets.js)
+    this.targets = targetSpec(manifest);
+    this.targetSize = this.targets.size;
     // graph inputs and outputs list the state tensors in this order: params, then buffers
     this.stateNames = [...entry.params, ...entry.buffers];
     this.model = new ModelState(ort, manifest, this.stateNames);
@@ -416,23 +410,12 @@ export class Engine {
    * @param {Int32Array | BigInt64Array} y
    * @param {number} start
    * @param {number} count
-   * @param {Map<string, OrtTensor>} [state] the tensors to feed (the current ones by default)
-   * @param {number} [size]
-   * @param {boolean} [scoring]
+   * @param {{state?: Map<string, OrtTensor>, size?: number, scoring?: boolean}} [options] the tensors to feed (the
+   * current ones by default), the batch size (the step graphs') and whether targets are weighed as the metric counts
    * @returns {Promise<{feeds: Record<string, OrtTensor>, weights: number}>}
    */
-  async feeds(
-    opened,
-    stateInputs,
-    batchInputs,
-    x,
-    y,
-    start,
-    count,
-    state = this.state,
-    size = this.batchSize,
-    scoring = false,
-  ) {
+  async feeds(opened, stateInputs, batchInputs, x, y, start, count, options = {}) {
+    const { state = this.state, size = this.batchSize, scoring = false } = options;
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
     for (const [input, name] of stateInputs) {
@@ -442,23 +425,12 @@ export class Engine {
     const bx = new this.inputType.array(size * this.sampleSize); // padding: zeros (<pad> for token ids)
     bx.set(/** @type {any} */ (x).subarray(start * this.sampleSize, (start + count) * this.sampleSize));
     const labels = this.labelType;
-    const per = this.targetSize;
-    const ignored = scoring ? this.metricIgnores : this.lossIgnores;
-    const by = new labels.array(size * per);
-    const bw = new Float32Array(size * per);
-    let weights = 0;
-    for (let i = 0; i < count * per; i++) {
-      const label = Number(y[start * per + i]);
-      by[i] = labels.of(label);
-      bw[i] = ignored.includes(label) ? 0 : 1;
-      weights += bw[i];
-    }
+    const { by, bw, weights, shape } = paddedTargets(this.targets, labels, y, start, count, size, scoring);
     feeds[batchInputs[0]] = new this.ort.Tensor(
       /** @type {'float32'} */ (this.inputType.dtype),
       /** @type {Float32Array} */ (bx),
       [size, ...this.sampleShape],
     );
-    const shape = [size, ...this.targetShape];
     feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), shape);
     feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, shape);
     return { feeds, weights };

@@ -74,7 +74,8 @@ export async function* inChunks(engine, key, graph, x, y, count, outputs, held =
   for (let start = 0; start < count; start += size) {
     const chunk = Math.min(size, count - start);
     const batch = graph.inputs.slice(n);
-    const { feeds, weights } = await engine.feeds(opened, stateInputs, batch, x, y, start, chunk, held, size, scoring);
+    const options = { state: held, size, scoring };
+    const { feeds, weights } = await engine.feeds(opened, stateInputs, batch, x, y, start, chunk, options);
     yield { start, chunk, weights, results: await opened.session.run(feeds, outputs) };
   }
 }
