@@ -185,6 +185,62 @@ def test_every_engine_trains_the_sequence_models_alike(bundles):
     assert any(not np.array_equal(reference[1][n], initial[n]) for n in base), "the full step trains the base"
 
 
+@pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle"], indirect=True)
+def test_a_next_word_step_is_the_mean_cross_entropy_over_every_non_pad_position(bundles):
+    """Every engine's loss and gradients are torch's causal language-model loss with <pad> targets ignored (FedAlt's
+    sequence training): pinned on a tiny transformer and lstm against F.cross_entropy(ignore_index=<pad>)."""
+    from edgepfl.export.personal import rebuild_personal
+    from edgepfl.export.source import rebuild_module
+
+    manifest = load_manifest(bundles)
+    x, y = batch(manifest, 5, seed=3)
+    assert (y == text.PAD_ID).any() and (y != text.PAD_ID).any()
+    initial = open_engine(bundles, "portable").get_tensors()
+    model = rebuild_personal(rebuild_module(manifest.model), manifest.tensors)
+    model.load_state_dict({name: torch.from_numpy(value) for name, value in initial.items()}, strict=False)
+    logits = model(torch.from_numpy(x))
+    assert logits.shape == (5, manifest.kind.seq_len, manifest.num_classes)  # a prediction at every position
+    want = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, manifest.num_classes), torch.from_numpy(y).reshape(-1), ignore_index=text.PAD_ID
+    )
+    want.backward()
+    lr = 0.1
+    expected = {n: (p - lr * p.grad).detach().numpy() for n, p in model.named_parameters() if p.grad is not None}
+    for name in ENGINES:
+        engine = open_engine(bundles, name, threads=2)
+        assert engine.train_step(x, y, lr, "full") == pytest.approx(float(want), rel=1e-5), name
+        got = engine.get_tensors(list(expected))
+        for tensor, value in expected.items():
+            np.testing.assert_allclose(got[tensor], value, rtol=1e-4, atol=1e-6, err_msg=f"{name} {tensor}")
+    # held-out accuracy counts the positions whose target is neither <pad> nor <oov>
+    result = open_engine(bundles, "portable").eval_batch(x, y)
+    counted = (y != text.PAD_ID) & (y != text.OOV_ID)
+    hits = (logits.argmax(-1).numpy() == y) & counted
+    assert (result.count, result.correct) == (int(counted.sum()), int(hits.sum()))
+
+
+def test_a_text_bundle_exported_with_one_label_a_sample_is_refused_in_one_line(transformer_bundle):
+    from edgepfl.kinds import parse_kind
+    from edgepfl.kinds.nextword import NextWordKind
+
+    manifest = load_manifest(transformer_bundle)
+    entry = manifest.kind.entry()
+    assert entry["targets"] == "every-position" and entry["target_shape"] == [SEQ_LEN]
+    old = {key: value for key, value in entry.items() if key not in ("targets", "target_shape", "loss_ignores")}
+    with pytest.raises(BundleError, match="one label") as refused:
+        parse_kind(old, manifest.input, manifest.num_classes)
+    assert "re-export" in refused.value.fix
+    assert isinstance(parse_kind(entry, manifest.input, manifest.num_classes), NextWordKind)
+
+
+def test_persfl_is_refused_on_a_next_word_model_in_one_line(transformer_bundle):
+    from edgepfl.device_runtime.persfl import check_distillable
+
+    with pytest.raises(UsageError, match="PersFL distils one label a sample"):
+        check_distillable(load_manifest(transformer_bundle).kind)
+    assert not load_manifest(transformer_bundle).engines["portable"]["distill"]  # no graphs it could not use
+
+
 def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transformer_bundle, tmp_path):
     from edgepfl.device_runtime.predict import next_words
     from edgepfl.text import phrase_context
