@@ -29,6 +29,9 @@ PAD_ID, OOV_ID, BOS_ID, EOS_ID = range(len(SPECIALS))
 METRIC_IGNORED = (PAD_ID, OOV_ID)  # FedAlt's accuracy: out-of-vocabulary and pad targets do not count
 LOSS_IGNORED = (PAD_ID,)  # the loss leaves out the padding after a line's <eos>
 EVERY_POSITION = "every-position"  # a text bundle's `sample.targets`: the model is taught each position's next token
+# the round settings a next-word model trains with when none is given (simulate, device train, a served bundle's
+# rounds and so the page): measured on Shakespeare's roles, docs/text-models.md says how
+TRAINING_DEFAULTS = {"batch_size": 16, "lr": 0.5, "epochs": 1}
 VOCAB_NAME = "vocab.json"
 VOCAB_FORMAT = "edgepfl-vocab/1"
 DEFAULT_VOCAB_SIZE = 10_000  # FedAlt's StackOverflow vocabulary (plus the four specials)

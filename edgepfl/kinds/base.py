@@ -86,6 +86,12 @@ class SampleKind(ABC):
         return ()
 
     @property
+    def training_defaults(self) -> dict[str, Any]:
+        """Round settings (batch_size, lr, epochs) this kind's models train with when none is given (none: the
+        settings' own defaults)."""
+        return {}
+
+    @property
     def loss_ignores(self) -> tuple[int, ...]:
         """Target classes the training loss leaves out (a next-word sequence's <pad> after its <eos>)."""
         return ()

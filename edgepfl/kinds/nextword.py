@@ -103,6 +103,11 @@ class NextWordKind(SampleKind):
         return self.ignored
 
     @property
+    def training_defaults(self) -> dict[str, Any]:
+        """The next-word models' measured batch size, learning rate and epochs (edgepfl.text.TRAINING_DEFAULTS)."""
+        return dict(text.TRAINING_DEFAULTS)
+
+    @property
     def loss_ignores(self) -> tuple[int, ...]:
         """<pad> targets (after a line's <eos>) do not train."""
         return text.LOSS_IGNORED
