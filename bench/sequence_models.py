@@ -174,7 +174,9 @@ def network_bytes(bundles: dict[str, Path]) -> dict:
         manifest = engine.manifest
         base = engine.get_tensors(manifest.names("base"))
         upload = len(encode_tensors(base))
-        files = sum(path.stat().st_size for path in bundle.rglob("*") if path.is_file())
+        # the files a portable device fetches: not the ort-training artifacts the speed bundles also hold
+        kept = [path for path in bundle.rglob("*") if path.is_file() and "ort-training" not in path.parts]
+        files = sum(path.stat().st_size for path in kept)
         result[personal] = {
             "base_tensors": len(base),
             "personal_tensors": len(manifest.names("personal")),
