@@ -259,8 +259,9 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     notes = tmp_path / "notes.txt"
     notes.write_text("zorblax to be or not to be\nthat is the zorblax question\n", encoding="utf-8")
     train = ["train", "--bundle", str(transformer_bundle), "--data", str(notes), "--state", str(tmp_path / "s")]
-    trained = CliRunner().invoke(device_app, [*train, "--engine", "portable", "--batch-size", "8"])
+    trained = CliRunner().invoke(device_app, [*train, "--engine", "portable", "--batch-size", "8", "--json"])
     assert trained.exit_code == 0, trained.output
+    assert json.loads(trained.output)["lr"] == text.TRAINING_DEFAULTS["lr"]  # a next-word model's own default
     assert (tmp_path / "s" / "user-dictionary.json").is_file()  # kept beside the model, never uploaded
     learned = next_words(engine, "to be or not", len(vocabulary), tmp_path / "s")
     assert (1, "zorblax", float(probabilities[1])) in learned and len(learned) == len(vocabulary) - 4 + 1
@@ -270,7 +271,11 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     )
     assert result.exit_code == 0, result.output
     top = json.loads(result.output)["predictions"][0]["top"]
-    assert len(top) == 3 and top[0]["name"] == next_words(engine, "to be", 1, tmp_path / "s")[0][1]
+    # the device's trained model (its state folder's tensors) answers, with the person's words in <oov>'s place
+    from edgepfl.device_runtime.predict import open_device_model
+
+    device = open_device_model(transformer_bundle, tmp_path / "s", "portable").engine
+    assert len(top) == 3 and top[0]["name"] == next_words(device, "to be", 1, tmp_path / "s")[0][1]
 
 
 def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle, transformer_bundle, tmp_path):
