@@ -137,15 +137,15 @@ test('a file that is not UTF-8 or holds no words is refused in words a person ca
   assert.deepEqual(Array.from(samples.y.subarray(9)), [4, 4, 3]);
 });
 
-test("the page counts a text bundle's samples as next words, and asks for a longer text", () => {
+test("the page counts a text bundle's samples as sentences, scores its next words, and asks for more text", () => {
   const device = { val_fraction: 0.2, min_train_examples: 8, min_held_out: 2 };
   assert.equal(
     shortfallLine(7, device, nextWordKind.words),
-    'Add 3 more next words (write more) to take part in the rounds.',
+    'Add 3 more sentences (write more) to take part in the rounds.',
   );
   assert.equal(
     shortfallReason(7, device, nextWordKind.words),
-    'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.',
+    'The model needs 10 sentences: 8 to learn from and 2 kept aside to check how well it does.',
   );
   assert.equal(shortfallLine(0, device, sensorKind.words), 'Add 10 windows (record more) to take part in the rounds.');
   const measured = { accuracy: 0.25, count: 16, final: false, roundsHere: 1, round: 1 };
