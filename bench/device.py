@@ -44,7 +44,7 @@ x = rng.integers(0, 256, (images, height, width, channels), dtype=np.uint8)
 y = rng.integers(0, manifest.num_classes, images)
 data = make_local_data(x, y, manifest, 0.0, 0)
 started = time.perf_counter()
-log = train_phase(engine, data, Phase("epoch", "full", 1), 0.01, batch, seed=0)
+log = train_phase(engine, data, Phase("epoch", "full", 1, 0.01), batch, seed=0)
 seconds = time.perf_counter() - started
 peak_kib = None
 try:  # VmHWM is this process's own high-water mark (ru_maxrss would include the parent's at fork)
@@ -73,7 +73,7 @@ engine = open_engine(bundle, 'portable')
 with np.load(images) as archive:
     data = make_local_data(archive['x'], archive['y'], engine.manifest, 0.2, 0)
 started = time.perf_counter()
-log = train_phase(engine, data, Phase('local', 'full', int(epochs)), float(lr), 32, seed=0)
+log = train_phase(engine, data, Phase('local', 'full', int(epochs), float(lr)), 32, seed=0)
 folder = StateFolder(state, engine.manifest, engine.name)
 folder.commit(engine.get_tensors(), {'local_training': True})
 folder.close()

@@ -24,7 +24,9 @@ Settings (issue 6):
   fedalt-text    FedAlt's StackOverflow table (issue 38) on `shakespeare` (a client per speaking role, the 10 largest
                  roles): a `transformer` (--width) next-word model, FedAvg and Local, then FedAlt and FedSim with the
                  input layer, the output layer (output:1) or adapters (adapters:16) personal; FedAvg followed by
-                 local fine-tuning is FedAvg's "after local training" column, shown as its own row
+                 local fine-tuning is FedAvg's "after local training" column, shown as its own row; and FedAlt
+                 with adapters at the personal learning rates of TEXT_PERSONAL_LRS (issue 53: its personal phase
+                 at the shared lr ended near chance)
   har            issue 38's sensor table: UCI HAPT (a client per subject, all 30), `har-cnn`, FedAvg, Local, FedPer
                  (FedSim) and FedAlt with the output layer personal
 The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
@@ -94,6 +96,8 @@ TEXT_PERSONAL = {"input": "input", "output": "output:1", "adapters16": "adapters
 # fedalt-text's data: the 10 largest roles, a 2,000-word vocabulary (FedAlt's is 10,000: two cores), 20-token windows
 TEXT_DATA = {"dataset": "shakespeare", "partition": "natural", "vocab_size": 2000, "seq_len": 20}
 FINETUNED = "fedavg+ft"  # fedalt-text's row read from FedAvg's "after local training" scores
+# issue 53's experiment: FedAlt's adapters trained in its personal phase at their own learning rate (--personal-lr)
+TEXT_PERSONAL_LRS = (0.05,)
 SCALED_MODELS = ("mobilenet", "transformer", "lstm", "har-cnn")  # the zoo models --width scales
 # FedPer's paper budget per round (issue 18): MobileNet width 1.0, 4 local epochs, batch 128, lr 0.01
 FEDPER_PAPER = {"width": 1.0, "epochs": 4, "batch_size": 128, "lr": 0.01}
@@ -174,6 +178,9 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         for part, spec in TEXT_PERSONAL.items():
             for algorithm in ("fedalt", "fedsim"):
                 runs.append((f"{setting}/{part}/{algorithm}", text.updated(algorithm=algorithm, personal=spec)))
+        for personal_lr in TEXT_PERSONAL_LRS:
+            adapters = text.updated(algorithm="fedalt", personal=TEXT_PERSONAL["adapters16"], personal_lr=personal_lr)
+            runs.append((f"{setting}/adapters16/fedalt-plr{personal_lr:g}", adapters))
     elif setting == "har":
         har = base.updated(model="har-cnn", width=1.0, dataset="har", partition="natural", clients=None)
         runs += [
@@ -189,11 +196,12 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
 def run(args: argparse.Namespace) -> None:
     base = SimulateConfig(
         data_root=args.data_root,
-        clients=10,
+        clients=args.clients,
         rounds=args.rounds,
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
+        personal_lr=args.personal_lr,
         width=args.width,
         model=args.model,
         engine="torch",
@@ -530,6 +538,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--personal-lr", type=float, default=None, help="fedalt's personal phase (default: --lr)")
+    parser.add_argument("--clients", type=int, default=10, help="clients (fedalt-text: the largest speaking roles)")
     parser.add_argument("--width", type=float, default=0.25)
     parser.add_argument("--model", default="mobilenet", help="fedper-k, fedper-kp, fedalt: the model (reduced: cnn)")
     parser.add_argument("--threads", type=int, default=None)

@@ -1,6 +1,13 @@
 """The next-word transformer's training steps on the portable engine against torch eager, what its personal parts
 cost on the network, and every zoo model's peak memory while `edgepfl device train` trains it.
 
+Tokens (issue 53): a next-word sample is a line's `seq_len` tokens with the next token at every position, so a step
+of BATCH samples trains BATCH x seq_len targets; before issue 53 a sample was the `seq_len` tokens before ONE word,
+and a step trained BATCH targets. tokens/s counts the targets a step trains per second, per engine (portable,
+ort-training where installed, torch eager). "before" is measured on torch eager only, with the same weights: the
+model's trunk and its output layer at the last position, the loss on one target a sample (the old forward); an
+epoch over the same text costs seq_len times fewer samples now, and `epoch_speedup` is after ÷ before in tokens/s.
+
 Speed: FedAlt's StackOverflow transformer (4 layers, d 256, 4 heads, feed-forward 1024, sequence 20, a vocabulary
 of 10,000 words + 4 specials from a synthetic corpus), batch 32, both at 2 threads: the full step (every tensor
 trains), the personal-only step of `--personal output:1` (the output layer trains, the base is frozen) and of
@@ -60,14 +67,16 @@ def corpus(folder: Path) -> Path:
     return path
 
 
-def export(name: str, folder: Path, text_corpus: Path, kp: int | str, **knobs) -> Path:
-    """A zoo model's bundle (portable engine, no frozen variants); `kp`: --kp K or a --personal spec."""
+def export(
+    name: str, folder: Path, text_corpus: Path, kp: int | str, engines: tuple[str, ...] = ("portable",), **knobs
+) -> Path:
+    """A zoo model's bundle (no frozen variants); `kp`: --kp K or a --personal spec."""
     from edgepfl.export.bundle import ExportOptions, export_target, zoo_target
     from edgepfl.export.models import ModelSpec, default_spec
     from edgepfl.export.sequence_options import SEQUENCE_MODELS, TEXT_MODELS, SequenceOptions
     from edgepfl.export.textmodels import sequence_target
 
-    options = ExportOptions(engines=("portable",), force=True, frozen_variants=False)
+    options = ExportOptions(engines=engines, force=True, frozen_variants=False)
     if name in SEQUENCE_MODELS:
         sequence = SequenceOptions(vocab=text_corpus) if name in TEXT_MODELS else SequenceOptions()
         target = sequence_target(name, sequence, 0)
@@ -92,27 +101,66 @@ def step_speed(bundles: dict[str, Path], warmup: int, steps: int) -> dict:
 
 
 def _timed(bundle: Path, trainable: str, warmup: int, steps: int) -> dict:
-    from edgepfl.device_runtime.engine import open_engine
+    from edgepfl.device_runtime.engine import open_engine, training_build_installed
     from edgepfl.simulate.torch_engine import TorchEngine
 
     portable = open_engine(bundle, "portable", threads=THREADS)
     manifest = portable.manifest
     torch_engine = TorchEngine(bundle, manifest, portable.get_tensors(), threads=THREADS)
     rng = np.random.default_rng(0)
-    x = rng.integers(0, manifest.num_classes, (BATCH, *manifest.input.shape))
-    y = rng.integers(0, manifest.num_classes, BATCH)
+    x = rng.integers(4, manifest.num_classes, (BATCH, *manifest.input.shape))
+    y = rng.integers(4, manifest.num_classes, (BATCH, *manifest.kind.target_shape))  # no <pad>: every target trains
+    per_sample = int(np.prod(manifest.kind.target_shape))
+    engines = [portable, torch_engine]
+    if "ort-training" in manifest.engines and training_build_installed():
+        engines.insert(1, open_engine(bundle, "ort-training", threads=THREADS))
     row: dict = {}
-    for engine in (portable, torch_engine):
-        for _ in range(warmup):
-            engine.train_step(x, y, 0.0, trainable)
-        times = []
-        for _ in range(steps):
-            tick = time.perf_counter()
-            engine.train_step(x, y, 0.0, trainable)
-            times.append(time.perf_counter() - tick)
-        row[engine.name] = round(BATCH / statistics.median(times), 1)
+    for engine in engines:
+        seconds = _median_step(lambda engine=engine: engine.train_step(x, y, 0.0, trainable), warmup, steps)
+        row[engine.name] = round(BATCH / seconds, 1)
+        row[f"{engine.name}_tokens_per_s"] = round(BATCH * per_sample / seconds, 1)
     row["portable_over_torch"] = round(row["portable"] / row["torch"], 2)
+    if trainable == "full":
+        seconds = _median_step(_last_position_step(torch_engine, x, y), warmup, steps)
+        row["torch_before_tokens_per_s"] = round(BATCH / seconds, 1)  # one target a sample
+        row["torch_epoch_speedup"] = round(row["torch_tokens_per_s"] / row["torch_before_tokens_per_s"], 2)
     return row
+
+
+def _median_step(step, warmup: int, steps: int) -> float:
+    """The median seconds of `steps` calls of `step` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        tick = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times)
+
+
+def _last_position_step(engine, x: np.ndarray, y: np.ndarray):
+    """The step before issue 53 on the torch engine's model: the output layer at the last position only and the
+    cross-entropy of one target a sample (the old CausalTransformer.forward), SGD at lr 0 on every tensor."""
+    import torch
+
+    model = engine.model
+    ids, labels = torch.from_numpy(x), torch.from_numpy(y[:, -1])
+
+    def step() -> None:
+        model.train()
+        for param in model.parameters():
+            param.requires_grad_(True)
+            param.grad = None
+        h = model.embedding(ids)
+        for layer in model.layers:
+            h = layer(h)
+        torch.nn.functional.cross_entropy(model.output(model.norm(h[:, -1])), labels).backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.sub_(0.0 * param.grad)
+
+    return step
 
 
 def network_bytes(bundles: dict[str, Path]) -> dict:
@@ -126,7 +174,9 @@ def network_bytes(bundles: dict[str, Path]) -> dict:
         manifest = engine.manifest
         base = engine.get_tensors(manifest.names("base"))
         upload = len(encode_tensors(base))
-        files = sum(path.stat().st_size for path in bundle.rglob("*") if path.is_file())
+        # the files a portable device fetches: not the ort-training artifacts the speed bundles also hold
+        kept = [path for path in bundle.rglob("*") if path.is_file() and "ort-training" not in path.parts]
+        files = sum(path.stat().st_size for path in kept)
         result[personal] = {
             "base_tensors": len(base),
             "personal_tensors": len(manifest.names("personal")),
@@ -164,7 +214,7 @@ def tiny_data(bundle: Path, scratch: Path) -> Path:
     if kind.name == "next-word":
         words = kind.vocabulary(bundle).words[len(text.SPECIALS) :]
         path = scratch / f"{bundle.name}.txt"
-        lines = [" ".join(rng.choice(words, 16)) for _ in range(SAMPLES // 16)]  # a sample per word (and <eos>)
+        lines = [" ".join(rng.choice(words, 16)) for _ in range(SAMPLES)]  # a sample a line
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
     path = scratch / f"{bundle.name}.npz"
@@ -201,10 +251,15 @@ def plot(result: dict) -> Path:
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
     steps = result["transformer_step"]
     labels = list(steps)
-    for offset, engine in ((-0.2, "portable"), (0.2, "torch")):
-        left.bar([i + offset for i in range(len(labels))], [steps[s][engine] for s in labels], 0.4, label=engine)
+    names = [name for name in ("portable", "ort-training", "torch") if f"{name}_tokens_per_s" in steps["full"]]
+    width = 0.8 / (len(names) + 1)
+    bars = [(name, f"{name}_tokens_per_s") for name in names] + [("torch, before", "torch_before_tokens_per_s")]
+    for number, (name, key) in enumerate(bars):
+        offset = (number - len(names) / 2) * width
+        values = [steps[s].get(key, 0) for s in labels]
+        left.bar([i + offset for i in range(len(labels))], values, width, label=name)
     left.set_xticks(range(len(labels)), [f"{s} step" for s in labels], fontsize=8)
-    left.set_ylabel(f"samples/s (batch {BATCH}, {THREADS} threads)")
+    left.set_ylabel(f"tokens trained/s (batch {BATCH}, {THREADS} threads)")
     left.set_title("FedAlt transformer: portable vs torch eager")
     left.legend()
     network = result["transformer_network_bytes"]
@@ -230,6 +285,7 @@ def main() -> None:
     """Run the benchmark and print its JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, no resnet34")
+    parser.add_argument("--text-only", action="store_true", help="the memory table for the transformer only")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     import torch
@@ -238,10 +294,14 @@ def main() -> None:
     warmup, steps = (2, 6) if args.quick else (5, 30)
     models = [("har-cnn", {}), ("mobilenet", {"width": 0.25}), ("mlp", {}), ("cnn", {}), ("lstm", {})]
     models += [("mobilenet", {"width": 1.0})] + ([] if args.quick else [("resnet34", {})])
+    models = [] if args.text_only else models
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         text_corpus = corpus(folder)
-        personal = {spec: export("transformer", folder, text_corpus, spec) for spec in (OUTPUT, ADAPTERS)}
+        from edgepfl.ortbuild import training_build_installed
+
+        engines = ("portable", "ort-training") if training_build_installed() else ("portable",)
+        personal = {spec: export("transformer", folder, text_corpus, spec, engines) for spec in (OUTPUT, ADAPTERS)}
         speed = step_speed(personal, warmup, steps)  # first: the step speeds are the benchmark's main result
         bundles = {"transformer": personal[OUTPUT]}
         for name, knobs in models:

@@ -40,11 +40,12 @@ class TrainingDiverged(EdgePFLError):
 
 @dataclass(frozen=True)
 class Phase:
-    """Epochs of one trainable set inside a round."""
+    """Epochs of one trainable set inside a round, at its learning rate."""
 
     name: str  # finetune | joint | personal | base
     trainable: str  # engine set: full | personal | base
     epochs: int
+    lr: float
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,14 @@ class PhasePlan:
     name: str
     trainable: str
     epochs_setting: str  # a RoundSettings field
+    lr_setting: str = "lr"  # the RoundSettings field of its learning rate; where that is None, the shared `lr`
 
     def phase(self, settings: RoundSettings) -> Phase:
         """The phase these settings make of it."""
-        return Phase(self.name, self.trainable, getattr(settings, self.epochs_setting))
+        lr = getattr(settings, self.lr_setting)
+        return Phase(
+            self.name, self.trainable, getattr(settings, self.epochs_setting), settings.lr if lr is None else lr
+        )
 
 
 # personal fine-tuning with the base frozen, before any algorithm's own phases (FedPer A.3)
@@ -87,7 +92,7 @@ class FedAlt(ClientAlgorithm):
     """Pillutla et al.: personal first with the base frozen, then the base with the personal part frozen."""
 
     name = "fedalt"
-    plan = (PhasePlan("personal", "personal", "personal_epochs"), PhasePlan("base", "base", "epochs"))
+    plan = (PhasePlan("personal", "personal", "personal_epochs", "personal_lr"), PhasePlan("base", "base", "epochs"))
 
 
 class Local(ClientAlgorithm):
@@ -205,11 +210,7 @@ def run_client_round(
 
     epoch = 0
     for phase in phases:
-        logs.append(
-            train_phase(
-                engine, data, phase, settings.lr, settings.batch_size, round_seed(seed, round_id), epoch, step_done
-            )
-        )
+        logs.append(train_phase(engine, data, phase, settings.batch_size, round_seed(seed, round_id), epoch, step_done))
         epoch += phase.epochs
     after = score(engine, data)  # the trained model
     return ClientResult(
@@ -232,18 +233,18 @@ def train_phase(
     engine: Engine,
     data: LocalData,
     phase: Phase,
-    lr: float,
     batch_size: int,
     seed: int,
     first_epoch: int = 0,
     on_step: Callable[[str, float], None] | None = None,
 ) -> PhaseLog:
-    """`phase.epochs` epochs of SGD on one trainable set; epochs are numbered from `first_epoch` for shuffling."""
+    """`phase.epochs` epochs of SGD at `phase.lr` on one trainable set; epochs are numbered from `first_epoch` for
+    shuffling."""
     engine.check_set(phase.trainable)
     losses: list[float] = []
     for epoch in range(first_epoch, first_epoch + phase.epochs):
         for x, y in data.train_batches(batch_size, seed, epoch):
-            losses.append(engine.train_step(x, y, lr, trainable=phase.trainable))
+            losses.append(engine.train_step(x, y, phase.lr, trainable=phase.trainable))
             if on_step is not None:
                 on_step(phase.name, losses[-1])
     return PhaseLog(phase.name, phase.trainable, phase.epochs, len(losses), _mean(losses))
@@ -275,7 +276,7 @@ def train_locally(
     trainable, lr = options.trainable, options.lr
     before = evaluate(engine, data)
     log = train_phase(
-        engine, data, Phase(trainable, trainable, options.epochs), lr, options.batch_size, seed, on_step=on_step
+        engine, data, Phase(trainable, trainable, options.epochs, lr), options.batch_size, seed, on_step=on_step
     )
     after = evaluate(engine, data)
     losses = ([log.mean_loss] if log.steps else []) + ([after.loss] if after.count else [])

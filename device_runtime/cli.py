@@ -25,6 +25,7 @@ from edgepfl.device_runtime.options import (
     TeacherCommand,
     TrainCommand,
 )
+from edgepfl.options import unless_given
 
 if TYPE_CHECKING:
     from edgepfl.data import LocalData
@@ -135,6 +136,7 @@ def train(command_options: TrainCommand) -> None:
     from edgepfl.device_runtime.progress import RichEvents
 
     device_engine, local_data, device_state = _open(command_options.files, command_options.local)
+    options = unless_given(options, device_engine.manifest.kind.training_defaults)  # a next-word model's own
     device_engine.check_set(options.trainable)
     with RichEvents(quiet=as_json) as events:
         events.start_bar(f"train {options.trainable}", options.epochs * -(-local_data.num_train // options.batch_size))

@@ -113,7 +113,7 @@ def _json_type(annotation: Any) -> dict[str, Any]:
 
 
 def _phase(plan: PhasePlan) -> dict[str, str]:
-    return {"name": plan.name, "trainable": plan.trainable, "epochs": plan.epochs_setting}
+    return {"name": plan.name, "trainable": plan.trainable, "epochs": plan.epochs_setting, "lr": plan.lr_setting}
 
 
 def _jsonable(value: Any) -> Any:

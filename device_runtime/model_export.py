@@ -183,12 +183,18 @@ def compare_with_engine(model: Any, device: DeviceModel, x: np.ndarray) -> float
 
 
 def held_out_accuracy(model: Any, data: LocalData) -> float:
-    """Top-1 accuracy of a graph on the held-out images."""
+    """Top-1 accuracy of a graph on the held-out samples (a next-word model's graph answers at each sample's last
+    real position: its target there, where the metric counts it)."""
     session = _session(model)
-    correct = 0
+    correct, count = 0.0, 0.0
     for x, y in data.val_batches(256):
-        correct += int((session.run([LOGITS], {INPUT: x})[0].argmax(axis=1) == y).sum())
-    return correct / max(data.num_val, 1)
+        weights = data.kind.target_weights(y, scoring=True)
+        # the target (and its weight) the graph's logits answer: the kind reads them where it reads the logits
+        target = data.kind.prediction_logits(y[..., None], x)[:, 0]
+        weight = data.kind.prediction_logits(weights[..., None], x)[:, 0]
+        correct += float(((session.run([LOGITS], {INPUT: x})[0].argmax(axis=1) == target) * weight).sum())
+        count += float(weight.sum())
+    return correct / max(count, 1.0)
 
 
 def _probe_inputs(manifest: Manifest, data: LocalData | None, count: int = 8) -> np.ndarray:

@@ -73,7 +73,7 @@ class OrtTrainingEngine(Engine):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One optimizer step of the chosen set; BatchNorm statistics are written back after it."""
         self.check_set(trainable)
-        return self._run_step(trainable, lr, x, np.ascontiguousarray(y, dtype=np.int64))
+        return self._run_step(trainable, lr, x, *self._targets(y, self.manifest.kind.target_weights(y)))
 
     def distill_step(self, step: DistillStep) -> float:
         """One optimizer step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
@@ -94,7 +94,7 @@ class OrtTrainingEngine(Engine):
 
     def statistics_step(self, x: np.ndarray, y: np.ndarray) -> None:
         """A training-mode forward (and the graph's backward) without the optimizer step, so AdamW's moments stay."""
-        self._run_step(self.statistics_set(), None, x, np.ascontiguousarray(y, dtype=np.int64))
+        self._run_step(self.statistics_set(), None, x, *self._targets(y, self.manifest.kind.target_weights(y)))
 
     def _run_step(self, key: str, lr: float | None, x: np.ndarray, *inputs: np.ndarray) -> float:
         """One optimizer step of training set `key` on (x, *inputs) (lr None: no step); BatchNorm statistics are
@@ -118,8 +118,10 @@ class OrtTrainingEngine(Engine):
         self._activate(active)
         module = self._sets[active][1]
         module.eval()
-        x = model_input(self.manifest, x)
-        return np.asarray(module(x, np.zeros(len(x), dtype=np.int64))[1], dtype=np.float32)
+        inputs = model_input(self.manifest, x)
+        y = np.zeros((len(x), *self.manifest.kind.target_shape), dtype=np.int64)
+        logits = np.asarray(module(inputs, *self._targets(y, np.ones(y.shape, np.float32)))[1], dtype=np.float32)
+        return self.manifest.kind.prediction_logits(logits, x)
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Loss and correct count through the eval graph (BatchNorm in inference mode)."""
@@ -127,10 +129,18 @@ class OrtTrainingEngine(Engine):
             self._activate(self._main_set())
         module = self._sets[self._active][1]
         module.eval()
-        outputs = module(model_input(self.manifest, x), np.ascontiguousarray(y, dtype=np.int64))
-        logits = outputs[1]
-        correct = int((logits.argmax(axis=1) == y).sum())
-        return EvalResult(loss_sum=float(outputs[0]) * len(x), correct=correct, count=len(x))
+        weights = self.manifest.kind.target_weights(y, scoring=True)
+        outputs = module(model_input(self.manifest, x), *self._targets(y, weights))
+        hits = (np.asarray(outputs[1]).argmax(axis=-1) == y) * weights
+        scored = float(weights.sum())
+        loss_sum = float(outputs[0]) * scored if scored else 0.0
+        return EvalResult(loss_sum=loss_sum, correct=int(hits.sum()), count=int(scored))
+
+    def _targets(self, y: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The graphs' inputs after x: the labels, and for a model taught every position its targets' weights (its
+        graph computes sum(w·ce)/sum(w), export/ort_training.py)."""
+        labels = np.ascontiguousarray(y, dtype=np.int64)
+        return (labels, np.ascontiguousarray(weights, dtype=np.float32)) if y.ndim > 1 else (labels,)
 
     def _main_set(self) -> str:
         return "full" if "full" in self._entry["sets"] else next(iter(self._entry["sets"]))

@@ -25,6 +25,7 @@ from edgepfl.data import LocalData, iterate_batches
 from edgepfl.device_runtime.algorithms import evaluate
 from edgepfl.device_runtime.engine import DistillStep, Engine, EvalResult
 from edgepfl.errors import DataError, StateError, UsageError
+from edgepfl.kinds import SampleKind
 from edgepfl.manifest import Manifest
 from edgepfl.wire import WireError, check_tensors, decode_tensors, encode_tensors
 
@@ -192,6 +193,16 @@ class DistillResult:
         return {"teacher": self.teacher, "student": self.student, "grid": self.grid}
 
 
+def check_distillable(kind: SampleKind) -> None:
+    """PersFL's teacher gives one row of logits a sample; a model taught a target at every position (a next-word
+    model) is refused in one line."""
+    if kind.target_shape:
+        raise UsageError(
+            f"PersFL distils one label a sample, and a {kind.described} model learns a target at every position",
+            "train it with fedavg, fedalt, fedsim or local",
+        )
+
+
 def distill(
     engine: Engine,
     teacher_tensors: Mapping[str, np.ndarray],
@@ -207,6 +218,7 @@ def distill(
     left loaded in `engine`; its test accuracy is reported (and the teacher's, for comparison).
     `on_step(loss)` is called after every SGD step (for progress bars); `distill_steps` counts them.
     """
+    check_distillable(engine.manifest.kind)
     if not (hasattr(engine, "distill_step") and hasattr(engine, "logits")):
         raise UsageError(f"the {engine.name} engine has no distillation step", "use --engine portable or ort-training")
     train_x, train_y = train

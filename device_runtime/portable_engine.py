@@ -176,7 +176,8 @@ class PortableEngine(Engine):
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The current model's inference-mode logits, (n, classes) float32, for inputs of any count."""
-        count = self._check_batch(x, np.zeros(len(x), dtype=np.int64))
+        targets = np.zeros((len(x), *self.manifest.kind.target_shape), dtype=np.int64)
+        count = self._check_batch(x, targets)
         key = self.predict_graph(count)
         graph = self.entry[key]
         size = graph.get("batch_size", self.batch_size)
@@ -185,32 +186,36 @@ class PortableEngine(Engine):
         for start in range(0, count, size):
             chunk = min(size, count - start)
             binding = self._bind_state(session, zip(graph["inputs"], self._state_names))
-            padded = self._padded(x, np.zeros(count, dtype=np.int64), start, chunk, size)
+            padded = self._padded(x, targets, start, chunk, size)
             for name, value in zip(graph["inputs"][len(self._state_names) :], padded):
                 binding.bind_cpu_input(name, value)
             binding.bind_output(graph["outputs"][0], "cpu")
             session.run_with_iobinding(binding)
             rows.append(binding.get_outputs()[0].numpy()[:chunk])
-        return np.concatenate(rows).astype(np.float32, copy=False)
+        logits = np.concatenate(rows).astype(np.float32, copy=False)
+        return self.manifest.kind.prediction_logits(logits, x)
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         """Summed loss and correct count over a batch of any size (run in chunks of `batch_size`)."""
         count = self._check_batch(x, y)
         graph = self.entry["eval"]
         session = self._session("eval", graph["model"])
-        loss_sum, correct = 0.0, 0
+        loss_sum, correct, scored = 0.0, 0, 0
         for start in range(0, count, self.batch_size):
             chunk = min(self.batch_size, count - start)
             binding = self._bind_state(session, zip(graph["inputs"], self._state_names))
-            for name, value in zip(graph["inputs"][len(self._state_names) :], self._padded(x, y, start, chunk)):
+            padded = self._padded(x, y, start, chunk, scoring=True)
+            for name, value in zip(graph["inputs"][len(self._state_names) :], padded):
                 binding.bind_cpu_input(name, value)
             for name in graph["outputs"][1:]:  # loss and correct; the logits stay unfetched
                 binding.bind_output(name, "cpu")
             session.run_with_iobinding(binding)
             loss, hits = (value.numpy() for value in binding.get_outputs())
-            loss_sum += float(loss) * chunk
+            weights = float(padded[2].sum())  # the targets the graph's mean is over: the real samples' scored ones
+            loss_sum += float(loss) * weights if weights else 0.0
             correct += int(hits)
-        return EvalResult(loss_sum=loss_sum, correct=correct, count=count)
+            scored += int(weights)
+        return EvalResult(loss_sum=loss_sum, correct=correct, count=scored)
 
     def _bind_state(self, session: ort.InferenceSession, inputs: Iterable[tuple[str, str]]) -> ort.IOBinding:
         """A binding with each (graph input, state tensor) pair's OrtValue bound, as held: no copy."""
@@ -245,8 +250,12 @@ class PortableEngine(Engine):
                 f"inputs have shape {tuple(x.shape)}, the model expects (batch, {', '.join(map(str, sample_shape))})",
                 "reshape the data to the manifest's input shape",
             )
-        if y.shape != (x.shape[0],):
-            raise DataError(f"labels have shape {tuple(y.shape)} for {x.shape[0]} inputs", "pass one label per input")
+        targets = self.manifest.kind.target_shape
+        if y.shape != (x.shape[0], *targets):
+            raise DataError(
+                f"labels have shape {tuple(y.shape)} for {x.shape[0]} inputs",
+                "pass one label per input" if not targets else f"pass {targets[0]} next tokens per input",
+            )
         if x.shape[0] == 0:
             raise DataError("the batch is empty", "pass at least one sample")
         return int(x.shape[0])
@@ -258,21 +267,22 @@ class PortableEngine(Engine):
         return "predict" if count <= self.entry.get("predict", {}).get("up_to", 0) else "eval"
 
     def _padded(
-        self, x: np.ndarray, y: np.ndarray, start: int, count: int, size: int | None = None
+        self, x: np.ndarray, y: np.ndarray, start: int, count: int, size: int | None = None, scoring: bool = False
     ) -> tuple[np.ndarray, ...]:
         """(x, y, w) of one graph batch of `size` (default: the step graphs'): `count` real samples from `start`,
-        zero-padded and masked."""
+        zero-padded, each target weighed as the kind weighs it (`scoring`: as the metric counts) and padding 0."""
         size = size or self.batch_size
         real_x = model_input(self.manifest, x[start : start + count])
         real_y = np.ascontiguousarray(y[start : start + count], dtype=self.label_dtype)
+        real_w = self.manifest.kind.target_weights(real_y, scoring)
         if count == size:
-            return real_x, real_y, np.ones(size, dtype=np.float32)
+            return real_x, real_y, real_w
         batch_x = np.zeros((size, *real_x.shape[1:]), dtype=real_x.dtype)  # padding: zeros, <pad> for token ids
         batch_x[:count] = real_x
-        batch_y = np.zeros(size, dtype=self.label_dtype)
+        batch_y = np.zeros((size, *real_y.shape[1:]), dtype=self.label_dtype)
         batch_y[:count] = real_y
-        weights = np.zeros(size, dtype=np.float32)
-        weights[:count] = 1.0
+        weights = np.zeros((size, *real_w.shape[1:]), dtype=np.float32)
+        weights[:count] = real_w
         return batch_x, batch_y, weights
 
 

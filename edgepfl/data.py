@@ -35,7 +35,8 @@ def check_samples(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The samples in the model's layout and their int64 labels, every value checked; one DataError otherwise."""
     samples = check_inputs(x, manifest, what=f"{what} x")
-    return samples, check_labels(np.asarray(y), manifest.num_classes, len(samples), what=f"{what} y")
+    labels = check_labels(np.asarray(y), manifest.num_classes, len(samples), f"{what} y", manifest.kind.target_shape)
+    return samples, labels
 
 
 def check_inputs(x: np.ndarray, manifest: Manifest, what: str = "x") -> np.ndarray:
@@ -43,12 +44,19 @@ def check_inputs(x: np.ndarray, manifest: Manifest, what: str = "x") -> np.ndarr
     return manifest.kind.check_inputs(np.asarray(x), what)
 
 
-def check_labels(y: np.ndarray, num_classes: int, count: int, what: str = "y") -> np.ndarray:
-    """Labels as int64 class indices in 0..num_classes-1, one per image; DataError otherwise."""
-    if y.ndim != 1 or len(y) != count:
+def check_labels(
+    y: np.ndarray, num_classes: int, count: int, what: str = "y", target_shape: tuple[int, ...] = ()
+) -> np.ndarray:
+    """Labels as int64 class indices in 0..num_classes-1, one per sample (a next-word sequence: one per position,
+    `target_shape`); DataError otherwise."""
+    if y.shape != (count, *target_shape):
+        expected = ", ".join(map(str, (count, *target_shape))) + ("," if not target_shape else "")
+        each = "one class index per sample" if not target_shape else f"{target_shape[0]} next tokens per sample"
         raise DataError(
-            f"{what} has shape {tuple(y.shape)}, expected ({count},): one class index per image",
-            "store labels as a 1-D array of class indices",
+            f"{what} has shape {tuple(y.shape)}, expected ({expected}): {each}",
+            "store labels as a 1-D array of class indices"
+            if not target_shape
+            else "make them with edgepfl.text.next_word_samples, or pass the text file itself",
         )
     if y.dtype.kind == "f":
         if not np.array_equal(y, np.round(y)):
@@ -58,9 +66,10 @@ def check_labels(y: np.ndarray, num_classes: int, count: int, what: str = "y") -
     labels = y.astype(np.int64)
     bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
     if len(bad):
-        first = int(bad[0])
+        first = tuple(int(i) for i in np.unravel_index(int(bad[0]), labels.shape))
+        where = ", ".join(map(str, first))
         raise DataError(
-            f"{what}[{first}] = {labels[first]} is not a class of this model (0..{num_classes - 1}); "
+            f"{what}[{where}] = {labels[first]} is not a class of this model (0..{num_classes - 1}); "
             f"{len(bad)} label(s) are out of range",
             f"relabel the data or export the model with --num-classes {int(labels.max()) + 1}",
         )
@@ -108,7 +117,7 @@ class LocalData:
     """A device's (or a simulated client's) images and labels with its train/held-out split."""
 
     images: np.ndarray  # the samples as stored: (N, C, H, W) uint8 pixels or floats in [0, 1], token ids, readings
-    labels: np.ndarray  # (N,) int64
+    labels: np.ndarray  # (N,) int64, or (N, seq_len): a next-word sequence's target at each position
     train_index: np.ndarray
     val_index: np.ndarray
     kind: SampleKind  # normalises a batch
@@ -166,7 +175,11 @@ def metric_description(manifest: Manifest) -> str:
 
 
 def scored(index: np.ndarray, labels: np.ndarray, manifest: Manifest) -> np.ndarray:
-    """The held-out samples whose target counts towards accuracy: all, but for a task whose manifest lists
-    `metric_ignores` (FedAlt's next-word accuracy: <pad> and <oov> targets do not count)."""
+    """The held-out samples with a target that counts towards accuracy: all, but for a task whose manifest lists
+    `metric_ignores` (FedAlt's next-word accuracy: <pad> and <oov> targets do not count; within a sequence the
+    engines weigh each position by `kind.target_weights`)."""
     ignored = manifest.kind.metric_ignores
-    return index[counted(labels[index], ignored)] if len(ignored) else index
+    if not len(ignored):
+        return index
+    counts = counted(labels[index], ignored)
+    return index[counts.reshape(len(index), -1).any(axis=1)]

@@ -17,7 +17,7 @@ import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -32,6 +32,8 @@ HIDDEN = "hidden"  # json_schema_extra key (on a field or a group): set by the p
 # "prefix": "distill_" (its leaves' flat names and flags get it)}
 GROUP = "group"
 OPTIONS = ConfigDict(frozen=True, extra="forbid")  # the model_config of every options model
+
+M = TypeVar("M", bound=BaseModel)  # an options model, as `unless_given` returns it
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,14 @@ def choices_of(info: FieldInfo) -> tuple[str, ...]:
     if typing.get_origin(annotation) is typing.Literal:
         return tuple(str(choice) for choice in typing.get_args(annotation))
     return ()
+
+
+def unless_given(options: M, defaults: Mapping[str, Any]) -> M:
+    """`options` with each of `defaults` (field -> value) in place of a field the user did not give: a bundle's own
+    defaults (a next-word model's batch size, learning rate and epochs) before the options' generic ones."""
+    missing = {key: value for key, value in defaults.items() if key not in options.model_fields_set}
+    missing = {key: value for key, value in missing.items() if key in type(options).model_fields}
+    return options.model_copy(update=missing) if missing else options
 
 
 class Composed(BaseModel):

@@ -1,11 +1,11 @@
 """Which parameters stay on the device: the `--personal` spec, its grammar, canonical string and role rule.
 
 A spec is a comma list of items, their union personal (FedAlt/FedSim's partial personalization, Pillutla et
-al. 2022): `output:K` (the last K blocks; `--kp K` is its shorthand), `input` (the first block: a text model's
-token embeddings, an image model's stem), `adapters:DIM` (a bottleneck adapter inserted into each block but the
-output layer, with the blocks' norm parameters), `lora:RANK` (low-rank updates B·A on the Linear and 1×1-Conv
-weights) and `names:GLOB` (any parameters by name, fnmatch). Simulate, serve and the devices read it without
-torch; export/personal.py inserts the adapters and LoRA factors into a torch module.
+al. 2022): `output:K` (the last K blocks; `--kp K` is its shorthand; `output` alone is `output:1`), `input` (the
+first block: a text model's token embeddings, an image model's stem), `adapters:DIM` (a bottleneck adapter inserted
+into each block but the output layer, with the blocks' norm parameters), `lora:RANK` (low-rank updates B·A on the
+Linear and 1×1-Conv weights) and `names:GLOB` (any parameters by name, fnmatch). Simulate, serve and the devices read
+it without torch; export/personal.py inserts the adapters and LoRA factors into a torch module.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from edgepfl.errors import BundleError, UsageError
 
 ITEMS = ("output:K", "input", "adapters:DIM", "lora:RANK", "names:GLOB")
-SPEC_HELP = "comma list of output:K, input, adapters:DIM, lora:RANK, names:GLOB (e.g. adapters:16 or input,output:1)"
+SPEC_HELP = (
+    "comma list of output:K (output: output:1), input, adapters:DIM, lora:RANK, names:GLOB (e.g. adapters:16 or "
+    "input,output)"
+)
 # the names export/personal.py gives what it inserts: an adapter is a child module, LoRA's factors are parameters
 ADAPTER_CHILD = "adapter"
 LORA_A, LORA_B = "lora_A", "lora_B"
@@ -89,6 +92,8 @@ def parse_spec(text: str, flag: str = "--personal") -> PersonalSpec:
             continue
         if kind == "input" and not colon:
             key, number = "input", True
+        elif kind == "output" and not colon:  # the output layer alone, as `input` is the input layer
+            key, number = "output", 1
         elif kind in ("output", "adapters", "lora") and colon:
             number = _count(value, item, flag, minimum=0 if kind == "output" else 1)
             key = kind

@@ -74,6 +74,10 @@ class RoundOptions(BaseModel):
         _setting("personal fine-tuning epochs per round, base frozen at round start (FedPer A.3)", ge=0, le=MAX_EPOCHS),
     ] = 0
     personal_epochs: Annotated[int, _setting("fedalt: epochs of the personal phase per round", ge=0, le=MAX_EPOCHS)] = 1
+    personal_lr: Annotated[
+        float | None,
+        _setting("fedalt: SGD learning rate of the personal phase (default: --lr)", gt=0.0, allow_inf_nan=False),
+    ] = None
     share_buffers: Annotated[
         bool,
         _setting(

@@ -1,10 +1,11 @@
 """Word-level text for next-word models: the one tokenizer, the vocabulary a bundle carries, and samples.
 
-A sample is a window of the `seq_len` tokens before a position (left-padded) and, as its label, the word at
-that position: the single-label shape of LEAF's Shakespeare task, so every engine trains a keyboard's model with
-the classifier's loss. Each line (a speech, a message) starts with <bos> and ends with <eos>; a context never
-crosses a line. The page tokenizes with the same rules (device_runtime/web/src/text.js, pinned by a fixture that
-this module writes).
+A sample is `seq_len + 1` token ids of one line (a speech, a message: <bos>, its words, <eos>), right-padded with
+<pad>: the model reads the first `seq_len` and is taught the next token at every position at once (the causal
+language model's loss, as FedAlt and keyboards train), <pad> targets left out. A line longer than a sample is cut
+into several, each starting where the last one's targets ended, so every token is a target exactly once; a sample
+never crosses a line. A prediction reads the last real position of a right-padded phrase. The page tokenizes and
+cuts with the same rules (device_runtime/web/src/text.js, pinned by a fixture that this module writes).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ PAD, OOV, BOS, EOS = "<pad>", "<oov>", "<bos>", "<eos>"
 SPECIALS = (PAD, OOV, BOS, EOS)
 PAD_ID, OOV_ID, BOS_ID, EOS_ID = range(len(SPECIALS))
 METRIC_IGNORED = (PAD_ID, OOV_ID)  # FedAlt's accuracy: out-of-vocabulary and pad targets do not count
+LOSS_IGNORED = (PAD_ID,)  # the loss leaves out the padding after a line's <eos>
+EVERY_POSITION = "every-position"  # a text bundle's `sample.targets`: the model is taught each position's next token
+# the round settings a next-word model trains with when none is given (simulate, device train, a served bundle's
+# rounds and so the page): measured on Shakespeare's roles, docs/text-models.md says how
+TRAINING_DEFAULTS = {"batch_size": 16, "lr": 0.5, "epochs": 1}
 VOCAB_NAME = "vocab.json"
 VOCAB_FORMAT = "edgepfl-vocab/1"
 DEFAULT_VOCAB_SIZE = 10_000  # FedAlt's StackOverflow vocabulary (plus the four specials)
@@ -164,10 +170,11 @@ def line_ids(line: str, vocabulary: Vocabulary) -> np.ndarray:
 
 
 def context(ids: Sequence[int], seq_len: int) -> np.ndarray:
-    """The last `seq_len` ids, left-padded with <pad>: what the model reads to predict the next word."""
+    """The last `seq_len` ids, right-padded with <pad>: what the model reads to predict the token after the last
+    one (at `last_positions`)."""
     window = np.full(seq_len, PAD_ID, dtype=np.int64)
     tail = np.asarray(ids, dtype=np.int64)[-seq_len:] if seq_len else np.zeros(0, np.int64)
-    window[seq_len - len(tail) :] = tail
+    window[: len(tail)] = tail
     return window
 
 
@@ -177,22 +184,33 @@ def phrase_context(phrase: str, vocabulary: Vocabulary, seq_len: int) -> np.ndar
     return context(np.concatenate([[BOS_ID], vocabulary.encode(tokenize(phrase))]), seq_len)
 
 
+def last_positions(x: np.ndarray) -> np.ndarray:
+    """Each right-padded row's last real position (not <pad>), where the model's next-token prediction is read;
+    0 for a row of padding only."""
+    real = np.asarray(x) != PAD_ID
+    length = real.shape[-1]
+    return np.where(real.any(axis=-1), length - 1 - np.argmax(real[..., ::-1], axis=-1), 0)
+
+
 def next_word_samples(lines: Iterable[str], vocabulary: Vocabulary, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every position after <bos> of every non-empty line: x int64 (N, seq_len), the word before it; y int64 (N,)."""
+    """Every non-empty line's sequences: x int64 (N, seq_len) the tokens read, y int64 (N, seq_len) the next token
+    at each position (<pad> after the line's <eos>). A line of more than `seq_len` targets makes several rows."""
     if seq_len < 1:
         raise UsageError(f"a sequence of {seq_len} tokens reads no word", f"use {DEFAULT_SEQ_LEN}")
-    xs, ys = [], []
+    rows = []
     for line in lines:
         if not tokenize(line):
             continue
         ids = line_ids(line, vocabulary)
-        padded = np.concatenate([np.full(seq_len, PAD_ID, dtype=np.int64), ids])
-        windows = np.lib.stride_tricks.sliding_window_view(padded[:-1], seq_len)[1:]
-        xs.append(windows)
-        ys.append(ids[1:])
-    if not ys:
-        return np.zeros((0, seq_len), np.int64), np.zeros(0, np.int64)
-    return np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys)
+        for start in range(0, len(ids) - 1, seq_len):
+            row = np.full(seq_len + 1, PAD_ID, dtype=np.int64)
+            piece = ids[start : start + seq_len + 1]
+            row[: len(piece)] = piece
+            rows.append(row)
+    if not rows:
+        return np.zeros((0, seq_len), np.int64), np.zeros((0, seq_len), np.int64)
+    sequences = np.stack(rows)
+    return np.ascontiguousarray(sequences[:, :-1]), np.ascontiguousarray(sequences[:, 1:])
 
 
 def counted(labels: np.ndarray, ignored: Sequence[int] = METRIC_IGNORED) -> np.ndarray:

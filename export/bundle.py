@@ -232,7 +232,7 @@ def _write_bundle(
     )
     for name, payload in target.files.items():
         (folder / name).write_bytes(payload)
-    shape = StepShape(target.input_shape, target.num_classes, target.input_dtype)
+    shape = StepShape(target.input_shape, target.num_classes, target.input_dtype, manifest.kind.target_shape)
     random_off = prepare.random_layers(model)
     if random_off:
         notice(
@@ -302,13 +302,21 @@ def _export_ort_training(
         )
     model = prepare.primitive_group_norm(model)
     folder.mkdir(parents=True, exist_ok=True)
-    proto = ort_training.export_training_onnx(model, folder / "forward_training.onnx", shape)
+    sequence = bool(shape.target_shape)  # a target at every position: the graph computes its own loss
+    forward = folder / "forward_training.onnx"
+    if sequence:
+        proto = ort_training.export_sequence_onnx(model, forward, shape)
+    else:
+        proto = ort_training.export_training_onnx(model, forward, shape)
     stats = ort_training.bn_stat_outputs(proto, ort_training.batchnorm_spatial_sizes(model, shape))
     trainable_sets = manifest.trainable_sets()
+    loss_output = ort_training.LOSS if sequence else None
     sets = {}
     for set_name, trainable in trainable_sets.items():
         try:
-            ort_training.build_training_set(proto, folder / set_name, trainable, options.optimizer, stats)
+            ort_training.build_training_set(
+                proto, folder / set_name, trainable, options.optimizer, stats, loss_output=loss_output
+            )
         except RuntimeError as exc:
             raise OrtUnsupported(
                 f"onnxruntime-training 1.19.2 cannot build artifacts for this model ({_ort_reason(exc)})"
@@ -322,7 +330,7 @@ def _export_ort_training(
     (folder / "forward_training.onnx").unlink()
     distill = (
         ort_training.build_distill_sets(model, trainable_sets, folder, options.optimizer, shape)
-        if options.distill
+        if options.distill and not sequence  # PersFL's teacher gives one row of logits a sample
         else {}
     )
     return {

@@ -38,13 +38,23 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_cross_entropy(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """sum(w · cross-entropy) / sum(w): the mean over the samples with w = 1 (w = 0 marks padding)."""
+    """sum(w · cross-entropy) / sum(w): the mean over the targets with w = 1 (w = 0 marks padding). A sequence's
+    logits (n, positions, classes) count as n · positions rows, its y and w (n, positions) as as many targets."""
+    logits, y, w = by_target(logits, y, w)
     return (cross_entropy(logits, y) * w).sum() / w.sum()
 
 
+def by_target(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(rows, classes) logits and (rows,) y and w: one row per target (a sequence's positions flattened)."""
+    if logits.dim() == 2:
+        return logits, y, w
+    return logits.reshape(-1, logits.shape[-1]), y.reshape(-1), w.reshape(-1)
+
+
 def correct_count(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """How many samples with w > 0 have their label as the first largest logit (argmax's choice), as a float32
+    """How many targets with w > 0 are the first largest logit of their row (argmax's choice), as a float32
     scalar: the index of the first maximum is the smallest class index whose logit equals the row's max."""
+    logits, y, w = by_target(logits, y, w)
     classes = logits.shape[1]
     index = torch.arange(classes, dtype=logits.dtype)
     is_max = logits == logits.amax(dim=1, keepdim=True)

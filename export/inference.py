@@ -5,6 +5,8 @@ name: BatchNorm stays a node (onnxruntime folds it into the convolution when it 
 trace runs on distinct stand-in values, because the exporter merges initializers of equal value (fresh
 BatchNorm layers are all ones and zeros). The real values are written back by name and the graph is checked
 against the module's eval logits; a model whose trace depends on its values falls back to the folded export.
+A model taught a target at every position (a next-word model, right-padded token ids) gets a last step that reads
+its logits at each row's last real position (not <pad> = 0), so that the graph answers what follows the input.
 """
 
 from __future__ import annotations
@@ -46,10 +48,55 @@ def export_inference(model: nn.Module, input_shape: Sequence[int] | StepShape, p
             init.CopyFrom(numpy_helper.from_array(real[init.name].cpu().numpy(), init.name))
     wanted = {name for name, tensor in real.items() if tensor.is_floating_point() and tensor.numel()}
     if wanted <= named and _same_logits(model, proto, shape):
-        onnx.save(proto, str(path))
+        onnx.save(_last_position(proto, shape), str(path))
         return True
     _export(model, shape, path, torch.onnx.TrainingMode.EVAL)
+    onnx.save(_last_position(onnx.load(str(path)), shape), str(path))
     return False
+
+
+def _last_position(proto: onnx.ModelProto, shape: StepShape) -> onnx.ModelProto:
+    """For a model with a target at every position: `logits` (batch, classes) read at each row's last input id that
+    is not <pad> (0; the first position for a row of padding only), from the model's (batch, positions, classes), as
+    edgepfl.text.last_positions reads it; other models as they are."""
+    if not shape.target_shape:
+        return proto
+    graph, steps = proto.graph, shape.input_shape[0]
+    every = "logits_every_position"
+    for node in graph.node:
+        node.output[:] = [every if name == "logits" else name for name in node.output]
+    const = onnx.helper.make_tensor
+    graph.initializer.extend(
+        [
+            const("last_position_zero", onnx.TensorProto.INT64, [], [0]),
+            const("last_position_steps", onnx.TensorProto.INT64, [steps], list(range(steps))),
+            const("last_position_axis1", onnx.TensorProto.INT64, [1], [1]),
+            const("last_position_axis2", onnx.TensorProto.INT64, [1], [2]),
+            const("last_position_shape", onnx.TensorProto.INT64, [3], [1, 1, shape.num_classes]),
+        ]
+    )
+    make = onnx.helper.make_node
+    graph.node.extend(
+        [
+            make("Equal", ["input", "last_position_zero"], ["last_position_pad"]),
+            make("Not", ["last_position_pad"], ["last_position_real"]),
+            make("Cast", ["last_position_real"], ["last_position_flags"], to=onnx.TensorProto.INT64),
+            make("Mul", ["last_position_flags", "last_position_steps"], ["last_position_real_steps"]),
+            make("ReduceMax", ["last_position_real_steps"], ["last_position_index"], axes=[1], keepdims=1),
+            make("Unsqueeze", ["last_position_index", "last_position_axis2"], ["last_position_index3"]),
+            make("Expand", ["last_position_index3", "last_position_shape"], ["last_position_gather"]),
+            make("GatherElements", [every, "last_position_gather"], ["last_position_rows"], axis=1),
+            make("Squeeze", ["last_position_rows", "last_position_axis1"], ["logits"]),
+        ]
+    )
+    for info in [info for info in graph.value_info if info.name == "logits"]:
+        graph.value_info.remove(info)
+    del graph.output[:]
+    graph.output.append(
+        onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", shape.num_classes])
+    )
+    onnx.checker.check_model(proto)
+    return proto
 
 
 def _step_shape(input_shape: Sequence[int] | StepShape) -> StepShape:

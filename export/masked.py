@@ -192,17 +192,20 @@ class _MaskSlot:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What the step graphs are traced for: one sample's input shape, the number of classes, the input's dtype."""
+    """What the step graphs are traced for: one sample's input shape, the number of classes, the input's dtype and
+    one sample's targets (a next-word sequence: one per position)."""
 
     input_shape: tuple[int, ...]
     num_classes: int
     input_dtype: str = "float32"  # int64 for token ids (a text bundle)
+    target_shape: tuple[int, ...] = ()  # (seq_len,) for a next-word model
 
     @classmethod
     def of(cls, model: nn.Module) -> StepShape:
         """A zoo model's own shape, from its spec (an image spec has no dtype: float32)."""
         spec = model.spec
-        return cls(tuple(spec.input_shape), spec.num_classes, getattr(spec, "input_dtype", "float32"))
+        targets = tuple(getattr(spec, "target_shape", ()))
+        return cls(tuple(spec.input_shape), spec.num_classes, getattr(spec, "input_dtype", "float32"), targets)
 
     def zeros(self, count: int) -> torch.Tensor:
         """`count` all-zero samples of the input's shape and dtype (what the exporters trace with)."""

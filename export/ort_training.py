@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
 from edgepfl.export.masked import StepShape
@@ -21,8 +22,10 @@ ORT_MAX_IR = 10  # onnxruntime(-training) 1.19 loads IR <= 10
 ORT_OPSET = 17
 TRAINING_SETS = ("full", "personal", "base")
 LOGITS = "logits"
-DISTILL_LOSS = "loss"
+LOSS = "loss"  # the output a loss wrapper's graph (distillation, every position) trains on
 DISTILL_INPUTS = ("input", "labels", "teacher_logits", "T", "lambda")
+SEQUENCE_INPUTS = ("input", "labels", "weights")
+WRAPPED_PREFIX = "model."  # a loss wrapper's name for the model's tensors
 
 
 def export_training_onnx(model: torch.nn.Module, path: Path, shape: StepShape | None = None) -> onnx.ModelProto:
@@ -164,10 +167,7 @@ def export_distill_onnx(
     """Training-mode ONNX export of (input, labels, teacher_logits, T, lambda) -> (loss, logits) for PersFL.
 
     The loss is `edgepfl.export.portable.distillation_loss`, the same function the portable graphs trace.
-    Tensor names are the model's own (the wrapper's `model.` prefix is removed); the model is left untouched.
     """
-    before = copy.deepcopy(model.state_dict())
-    wrapper = _DistillForward(model, variant)
     batch = 2
     shape = _traced_shape(model, shape)
     example = (
@@ -177,6 +177,35 @@ def export_distill_onnx(
         torch.tensor(2.0),
         torch.tensor(0.5),
     )
+    batched = ("input", "labels", "teacher_logits")
+    return _export_with_loss(_DistillForward(model, variant), example, DISTILL_INPUTS, batched, path)
+
+
+def export_sequence_onnx(model: torch.nn.Module, path: Path, shape: StepShape) -> onnx.ModelProto:
+    """Training-mode ONNX export of (input, labels, weights) -> (loss, logits) for a model taught a target at every
+    position (a next-word model): the loss is sum(w·ce)/sum(w) over its targets, as the torch engine and the
+    portable graphs compute it (ORT's own cross-entropy takes one label a sample)."""
+    batch = 2
+    example = (
+        shape.zeros(batch),
+        torch.zeros(batch, *shape.target_shape, dtype=torch.int64),
+        torch.ones(batch, *shape.target_shape),
+    )
+    return _export_with_loss(_SequenceForward(model), example, SEQUENCE_INPUTS, SEQUENCE_INPUTS, path)
+
+
+def _export_with_loss(
+    wrapper: torch.nn.Module,
+    example: tuple[torch.Tensor, ...],
+    input_names: tuple[str, ...],
+    batched: tuple[str, ...],
+    path: Path,
+) -> onnx.ModelProto:
+    """Export `wrapper` (its `model` followed by a loss) in training mode as (inputs) -> (loss, logits).
+
+    Tensor names are the model's own (the wrapper's `model.` prefix is removed); the model is left untouched."""
+    model = wrapper.model
+    before = copy.deepcopy(model.state_dict())
     wrapper.train()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*num_batches_tracked.*")
@@ -184,14 +213,9 @@ def export_distill_onnx(
             wrapper,
             example,
             str(path),
-            input_names=list(DISTILL_INPUTS),
-            output_names=[DISTILL_LOSS, LOGITS],
-            dynamic_axes={
-                "input": {0: "batch"},
-                "labels": {0: "batch"},
-                "teacher_logits": {0: "batch"},
-                LOGITS: {0: "batch"},
-            },
+            input_names=list(input_names),
+            output_names=[LOSS, LOGITS],
+            dynamic_axes={**{name: {0: "batch"} for name in batched}, LOGITS: {0: "batch"}},
             opset_version=ORT_OPSET,
             do_constant_folding=False,
             training=torch.onnx.TrainingMode.TRAINING,
@@ -199,7 +223,7 @@ def export_distill_onnx(
         )
     model.load_state_dict(before)
     proto = onnx.load(str(path))
-    prefix = _DistillForward.PREFIX
+    prefix = WRAPPED_PREFIX
     renamed = {init.name: init.name[len(prefix) :] for init in proto.graph.initializer if init.name.startswith(prefix)}
     for init in proto.graph.initializer:
         init.name = renamed.get(init.name, init.name)
@@ -234,7 +258,7 @@ def build_distill_sets(
             if not trainable:
                 continue
             out = f"distill_{variant}_{set_name}"
-            build_training_set(proto, folder / out, trainable, optimizer, stats, loss_output=DISTILL_LOSS)
+            build_training_set(proto, folder / out, trainable, optimizer, stats, loss_output=LOSS)
             sets[set_name] = {
                 "training_model": f"{folder.name}/{out}/training_model.onnx",
                 "eval_model": f"{folder.name}/{out}/eval_model.onnx",
@@ -246,10 +270,21 @@ def build_distill_sets(
     return entry
 
 
+class _SequenceForward(torch.nn.Module):
+    """The model followed by the weighted cross-entropy over every target, as one module for the exporter."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels, weights):
+        logits = self.model(x)
+        per_target = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        return (per_target * weights.reshape(-1)).sum() / weights.sum(), logits
+
+
 class _DistillForward(torch.nn.Module):
     """The model followed by PersFL's distillation loss, as one module for the exporter."""
-
-    PREFIX = "model."
 
     def __init__(self, model: torch.nn.Module, variant: str):
         super().__init__()

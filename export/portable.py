@@ -2,7 +2,8 @@
 
 Each step graph maps `param:<name>…, buffer:<name>…, x, y, w, lr` to `loss, new_param:<name>…, new_buffer:<name>…`,
 with no output for a tensor the step passes through unchanged (the manifest entry's `updates` names the tensor each
-output after the loss updates). `w` is a per-sample weight: the loss is sum(w·ce)/sum(w), and training-mode
+output after the loss updates). `w` is a per-target weight (a next-word model's y and w have a position axis, and
+its logits one more): the loss is sum(w·ce)/sum(w) over the batch's targets, and training-mode
 BatchNorm computes its batch statistics over the samples with w > 0 only, so a last partial batch padded with w = 0
 trains exactly like PyTorch on its real samples. Plain onnxruntime (any current release, ARM included) runs these
 graphs; no training build is needed.
@@ -65,7 +66,11 @@ def export_portable(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     prefix = folder.name
-    step_model = MaskedModel(model, StepShape(tuple(manifest.input.shape), manifest.num_classes, manifest.input.dtype))
+    shape = StepShape(
+        tuple(manifest.input.shape), manifest.num_classes, manifest.input.dtype, manifest.kind.target_shape
+    )
+    step_model = MaskedModel(model, shape)
+    distill = distill and not shape.target_shape  # PersFL's teacher gives one row of logits a sample
     trainable = set(manifest.trainable("full"))
     params = [name for name, _ in model.named_parameters() if name in trainable]
     buffers = [name for name, _ in model.named_buffers() if name in set(manifest.names("buffer"))]
@@ -375,8 +380,8 @@ def _example_inputs(step_model: MaskedModel, params: list[str], buffers: list[st
     return [
         *(state[n] for n in params + buffers),
         spec.zeros(batch_size),
-        torch.zeros(batch_size, dtype=LABEL_DTYPE),
-        torch.ones(batch_size),
+        torch.zeros(batch_size, *spec.target_shape, dtype=LABEL_DTYPE),
+        torch.ones(batch_size, *spec.target_shape),
     ]
 
 

@@ -1,11 +1,9 @@
 """The zoo's sequence models: a next-word `transformer` and `lstm` over token ids, and `har-cnn` over sensor windows.
 
-Every engine trains them with the classifier's loss: a text sample is the window of the `seq_len` tokens before a
-word (edgepfl.text), its label the word, so a language model's output is the logits of its LAST position. Each
-model is written with ops that every engine can differentiate: the LSTM's cell is spelled out (MatMul, Sigmoid,
-Tanh, unrolled over the window) instead of nn.LSTM, whose ONNX LSTM op has no gradient in the portable engine,
-and the HAR network's 1-D convolutions are (1, k) 2-D convolutions over a (channels, 1, time) map, which the
-portable exporter differentiates (it takes 2-D convolutions only).
+A next-word model (causal) gives the next token's logits at EVERY position, (batch, seq_len, vocabulary): every
+engine's loss is the mean cross-entropy over the non-<pad> targets (edgepfl.text); a prediction reads the last real
+position. Every engine differentiates these ops: the LSTM's cell is spelled out (MatMul, Sigmoid, Tanh, unrolled)
+instead of nn.LSTM (the ONNX LSTM op has no portable gradient), and HAR's 1-D convolutions are (1, k) 2-D ones.
 """
 
 from __future__ import annotations
@@ -65,6 +63,11 @@ class TextSpec:
     def num_classes(self) -> int:
         """One class per word of the vocabulary."""
         return self.vocab_size
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """One sample's targets: the next token at each position."""
+        return (self.seq_len,)
 
     @property
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -214,7 +217,7 @@ class _TransformerLayer(nn.Module):
 
 class CausalTransformer(BlockModel):
     """FedAlt's StackOverflow next-word transformer: embeddings, pre-LN causal layers, a final norm, the output
-    layer; the logits of the last position. Blocks: embedding, layer1..L, output."""
+    layer; the logits at every position. Blocks: embedding, layer1..L, output."""
 
     def __init__(self, spec: TextSpec):
         super().__init__()
@@ -236,7 +239,7 @@ class CausalTransformer(BlockModel):
         h = self.embedding(ids)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h[:, -1]))
+        return self.output(self.norm(h))
 
     def adapter_axis(self, block_index: int) -> int:
         """The feature axis of a block's output, (N, T, D): where a bottleneck adapter reads and adds."""
@@ -292,7 +295,7 @@ class WordLSTM(BlockModel):
         h = self.embedding(ids)
         for layer in self.lstm:
             h = layer(h)
-        return self.output(h[:, -1])
+        return self.output(h)
 
     def adapter_axis(self, block_index: int) -> int:
         """The feature axis of a block's output, (N, T, H)."""

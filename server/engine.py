@@ -20,6 +20,7 @@ import numpy as np
 from edgepfl.encoding import decode_download
 from edgepfl.errors import StateError
 from edgepfl.manifest import load_manifest
+from edgepfl.options import unless_given
 from edgepfl.server.config import ServerConfig
 from edgepfl.server.core import EngineCore
 from edgepfl.server.driver import DevicePlan, ManualClock, global_base_of
@@ -31,6 +32,8 @@ from edgepfl.server.strategies import make_strategy
 def create_engine(config: ServerConfig, clock: Callable[[], float] = time.time) -> RoundEngine:
     """Load the bundle's manifest, open (or create) the state folder and bind the two together."""
     manifest = load_manifest(config.bundle)
+    # round settings the operator did not give: the bundle's kind's (a next-word model's measured defaults)
+    config = config.model_copy(update={"round": unless_given(config.round, manifest.kind.training_defaults)})
     store = Store(config.state)
     specs = manifest.shared(config.share_buffers)
     strategy = make_strategy(config.strategy, specs, config.settings, config.seed)

@@ -46,8 +46,9 @@ def test_every_setting_has_python_s_default_type_and_bounds() -> None:
     assert {n: (s["minimum"], s["maximum"]) for n, s in settings.items() if "minimum" in s}["epochs"] == (0, 1000)
     assert settings["algorithm"]["enum"] == list(ALGORITHMS)
     assert settings["download_encoding"]["enum"] == list(DOWNLOAD_ENCODINGS)
-    assert [n for n, s in settings.items() if "exclusiveMinimum" in s] == ["lr", "clip_norm"]
+    assert [n for n, s in settings.items() if "exclusiveMinimum" in s] == ["lr", "personal_lr", "clip_norm"]
     assert settings["clip_norm"]["nullable"] and not settings["lr"]["nullable"]
+    assert settings["personal_lr"]["nullable"] and settings["personal_lr"]["default"] is None  # None: the shared lr
     assert settings["kept_on_device"] == {**settings["kept_on_device"], "type": "array", "items": "string"}
     assert settings["epochs"]["help"] == RoundSettings.model_fields["epochs"].description
 
@@ -55,15 +56,21 @@ def test_every_setting_has_python_s_default_type_and_bounds() -> None:
 def test_phases_and_uploads_are_the_algorithms_own() -> None:
     contract = device_contract()
     assert list(contract["algorithms"]) == list(CLIENT_ALGORITHMS) == list(ALGORITHMS)
-    settings = RoundSettings(epochs=2, personal_epochs=3, finetune_epochs=5)
+    settings = RoundSettings(epochs=2, personal_epochs=3, finetune_epochs=5, lr=0.1, personal_lr=0.02)
     sets = ("full", "personal", "base")
     for name, algorithm in contract["algorithms"].items():
         assert algorithm["uploads"] is CLIENT_ALGORITHMS[name].uploads
         declared = [contract["finetune_phase"], *algorithm["phases"]]
-        # the page's reading of the contract: each phase's epochs from the settings field it names
-        read = [(p["name"], p["trainable"], getattr(settings, p["epochs"])) for p in declared]
+        # the page's reading of the contract: each phase's epochs and learning rate from the settings fields it names
+        read = [
+            (p["name"], p["trainable"], getattr(settings, p["epochs"]), getattr(settings, p["lr"])) for p in declared
+        ]
         python = round_phases(settings.model_copy(update={"algorithm": name}), sets)
-        assert read == [(p.name, p.trainable, p.epochs) for p in python], name
+        assert read == [(p.name, p.trainable, p.epochs, p.lr) for p in python], name
+    fedalt = round_phases(settings.model_copy(update={"algorithm": "fedalt"}), sets)
+    assert [(p.name, p.lr) for p in fedalt] == [("finetune", 0.1), ("personal", 0.02), ("base", 0.1)]
+    shared = round_phases(settings.model_copy(update={"algorithm": "fedalt", "personal_lr": None}), sets)
+    assert {p.lr for p in shared} == {0.1}  # no --personal-lr: the shared one
     assert contract["finetune_phase"]["epochs"] == FINETUNE.epochs_setting == "finetune_epochs"
 
 

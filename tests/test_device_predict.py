@@ -57,7 +57,7 @@ def trained_state(bn_bundle, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("state")
     engine = open_engine(bn_bundle, "portable")
     data = noisy_data(engine.manifest, 640, seed=0)
-    train_phase(engine, data, Phase("local", "full", 3), 0.05, 32, seed=0)
+    train_phase(engine, data, Phase("local", "full", 3, 0.05), 32, seed=0)
     state = StateFolder(folder, engine.manifest, engine.name)
     state.commit(engine.get_tensors(), {"local_training": True})
     state.close()

@@ -570,4 +570,4 @@ def test_train_phase_refuses_a_set_the_bundle_lacks(mlp_bundle):
     manifest = engine.manifest
     data = local_data(manifest)
     with pytest.raises(UsageError, match="no 'head' trainable set"):
-        train_phase(engine, data, Phase("x", "head", 1), 0.1, 16, 0)
+        train_phase(engine, data, Phase("x", "head", 1, 0.1), 16, 0)

@@ -382,7 +382,7 @@ def test_export_model_carries_the_trained_personal_part_in_fp32_and_int8(any_per
     assert fp32.max_difference <= 1e-4
     session = onnxruntime.InferenceSession(str(tmp_path / "fp32.onnx"), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(["probabilities"], {"input": x})[0], trained, atol=1e-5)
-    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y), 16)  # type: ignore[arg-type]
+    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y, manifest.kind), 16)  # type: ignore[arg-type]
     assert int8.calibration_samples == 16 and int8.val_accuracy is not None
     quantized = onnxruntime.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(quantized.run(["probabilities"], {"input": x})[0].sum(1), 1, atol=1e-4)

@@ -47,7 +47,7 @@ def _sensor_manifest() -> Manifest:
     )
 
 
-def test_a_text_file_trains_in_time_order_and_holds_out_only_words_that_count(tmp_path):
+def test_a_text_file_trains_in_time_order_and_scores_only_words_that_count(tmp_path):
     bundle, manifest, vocabulary = _text_bundle(tmp_path)
     notes = tmp_path / "notes.txt"
     notes.write_text(NOTES, encoding="utf-8")
@@ -55,10 +55,14 @@ def test_a_text_file_trains_in_time_order_and_holds_out_only_words_that_count(tm
     assert data.images.shape[1:] == (4,) and data.images.dtype == np.int64
     assert data.train_index.max() < data.val_index.min()  # the held-out part is the end of the text
     assert OOV_ID in data.labels[data.train_index[-len(data.val_index) :]] or OOV_ID in data.labels
-    assert not np.isin(data.labels[data.val_index], (PAD_ID, OOV_ID)).any()
-    assert EOS_ID in data.labels[data.val_index]
+    # each held-out sequence has a target the accuracy counts; its <pad> and <oov> positions weigh 0
+    held = data.labels[data.val_index]
+    assert (~np.isin(held, (PAD_ID, OOV_ID))).any(axis=1).all()
+    weights = manifest.kind.target_weights(held, scoring=True)
+    assert not weights[np.isin(held, (PAD_ID, OOV_ID))].any() and weights[~np.isin(held, (PAD_ID, OOV_ID))].all()
+    assert EOS_ID in held
     x, y = next(data.train_batches(4, seed=0, epoch=0))
-    assert x.dtype == np.int64 and x.shape == (4, 4) and y.dtype == np.int64
+    assert x.dtype == np.int64 and x.shape == (4, 4) and y.dtype == np.int64 and y.shape == (4, 4)
 
 
 @pytest.mark.parametrize(
@@ -186,11 +190,13 @@ def test_token_windows_are_checked_against_the_vocabulary(tmp_path):
 def test_the_metric_mask_comes_from_the_manifest(tmp_path):
     _, text_manifest, _ = _text_bundle(tmp_path)
     labels = np.array([PAD_ID, OOV_ID, EOS_ID, 5, OOV_ID, 6])
-    assert scored(np.arange(6), labels, text_manifest).tolist() == [2, 3, 5]
     assert scored(np.arange(6), labels, _sensor_manifest()).tolist() == list(range(6))  # no metric_ignores
     assert "<pad>, <oov> not counted" in metric_description(text_manifest)
-    data = make_local_data(np.zeros((6, 4), np.int64), labels, text_manifest, 0.5, seed=0)
-    assert set(data.val_index) <= {2, 3, 5}
+    # a next-word sample (a target at every position) is held out when one of its targets counts
+    sequences = np.array([[PAD_ID] * 4, [OOV_ID, PAD_ID, PAD_ID, PAD_ID], [5, EOS_ID, PAD_ID, PAD_ID]] * 2)
+    assert scored(np.arange(6), sequences, text_manifest).tolist() == [2, 5]
+    data = make_local_data(np.full((6, 4), 4, np.int64), sequences, text_manifest, 0.5, seed=0)
+    assert set(data.val_index) <= {2, 5}
 
 
 def test_accuracy_summary_reports_the_10th_percentile():

@@ -17,6 +17,7 @@ from edgepfl.text import (
     SPECIALS,
     Vocabulary,
     counted,
+    last_positions,
     load_vocabulary,
     next_word_samples,
     phrase_context,
@@ -47,13 +48,19 @@ def test_vocabulary_refuses_an_empty_corpus_and_a_size_of_nothing():
         Vocabulary.from_texts(["a"], size=0)
 
 
-def test_next_word_samples_read_the_left_padded_context_of_each_position_within_a_line():
+def test_next_word_samples_are_a_lines_sequences_with_the_next_token_at_every_position():
     vocabulary = Vocabulary.from_texts(["a b c"], size=10)
     a, b, c = vocabulary.encode(["a", "b", "c"]).tolist()
     x, y = next_word_samples(["a b", "", "c"], vocabulary, seq_len=2)
-    assert y.tolist() == [a, b, EOS_ID, c, EOS_ID]
-    assert x.tolist() == [[PAD_ID, BOS_ID], [BOS_ID, a], [a, b], [PAD_ID, BOS_ID], [BOS_ID, c]]
+    # "a b" is <bos> a b <eos>: three targets, two rows; the second starts where the first's targets ended
+    assert x.tolist() == [[BOS_ID, a], [b, EOS_ID], [BOS_ID, c]]  # <eos> is read where the target is <pad>
+    assert y.tolist() == [[a, b], [EOS_ID, PAD_ID], [c, EOS_ID]]
     assert x.dtype == np.int64 and y.dtype == np.int64
+    x, y = next_word_samples(["a b c"], vocabulary, seq_len=4)  # a line that fits: one row, <pad> after <eos>
+    assert x.tolist() == [[BOS_ID, a, b, c]] and y.tolist() == [[a, b, c, EOS_ID]]
+    targets = [t for row in next_word_samples(["a b c a b c a"], vocabulary, 3)[1] for t in row if t != PAD_ID]
+    assert targets == [a, b, c, a, b, c, a, EOS_ID]  # every token a target exactly once
+    assert last_positions(np.array([[BOS_ID, a, PAD_ID], [a, b, c], [PAD_ID] * 3])).tolist() == [1, 2, 0]
     assert counted(np.array([PAD_ID, OOV_ID, EOS_ID, a])).tolist() == [False, False, True, True]
 
 
@@ -83,6 +90,7 @@ def test_a_text_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
 def test_a_typed_phrase_reads_bos_and_its_words_and_counts_skip_specials():
     vocabulary = Vocabulary.from_counts(Counter({"hello": 3, "<eos>": 9, "world": 1, "unused": 0}), size=5)
     assert vocabulary.words == ("<pad>", "<oov>", "<bos>", "<eos>", "hello", "world")
-    assert phrase_context("Hello there", vocabulary, 4).tolist() == [PAD_ID, BOS_ID, 4, OOV_ID]
-    assert phrase_context("", vocabulary, 2).tolist() == [PAD_ID, BOS_ID]
+    assert phrase_context("Hello there", vocabulary, 4).tolist() == [BOS_ID, 4, OOV_ID, PAD_ID]  # right-padded
+    assert phrase_context("", vocabulary, 2).tolist() == [BOS_ID, PAD_ID]
+    assert phrase_context("hello hello hello", vocabulary, 2).tolist() == [4, 4]  # the last ids that fit
     assert counted(np.array([0, 1, 2, 3, 4]), ignored=[1]).tolist() == [True, False, True, True, True]

@@ -77,14 +77,19 @@ def bundles(request) -> Path:
 
 
 def batch(manifest, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded model input of the bundle's kind (token ids or sensor values) and labels."""
+    """Seeded model input of the bundle's kind (token ids or sensor values) and labels (a next-word sample's: a
+    target at every position, some of them <pad>, which the loss leaves out)."""
     rng = np.random.default_rng(seed)
     shape = (count, *manifest.input.shape)
     if manifest.input.dtype == "int64":
         x = rng.integers(0, manifest.num_classes, shape)
     else:
         x = rng.normal(size=shape).astype(np.float32)
-    return x, rng.integers(0, manifest.num_classes, count)
+    y = rng.integers(0, manifest.num_classes, (count, *manifest.kind.target_shape))
+    if y.ndim > 1:
+        y[::2, -1] = text.PAD_ID  # a line ended before the sequence did
+        y[:, 0] = np.maximum(y[:, 0], text.OOV_ID)  # every sequence trains at least one target
+    return x, y
 
 
 def test_the_transformer_defaults_are_fedalts_stackoverflow_model_and_width_scales_it():
@@ -100,7 +105,7 @@ def test_the_transformer_defaults_are_fedalts_stackoverflow_model_and_width_scal
     small = build_sequence_model(type(spec)(width=0.25))
     assert small.embedding.tokens.weight.shape == (10_004, 64) and small.layers[0].ff[0].out_features == 256
     logits = small(torch.randint(0, 10_004, (2, 20)))
-    assert logits.shape == (2, 10_004)
+    assert logits.shape == (2, 20, 10_004)  # the next word at every position
 
 
 def test_the_lstm_cell_computes_what_nn_lstm_computes():
@@ -147,6 +152,7 @@ def test_the_embeddings_gradient_is_standard_onnx_that_plain_onnxruntime_runs(tr
     )
     engine = open_engine(transformer_bundle, "portable")
     x, y = batch(manifest, 5)
+    y = np.maximum(y, text.OOV_ID)  # every position trains, so every id read gets a gradient
     before = engine.get_tensors(["embedding.tokens.weight"])["embedding.tokens.weight"]
     engine.train_step(x, y, 0.5)
     after = engine.get_tensors(["embedding.tokens.weight"])["embedding.tokens.weight"]
@@ -181,6 +187,62 @@ def test_every_engine_trains_the_sequence_models_alike(bundles):
     assert any(not np.array_equal(reference[1][n], initial[n]) for n in base), "the full step trains the base"
 
 
+@pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle"], indirect=True)
+def test_a_next_word_step_is_the_mean_cross_entropy_over_every_non_pad_position(bundles):
+    """Every engine's loss and gradients are torch's causal language-model loss with <pad> targets ignored (FedAlt's
+    sequence training): pinned on a tiny transformer and lstm against F.cross_entropy(ignore_index=<pad>)."""
+    from edgepfl.export.personal import rebuild_personal
+    from edgepfl.export.source import rebuild_module
+
+    manifest = load_manifest(bundles)
+    x, y = batch(manifest, 5, seed=3)
+    assert (y == text.PAD_ID).any() and (y != text.PAD_ID).any()
+    initial = open_engine(bundles, "portable").get_tensors()
+    model = rebuild_personal(rebuild_module(manifest.model), manifest.tensors)
+    model.load_state_dict({name: torch.from_numpy(value) for name, value in initial.items()}, strict=False)
+    logits = model(torch.from_numpy(x))
+    assert logits.shape == (5, manifest.kind.seq_len, manifest.num_classes)  # a prediction at every position
+    want = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, manifest.num_classes), torch.from_numpy(y).reshape(-1), ignore_index=text.PAD_ID
+    )
+    want.backward()
+    lr = 0.1
+    expected = {n: (p - lr * p.grad).detach().numpy() for n, p in model.named_parameters() if p.grad is not None}
+    for name in ENGINES:
+        engine = open_engine(bundles, name, threads=2)
+        assert engine.train_step(x, y, lr, "full") == pytest.approx(float(want), rel=1e-5), name
+        got = engine.get_tensors(list(expected))
+        for tensor, value in expected.items():
+            np.testing.assert_allclose(got[tensor], value, rtol=1e-4, atol=1e-6, err_msg=f"{name} {tensor}")
+    # held-out accuracy counts the positions whose target is neither <pad> nor <oov>
+    result = open_engine(bundles, "portable").eval_batch(x, y)
+    counted = (y != text.PAD_ID) & (y != text.OOV_ID)
+    hits = (logits.argmax(-1).numpy() == y) & counted
+    assert (result.count, result.correct) == (int(counted.sum()), int(hits.sum()))
+
+
+def test_a_text_bundle_exported_with_one_label_a_sample_is_refused_in_one_line(transformer_bundle):
+    from edgepfl.kinds import parse_kind
+    from edgepfl.kinds.nextword import NextWordKind
+
+    manifest = load_manifest(transformer_bundle)
+    entry = manifest.kind.entry()
+    assert entry["targets"] == "every-position" and entry["target_shape"] == [SEQ_LEN]
+    old = {key: value for key, value in entry.items() if key not in ("targets", "target_shape", "loss_ignores")}
+    with pytest.raises(BundleError, match="one label") as refused:
+        parse_kind(old, manifest.input, manifest.num_classes)
+    assert "re-export" in refused.value.fix
+    assert isinstance(parse_kind(entry, manifest.input, manifest.num_classes), NextWordKind)
+
+
+def test_persfl_is_refused_on_a_next_word_model_in_one_line(transformer_bundle):
+    from edgepfl.device_runtime.persfl import check_distillable
+
+    with pytest.raises(UsageError, match="PersFL distils one label a sample"):
+        check_distillable(load_manifest(transformer_bundle).kind)
+    assert not load_manifest(transformer_bundle).engines["portable"]["distill"]  # no graphs it could not use
+
+
 def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transformer_bundle, tmp_path):
     from edgepfl.device_runtime.predict import next_words
     from edgepfl.text import phrase_context
@@ -190,7 +252,7 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     context = phrase_context("To be, or NOT", vocabulary, SEQ_LEN)
     assert context.tolist() == vocabulary.encode(["be", ",", "or", "not"]).tolist()
     short = phrase_context("to", vocabulary, SEQ_LEN)
-    assert short.tolist() == [text.PAD_ID, text.PAD_ID, text.BOS_ID, vocabulary.encode(["to"])[0]]
+    assert short.tolist() == [text.BOS_ID, vocabulary.encode(["to"])[0], text.PAD_ID, text.PAD_ID]  # right-padded
     words = next_words(engine, "to be or not", len(vocabulary))  # <pad>, <oov>, <bos>, <eos>: nobody types them
     assert len(words) == len(vocabulary) - 4 and not {i for i, _, _ in words} & {0, 1, 2, 3}
     probabilities = engine.predict(phrase_context("to be or not", vocabulary, SEQ_LEN)[None])[0]
@@ -199,8 +261,9 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     notes = tmp_path / "notes.txt"
     notes.write_text("zorblax to be or not to be\nthat is the zorblax question\n", encoding="utf-8")
     train = ["train", "--bundle", str(transformer_bundle), "--data", str(notes), "--state", str(tmp_path / "s")]
-    trained = CliRunner().invoke(device_app, [*train, "--engine", "portable", "--batch-size", "8"])
+    trained = CliRunner().invoke(device_app, [*train, "--engine", "portable", "--batch-size", "8", "--json"])
     assert trained.exit_code == 0, trained.output
+    assert json.loads(trained.output)["lr"] == text.TRAINING_DEFAULTS["lr"]  # a next-word model's own default
     assert (tmp_path / "s" / "user-dictionary.json").is_file()  # kept beside the model, never uploaded
     learned = next_words(engine, "to be or not", len(vocabulary), tmp_path / "s")
     assert (1, "zorblax", float(probabilities[1])) in learned and len(learned) == len(vocabulary) - 4 + 1
@@ -210,7 +273,11 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     )
     assert result.exit_code == 0, result.output
     top = json.loads(result.output)["predictions"][0]["top"]
-    assert len(top) == 3 and top[0]["name"] == next_words(engine, "to be", 1, tmp_path / "s")[0][1]
+    # the device's trained model (its state folder's tensors) answers, with the person's words in <oov>'s place
+    from edgepfl.device_runtime.predict import open_device_model
+
+    device = open_device_model(transformer_bundle, tmp_path / "s", "portable").engine
+    assert len(top) == 3 and top[0]["name"] == next_words(device, "to be", 1, tmp_path / "s")[0][1]
 
 
 def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle, transformer_bundle, tmp_path):
@@ -239,8 +306,8 @@ def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle,
 class _Windows:
     """A device's data as model input (what export-model reads of LocalData), for int8's calibration."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray):
-        self.x, self.y = x, y
+    def __init__(self, x: np.ndarray, y: np.ndarray, kind):
+        self.x, self.y, self.kind = x, y, kind
         self.num_train, self.num_val = len(x), len(x)
 
     def train_batches_in_order(self, size: int):
@@ -272,7 +339,7 @@ def test_export_model_fp32_equals_the_engine_and_int8_loads(bundles, tmp_path):
         manifest.input.dtype,
         "none",
     )
-    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y), 16)  # type: ignore[arg-type]
+    int8 = export_device_model(model, tmp_path / "int8.onnx", "int8", _Windows(x, y, manifest.kind), 16)  # type: ignore[arg-type]
     assert int8.calibration_samples == 16 and int8.val_accuracy is not None
     quantized = onnxruntime.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
     probabilities = quantized.run(["probabilities"], {"input": x})[0]

@@ -88,10 +88,11 @@ class Dataset:
         return out
 
     def targets(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
-        """int64 labels at indices of the train+test space, in the order given."""
+        """int64 labels at indices of the train+test space, in the order given (a next-word sample's: one a
+        position)."""
         indices = np.asarray(indices, dtype=np.int64)
         from_train = indices < self.num_train
-        out = np.empty(len(indices), dtype=np.int64)
+        out = np.empty((len(indices), *self.y_train.shape[1:]), dtype=np.int64)
         out[from_train] = self.y_train[indices[from_train]]
         out[~from_train] = self.y_test[indices[~from_train] - self.num_train]
         return out

@@ -196,13 +196,14 @@ def write_partition_file(path: str | os.PathLike, parts: Sequence[ClientSplit]) 
 
 
 def class_counts(parts: Sequence[ClientSplit], labels: np.ndarray, which: str = "all") -> np.ndarray:
-    """Client x class sample counts (int64) of `which` split: all, train, val or test."""
+    """Client x class target counts (int64) of `which` split: all, train, val or test (a sample's targets, one label
+    or a next-word sequence's, each counted)."""
     labels = np.asarray(labels, dtype=np.int64)
     num_classes = int(labels.max()) + 1 if len(labels) else 0
     counts = np.zeros((len(parts), num_classes), dtype=np.int64)
     for row, part in enumerate(parts):
         indices = part.indices if which == "all" else getattr(part, which)
-        counts[row] = np.bincount(labels[indices], minlength=num_classes)
+        counts[row] = np.bincount(labels[indices].reshape(-1), minlength=num_classes)
     return counts
 
 

@@ -86,6 +86,33 @@ class SampleKind(ABC):
         return ()
 
     @property
+    def training_defaults(self) -> dict[str, Any]:
+        """Round settings (batch_size, lr, epochs) this kind's models train with when none is given (none: the
+        settings' own defaults)."""
+        return {}
+
+    @property
+    def loss_ignores(self) -> tuple[int, ...]:
+        """Target classes the training loss leaves out (a next-word sequence's <pad> after its <eos>)."""
+        return ()
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """One sample's targets: () for one label, (seq_len,) for a next token at every position."""
+        return ()
+
+    def target_weights(self, y: np.ndarray, scoring: bool = False) -> np.ndarray:
+        """float32, y's shape: 1 for each target the loss counts (`scoring`: the metric counts), 0 for the rest;
+        every engine's loss is sum(w·cross-entropy) / sum(w) over a batch's targets."""
+        ignored = self.metric_ignores if scoring else self.loss_ignores
+        return (~np.isin(y, np.asarray(ignored, dtype=np.int64))).astype(np.float32)
+
+    def prediction_logits(self, logits: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The (n, classes) logits a prediction reads of the model's output for inputs `x` (a next-word model's
+        output has a position axis: its last real position)."""
+        return logits
+
+    @property
     def bundle_files(self) -> tuple[str, ...]:
         """The bundle's files a device needs to read its samples (a text bundle's vocabulary)."""
         return ()

@@ -1,8 +1,10 @@
-"""Next-word text: token-id windows over the bundle's vocabulary (edgepfl/text.py), from a person's UTF-8 text.
+"""Next-word text: token-id sequences over the bundle's vocabulary (edgepfl/text.py), from a person's UTF-8 text.
 
 A device's `.txt` file is a line an utterance, tokenized with the bundle's vocab.json (checked against the
-manifest's sha256). Its next-word samples stay in time order: the last part is held out, so no held-out context was
-trained on, and only targets FedAlt's accuracy counts are scored (not <pad>, not <oov>).
+manifest's sha256). A sample is a line's `seq_len` tokens and the next token at each position (`targets:
+every-position`); the samples stay in time order: the last part is held out, so no held-out context was trained on,
+and only targets FedAlt's accuracy counts are scored (not <pad>, not <oov>). Bundles exported when a sample had
+one label are refused in one line.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ MIN_DEVICE_WORDS = 10  # fewer words make too few samples to train on and to hol
 
 @dataclass(frozen=True, kw_only=True)
 class NextWordKind(SampleKind):
-    """A next-word model's samples: the `seq_len` token ids before a word; the classes are the vocabulary's words."""
+    """A next-word model's samples: `seq_len` token ids and the next token after each; the classes are the
+    vocabulary's words."""
 
     name: ClassVar[str] = "next-word"
     words: ClassVar[KindWords] = KindWords("word", "words", "a UTF-8 .txt file")
@@ -34,7 +37,7 @@ class NextWordKind(SampleKind):
         "input_layout": "tokens",
         "resize": "none",
         "normalization": "none: token ids of the bundle's vocab.json (edgepfl.text: tokenize, <bos> then the words, "
-        "the last seq_len ids left-padded with <pad> = 0)",
+        "the last seq_len ids right-padded with <pad> = 0); the output is the next word after the last real id",
     }
 
     vocab: str = text.VOCAB_NAME  # the vocabulary's file in the bundle
@@ -51,7 +54,14 @@ class NextWordKind(SampleKind):
 
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any], input_spec: InputSpec, num_classes: int) -> NextWordKind:
-        """A text bundle's kind: its vocabulary file, sha256 and size, its window and the targets not scored."""
+        """A text bundle's kind: its vocabulary file, sha256 and size, its window and the targets not scored; a
+        bundle exported when a sample had one label (no `targets: every-position`) is refused."""
+        if entry.get("targets") != text.EVERY_POSITION:
+            raise BundleError(
+                "this text bundle was exported when a next-word sample had one label; models now learn every "
+                "position's next word",
+                "re-export it with this edgepfl version (edgepfl export transformer --vocab corpus.txt ...)",
+            )
         kind = cls(
             input=input_spec,
             vocab=str(entry.get("vocab") or text.VOCAB_NAME),
@@ -79,6 +89,11 @@ class NextWordKind(SampleKind):
             "vocab_sha256": self.vocab_sha256,
             "vocab_size": self.vocab_size,
             "seq_len": self.seq_len,
+            "targets": text.EVERY_POSITION,
+            # what an engine reads without knowing the kind (the page's engine.js): one sample's targets, the
+            # targets its loss leaves out and those its metric leaves out
+            "target_shape": list(self.target_shape),
+            "loss_ignores": list(self.loss_ignores),
             "metric_ignores": list(self.ignored),
         }
 
@@ -86,6 +101,27 @@ class NextWordKind(SampleKind):
     def metric_ignores(self) -> tuple[int, ...]:
         """<pad> and <oov> targets do not count (FedAlt's next-word accuracy)."""
         return self.ignored
+
+    @property
+    def training_defaults(self) -> dict[str, Any]:
+        """The next-word models' measured batch size, learning rate and epochs (edgepfl.text.TRAINING_DEFAULTS)."""
+        return dict(text.TRAINING_DEFAULTS)
+
+    @property
+    def loss_ignores(self) -> tuple[int, ...]:
+        """<pad> targets (after a line's <eos>) do not train."""
+        return text.LOSS_IGNORED
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """The next token at each of the `seq_len` positions."""
+        return (self.seq_len,)
+
+    def prediction_logits(self, logits: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """(n, seq_len, words) logits read at each row's last real position (the inputs are right-padded)."""
+        if logits.ndim == 2:  # already read there (an exported model file's graph does it)
+            return logits
+        return logits[np.arange(len(logits)), text.last_positions(x)]
 
     @property
     def bundle_files(self) -> tuple[str, ...]:
@@ -138,7 +174,7 @@ class NextWordKind(SampleKind):
         return DeviceSamples(*text.next_word_samples(lines, vocabulary, self.seq_len))
 
     def phrase_input(self, phrase: str, bundle: Path, num_classes: int) -> np.ndarray:
-        """<bos> and the phrase's words, windowed as the model reads them (a batch of one)."""
+        """<bos> and the phrase's words, windowed as the model reads them (a batch of one, right-padded)."""
         return text.phrase_context(phrase, self.vocabulary(bundle), self.seq_len)[None]
 
     def offered(

@@ -153,6 +153,10 @@ def _export_run_bundle(
     config: SimulateConfig, folder: Path, sample_shape: tuple[int, ...], num_classes: int, facts: dict[str, Any]
 ) -> Manifest:
     target = _run_target(config, sample_shape, num_classes, facts)
+    if config.plan.persfl and target.kind is not None:
+        from edgepfl.device_runtime.persfl import check_distillable
+
+        check_distillable(target.kind)
     given = personal_choice(config.kp, config.personal)
     kp = {"zero": 0, "all": len(target.blocks), "given": given}[config.plan.kp]
     if (folder / "manifest.json").is_file():

@@ -23,7 +23,8 @@ from edgepfl.datasets.textdata import DEFAULT_MIN_WORDS
 from edgepfl.device_runtime.options import DistillOptions
 from edgepfl.device_runtime.persfl import DistillConfig
 from edgepfl.errors import UsageError
-from edgepfl.options import GROUP, Composed, flatten, titled, validated
+from edgepfl.export.sequence_options import TEXT_MODELS
+from edgepfl.options import GROUP, Composed, flatten, nest, titled, validated
 from edgepfl.personal import SPEC_HELP, parse_spec, personal_choice
 from edgepfl.privacy import PrivacyOptions, check_dp_strategy
 from edgepfl.protocol import RoundOptions
@@ -34,7 +35,7 @@ from edgepfl.server.fleet import FleetOptions
 from edgepfl.server.sampling import sample_size
 from edgepfl.server.strategies import STRATEGIES, strategy_options
 from edgepfl.simulate.fleet import SPEC_EXAMPLE, FleetSpec
-from edgepfl.text import DEFAULT_SEQ_LEN, DEFAULT_VOCAB_SIZE
+from edgepfl.text import DEFAULT_SEQ_LEN, DEFAULT_VOCAB_SIZE, TRAINING_DEFAULTS
 
 SIM_ENGINES = ("torch", "portable", "ort-training")
 
@@ -226,6 +227,20 @@ class SimulateConfig(Composed):
     ] = None
     client_cpus: Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="CPUs each Ray actor reserves")] = 1.0
     client_gpus: Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="GPUs each Ray actor reserves")] = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_training(cls, values: Any) -> Any:
+        """A next-word model's round settings not given are the text models' measured ones (edgepfl.text
+        TRAINING_DEFAULTS), not simulate's image defaults."""
+        if not isinstance(values, dict):
+            return values
+        nested = nest(cls, values)
+        if nested.get("model") not in TEXT_MODELS:
+            return values
+        given = nested.get("round")
+        base = SIMULATE_ROUND.model_dump(include=SIMULATE_ROUND.model_fields_set) if given is None else {}
+        return {**nested, "round": {**base, **TRAINING_DEFAULTS, **(given or {})}}
 
     @model_validator(mode="after")
     def _model_and_stage_two(self) -> SimulateConfig:

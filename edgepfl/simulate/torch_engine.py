@@ -1,7 +1,8 @@
 """The simulator's eager-PyTorch engine: the bundle's model, trained with the same semantics as the ONNX engines.
 
 Semantics shared with `ort-training` and `portable` (so one seed gives the same numbers within float
-tolerance): plain SGD on the mean cross-entropy of the batch; only the tensors of the trainable set
+tolerance): plain SGD on the mean cross-entropy of the batch (a next-word model's: over every position whose target
+the kind's `target_weights` counts, <pad> left out); only the tensors of the trainable set
 (`full`, `personal`, `base`) move; every BatchNorm layer, frozen or not, runs in training mode during
 a step (batch statistics) and updates its running statistics with momentum 0.1 and the unbiased
 variance; evaluation uses the running statistics. PersFL's `distill_step` uses the exported graphs'
@@ -82,7 +83,12 @@ class TorchEngine(Engine):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float, trainable: str = "full") -> float:
         """One SGD step on the set's tensors; BatchNorm statistics update in every block."""
         labels = self._input(y, np.int64)
-        return self._sgd_step(x, lr, trainable, lambda logits: self._torch.nn.functional.cross_entropy(logits, labels))
+        if not self.manifest.kind.target_shape:
+            return self._sgd_step(
+                x, lr, trainable, lambda logits: self._torch.nn.functional.cross_entropy(logits, labels)
+            )
+        weights = self._input(self.manifest.kind.target_weights(y), np.float32)
+        return self._sgd_step(x, lr, trainable, lambda logits: self._sum_loss(logits, labels, weights) / weights.sum())
 
     def distill_step(self, step: DistillStep) -> float:
         """One SGD step on PersFL's distillation loss (variant kd or gd); returns the batch's loss before it."""
@@ -117,22 +123,33 @@ class TorchEngine(Engine):
             self.model(self._input(x, self.manifest.input.dtype))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        """The current model's inference-mode logits, (n, classes) float32."""
+        """The current model's inference-mode logits, (n, classes) float32 (a next-word model's at the last real
+        position)."""
         torch = self._torch
         self.model.eval()
         with torch.no_grad():
-            return self.model(self._input(x, self.manifest.input.dtype)).cpu().numpy().copy()
+            logits = self.model(self._input(x, self.manifest.input.dtype)).cpu().numpy().copy()
+        return self.manifest.kind.prediction_logits(logits, x)
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
-        """Summed loss and correct count in inference mode (running BatchNorm statistics)."""
+        """Summed loss and correct count over the targets the metric counts, in inference mode (running BatchNorm
+        statistics)."""
         torch = self._torch
         self.model.eval()
         with torch.no_grad():
             logits = self.model(self._input(x, self.manifest.input.dtype))
             labels = self._input(y, np.int64)
-            loss_sum = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-            correct = int((logits.argmax(dim=1) == labels).sum())
-        return EvalResult(loss_sum=float(loss_sum), correct=correct, count=len(y))
+            weights = self._input(self.manifest.kind.target_weights(y, scoring=True), np.float32)
+            loss_sum = self._sum_loss(logits, labels, weights)
+            hits = (logits.argmax(dim=-1) == labels).to(weights.dtype) * weights
+        return EvalResult(loss_sum=float(loss_sum), correct=int(hits.sum()), count=int(weights.sum()))
+
+    def _sum_loss(self, logits, labels, weights):
+        """sum(w · cross-entropy) over every target (a sequence's positions flattened)."""
+        per_target = self._torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+        )
+        return (per_target * weights.reshape(-1)).sum()
 
     def _sgd_step(self, x: np.ndarray, lr: float, trainable: str, loss_of) -> float:
         """Forward in training mode, `loss_of(logits)`, backward, plain SGD on the set's tensors."""

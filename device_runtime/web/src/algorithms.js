@@ -16,9 +16,10 @@ import { numel } from './safetensors.js';
 /** @typedef {import('./safetensors.js').Tensors} Tensors */
 /**
  * Pre-processed examples: `count` samples of x (float32 C*H*W or C*T each, or int64 token ids) and their labels.
- * @typedef {{x: import('./engine.js').ModelInput, y: Int32Array, count: number}} Samples
+ * @typedef {{x: import('./engine.js').ModelInput, y: Int32Array, count: number}} Samples y: each sample's targets,
+ * one label or a next token at every position (all of one sample's together)
  */
-/** @typedef {{name: string, trainable: string, epochs: number}} Phase */
+/** @typedef {{name: string, trainable: string, epochs: number, lr: number}} Phase */
 /** @typedef {{name: string, trainable: string, epochs: number, steps: number, meanLoss: number}} PhaseLog */
 /** @typedef {{trainLoss: number, numSamples: number, uploads: boolean, phases: PhaseLog[]}} ClientResult */
 /** @typedef {{phase: string, epoch: number, step: number, steps: number, loss: number}} StepProgress */
@@ -54,6 +55,8 @@ export function roundPhases(contract, settingsJson, availableSets) {
     name: p.name,
     trainable: p.trainable,
     epochs: Number(settings[p.epochs]),
+    // the phase's own learning rate (fedalt's personal_lr) where the settings give one, else the shared lr
+    lr: Number(settings[p.lr ?? 'lr'] ?? settings.lr),
   }));
   if (settings.algorithm === 'local' && !availableSets.includes('personal')) {
     throw new EngineError(
@@ -123,11 +126,12 @@ export function splitTrainVal(n, valFraction, seed) {
 /** The samples at `positions`, in their order. */
 export function pickSamples(/** @type {Samples} */ samples, /** @type {ArrayLike<number>} */ positions) {
   const size = samples.count ? samples.x.length / samples.count : 0;
+  const per = samples.count ? samples.y.length / samples.count : 1; // a sample's targets
   const x = new /** @type {any} */ (samples.x.constructor)(positions.length * size);
-  const y = new Int32Array(positions.length);
+  const y = new Int32Array(positions.length * per);
   Array.from(positions).forEach((at, i) => {
     x.set(/** @type {any} */ (samples.x).subarray(at * size, (at + 1) * size), i * size);
-    y[i] = samples.y[at];
+    y.set(samples.y.subarray(at * per, (at + 1) * per), i * per);
   });
   /** @type {Samples} */
   const picked = { x, y, count: positions.length };
@@ -188,6 +192,7 @@ export async function runClientRound(contract, engine, train, settingsJson, { se
   const steps = phases.reduce((sum, p) => sum + p.epochs, 0) * perEpoch;
   const shuffleSeed = roundSeed(seed, roundId);
   const sample = engine.sampleSize;
+  const per = engine.targetSize;
   /** @type {PhaseLog[]} */
   const logs = [];
   let done = 0;
@@ -198,12 +203,12 @@ export async function runClientRound(contract, engine, train, settingsJson, { se
     for (let e = epoch; e < epoch + phase.epochs; e++) {
       for (const positions of batchOrder(train.count, settings.batch_size, shuffleSeed, e)) {
         const x = new engine.inputType.array(positions.length * sample);
-        const y = new Int32Array(positions.length);
+        const y = new Int32Array(positions.length * per);
         positions.forEach((p, i) => {
           x.set(/** @type {any} */ (train.x).subarray(p * sample, (p + 1) * sample), i * sample);
-          y[i] = Number(train.y[p]);
+          y.set(train.y.subarray(p * per, (p + 1) * per), i * per);
         });
-        const loss = await engine.trainStep(x, y, positions.length, settings.lr, phase.trainable);
+        const loss = await engine.trainStep(x, y, positions.length, phase.lr, phase.trainable);
         losses.push(loss);
         done += 1;
         if (onProgress) onProgress({ phase: phase.name, epoch: e, step: done, steps, loss });
@@ -290,8 +295,8 @@ export async function recomputeStatistics(engine, train, batchSize) {
   let count = 0;
   for (let start = 0; start < end; start += batchSize) {
     const size = Math.min(batchSize, end - start);
-    const y = new Int32Array(size);
-    for (let i = 0; i < size; i++) y[i] = Number(train.y[start + i]);
+    const per = engine.targetSize;
+    const y = train.y.slice(start * per, (start + size) * per);
     engine.setTensors(zeros);
     await engine.statisticsStep(train.x.subarray(start * sample, (start + size) * sample), y, size);
     const got = await engine.getTensors(names);

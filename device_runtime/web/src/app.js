@@ -162,7 +162,7 @@ async function takePart(
   const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, kind });
   setUpReset(store, () => ({
     examples: examples.count(),
-    one: examples.words.one,
+    one: examples.words.sample ?? examples.words.one,
     rounds: (runner ? runner.history : saved.history || []).length,
   }));
   if (saved.round) status(`Round ${saved.round.round} was interrupted; it starts again from the shared model.`);

@@ -188,7 +188,7 @@ function renderCollection(items, kind, contract) {
   let split = '';
   if (count && !short.trim()) {
     const { train, val } = kind.split(items, device.val_fraction, device.split_seed);
-    split = ` They make ${plural(count, kind.words.one)}: ${train.count} to learn from and ${val.count} kept aside to check how well the model does.`;
+    split = ` They make ${plural(count, kind.words.sample ?? kind.words.one)}: ${train.count} to learn from and ${val.count} kept aside to check how well the model does.`;
   }
   const held = `${plural(items.length, kind.file.record)} on this phone (it keeps the newest ${kind.cap}), never sent.`;
   $('recording-held').textContent = `${held}${split} ${short}`.trim();

@@ -25,7 +25,7 @@ export const CONTRACT_VERSION = 1;
  * @property {string} [items] the JSON type of an array's items
  */
 
-/** A phase as an algorithm declares it: `epochs` names the setting that gives its epochs. @typedef {{name: string, trainable: string, epochs: string}} PhaseSpec */
+/** A phase as an algorithm declares it: `epochs` names the setting that gives its epochs, `lr` its learning rate's (null there: the shared lr). @typedef {{name: string, trainable: string, epochs: string, lr?: string}} PhaseSpec */
 /** @typedef {{uploads: boolean, phases: PhaseSpec[]}} AlgorithmSpec */
 /** Seconds: tries in all, the wait before the second, the cap on one wait. @typedef {{attempts: number, first_delay: number, max_delay: number}} RetryPolicy */
 

@@ -150,7 +150,8 @@ export function shortfallLine(
 ) {
   const more = examplesShortfall(count, device);
   if (!more) return '';
-  const noun = more === 1 ? words.one : `${words.one}s`;
+  const one = words.sample ?? words.one;
+  const noun = more === 1 ? one : `${one}s`;
   return `Add ${more} ${count ? 'more ' : ''}${noun}${words.more} to take part in the rounds.`;
 }
 
@@ -164,7 +165,7 @@ export function shortfallReason(
   if (!more) return '';
   const total = count + more;
   const held = heldOutCount(total, device.val_fraction);
-  const needs = `The model needs ${plural(total, words.one)}`;
+  const needs = `The model needs ${plural(total, words.sample ?? words.one)}`;
   return `${needs}: ${total - held} to learn from and ${held} kept aside to check how well it does.`;
 }
 

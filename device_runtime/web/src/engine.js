@@ -12,6 +12,7 @@ import { decodeSafetensors } from './safetensors.js';
 import { inChunks, predictWith } from './predict.js';
 import { LAYOUTS, Sessions, inMemory, releaseTensor } from './sessions.js';
 import { checkSha256 } from './sha256.js';
+import { paddedTargets, targetSpec } from './targets.js';
 
 /** @typedef {typeof import('onnxruntime-web')} Ort */
 /** @typedef {import('onnxruntime-web').Tensor} OrtTensor */
@@ -111,6 +112,9 @@ export class Engine {
     this.sampleShape = manifest.input.shape.slice();
     this.sampleSize = this.sampleShape.reduce((size, dim) => size * dim, 1);
     this.inputType = inputType(manifest.input);
+    // one sample's targets: one label, or a next token at each position (targets.js)
+    this.targets = targetSpec(manifest);
+    this.targetSize = this.targets.size;
     // graph inputs and outputs list the state tensors in this order: params, then buffers
     this.stateNames = [...entry.params, ...entry.buffers];
     this.model = new ModelState(ort, manifest, this.stateNames);
@@ -271,7 +275,7 @@ export class Engine {
         : [await this.session(key, graph), graph.inputs, graph.outputs];
     const stateInputs = inputs.filter((input) => byInput.has(input));
     const batchInputs = inputs.slice(stateInputs.length);
-    const feeds = await this.feeds(
+    const { feeds } = await this.feeds(
       opened,
       stateInputs.map((input) => [input, stateOf(byInput, input)]),
       batchInputs,
@@ -302,11 +306,15 @@ export class Engine {
     const graph = this.entry.eval;
     let lossSum = 0;
     let correct = 0;
-    for await (const { chunk, results } of inChunks(this, 'eval', graph, x, y, count, graph.outputs.slice(1))) {
-      lossSum += Number(results[graph.outputs[1]].data[0]) * chunk;
+    let scored = 0;
+    const chunks = inChunks(this, 'eval', graph, x, y, count, graph.outputs.slice(1), this.state, true);
+    for await (const { weights, results } of chunks) {
+      // the graph's loss is the mean over the targets the metric counts
+      if (weights) lossSum += Number(results[graph.outputs[1]].data[0]) * weights;
       correct += Number(results[graph.outputs[2]].data[0]);
+      scored += weights;
     }
-    return { lossSum, correct, count };
+    return { lossSum, correct, count: scored };
   }
 
   /**
@@ -373,11 +381,14 @@ export class Engine {
         `pass a ${this.inputType.array.name} of ${count} x ${this.sampleSize} pre-processed values`,
       );
     }
-    if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count) {
-      throw new EngineError(`labels are not an Int32Array or BigInt64Array of ${count}`, 'pass one label per input');
+    if (!(y instanceof Int32Array || y instanceof BigInt64Array) || y.length !== count * this.targetSize) {
+      throw new EngineError(
+        `labels are not an Int32Array or BigInt64Array of ${count * this.targetSize}`,
+        this.targetSize === 1 ? 'pass one label per input' : `pass ${this.targetSize} next tokens per input`,
+      );
     }
     const classes = this.manifest.num_classes;
-    for (let i = 0; i < count; i++) {
+    for (let i = 0; i < y.length; i++) {
       const label = Number(y[i]);
       if (!(label >= 0 && label < classes))
         throw new EngineError(
@@ -390,7 +401,8 @@ export class Engine {
   /**
    * Feeds of one graph batch for the `opened` session: the state tensors by [input, name] pairs (a wasm session
    * gets those on the GPU read back first), and x, y, w (the first three of `batchInputs`) holding `count` real
-   * samples from `start`, zero-padded to `size` (the step graphs' batch by default) and masked.
+   * samples from `start`, zero-padded to `size` (the step graphs' batch by default), each target weighed as the
+   * loss (`scoring`: the metric) counts it and padding 0; `weights` is their sum.
    * @param {Opened} opened
    * @param {[string, string][]} stateInputs
    * @param {string[]} batchInputs
@@ -398,10 +410,12 @@ export class Engine {
    * @param {Int32Array | BigInt64Array} y
    * @param {number} start
    * @param {number} count
-   * @param {Map<string, OrtTensor>} [state] the tensors to feed (the current ones by default)
-   * @param {number} [size]
+   * @param {{state?: Map<string, OrtTensor>, size?: number, scoring?: boolean}} [options] the tensors to feed (the
+   * current ones by default), the batch size (the step graphs') and whether targets are weighed as the metric counts
+   * @returns {Promise<{feeds: Record<string, OrtTensor>, weights: number}>}
    */
-  async feeds(opened, stateInputs, batchInputs, x, y, start, count, state = this.state, size = this.batchSize) {
+  async feeds(opened, stateInputs, batchInputs, x, y, start, count, options = {}) {
+    const { state = this.state, size = this.batchSize, scoring = false } = options;
     /** @type {Record<string, OrtTensor>} */
     const feeds = {};
     for (const [input, name] of stateInputs) {
@@ -411,20 +425,15 @@ export class Engine {
     const bx = new this.inputType.array(size * this.sampleSize); // padding: zeros (<pad> for token ids)
     bx.set(/** @type {any} */ (x).subarray(start * this.sampleSize, (start + count) * this.sampleSize));
     const labels = this.labelType;
-    const by = new labels.array(size);
-    const bw = new Float32Array(size);
-    for (let i = 0; i < count; i++) {
-      by[i] = labels.of(Number(y[start + i]));
-      bw[i] = 1;
-    }
+    const { by, bw, weights, shape } = paddedTargets(this.targets, labels, y, start, count, size, scoring);
     feeds[batchInputs[0]] = new this.ort.Tensor(
       /** @type {'float32'} */ (this.inputType.dtype),
       /** @type {Float32Array} */ (bx),
       [size, ...this.sampleShape],
     );
-    feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), [size]);
-    feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, [size]);
-    return feeds;
+    feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), shape);
+    feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, shape);
+    return { feeds, weights };
   }
 
   /** The session of `graph` (a manifest graph entry), opened on first use. */

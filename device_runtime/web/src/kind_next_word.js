@@ -34,9 +34,10 @@ const SOURCE = 'the text on this phone'; // how a line names the collected sente
 /** @type {KindWords} */
 const WORDS = {
   one: 'next word',
+  sample: 'sentence', // a sample is a line's words (20 at most), every next word of it taught and scored
   right: 'guessed right',
   more: ' (write more)',
-  rate: 'words',
+  rate: 'sentences',
   measure:
     "This counts how often the word you wrote next is the model's first guess " +
     '(words the model does not know are not counted).',
@@ -92,7 +93,7 @@ function timeOrderParts(
   /** @type {TextEntry} */ entry,
   /** @type {number} */ valFraction,
 ) {
-  const { train, val } = timeOrderSplit(samples.y, valFraction, entry.metric_ignores || []);
+  const { train, val } = timeOrderSplit(samples.y, samples.count, valFraction, entry.metric_ignores || []);
   return { train: pickSamples(samples, train), val: pickSamples(samples, val) };
 }
 
@@ -152,8 +153,8 @@ function sentences(/** @type {Vocabulary} */ vocabulary, /** @type {TextEntry} *
     encode: sentenceRecord,
     read: textLines,
     write: textFile,
-    // below MIN_DEVICE_WORDS words (too few to train on) the words are counted: the page asks for more
-    count: (lines) => samplesOf(lines)?.count ?? words(lines),
+    // below MIN_DEVICE_WORDS words (too few to train on) the sentences are counted: the page asks for more
+    count: (lines) => samplesOf(lines)?.count ?? lines.length,
     classesHeld: () => 0,
     // too few words: textSamples refuses them in one line
     split: (lines, valFraction) =>

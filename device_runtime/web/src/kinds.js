@@ -21,10 +21,12 @@ import { sampleEntry } from './manifest.js';
 /**
  * How the page names the samples of a kind, for the person holding the phone.
  * @typedef {object} KindWords
- * @property {string} one one sample: "example", "next word", "window"
+ * @property {string} one what a held-out score counts: "example", "next word", "window"
+ * @property {string} [sample] a training sample where it is not `one` ("sentence": a next-word sample is a line's
+ *   words, each of its next words scored)
  * @property {string} right what the model does right with one: "recognised", "guessed right"
  * @property {string} more how to add more, after "Add 4 more windows": "" or " (record longer)"
- * @property {string} rate the training speed's unit: "images", "words", "windows"
+ * @property {string} rate the training speed's unit: "images", "sentences", "windows"
  * @property {string} [measure] what held-out accuracy counts, said in place of guessing's share (none: guessing's)
  */
 /**

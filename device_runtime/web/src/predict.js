@@ -17,7 +17,7 @@
  * @param {Map<string, OrtTensor>} held
  */
 export async function predictWith(engine, x, count, held) {
-  const y = new Int32Array(count);
+  const y = new Int32Array(count * engine.targetSize);
   engine.checkBatch(x, y, count);
   const key = engine.predictGraph(count);
   const graph = /** @type {Graph} */ (engine.entry[key]);
@@ -25,16 +25,34 @@ export async function predictWith(engine, x, count, held) {
   const probabilities = new Float32Array(count * classes);
   for await (const { start, chunk, results } of inChunks(engine, key, graph, x, y, count, [graph.outputs[0]], held)) {
     const logits = /** @type {Float32Array} */ (results[graph.outputs[0]].data);
-    for (let row = 0; row < chunk; row++)
-      probabilities.set(softmax(logits.subarray(row * classes, (row + 1) * classes)), (start + row) * classes);
+    for (let row = 0; row < chunk; row++) {
+      const at = (row * engine.targetSize + readAt(engine, x, start + row)) * classes;
+      probabilities.set(softmax(logits.subarray(at, at + classes)), (start + row) * classes);
+    }
   }
   return probabilities;
 }
 
 /**
+ * Which of a sample's positions a prediction reads: 0 for a model with one output a sample; for one with an output
+ * at every position (a next-word model), the last input id that is not <pad> (0) of the right-padded phrase
+ * (edgepfl/text.py last_positions).
+ * @param {Engine} engine
+ * @param {ModelInput} x
+ * @param {number} sample
+ */
+function readAt(engine, x, sample) {
+  if (engine.targetSize === 1) return 0;
+  const size = engine.sampleSize;
+  for (let t = size - 1; t > 0; t--) if (Number(x[sample * size + t]) !== 0) return t;
+  return 0;
+}
+
+/**
  * `graph` (opened as `key`) run over `count` samples of x, y in chunks of its batch (the manifest's `batch_size`
  * for the graph, else the step graphs'), fed the tensors `held` (the current ones by default): each chunk's first
- * sample, its number of samples and the results of `outputs` (Engine.evaluate, predictWith).
+ * sample, its number of samples, the sum of its targets' weights (`scoring`: as the metric counts them) and the
+ * results of `outputs` (Engine.evaluate, predictWith).
  * @param {Engine} engine
  * @param {string} key
  * @param {Graph} graph
@@ -43,9 +61,10 @@ export async function predictWith(engine, x, count, held) {
  * @param {number} count
  * @param {string[]} outputs
  * @param {Map<string, OrtTensor>} [held]
- * @returns {AsyncGenerator<{start: number, chunk: number, results: Record<string, OrtTensor>}>}
+ * @param {boolean} [scoring]
+ * @returns {AsyncGenerator<{start: number, chunk: number, weights: number, results: Record<string, OrtTensor>}>}
  */
-export async function* inChunks(engine, key, graph, x, y, count, outputs, held = engine.state) {
+export async function* inChunks(engine, key, graph, x, y, count, outputs, held = engine.state, scoring = false) {
   const size = graph.batch_size ?? engine.batchSize;
   const opened = await engine.session(key, graph);
   const n = engine.stateNames.length;
@@ -54,8 +73,10 @@ export async function* inChunks(engine, key, graph, x, y, count, outputs, held =
     .map((input, i) => /** @type {[string, string]} */ ([input, engine.stateNames[i]]));
   for (let start = 0; start < count; start += size) {
     const chunk = Math.min(size, count - start);
-    const feeds = await engine.feeds(opened, stateInputs, graph.inputs.slice(n), x, y, start, chunk, held, size);
-    yield { start, chunk, results: await opened.session.run(feeds, outputs) };
+    const batch = graph.inputs.slice(n);
+    const options = { state: held, size, scoring };
+    const { feeds, weights } = await engine.feeds(opened, stateInputs, batch, x, y, start, chunk, options);
+    yield { start, chunk, weights, results: await opened.session.run(feeds, outputs) };
   }
 }
 

@@ -4,7 +4,8 @@
 // inner apostrophes, any other visible character a token of its own), the bundle's vocab.json checked against its
 // manifest, and the window of ids the model reads. A fixture written by Python (test/make_fixtures.py) pins
 // tokens, ids and windows of tricky strings on both sides. A person's own text becomes next-word samples as
-// edgepfl/kinds/nextword.py makes them (in time order, the last part held out), and a phrase the model's window.
+// edgepfl/kinds/nextword.py makes them (a line's sequences with the next token at every position, in time order,
+// the last part held out), and a phrase the model's right-padded window.
 
 import { roundHalfEven } from './algorithms.js';
 import { DataError, DeviceError } from './errors.js';
@@ -42,14 +43,14 @@ export function tokenize(text) {
 }
 
 /**
- * The last `seqLen` ids, left-padded with <pad>: what the model reads to predict the next word.
+ * The last `seqLen` ids, right-padded with <pad>: what the model reads to predict the token after the last one.
  * @param {ArrayLike<number>} ids
  * @param {number} seqLen
  * @returns {number[]}
  */
 export function context(ids, seqLen) {
   const tail = Array.from(ids).slice(Math.max(ids.length - seqLen, 0));
-  return [...new Array(seqLen - tail.length).fill(PAD_ID), ...tail];
+  return [...tail, ...new Array(seqLen - tail.length).fill(PAD_ID)];
 }
 
 /** The words a bundle's model knows, by id (vocab.json), with the encoder of tokens to ids. */
@@ -154,8 +155,10 @@ export function readText(bytes, name) {
 }
 
 /**
- * The next-word samples of a person's text (edgepfl/kinds/nextword.py read): every position after <bos> of every
- * line with words, in the text's order; refused when the text holds fewer than MIN_DEVICE_WORDS words.
+ * The next-word samples of a person's text (edgepfl/kinds/nextword.py read, edgepfl/text.py next_word_samples):
+ * each line with words as <bos> words <eos>, cut into sequences of seqLen + 1 ids (each starting where the last
+ * one's targets ended, the last right-padded with <pad>), in the text's order: x the first seqLen of each, y the
+ * next token at every position (seqLen a sample); refused when the text holds fewer than MIN_DEVICE_WORDS words.
  * @param {string} text
  * @param {Vocabulary} vocabulary
  * @param {number} seqLen
@@ -174,31 +177,39 @@ export function nextWordSamples(text, vocabulary, seqLen, name) {
     throw new DataError(problem, 'pick a longer text (a line per message or sentence)');
   }
   /** @type {number[]} */
-  const windows = [];
+  const inputs = [];
   /** @type {number[]} */
   const targets = [];
   for (const tokens of lines) {
     const ids = [BOS_ID, ...vocabulary.encode(tokens), EOS_ID];
-    for (let k = 1; k < ids.length; k++) {
-      windows.push(...context(ids.slice(0, k), seqLen));
-      targets.push(ids[k]);
+    for (let start = 0; start < ids.length - 1; start += seqLen) {
+      const row = new Array(seqLen + 1).fill(PAD_ID);
+      ids.slice(start, start + seqLen + 1).forEach((id, i) => {
+        row[i] = id;
+      });
+      inputs.push(...row.slice(0, seqLen));
+      targets.push(...row.slice(1));
     }
   }
-  return { x: BigInt64Array.from(windows, BigInt), y: Int32Array.from(targets), count: targets.length };
+  return { x: BigInt64Array.from(inputs, BigInt), y: Int32Array.from(targets), count: targets.length / seqLen };
 }
 
 /**
- * The time-order split of `count` next-word samples (edgepfl/data.py split_time_order, split_train_val): the first ones train, the last `valFraction`
- * (at least one sample trains) are held out, and of those only the targets accuracy counts (not `ignores`).
- * @param {Int32Array} targets
+ * The time-order split of `count` next-word samples (edgepfl/data.py split_time_order, scored): the first ones train,
+ * the last `valFraction` (at least one sample trains) are held out, those with a target accuracy counts (not
+ * `ignores`; the engine weighs each position).
+ * @param {Int32Array} targets every sample's targets, `targets.length / count` a sample
+ * @param {number} count
  * @param {number} valFraction
  * @param {number[]} ignores the manifest's `metric_ignores`
  * @returns {{train: Int32Array, val: Int32Array}}
  */
-export function timeOrderSplit(targets, valFraction, ignores) {
-  const count = targets.length;
+export function timeOrderSplit(targets, count, valFraction, ignores) {
+  const per = count ? targets.length / count : 1;
   const cut = count - Math.min(roundHalfEven(count * valFraction), count - 1);
   const positions = Array.from({ length: count }, (_, i) => i);
-  const val = positions.slice(cut).filter((i) => !ignores.includes(targets[i]));
+  const counts = (/** @type {number} */ i) =>
+    targets.subarray(i * per, (i + 1) * per).some((t) => !ignores.includes(t));
+  const val = positions.slice(cut).filter(counts);
   return { train: Int32Array.from(positions.slice(0, cut)), val: Int32Array.from(val) };
 }

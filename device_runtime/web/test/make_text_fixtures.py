@@ -1,5 +1,6 @@
 """Fixtures for the page's engine on a text bundle (text_engine.test.mjs): a tiny next-word transformer whose
-model input is int64 token ids, its feeds and the Python portable engine's tensors and logits after a full step;
+model input is int64 token ids and whose targets are the next token at every position, its feeds and the Python
+portable engine's tensors and (last-position) logits after a full step;
 for the page's data and "Try it" (text_page.test.mjs) a person's text, the Python device's samples and split of
 it (edgepfl.data.load_device_data through the next-word kind), the tensors after a step on its first training
 samples, and the next words `device predict --text` suggests for some phrases.
@@ -52,8 +53,9 @@ def main(out: Path) -> None:
     rng = np.random.default_rng(0)
     feeds = {
         "x": rng.integers(0, manifest.num_classes, (3, 4)).astype(np.int64),  # a short batch: padded and masked
-        "y": rng.integers(0, manifest.num_classes, 3).astype(np.int64),
+        "y": rng.integers(0, manifest.num_classes, (3, 4)).astype(np.int64),  # the next token at every position
     }
+    feeds["y"][::2, -1] = 0  # a line ended before the sequence: <pad> targets, which the loss leaves out
     save_file(feeds, out / "feeds.safetensors")
     engine = PortableEngine(out / "bundle", manifest)
     results = {"lr": LR, "loss": engine.train_step(feeds["x"], feeds["y"], LR, "full")}

@@ -32,11 +32,11 @@ test("a vocabulary other than the manifest's is refused in one line", { skip: NE
   );
 });
 
-test('a window keeps the last ids and pads on the left', () => {
-  assert.deepEqual(context([7, 8, 9], 5), [PAD_ID, PAD_ID, 7, 8, 9]);
+test('a window keeps the last ids and pads on the right', () => {
+  assert.deepEqual(context([7, 8, 9], 5), [7, 8, 9, PAD_ID, PAD_ID]);
   assert.deepEqual(context([5, 6, 7, 8, 9], 3), [7, 8, 9]);
   const vocabulary = new Vocabulary(['<pad>', '<oov>', '<bos>', '<eos>', 'hello']);
-  assert.deepEqual(phraseContext('Hello there', vocabulary, 4), [PAD_ID, BOS_ID, 4, OOV_ID]);
+  assert.deepEqual(phraseContext('Hello there', vocabulary, 4), [BOS_ID, 4, OOV_ID, PAD_ID]);
   assert.throws(() => new Vocabulary(['hello']), /must start with <pad>/);
   assert.throws(() => new Vocabulary(['<pad>', '<oov>', '<bos>', '<eos>', 'a', 'a']), /twice/);
 });

@@ -45,21 +45,24 @@ test(
     const samples = textSamples(lines, vocabulary, entry);
     assert.equal(samples.count, want.notes.y.length);
     assert.deepEqual(Array.from(samples.x, Number), want.notes.x.flat());
-    assert.deepEqual(Array.from(samples.y), want.notes.y);
+    assert.deepEqual(Array.from(samples.y), want.notes.y.flat()); // the next token at every position
     const { train, val } = splitText(lines, vocabulary, entry, want.notes.val_fraction);
     assert.deepEqual(
       Array.from(train.y),
-      want.notes.train.map((i) => want.notes.y[i]),
+      want.notes.train.flatMap((i) => want.notes.y[i]),
     );
     assert.deepEqual(
       Array.from(val.y),
-      want.notes.held_out.map((i) => want.notes.y[i]),
+      want.notes.held_out.flatMap((i) => want.notes.y[i]),
     );
     assert.deepEqual(
       Array.from(val.x, Number),
       want.notes.held_out.flatMap((i) => want.notes.x[i]),
     );
-    assert.ok(val.y.every((id) => !entry.metric_ignores.includes(id)));
+    // each held-out sample has a target the metric counts (the engine weighs the others 0)
+    const per = entry.seq_len;
+    for (let i = 0; i < val.count; i++)
+      assert.ok(val.y.subarray(i * per, (i + 1) * per).some((id) => !entry.metric_ignores.includes(id)));
   },
 );
 
@@ -69,7 +72,8 @@ test("a step on the page's samples of the text gives the Python portable engine'
   const { train } = splitText(textLines(notes(), 'notes.txt'), vocabulary, entry, want.notes.val_fraction);
   const count = want.notes.step.count;
   const x = train.x.subarray(0, count * engine.sampleSize);
-  const loss = await engine.trainStep(x, train.y.subarray(0, count), count, want.lr, 'full');
+  const y = train.y.subarray(0, count * engine.targetSize);
+  const loss = await engine.trainStep(x, y, count, want.lr, 'full');
   assert.ok(Math.abs(loss - want.notes.step.loss) <= TOLERANCE, `loss ${loss} vs ${want.notes.step.loss}`);
   const after = decodeSafetensors(new Uint8Array(readFileSync(join(TEXT, 'after-notes.safetensors'))), 'after').tensors;
   const got = await engine.getTensors();
@@ -128,18 +132,20 @@ test('a file that is not UTF-8 or holds no words is refused in words a person ca
   const short = /the text on this phone holds only 3 words; the model needs at least 10/;
   assert.throws(() => textSamples(['hello hello.'], vocabulary, entry), refused(short, /longer text/));
   const samples = textSamples(['hello there, hello you. hello!', 'hello hello'], vocabulary, entry);
-  assert.equal(samples.count, 9 + 3); // 8 tokens and <eos>, then 2 and <eos>: a target each
+  // 8 tokens and <eos>: 9 targets, 3 sequences of 3; then 2 and <eos>: one sequence
+  assert.equal(samples.count, 3 + 1);
+  assert.deepEqual(Array.from(samples.y.subarray(9)), [4, 4, 3]);
 });
 
-test("the page counts a text bundle's samples as next words, and asks for a longer text", () => {
+test("the page counts a text bundle's samples as sentences, scores its next words, and asks for more text", () => {
   const device = { val_fraction: 0.2, min_train_examples: 8, min_held_out: 2 };
   assert.equal(
     shortfallLine(7, device, nextWordKind.words),
-    'Add 3 more next words (write more) to take part in the rounds.',
+    'Add 3 more sentences (write more) to take part in the rounds.',
   );
   assert.equal(
     shortfallReason(7, device, nextWordKind.words),
-    'The model needs 10 next words: 8 to learn from and 2 kept aside to check how well it does.',
+    'The model needs 10 sentences: 8 to learn from and 2 kept aside to check how well it does.',
   );
   assert.equal(shortfallLine(0, device, sensorKind.words), 'Add 10 windows (record more) to take part in the rounds.');
   const measured = { accuracy: 0.25, count: 16, final: false, roundsHere: 1, round: 1 };
