@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 SCALE = float(os.environ.get("EDGEPFL_FUZZ_SCALE") or 1)
 SEED = os.environ.get("EDGEPFL_FUZZ_SEED")
@@ -26,10 +26,12 @@ def examples(count: int) -> int:
     return max(1, round(count * SCALE))
 
 
-def fuzz_settings(count: int, steps: int | None = None) -> settings:
-    """Hypothesis settings for `count` examples (and `steps` rule calls per example of a state machine)."""
+def fuzz_settings(count: int, steps: int | None = None, shrink: bool = True) -> settings:
+    """Hypothesis settings for `count` examples (and `steps` rule calls per example of a state machine); `shrink`
+    False for a live server, where shrinking replays a failure for minutes against state that moved on."""
     return settings(
         max_examples=examples(count),
+        **({} if shrink else {"phases": [Phase.explicit, Phase.reuse, Phase.generate]}),
         deadline=None,
         derandomize=SEED is None,
         database=None,
