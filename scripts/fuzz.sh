@@ -15,7 +15,7 @@ REPORT=${3:-docs/measurements/fuzz-report.md}
 PYTHON=${PYTHON:-.venv/bin/python}
 LINES=$(mktemp)
 LOG=${FUZZ_LOG:-$(mktemp)}
-PY_TESTS=(tests/test_secagg_stateful.py tests/test_secagg_messages_fuzz.py tests/test_fedbuff_hostile.py tests/test_serve_stateful.py tests/test_server_fuzz.py)
+PY_TESTS=(tests/test_secagg_stateful.py tests/test_secagg_messages_fuzz.py tests/test_fedbuff_hostile.py tests/test_serve_stateful.py tests/test_serve_links.py tests/test_server_fuzz.py)
 JS_TESTS=(device_runtime/web/test/records_fuzz.test.mjs device_runtime/web/test/decoders_fuzz.test.mjs)
 # the page's contract, as the server serves it, for the round-settings property (no other fixture is needed)
 export EDGEPFL_WEB_FIXTURES=${EDGEPFL_WEB_FIXTURES:-$(mktemp -d)}
