@@ -23,7 +23,7 @@ from edgepfl.server.engine import create_engine
 from edgepfl.server.errors import Refused
 from edgepfl.wire import decode_tensors
 
-CASES = 60  # sequences in CI (each up to STEPS calls; an engine per sequence)
+CASES = 40  # sequences in CI (each up to STEPS calls; an engine per sequence)
 STEPS = 40
 DEVICES = ("dev-amber", "dev-birch", "dev-cedar", "dev-dune", "dev-elm")
 BUFFER = 2

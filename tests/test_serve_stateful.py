@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from fuzz_budget import examples, fuzz_settings, reported, seeded
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from server_helpers import LiveServer, enroll, make_bundle, upload_body, weighted_mean
 
 from edgepfl.wire import decode_tensors
 
-CASES = 3  # sequences per mode in CI (each up to STEPS requests; one server per mode lives through all of them)
+CASES = 4  # sequences per mode in CI (each up to STEPS requests; one server per mode lives through all of them)
 STEPS = 20
 DEVICES = ("dev-amber", "dev-birch", "dev-cedar", "dev-dune")  # no name is part of another
 MODES = {
@@ -149,8 +149,17 @@ class ServedFleet(RuleBasedStateMachine):
         assert reply.status_code == 200
         self.tasks[device] = reply.json()
 
+    @initialize()
+    def everyone_polls(self) -> None:
+        """Every sequence starts with each device asking for a task (a round opens at its quorum)."""
+        for device in DEVICES:
+            self.poll(device)
+
     @rule(device=st.sampled_from(DEVICES), samples=st.integers(5, 20))
     def train_and_upload(self, device: str, samples: int) -> None:
+        """The device trains on the task it holds (an older one: maybe stale), or polls for one first."""
+        if device not in self.tasks:
+            self.poll(device)
         task = self.tasks.pop(device, None)
         if not task or task.get("action") != "train":
             return
