@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from server_helpers import enroll, make_bundle, upload_body
 
 from edgepfl.server.config import ServerConfig
-from edgepfl.server.engine import create_engine
+from edgepfl.server.engine import RoundEngine, create_engine
 from edgepfl.server.errors import Refused
 from edgepfl.wire import decode_tensors
 
@@ -40,28 +40,32 @@ class Clock:
         return self.now
 
 
+def fedbuff_engine(root: Path, clock: Clock, max_staleness: int = 1) -> RoundEngine:
+    """A FedBuff engine of buffer BUFFER over a tiny bundle, the DEVICES enrolled."""
+    make_bundle(root / "bundle")
+    config = ServerConfig(
+        bundle=root / "bundle",
+        state=root / "state",
+        min_clients=2,
+        round_timeout=100,
+        rounds=10_000,
+        clip_multiple=0,
+        weight_multiple=0,
+        web=False,
+        fleet_rounds={"aggregation": "fedbuff", "buffer_size": BUFFER, "max_staleness": max_staleness},
+    )
+    enroll(config.state, *DEVICES)
+    return create_engine(config, clock)
+
+
 class HostileFedBuff(RuleBasedStateMachine):
     """One FedBuff engine (module docstring)."""
 
     @initialize(max_staleness=st.integers(0, 2))
     def start(self, max_staleness: int) -> None:
         self.folder = tempfile.TemporaryDirectory()
-        root = Path(self.folder.name)
-        make_bundle(root / "bundle")
-        config = ServerConfig(
-            bundle=root / "bundle",
-            state=root / "state",
-            min_clients=2,
-            round_timeout=100,
-            rounds=10_000,
-            clip_multiple=0,
-            weight_multiple=0,
-            web=False,
-            fleet_rounds={"aggregation": "fedbuff", "buffer_size": BUFFER, "max_staleness": max_staleness},
-        )
-        enroll(config.state, *DEVICES)
         self.clock = Clock()
-        self.engine = create_engine(config, self.clock)
+        self.engine = fedbuff_engine(Path(self.folder.name), self.clock, max_staleness)
         self.tasks: dict[str, int] = {}  # device -> the version its last train task named
         self.accepted: dict[tuple[int, str], str] = {}  # (version, device) -> sha of the upload taken
 
@@ -91,7 +95,7 @@ class HostileFedBuff(RuleBasedStateMachine):
         try:
             receipt = call()
         except Refused as refusal:
-            assert refusal.error in codes, f"refused {refusal.error}, expected {codes}: {refusal.detail}"
+            assert refusal.error in codes, f"refused {refusal.error}, expected {codes}: {refusal.problem}"
             assert self.stored() == before, f"a refused request ({refusal.error}) changed what is stored"
             TALLY[f"refused {refusal.error}"] += 1
             return
@@ -132,7 +136,7 @@ class HostileFedBuff(RuleBasedStateMachine):
         try:
             receipt = self.engine.accept_update(device, version, body)
         except Refused as refusal:  # honest, but late: its version went too stale or a rollback rejected it
-            assert refusal.error in ("too_stale", "round_closed"), refusal.detail
+            assert refusal.error in ("too_stale", "round_closed"), refusal.problem
             assert self.stored() == before
             TALLY[f"honest but {refusal.error}"] += 1
             return
@@ -180,7 +184,9 @@ class HostileFedBuff(RuleBasedStateMachine):
             other = self.body(device, version, 3.0, 7)
         except Refused:
             return  # the version's base is no longer kept
-        self.refused(lambda: self.engine.accept_update(device, version, other), "duplicate_update", "too_stale")
+        self.refused(
+            lambda: self.engine.accept_update(device, version, other), "duplicate_update", "too_stale", "round_closed"
+        )
 
     @rule(device=st.sampled_from(DEVICES))
     def before_the_rollback(self, device: str) -> None:
@@ -241,3 +247,33 @@ def test_fedbuff_under_hostile_timing() -> None:
     assert TALLY["server steps"] and TALLY["rollbacks"] and TALLY["refused no_such_round"], (
         f"the fuzz reached too little: {TALLY}"
     )
+
+
+def test_regression_an_upload_a_rollback_dropped_is_refused_not_taken_again(tmp_path: Path) -> None:
+    """Found by the long run: a device's upload on a version whose base was then rejected is dropped; sending it
+    again was answered 'accepted, duplicate' (and other bytes reached the body's checks) instead of round_closed."""
+    engine = fedbuff_engine(tmp_path, Clock())
+    amber, birch, cedar = DEVICES[:3]
+    for device in (amber, birch):
+        engine.task(device)
+        engine.accept_update(device, 1, _body(engine, device, 1, 0.5))
+    engine.tick()  # step 1: version 2 opens on a base that can be rolled back
+    assert engine.task(cedar).round_id == 2
+    body = _body(engine, cedar, 2, 0.25)
+    engine.accept_update(cedar, 2, body)
+    assert engine.accept_refusal(cedar, 2, "training diverged")["rolled_back"]
+    assert engine.round(2).state == "abandoned"
+    for again in (body, upload_body({}, engine.manifest)):
+        try:
+            engine.accept_update(cedar, 2, again)
+        except Refused as refusal:
+            assert refusal.error == "round_closed", refusal.problem
+        else:
+            raise AssertionError("an upload the rollback dropped was taken again")
+    engine.store.close()
+
+
+def _body(engine: RoundEngine, device: str, version: int, shift: float) -> bytes:
+    base, _ = engine.base_for(device, version)
+    tensors = {name: value + np.float32(shift) for name, value in decode_tensors(base).items()}
+    return upload_body(tensors, engine.manifest)
