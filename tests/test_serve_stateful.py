@@ -10,10 +10,12 @@ response to a device names another device; no reply is a 5xx.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 
 import httpx
@@ -38,6 +40,21 @@ TALLY: Counter[str] = Counter()
 FAILURES: list[str] = []  # the first failure, kept: Hypothesis cannot replay a sequence against a server that moved on
 
 
+def recorded(step):
+    """A rule or invariant whose first exception is kept (with its line) before Hypothesis sees it."""
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except Exception as error:
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            FAILURES.append(f"{step.__name__}: {type(error).__name__}: {error} ({where.filename}:{where.lineno})")
+            raise
+
+    return run
+
+
 def check(condition: object, problem: str) -> None:
     """assert, remembering the problem for the test's own message."""
     if not condition:
@@ -58,6 +75,7 @@ def served(request, tmp_path_factory):
         check=True,
     ).stdout.split()[-1]
     options = ("--rounds", "100000", "--round-timeout", "3600", "--poll-interval", "1", *MODES[request.param])
+    options += ("--clip-multiple", "0", "--weight-multiple", "0")  # the plain weighted mean: no per-device bounds
     with LiveServer(root / "bundle", root / "state", *options, "--no-web") as server:
         yield request.param, server.url, tokens, operator, manifest
 
@@ -144,18 +162,21 @@ class ServedFleet(RuleBasedStateMachine):
     # honest devices
 
     @rule(device=st.sampled_from(DEVICES))
+    @recorded
     def poll(self, device: str) -> None:
         reply = self.send(device, "GET", "/v1/task")
         assert reply.status_code == 200
         self.tasks[device] = reply.json()
 
     @initialize()
+    @recorded
     def everyone_polls(self) -> None:
         """Every sequence starts with each device asking for a task (a round opens at its quorum)."""
         for device in DEVICES:
             self.poll(device)
 
     @rule(device=st.sampled_from(DEVICES), samples=st.integers(5, 20))
+    @recorded
     def train_and_upload(self, device: str, samples: int) -> None:
         """The device trains on the task it holds (an older one: maybe stale), or polls for one first."""
         if device not in self.tasks:
@@ -170,6 +191,7 @@ class ServedFleet(RuleBasedStateMachine):
     # hostile sequences: each refused, and nothing stored changes
 
     @rule(device=st.sampled_from(DEVICES), how=st.sampled_from(["again", "other bytes", "future", "closed", "zero"]))
+    @recorded
     def hostile_upload(self, device: str, how: str) -> None:
         """The same task twice (the same bytes: a duplicate; other bytes: refused), a round that does not exist
         yet, a round that closed, round 0."""
@@ -197,6 +219,7 @@ class ServedFleet(RuleBasedStateMachine):
             check(unchanged(before, self.stored()), f"a refused upload ({how}) changed what is stored")
 
     @rule(device=st.sampled_from(DEVICES), samples=st.integers(5, 20))
+    @recorded
     def parallel_uploads(self, device: str, samples: int) -> None:
         """Two different uploads of one device's task at once: at most one is taken."""
         task = self.tasks.pop(device, None)
@@ -206,24 +229,19 @@ class ServedFleet(RuleBasedStateMachine):
         if first is None:
             return
         second = upload_body(decode_tensors(first), self.manifest, num_samples=samples + 1)
-        replies: list[httpx.Response] = []
+        replies: list[tuple[bytes, httpx.Response]] = []
         threads = [
-            threading.Thread(target=lambda b=b: replies.append(self._raw_upload(device, task["round"], b)))
+            threading.Thread(target=lambda b=b: replies.append((b, self._raw_upload(device, task["round"], b))))
             for b in (first, second)
         ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        taken = [r for r in replies if r.status_code == 200 and not r.json()["duplicate"]]
+        taken = [body for body, r in replies if r.status_code == 200 and not r.json()["duplicate"]]
         check(len(taken) <= 1, "two different uploads of one task were both taken")
         if taken:
-            body = first if taken[0] is replies[0] and replies[0].json() == taken[0].json() else None
-            for reply, candidate in zip(replies, (first, second)):
-                if reply is taken[0]:
-                    body = candidate
-            key = (task["round"], device)
-            self.accepted[key] = (body, int(decode_meta_samples(body)))
+            self.accepted[(task["round"], device)] = (taken[0], int(decode_meta_samples(taken[0])))
         TALLY["parallel uploads, one taken" if taken else "parallel uploads, none taken"] += 1
 
     def _raw_upload(self, device: str, round_id: int, body: bytes) -> httpx.Response:
@@ -234,6 +252,7 @@ class ServedFleet(RuleBasedStateMachine):
         return reply
 
     @rule(device=st.sampled_from(DEVICES))
+    @recorded
     def poll_storm(self, device: str) -> None:
         """A device polling a hundred times as fast as it can: every reply a task or a 429, nothing stored moves
         beyond what its polls may open."""
@@ -245,6 +264,7 @@ class ServedFleet(RuleBasedStateMachine):
         check(unchanged(before, after), "a poll storm changed stored uploads")
 
     @rule()
+    @recorded
     def forged_token(self) -> None:
         before = self.stored()
         reply = httpx.post(
@@ -258,6 +278,7 @@ class ServedFleet(RuleBasedStateMachine):
     # what holds after every step
 
     @invariant()
+    @recorded
     def counted_once_and_means_exact(self) -> None:
         stored = self.stored()
         mine = Counter(round_id for round_id, _ in self.accepted)
