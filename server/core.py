@@ -221,7 +221,7 @@ class EngineCore:
         """Refuse an upload before its body is read: unknown round, closed round, not sampled, too late, secure."""
         self.mode.check_upload(device, round_id)
         with self.lock:
-            if self.store.update(round_id, device) is not None:
+            if self._kept_update(round_id, device) is not None:
                 return  # a retry: decided by comparing the bytes
             self._check_open_for(device, round_id)
 
@@ -232,13 +232,13 @@ class EngineCore:
         settings = self.settings_for(device, round_id)
         base = self.uploads.base_of(round_id, device)
         tensors = upload.stands_for(settings, base, settings.travelling(self.specs))
-        previous = self.store.update(round_id, device)
+        previous = self._kept_update(round_id, device)
         if previous is not None:
             return self._retry_receipt(previous, upload.sha256)
         norm = delta_norm(tensors, base)
         self.store.blobs.put(payload, upload.sha256)  # on disk (fsynced) before the row that names it is committed
         with self.lock:
-            previous = self.store.update(round_id, device)
+            previous = self._kept_update(round_id, device)
             if previous is not None:
                 return self._retry_receipt(previous, upload.sha256)
             self._check_open_for(device, round_id)
@@ -360,6 +360,12 @@ class EngineCore:
         record = self.round_or_404(round_id)
         self.check_sampled(device, round_id, "poll /v1/task and train only when told to")
         self.mode.check_open(record)
+
+    def _kept_update(self, round_id: int, device: str) -> UpdateRecord | None:
+        """The device's upload in the round, unless a rollback dropped it (then the round is closed to it: a retry
+        of a dropped upload is refused, never told it was taken)."""
+        previous = self.store.update(round_id, device)
+        return previous if previous is not None and previous.status != "dropped" else None
 
     def _retry_receipt(self, previous: UpdateRecord, sha: str) -> dict[str, Any]:
         if previous.blob_sha != sha:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from fuzz_budget import examples, fuzz_settings, reported, seeded
+from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from server_helpers import enroll, make_bundle, upload_body
@@ -74,7 +75,13 @@ def duplicate_names() -> bytes:
 
 schemathesis.openapi.media_type(
     "application/octet-stream",
-    st.deferred(lambda: tensor_bodies(_target["names"], _target["valid"], _target["layout_hash"])),
+    st.deferred(  # registered for every schema in the process: random bytes where no fixture made the target
+        lambda: (
+            tensor_bodies(_target["names"], _target["valid"], _target["layout_hash"])
+            if _target
+            else st.binary(max_size=512)
+        )
+    ),
 )
 
 
@@ -99,14 +106,6 @@ def fuzzed_app(tmp_path: Path) -> Any:
     return create_app(engine)
 
 
-FUZZ_SETTINGS = {
-    "deadline": None,
-    "derandomize": True,
-    "database": None,
-    "suppress_health_check": list(HealthCheck),
-}
-
-
 def _call(case: Any) -> None:
     """Send the case, mostly for the open round and with a valid token (picked from its content, so
     deterministically), and check that the reply is no 5xx and every refusal is {error, detail, fix}."""
@@ -122,23 +121,27 @@ def _call(case: Any) -> None:
         assert set(body) == {"error", "detail", "fix"} and body["detail"], body
 
 
-def _fuzz(strategy: st.SearchStrategy, examples: int) -> None:
+def _fuzz(strategy: st.SearchStrategy, count: int, name: str) -> None:
+    """`count` cases (scaled and seeded by scripts/fuzz.sh, tests/fuzz_budget.py)."""
+
+    @seeded
     @given(case=strategy)
-    @settings(max_examples=examples, **FUZZ_SETTINGS)
+    @fuzz_settings(count)
     def run(case: Any) -> None:
         _call(case)
 
-    run()
+    with reported(name, {"examples": examples(count)}):
+        run()
 
 
 def test_no_upload_makes_the_app_answer_5xx(fuzzed_app: Any) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzzed_app)
-    _fuzz(schema["/v1/rounds/{round_id}/update"]["POST"].as_strategy(), UPLOAD_CASES)
+    _fuzz(schema["/v1/rounds/{round_id}/update"]["POST"].as_strategy(), UPLOAD_CASES, "schemathesis uploads")
 
 
 def test_no_other_request_makes_the_app_answer_5xx(fuzzed_app: Any) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzzed_app).exclude(path_regex="/update$")
-    _fuzz(schema.as_strategy(), OTHER_CASES)
+    _fuzz(schema.as_strategy(), OTHER_CASES, "schemathesis other operations")
 
 
 def test_the_valid_upload_of_the_fuzz_is_accepted(fuzzed_app: Any) -> None:

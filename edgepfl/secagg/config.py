@@ -107,7 +107,7 @@ class SecAggConfig:
         """Read what `to_dict` wrote; anything else is a SecAggError."""
         try:
             return cls(**data)
-        except TypeError as exc:
+        except (TypeError, OverflowError) as exc:  # OverflowError: an integer too large for a float
             raise SecAggError(
                 f"secure aggregation settings cannot be read ({exc})", "send SecAggConfig fields"
             ) from None

@@ -127,11 +127,15 @@ class KeyBook:
         data = _fields(data, "key book", ("context", "config", "randomness", "adverts", "plan", "base_size"))
         if not isinstance(data["adverts"], list) or not isinstance(data["plan"], dict):
             raise SecAggError("the key book is malformed", "send adverts as a list and the plan as an object")
-        try:
-            plan = Plan(**{k: int(v) for k, v in data["plan"].items()})
-        except (TypeError, ValueError):
+        numbers = [*data["plan"].values(), data["base_size"]]
+        try:  # JSON numbers only: not text, not a boolean, not a float json reads as infinity
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers):
+                raise TypeError
+            plan = Plan(**data["plan"])
+        except TypeError:
             raise SecAggError(
-                "the key book's plan is malformed", "send devices, neighbours, threshold, min_survivors"
+                "the key book's plan or base size is malformed",
+                "send devices, neighbours, threshold, min_survivors and bits as integers",
             ) from None
         book = cls(
             check_name(data["context"], "round context"),
@@ -271,7 +275,8 @@ def to_json(message: Any) -> str:
 def from_json(text: str | bytes, kind: type | None = None) -> Any:
     """A message from `to_json` text; the wrong kind, a malformed field or bad base64 is one SecAggError line."""
     data = _parse(text, "message")
-    found = MESSAGES.get(data.pop("type", None)) if isinstance(data, dict) else None
+    name = data.pop("type", None) if isinstance(data, dict) else None
+    found = MESSAGES.get(name) if isinstance(name, str) else None
     if found is None or (kind is not None and found is not kind):
         wanted = kind.__name__ if kind else "a secure-aggregation message"
         raise SecAggError(f"a message is not {wanted}", "send the message the protocol step asks for")
@@ -289,7 +294,10 @@ def session_json(kind: str, state: dict[str, Any]) -> str:
 def session_state(text: str | bytes, kind: str, phases: tuple[str, ...]) -> dict[str, Any]:
     """The state `session_json(kind, ...)` wrote, in one of `phases`; anything else raises ValueError, KeyError or
     TypeError, which the session turns into its own SecAggError line (what to do differs on a device and a server)."""
-    state = json.loads(text)
+    try:
+        state = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
     if state.pop("type") != kind or state.pop("version") != SESSION_VERSION or state["phase"] not in phases:
         raise ValueError(f"not a saved {kind}")
     return state
@@ -326,7 +334,7 @@ def unb64_map(data: Any, what: str) -> dict[str, bytes]:
 def _parse(text: str | bytes, what: str) -> Any:
     try:
         return json.loads(text)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         raise SecAggError(f"a {what} is not JSON", "send what to_json writes") from None
 
 

@@ -69,3 +69,62 @@ export function checkPlan(book) {
   }
   levels(n, bits);
 }
+
+const CONFIG_FIELDS = [
+  'clip_norm',
+  'threshold',
+  'neighbours',
+  'dropout',
+  'collusion',
+  'bits',
+  'max_weight',
+  'coordinate_sigmas',
+  'weight_scale',
+];
+const PLAN_FIELDS = ['devices', 'neighbours', 'threshold', 'min_survivors', 'bits'];
+
+/**
+ * A key book's settings and plan as SecAggConfig and Plan read them (config.py): the fields they have, each of its
+ * type and in its range, so that no later step computes with null, text or Infinity (1e999 in JSON); else one line.
+ * @param {unknown} config @param {unknown} plan
+ */
+export function checkSettings(config, plan) {
+  const real = (/** @type {unknown} */ v) => typeof v === 'number' && Number.isFinite(v);
+  const int = (/** @type {unknown} */ v) => Number.isSafeInteger(v);
+  const fraction = (/** @type {unknown} */ v) => v === null || (real(v) && Number(v) >= 0 && Number(v) < 1);
+  const has = (/** @type {any} */ o, /** @type {string[]} */ names) =>
+    o !== null &&
+    typeof o === 'object' &&
+    !Array.isArray(o) &&
+    Object.keys(o).sort().join() === [...names].sort().join();
+  /** @type {any} */
+  const c = config;
+  /** @type {any} */
+  const p = plan;
+  const ok =
+    has(c, CONFIG_FIELDS) &&
+    real(c.clip_norm) &&
+    c.clip_norm > 0 &&
+    real(c.threshold) &&
+    c.threshold > 0 &&
+    c.threshold <= 1 &&
+    (c.neighbours === 'auto' ||
+      c.neighbours === 'all' ||
+      (int(c.neighbours) && c.neighbours >= 2 && c.neighbours % 2 === 0)) &&
+    fraction(c.dropout) &&
+    fraction(c.collusion) &&
+    (c.bits === null || (int(c.bits) && c.bits >= MIN_BITS && c.bits <= 32)) &&
+    int(c.max_weight) &&
+    c.max_weight >= 1 &&
+    c.max_weight < 2 ** 31 &&
+    real(c.coordinate_sigmas) &&
+    c.coordinate_sigmas > 0 &&
+    (c.weight_scale === null || (real(c.weight_scale) && c.weight_scale > 0)) &&
+    has(p, PLAN_FIELDS) &&
+    PLAN_FIELDS.every((name) => int(p[name]) && p[name] >= 0);
+  if (!ok)
+    throw new SecAggError(
+      "the key book's settings or plan are not SecAggConfig and Plan fields of their types and ranges",
+      'the server must send the settings and plan edgepfl.secagg.config writes',
+    );
+}

@@ -4,6 +4,7 @@
 
 import { concat } from './bytes.js';
 import { SecAggError } from './errors.js';
+import { checkSettings } from './secagg_config.js';
 
 /**
  * @typedef {{device: string, cipher_key: Uint8Array, mask_key: Uint8Array}} KeyAdvert
@@ -149,6 +150,7 @@ export function keyBookFromDict(data) {
   fields(data, 'key book', ['context', 'config', 'randomness', 'adverts', 'plan', 'base_size']);
   if (!Array.isArray(data.adverts) || !data.plan || typeof data.config !== 'object')
     throw new SecAggError('the key book is malformed', 'send adverts as a list and the plan as an object');
+  checkSettings(data.config, data.plan);
   const adverts = data.adverts.map((/** @type {any} */ a) => {
     fields(a, 'key advert', ['device', 'cipher_key', 'mask_key']);
     const device = checkName(a.device, 'device id');
@@ -173,7 +175,8 @@ export function keyBookFromDict(data) {
     devices.join('\n') !== sorted.join('\n') ||
     keys.size !== 2 * adverts.length ||
     !Number.isInteger(book.base_size) ||
-    book.base_size < 1
+    book.base_size < 1 ||
+    book.base_size >= 2 ** 31 // no page holds a delta that large; bounds what the masked vector allocates
   ) {
     throw new SecAggError(
       "the key book's devices are not sorted and unique, its keys not distinct, or its size malformed",
