@@ -86,6 +86,7 @@ def test_predict_is_the_engines_evaluation(bn_bundle, trained_state, engine_name
     assert -np.log(probabilities[np.arange(45), y]).mean() == pytest.approx(evaluation.loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_both_engines_predict_alike(bn_bundle, trained_state):
     x = load_manifest(bn_bundle).kind.normalize(class_images(np.arange(7) % NUM_CLASSES, 3, side=SIDE))
     ort, portable = (predict_all(open_device_model(bn_bundle, trained_state, name).engine, x) for name in ENGINES)

@@ -175,6 +175,7 @@ def test_an_html_reply_to_the_upload_keeps_the_round_pending(mlp_bundle, tmp_pat
     assert summary.finished and server.uploads == [(1, saved_body)] and state.state.last_uploaded_round == 1
 
 
+@pytest.mark.slow
 def test_an_html_reply_to_the_base_is_one_line_before_training(mlp_bundle, tmp_path):
     engine, data, state, server = _open_device(mlp_bundle, tmp_path, server_rounds=1)
     server.faults["/v1/rounds/1/base"] = [httpx.Response(200, text=HTML, headers={"content-type": "text/html"})]

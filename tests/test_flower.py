@@ -181,6 +181,7 @@ def test_encoded_delta_replies_are_decoded_as_served_uploads(reference, tmp_path
         store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["fedper", "median", "trimmed-mean", "pfedla", "heurpfedla"])
 def test_replies_are_accepted_and_aggregated(reference, tmp_path, task_identity, strategy_name):
     from edgepfl.flower.messages import round_of

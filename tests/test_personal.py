@@ -359,6 +359,7 @@ def _assert_agree(after: dict, reference_engine: str = "torch") -> None:
             assert error <= RTOL, f"{name} {tensor}: relative error {error:.1e}"
 
 
+@pytest.mark.slow
 def test_export_model_carries_the_trained_personal_part_in_fp32_and_int8(any_personal_bundle, tmp_path):
     """`device export-model` of a device whose personal part moved: fp32 is the engine's model, adapters and LoRA
     included; int8 (calibrated on the device's samples) loads and gives probabilities."""

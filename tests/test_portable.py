@@ -212,6 +212,7 @@ def test_frozen_variants_hold_exactly_the_tensors_a_step_passes_through(portable
         assert set(step["updates"]) == set(state) - frozen, set_name
 
 
+@pytest.mark.slow
 def test_no_step_graph_copies_a_graph_input(case_bundle):
     """Issue 39: a tensor a step passes through has no output, so no Identity (a dispatch on a GPU) copies it.
     (It reads the graphs with onnx, so it takes the bundle, not the portable case, and runs in the main stage.)"""
@@ -698,6 +699,7 @@ def test_mobilenet_partial_batch_step_matches_float64_pytorch_on_its_real_sample
     assert_close(dict(zip(params + buffers, outputs)), {n: reference[n] for n in params + buffers})
 
 
+@pytest.mark.slow
 def test_mobilenet_onnx_step_is_as_close_to_float64_as_pytorch_float32(mobilenet_step):
     """The float32 ONNX graph vs a float64 reference, every param and buffer.
 

@@ -54,6 +54,7 @@ def live(tmp_path_factory):
         yield server.url, tokens
 
 
+@pytest.mark.slow
 def test_schemathesis_sequences_over_the_links(live) -> None:
     url, tokens = live
     for device in DEVICES:  # every device polls once, so round 1 opens and the links reach past 404

@@ -315,6 +315,7 @@ def decode_meta_samples(body: bytes) -> int:
     return int(json.loads(body[8 : 8 + size])["__metadata__"]["num_samples"])
 
 
+@pytest.mark.slow
 def test_a_served_fleet_under_hostile_sequences(served) -> None:
     mode, url, tokens, operator, manifest = served
     fleet = type(f"ServedFleet_{mode}", (ServedFleet,), {})

@@ -139,6 +139,7 @@ def test_a_text_bundle_says_its_token_input_vocabulary_and_blocks(transformer_bu
     assert "int64" in manifest.engines["portable"]["steps"]["full"]["webgpu_problems"][0]
 
 
+@pytest.mark.slow
 def test_the_embeddings_gradient_is_standard_onnx_that_plain_onnxruntime_runs(transformer_bundle):
     from edgepfl.export.portable import default_domain_violations
 
@@ -187,6 +188,7 @@ def test_every_engine_trains_the_sequence_models_alike(bundles):
     assert any(not np.array_equal(reference[1][n], initial[n]) for n in base), "the full step trains the base"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle"], indirect=True)
 def test_a_next_word_step_is_the_mean_cross_entropy_over_every_non_pad_position(bundles):
     """Every engine's loss and gradients are torch's causal language-model loss with <pad> targets ignored (FedAlt's
@@ -280,6 +282,7 @@ def test_predict_text_gives_the_top_next_words_and_never_a_special_token(transfo
     assert len(top) == 3 and top[0]["name"] == next_words(device, "to be", 1, tmp_path / "s")[0][1]
 
 
+@pytest.mark.slow
 def test_predict_reads_sensor_and_token_windows_and_refuses_bad_ones(har_bundle, transformer_bundle, tmp_path):
     from device_helpers import read_inputs
 
