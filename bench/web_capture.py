@@ -16,6 +16,9 @@ chromium emulating a phone (390x844, touch, CPU slowed 4 times) and reads what t
   (the gaps between them), the resampler's gaps (a window under way dropped), the windows recorded against those
   the time allows, and the live activity's refreshes a second (target: at least 2).
 
+Each part keeps the page's own device line (`page`: its WebAssembly threads, and whether it is cross-origin
+isolated, which threads need).
+
 Prints JSON, writes it to --out (default docs/measurements/web-capture-<date>.json) and bench/figures/web-capture.png.
 
 Usage: python bench/web_capture.py [--out FILE]   (needs chromium, playwright, npm ci --prefix device_runtime/web)
@@ -141,10 +144,12 @@ def keyboard_run(folder: Path) -> dict:
                 page.wait_for_selector("body[data-stage=training]", state="attached", timeout=600_000)
                 training = type_sentence(page)
                 still_training = page.get_attribute("body", "data-stage") == "training"
+                device = page.text_content("#device")
             finally:
                 browser.close()
     return {
         "model": f"transformer width 0.25, 2 layers, 20 tokens, {vocabulary} words",
+        "page": device,
         "target_ms": TARGET_SUGGEST_MS,
         "idle": latency_summary(idle),
         "while_training": {**latency_summary(training), "round_still_training_at_the_end": still_training},
@@ -235,10 +240,12 @@ def motion_run(folder: Path) -> dict:
                 page.wait_for_selector("body[data-stage=done]", state="attached", timeout=900_000)
                 training["round_seconds_at_least"] = round(time.monotonic() - started, 1)
                 page.click("#record")
+                device = page.text_content("#device")
             finally:
                 browser.close()
     return {
         "model": "har-cnn (UCI HAPT: 6 channels, 128-reading windows at 50 Hz, 6 activities)",
+        "page": device,
         "windows_a_second_at_50hz_step_64": round(50 / 64, 2),
         "target_live_refreshes_per_s": TARGET_LIVE_PER_S,
         "idle": idle,

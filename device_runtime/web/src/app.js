@@ -3,7 +3,7 @@
 // server refuses the token), ask the browser to keep the page's data, load the bundle's portable graphs, then
 // hand the round loop (runner.js, as device_runtime/runner.py runs it) to the page (ui.js, tryit.js).
 
-import { backendLine, chooseBackend, loadRuntime, requestedBackend } from './backend.js';
+import { backendLine, chooseBackend, loadRuntime, requestedBackend, trainingThreads } from './backend.js';
 import {
   guardFirstStep,
   guardGpuSpeed,
@@ -108,12 +108,12 @@ async function takePart(
   const keep = new Set(Object.values(manifest.files || {})); // bundle files of this manifest stay cached
   const files = await bundleFiles(store, client, manifest, keep);
   status('Starting the model…');
-  const threads = crossOriginIsolated ? Math.max(1, Math.min(4, navigator.hardwareConcurrency || 1)) : 1;
   // the GPU where the browser gives a hardware WebGPU adapter (?backend=wasm|webgpu overrides), else WebAssembly
   const gpu = /** @type {{gpu?: import('./backend.js').Gpu}} */ (/** @type {unknown} */ (navigator)).gpu; // WebGPU's types are not in TypeScript's dom lib
   const memory = pageMemory();
   const backend = await chooseBackend(gpu, requestedBackend(location.search), rememberedFallback(memory));
   const sample = sampleKind(manifest); // the bundle's kind of sample: whether training must leave the thread free
+  const threads = trainingThreads(crossOriginIsolated, navigator.hardwareConcurrency, sample.freeThread);
   const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url), sample.freeThread);
   const placed = () => {
     showBackend(backend.name, backendLine(backend, engine.placements));

@@ -56,6 +56,21 @@ export function adapterName(/** @type {AdapterInfo | undefined} */ info) {
 }
 
 /**
+ * The WebAssembly threads a page trains with: one unless the page is cross-origin isolated (threads need
+ * SharedArrayBuffer), else its cores up to four; with `freeThread` one core fewer, so the page's own thread keeps a
+ * core for the motion readings while a step runs in the proxy worker (on the 2-core emulated phone of
+ * docs/web-device.md the worker's two threads took both, and 17 % of the readings did not arrive while a round trained).
+ * @param {boolean} isolated crossOriginIsolated
+ * @param {number} cores navigator.hardwareConcurrency (0 where the browser does not say)
+ * @param {boolean} freeThread the bundle's kind needs the page's thread free (kinds.js)
+ * @returns {number}
+ */
+export function trainingThreads(isolated, cores, freeThread) {
+  if (!isolated) return 1;
+  return Math.max(1, Math.min(4, (cores || 1) - (freeThread ? 1 : 0)));
+}
+
+/**
  * Import the onnxruntime-web build that carries `backend` from `vendor` (a folder URL), its wasm files beside it.
  * With `freeThread`, WebAssembly graphs run in onnxruntime-web's proxy worker, off the page's thread: a step then
  * never holds up the page (a sensor bundle's motion readings come there at 60 Hz and would be lost while a step

@@ -3,7 +3,7 @@
 
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { adapterName, backendLine, chooseBackend, requestedBackend } from '../src/backend.js';
+import { adapterName, backendLine, chooseBackend, requestedBackend, trainingThreads } from '../src/backend.js';
 
 const adapter = (info) => ({ requestAdapter: async () => ({ info }) });
 
@@ -94,4 +94,16 @@ test('the line says where the page trains, and each graph the GPU refused with i
     backendLine(gpu, placed),
     'Training on the GPU (WebGPU: google swiftshader). On the processor instead: portable/eval.onnx (node n (LogSoftmax): no WebGPU kernel).',
   );
+});
+
+test('threads: one unless cross-origin isolated, else the cores up to four; a kind that needs the page free leaves it one', () => {
+  assert.equal(trainingThreads(false, 8, false), 1);
+  assert.equal(trainingThreads(false, 8, true), 1);
+  assert.equal(trainingThreads(true, 2, false), 2);
+  assert.equal(trainingThreads(true, 2, true), 1);
+  assert.equal(trainingThreads(true, 8, false), 4);
+  assert.equal(trainingThreads(true, 8, true), 4);
+  assert.equal(trainingThreads(true, 5, true), 4);
+  assert.equal(trainingThreads(true, 1, true), 1);
+  assert.equal(trainingThreads(true, 0, false), 1); // a browser that does not say its cores
 });

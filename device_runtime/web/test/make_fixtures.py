@@ -22,6 +22,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # tests.conftest holds the one bundle-export helper the test suite uses
+sys.path.insert(1, str(ROOT / "tests"))  # and imports tests/stages.py beside it, as pytest's sys.path has it
 
 import make_capture_fixtures  # noqa: E402  (beside this file)
 import make_secagg_fixtures  # noqa: E402  (beside this file)
