@@ -11,20 +11,7 @@ import { encodeSafetensors, decodeSafetensors, numel } from '../src/safetensors.
 import { checkPlan, vectorLength } from '../src/secagg_config.js';
 import { b64, messageFromJson } from '../src/secagg_messages.js';
 import { fixtureContract, NEEDS_FIXTURES } from './fixtures.mjs';
-import { holds } from './fuzzing.mjs';
-
-/** `decode()` gives a value `valid` accepts, or throws a DeviceError naming its problem and fix. */
-function decodesOrRefuses(/** @type {() => unknown} */ decode, /** @type {(value: any) => void} */ valid) {
-  let value;
-  try {
-    value = decode();
-  } catch (err) {
-    assert.ok(err instanceof DeviceError, `threw ${err?.constructor?.name}: ${err?.message ?? err}`);
-    assert.ok(err.problem && err.fix, 'an error names its problem and fix');
-    return;
-  }
-  valid(value);
-}
+import { decodesOrRefuses, holds } from './fuzzing.mjs';
 
 /** Stands for 1e999 until the text is written (JSON.parse reads it as Infinity; JSON.stringify writes Infinity as null). */
 const INF = '<1e999>';

@@ -6,26 +6,12 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import fc from 'fast-check';
-import { DeviceError } from '../src/errors.js';
 import { decodeSentence, decodeTyping, decodeWindow, sentenceRecord, windowRecord } from '../src/records.js';
 import { LINE_BREAK } from '../src/text.js';
-import { holds } from './fuzzing.mjs';
+import { decodesOrRefuses, holds } from './fuzzing.mjs';
 
 const SIZE = 12; // readings a window holds here (channels x steps)
 const CLASSES = 3;
-
-/** `decode()` gives a value `valid` accepts, or throws a DeviceError naming its problem and fix. */
-function decodesOrRefuses(/** @type {() => unknown} */ decode, /** @type {(value: any) => void} */ valid) {
-  let value;
-  try {
-    value = decode();
-  } catch (err) {
-    assert.ok(err instanceof DeviceError, `threw ${err?.constructor?.name}: ${err?.message ?? err}`);
-    assert.ok(err.problem && err.fix, 'an error names its problem and fix');
-    return;
-  }
-  valid(value);
-}
 
 /** Values structured cloning keeps, nested, with the shapes of the page's records among them. */
 const stored = fc.letrec((tie) => ({
