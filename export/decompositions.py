@@ -6,7 +6,7 @@ and a max pool without int64 indices (onnxruntime-web's WebGPU back end has no i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,21 @@ from edgepfl.export.smallmaps import DenseColumns, DepthwiseMaps, is_depthwise, 
 aten = torch.ops.aten
 
 
+def trace(
+    fn: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor], tracing_mode: str = "fake"
+) -> torch.fx.GraphModule:
+    """The functional ATen graph that gets exported: core decompositions plus our convolution backward.
+
+    With tracing_mode="real" and float64 inputs the result runs in float64, which checks the
+    decompositions themselves against PyTorch's autograd without float32 rounding in the way.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode=tracing_mode, decomposition_table=decomposition_table())(*inputs)
+
+
 def decomposition_table() -> dict:
-    """The ATen decomposition table `portable.trace` hands to make_fx."""
+    """The ATen decomposition table `trace` hands to make_fx."""
     from torch._decomp import core_aten_decompositions
 
     table = dict(core_aten_decompositions())

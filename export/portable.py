@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.errors import UsageError
-from edgepfl.export import decompositions, fanout
+from edgepfl.export import fanout
 from edgepfl.export.crossentropy import LABEL_DTYPE, correct_count, weighted_cross_entropy
+from edgepfl.export.decompositions import trace
 from edgepfl.export.frozen import FROZEN_LOCATION, frozen_variant
+from edgepfl.export.lastposition import last_position_graph
 from edgepfl.export.masked import MaskedModel, StepShape
 from edgepfl.export.shapecopies import constants_as_initializers, drop_shape_copies
 from edgepfl.export.translations import translation_table
@@ -111,7 +113,7 @@ def export_portable(
     one_by_one = batch_size // PREDICT_SHARE
     predict: dict = {}
     if one_by_one:
-        predict_proto = export_eval(step_model, params, buffers, 1)
+        predict_proto = export_predict(step_model, params, buffers)
         onnx.save(predict_proto, str(folder / "predict.onnx"))
         predict = {
             "predict": {**_graph_entry(f"{prefix}/predict.onnx", predict_proto), "batch_size": 1, "up_to": one_by_one}
@@ -236,19 +238,6 @@ def step_function(
     return step
 
 
-def trace(
-    fn: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor], tracing_mode: str = "fake"
-) -> torch.fx.GraphModule:
-    """The functional ATen graph that gets exported: core decompositions plus our convolution backward.
-
-    With tracing_mode="real" and float64 inputs the result runs in float64, which checks the
-    decompositions themselves against PyTorch's autograd without float32 rounding in the way.
-    """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    return make_fx(fn, tracing_mode=tracing_mode, decomposition_table=decompositions.decomposition_table())(*inputs)
-
-
 def distillation_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -352,6 +341,15 @@ def export_eval(step_model: MaskedModel, params: list[str], buffers: list[str], 
     inputs = _example_inputs(step_model, params, buffers, batch_size)
     input_names = _state_names(params, buffers) + list(SAMPLE_INPUTS)
     return _to_onnx(evaluate, inputs, input_names, list(EVAL_OUTPUTS))
+
+
+def export_predict(step_model: MaskedModel, params: list[str], buffers: list[str]) -> onnx.ModelProto:
+    """The one-sample predict graph: the eval graph at batch 1, or for a next-word model its logits at the last real
+    position only (export/lastposition.py); the engines read a prediction from either form."""
+    names = _state_names(params, buffers) + list(SAMPLE_INPUTS)
+    inputs = dict(zip(names, _example_inputs(step_model, params, buffers, 1)))
+    full = export_eval(step_model, params, buffers, 1)
+    return last_position_graph(step_model, full, inputs, params + buffers, EVAL_OUTPUTS[0], _to_onnx)
 
 
 def default_domain_violations(proto: onnx.ModelProto) -> list[str]:

@@ -188,6 +188,67 @@ def test_every_engine_trains_the_sequence_models_alike(bundles):
     assert any(not np.array_equal(reference[1][n], initial[n]) for n in base), "the full step trains the base"
 
 
+@pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle"], indirect=True)
+def test_the_one_phrase_predict_graph_applies_the_output_layer_at_the_last_word_only(bundles):
+    """A keyboard asks what follows the words typed: the predict graph gives (1, words) logits, the output layer
+    applied at the last real position only, and predicts what the eval graph's every-position logits say there."""
+    engine = open_engine(bundles, "portable")
+    predict, evaluate = (onnx.load(str(bundles / engine.entry[key]["model"])) for key in ("predict", "eval"))
+    words = engine.manifest.num_classes
+    assert engine.entry["predict"]["outputs"] == ["logits"]
+    dims = [d.dim_value for d in predict.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [1, words]
+    x, _ = batch(engine.manifest, 5, seed=3)
+    x[1, 1:] = text.PAD_ID  # one word typed
+    x[2, :] = text.PAD_ID  # nothing typed yet
+    one_by_one = np.concatenate([engine.logits(x[i : i + 1]) for i in range(len(x))])  # the predict graph
+    np.testing.assert_allclose(one_by_one, engine.logits(x), rtol=1e-4, atol=1e-5)  # the eval graph, 5 > up_to
+
+    def output_layer_rows(proto: onnx.ModelProto) -> list[int]:  # the rows each product giving a value per word takes
+        inferred = onnx.shape_inference.infer_shapes(proto).graph
+        shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*inferred.value_info]}
+        products = [node.output[0] for node in inferred.node if node.op_type in ("MatMul", "Gemm")]
+        return [int(np.prod(shapes[name][:-1])) for name in products if shapes.get(name, [0])[-1] == words]
+
+    steps, size = engine.manifest.input.shape[0], engine.entry["batch_size"]
+    assert (output_layer_rows(predict), output_layer_rows(evaluate)) == ([1], [size * steps])
+
+
+def test_an_output_layer_that_mixes_positions_keeps_the_eval_graphs_form():
+    """The last-position graph is kept only when it gives the eval graph's logits there: an output layer whose
+    logits at a position sum those of every position up to it cannot be applied at one position."""
+    from torch import nn
+
+    from edgepfl.export.masked import MaskedModel, StepShape
+    from edgepfl.export.portable import export_predict
+
+    class Summing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(6, 9)
+
+        def forward(self, h):
+            return self.linear(h).cumsum(1)
+
+    class Tiny(nn.Module):
+        def __init__(self, output: nn.Module):
+            super().__init__()
+            self.embedding, self.output = nn.Embedding(9, 6), output
+
+        def forward(self, ids):
+            return self.output(self.embedding(ids))
+
+    torch.manual_seed(0)
+    shape = StepShape((4,), 9, "int64", (4,))
+    forms = []
+    for output in (nn.Linear(6, 9), Summing()):
+        model = Tiny(output)
+        params = [name for name, _ in model.named_parameters()]
+        proto = export_predict(MaskedModel(model, shape), params, [])
+        forms.append([d.dim_value for d in proto.graph.output[0].type.tensor_type.shape.dim])
+    assert forms == [[1, 9], [1, 4, 9]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bundles", ["transformer_bundle", "lstm_bundle"], indirect=True)
 def test_a_next_word_step_is_the_mean_cross_entropy_over_every_non_pad_position(bundles):

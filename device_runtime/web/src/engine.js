@@ -431,8 +431,11 @@ export class Engine {
       /** @type {Float32Array} */ (bx),
       [size, ...this.sampleShape],
     );
-    feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), shape);
-    feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, shape);
+    if (batchInputs.length > 1) {
+      // a predict graph that reads the last position itself takes the inputs only (export/lastposition.py)
+      feeds[batchInputs[1]] = new this.ort.Tensor(labels.dtype, /** @type {Int32Array} */ (by), shape);
+      feeds[batchInputs[2]] = new this.ort.Tensor('float32', bw, shape);
+    }
     return { feeds, weights };
   }
 

@@ -24,9 +24,11 @@ export async function predictWith(engine, x, count, held) {
   const classes = engine.manifest.num_classes;
   const probabilities = new Float32Array(count * classes);
   for await (const { start, chunk, results } of inChunks(engine, key, graph, x, y, count, [graph.outputs[0]], held)) {
-    const logits = /** @type {Float32Array} */ (results[graph.outputs[0]].data);
+    const output = results[graph.outputs[0]];
+    const logits = /** @type {Float32Array} */ (output.data);
+    const everyPosition = output.dims.length > 2; // a predict graph reads the last position itself (export/lastposition.py)
     for (let row = 0; row < chunk; row++) {
-      const at = (row * engine.targetSize + readAt(engine, x, start + row)) * classes;
+      const at = everyPosition ? (row * engine.targetSize + readAt(engine, x, start + row)) * classes : row * classes;
       probabilities.set(softmax(logits.subarray(at, at + classes)), (start + row) * classes);
     }
   }

@@ -26,7 +26,7 @@ from edgepfl.export.textmodels import sequence_target
 from edgepfl.manifest import load_manifest
 
 LR = 0.1
-PORTABLE_BATCH = 4
+PORTABLE_BATCH = 8  # the one-phrase predict graph comes with a batch of 8 or more (export/portable.py PREDICT_SHARE)
 CORPUS = "to be or not to be\nthat is the question\nwhether tis nobler in the mind to suffer\n"
 # a person's own text: a byte-order mark, CRLF and blank lines, words the vocabulary lacks (<oov> targets, not
 # counted by the held-out accuracy), punctuation and a curly apostrophe

@@ -43,6 +43,15 @@ test('a text bundle trains on int64 token ids as Python does, and predicts the s
       `row ${row}`,
     );
   }
+  // one phrase, as the keyboard asks: the predict graph, which applies the output layer at its last word only
+  assert.equal(engine.predictGraph(1), 'predict');
+  assert.deepEqual(manifest.engines.portable.predict?.outputs, ['logits']);
+  const size = engine.sampleSize;
+  for (let row = 0; row < count; row++) {
+    const alone = await engine.predict(feeds.x.data.subarray(row * size, (row + 1) * size), 1);
+    const together = probabilities.subarray(row * classes, (row + 1) * classes);
+    assert.ok(maxAbsDiff(alone, together) <= TOLERANCE, `row ${row} alone`);
+  }
   await assert.rejects(
     engine.trainStep(new Float32Array(feeds.x.data.length), feeds.y.data, count, want.lr),
     /BigInt64Array/,
