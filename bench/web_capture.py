@@ -14,7 +14,8 @@ chromium emulating a phone (390x844, touch, CPU slowed 4 times) and reads what t
   reading changed every 100 ms); the page records windows and shows the live activity, first idle, then while a
   round of ROUND_EPOCHS epochs trains. Counted: the `devicemotion` events the page received against 60 a second
   (the gaps between them), the resampler's gaps (a window under way dropped), the windows recorded against those
-  the time allows, and the live activity's refreshes a second (target: at least 2).
+  the time allows, the live activity's refreshes a second (target: at least 2), and the page thread's long tasks
+  (over 50 ms, the Long Tasks API: how long the page's own work held its thread, whatever the machine did).
 
 Each part keeps the page's own device line (`page`: its WebAssembly threads, and whether it is cross-origin
 isolated, which threads need).
@@ -168,9 +169,14 @@ def motion_window(devtools, seconds: float, rng: np.random.Generator) -> None:
         time.sleep(0.1)
 
 
+# the devicemotion events' times, and the page thread's long tasks (over 50 ms: the browser's Long Tasks API), which
+# tell a reading the page's own work held back from one the machine's other processes did
 COUNTERS = """() => {
   window.motionStamps = [];
+  window.longTasks = [];
   addEventListener('devicemotion', (event) => motionStamps.push(event.timeStamp));
+  new PerformanceObserver((list) => longTasks.push(...list.getEntries().map((e) => e.duration)))
+    .observe({ type: 'longtask' });
 }"""
 
 
@@ -178,11 +184,12 @@ def motion_part(page, devtools, seconds: float, rng) -> dict:
     """Move for `seconds` while the page records and shows the live activity: what it received and did."""
     refreshed = lambda: int(page.get_attribute("#live-activity", "data-refreshed") or 0)  # noqa: E731
     windows = lambda: int(page.get_attribute("#recording-held", "data-records"))  # noqa: E731
-    page.evaluate("() => { motionStamps.length = 0; }")
+    page.evaluate("() => { motionStamps.length = 0; longTasks.length = 0; }")
     before = {"refreshed": refreshed(), "windows": windows(), "at": time.monotonic()}
     motion_window(devtools, seconds, rng)
     elapsed = time.monotonic() - before["at"]
     stamps = np.array(page.evaluate("motionStamps"))
+    long_tasks = np.array(page.evaluate("longTasks") or [0.0])
     gaps = np.diff(stamps) if len(stamps) > 1 else np.zeros(1)
     span = float(stamps[-1] - stamps[0]) / 1000 if len(stamps) > 1 else 0.0
     return {
@@ -194,6 +201,9 @@ def motion_part(page, devtools, seconds: float, rng) -> dict:
         "gap_ms_max": round(float(gaps.max()), 1),
         "gaps_over_50ms": int((gaps > 50).sum()),
         "gaps_over_200ms_window_dropped": int((gaps > 200).sum()),
+        "page_long_tasks": int((long_tasks > 0).sum()),
+        "page_long_task_ms_max": round(float(long_tasks.max()), 1),
+        "page_long_task_ms_total": round(float(long_tasks.sum()), 1),
         "windows_recorded": windows() - before["windows"],
         "live_refreshes_per_s": round((refreshed() - before["refreshed"]) / elapsed, 2),
         "gaps_ms": [round(float(g), 1) for g in gaps],

@@ -200,9 +200,9 @@ class ServedFleet(RuleBasedStateMachine):
         last = max(before, default=0)
         if how in ("again", "other bytes") and mine:
             round_id = mine[-1][0]
-            body = self.accepted[mine[-1]][0]
-            if how == "other bytes":
-                body = upload_body(decode_tensors(body), self.manifest, num_samples=21)
+            body, samples = self.accepted[mine[-1]]
+            if how == "other bytes":  # another sample count than the taken one's (parallel_uploads' may be 21)
+                body = upload_body(decode_tensors(body), self.manifest, num_samples=samples + 1)
         elif how == "future":
             round_id, body = last + 1 + int(self.rng.integers(0, 3)), upload_body({}, self.manifest)
         elif how == "closed":
