@@ -150,9 +150,13 @@ def test_a_hostile_masked_frame_is_refused() -> None:
         VALID["KeyBook"].replace('"clip_norm": 1.0', '"clip_norm": ' + "9" * 400),  # an int too large for a float
         VALID["KeyBook"].replace('"devices": 3', '"devices": "3"'),  # a number as text
         VALID["KeyBook"].replace('"base_size": 5', '"base_size": true'),  # a boolean as a size
+        # a config field named by a newline, which Python's TypeError printed as it is (the hour-long run of
+        # 2026-12-05, seed 2089167203): two lines of error
+        VALID["KeyBook"].replace('"clip_norm": 1.0', '"\\n": 1, "clip_norm": 1.0'),
     ],
-    ids=["unhashable-type", "deep-nesting", "infinite-plan", "huge-clip", "text-number", "bool-size"],
+    ids=["unhashable-type", "deep-nesting", "infinite-plan", "huge-clip", "text-number", "bool-size", "newline-field"],
 )
 def test_regression_hostile_messages_found_by_the_fuzz(text: str) -> None:
-    with pytest.raises(SecAggError):
+    with pytest.raises(SecAggError) as refused:
         from_json(text)
+    assert refused.value.problem and refused.value.fix and "\n" not in refused.value.problem

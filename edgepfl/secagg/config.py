@@ -23,7 +23,7 @@ smaller `bits` trades that resolution for upload bytes (b bits per value).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from edgepfl.errors import SecAggError
@@ -104,13 +104,23 @@ class SecAggConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SecAggConfig:
-        """Read what `to_dict` wrote; anything else is a SecAggError."""
+        """Read what `to_dict` wrote; anything else is a SecAggError (in one line: a field it does not know is named
+        as Python writes the string, so a sender's newline or control character is never printed as it is)."""
+        if not isinstance(data, dict):
+            raise SecAggError("secure aggregation settings are not an object", "send SecAggConfig fields")
+        unknown = sorted(repr(key) for key in set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            named = ", ".join(unknown)
+            raise SecAggError(
+                f"secure aggregation settings have fields SecAggConfig does not know: {named[:200]}",
+                "send SecAggConfig fields only",
+            )
         try:
             return cls(**data)
         except (TypeError, OverflowError) as exc:  # OverflowError: an integer too large for a float
-            raise SecAggError(
-                f"secure aggregation settings cannot be read ({exc})", "send SecAggConfig fields"
-            ) from None
+            reason = " ".join(str(exc).split())
+            problem = f"secure aggregation settings cannot be read ({reason})"
+            raise SecAggError(problem, "send SecAggConfig fields") from None
 
 
 @dataclass(frozen=True)
