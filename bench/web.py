@@ -204,7 +204,8 @@ def native_run(bundle: Path, steps: int, warmup: int) -> dict:
         x = rng.integers(0, manifest.num_classes, shape)
     else:
         x = rng.uniform(-1, 1, shape).astype(np.float32)
-    y = rng.integers(0, manifest.num_classes, engine.batch_size)
+    # one label a sample, or a next-word sample's target at every position
+    y = rng.integers(0, manifest.num_classes, (engine.batch_size, *manifest.kind.target_shape))
     result = {"threads": 1, "steps": steps, "warmup": warmup, "batchSize": engine.batch_size}
     for trainable in ("full", "personal"):
         for _ in range(warmup):

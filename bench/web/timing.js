@@ -17,7 +17,8 @@ export async function timeSteps(engine, { steps, warmup, numClasses }) {
   const draw = integer ? () => Math.floor(next() * numClasses) : () => next() * 2 - 1;
   const values = Array.from({ length: size * engine.sampleSize }, draw);
   const x = integer ? BigInt64Array.from(values, BigInt) : Float32Array.from(values);
-  const y = Int32Array.from({ length: size }, () => Math.floor(next() * numClasses));
+  // one label a sample, or a next-word sample's target at every position (engine.targetSize of them)
+  const y = Int32Array.from({ length: size * engine.targetSize }, () => Math.floor(next() * numClasses));
   const result = { batchSize: size };
   for (const set of ['full', 'personal']) {
     const first = performance.now();
