@@ -25,8 +25,8 @@ Settings (issue 6):
                  roles): a `transformer` (--width) next-word model, FedAvg and Local, then FedAlt and FedSim with the
                  input layer, the output layer (output:1) or adapters (adapters:16) personal; FedAvg followed by
                  local fine-tuning is FedAvg's "after local training" column, shown as its own row; and FedAlt
-                 with adapters at the personal learning rates of TEXT_PERSONAL_LRS (issue 53: its personal phase
-                 at the shared lr ended near chance)
+                 with each part at the personal learning rates of TEXT_PERSONAL_LRS (issue 53: with adapters its
+                 personal phase at the shared lr ended near chance)
   har            issue 38's sensor table: UCI HAPT (a client per subject, all 30), `har-cnn`, FedAvg, Local, FedPer
                  (FedSim) and FedAlt with the output layer personal
 The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
@@ -96,7 +96,7 @@ TEXT_PERSONAL = {"input": "input", "output": "output:1", "adapters16": "adapters
 # fedalt-text's data: the 10 largest roles, a 2,000-word vocabulary (FedAlt's is 10,000: two cores), 20-token windows
 TEXT_DATA = {"dataset": "shakespeare", "partition": "natural", "vocab_size": 2000, "seq_len": 20}
 FINETUNED = "fedavg+ft"  # fedalt-text's row read from FedAvg's "after local training" scores
-# issue 53's experiment: FedAlt's adapters trained in its personal phase at their own learning rate (--personal-lr)
+# issue 53's experiment: FedAlt's personal part trained in its personal phase at its own learning rate (--personal-lr)
 TEXT_PERSONAL_LRS = (0.05,)
 SCALED_MODELS = ("mobilenet", "transformer", "lstm", "har-cnn")  # the zoo models --width scales
 # FedPer's paper budget per round (issue 18): MobileNet width 1.0, 4 local epochs, batch 128, lr 0.01
@@ -179,8 +179,9 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
             for algorithm in ("fedalt", "fedsim"):
                 runs.append((f"{setting}/{part}/{algorithm}", text.updated(algorithm=algorithm, personal=spec)))
         for personal_lr in TEXT_PERSONAL_LRS:
-            adapters = text.updated(algorithm="fedalt", personal=TEXT_PERSONAL["adapters16"], personal_lr=personal_lr)
-            runs.append((f"{setting}/adapters16/fedalt-plr{personal_lr:g}", adapters))
+            for part, spec in TEXT_PERSONAL.items():
+                slower = text.updated(algorithm="fedalt", personal=spec, personal_lr=personal_lr)
+                runs.append((f"{setting}/{part}/fedalt-plr{personal_lr:g}", slower))
     elif setting == "har":
         har = base.updated(model="har-cnn", width=1.0, dataset="har", partition="natural", clients=None)
         runs += [
