@@ -21,12 +21,17 @@ Settings (issue 6):
                  mixing weights hardly move at the default 5e-3 in 30 rounds), beside its FedAvg, Local and FedRep
   pfedla-mnist   issue 18's MNIST setting: 10 clients, classes:2, 75/25 train/test, `mlp`: FedAvg, Local, FedPer
                  (K_P 1), pFedLA, HeurpFedLA (K_P 0)
-  fedalt-text    FedAlt's StackOverflow table (issue 38) on `shakespeare` (a client per speaking role, the 10 largest
-                 roles): a `transformer` (--width) next-word model, FedAvg and Local, then FedAlt and FedSim with the
-                 input layer, the output layer (output:1) or adapters (adapters:16) personal; FedAvg followed by
-                 local fine-tuning is FedAvg's "after local training" column, shown as its own row; and FedAlt
+  fedalt-text    FedAlt's StackOverflow table (issue 38) on `shakespeare` (a client per speaking role, the
+                 --clients largest roles): a `transformer` (--width) next-word model, FedAvg and Local, then FedAlt
+                 and FedSim with the input layer, the output layer (output:1) or adapters (adapters:16) personal;
+                 FedAvg followed by local fine-tuning is FedAvg's "after local training" column, shown as its own
+                 row; and FedAlt
                  with each part at the personal learning rates of TEXT_PERSONAL_LRS (issue 53: with adapters its
                  personal phase at the shared lr ended near chance)
+  fedalt-text-rare
+                 fedalt-text with a quarter of the roles drawn each round (issue 53: a role then trains its personal
+                 part as rarely as FedAlt's devices do, against the overfitting of every role in every round):
+                 FedAvg, then FedSim and FedAlt (personal lr of TEXT_PERSONAL_LRS) with each part personal
   har            issue 38's sensor table: UCI HAPT (a client per subject, all 30), `har-cnn`, FedAvg, Local, FedPer
                  (FedSim) and FedAlt with the output layer personal
 The persfl-* settings also run PersFL (issue 7): FedAvg with teacher selection, then distillation.
@@ -98,6 +103,7 @@ TEXT_DATA = {"dataset": "shakespeare", "partition": "natural", "vocab_size": 200
 FINETUNED = "fedavg+ft"  # fedalt-text's row read from FedAvg's "after local training" scores
 # issue 53's experiment: FedAlt's personal part trained in its personal phase at its own learning rate (--personal-lr)
 TEXT_PERSONAL_LRS = (0.05,)
+TEXT_RARE_FRACTION = 0.25  # fedalt-text-rare: the share of the roles drawn each round
 SCALED_MODELS = ("mobilenet", "transformer", "lstm", "har-cnn")  # the zoo models --width scales
 # FedPer's paper budget per round (issue 18): MobileNet width 1.0, 4 local epochs, batch 128, lr 0.01
 FEDPER_PAPER = {"width": 1.0, "epochs": 4, "batch_size": 128, "lr": 0.01}
@@ -181,6 +187,14 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         for personal_lr in TEXT_PERSONAL_LRS:
             for part, spec in TEXT_PERSONAL.items():
                 slower = text.updated(algorithm="fedalt", personal=spec, personal_lr=personal_lr)
+                runs.append((f"{setting}/{part}/fedalt-plr{personal_lr:g}", slower))
+    elif setting == "fedalt-text-rare":
+        rare = base.updated(model="transformer", fraction=TEXT_RARE_FRACTION, **TEXT_DATA)
+        runs.append((f"{setting}/none/fedavg", rare.updated(algorithm="fedavg")))
+        for part, spec in TEXT_PERSONAL.items():
+            runs.append((f"{setting}/{part}/fedsim", rare.updated(algorithm="fedsim", personal=spec)))
+            for personal_lr in TEXT_PERSONAL_LRS:
+                slower = rare.updated(algorithm="fedalt", personal=spec, personal_lr=personal_lr)
                 runs.append((f"{setting}/{part}/fedalt-plr{personal_lr:g}", slower))
     elif setting == "har":
         har = base.updated(model="har-cnn", width=1.0, dataset="har", partition="natural", clients=None)
@@ -318,7 +332,7 @@ def report(out: Path, figures: Path | None = None) -> str:
                 f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | "
                 f"{_p10_per_seed(per_run)} | {after} | {_pm(best)} | {'' if paper is None else paper} |"
             )
-            if setting == "fedalt-text" and algorithm == "fedavg" and all(trained):
+            if setting.startswith("fedalt-text") and algorithm == "fedavg" and all(trained):
                 # FedAvg + fine-tuning: each device's global model after its local epochs of the last round
                 tuned = [[v for v in t if v is not None] for t in trained]
                 lines.append(
@@ -530,6 +544,7 @@ def main() -> None:
             "pfedla-hn",
             "pfedla-mnist",
             "fedalt-text",
+            "fedalt-text-rare",
             "har",
         ],
     )
