@@ -25,9 +25,8 @@ Settings (issue 6):
                  --clients largest roles): a `transformer` (--width) next-word model, FedAvg and Local, then FedAlt
                  and FedSim with the input layer, the output layer (output:1) or adapters (adapters:16) personal;
                  FedAvg followed by local fine-tuning is FedAvg's "after local training" column, shown as its own
-                 row; and FedAlt
-                 with each part at the personal learning rates of TEXT_PERSONAL_LRS (issue 53: with adapters its
-                 personal phase at the shared lr ended near chance)
+                 row; and FedAlt with each part at the personal learning rates of TEXT_PERSONAL_LRS (issue 53: with
+                 adapters its personal phase at the shared lr ended near chance)
   fedalt-text-rare
                  fedalt-text with a quarter of the roles drawn each round (issue 53: a role then trains its personal
                  part as rarely as FedAlt's devices do, against the overfitting of every role in every round):
@@ -98,9 +97,10 @@ SAME_RUN = {
 PFEDLA_HN_RATES = (0.05, 0.5)
 # fedalt-text's personal parts (issue 38): FedAlt's input, output and adapter-16 rows
 TEXT_PERSONAL = {"input": "input", "output": "output:1", "adapters16": "adapters:16"}
-# fedalt-text's data: the 10 largest roles, a 2,000-word vocabulary (FedAlt's is 10,000: two cores), 20-token windows
+# fedalt-text's data: the --clients largest roles, 2,000 words (FedAlt's: 10,000; two cores), 20-token windows
 TEXT_DATA = {"dataset": "shakespeare", "partition": "natural", "vocab_size": 2000, "seq_len": 20}
-FINETUNED = "fedavg+ft"  # fedalt-text's row read from FedAvg's "after local training" scores
+FINETUNED = "fedavg+ft"  # the text settings' row read from FedAvg's "after local training" scores
+TEXT_SETTINGS = ("fedalt-text", "fedalt-text-rare")  # the settings with a FINETUNED row
 # issue 53's experiment: FedAlt's personal part trained in its personal phase at its own learning rate (--personal-lr)
 TEXT_PERSONAL_LRS = (0.05,)
 TEXT_RARE_FRACTION = 0.25  # fedalt-text-rare: the share of the roles drawn each round
@@ -184,18 +184,13 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
         for part, spec in TEXT_PERSONAL.items():
             for algorithm in ("fedalt", "fedsim"):
                 runs.append((f"{setting}/{part}/{algorithm}", text.updated(algorithm=algorithm, personal=spec)))
-        for personal_lr in TEXT_PERSONAL_LRS:
-            for part, spec in TEXT_PERSONAL.items():
-                slower = text.updated(algorithm="fedalt", personal=spec, personal_lr=personal_lr)
-                runs.append((f"{setting}/{part}/fedalt-plr{personal_lr:g}", slower))
+        runs += _personal_lr_runs(setting, text)
     elif setting == "fedalt-text-rare":
         rare = base.updated(model="transformer", fraction=TEXT_RARE_FRACTION, **TEXT_DATA)
         runs.append((f"{setting}/none/fedavg", rare.updated(algorithm="fedavg")))
         for part, spec in TEXT_PERSONAL.items():
             runs.append((f"{setting}/{part}/fedsim", rare.updated(algorithm="fedsim", personal=spec)))
-            for personal_lr in TEXT_PERSONAL_LRS:
-                slower = rare.updated(algorithm="fedalt", personal=spec, personal_lr=personal_lr)
-                runs.append((f"{setting}/{part}/fedalt-plr{personal_lr:g}", slower))
+        runs += _personal_lr_runs(setting, rare)
     elif setting == "har":
         har = base.updated(model="har-cnn", width=1.0, dataset="har", partition="natural", clients=None)
         runs += [
@@ -206,6 +201,15 @@ def plan(setting: str, base: SimulateConfig) -> list[tuple[str, SimulateConfig]]
     else:
         raise SystemExit(f"unknown setting {setting!r}")
     return runs
+
+
+def _personal_lr_runs(setting: str, text: SimulateConfig) -> list[tuple[str, SimulateConfig]]:
+    """FedAlt with each part of TEXT_PERSONAL personal, its personal phase at each of TEXT_PERSONAL_LRS (issue 53)."""
+    return [
+        (f"{setting}/{part}/fedalt-plr{lr:g}", text.updated(algorithm="fedalt", personal=spec, personal_lr=lr))
+        for lr in TEXT_PERSONAL_LRS
+        for part, spec in TEXT_PERSONAL.items()
+    ]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -332,7 +336,7 @@ def report(out: Path, figures: Path | None = None) -> str:
                 f"| {label}{same} | {kp} | {len(runs)} | {done} | {_pm(last)} | {_per_seed(per_run)} | "
                 f"{_p10_per_seed(per_run)} | {after} | {_pm(best)} | {'' if paper is None else paper} |"
             )
-            if setting.startswith("fedalt-text") and algorithm == "fedavg" and all(trained):
+            if setting in TEXT_SETTINGS and algorithm == "fedavg" and all(trained):
                 # FedAvg + fine-tuning: each device's global model after its local epochs of the last round
                 tuned = [[v for v in t if v is not None] for t in trained]
                 lines.append(
