@@ -12,7 +12,8 @@ Speed: FedAlt's StackOverflow transformer (4 layers, d 256, 4 heads, feed-forwar
 of 10,000 words + 4 specials from a synthetic corpus), batch 32, both at 2 threads: the full step (every tensor
 trains), the personal-only step of `--personal output:1` (the output layer trains, the base is frozen) and of
 `--personal adapters:16` (the adapters and the norms train, the original network is frozen). samples/s is the
-median of the timed steps; the ratio is portable ÷ torch eager (issue 38's targets: >= 1.0 full, >= 1.5 for the
+median of the timed steps, the engines timed in turns of two steps each (a drifting host slows them alike); the
+ratio is portable ÷ torch eager (issue 38's targets: >= 1.0 full, >= 1.5 for the
 adapters-only step, whose portable samples/s should be >= 3x the full step's).
 
 Network: for `output:1` and `adapters:16`, the bytes of one round's upload (the base tensors, fp32, as the wire
@@ -46,6 +47,7 @@ import numpy as np
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 BATCH, THREADS, SAMPLES = 32, 2, 256
+ROUND_STEPS = 2  # timed steps of one engine before the next engine's turn
 VOCAB_WORDS = 10_000
 OUTPUT, ADAPTERS = "output:1", "adapters:16"  # the personal parts compared
 # a small launcher runs the command: a child forked from this process (torch loaded) would count this process's
@@ -115,28 +117,34 @@ def _timed(bundle: Path, trainable: str, warmup: int, steps: int) -> dict:
     if "ort-training" in manifest.engines and training_build_installed():
         engines.insert(1, open_engine(bundle, "ort-training", threads=THREADS))
     row: dict = {}
+    trains = {engine.name: lambda engine=engine: engine.train_step(x, y, 0.0, trainable) for engine in engines}
+    if trainable == "full":
+        trains["torch_before"] = _last_position_step(torch_engine, x, y)
+    seconds = _median_steps(trains, warmup, steps)
     for engine in engines:
-        seconds = _median_step(lambda engine=engine: engine.train_step(x, y, 0.0, trainable), warmup, steps)
-        row[engine.name] = round(BATCH / seconds, 1)
-        row[f"{engine.name}_tokens_per_s"] = round(BATCH * per_sample / seconds, 1)
+        row[engine.name] = round(BATCH / seconds[engine.name], 1)
+        row[f"{engine.name}_tokens_per_s"] = round(BATCH * per_sample / seconds[engine.name], 1)
     row["portable_over_torch"] = round(row["portable"] / row["torch"], 2)
     if trainable == "full":
-        seconds = _median_step(_last_position_step(torch_engine, x, y), warmup, steps)
-        row["torch_before_tokens_per_s"] = round(BATCH / seconds, 1)  # one target a sample
+        row["torch_before_tokens_per_s"] = round(BATCH / seconds["torch_before"], 1)  # one target a sample
         row["torch_epoch_speedup"] = round(row["torch_tokens_per_s"] / row["torch_before_tokens_per_s"], 2)
     return row
 
 
-def _median_step(step, warmup: int, steps: int) -> float:
-    """The median seconds of `steps` calls of `step` after `warmup` untimed ones."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        tick = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - tick)
-    return statistics.median(times)
+def _median_steps(steps_by_name: dict, warmup: int, steps: int) -> dict[str, float]:
+    """The median seconds of `steps` calls of each step after `warmup` untimed ones, the steps taken in turns of
+    ROUND_STEPS each, so that a host whose speed drifts (other work, clock changes) slows every engine alike."""
+    for step in steps_by_name.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+    while len(next(iter(times.values()))) < steps:
+        for name, step in steps_by_name.items():
+            for _ in range(ROUND_STEPS):
+                tick = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - tick)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _last_position_step(engine, x: np.ndarray, y: np.ndarray):

@@ -1,8 +1,9 @@
 """Removes what the exporter leaves in a step graph that computes nothing: Constant nodes (made initializers), a
 Reshape or Expand to the shape its input already has, a Reshape of a Reshape, a Transpose of a Transpose, a
 Transpose that moves only axes of size 1 (a Reshape), and a matrix transposed for a product (Gemm transposes
-its operands itself). Each is one more node (a dispatch on WebGPU, a copy on every engine); onnxscript's
-optimizer keeps them where the shapes are known only after shape inference.
+its operands itself; the exporter transposes every Linear layer's weight before its Gemm). Each is one more node
+(a dispatch on WebGPU, a copy on every engine); onnxscript's optimizer keeps them where the shapes are known only
+after shape inference.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def drop_shape_copies(proto: onnx.ModelProto) -> onnx.ModelProto:
                 renamed[node.output[0]] = node.input[0]
                 continue
             _as_reshape_if_order_kept(node, shapes, constants, graph)
-        if node.op_type == "MatMul":
+        if node.op_type in ("MatMul", "Gemm"):
             _read_transposed_operands(node, producer, shapes)
         if node.op_type in SHAPE_OPS and node.output[0] not in outputs:
             before = producer.get(node.input[0])
@@ -106,18 +107,23 @@ def _as_reshape_if_order_kept(
 
 
 def _read_transposed_operands(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], shapes: dict) -> None:
-    """A product of 2-D matrices of which one is a Transpose's output as a Gemm of its input (transA/transB)."""
-    if any(len(shapes.get(name, ())) != 2 for name in node.input):
+    """A product of 2-D matrices (a MatMul or a Gemm) of which an operand is a Transpose's output as a Gemm of its
+    input, that operand's transA/transB flipped."""
+    if node.op_type == "MatMul" and any(len(shapes.get(name, ())) != 2 for name in node.input):
         return
-    flags = {}
+    flags = {a.name: a.i for a in node.attribute if a.name in ("transA", "transB")}
+    folded = False
     for position, flag in enumerate(("transA", "transB")):
         before = producer.get(node.input[position])
         if before is not None and before.op_type == "Transpose" and _permutation(before) == [1, 0]:
             node.input[position] = before.input[0]
-            flags[flag] = 1
-    if flags:
+            flags[flag] = 1 - flags.get(flag, 0)
+            folded = True
+    if folded:
         node.op_type = "Gemm"
-        node.attribute.extend(onnx.helper.make_attribute(name, value) for name, value in flags.items())
+        kept = [a for a in node.attribute if a.name not in flags]
+        del node.attribute[:]
+        node.attribute.extend([*kept, *(onnx.helper.make_attribute(name, value) for name, value in flags.items())])
 
 
 def constants_as_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,11 +1,12 @@
 """The custom ops of the step graphs as ONNX, one node each: the exporter's translation table.
 
-Each op (masked.py's BatchNorm parts, activations.positive, decompositions.plain_convolution) is one node here
+Each op (masked.py's BatchNorm parts, activations.positive, decompositions.plain_convolution, crossentropy's label
+ops) is one or two nodes here
 where PyTorch's tracing of its body would be several: one dispatch on WebGPU, one kernel on every engine."""
 
 from __future__ import annotations
 
-from edgepfl.export import decompositions, masked
+from edgepfl.export import crossentropy, decompositions, masked
 from edgepfl.export.activations import POSITIVE_SLOPE, positive
 
 
@@ -17,6 +18,8 @@ def translation_table() -> dict:
         masked.pixel_squares._opoverload: _pixel_squares,
         positive._opoverload: _positive,
         decompositions.plain_convolution._opoverload: _plain_convolution,
+        crossentropy.label_logits._opoverload: _label_logits,
+        crossentropy.add_at_labels._opoverload: _add_at_labels,
     }
 
 
@@ -53,3 +56,19 @@ def _normalize(x, scale, bias, mean, var, eps: float):  # noqa: ANN001, ANN202
     from onnxscript import opset20
 
     return opset20.BatchNormalization(x, scale, bias, mean, var, epsilon=eps, training_mode=0)
+
+
+def _label_logits(logits, labels):  # noqa: ANN001, ANN202
+    """crossentropy.label_logits as ONNX: one GatherElements on the int32 labels."""
+    from onnxscript import opset20
+
+    return opset20.GatherElements(logits, labels, axis=1)
+
+
+def _add_at_labels(values, labels, amounts):  # noqa: ANN001, ANN202
+    """crossentropy.add_at_labels as ONNX: each label's value plus its amount, written back by one ScatterElements
+    (no `reduction`, which not every back end's kernel takes)."""
+    from onnxscript import opset20
+
+    updates = opset20.Add(opset20.GatherElements(values, labels, axis=1), amounts)
+    return opset20.ScatterElements(values, labels, updates, axis=1)

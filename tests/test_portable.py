@@ -492,6 +492,7 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
         name: numpy_helper.from_array(np.array(v, np.int64), name)
         for name, v in (("wide", [4, 1, 1, 6]), ("back", [4, 6]))
     }
+    sizes["bias"] = numpy_helper.from_array(np.arange(6, dtype=np.float32), "bias")
     nodes = [
         helper.make_node("Reshape", ["x", "wide"], ["a"]),
         helper.make_node("Transpose", ["a"], ["b"], perm=[0, 2, 1, 3]),  # moves only size-1 axes: a Reshape
@@ -501,6 +502,9 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
         helper.make_node("Relu", ["e"], ["f"]),
         helper.make_node("Transpose", ["f"], ["g"], perm=[1, 0]),
         helper.make_node("MatMul", ["g", "y"], ["out"]),  # a Gemm reading f with transA
+        helper.make_node("Transpose", ["y"], ["yt"], perm=[1, 0]),
+        helper.make_node("Gemm", ["yt", "x", "bias"], ["linear"], transB=0),  # a Linear: reads y with transA
+        helper.make_node("Gemm", ["yt", "yt"], ["square"], transB=1),  # both flipped: transA 1, transB 0
         helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
         helper.make_node("Transpose", ["t"], ["t_out"], perm=[1, 0]),  # a graph output keeps a node
     ]
@@ -510,6 +514,8 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
     ]
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, [6, 5]),
+        helper.make_tensor_value_info("linear", TensorProto.FLOAT, [5, 6]),
+        helper.make_tensor_value_info("square", TensorProto.FLOAT, [5, 5]),
         helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [4, 6]),
     ]
     proto = helper.make_model(
@@ -523,13 +529,22 @@ def test_transposes_are_folded_and_the_results_stay_the_same():
     folded = drop_shape_copies(proto)
     onnx.checker.check_model(folded, full_check=True)
     # the output's two transposes compose to none: a Reshape of x to its own shape, which keeps the output's name
-    assert [n.op_type for n in folded.graph.node] == ["Relu", "Gemm", "Reshape"]
-    gemm = folded.graph.node[1]
+    assert [n.op_type for n in folded.graph.node] == ["Relu", "Gemm", "Gemm", "Gemm", "Reshape"]
+    gemm, linear, square = folded.graph.node[1:4]
     assert list(gemm.input) == ["f", "y"] and [(a.name, a.i) for a in gemm.attribute] == [("transA", 1)]
-    assert folded.graph.node[2].input[0] == "x"
+    assert list(linear.input) == ["y", "x", "bias"] and {(a.name, a.i) for a in linear.attribute} == {
+        ("transA", 1),
+        ("transB", 0),
+    }
+    assert list(square.input) == ["y", "y"] and {(a.name, a.i) for a in square.attribute} == {
+        ("transA", 1),
+        ("transB", 0),
+    }
+    assert folded.graph.node[4].input[0] == "x"
     after = ort.InferenceSession(folded.SerializeToString()).run(None, feed)
-    np.testing.assert_allclose(after[0], before[0], rtol=1e-6, atol=1e-6)
-    assert np.array_equal(after[1], before[1])
+    for ours, theirs in zip(after[:3], before[:3], strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert np.array_equal(after[3], before[3])
 
 
 def test_a_transpose_without_perm_reverses_the_axes_and_is_kept():
