@@ -463,3 +463,24 @@ def test_a_sensor_models_activities_are_named_by_its_export_never_by_its_class_c
     result = CliRunner().invoke(app, [*args, "--class-names", ",".join(names), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert load_manifest(out).class_names == tuple(names)
+
+
+def test_bench_sequence_accuracys_two_forms_score_the_same_targets():
+    """bench/sequence_accuracy.py compares one target a sample with every position on the same text: both forms must
+    hold the same targets (a line longer than a row included), so that an epoch is the same pass over the text."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from sequence_accuracy import one_target_samples
+
+    lines = ["to be or not to be", "", " ".join(f"w{i % 7}" for i in range(30)), "that is the question"]
+    vocabulary = text.Vocabulary.from_counts({w: 2 for line in lines for w in text.tokenize(line)}, 50)
+    seq_len = 8
+    before_x, before_y = one_target_samples(lines, vocabulary, seq_len)
+    after_x, after_y = text.next_word_samples(lines, vocabulary, seq_len)
+    assert before_x.shape == (len(before_y), seq_len)
+    assert sorted(before_y.tolist()) == sorted(after_y[after_y != text.PAD_ID].tolist())
+    # a window reads the seq_len tokens before its target, left-padded within its own line
+    first = text.line_ids(lines[0], vocabulary)
+    assert before_x[0].tolist() == [text.PAD_ID] * (seq_len - 1) + [text.BOS_ID] and before_y[0] == first[1]
+    assert before_x[len(first) - 2][-1] == first[-2] and before_y[len(first) - 2] == text.EOS_ID

