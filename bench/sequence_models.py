@@ -23,8 +23,12 @@ for the portable engine, which the device fetches once, plus that first base).
 Memory: the real `edgepfl device train --engine portable --epochs 1 --batch-size 32` command, a subprocess, on
 tiny generated data of the bundle's kind (256 images, a text of about 256 words, or 256 sensor windows); its peak
 RSS is the command's ru_maxrss (RUSAGE_CHILDREN of a small launcher). Every zoo model: MobileNet x0.25 and x1.0,
-cnn, mlp, resnet34, transformer, lstm, har-cnn (default sizes; bundles exported with the portable engine and no
-frozen variants, kp 0 but for the transformer's output:1).
+cnn, mlp, resnet34, transformer, lstm, har-cnn (default sizes; bundles exported with the portable engine, kp 0
+and no frozen variants, but for the transformer: the speed bundle of output:1).
+
+The speed bundles have frozen variants: from its third step on the same base a device runs a personal step's
+variant with the frozen tensors baked in (export/frozen.py), which is `portable` in the personal rows;
+`portable_plain` is the same step's plain graph.
 
 Prints JSON on stdout and writes bench/figures/sequence_models.png.
 Usage: python bench/sequence_models.py [--quick] [--out FILE.json]  (--quick: 2 warm-up and 6 timed steps, no
@@ -70,15 +74,21 @@ def corpus(folder: Path) -> Path:
 
 
 def export(
-    name: str, folder: Path, text_corpus: Path, kp: int | str, engines: tuple[str, ...] = ("portable",), **knobs
+    name: str,
+    folder: Path,
+    text_corpus: Path,
+    kp: int | str,
+    engines: tuple[str, ...] = ("portable",),
+    frozen_variants: bool = False,
+    **knobs,
 ) -> Path:
-    """A zoo model's bundle (no frozen variants); `kp`: --kp K or a --personal spec."""
+    """A zoo model's bundle; `kp`: --kp K or a --personal spec."""
     from edgepfl.export.bundle import ExportOptions, export_target, zoo_target
     from edgepfl.export.models import ModelSpec, default_spec
     from edgepfl.export.sequence_options import SEQUENCE_MODELS, TEXT_MODELS, SequenceOptions
     from edgepfl.export.textmodels import sequence_target
 
-    options = ExportOptions(engines=engines, force=True, frozen_variants=False)
+    options = ExportOptions(engines=engines, force=True, frozen_variants=frozen_variants)
     if name in SEQUENCE_MODELS:
         sequence = SequenceOptions(vocab=text_corpus) if name in TEXT_MODELS else SequenceOptions()
         target = sequence_target(name, sequence, 0)
@@ -104,30 +114,37 @@ def step_speed(bundles: dict[str, Path], warmup: int, steps: int) -> dict:
 
 def _timed(bundle: Path, trainable: str, warmup: int, steps: int) -> dict:
     from edgepfl.device_runtime.engine import open_engine, training_build_installed
+    from edgepfl.device_runtime.portable_engine import BAKE_AFTER_STEPS, PortableEngine
     from edgepfl.simulate.torch_engine import TorchEngine
 
-    portable = open_engine(bundle, "portable", threads=THREADS)
+    portable = open_engine(bundle, "portable", threads=THREADS)  # a personal step's frozen variant, as devices run
     manifest = portable.manifest
     torch_engine = TorchEngine(bundle, manifest, portable.get_tensors(), threads=THREADS)
     rng = np.random.default_rng(0)
     x = rng.integers(4, manifest.num_classes, (BATCH, *manifest.input.shape))
     y = rng.integers(4, manifest.num_classes, (BATCH, *manifest.kind.target_shape))  # no <pad>: every target trains
     per_sample = int(np.prod(manifest.kind.target_shape))
-    engines = [portable, torch_engine]
+    engines = {"portable": portable}
+    if trainable != "full":  # the plain graph beside it: what the step costs before its variant is built
+        engines["portable_plain"] = PortableEngine(bundle, manifest, threads=THREADS, bake_frozen=False)
     if "ort-training" in manifest.engines and training_build_installed():
-        engines.insert(1, open_engine(bundle, "ort-training", threads=THREADS))
-    row: dict = {}
-    trains = {engine.name: lambda engine=engine: engine.train_step(x, y, 0.0, trainable) for engine in engines}
+        engines["ort-training"] = open_engine(bundle, "ort-training", threads=THREADS)
+    engines["torch"] = torch_engine
+    trains = {label: lambda engine=engine: engine.train_step(x, y, 0.0, trainable) for label, engine in engines.items()}
     if trainable == "full":
         trains["torch_before"] = _last_position_step(torch_engine, x, y)
-    seconds = _median_steps(trains, warmup, steps)
-    for engine in engines:
-        row[engine.name] = round(BATCH / seconds[engine.name], 1)
-        row[f"{engine.name}_tokens_per_s"] = round(BATCH * per_sample / seconds[engine.name], 1)
+    # a personal step's variant is built at the step after BAKE_AFTER_STEPS: untimed
+    seconds = _median_steps(trains, max(warmup, BAKE_AFTER_STEPS + 1), steps)
+    row: dict = {}
+    for label in engines:
+        row[label] = round(BATCH / seconds[label], 1)
+        row[f"{label}_tokens_per_s"] = round(BATCH * per_sample / seconds[label], 1)
     row["portable_over_torch"] = round(row["portable"] / row["torch"], 2)
     if trainable == "full":
         row["torch_before_tokens_per_s"] = round(BATCH / seconds["torch_before"], 1)  # one target a sample
         row["torch_epoch_speedup"] = round(row["torch_tokens_per_s"] / row["torch_before_tokens_per_s"], 2)
+    else:
+        row["portable_plain_over_torch"] = round(row["portable_plain"] / row["torch"], 2)
     return row
 
 
@@ -259,7 +276,8 @@ def plot(result: dict) -> Path:
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
     steps = result["transformer_step"]
     labels = list(steps)
-    names = [name for name in ("portable", "ort-training", "torch") if f"{name}_tokens_per_s" in steps["full"]]
+    names = ("portable", "portable_plain", "ort-training", "torch")
+    names = [name for name in names if any(f"{name}_tokens_per_s" in row for row in steps.values())]
     width = 0.8 / (len(names) + 1)
     bars = [(name, f"{name}_tokens_per_s") for name in names] + [("torch, before", "torch_before_tokens_per_s")]
     for number, (name, key) in enumerate(bars):
@@ -309,7 +327,10 @@ def main() -> None:
         from edgepfl.ortbuild import training_build_installed
 
         engines = ("portable", "ort-training") if training_build_installed() else ("portable",)
-        personal = {spec: export("transformer", folder, text_corpus, spec, engines) for spec in (OUTPUT, ADAPTERS)}
+        personal = {
+            spec: export("transformer", folder, text_corpus, spec, engines, frozen_variants=True)
+            for spec in (OUTPUT, ADAPTERS)
+        }
         speed = step_speed(personal, warmup, steps)  # first: the step speeds are the benchmark's main result
         bundles = {"transformer": personal[OUTPUT]}
         for name, knobs in models:
