@@ -54,6 +54,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import paired
 
 from edgepfl.simulate.config import SimulateConfig
 from edgepfl.simulate.loop import run_simulation
@@ -101,6 +102,7 @@ TEXT_PERSONAL = {"input": "input", "output": "output:1", "adapters16": "adapters
 TEXT_DATA = {"dataset": "shakespeare", "partition": "natural", "vocab_size": 2000, "seq_len": 20}
 FINETUNED = "fedavg+ft"  # the text settings' row read from FedAvg's "after local training" scores
 TEXT_SETTINGS = ("fedalt-text", "fedalt-text-rare")  # the settings with a FINETUNED row
+PAIRED_SETTINGS = (*TEXT_SETTINGS, "har")  # held against FedAvg client by client (bench/paired.py)
 # issue 53's experiment: FedAlt's personal part trained in its personal phase at its own learning rate (--personal-lr)
 TEXT_PERSONAL_LRS = (0.05,)
 TEXT_RARE_FRACTION = 0.25  # fedalt-text-rare: the share of the roles drawn each round
@@ -353,6 +355,12 @@ def report(out: Path, figures: Path | None = None) -> str:
                 "names them).",
             ]
         lines += _at_common_round(groups, labels)
+        if setting in PAIRED_SETTINGS:
+            finetuned = FINETUNED if setting in TEXT_SETTINGS else None
+            lines += ["", *paired.table(setting, labels, groups, finetuned)]
+            path = figures / f"{setting}-paired.png" if figures is not None else None
+            if path is not None and paired.plot(setting, labels, groups, path, finetuned):
+                lines += [f"![{setting} against FedAvg]({path.as_posix()})", ""]
         kept = [(label, r) for label in labels for r in groups[label] if r.rounds and r.rounds[-1].bytes_kept]
         for label, r in kept:
             moved = r.rounds[-1].bytes_up + r.rounds[-1].bytes_down
