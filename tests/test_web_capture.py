@@ -291,6 +291,8 @@ def test_a_motion_recorder_learns_two_activities_and_names_the_one_live(chromium
         release_tasks(phone, held)  # a round trains on the windows held
         wait(page, "body[data-stage=done]")
         assert page.get_attribute("#history tr[data-round='1']", "data-upload") == "delivered", said(page)
+        # it trained in the page's own worker (remote.js), off the thread the readings come to
+        assert [w.url.rsplit("/", 1)[1] for w in page.workers].count("runtime_worker.js") == 1
         page.click("#watch")  # live: the activity of the last window, while the phone moves
         for label, activity in reversed(list(enumerate(ACTIVITIES))):
             feel(devtools, activity)

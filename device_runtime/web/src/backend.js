@@ -5,6 +5,7 @@
 
 import { EngineError } from './engine.js';
 import { softwareAdapter, softwareReason } from './gpucheck.js';
+import { remoteRuntime } from './remote.js';
 
 /** @typedef {import('./engine.js').Backend} Backend */
 /** @typedef {import('./engine.js').Placement} Placement */
@@ -58,7 +59,7 @@ export function adapterName(/** @type {AdapterInfo | undefined} */ info) {
 /**
  * The WebAssembly threads a page trains with: one unless the page is cross-origin isolated (threads need
  * SharedArrayBuffer), else its cores up to four; with `freeThread` one core fewer, so the page's own thread keeps a
- * core for the motion readings while a step runs in the proxy worker (on the 2-core emulated phone of
+ * core for the motion readings while a step runs in the engine's worker (on the 2-core emulated phone of
  * docs/web-device.md the worker's two threads took both, and 17 % of the readings did not arrive while a round trained).
  * @param {boolean} isolated crossOriginIsolated
  * @param {number} cores navigator.hardwareConcurrency (0 where the browser does not say)
@@ -71,48 +72,35 @@ export function trainingThreads(isolated, cores, freeThread) {
 }
 
 /**
- * Import the onnxruntime-web build that carries `backend` from `vendor` (a folder URL), its wasm files beside it.
- * With `freeThread`, WebAssembly graphs run in onnxruntime-web's proxy worker, off the page's thread: a step then
- * never holds up the page (a sensor bundle's motion readings come there at 60 Hz and would be lost while a step
- * ran). Without it they run on the page's thread, where a prediction between training steps comes sooner.
+ * The onnxruntime-web build that carries `backend`, from `vendor` (a folder URL), its wasm files beside it. With
+ * `ownWorker` it runs in a worker of the page's own (remote.js: a step never holds the page's thread, and a GPU step
+ * that never returns is stopped by ending the worker); else on the page's thread, where a prediction between training
+ * steps comes sooner (the keyboard's chips: docs/web-device.md).
  * @param {Backend} backend
  * @param {URL} vendor
- * @param {boolean} [freeThread]
- * @returns {Promise<import('./engine.js').Ort>}
+ * @param {boolean} [ownWorker]
+ * @returns {Promise<import('./engine.js').Ort | import('./remote.js').RemoteOrt>}
  */
-export async function loadRuntime(backend, vendor, freeThread = false) {
-  const ort = await import(new URL(RUNTIMES[backend], vendor).href);
+export async function loadRuntime(backend, vendor, ownWorker = false) {
+  const url = new URL(RUNTIMES[backend], vendor).href;
+  if (ownWorker) {
+    const worker = new Worker(new URL('./runtime_worker.js', import.meta.url), { type: 'module' });
+    return remoteRuntime(worker, url, new URL(vendor).href, () => worker.terminate());
+  }
+  const ort = await import(url);
   ort.env.wasm.wasmPaths = new URL(vendor).href;
-  if (backend !== 'wasm' || !freeThread) return ort; // the proxy worker runs WebAssembly only
-  ort.env.wasm.proxy = true;
-  return keepingBuffers(ort);
+  return ort;
 }
 
 /**
- * `ort` whose sessions are handed copies: the proxy worker takes (transfers) the buffers of a graph's bytes and of
- * a run's inputs, and the engine keeps using its own (its state, the person's samples, the bundle's graphs).
- * @param {import('./engine.js').Ort} ort
- * @returns {import('./engine.js').Ort}
+ * Whether the engine runs in a worker of the page's own: for a kind that needs the page's thread free (a sensor
+ * bundle's motion readings come there at 60 Hz) and on WebGPU, whose step that never returns only ending a worker
+ * stops.
+ * @param {Backend} backend
+ * @param {boolean} freeThread the bundle's kind needs the page's thread free (kinds.js)
  */
-export function keepingBuffers(ort) {
-  const { InferenceSession, Tensor } = ort;
-  /** @type {typeof InferenceSession.create} */
-  const create = async (/** @type {any} */ model, /** @type {any[]} */ ...rest) => {
-    const session = await InferenceSession.create(model instanceof Uint8Array ? model.slice() : model, ...rest);
-    const run = session.run.bind(session);
-    /** @type {any} */ (session).run = (/** @type {Record<string, any>} */ feeds, /** @type {any[]} */ ...more) =>
-      run(
-        Object.fromEntries(
-          Object.entries(feeds).map(([name, tensor]) => [
-            name,
-            new Tensor(tensor.type, tensor.data.slice(), tensor.dims),
-          ]),
-        ),
-        ...more,
-      );
-    return session;
-  };
-  return /** @type {any} */ ({ ...ort, InferenceSession: { create } });
+export function engineInWorker(backend, freeThread) {
+  return freeThread || backend === 'webgpu';
 }
 
 /** The page's line about the back end: where it trains, and each graph refused by the GPU with its reason. */
