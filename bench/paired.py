@@ -73,16 +73,15 @@ def table(setting: str, labels: list[str], groups: dict[str, list], finetuned: s
     if baseline is None or not rows:
         return []
     base_runs = groups[baseline]
-    base_last = [last_rounds(r) for r in base_runs]
-    base_pick = [own_pick(r) for r in base_runs]
     lines = [
         f"### {setting}: client by client, against FedAvg",
         "",
         f"Each client's mean over the last {LAST_ROUNDS} rounds, and its score at the round its own validation split "
         "picked (a device keeping the model that validated best); against FedAvg: the mean over clients of each "
-        "client's difference (averaged over the seeds), its 95 % bootstrap interval over the clients, each seed's mean "
-        "difference (the interval leaves out how much a whole run moves; the seeds show it), and the clients above and "
-        "below FedAvg (bench/paired.py). FedAvg + fine-tuning has no validation score per round, so no pick.",
+        "client's difference (averaged over the seeds both runs have), its 95 % bootstrap interval over the clients, "
+        "each seed's mean difference (the interval leaves out how much a whole run moves; the seeds show it), and the "
+        "clients above and below FedAvg (bench/paired.py). FedAvg + fine-tuning has no validation score per round, so "
+        "no pick.",
         "",
         f"| run | last {LAST_ROUNDS} rounds, mean per seed | 10th percentile per seed | against FedAvg, last "
         f"{LAST_ROUNDS} rounds | own pick, mean per seed | against FedAvg, own pick |",
@@ -92,11 +91,10 @@ def table(setting: str, labels: list[str], groups: dict[str, list], finetuned: s
         if _clients(runs) != _clients(base_runs):
             continue  # other clients (another --clients): nothing to pair
         last = [last_rounds(r, scores) for r in runs]
-        versus = "" if label == baseline else _difference(paired(last, base_last))
+        versus = "" if label == baseline else _difference(against(runs, base_runs, last_rounds, scores))
         if scores == "test_accuracy":
-            pick = [own_pick(r) for r in runs]
-            pick_cell = _seeds(pick)
-            pick_versus = "" if label == baseline else _difference(paired(pick, base_pick))
+            pick_cell = _seeds([own_pick(r) for r in runs])
+            pick_versus = "" if label == baseline else _difference(against(runs, base_runs, own_pick))
         else:
             pick_cell = pick_versus = "-"
         lines.append(
@@ -124,7 +122,7 @@ def plot(setting: str, labels: list[str], groups: dict[str, list], path: Path, f
         for y, (_, runs, scores) in enumerate(rows):
             if score is own_pick and scores != "test_accuracy":
                 continue  # no validation score per round to pick by
-            result = paired([_score(score, r, scores) for r in runs], [score(r) for r in base])
+            result = against(runs, base, score, scores)
             points = 100 * result["per_client"]
             panel.scatter(points, y + np.random.default_rng(y).uniform(-0.15, 0.15, points.size), s=9, color="#90a4ae")
             error = [[100 * (result["mean"] - result["low"])], [100 * (result["high"] - result["mean"])]]
@@ -141,8 +139,13 @@ def plot(setting: str, labels: list[str], groups: dict[str, list], path: Path, f
     return True
 
 
-def _score(score, run, scores: str) -> np.ndarray:
-    return score(run, scores) if score is last_rounds else score(run)
+def against(runs: list, base_runs: list, score, scores: str = "test_accuracy") -> dict:
+    """`paired` of the runs' per-client `score` (last_rounds or own_pick; `scores`: which of a run's scores
+    last_rounds reads) against the baseline runs', on the seeds both have."""
+    base = {r.config.seed: r for r in base_runs}
+    common = [r for r in runs if r.config.seed in base]
+    method = [score(r, scores) if score is last_rounds else score(r) for r in common]
+    return paired(method, [score(base[r.config.seed]) for r in common])
 
 
 def _rows(labels: list[str], groups: dict[str, list], finetuned: str | None) -> list[tuple[str, list, str]]:
@@ -165,9 +168,10 @@ def _baseline(setting: str, labels: list[str]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _clients(runs: list) -> list:
-    """The runs' clients by name (by position where a run does not name them), seed by seed."""
-    return [r.info.get("client_names") or len(r.rounds[-1].test_accuracy["per_client"]) for r in runs]
+def _clients(runs: list) -> set:
+    """The runs' clients by name (by their count where a run does not name them): one entry when every seed has
+    the same."""
+    return {tuple(r.info.get("client_names") or [len(r.rounds[-1].test_accuracy["per_client"])]) for r in runs}
 
 
 def _per_client(record, scores: str) -> list[float]:

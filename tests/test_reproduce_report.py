@@ -44,8 +44,9 @@ def test_common_round_is_taken_per_series_and_seed():
     assert "- s/kp2/fedper: 50.0 / 50.0" in lines  # not cut to seed 1's round 1 by the k series
 
 
-def _scored(test: list[list[float | None]], val: list[list[float]] | None = None, trained=None, names=None):
-    """A run whose round r scored test[r] (per client) held, val[r] on validation and trained[r] after training."""
+def _scored(test: list[list[float | None]], val: list[list[float]] | None = None, trained=None, names=None, seed=0):
+    """A run of `seed` whose round r scored test[r] (per client) held, val[r] on validation and trained[r] after
+    training."""
     rounds = [
         SimpleNamespace(
             test_accuracy={"per_client": t},
@@ -54,7 +55,8 @@ def _scored(test: list[list[float | None]], val: list[list[float]] | None = None
         )
         for r, t in enumerate(test)
     ]
-    return SimpleNamespace(persfl=None, rounds=rounds, info={"client_names": names or ["a", "b"]})
+    config = SimpleNamespace(seed=seed)
+    return SimpleNamespace(persfl=None, rounds=rounds, info={"client_names": names or ["a", "b"]}, config=config)
 
 
 def test_last_rounds_average_each_clients_scores_and_skip_the_rounds_it_has_none():
@@ -81,8 +83,9 @@ def test_paired_difference_averages_the_seeds_per_client_and_bounds_the_mean():
 def test_paired_table_holds_each_run_and_fine_tuning_against_fedavg_on_the_same_clients():
     rounds = paired.LAST_ROUNDS
     fedavg = _scored([[0.1, 0.2]] * rounds, trained=[[0.05, 0.1]] * rounds)
+    seed1 = _scored([[0.9, 0.9]] * rounds, trained=[[0.9, 0.9]] * rounds, seed=1)  # a seed no other run has
     groups = {
-        "t/none/fedavg": [fedavg],
+        "t/none/fedavg": [fedavg, seed1],
         "t/input/fedalt": [_scored([[0.2, 0.3]] * rounds)],
         "t/output/fedalt": [_scored([[0.2, 0.3, 0.4]] * rounds, names=["a", "b", "c"])],  # other clients: no row
         "t/none/short": [_scored([[0.2, 0.3]] * (rounds - 1))],  # fewer rounds than the mean needs: no row
@@ -91,5 +94,6 @@ def test_paired_table_holds_each_run_and_fine_tuning_against_fedavg_on_the_same_
     rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| t/")}
     assert set(rows) == {"t/none/fedavg", "t/none/fedavg+ft", "t/input/fedalt"}
     assert "+10.0 [+10.0, +10.0] (seeds +10.0), 2 above and 0 below of 2" in rows["t/input/fedalt"]
-    assert rows["t/none/fedavg+ft"].endswith("| - | - |") and "-7.5 [" in rows["t/none/fedavg+ft"]
+    assert "+10.0 [+10.0, +10.0] (seeds +10.0), 2 above" in rows["t/input/fedalt"]  # on seed 0, the one both have
+    assert rows["t/none/fedavg+ft"].endswith("| - | - |") and "(seeds -7.5 / +0.0)" in rows["t/none/fedavg+ft"]
     assert paired.table("t", ["t/input/fedalt"], groups) == []  # no FedAvg run: nothing to hold against
