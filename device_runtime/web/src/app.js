@@ -3,14 +3,7 @@
 // server refuses the token), ask the browser to keep the page's data, load the bundle's portable graphs, then
 // hand the round loop (runner.js, as device_runtime/runner.py runs it) to the page (ui.js, tryit.js).
 
-import {
-  backendLine,
-  chooseBackend,
-  engineInWorker,
-  loadRuntime,
-  requestedBackend,
-  trainingThreads,
-} from './backend.js';
+import { backendLine, chooseBackend, loadRuntime, requestedBackend, trainingThreads } from './backend.js';
 import {
   guardFirstStep,
   guardGpuSpeed,
@@ -121,8 +114,7 @@ async function takePart(
   const backend = await chooseBackend(gpu, requestedBackend(location.search), rememberedFallback(memory));
   const sample = sampleKind(manifest); // the bundle's kind of sample: whether training must leave the thread free
   const threads = trainingThreads(crossOriginIsolated, navigator.hardwareConcurrency, sample.freeThread);
-  const inWorker = engineInWorker(backend.name, sample.freeThread);
-  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url), inWorker);
+  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url), sample.freeThread);
   const placed = () => {
     showBackend(backend.name, backendLine(backend, engine.placements));
   };
@@ -132,7 +124,7 @@ async function takePart(
     // a GPU whose first step does not come: WebAssembly, saying why
     const onTooSlow = (/** @type {string} */ reason) => {
       rememberFallback(memory, reason);
-      if ('stop' in ort) ort.stop(); // the GPU's work ends with the engine's worker, the page's thread free
+      if ('stop' in ort) ort.stop(); // in the engine's own worker, the GPU's work ends with it
       location.reload();
     };
     guardFirstStep(engine, watchFirstStep({ setTimer: setTimeout, clearTimer: clearTimeout, onTooSlow }));

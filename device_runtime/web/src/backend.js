@@ -73,9 +73,12 @@ export function trainingThreads(isolated, cores, freeThread) {
 
 /**
  * The onnxruntime-web build that carries `backend`, from `vendor` (a folder URL), its wasm files beside it. With
- * `ownWorker` it runs in a worker of the page's own (remote.js: a step never holds the page's thread, and a GPU step
- * that never returns is stopped by ending the worker); else on the page's thread, where a prediction between training
- * steps comes sooner (the keyboard's chips: docs/web-device.md).
+ * `ownWorker` (a kind that needs the page's thread free: a sensor bundle's motion readings come there at 60 Hz) it
+ * runs in a worker of the page's own (remote.js: a step never holds the page's thread, and a GPU step that never
+ * returns is stopped by ending the worker); else on the page's thread, where a prediction between training steps
+ * comes sooner (the keyboard's chips: docs/web-device.md). Photo and text bundles on WebGPU stay on the page's thread
+ * too: in one clean-clone CI run of three, a WebGPU round of a photo bundle in the worker never finished on SwiftShader
+ * (docs/web-device.md#the-engines-own-worker).
  * @param {Backend} backend
  * @param {URL} vendor
  * @param {boolean} [ownWorker]
@@ -90,17 +93,6 @@ export async function loadRuntime(backend, vendor, ownWorker = false) {
   const ort = await import(url);
   ort.env.wasm.wasmPaths = new URL(vendor).href;
   return ort;
-}
-
-/**
- * Whether the engine runs in a worker of the page's own: for a kind that needs the page's thread free (a sensor
- * bundle's motion readings come there at 60 Hz) and on WebGPU, whose step that never returns only ending a worker
- * stops.
- * @param {Backend} backend
- * @param {boolean} freeThread the bundle's kind needs the page's thread free (kinds.js)
- */
-export function engineInWorker(backend, freeThread) {
-  return freeThread || backend === 'webgpu';
 }
 
 /** The page's line about the back end: where it trains, and each graph refused by the GPU with its reason. */

@@ -3,9 +3,9 @@
 // from a hardware adapter: a software one (SwiftShader, llvmpipe, lavapipe) runs on the same processor as
 // WebAssembly, slower, and under load its first round never finished. And on WebGPU chosen by `auto` the first
 // training step is timed: when it has not finished FIRST_STEP_LIMIT seconds after the GPU's first work began, the
-// page remembers why (for this browser), ends the engine's worker (on WebGPU the engine runs in a worker of the
-// page's own, remote.js, so the GPU's work stops there and the page's thread stays free to notice) and reloads on
-// WebAssembly; the page resumes after a reload (the round starts again).
+// page remembers why (for this browser), ends the engine's worker where it has one (a sensor bundle's engine runs in
+// a worker of the page's own, remote.js: its GPU work stops with it) and reloads on WebAssembly; the page resumes
+// after a reload (the round starts again).
 // A GPU that finishes its steps but trains slower than the processor is caught too: after GPU_STEPS_TIMED training
 // steps on WebGPU, the same step is timed on a WebAssembly copy of the engine (its result thrown away, so the model
 // trains on exactly the GPU's steps), and when the processor is WASM_MARGIN times faster the page remembers why and

@@ -3,14 +3,7 @@
 
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import {
-  adapterName,
-  backendLine,
-  chooseBackend,
-  engineInWorker,
-  requestedBackend,
-  trainingThreads,
-} from '../src/backend.js';
+import { adapterName, backendLine, chooseBackend, requestedBackend, trainingThreads } from '../src/backend.js';
 
 const adapter = (info) => ({ requestAdapter: async () => ({ info }) });
 
@@ -113,11 +106,4 @@ test('threads: one unless cross-origin isolated, else the cores up to four; a ki
   assert.equal(trainingThreads(true, 5, true), 4);
   assert.equal(trainingThreads(true, 1, true), 1);
   assert.equal(trainingThreads(true, 0, false), 1); // a browser that does not say its cores
-});
-
-test("the engine runs in the page's own worker on WebGPU and for a kind that needs the page free; else on its thread", () => {
-  assert.equal(engineInWorker('webgpu', false), true); // a GPU step that never returns: ending the worker stops it
-  assert.equal(engineInWorker('webgpu', true), true);
-  assert.equal(engineInWorker('wasm', true), true); // the motion readings keep coming while a round trains
-  assert.equal(engineInWorker('wasm', false), false); // the keyboard's chips come between two steps
 });
