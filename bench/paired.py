@@ -47,15 +47,15 @@ def paired(method: list[np.ndarray], baseline: list[np.ndarray], seed: int = 0) 
     clients (each client's difference averaged over its seeds), its 95 % bootstrap interval over clients, how many
     clients are above and below, and each seed's mean difference (the interval is over clients within these runs:
     how much a run as a whole moves shows between its seeds)."""
-    diff = np.nanmean(np.array(method) - np.array(baseline), axis=0)  # seeds x clients -> clients
+    by_seed = np.array(method) - np.array(baseline)  # seeds x clients
+    diff = np.nanmean(by_seed, axis=0)
     diff = diff[np.isfinite(diff)]
     rng = np.random.default_rng(seed)
     means = rng.choice(diff, size=(RESAMPLES, diff.size), replace=True).mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
-    seeds = np.nanmean(np.array(method) - np.array(baseline), axis=1)  # each seed's mean difference over clients
     return {
         "mean": float(diff.mean()),
-        "seeds": [float(v) for v in seeds],
+        "seeds": [float(v) for v in np.nanmean(by_seed, axis=1)],
         "low": float(low),
         "high": float(high),
         "above": int((diff > 0).sum()),

@@ -45,8 +45,9 @@ PRODUCTS = {
     "weight grad dYᵀ·X": lambda r, i, o: ((r, o), (r, i), 1, 0),
 }
 NODE_TIMER = """
-import * as ort from 'onnxruntime-web';
 import { readFileSync } from 'node:fs';
+import { createRequire } from 'node:module';
+const ort = createRequire(process.argv[3])('onnxruntime-web'); // resolved from device_runtime/web, its node build
 ort.env.wasm.numThreads = 1;
 const cases = JSON.parse(readFileSync(process.argv[2], 'utf8'));
 const out = {};
@@ -148,14 +149,10 @@ def main() -> None:
                     }
                 )
         (folder / "cases.json").write_text(json.dumps(cases))
-        script = WEB / ".wasm_gemm_timer.mjs"  # inside the package, so `onnxruntime-web` resolves
+        script = folder / "timer.mjs"
         script.write_text(NODE_TIMER)
-        try:
-            done = subprocess.run(
-                ["node", str(script), str(folder / "cases.json")], capture_output=True, text=True, check=True
-            )
-        finally:
-            script.unlink()
+        command = ["node", str(script), str(folder / "cases.json"), str(WEB / "package.json")]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
         wasm = json.loads(done.stdout.strip().splitlines()[-1])
     for row in rows:
         row["wasm_s"] = wasm[row["case"]]

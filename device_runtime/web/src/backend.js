@@ -86,12 +86,13 @@ export function trainingThreads(isolated, cores, freeThread) {
  */
 export async function loadRuntime(backend, vendor, ownWorker = false) {
   const url = new URL(RUNTIMES[backend], vendor).href;
+  const wasmPaths = new URL(vendor).href;
   if (ownWorker) {
     const worker = new Worker(new URL('./runtime_worker.js', import.meta.url), { type: 'module' });
-    return remoteRuntime(worker, url, new URL(vendor).href, () => worker.terminate());
+    return remoteRuntime(worker, url, wasmPaths, () => worker.terminate());
   }
   const ort = await import(url);
-  ort.env.wasm.wasmPaths = new URL(vendor).href;
+  ort.env.wasm.wasmPaths = wasmPaths;
   return ort;
 }
 

@@ -7,7 +7,7 @@
 /** @typedef {import('./remote.js').Wire} Wire */
 /** @typedef {import('onnxruntime-web').Tensor} OrtTensor */
 /** @typedef {import('onnxruntime-web').InferenceSession} Session */
-/** What a worker serves: a worker's scope or a MessagePort. @typedef {{postMessage: (message: any) => void, onmessage: ((event: MessageEvent) => any) | null}} Port */
+/** What a worker serves: a worker's scope or a MessagePort (remote.js's end of it, seen from the other side). @typedef {import('./remote.js').Port} Port */
 
 /**
  * Answer the page's requests on `port`: {id, op, ...arguments} gets {id, result} or {id, error}. `load(url)` imports
