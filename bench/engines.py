@@ -147,7 +147,7 @@ def host() -> dict:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    cpu, flags = platform.processor() or platform.machine(), set()
+    cpu, flags, generation = platform.processor() or platform.machine(), set(), {}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
@@ -156,6 +156,8 @@ def host() -> dict:
                 cpu = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
+            elif key.strip() in ("cpu family", "model"):  # "AMD EPYC" alone does not say which generation
+                generation.setdefault(key.strip(), value.strip())
     libraries = {}
     for package in ("torch", "onnxruntime", "onnxruntime-training-cpu"):
         try:
@@ -164,6 +166,7 @@ def host() -> dict:
             continue
     return {
         "cpu": cpu,
+        **({"cpu_family_model": f"{generation['cpu family']}/{generation['model']}"} if len(generation) == 2 else {}),
         "vector": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine(),
         "cores": os.cpu_count(),
         **libraries,

@@ -49,6 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engines import host  # noqa: E402
+
 FIGURES = Path(__file__).resolve().parent / "figures"
 BATCH, THREADS, SAMPLES = 32, 2, 256
 ROUND_STEPS = 2  # timed steps of one engine before the next engine's turn
@@ -340,6 +343,7 @@ def main() -> None:
             print(f"exported {name} {knobs} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         result = {
             "transformer": "FedAlt StackOverflow: 4 layers, d 256, 4 heads, ff 1024, seq 20, vocab 10004",
+            "host": host(),
             "batch": BATCH,
             "threads": THREADS,
             "timed_steps": steps,
