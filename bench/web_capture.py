@@ -41,6 +41,9 @@ import numpy as np
 from edgepfl.server.launch import LocalServer
 from edgepfl.server.web import CHROMIUM, CHROMIUM_ARGS, PHONE_CONTEXT, PHONE_CPU_SLOWDOWN
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engines import host  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "bench-join-secret-0123456789abcdef"
 SENTENCE = "the page keeps what you write on this phone and learns your words "
@@ -170,13 +173,18 @@ def motion_window(devtools, seconds: float, rng: np.random.Generator) -> None:
 
 
 # the devicemotion events' times, and the page thread's long tasks (over 50 ms: the browser's Long Tasks API), which
-# tell a reading the page's own work held back from one the machine's other processes did
+# tell a reading the page's own work held back from one the machine's other processes did; and what the page was
+# doing when (its status line, on the events' clock), which tells a gap at a round's start or end from one in its steps
 COUNTERS = """() => {
   window.motionStamps = [];
   window.longTasks = [];
+  window.statusChanges = [[performance.now(), document.querySelector('#status').textContent]];
   addEventListener('devicemotion', (event) => motionStamps.push(event.timeStamp));
   new PerformanceObserver((list) => longTasks.push(...list.getEntries().map((e) => e.duration)))
     .observe({ type: 'longtask' });
+  const status = document.querySelector('#status');
+  new MutationObserver(() => statusChanges.push([performance.now(), status.textContent]))
+    .observe(status, { childList: true, characterData: true, subtree: true });
 }"""
 
 
@@ -184,7 +192,7 @@ def motion_part(page, devtools, seconds: float, rng) -> dict:
     """Move for `seconds` while the page records and shows the live activity: what it received and did."""
     refreshed = lambda: int(page.get_attribute("#live-activity", "data-refreshed") or 0)  # noqa: E731
     windows = lambda: int(page.get_attribute("#recording-held", "data-records"))  # noqa: E731
-    page.evaluate("() => { motionStamps.length = 0; longTasks.length = 0; }")
+    page.evaluate("() => { motionStamps.length = 0; longTasks.length = 0; }")  # statusChanges kept: the status then
     before = {"refreshed": refreshed(), "windows": windows(), "at": time.monotonic()}
     motion_window(devtools, seconds, rng)
     elapsed = time.monotonic() - before["at"]
@@ -206,12 +214,25 @@ def motion_part(page, devtools, seconds: float, rng) -> dict:
         "page_long_task_ms_total": round(float(long_tasks.sum()), 1),
         "windows_recorded": windows() - before["windows"],
         "live_refreshes_per_s": round((refreshed() - before["refreshed"]) / elapsed, 2),
+        "gaps_over_50ms_by_status": _gaps_by_status(stamps, gaps, page.evaluate("statusChanges")),
         "gaps_ms": [round(float(g), 1) for g in gaps],
     }
 
 
-def motion_run(folder: Path) -> dict:
-    """Readings, windows and live refreshes, idle and while a round trains."""
+def _gaps_by_status(stamps: np.ndarray, gaps: np.ndarray, changes: list) -> dict[str, int]:
+    """The gaps over 50 ms counted by the page's status line when each began ("Round 3: fitting…" and so on)."""
+    counted: dict[str, int] = {}
+    times = [at for at, _ in changes]
+    for begun, gap in zip(stamps[:-1], gaps):
+        if gap > 50:
+            status = changes[max(0, int(np.searchsorted(times, begun, side="right")) - 1)][1]
+            label = " ".join(status.split()[:6])  # a round's lines differ by their numbers and progress only
+            counted[label] = counted.get(label, 0) + 1
+    return counted
+
+
+def motion_run(folder: Path, epochs: int = ROUND_EPOCHS) -> dict:
+    """Readings, windows and live refreshes, idle and while a round of `epochs` epochs trains."""
     from playwright.sync_api import sync_playwright
 
     from edgepfl.datasets.har import HAR_ACTIVITIES, HAR_CHANNELS, HAR_WINDOW
@@ -230,7 +251,7 @@ def motion_run(folder: Path) -> dict:
     windows = folder / "windows.csv"
     windows.write_text("\n".join(rows) + "\n")
     (folder / "secret").write_text(SECRET)
-    serve = ("--min-clients", "1", "--rounds", "1", "--epochs", str(ROUND_EPOCHS), "--batch-size", "8")
+    serve = ("--min-clients", "1", "--rounds", "1", "--epochs", str(epochs), "--batch-size", "8")
     serve += ("--poll-interval", "0.3", "--enroll-secret-file", str(folder / "secret"))
     with LocalServer(bundle, folder / "sensor-state", *serve, log=folder / "sensor-server.log") as server:
         with sync_playwright() as playwright:
@@ -291,15 +312,22 @@ def main() -> None:
     default = ROOT / "docs" / "measurements" / f"web-capture-{today}.json"
     parser.add_argument("--out", type=Path, default=default, help="where the JSON goes")
     parser.add_argument("--only", choices=("keyboard", "motion"), help="one part only (no plot)")
+    parser.add_argument(
+        "--round-epochs",
+        type=int,
+        default=ROUND_EPOCHS,
+        help=f"the motion part's round (default {ROUND_EPOCHS}: more on a fast host, so that the round outlasts "
+        "the readings taken while it trains)",
+    )
     args = parser.parse_args()
     if not CHROMIUM.exists():
         sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        report = {"date": today, "cpu_slowdown": PHONE_CPU_SLOWDOWN, "cpus": os.cpu_count()}
+        report = {"date": today, "host": host(), "cpu_slowdown": PHONE_CPU_SLOWDOWN, "cpus": os.cpu_count()}
         parts = (args.only,) if args.only else ("keyboard", "motion")
         for part in parts:
-            report[part] = {"keyboard": keyboard_run, "motion": motion_run}[part](folder)
+            report[part] = keyboard_run(folder) if part == "keyboard" else motion_run(folder, args.round_epochs)
         report["load_average"] = round(os.getloadavg()[0], 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
