@@ -15,6 +15,7 @@ import {
 } from './gpucheck.js';
 import { fetchContract } from './contract.js';
 import { openEngine, personalSpec, portableFiles } from './engine.js';
+import { rebuildable } from './rebuild.js';
 import { DeviceError, StartOver } from './errors.js';
 import { sampleKind } from './kinds.js';
 import { ApiClient, Refusal } from './protocol.js';
@@ -114,24 +115,38 @@ async function takePart(
   const backend = await chooseBackend(gpu, requestedBackend(location.search), rememberedFallback(memory));
   const sample = sampleKind(manifest); // the bundle's kind of sample: whether training must leave the thread free
   const threads = trainingThreads(crossOriginIsolated, navigator.hardwareConcurrency, sample.freeThread);
-  const ort = await loadRuntime(backend.name, new URL('./vendor/', import.meta.url), sample.freeThread);
+  const vendor = new URL('./vendor/', import.meta.url);
+  const ort = await loadRuntime(backend.name, vendor, sample.freeThread);
+  /** @type {import('./backend.js').Choice} */
+  let shown = backend;
   const placed = () => {
-    showBackend(backend.name, backendLine(backend, engine.placements));
+    showBackend(shown.name, backendLine(shown, engine.placements));
   };
-  const engine = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: placed });
+  const opened = await openEngine(ort, manifest, files, { threads, backend: backend.name, onPlacement: placed });
+  // in its own worker, an engine whose first GPU step does not come is rebuilt on WebAssembly in place (rebuild.js)
+  const { engine, rebuild } = 'stop' in ort ? rebuildable(opened) : { engine: opened, rebuild: () => false };
   placed();
   if (backend.name === 'webgpu' && !backend.forced) {
     // a GPU whose first step does not come: WebAssembly, saying why
     const onTooSlow = (/** @type {string} */ reason) => {
       rememberFallback(memory, reason);
-      if ('stop' in ort) ort.stop(); // in the engine's own worker, the GPU's work ends with it
-      location.reload();
+      const inPlace = rebuild(async () => {
+        if ('stop' in ort) ort.stop(); // the GPU's work ends with the worker; what it failed is made again on the new
+        const wasm = await loadRuntime('wasm', vendor, true);
+        return openEngine(wasm, manifest, files, { threads, backend: 'wasm', onPlacement: placed });
+      });
+      if (!inPlace) {
+        location.reload();
+        return;
+      }
+      shown = { name: 'wasm', reason };
+      placed();
     };
     guardFirstStep(engine, watchFirstStep({ setTimer: setTimeout, clearTimer: clearTimeout, onTooSlow }));
     // a GPU that steps, but slower than the processor: one step of the same graph on a wasm copy, compared
     const now = () => performance.now() / 1000;
     const wasmSeconds = async (/** @type {Parameters<typeof engine.trainStep>} */ args) =>
-      wasmStepSeconds(engine, await openEngine(ort, manifest, files, { threads, backend: 'wasm' }), args, now);
+      wasmStepSeconds(engine, await openEngine(engine.ort, manifest, files, { threads, backend: 'wasm' }), args, now);
     guardGpuSpeed(engine, { now, wasmSeconds, onSlower: onTooSlow });
   }
   if (saved.tensors) engine.setTensors(saved.tensors.tensors);
@@ -160,7 +175,7 @@ async function takePart(
     return { trained, lastCompletedRound: last, description };
   };
   const inferenceGraph = () => bundleFile(store, client, manifest, INFERENCE_GRAPH, keep);
-  const tryIt = setUpTryIt({ ort, engine, contract, inferenceGraph, info, kind });
+  const tryIt = setUpTryIt({ engine, contract, inferenceGraph, info, kind });
   setUpReset(store, () => ({
     examples: examples.count(),
     one: examples.words.sample ?? examples.words.one,

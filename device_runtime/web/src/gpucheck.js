@@ -3,13 +3,14 @@
 // from a hardware adapter: a software one (SwiftShader, llvmpipe, lavapipe) runs on the same processor as
 // WebAssembly, slower, and under load its first round never finished. And on WebGPU chosen by `auto` the first
 // training step is timed: when it has not finished FIRST_STEP_LIMIT seconds after the GPU's first work began, the
-// page remembers why (for this browser), ends the engine's worker where it has one (a sensor bundle's engine runs in
-// a worker of the page's own, remote.js: its GPU work stops with it) and reloads on WebAssembly; the page resumes
-// after a reload (the round starts again).
+// page remembers why (for this browser) and trains on WebAssembly. Where the engine runs in a worker of the page's own
+// (a sensor bundle's, remote.js) the worker is ended, which stops its GPU work, and the engine is rebuilt on
+// WebAssembly in place (rebuild.js): the round goes on, and a recording under way with it. Elsewhere the page
+// reloads on WebAssembly and resumes (the round starts again).
 // A GPU that finishes its steps but trains slower than the processor is caught too: after GPU_STEPS_TIMED training
 // steps on WebGPU, the same step is timed on a WebAssembly copy of the engine (its result thrown away, so the model
 // trains on exactly the GPU's steps), and when the processor is WASM_MARGIN times faster the page remembers why and
-// reloads on WebAssembly, as above.
+// reloads on WebAssembly (steps have been trained by then, which a rebuild in place would have to carry over).
 // `?backend=webgpu` forces the GPU all the same, software or slow.
 
 /** @typedef {import('./engine.js').Engine} Engine */

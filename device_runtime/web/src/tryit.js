@@ -23,15 +23,14 @@ const PROBES = 8; // inputs on which the written file must give the engine's ans
  * live activity), and "Save the model as a file". `modelChanged` takes a new snapshot of the model the device keeps
  * (after a round is saved); `describeModel` says again which model it is.
  * @param {object} parts
- * @param {typeof import('onnxruntime-web')} parts.ort
- * @param {Engine} parts.engine
+ * @param {Engine} parts.engine the engine, whose runtime checks the model file too
  * @param {Contract} parts.contract
  * @param {() => Promise<Uint8Array>} parts.inferenceGraph the bundle's model.onnx
  * @param {() => DeviceModelInfo} parts.info which model the device keeps
  * @param {KindPage} parts.kind the bundle's kind of sample on the page (its examples check the file)
  * @returns {{modelChanged: () => void, describeModel: () => void}}
  */
-export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, kind }) {
+export function setUpTryIt({ engine, contract, inferenceGraph, info, kind }) {
   const manifest = engine.manifest;
   let held = engine.snapshot(); // a promise of the tensors held now (read back from the GPU, if there)
   /** @type {Promise<unknown>} one prediction or file at a time */
@@ -59,7 +58,7 @@ export function setUpTryIt({ ort, engine, contract, inferenceGraph, info, kind }
       const tensors = await engine.getTensors(engine.stateNames, await held);
       const file = deviceModelFile(await inferenceGraph(), tensors, manifest, contract.model_file, device);
       const probe = kind.examples.probe(PROBES) || noise(engine);
-      await checkModelFile(ort, file, engine, probe.x, probe.count, contract.model_file, await held);
+      await checkModelFile(engine.ort, file, engine, probe.x, probe.count, contract.model_file, await held);
       const link = $('model-link', HTMLAnchorElement);
       if (link.href.startsWith('blob:')) URL.revokeObjectURL(link.href);
       link.href = URL.createObjectURL(
