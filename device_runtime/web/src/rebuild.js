@@ -64,7 +64,10 @@ export function rebuildable(engine) {
         const value = Reflect.get(current, key, current);
         return typeof value === 'function' ? value.bind(current) : value;
       },
-      set(_, key, value) {
+      set(_, key, value, receiver) {
+        // an object made on top of the front (Object.create) gets its own property, as it would from any prototype
+        if (receiver !== front)
+          return Reflect.defineProperty(receiver, key, { value, writable: true, enumerable: true, configurable: true });
         own[/** @type {string} */ (key)] = value; // a guard put on the front wraps the front's own method
         return true;
       },

@@ -169,6 +169,18 @@ test('a rebuild gives the new engine the kept calls first, then what waited for 
   assert.equal(engine.ort, 'new');
 });
 
+test("an object made on top of the front (the runner's yielding engine) overrides a method for itself alone", async () => {
+  const calls = [];
+  const { engine } = rebuildable(/** @type {any} */ (recording('old', calls).engine));
+  const yielding = Object.create(engine);
+  yielding.trainStep = async () => 2 * (await engine.trainStep());
+  assert.equal(await yielding.trainStep(), 3);
+  assert.equal(await engine.trainStep(), 1.5);
+  engine.evaluate = async () => 'guarded'; // a guard put on the front itself
+  assert.equal(await engine.evaluate(), 'guarded');
+  assert.equal(await yielding.evaluate(), 'guarded');
+});
+
 test('a rebuild that fails is the error of every call that waited for it', async () => {
   const calls = [];
   const old = recording('old', calls, { hang: true });
