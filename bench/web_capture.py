@@ -12,7 +12,7 @@ chromium emulating a phone (390x844, touch, CPU slowed 4 times) and reads what t
 - motion: UCI HAPT's har-cnn as `edgepfl export` makes it (6 channels, 128-reading windows at 50 Hz, 6 activities),
   given a CSV of windows so that it takes part at once; Chromium's sensor emulation sends the phone's motion (a
   reading changed every 100 ms); the page records windows and shows the live activity, first idle, then while a
-  round of ROUND_EPOCHS epochs trains. Counted: the `devicemotion` events the page received against 60 a second
+  round of 30 epochs trains. Counted: the `devicemotion` events the page received against 60 a second
   (the gaps between them), the resampler's gaps (a window under way dropped), the windows recorded against those
   the time allows, the live activity's refreshes a second (target: at least 2), and the page thread's long tasks
   (over 50 ms, the Long Tasks API: how long the page's own work held its thread, whatever the machine did).
@@ -49,7 +49,8 @@ SECRET = "bench-join-secret-0123456789abcdef"
 SENTENCE = "the page keeps what you write on this phone and learns your words "
 KEY_DELAY_MS = 120  # a quick typist: about 8 keys a second
 TARGET_SUGGEST_MS, TARGET_LIVE_PER_S, EVENTS_PER_S = 50.0, 2.0, 60.0
-IDLE_SECONDS, ROUND_EPOCHS = 12.0, 30
+IDLE_SECONDS = 12.0
+ROUND_EPOCHS = {"keyboard": 3, "motion": 30}  # each part's round; --round-epochs N: N for both
 STARTING_WINDOWS = 20  # a CSV's windows, so that the page takes part in rounds at once
 
 
@@ -114,8 +115,8 @@ def latency_summary(keys: list[dict]) -> dict:
     }
 
 
-def keyboard_run(folder: Path) -> dict:
-    """Suggestions after each keystroke, idle and while a round trains."""
+def keyboard_run(folder: Path, epochs: int = ROUND_EPOCHS["keyboard"]) -> dict:
+    """Suggestions after each keystroke, idle and while a round of `epochs` epochs trains."""
     from playwright.sync_api import sync_playwright
 
     from edgepfl.export.bundle import ExportOptions, export_target
@@ -136,7 +137,8 @@ def keyboard_run(folder: Path) -> dict:
     notes = folder / "notes.txt"
     notes.write_text("\n".join(corpus.read_text(encoding="utf-8").splitlines()[:400]), encoding="utf-8")
     (folder / "secret").write_text(SECRET)
-    options = ("--min-clients", "1", "--rounds", "1", "--epochs", "3", "--batch-size", "16", "--poll-interval", "0.3")
+    options = ("--min-clients", "1", "--rounds", "1", "--epochs", str(epochs), "--batch-size", "16")
+    options += ("--poll-interval", "0.3")
     options += ("--enroll-secret-file", str(folder / "secret"))
     with LocalServer(bundle, folder / "text-state", *options, log=folder / "text-server.log") as server:
         with sync_playwright() as playwright:
@@ -231,7 +233,7 @@ def _gaps_by_status(stamps: np.ndarray, gaps: np.ndarray, changes: list) -> dict
     return counted
 
 
-def motion_run(folder: Path, epochs: int = ROUND_EPOCHS) -> dict:
+def motion_run(folder: Path, epochs: int = ROUND_EPOCHS["motion"]) -> dict:
     """Readings, windows and live refreshes, idle and while a round of `epochs` epochs trains."""
     from playwright.sync_api import sync_playwright
 
@@ -315,9 +317,8 @@ def main() -> None:
     parser.add_argument(
         "--round-epochs",
         type=int,
-        default=ROUND_EPOCHS,
-        help=f"the motion part's round (default {ROUND_EPOCHS}: more on a fast host, so that the round outlasts "
-        "the readings taken while it trains)",
+        help=f"each part's round (default {ROUND_EPOCHS}; more on a fast host, so that the round outlasts the "
+        "keys typed and the readings taken while it trains)",
     )
     args = parser.parse_args()
     if not CHROMIUM.exists():
@@ -327,7 +328,8 @@ def main() -> None:
         report = {"date": today, "host": host(), "cpu_slowdown": PHONE_CPU_SLOWDOWN, "cpus": os.cpu_count()}
         parts = (args.only,) if args.only else ("keyboard", "motion")
         for part in parts:
-            report[part] = keyboard_run(folder) if part == "keyboard" else motion_run(folder, args.round_epochs)
+            run = keyboard_run if part == "keyboard" else motion_run
+            report[part] = run(folder, args.round_epochs or ROUND_EPOCHS[part])
         report["load_average"] = round(os.getloadavg()[0], 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
