@@ -123,9 +123,7 @@ def _timed(bundle: Path, trainable: str, warmup: int, steps: int) -> dict:
     portable = open_engine(bundle, "portable", threads=THREADS)  # a personal step's frozen variant, as devices run
     manifest = portable.manifest
     torch_engine = TorchEngine(bundle, manifest, portable.get_tensors(), threads=THREADS)
-    rng = np.random.default_rng(0)
-    x = rng.integers(4, manifest.num_classes, (BATCH, *manifest.input.shape))
-    y = rng.integers(4, manifest.num_classes, (BATCH, *manifest.kind.target_shape))  # no <pad>: every target trains
+    x, y = step_batch(manifest)
     per_sample = int(np.prod(manifest.kind.target_shape))
     engines = {"portable": portable}
     if trainable != "full":  # the plain graph beside it: what the step costs before its variant is built
@@ -149,6 +147,13 @@ def _timed(bundle: Path, trainable: str, warmup: int, steps: int) -> dict:
     else:
         row["portable_plain_over_torch"] = round(row["portable_plain"] / row["torch"], 2)
     return row
+
+
+def step_batch(manifest) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded batch of BATCH sequences and their targets, no <pad> among them: every target trains."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(4, manifest.num_classes, (BATCH, *manifest.input.shape))
+    return x, rng.integers(4, manifest.num_classes, (BATCH, *manifest.kind.target_shape))
 
 
 def _median_steps(steps_by_name: dict, warmup: int, steps: int) -> dict[str, float]:

@@ -102,17 +102,11 @@ def _last_session(engine):
     return baked[-1] if baked else next(iter(engine._sessions.values()))
 
 
-def profiled_torch(bundle: Path, trainable: str, x, y, warmup: int) -> dict:
-    """The torch eager step under torch's profiler: its products (self CPU time and FLOPs) per step."""
+def profiled_torch(engine, trainable: str, x, y) -> dict:
+    """The torch eager step under torch's profiler, on an engine already warmed up: its products (self CPU time
+    and FLOPs) per step."""
     import torch
 
-    from edgepfl.device_runtime.engine import open_engine
-    from edgepfl.simulate.torch_engine import TorchEngine
-
-    portable = open_engine(bundle, "portable", threads=sequence.THREADS)
-    engine = TorchEngine(bundle, portable.manifest, portable.get_tensors(), threads=sequence.THREADS)
-    for _ in range(warmup):
-        engine.train_step(x, y, 0.0, trainable)
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True) as profile:
         for _ in range(PROFILED):
@@ -133,9 +127,7 @@ def step_row(bundle: Path, trainable: str, warmup: int, steps: int, folder: Path
     portable = open_engine(bundle, "portable", threads=sequence.THREADS)
     manifest = portable.manifest
     torch_engine = TorchEngine(bundle, manifest, portable.get_tensors(), threads=sequence.THREADS)
-    rng = np.random.default_rng(0)
-    x = rng.integers(4, manifest.num_classes, (sequence.BATCH, *manifest.input.shape))
-    y = rng.integers(4, manifest.num_classes, (sequence.BATCH, *manifest.kind.target_shape))
+    x, y = sequence.step_batch(manifest)
     trains = {
         "portable": lambda: portable.train_step(x, y, 0.0, trainable),
         "torch": lambda: torch_engine.train_step(x, y, 0.0, trainable),
@@ -143,7 +135,7 @@ def step_row(bundle: Path, trainable: str, warmup: int, steps: int, folder: Path
     seconds = sequence._median_steps(trains, warmup, steps)
     engines = {
         "portable": profiled_portable(bundle, trainable, x, y, warmup, folder),
-        "torch": profiled_torch(bundle, trainable, x, y, warmup),
+        "torch": profiled_torch(torch_engine, trainable, x, y),  # warmed up by the timing (lr 0: unchanged)
     }
     for name, engine in engines.items():
         engine["step_ms"] = round(seconds[name] * 1e3, 2)

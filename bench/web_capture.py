@@ -115,7 +115,7 @@ def latency_summary(keys: list[dict]) -> dict:
     }
 
 
-def keyboard_run(folder: Path, epochs: int = ROUND_EPOCHS["keyboard"]) -> dict:
+def keyboard_run(folder: Path, epochs: int) -> dict:
     """Suggestions after each keystroke, idle and while a round of `epochs` epochs trains."""
     from playwright.sync_api import sync_playwright
 
@@ -233,7 +233,7 @@ def _gaps_by_status(stamps: np.ndarray, gaps: np.ndarray, changes: list) -> dict
     return counted
 
 
-def motion_run(folder: Path, epochs: int = ROUND_EPOCHS["motion"]) -> dict:
+def motion_run(folder: Path, epochs: int) -> dict:
     """Readings, windows and live refreshes, idle and while a round of `epochs` epochs trains."""
     from playwright.sync_api import sync_playwright
 

@@ -6,7 +6,7 @@
 // nothing is kept and a rebuild is refused (the page reloads, as it does for a GPU slower than the processor).
 
 /** @typedef {import('./engine.js').Engine} Engine */
-/** A call that changed the engine's state, as it was made. @typedef {{method: 'setTensors' | 'statisticsStep' | 'trainStep', args: any[]}} Kept */
+/** A call that changed the engine's state, as it was made. @typedef {{method: 'setTensors' | 'statisticsStep', args: any[]}} Kept */
 
 const GRAPH_CALLS = /** @type {const} */ ([
   'trainStep',
@@ -47,8 +47,9 @@ export function rebuildable(engine) {
         if (current === called) throw err; // failed on the engine it has now: not the rebuild's doing
         result = await /** @type {any} */ (current)[method](...args);
       }
-      if (kept && (method === 'statisticsStep' || method === 'trainStep')) kept.push({ method, args });
-      if (method === 'trainStep') kept = null; // the first step is done: from here a rebuild would lose training
+      // once the first step is done a rebuild would lose training: nothing more is kept
+      if (method === 'trainStep') kept = null;
+      else if (kept && method === 'statisticsStep') kept.push({ method, args });
       return result;
     };
   /** @type {Record<string, any>} */
